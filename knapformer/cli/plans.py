@@ -1,0 +1,110 @@
+"""``knapformer validate``, ``show`` and ``schema``: check and print plan files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from knapformer.cli.errors import UserError
+from knapformer.plan import RoutingPlan
+from knapformer.plan_io import PlanFormatError, PlanRecord, read_plans, select_step
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(validate)
+    app.command()(show)
+    app.command()(schema)
+
+
+def validate(
+    files: list[Path] = typer.Argument(..., help="plan files: JSON, JSONL or legacy JSON"),
+) -> None:
+    """Check plan files; print one line per problem as file:line: message (exit 1 if any)."""
+    console = Console(highlight=False)
+    bad = 0
+    for path in files:
+        result = read_plans(path, on_error="skip")
+        for problem in result.problems:
+            print(problem)
+        bad += len(result.problems)
+        if not result.problems:
+            console.print(f"{path}: {len(result.records)} plan(s) OK")
+    if bad:
+        raise typer.Exit(1)
+
+
+def show(
+    file: Path = typer.Argument(..., help="plan file (JSON, JSONL or legacy JSON)"),
+    step: int | None = typer.Option(None, help="step to show (default: the last plan)"),
+) -> None:
+    """Print a plan as a table per GPU: bag, tokens and load before/after, and its figures."""
+    result = read_plans(file, on_error="skip")
+    try:
+        record = select_step(result, step)
+    except PlanFormatError as err:
+        detail = f" ({result.problems[0]})" if result.problems and not result.records else ""
+        raise UserError(f"{file}: {err}{detail}") from err
+    Console(highlight=False, width=max(Console().width, 110)).print(
+        plan_table(record), plan_summary(record.plan)
+    )
+    for problem in result.problems:
+        print(f"skipped {problem}")
+
+
+def schema() -> None:
+    """Print the JSON Schema of a routing plan."""
+    print(json.dumps(RoutingPlan.model_json_schema(), indent=2))
+
+
+def bag_label(bag_id: int, size: int) -> str:
+    return f"bag {bag_id} · {size} GPU{'s' if size != 1 else ''}"
+
+
+def plan_table(record: PlanRecord) -> Table:
+    plan = record.plan
+    st = plan.stats
+    step = "" if plan.step is None else f" step {plan.step}"
+    title = f"{plan.run or 'plan'}{step} · {plan.topology} · solver {plan.solver}"
+    table = Table(title=title, title_justify="left")
+    table.add_column("GPU", justify="right")
+    table.add_column("bag", no_wrap=True)
+    for name in ("seqs", "tokens before", "tokens after", "load before", "load after"):
+        table.add_column(name, justify="right")
+    seqs_per_gpu = {g: 0 for g in plan.gpus}
+    for g in plan.sequences.src_gpu.tolist():
+        seqs_per_gpu[g] += 1
+    pos = {g: i for i, g in enumerate(plan.gpus)}
+    for bag_id, members in enumerate(plan.bags):
+        for k, g in enumerate(members):
+            i = pos[g]
+            table.add_row(
+                str(g),
+                bag_label(bag_id, len(members)) if k == 0 else "",
+                str(seqs_per_gpu[g]),
+                f"{st.tokens_before[i]:,}",
+                f"{st.tokens_after[i]:,}",
+                f"{st.load_before[i]:.4g}",
+                f"{st.load_after[i]:.4g}",
+                end_section=k == len(members) - 1,
+            )
+    return table
+
+
+def plan_summary(plan: RoutingPlan) -> str:
+    st = plan.stats
+    plan_ms = plan.measurements.plan_ms if plan.measurements else None
+    lines = [
+        f"imbalance max/mean: {st.imbalance_before:.3f} → {st.imbalance_after:.3f}   "
+        f"max/min: {st.max_min_before:.3f} → {st.max_min_after:.3f}",
+        f"makespan: {st.makespan_before:.4g} → {st.makespan_after:.4g}   lower bound "
+        f"{st.lower_bound:.4g} (makespan/LB {st.makespan_over_lb:.4f})   modelled speedup "
+        f"{st.speedup:.2f}×",
+        f"moved tokens: {st.moved_tokens:,} of {st.total_tokens:,} ({st.moved_fraction:.1%})"
+        f"   sequences {len(plan.sequences):,}   chunks {len(plan.chunks):,}"
+        + (f"   planned in {plan_ms:.2f} ms" if plan_ms is not None else ""),
+    ]
+    return "\n".join(lines)

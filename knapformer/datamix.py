@@ -1,0 +1,95 @@
+"""Synthetic data mixes (DESIGN.md): data codes ``gGbBiIfFsS`` and the named mixes.
+
+``gGbBiIfFsS``: G GPUs, each holding B samples of I px with F frames; S=0 keeps F
+latent frames, S=1 (video) compresses to max(int(F / 3.4), 1). A latent frame has
+floor(I / 16)^2 visual tokens; each GPU's batch scales its visual tokens by one aspect
+multiplier drawn from [0.96, 1.04]; each sample adds a text prompt of 0..392 tokens.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+MIXES = {
+    "lowres": "g32b32i256f1s0",
+    "mixres": "g16b4i256f1s0,g4b5i512f1s0,g4b5i1024f1s0,g8b1i2048f1s0",
+    "joint": (
+        "g8b4i256f1s0,g2b5i512f1s0,g2b5i1024f1s0,g4b1i2048f1s0,g1b10i256f4s0,"
+        "g3b1i512f4s0,g8b2i256f85s1,g4b1i512f85s1"
+    ),
+}
+MAX_TEXT_TOKENS = 392
+_CODE = re.compile(r"g(\d+)b(\d+)i(\d+)f(\d+)s([01])")
+
+
+@dataclass(frozen=True)
+class DataCode:
+    gpus: int
+    batch: int
+    resolution: int
+    frames: int
+    video: bool
+
+    @classmethod
+    def parse(cls, text: str) -> DataCode:
+        match = _CODE.fullmatch(text.strip())
+        if match is None:
+            raise ValueError(
+                f"data code {text!r} is not of the form gGbBiIfFsS (e.g. 'g8b4i256f1s0')"
+            )
+        g, b, i, f, s = (int(x) for x in match.groups())
+        if min(g, b, i, f) <= 0:
+            raise ValueError(f"data code {text!r} has a zero GPU, batch, resolution or frame count")
+        return cls(g, b, i, f, bool(s))
+
+    @property
+    def latent_frames(self) -> int:
+        return max(int(self.frames / 3.4), 1) if self.video else self.frames
+
+    @property
+    def visual_tokens(self) -> int:
+        return self.latent_frames * (self.resolution // 16) ** 2
+
+    def __str__(self) -> str:
+        return f"g{self.gpus}b{self.batch}i{self.resolution}f{self.frames}s{int(self.video)}"
+
+
+def parse_mix(text: str) -> list[DataCode]:
+    """A mix name (``joint``) or comma-separated data codes."""
+    text = MIXES.get(text.strip(), text)
+    codes = [DataCode.parse(part) for part in text.split(",") if part.strip()]
+    if not codes:
+        raise ValueError(f"data mix {text!r} holds no data codes")
+    return codes
+
+
+def mix_gpus(codes: Sequence[DataCode]) -> int:
+    return sum(c.gpus for c in codes)
+
+
+def scale_mix(codes: Sequence[DataCode], gpu_factor: int) -> list[DataCode]:
+    """The same mix on ``gpu_factor`` times as many GPUs (every code's G multiplied)."""
+    return [DataCode(c.gpus * gpu_factor, c.batch, c.resolution, c.frames, c.video) for c in codes]
+
+
+def sample_lengths(
+    codes: Sequence[DataCode], rng: np.random.Generator, length_scale: float = 1.0
+) -> list[np.ndarray]:
+    """Sequence lengths for one step, one int64 array per GPU (codes' GPUs in order).
+
+    ``length_scale`` shrinks every length (for laptop-sized demos); lengths stay >= 1.
+    """
+    out = []
+    for code in codes:
+        aspect = rng.uniform(0.96, 1.04, size=code.gpus)
+        text = rng.integers(0, MAX_TEXT_TOKENS + 1, size=(code.gpus, code.batch))
+        visual = np.floor(code.visual_tokens * aspect).astype(np.int64)[:, None]
+        lengths = visual + text
+        if length_scale != 1.0:
+            lengths = np.maximum(np.rint(lengths * length_scale), 1).astype(np.int64)
+        out.extend(lengths)
+    return out

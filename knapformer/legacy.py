@@ -1,0 +1,180 @@
+"""Import and export the original research code's routing-plan summary.
+
+The research code's ``get_routing_plan_summary()`` returns dicts keyed by integer ids;
+saved with ``json.dump`` the keys become strings. It carries no topology string, token
+dimension or gamma: the topology is inferred from the bag sizes and the rest is marked
+unknown (``None`` / solver ``"unknown"``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import numpy as np
+
+from knapformer.plan import RoutingPlan
+
+LEGACY_KEYS = (
+    "balance_gpu_ids",
+    "bag_id2gpu_ids",
+    "gpu_id2bag_id",
+    "seq_id2seq_len",
+    "seq_id2seq_workload",
+    "gpu_id2seq_ids",
+    "gpu_id2seq_lens",
+    "gpu_id2seq_workloads",
+    "gpu_id2chunk_ids",
+    "gpu_id2chunk_lens",
+    "balance_chunk_id2gpu_id",
+    "balance_chunk_id2chunk_len",
+    "chunk_id2seq_id",
+)
+_REQUIRED = (
+    "balance_gpu_ids",
+    "bag_id2gpu_ids",
+    "seq_id2seq_len",
+    "gpu_id2seq_ids",
+    "gpu_id2chunk_ids",
+    "balance_chunk_id2gpu_id",
+    "balance_chunk_id2chunk_len",
+    "chunk_id2seq_id",
+)
+
+
+def is_legacy(record: Any) -> bool:
+    return isinstance(record, dict) and "balance_gpu_ids" in record and "topology" not in record
+
+
+def _int_keyed(mapping: dict, name: str) -> dict[int, Any]:
+    if not isinstance(mapping, dict):
+        raise ValueError(f"legacy plan: {name} must be an object keyed by id")
+    try:
+        return {int(k): v for k, v in mapping.items()}
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"legacy plan: {name} has a key that is not an integer id") from err
+
+
+def topology_from_bags(bags: list[list[int]]) -> str:
+    counts = Counter(len(b) for b in bags)
+    return "+".join(f"g{size}n{counts[size]}" for size in sorted(counts))
+
+
+def plan_from_legacy(summary: dict) -> RoutingPlan:
+    """Build (and validate) a `RoutingPlan` from a legacy summary dict."""
+    missing = [k for k in _REQUIRED if k not in summary]
+    if missing:
+        raise ValueError(f"legacy plan is missing key(s): {', '.join(missing)}")
+    gpus = [int(g) for g in summary["balance_gpu_ids"]]
+    bag_map = _int_keyed(summary["bag_id2gpu_ids"], "bag_id2gpu_ids")
+    bags = [[int(g) for g in bag_map[b]] for b in sorted(bag_map)]
+    seq_len = _int_keyed(summary["seq_id2seq_len"], "seq_id2seq_len")
+    seq_work = _int_keyed(summary.get("seq_id2seq_workload", {}), "seq_id2seq_workload")
+    gpu_seqs = _int_keyed(summary["gpu_id2seq_ids"], "gpu_id2seq_ids")
+    gpu_chunks = _int_keyed(summary["gpu_id2chunk_ids"], "gpu_id2chunk_ids")
+    chunk_dst = _int_keyed(summary["balance_chunk_id2gpu_id"], "balance_chunk_id2gpu_id")
+    chunk_len = _int_keyed(summary["balance_chunk_id2chunk_len"], "balance_chunk_id2chunk_len")
+    chunk_seq = _int_keyed(summary["chunk_id2seq_id"], "chunk_id2seq_id")
+
+    # Sequences in order of their source GPU (gpus order), then their order there.
+    old_seq_ids, seq_src = [], []
+    for gpu in gpus:
+        for sid in gpu_seqs.get(gpu, []):
+            old_seq_ids.append(int(sid))
+            seq_src.append(gpu)
+    seq_index = {sid: i for i, sid in enumerate(old_seq_ids)}
+    for sid in seq_len:
+        if sid not in seq_index:
+            raise ValueError(f"legacy plan: sequence {sid} is on no GPU in gpu_id2seq_ids")
+
+    old_chunk_ids, chunk_src = [], []
+    for gpu in gpus:
+        for cid in gpu_chunks.get(gpu, []):
+            old_chunk_ids.append(int(cid))
+            chunk_src.append(gpu)
+    try:
+        c_seq = [seq_index[int(chunk_seq[c])] for c in old_chunk_ids]
+        c_len = [int(chunk_len[c]) for c in old_chunk_ids]
+        c_dst = [int(chunk_dst[c]) for c in old_chunk_ids]
+    except KeyError as err:
+        raise ValueError(f"legacy plan: chunk or sequence id {err.args[0]} is not described") from err
+    # A sequence's chunks have consecutive ids and tile it in id order.
+    order = np.argsort(np.asarray(old_chunk_ids, dtype=np.int64), kind="stable")
+    offsets = np.zeros(len(old_chunk_ids), dtype=np.int64)
+    running: dict[int, int] = {}
+    for i in order.tolist():
+        s = c_seq[i]
+        offsets[i] = running.get(s, 0)
+        running[s] = offsets[i] + c_len[i]
+
+    bag_of_gpu = {g: b for b, members in enumerate(bags) for g in members}
+    seq_bag = [-1] * len(old_seq_ids)
+    for s, dst in zip(c_seq, c_dst, strict=True):
+        seq_bag[s] = bag_of_gpu.get(dst, -1)
+    for i, sid in enumerate(old_seq_ids):
+        if seq_bag[i] < 0:  # a zero-length sequence has no chunk: keep it at home
+            seq_bag[i] = bag_of_gpu.get(seq_src[i], 0)
+
+    return RoutingPlan.model_validate(
+        {
+            "topology": topology_from_bags(bags),
+            "gpus": gpus,
+            "bags": bags,
+            "token_dim": None,
+            "gamma": None,
+            "solver": "unknown",
+            "sequences": {
+                "src_gpu": seq_src,
+                "length": [int(seq_len[s]) for s in old_seq_ids],
+                "workload": [float(seq_work.get(s, 0.0)) for s in old_seq_ids],
+                "bag": seq_bag,
+            },
+            "chunks": {
+                "seq": c_seq,
+                "src_gpu": chunk_src,
+                "dst_gpu": c_dst,
+                "offset": offsets.tolist(),
+                "length": c_len,
+            },
+        }
+    )
+
+
+def plan_to_legacy(plan: RoutingPlan) -> dict:
+    """The legacy summary of a plan, with string keys as ``json.dump`` would leave them."""
+    seqs, chunks = plan.sequences, plan.chunks
+    bag_of_gpu = {g: b for b, members in enumerate(plan.bags) for g in members}
+    out: dict[str, Any] = {
+        "balance_gpu_ids": list(plan.gpus),
+        "bag_id2gpu_ids": {str(b): list(m) for b, m in enumerate(plan.bags)},
+        "gpu_id2bag_id": {str(g): bag_of_gpu[g] for g in plan.gpus},
+        "seq_id2seq_len": {str(i): int(x) for i, x in enumerate(seqs.length)},
+        "seq_id2seq_workload": {str(i): float(x) for i, x in enumerate(seqs.workload)},
+    }
+    by_gpu_seq: dict[str, list] = {str(g): [] for g in plan.gpus}
+    for i, g in enumerate(seqs.src_gpu.tolist()):
+        by_gpu_seq[str(g)].append(i)
+    out["gpu_id2seq_ids"] = by_gpu_seq
+    out["gpu_id2seq_lens"] = {g: [int(seqs.length[i]) for i in ids] for g, ids in by_gpu_seq.items()}
+    out["gpu_id2seq_workloads"] = {
+        g: [float(seqs.workload[i]) for i in ids] for g, ids in by_gpu_seq.items()
+    }
+    # Legacy chunk ids: consecutive per sequence, in offset order.
+    order = np.lexsort((chunks.offset, chunks.seq))
+    new_id = np.empty(len(order), dtype=np.int64)
+    new_id[order] = np.arange(len(order))
+    by_gpu_chunk: dict[str, list] = {str(g): [] for g in plan.gpus}
+    for c in order.tolist():
+        by_gpu_chunk[str(int(chunks.src_gpu[c]))].append(int(new_id[c]))
+    out["gpu_id2chunk_ids"] = by_gpu_chunk
+    out["gpu_id2chunk_lens"] = {
+        g: [int(chunks.length[order[c]]) for c in ids] for g, ids in by_gpu_chunk.items()
+    }
+    out["balance_chunk_id2gpu_id"] = {
+        str(int(new_id[c])): int(chunks.dst_gpu[c]) for c in range(len(order))
+    }
+    out["balance_chunk_id2chunk_len"] = {
+        str(int(new_id[c])): int(chunks.length[c]) for c in range(len(order))
+    }
+    out["chunk_id2seq_id"] = {str(int(new_id[c])): int(chunks.seq[c]) for c in range(len(order))}
+    return out

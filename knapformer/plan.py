@@ -1,0 +1,326 @@
+"""`RoutingPlan`: the typed, validated contract between the balancer and every reader.
+
+Tables are stored as columns (numpy arrays) rather than one object per row: a plan of a
+1024-GPU job holds ~30,000 sequences and more chunks, and one is made every step. In
+JSON the columns are plain arrays. Sequence id = index in ``sequences``; chunk id =
+index in ``chunks``; bag id = index in ``bags``.
+
+The training hot path builds plans with ``RoutingPlan.build`` (no validation); readers
+call ``RoutingPlan.model_validate`` / ``model_validate_json``, which check every
+invariant in DESIGN.md and name the offending ids when one is broken.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+import numpy as np
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    PrivateAttr,
+    WithJsonSchema,
+    model_validator,
+)
+
+if TYPE_CHECKING:
+    from knapformer.stats import PlanStats
+
+SCHEMA_VERSION = 1
+_MAX_IDS_IN_MESSAGE = 5
+
+
+def _as_column(kind: str):
+    def convert(value: Any) -> np.ndarray:
+        arr = np.asarray(value)
+        if arr.ndim != 1:
+            if arr.size == 0:
+                arr = arr.reshape(0)
+            else:
+                raise ValueError(f"expected a flat array of {kind}s, got shape {arr.shape}")
+        if arr.size == 0:
+            return np.zeros(0, dtype=np.int64 if kind == "integer" else np.float64)
+        if kind == "integer":
+            if arr.dtype.kind not in "iu":
+                raise ValueError(f"expected an array of integers, got {arr.dtype} values")
+            return arr.astype(np.int64, copy=False)
+        if arr.dtype.kind not in "iuf":
+            raise ValueError(f"expected an array of numbers, got {arr.dtype} values")
+        return arr.astype(np.float64, copy=False)
+
+    return convert
+
+
+def _to_list(arr: np.ndarray) -> list:
+    return np.asarray(arr).tolist()
+
+
+IntColumn = Annotated[
+    np.ndarray,
+    BeforeValidator(_as_column("integer")),
+    PlainSerializer(_to_list),
+    WithJsonSchema({"type": "array", "items": {"type": "integer"}}),
+]
+FloatColumn = Annotated[
+    np.ndarray,
+    BeforeValidator(_as_column("number")),
+    PlainSerializer(_to_list),
+    WithJsonSchema({"type": "array", "items": {"type": "number"}}),
+]
+
+
+def _ids(mask_or_ids: np.ndarray) -> str:
+    """Format offending ids for a message: ``3, 7, 9 (and 12 more)``."""
+    ids = np.flatnonzero(mask_or_ids) if mask_or_ids.dtype == bool else mask_or_ids
+    ids = np.unique(ids)
+    shown = ", ".join(str(int(i)) for i in ids[:_MAX_IDS_IN_MESSAGE])
+    more = len(ids) - _MAX_IDS_IN_MESSAGE
+    return shown + (f" (and {more} more)" if more > 0 else "")
+
+
+class _Columns(BaseModel):
+    model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
+
+    def __len__(self) -> int:
+        first = next(iter(type(self).model_fields))
+        return len(getattr(self, first))
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        return all(
+            np.array_equal(getattr(self, name), getattr(other, name))
+            for name in type(self).model_fields
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+    @model_validator(mode="after")
+    def _same_length(self):
+        lengths = {name: len(getattr(self, name)) for name in type(self).model_fields}
+        if len(set(lengths.values())) > 1:
+            raise ValueError(f"{type(self).__name__.lower()} columns differ in length: {lengths}")
+        return self
+
+
+class Sequences(_Columns):
+    """One row per sequence; sequence id = row index."""
+
+    src_gpu: IntColumn = Field(description="GPU rank that holds the sequence before routing")
+    length: IntColumn = Field(description="tokens")
+    workload: FloatColumn = Field(description="modelled cost (see WorkloadModel)")
+    bag: IntColumn = Field(description="bag id the sequence is assigned to")
+
+
+class Chunks(_Columns):
+    """One row per chunk; chunk id = row index."""
+
+    seq: IntColumn = Field(description="sequence id")
+    src_gpu: IntColumn = Field(description="GPU rank the chunk starts on")
+    dst_gpu: IntColumn = Field(description="GPU rank the chunk is routed to")
+    offset: IntColumn = Field(description="first token of the chunk within its sequence")
+    length: IntColumn = Field(description="tokens")
+
+
+class Measurements(BaseModel):
+    """Measured times of the step. ``per_rank_ms[phase][i]`` is for GPU ``gpus[i]``."""
+
+    model_config = ConfigDict(extra="allow")
+
+    plan_ms: float | None = Field(None, description="time to plan this step (ms)")
+    per_rank_ms: dict[str, list[float]] = Field(
+        default_factory=dict,
+        description="phase name (e.g. route, forward_backward, step) -> ms per GPU of `gpus`",
+    )
+
+
+class RoutingPlan(BaseModel):
+    """Where every token chunk of one training step goes. See DESIGN.md."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+    step: int | None = None
+    time: float | None = Field(None, description="wall-clock time (unix seconds)")
+    run: str | None = None
+    topology: str
+    gpus: list[int] = Field(description="ranks of the balance group, in order")
+    bags: list[list[int]] = Field(description="GPU ranks of each bag; bag id = index")
+    token_dim: int | None = None
+    gamma: float | None = None
+    solver: str
+    solver_options: dict[str, Any] = Field(default_factory=dict)
+    sequences: Sequences
+    chunks: Chunks
+    measurements: Measurements | None = None
+
+    _stats: PlanStats | None = PrivateAttr(default=None)
+
+    # ------------------------------------------------------------------ building
+    @classmethod
+    def build(cls, **fields: Any) -> RoutingPlan:
+        """Construct without validation (hot path). Columns may be numpy arrays."""
+        fields["sequences"] = Sequences.model_construct(**fields["sequences"])
+        fields["chunks"] = Chunks.model_construct(**fields["chunks"])
+        fields.setdefault("schema_version", SCHEMA_VERSION)
+        fields.setdefault("solver_options", {})
+        for name in ("step", "time", "run", "token_dim", "gamma", "measurements"):
+            fields.setdefault(name, None)
+        return cls.model_construct(**fields)
+
+    @classmethod
+    def from_legacy(cls, summary: dict) -> RoutingPlan:
+        """Import the original research code's ``get_routing_plan_summary()`` dict."""
+        from knapformer.legacy import plan_from_legacy
+
+        return plan_from_legacy(summary)
+
+    def validated(self) -> RoutingPlan:
+        """A validated copy (raises ``ValidationError`` naming the ids when broken)."""
+        return type(self).model_validate(self.model_dump())
+
+    # ----------------------------------------------------------------- derived
+    @property
+    def stats(self) -> PlanStats:
+        """Derived loads, imbalance, traffic, lower bound (computed once, cached)."""
+        if self._stats is None:
+            from knapformer.stats import compute_stats
+
+            self._stats = compute_stats(self)
+        return self._stats
+
+    @property
+    def num_gpus(self) -> int:
+        return len(self.gpus)
+
+    def to_json_line(self) -> str:
+        return self.model_dump_json()
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, RoutingPlan):
+            return NotImplemented
+        return json.loads(self.model_dump_json()) == json.loads(other.model_dump_json())
+
+    __hash__ = None  # type: ignore[assignment]
+
+    # -------------------------------------------------------------- invariants
+    @model_validator(mode="after")
+    def _check_invariants(self) -> RoutingPlan:
+        for problem in _invariant_problems(self):
+            raise ValueError(problem)
+        return self
+
+
+def _invariant_problems(plan: RoutingPlan):
+    """Yield the first broken invariant as a message naming the ids (checked in order)."""
+    gpus = np.asarray(plan.gpus, dtype=np.int64)
+    if len(gpus) == 0:
+        yield "gpus is empty: a plan needs at least one GPU"
+        return
+    uniq, counts = np.unique(gpus, return_counts=True)
+    if (counts > 1).any():
+        yield f"gpus lists GPU(s) {_ids(uniq[counts > 1])} more than once"
+        return
+    bag_members = np.concatenate([np.asarray(b, dtype=np.int64) for b in plan.bags] or [[]])
+    empty = [i for i, b in enumerate(plan.bags) if len(b) == 0]
+    if empty:
+        yield f"bag(s) {_ids(np.asarray(empty))} have no GPUs"
+        return
+    foreign = ~np.isin(bag_members, gpus)
+    if foreign.any():
+        yield f"bags hold GPU(s) {_ids(bag_members[foreign])} that are not in gpus"
+        return
+    members, member_counts = np.unique(bag_members, return_counts=True)
+    if (member_counts > 1).any():
+        yield f"GPU(s) {_ids(members[member_counts > 1])} belong to more than one bag"
+        return
+    missing = ~np.isin(gpus, bag_members)
+    if missing.any():
+        yield f"GPU(s) {_ids(gpus[missing])} belong to no bag"
+        return
+
+    seqs, chunks = plan.sequences, plan.chunks
+    n_seq, n_bags = len(seqs), len(plan.bags)
+    bad = ~np.isin(seqs.src_gpu, gpus)
+    if bad.any():
+        yield f"sequence(s) {_ids(bad)} have a source GPU outside gpus"
+        return
+    if (seqs.length < 0).any():
+        yield f"sequence(s) {_ids(seqs.length < 0)} have a negative length"
+        return
+    bad = ~np.isfinite(seqs.workload) | (seqs.workload < 0)
+    if bad.any():
+        yield f"sequence(s) {_ids(bad)} have a workload that is negative or not finite"
+        return
+    bad = (seqs.bag < 0) | (seqs.bag >= n_bags)
+    if bad.any():
+        yield f"sequence(s) {_ids(bad)} are assigned to a bag id outside 0..{n_bags - 1}"
+        return
+
+    bad = (chunks.seq < 0) | (chunks.seq >= n_seq)
+    if bad.any():
+        yield f"chunk(s) {_ids(bad)} name a sequence id outside 0..{n_seq - 1}"
+        return
+    if (chunks.length < 0).any() or (chunks.offset < 0).any():
+        yield f"chunk(s) {_ids((chunks.length < 0) | (chunks.offset < 0))} have a negative length or offset"
+        return
+    bad = ~np.isin(chunks.src_gpu, gpus) | ~np.isin(chunks.dst_gpu, gpus)
+    if bad.any():
+        yield f"chunk(s) {_ids(bad)} have a source or destination GPU outside gpus"
+        return
+    bad = chunks.src_gpu != seqs.src_gpu[chunks.seq]
+    if bad.any():
+        yield f"chunk(s) {_ids(bad)} start on a GPU other than their sequence's source GPU"
+        return
+
+    bag_of_gpu = np.full(int(max(gpus.max(), bag_members.max())) + 1, -1, dtype=np.int64)
+    for bag_id, members_of_bag in enumerate(plan.bags):
+        bag_of_gpu[members_of_bag] = bag_id
+    bad = bag_of_gpu[chunks.dst_gpu] != seqs.bag[chunks.seq]
+    if bad.any():
+        yield (
+            f"chunk(s) {_ids(bad)} go to a GPU outside their sequence's bag "
+            f"(sequence(s) {_ids(chunks.seq[bad])})"
+        )
+        return
+    pair = chunks.seq * (int(bag_of_gpu.size) + 1) + chunks.dst_gpu
+    uniq_pair, first, pair_counts = np.unique(pair, return_index=True, return_counts=True)
+    if (pair_counts > 1).any():
+        dup_seq = chunks.seq[first[pair_counts > 1]]
+        yield f"sequence(s) {_ids(dup_seq)} send more than one chunk to the same GPU"
+        return
+
+    # Tiling: sorted by (seq, offset), each chunk starts where the previous one ended.
+    order = np.lexsort((chunks.offset, chunks.seq))
+    s, off, ln = chunks.seq[order], chunks.offset[order], chunks.length[order]
+    first_of_seq = np.ones(len(s), dtype=bool)
+    first_of_seq[1:] = s[1:] != s[:-1]
+    expected = np.where(first_of_seq, 0, np.concatenate([[0], off[:-1] + ln[:-1]]))
+    bad = off != expected
+    if bad.any():
+        yield (
+            f"sequence(s) {_ids(s[bad])} have chunks that do not tile them: chunk(s) "
+            f"{_ids(order[bad])} leave a gap or overlap"
+        )
+        return
+    covered = np.bincount(chunks.seq, weights=chunks.length, minlength=n_seq)
+    bad = covered.astype(np.int64) != seqs.length
+    if bad.any():
+        yield (
+            f"sequence(s) {_ids(bad)} are not covered exactly by their chunks "
+            "(chunk lengths do not sum to the sequence length)"
+        )
+        return
+
+    if plan.measurements is not None:
+        for phase, values in plan.measurements.per_rank_ms.items():
+            if len(values) != len(gpus):
+                yield (
+                    f"measurements.per_rank_ms[{phase!r}] has {len(values)} values for "
+                    f"{len(gpus)} GPUs"
+                )
+                return

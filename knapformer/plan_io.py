@@ -1,0 +1,177 @@
+"""Reading and writing plan files: JSON (one plan, ours or legacy, or a list) and JSONL.
+
+Readers report problems as ``path:line: message`` and either skip the bad record or
+raise, as the caller chooses. Nothing here knows about files growing live; the
+dashboard's tailer builds on ``parse_plan_line``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import ValidationError
+
+from knapformer.legacy import is_legacy, plan_from_legacy
+from knapformer.plan import SCHEMA_VERSION, RoutingPlan
+
+
+class PlanFormatError(ValueError):
+    """A record that is not a valid plan; ``str()`` is a one-line reason."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    path: str
+    line: int | None
+    message: str
+
+    def __str__(self) -> str:
+        where = f"{self.path}:{self.line}" if self.line is not None else self.path
+        return f"{where}: {self.message}"
+
+
+@dataclass(frozen=True)
+class PlanRecord:
+    plan: RoutingPlan
+    line: int  # 1-based line of the record in its file (1 for a whole-file JSON)
+
+
+@dataclass
+class ReadResult:
+    records: list[PlanRecord] = field(default_factory=list)
+    problems: list[Problem] = field(default_factory=list)
+
+    @property
+    def plans(self) -> list[RoutingPlan]:
+        return [r.plan for r in self.records]
+
+
+def describe_validation_error(err: ValidationError) -> str:
+    """One line: each error as ``field.path: message``."""
+    parts = []
+    for e in err.errors(include_url=False):
+        loc = ".".join(str(x) for x in e["loc"])
+        msg = str(e["msg"]).removeprefix("Value error, ")
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    return "; ".join(parts)
+
+
+def parse_plan_record(record: Any) -> RoutingPlan:
+    """Validate one decoded JSON record (ours or legacy) into a `RoutingPlan`."""
+    if not isinstance(record, dict):
+        raise PlanFormatError(f"expected a JSON object, got {type(record).__name__}")
+    try:
+        if is_legacy(record):
+            return plan_from_legacy(record)
+        version = record.get("schema_version", SCHEMA_VERSION)
+        if version != SCHEMA_VERSION:
+            raise PlanFormatError(
+                f"schema_version {version!r} is not supported (this reader understands "
+                f"{SCHEMA_VERSION})"
+            )
+        return RoutingPlan.model_validate(record)
+    except ValidationError as err:
+        raise PlanFormatError(describe_validation_error(err)) from err
+    except PlanFormatError:
+        raise
+    except ValueError as err:
+        raise PlanFormatError(str(err)) from err
+
+
+def parse_plan_line(text: str) -> RoutingPlan:
+    """Parse one JSONL line."""
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise PlanFormatError(f"not valid JSON ({err.msg} at column {err.colno})") from err
+    return parse_plan_record(record)
+
+
+def read_plans(
+    path: str | os.PathLike, on_error: Literal["skip", "raise"] = "skip"
+) -> ReadResult:
+    """Read every plan of a file. ``on_error="raise"`` raises `PlanFormatError` on the first
+    bad record (message ``path:line: reason``); ``"skip"`` collects it in ``problems``."""
+    path = Path(path)
+    result = ReadResult()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        problem = Problem(str(path), None, f"cannot read: {getattr(err, 'strerror', None) or err}")
+        if on_error == "raise":
+            raise PlanFormatError(str(problem)) from err
+        result.problems.append(problem)
+        return result
+
+    def fail(line: int | None, message: str) -> None:
+        problem = Problem(str(path), line, message)
+        if on_error == "raise":
+            raise PlanFormatError(str(problem))
+        result.problems.append(problem)
+
+    if not text.strip():
+        fail(None, "file is empty")
+        return result
+    whole = None
+    if path.suffix != ".jsonl":
+        try:
+            whole = json.loads(text)
+        except json.JSONDecodeError:
+            whole = None
+    if whole is not None:
+        records = whole if isinstance(whole, list) else [whole]
+        for i, record in enumerate(records):
+            try:
+                result.records.append(PlanRecord(parse_plan_record(record), 1))
+            except PlanFormatError as err:
+                fail(1, f"record {i}: {err}" if isinstance(whole, list) else str(err))
+        return result
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            result.records.append(PlanRecord(parse_plan_line(line), number))
+        except PlanFormatError as err:
+            fail(number, str(err))
+    return result
+
+
+def write_jsonl(path: str | os.PathLike, plans: Iterable[RoutingPlan], append: bool = False) -> int:
+    """Write one plan per line; returns how many were written."""
+    count = 0
+    with open(path, "a" if append else "w", encoding="utf-8") as f:
+        for plan in plans:
+            f.write(plan.model_dump_json() + "\n")
+            count += 1
+    return count
+
+
+def write_json(path: str | os.PathLike, plan: RoutingPlan | dict, indent: int | None = None) -> None:
+    """Write one plan (or a legacy dict) as a JSON document."""
+    with open(path, "w", encoding="utf-8") as f:
+        if isinstance(plan, RoutingPlan):
+            f.write(plan.model_dump_json(indent=indent))
+        else:
+            json.dump(plan, f, indent=indent)
+        f.write("\n")
+
+
+def select_step(result: ReadResult, step: int | None) -> PlanRecord:
+    """The record of ``step`` (the plan's step field, else its index); default: the last."""
+    if not result.records:
+        raise PlanFormatError("no valid plan in the file")
+    if step is None:
+        return result.records[-1]
+    for record in result.records:
+        if record.plan.step == step:
+            return record
+    if all(r.plan.step is None for r in result.records) and 0 <= step < len(result.records):
+        return result.records[step]
+    steps = [r.plan.step for r in result.records if r.plan.step is not None]
+    span = f"steps {min(steps)}..{max(steps)}" if steps else f"{len(result.records)} plan(s)"
+    raise PlanFormatError(f"step {step} is not in the file (it holds {span})")

@@ -1,0 +1,123 @@
+"""Derived statistics of a routing plan (computed, never stored in the plan).
+
+Per-GPU arrays are indexed by position in ``plan.gpus`` (not by rank), per-bag arrays
+by bag id. A sequence in a bag of g GPUs costs each GPU of that bag workload / g.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from knapformer.plan import RoutingPlan
+
+
+@dataclass(frozen=True)
+class PlanStats:
+    load_before: np.ndarray  # (num_gpus,) workload held by each GPU before routing
+    load_after: np.ndarray  # (num_gpus,) workload each GPU computes after routing
+    tokens_before: np.ndarray  # (num_gpus,) int
+    tokens_after: np.ndarray  # (num_gpus,) int
+    bag_load_before: np.ndarray  # (num_bags,) sum of load_before over the bag's GPUs
+    bag_load_after: np.ndarray  # (num_bags,) workload assigned to the bag
+    traffic: np.ndarray  # (num_gpus, num_gpus) tokens sent from gpus[i] to gpus[j]
+    total_load: float
+    total_tokens: int
+    moved_tokens: int  # tokens in chunks whose destination differs from their source
+    lower_bound: float  # max(total / #GPUs, max workload / largest bag size)
+
+    @property
+    def mean_load(self) -> float:
+        return self.total_load / len(self.load_before)
+
+    @property
+    def makespan_before(self) -> float:
+        return float(self.load_before.max())
+
+    @property
+    def makespan_after(self) -> float:
+        return float(self.load_after.max())
+
+    @property
+    def imbalance_before(self) -> float:
+        """max / mean load before balancing (1.0 = perfect)."""
+        return _ratio(self.makespan_before, self.mean_load)
+
+    @property
+    def imbalance_after(self) -> float:
+        return _ratio(self.makespan_after, self.mean_load)
+
+    @property
+    def max_min_before(self) -> float:
+        """max / min load before balancing (inf when a GPU has nothing)."""
+        return _ratio(self.makespan_before, float(self.load_before.min()))
+
+    @property
+    def max_min_after(self) -> float:
+        return _ratio(self.makespan_after, float(self.load_after.min()))
+
+    @property
+    def moved_fraction(self) -> float:
+        return self.moved_tokens / self.total_tokens if self.total_tokens else 0.0
+
+    @property
+    def speedup(self) -> float:
+        """Modelled speedup of the step: makespan before / after."""
+        return _ratio(self.makespan_before, self.makespan_after)
+
+    @property
+    def makespan_over_lb(self) -> float:
+        return _ratio(self.makespan_after, self.lower_bound)
+
+
+def _ratio(a: float, b: float) -> float:
+    if b > 0:
+        return a / b
+    return 1.0 if a == 0 else float("inf")
+
+
+def compute_stats(plan: RoutingPlan) -> PlanStats:
+    gpus = np.asarray(plan.gpus, dtype=np.int64)
+    n = len(gpus)
+    pos = np.full(int(gpus.max()) + 1, -1, dtype=np.int64)
+    pos[gpus] = np.arange(n)
+    seqs, chunks = plan.sequences, plan.chunks
+    bag_sizes = np.array([len(b) for b in plan.bags], dtype=np.int64)
+    workload = np.asarray(seqs.workload, dtype=np.float64)
+
+    src = pos[seqs.src_gpu]
+    load_before = np.bincount(src, weights=workload, minlength=n)
+    tokens_before = np.bincount(src, weights=seqs.length, minlength=n).astype(np.int64)
+
+    bag_load_after = np.bincount(seqs.bag, weights=workload, minlength=len(plan.bags))
+    per_gpu_share = bag_load_after / bag_sizes
+    load_after = np.zeros(n)
+    for bag_id, members in enumerate(plan.bags):
+        load_after[pos[members]] = per_gpu_share[bag_id]
+    bag_load_before = np.array([load_before[pos[m]].sum() for m in plan.bags])
+
+    csrc, cdst = pos[chunks.src_gpu], pos[chunks.dst_gpu]
+    tokens_after = np.bincount(cdst, weights=chunks.length, minlength=n).astype(np.int64)
+    traffic = np.bincount(csrc * n + cdst, weights=chunks.length, minlength=n * n)
+    traffic = traffic.astype(np.int64).reshape(n, n)
+    moved = int(chunks.length[chunks.src_gpu != chunks.dst_gpu].sum())
+
+    total = float(workload.sum())
+    max_seq = float(workload.max()) if workload.size else 0.0
+    lower_bound = max(total / n, max_seq / int(bag_sizes.max()))
+    return PlanStats(
+        load_before=load_before,
+        load_after=load_after,
+        tokens_before=tokens_before,
+        tokens_after=tokens_after,
+        bag_load_before=bag_load_before,
+        bag_load_after=bag_load_after,
+        traffic=traffic,
+        total_load=total,
+        total_tokens=int(seqs.length.sum()),
+        moved_tokens=moved,
+        lower_bound=lower_bound,
+    )

@@ -1,0 +1,106 @@
+"""Compute-bag topologies such as ``g1n2+g2n1+g4n1``.
+
+A term ``gXnY`` means *Y bags of X GPUs each*. Bags take contiguous ranks, smaller
+bags first, so ``g1n2+g2n1+g4n1`` on 8 GPUs gives bags ``[0] [1] [2,3] [4,5,6,7]``.
+A world size that is a multiple of the topology's GPU count holds several replicas
+(balance groups of consecutive ranks), each balanced on its own.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import cached_property
+
+_TERM = re.compile(r"g(\d+)n(\d+)")
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Bag sizes of one balance group, smallest first (``bag_sizes[i]`` = GPUs of bag i)."""
+
+    bag_sizes: tuple[int, ...]
+
+    @classmethod
+    def parse(cls, text: str) -> Topology:
+        """Parse ``gXnY[+gXnY...]``; a bag size given twice is merged (``g1n2+g1n3`` = ``g1n5``)."""
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError(f"topology {text!r} is empty; expected e.g. 'g1n2+g2n1+g4n1'")
+        counts: dict[int, int] = {}
+        for term in text.strip().split("+"):
+            match = _TERM.fullmatch(term.strip())
+            if match is None:
+                raise ValueError(
+                    f"topology {text!r}: term {term!r} is not of the form gXnY "
+                    "(X GPUs per bag, Y bags), e.g. 'g2n4'"
+                )
+            size, count = int(match.group(1)), int(match.group(2))
+            if size == 0 or count == 0:
+                raise ValueError(f"topology {text!r}: term {term!r} has a zero size or count")
+            counts[size] = counts.get(size, 0) + count
+        sizes = tuple(size for size in sorted(counts) for _ in range(counts[size]))
+        return cls(sizes)
+
+    @classmethod
+    def from_bag_sizes(cls, sizes: list[int] | tuple[int, ...]) -> Topology:
+        if not sizes or any(int(s) <= 0 for s in sizes):
+            raise ValueError(f"bag sizes {list(sizes)} must be a non-empty list of positive ints")
+        return cls(tuple(sorted(int(s) for s in sizes)))
+
+    @cached_property
+    def num_gpus(self) -> int:
+        """GPUs in one balance group."""
+        return sum(self.bag_sizes)
+
+    @property
+    def num_bags(self) -> int:
+        return len(self.bag_sizes)
+
+    @property
+    def max_bag_size(self) -> int:
+        return self.bag_sizes[-1]
+
+    def __str__(self) -> str:
+        counts: dict[int, int] = {}
+        for size in self.bag_sizes:
+            counts[size] = counts.get(size, 0) + 1
+        return "+".join(f"g{size}n{count}" for size, count in counts.items())
+
+    def bags(self, gpus: list[int] | None = None) -> list[list[int]]:
+        """GPU ranks of each bag for one balance group (default: ranks 0..num_gpus-1)."""
+        if gpus is None:
+            gpus = list(range(self.num_gpus))
+        if len(gpus) != self.num_gpus:
+            raise ValueError(
+                f"topology {self} needs {self.num_gpus} GPUs per balance group, got {len(gpus)}"
+            )
+        out, start = [], 0
+        for size in self.bag_sizes:
+            out.append(list(gpus[start : start + size]))
+            start += size
+        return out
+
+    def num_replicas(self, world_size: int) -> int:
+        """How many balance groups a world of ``world_size`` ranks holds."""
+        if world_size <= 0 or world_size % self.num_gpus:
+            raise ValueError(
+                f"world size {world_size} does not fit topology {self}: it needs a multiple "
+                f"of {self.num_gpus} ranks"
+            )
+        return world_size // self.num_gpus
+
+    def balance_groups(self, world_size: int) -> list[list[int]]:
+        """Ranks of every balance group (consecutive ranks) in a world of ``world_size``."""
+        n = self.num_gpus
+        return [list(range(r * n, (r + 1) * n)) for r in range(self.num_replicas(world_size))]
+
+    def group_of(self, rank: int, world_size: int) -> list[int]:
+        """Ranks of the balance group that holds ``rank``."""
+        groups = self.balance_groups(world_size)
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world size {world_size}")
+        return groups[rank // self.num_gpus]
+
+
+def as_topology(topology: Topology | str) -> Topology:
+    return topology if isinstance(topology, Topology) else Topology.parse(topology)
