@@ -97,7 +97,9 @@ def plan_from_legacy(summary: dict) -> RoutingPlan:
         c_len = [int(chunk_len[c]) for c in old_chunk_ids]
         c_dst = [int(chunk_dst[c]) for c in old_chunk_ids]
     except KeyError as err:
-        raise ValueError(f"legacy plan: chunk or sequence id {err.args[0]} is not described") from err
+        raise ValueError(
+            f"legacy plan: chunk or sequence id {err.args[0]} is not described"
+        ) from err
     # A sequence's chunks have consecutive ids and tile it in id order.
     order = np.argsort(np.asarray(old_chunk_ids, dtype=np.int64), kind="stable")
     offsets = np.zeros(len(old_chunk_ids), dtype=np.int64)
@@ -155,7 +157,9 @@ def plan_to_legacy(plan: RoutingPlan) -> dict:
     for i, g in enumerate(seqs.src_gpu.tolist()):
         by_gpu_seq[str(g)].append(i)
     out["gpu_id2seq_ids"] = by_gpu_seq
-    out["gpu_id2seq_lens"] = {g: [int(seqs.length[i]) for i in ids] for g, ids in by_gpu_seq.items()}
+    out["gpu_id2seq_lens"] = {
+        g: [int(seqs.length[i]) for i in ids] for g, ids in by_gpu_seq.items()
+    }
     out["gpu_id2seq_workloads"] = {
         g: [float(seqs.workload[i]) for i in ids] for g, ids in by_gpu_seq.items()
     }

@@ -92,9 +92,7 @@ def parse_plan_line(text: str) -> RoutingPlan:
     return parse_plan_record(record)
 
 
-def read_plans(
-    path: str | os.PathLike, on_error: Literal["skip", "raise"] = "skip"
-) -> ReadResult:
+def read_plans(path: str | os.PathLike, on_error: Literal["skip", "raise"] = "skip") -> ReadResult:
     """Read every plan of a file. ``on_error="raise"`` raises `PlanFormatError` on the first
     bad record (message ``path:line: reason``); ``"skip"`` collects it in ``problems``."""
     path = Path(path)
@@ -151,7 +149,9 @@ def write_jsonl(path: str | os.PathLike, plans: Iterable[RoutingPlan], append: b
     return count
 
 
-def write_json(path: str | os.PathLike, plan: RoutingPlan | dict, indent: int | None = None) -> None:
+def write_json(
+    path: str | os.PathLike, plan: RoutingPlan | dict, indent: int | None = None
+) -> None:
     """Write one plan (or a legacy dict) as a JSON document."""
     with open(path, "w", encoding="utf-8") as f:
         if isinstance(plan, RoutingPlan):

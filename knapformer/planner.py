@@ -40,6 +40,9 @@ DEFAULT_SOLVER = "knapformer"
 SOLVERS = ("knapformer", "greedy")
 _HEAVY_FRACTION = 0.5  # of one GPU's capacity: placed before the bulk "stay home" pass
 _EPS = 1e-12
+_LEVEL_TOLERANCE = 2e-4  # local search stops this close to the lower bound
+_FALLBACK_TOLERANCE = 1e-3  # further from the bound than this, greedy is tried as well
+_LEVEL_PARTNERS = 8  # least-loaded bags tried as exchange partners of the most-loaded one
 
 
 def plan_routing(
@@ -73,12 +76,14 @@ def plan_routing(
 
     lengths, src_pos = _flatten(lengths_per_gpu)
     workload = model.workload(lengths)
-    layout = _BagLayout(topo, workload.sum() / topo.num_gpus, max_tokens_per_gpu)
-    home_bag = layout.bag_of_pos[src_pos]
+    mean = workload.sum() / topo.num_gpus
     if solver == "greedy":
-        bag, rem = _solve_greedy(lengths, workload, home_bag, src_pos, layout)
+        layout = _BagLayout(topo, mean, max_tokens_per_gpu)
+        bag, rem = _solve_greedy(lengths, workload, layout.bag_of_pos[src_pos], src_pos, layout)
     else:
-        bag, rem = _solve_local(lengths, workload, home_bag, src_pos, layout)
+        bag, rem, layout = _solve_local_or_greedy(
+            topo, lengths, workload, src_pos, mean, max_tokens_per_gpu
+        )
 
     chunk_seq, chunk_pos, chunk_off, chunk_len = _chunk_table(lengths, bag, rem, layout)
     ranks = np.asarray(gpu_ranks, dtype=np.int64)
@@ -183,13 +188,22 @@ class _BagLayout:
         need = length // self.size + length % self.size
         return self.bag_max_tokens + need <= self.max_tokens
 
-    def add(self, bag: int, workload: float, length: int, rem: int) -> None:
-        self.load[bag] += workload
+    def add(self, bag: int, workload: float, length: int, rem: int, sign: int = 1) -> None:
+        """Account a sequence placed in ``bag`` (``sign=-1`` takes it out again)."""
+        self.load[bag] += sign * workload
         if self.max_tokens is not None:
             g, s = int(self.size[bag]), int(self.start[bag])
-            self.tokens[s : s + g] += length // g
-            self.tokens[s + rem] += length % g
+            self.tokens[s : s + g] += sign * (length // g)
+            self.tokens[s + rem] += sign * (length % g)
             self.bag_max_tokens[bag] = self.tokens[s : s + g].max()
+
+    def fits_tokens(self, bag: int, length: int, rem: int) -> bool:
+        if self.max_tokens is None:
+            return True
+        g, s = int(self.size[bag]), int(self.start[bag])
+        after = self.tokens[s : s + g] + length // g
+        after[rem] += length % g
+        return bool(after.max() <= self.max_tokens)
 
     def add_many(self, seq: np.ndarray, bag: np.ndarray, workload, lengths, rem) -> None:
         """Vectorised ``add`` for many sequences at once."""
@@ -198,9 +212,7 @@ class _BagLayout:
             full = np.full(len(lengths), -1, dtype=np.int64)
             full[seq] = bag
             _, pos, _, ln = _chunk_table(lengths, full, rem, self, only=seq)
-            self.tokens += np.bincount(pos, weights=ln, minlength=len(self.tokens)).astype(
-                np.int64
-            )
+            self.tokens += np.bincount(pos, weights=ln, minlength=len(self.tokens)).astype(np.int64)
             self.bag_max_tokens = np.maximum.reduceat(self.tokens, self.start)
 
     def infeasible(self, seq: int, length: int) -> ValueError:
@@ -233,38 +245,83 @@ def _place_in_order(
     and still has room; its remainder tokens then stay on the source GPU. Without it the
     remainder goes to the bag's chunks round-robin (the published rule).
     """
+    if order.size == 0:
+        return
     keys = layout.candidate_keys(workload[order], lengths[order])
-    capacity = layout.capacity
-    occupancy = layout.load / np.where(capacity > 0, capacity, 1.0)
-    inv_capacity = 1.0 / np.where(capacity > 0, capacity, 1.0)
-    round_robin = np.zeros(len(layout.size), dtype=np.int64)
+    # Plain lists: for the few hundred to few thousand sequences placed one by one,
+    # Python scalars beat per-item numpy calls several times over.
+    candidates = {k: np.flatnonzero(layout.mask(k)).tolist() for k in np.unique(keys).tolist()}
+    allowed = {k: layout.mask(k).tolist() for k in candidates}
+    load = layout.load.tolist()
+    limit = (layout.capacity * (1 + _EPS)).tolist()
+    safe_capacity = np.where(layout.capacity > 0, layout.capacity, 1.0).tolist()
+    occupancy = [x / c for x, c in zip(load, safe_capacity, strict=True)]
+    size, start = layout.size.tolist(), layout.start.tolist()
+    round_robin = [0] * len(size)
     capped = layout.max_tokens is not None
-    for seq, key in zip(order.tolist(), keys.tolist(), strict=True):
-        w, length = float(workload[seq]), int(lengths[seq])
-        mask = layout.mask(key)
+    rows = zip(
+        order.tolist(),
+        keys.tolist(),
+        workload[order].tolist(),
+        lengths[order].tolist(),
+        home_bag[order].tolist(),
+        src_pos[order].tolist(),
+        strict=True,
+    )
+    for seq, key, w, length, h, src in rows:
+        cands = candidates[key]
+        home_ok = prefer_home and allowed[key][h]
         if capped:
-            mask = mask & layout.token_room(length)
-        h = int(home_bag[seq])
-        if prefer_home and mask[h] and layout.load[h] + w <= capacity[h] * (1 + _EPS):
+            room = layout.token_room(length)
+            cands = [b for b in cands if room[b]]
+            home_ok = home_ok and bool(room[h])
+        if home_ok and load[h] + w <= limit[h]:
             b = h
+        elif cands:
+            b = min(cands, key=occupancy.__getitem__)
         else:
-            masked = np.where(mask, occupancy, np.inf)
-            b = int(np.argmin(masked))
-            if not mask[b]:
-                raise layout.infeasible(seq, length)
-        g = int(layout.size[b])
+            raise layout.infeasible(seq, length)
+        g = size[b]
         if prefer_home and b == h:
-            r = int(src_pos[seq] - layout.start[b])
+            r = src - start[b]
         elif prefer_home:
-            s = int(layout.start[b])
-            r = int(np.argmin(layout.tokens[s : s + g]))
+            r = int(np.argmin(layout.tokens[start[b] : start[b] + g])) if capped else 0
         else:
-            r = int(round_robin[b] % g)
+            r = round_robin[b] % g
             if length % g:
                 round_robin[b] += 1
         bag[seq], rem[seq] = b, r
-        layout.add(b, w, length, r)
-        occupancy[b] = layout.load[b] * inv_capacity[b]
+        load[b] += w
+        occupancy[b] = load[b] / safe_capacity[b]
+        if capped:
+            layout.add(b, 0.0, length, r)
+    layout.load[:] = load
+
+
+def _solve_local_or_greedy(topo, lengths, workload, src_pos, mean, max_tokens):
+    """The default solver, with greedy as a safety net.
+
+    Its per-GPU capacity is the lower bound on the makespan rather than greedy's mean
+    load: when one sequence outweighs the mean, every GPU under that bound can keep all
+    its sequences at no cost to the makespan. Where the local search stalls short of the
+    bound (coarse sequences), greedy is solved too and the better makespan is kept.
+    """
+    top = float(workload.max()) / topo.max_bag_size if workload.size else 0.0
+    layout = _BagLayout(topo, max(mean, top), max_tokens)
+    home_bag = layout.bag_of_pos[src_pos]
+    bag, rem = _solve_local(lengths, workload, home_bag, src_pos, layout)
+    makespan = float((layout.load / layout.size).max(initial=0.0))
+    lower_bound = max(mean, top)
+    if makespan <= lower_bound * (1 + _FALLBACK_TOLERANCE):
+        return bag, rem, layout
+    greedy_layout = _BagLayout(topo, mean, max_tokens)
+    try:
+        g_bag, g_rem = _solve_greedy(lengths, workload, home_bag, src_pos, greedy_layout)
+    except ValueError:  # greedy cannot meet the token cap where ours did
+        return bag, rem, layout
+    if float((greedy_layout.load / greedy_layout.size).max(initial=0.0)) < makespan:
+        return g_bag, g_rem, greedy_layout
+    return bag, rem, layout
 
 
 def _solve_greedy(lengths, workload, home_bag, src_pos, layout):
@@ -306,7 +363,89 @@ def _solve_local(lengths, workload, home_bag, src_pos, layout):
 
     pool = _descending(workload, np.flatnonzero(bag < 0))
     _place_in_order(pool, lengths, workload, home_bag, src_pos, layout, bag, rem, True)
+    _level_makespan(lengths, workload, home_bag, src_pos, layout, bag, rem)
     return bag, rem
+
+
+def _level_makespan(lengths, workload, home_bag, src_pos, layout, bag, rem, max_iters=None):
+    """Local search on the makespan: move one sequence from the most- to the least-loaded
+    bag, or swap a pair between them, whichever evens them out best, while that lowers the
+    larger of the two. Staying home leaves uneven last gaps; a few well-sized moves and
+    swaps close them (greedy gets the same effect from placing the smallest last)."""
+    size = layout.size.astype(np.float64)
+    if layout.gpu_capacity <= 0 or len(size) < 2:
+        return
+    order = np.argsort(bag, kind="stable")
+    bounds = np.searchsorted(bag[order], np.arange(len(size) + 1))
+    members = [order[bounds[b] : bounds[b + 1]] for b in range(len(size))]
+    per_gpu = layout.load / size
+    lower_bound = max(
+        float(layout.load.sum() / size.sum()), float(workload.max(initial=0.0)) / float(size.max())
+    )
+    for _ in range(4 * len(size) if max_iters is None else max_iters):
+        a = int(np.argmax(per_gpu))
+        if per_gpu[a] <= lower_bound * (1 + _LEVEL_TOLERANCE):
+            return
+        best = None
+        for b in np.argsort(per_gpu, kind="stable")[:_LEVEL_PARTNERS].tolist():
+            if b != a:
+                best = _best_exchange(a, b, members, lengths, workload, layout, per_gpu)
+            if best is not None:
+                break
+        if best is None:
+            return
+        out_of_a, out_of_b = best
+        for seq, src, dst in ((out_of_a, a, b), (out_of_b, b, a)):
+            if seq < 0:
+                continue
+            new_rem = int(src_pos[seq] - layout.start[dst]) if home_bag[seq] == dst else 0
+            layout.add(src, float(workload[seq]), int(lengths[seq]), int(rem[seq]), sign=-1)
+            layout.add(dst, float(workload[seq]), int(lengths[seq]), new_rem)
+            bag[seq], rem[seq] = dst, new_rem
+            members[src] = members[src][members[src] != seq]
+            members[dst] = np.append(members[dst], seq)
+        if layout.max_tokens is not None and (layout.bag_max_tokens > layout.max_tokens).any():
+            # Undo: the exchange broke the token cap (rare; the cap wins over balance).
+            for seq, src, dst in ((out_of_a, b, a), (out_of_b, a, b)):
+                if seq >= 0:
+                    layout.add(src, float(workload[seq]), int(lengths[seq]), int(rem[seq]), -1)
+                    rem[seq] = int(src_pos[seq] - layout.start[dst]) if home_bag[seq] == dst else 0
+                    layout.add(dst, float(workload[seq]), int(lengths[seq]), int(rem[seq]))
+                    bag[seq] = dst
+            return
+        per_gpu[a], per_gpu[b] = layout.load[a] / size[a], layout.load[b] / size[b]
+
+
+def _best_exchange(a, b, members, lengths, workload, layout, per_gpu):
+    """The (seq from a or -1, seq from b or -1) exchange that most lowers max(load a, b)."""
+    ga, gb = float(layout.size[a]), float(layout.size[b])
+    gap = per_gpu[a] - per_gpu[b]
+    if gap <= _EPS * max(per_gpu[a], 1e-300):
+        return None
+    ma, mb = members[a], members[b]
+    # Sequences that may enter each bag (size <= length, capacity >= workload).
+    to_b = ma[(lengths[ma] >= layout.size[b]) & (workload[ma] <= layout.capacity[b] * (1 + _EPS))]
+    to_a = mb[(lengths[mb] >= layout.size[a]) & (workload[mb] <= layout.capacity[a] * (1 + _EPS))]
+    if to_b.size == 0:
+        return None
+    wa = workload[to_b]
+    wb = np.concatenate([[0.0], workload[to_a]])  # 0.0 = a plain move, nothing comes back
+    ids_b = np.concatenate([[-1], to_a])
+    # The best exchange moves net delta = ideal from a to b; for each sequence leaving a
+    # look only at the two partners whose workload is nearest to (its workload - ideal).
+    ideal = gap / (1.0 / ga + 1.0 / gb)
+    sort_b = np.argsort(wb, kind="stable")
+    wb_sorted = wb[sort_b]
+    hit = np.searchsorted(wb_sorted, wa - ideal)
+    near = np.concatenate([np.maximum(hit - 1, 0), np.minimum(hit, wb.size - 1)])
+    delta = np.concatenate([wa, wa]) - wb_sorted[near]  # workload leaving a, net
+    new_max = np.maximum(per_gpu[a] - delta / ga, per_gpu[b] + delta / gb)
+    new_max[delta <= 0] = np.inf
+    best = int(np.argmin(new_max))
+    if not new_max[best] < per_gpu[a] * (1 - 1e-9):
+        return None
+    i, j = best % wa.size, sort_b[near[best]]
+    return int(to_b[i]), int(ids_b[j])
 
 
 def _prefix_within_groups(values: np.ndarray, group: np.ndarray, room: np.ndarray) -> np.ndarray:

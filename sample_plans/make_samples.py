@@ -23,8 +23,7 @@ MODEL = WorkloadModel(token_dim=3072, gamma=0.4)
 T0 = 1_790_000_000.0  # fixed wall-clock stamp so files only change when plans change
 # The joint mix's data types squeezed onto 8 GPUs (images, keyframes, videos).
 MIXED8 = (
-    "g2b4i256f1s0,g1b5i512f1s0,g1b5i1024f1s0,g1b1i2048f1s0,g1b10i256f4s0,"
-    "g1b1i512f4s0,g1b2i256f85s1"
+    "g2b4i256f1s0,g1b5i512f1s0,g1b5i1024f1s0,g1b1i2048f1s0,g1b10i256f4s0,g1b1i512f4s0,g1b2i256f85s1"
 )
 
 
@@ -36,7 +35,11 @@ def one_plan(mix: str, topology: str, seed: int, step: int, run: str) -> Routing
 
 
 def main() -> None:
-    write_json(HERE / "mixed8_g1n2+g2n1+g4n1.json", one_plan(MIXED8, "g1n2+g2n1+g4n1", 8, 0, "mixed8"), indent=1)
+    write_json(
+        HERE / "mixed8_g1n2+g2n1+g4n1.json",
+        one_plan(MIXED8, "g1n2+g2n1+g4n1", 8, 0, "mixed8"),
+        indent=1,
+    )
     for topo in ("g8n4", "g4n8"):
         write_json(HERE / f"joint32_{topo}.json", one_plan("joint", topo, 32, 0, f"joint32-{topo}"))
     write_json(HERE / "lowres32_g1n32.json", one_plan("lowres", "g1n32", 132, 0, "lowres32-g1n32"))
@@ -45,7 +48,9 @@ def main() -> None:
     topo = "g1n8+g2n4+g4n2+g8n1"
     steps = []
     for step in range(50):
-        plan = plan_routing(sample_lengths(parse_mix("joint"), rng), topo, MODEL, step=step, run="joint32-mixed")
+        plan = plan_routing(
+            sample_lengths(parse_mix("joint"), rng), topo, MODEL, step=step, run="joint32-mixed"
+        )
         plan.time = T0 + step
         steps.append(plan)
     write_jsonl(HERE / "joint32_50steps.jsonl", steps)

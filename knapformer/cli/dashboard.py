@@ -1,9 +1,34 @@
-"""Placeholder: this command group is added by a later issue."""
+"""``knapformer dashboard PATH``: the live web dashboard of recorded plans."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import typer
 
 
 def register(app: typer.Typer) -> None:
     """Add this module's commands to ``app``."""
+    app.command()(dashboard)
+
+
+def dashboard(
+    path: Path = typer.Argument(
+        ...,
+        help="plans: a .jsonl (followed live), a .json (ours or legacy), or a folder "
+        "of runs (each <run>/plans.jsonl)",
+    ),
+    host: str = typer.Option("127.0.0.1", help="address to bind; other than 127.0.0.1 warns"),
+    port: int = typer.Option(8050, help="TCP port (0 picks a free one)"),
+) -> None:
+    """Serve a live dashboard of routing plans: per-bag load, timeline, traffic, sequences."""
+    # Dash is imported inside the command so `import knapformer` stays light.
+    from dashboard.server import serve
+
+    if not path.exists():
+        # Not an error: a training job may create the file in a moment; the page says so.
+        print(f"note: {path} does not exist yet; the dashboard will show it when it appears")
+    try:
+        serve(path, host=host, port=port)
+    except KeyboardInterrupt:
+        print("dashboard stopped")

@@ -1,0 +1,168 @@
+"""Planner benchmark: the default solver vs greedy vs a plain-Python greedy baseline.
+
+Run: ``python bench/planner.py [--steps 5] [--repeats 5]``. For every data mix and
+topology row it samples ``--steps`` steps (fixed seeds), plans each with the three
+solvers, and prints the median planning time, makespan / lower bound (worst step),
+max/min load after (worst step) and the moved-token fraction (mean). Targets from the
+foundation issue are checked against the baseline measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from baselines.greedy_python import greedy_plan_python  # noqa: E402
+
+from knapformer.datamix import parse_mix, sample_lengths, scale_mix  # noqa: E402
+from knapformer.plan import RoutingPlan  # noqa: E402
+from knapformer.planner import plan_routing  # noqa: E402
+from knapformer.topology import Topology  # noqa: E402
+from knapformer.workload import WorkloadModel  # noqa: E402
+
+MODEL = WorkloadModel(token_dim=3072, gamma=0.4)
+ROWS = [
+    (mix, topo, 1)
+    for mix in ("lowres", "mixres", "joint")
+    for topo in ("g1n32", "g2n16", "g4n8", "g8n4")
+] + [("lowres", "g8n128", 32), ("joint", "g8n128", 32)]
+SOLVERS = ("knapformer", "greedy", "python baseline")
+
+
+def baseline_plan(lengths: list[np.ndarray], topo: Topology) -> tuple[float, RoutingPlan]:
+    """Time the plain-Python baseline; convert its dicts to a plan (untimed) for stats."""
+    as_lists = [x.tolist() for x in lengths]
+    started = time.perf_counter()
+    out = greedy_plan_python(as_lists, list(topo.bag_sizes), MODEL.token_dim, MODEL.gamma)
+    elapsed = time.perf_counter() - started
+    seqs = out["sequences"]
+    chunks = out["chunks"]
+    plan = RoutingPlan.build(
+        topology=str(topo),
+        gpus=list(range(topo.num_gpus)),
+        bags=out["bags"],
+        solver="python-greedy",
+        sequences={
+            name: np.array([s[name] for s in seqs.values()])
+            for name in ("src_gpu", "length", "workload", "bag")
+        },
+        chunks={
+            name: np.array([c[name] for c in chunks], dtype=np.int64)
+            for name in ("seq", "src_gpu", "dst_gpu", "offset", "length")
+        },
+    )
+    return elapsed, plan
+
+
+def run_row(mix: str, topo_text: str, gpu_factor: int, steps: int, repeats: int) -> dict:
+    topo = Topology.parse(topo_text)
+    codes = scale_mix(parse_mix(mix), gpu_factor)
+    times: dict[str, list[float]] = {s: [] for s in SOLVERS}
+    quality: dict[str, list[tuple[float, float, float]]] = {s: [] for s in SOLVERS}
+    for step in range(steps):
+        lengths = sample_lengths(codes, np.random.default_rng(1000 + step))
+        for solver in SOLVERS:
+            for _ in range(repeats):
+                if solver == "python baseline":
+                    elapsed, plan = baseline_plan(lengths, topo)
+                else:
+                    started = time.perf_counter()
+                    plan = plan_routing(lengths, topo, MODEL, solver=solver)
+                    elapsed = time.perf_counter() - started
+                times[solver].append(elapsed * 1e3)
+            st = plan.stats
+            quality[solver].append((st.makespan_over_lb, st.max_min_after, st.moved_fraction))
+    row = {
+        "mix": mix,
+        "topology": topo_text,
+        "gpus": topo.num_gpus,
+        "sequences": sum(len(x) for x in lengths),
+    }
+    for solver in SOLVERS:
+        q = np.array(quality[solver])
+        row[solver] = {
+            "ms": statistics.median(times[solver]),
+            "mk_lb": float(q[:, 0].max()),
+            "max_min": float(q[:, 1].max()),
+            "moved": float(q[:, 2].mean()),
+        }
+    return row
+
+
+def check_targets(rows: list[dict]) -> list[tuple[str, bool]]:
+    checks = []
+    for row in rows:
+        ours, base = row["knapformer"], row["python baseline"]
+        name = f"{row['mix']} {row['topology']}"
+        speedup = base["ms"] / ours["ms"]
+        if row["gpus"] >= 1024:
+            checks.append((f"{name}: {speedup:.0f}× faster than baseline (≥ 20×)", speedup >= 20))
+            checks.append((f"{name}: plans in {ours['ms']:.1f} ms (≤ 30 ms)", ours["ms"] <= 30))
+        else:
+            checks.append((f"{name}: {speedup:.1f}× faster than baseline (≥ 2×)", speedup >= 2))
+        checks.append(
+            (
+                f"{name}: makespan/LB {ours['mk_lb']:.4f} ≤ baseline {base['mk_lb']:.4f} + 0.001",
+                ours["mk_lb"] <= base["mk_lb"] + 0.001,
+            )
+        )
+        if row["topology"] == "g1n32":
+            checks.append(
+                (
+                    f"{name}: moved {ours['moved']:.3f} ≤ ¼ of baseline {base['moved']:.3f}",
+                    ours["moved"] <= base["moved"] / 4,
+                )
+            )
+    return checks
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=5, help="sampled steps per row")
+    parser.add_argument("--repeats", type=int, default=5, help="timed plans per step")
+    args = parser.parse_args()
+    console = Console(width=160)
+    rows = []
+    with console.status("planning...") as status:
+        for mix, topo, factor in ROWS:
+            status.update(f"planning {mix} {topo}")
+            rows.append(run_row(mix, topo, factor, args.steps, args.repeats))
+    table = Table(
+        title=f"Planner benchmark (median of {args.steps}×{args.repeats} plans per "
+        "solver; quality: worst step, moved: mean)"
+    )
+    for col in ("mix", "topology", "seqs"):
+        table.add_column(col)
+    for solver in SOLVERS:
+        for col in ("ms", "mk/LB", "max/min", "moved"):
+            table.add_column(f"{solver}\n{col}", justify="right")
+    for row in rows:
+        cells = [row["mix"], f"{row['topology']} ({row['gpus']} GPUs)", str(row["sequences"])]
+        for solver in SOLVERS:
+            r = row[solver]
+            cells += [
+                f"{r['ms']:.2f}",
+                f"{r['mk_lb']:.4f}",
+                f"{r['max_min']:.3f}",
+                f"{r['moved']:.3f}",
+            ]
+        table.add_row(*cells)
+    console.print(table)
+    checks = check_targets(rows)
+    for text, ok in checks:
+        console.print(f"[{'green' if ok else 'red'}]{'PASS' if ok else 'FAIL'}[/] {text}")
+    failed = sum(not ok for _, ok in checks)
+    console.print(f"{len(checks) - failed} of {len(checks)} targets met")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
