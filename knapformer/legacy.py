@@ -113,7 +113,7 @@ def plan_from_legacy(summary: dict) -> RoutingPlan:
     seq_bag = [-1] * len(old_seq_ids)
     for s, dst in zip(c_seq, c_dst, strict=True):
         seq_bag[s] = bag_of_gpu.get(dst, -1)
-    for i, sid in enumerate(old_seq_ids):
+    for i in range(len(old_seq_ids)):
         if seq_bag[i] < 0:  # a zero-length sequence has no chunk: keep it at home
             seq_bag[i] = bag_of_gpu.get(seq_src[i], 0)
 

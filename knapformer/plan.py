@@ -265,8 +265,9 @@ def _invariant_problems(plan: RoutingPlan):
     if bad.any():
         yield f"chunk(s) {_ids(bad)} name a sequence id outside 0..{n_seq - 1}"
         return
-    if (chunks.length < 0).any() or (chunks.offset < 0).any():
-        yield f"chunk(s) {_ids((chunks.length < 0) | (chunks.offset < 0))} have a negative length or offset"
+    bad = (chunks.length < 0) | (chunks.offset < 0)
+    if bad.any():
+        yield f"chunk(s) {_ids(bad)} have a negative length or offset"
         return
     bad = ~np.isin(chunks.src_gpu, gpus) | ~np.isin(chunks.dst_gpu, gpus)
     if bad.any():
@@ -288,7 +289,7 @@ def _invariant_problems(plan: RoutingPlan):
         )
         return
     pair = chunks.seq * (int(bag_of_gpu.size) + 1) + chunks.dst_gpu
-    uniq_pair, first, pair_counts = np.unique(pair, return_index=True, return_counts=True)
+    _, first, pair_counts = np.unique(pair, return_index=True, return_counts=True)
     if (pair_counts > 1).any():
         dup_seq = chunks.seq[first[pair_counts > 1]]
         yield f"sequence(s) {_ids(dup_seq)} send more than one chunk to the same GPU"

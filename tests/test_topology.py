@@ -1,0 +1,57 @@
+import pytest
+
+from knapformer.topology import Topology
+
+
+def test_parse_orders_bags_smallest_first_with_contiguous_ranks():
+    topo = Topology.parse("g4n1+g1n2+g2n1")
+    assert topo.bag_sizes == (1, 1, 2, 4)
+    assert topo.num_gpus == 8
+    assert topo.bags() == [[0], [1], [2, 3], [4, 5, 6, 7]]
+    assert str(topo) == "g1n2+g2n1+g4n1"
+
+
+def test_bags_follow_the_given_ranks():
+    assert Topology.parse("g2n2").bags([8, 9, 10, 11]) == [[8, 9], [10, 11]]
+
+
+def test_repeated_bag_size_is_merged():
+    topo = Topology.parse("g1n2+g1n3")
+    assert topo.bag_sizes == (1,) * 5
+    assert str(topo) == "g1n5"
+
+
+def test_replicas_are_consecutive_rank_groups():
+    topo = Topology.parse("g2n2")
+    assert topo.num_replicas(8) == 2
+    assert topo.balance_groups(8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert topo.group_of(6, 8) == [4, 5, 6, 7]
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ("", "empty"),
+        ("g2", "'g2'"),
+        ("g0n2", "zero"),
+        ("g2n0", "zero"),
+        ("g2n2+", "''"),
+        ("gXn2", "'gXn2'"),
+        ("g2n2 g1n1", "'g2n2 g1n1'"),
+    ],
+)
+def test_malformed_topologies_name_the_problem(text, fragment):
+    with pytest.raises(ValueError) as err:
+        Topology.parse(text)
+    assert fragment in str(err.value)
+
+
+@pytest.mark.parametrize("world", [0, 3, 6, 9])
+def test_world_size_that_does_not_fit_is_rejected(world):
+    with pytest.raises(ValueError, match=f"world size {world}"):
+        Topology.parse("g2n2").balance_groups(world)
+
+
+def test_bags_reject_wrong_gpu_count():
+    with pytest.raises(ValueError, match="needs 4 GPUs"):
+        Topology.parse("g2n2").bags([0, 1, 2])
