@@ -20,13 +20,13 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from baselines.greedy_python import greedy_plan_python  # noqa: E402
+from baselines.greedy_python import greedy_plan_python
 
-from knapformer.datamix import parse_mix, sample_lengths, scale_mix  # noqa: E402
-from knapformer.plan import RoutingPlan  # noqa: E402
-from knapformer.planner import plan_routing  # noqa: E402
-from knapformer.topology import Topology  # noqa: E402
-from knapformer.workload import WorkloadModel  # noqa: E402
+from knapformer.datamix import parse_mix, sample_lengths, scale_mix
+from knapformer.plan import RoutingPlan
+from knapformer.planner import plan_routing
+from knapformer.topology import Topology
+from knapformer.workload import WorkloadModel
 
 MODEL = WorkloadModel(token_dim=3072, gamma=0.4)
 ROWS = [

@@ -1,9 +1,117 @@
-"""Placeholder: this command group is added by a later issue."""
+"""``knapformer demo``: a live multi-process training run that records plans and serves the
+dashboard on them (what ``make demo`` runs). The training itself is `knapformer.demo`."""
 
 from __future__ import annotations
 
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
 import typer
+
+from knapformer.cli.errors import UserError
 
 
 def register(app: typer.Typer) -> None:
-    """Add this module's commands to ``app``."""
+    app.command()(demo)
+
+
+def demo(
+    steps: int = typer.Option(200, help="training steps; 0 trains until Ctrl-C"),
+    world_size: int = typer.Option(8, "--world-size", help="worker processes (CPU, gloo)"),
+    topology: str | None = typer.Option(
+        None, help="compute bags, e.g. g1n2+g2n1+g4n1 (default: bags of 1,1,2,4,.. GPUs)"
+    ),
+    data_codes: str | None = typer.Option(
+        None,
+        "--data-codes",
+        help="data mix: a name (joint, mixres, lowres) or codes gGbBiIfFsS,... "
+        "(default: the joint mix's data types on 8 GPUs)",
+    ),
+    out: Path = typer.Option(Path("runs/demo"), help="directory for plans.jsonl"),
+    dashboard: bool = typer.Option(
+        True, "--dashboard/--no-dashboard", help="serve the live dashboard on the plans"
+    ),
+    port: int = typer.Option(8050, help="dashboard port on 127.0.0.1"),
+    every: int = typer.Option(1, help="record every k-th step's plan"),
+) -> None:
+    """Train a small DiT on CPU workers with the balancer, record every plan, show it live."""
+    from knapformer.demo import (
+        DEMO_CODES,
+        DemoConfig,
+        check_config,
+        format_report,
+        ignoring_sigint,
+        model_shape,
+        run_demo,
+    )
+
+    cfg = DemoConfig(
+        steps=steps,
+        world_size=world_size,
+        topology=topology,
+        data_codes=data_codes or DEMO_CODES,
+        out=out,
+        every=every,
+    )
+    topo, _ = check_config(cfg)  # bad options fail here, before anything starts
+    d_model, heads = model_shape(topo)
+    plans = out / "plans.jsonl"
+    server = _start_dashboard(plans, port) if dashboard else None
+    try:
+        print(
+            f"knapformer demo: {world_size} CPU workers (gloo), topology {topo}, "
+            f"ToyDiT d_model={d_model} heads={heads} layers={cfg.n_layers}, "
+            f"{'until Ctrl-C' if steps == 0 else f'{steps} steps'}; recording to {plans}",
+            flush=True,
+        )
+        if server is not None:
+            print(f"dashboard: {server.url}  (Ctrl-C stops everything)", flush=True)
+        started = time.perf_counter()
+        try:
+            reports = run_demo(
+                cfg,
+                on_report=lambda r: print(format_report(r), flush=True),
+                on_start=lambda: print(f"started {world_size} workers", flush=True),
+            )
+        except RuntimeError as err:
+            raise UserError(str(err)) from err
+        except KeyboardInterrupt:
+            # Typer would turn this into a silent exit 130; say what happened.
+            print("interrupted: workers stopped", file=sys.stderr, flush=True)
+            raise typer.Exit(130) from None
+        if reports:
+            median = statistics.median(r.step_ms for r in reports)
+            print(
+                f"done: {len(reports)} steps in {time.perf_counter() - started:.1f} s, "
+                f"median step {median:.1f} ms; plans in {plans}",
+                flush=True,
+            )
+        if server is not None:
+            print(f"training finished; the dashboard stays up at {server.url} (Ctrl-C stops)")
+            _wait_for_ctrl_c()
+    finally:
+        if server is not None:
+            with ignoring_sigint():
+                server.stop()
+
+
+def _start_dashboard(plans: Path, port: int):
+    """The dashboard in a background thread, or ``None`` (headless) if it is unavailable."""
+    try:
+        from dashboard.server import start_server
+    except ImportError as err:
+        print(f"dashboard unavailable ({err}); running headless", flush=True)
+        return None
+    return start_server(plans, host="127.0.0.1", port=port)
+
+
+def _wait_for_ctrl_c() -> None:
+    stop = threading.Event()
+    try:
+        while not stop.wait(1.0):
+            pass
+    except KeyboardInterrupt:
+        print("stopped")

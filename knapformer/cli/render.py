@@ -1,9 +1,115 @@
-"""Placeholder: this command group is added by a later issue."""
+"""``knapformer animate`` (manim video of routing decisions) and ``knapformer report``
+(self-contained HTML with the dashboard's plotly figures). manim, plotly and Playwright are
+imported inside the commands so ``import knapformer`` stays light."""
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+from typing import Annotated
+
 import typer
+
+from knapformer.cli.errors import UserError
+
+QUALITY_HELP = "low (854x480, 15 fps), medium (1280x720, 30 fps), high (1080p60) or 4k"
 
 
 def register(app: typer.Typer) -> None:
     """Add this module's commands to ``app``."""
+    app.command()(animate)
+    app.command()(report)
+
+
+def _read(path: Path):
+    from knapformer.plan_io import read_plans
+
+    result = read_plans(path)
+    if not result.records:
+        reason = result.problems[0].message if result.problems else "no plan in the file"
+        raise UserError(f"{path}: {reason}")
+    return result
+
+
+def animate(
+    plan: Annotated[Path, typer.Argument(help="Plan file: JSON, JSONL or legacy JSON.")],
+    out: Annotated[Path, typer.Option("-o", "--out", help="Output video (.mp4).")] = Path(
+        "routing.mp4"
+    ),
+    step: Annotated[
+        int | None, typer.Option(help="Step to animate (default: the last plan of the file).")
+    ] = None,
+    steps: Annotated[
+        str | None, typer.Option(help="Chain steps A:B (inclusive; A: or :B open) in one video.")
+    ] = None,
+    quality: Annotated[str, typer.Option(help=QUALITY_HELP)] = "low",
+    measure: Annotated[
+        str, typer.Option(help="Block widths proportional to 'tokens' or 'workload'.")
+    ] = "tokens",
+    title: Annotated[str | None, typer.Option(help="Title shown above the scene.")] = None,
+) -> None:
+    """Render a video of routing decisions: sequences per GPU, chunks flying to their bags."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from knapformer.plan_io import select_step
+    from visualization.render import QUALITIES, plans_in_range, render_video
+
+    if step is not None and steps is not None:
+        raise UserError("give either --step or --steps, not both")
+    if quality not in QUALITIES:
+        raise UserError(f"--quality must be one of {', '.join(QUALITIES)}, not {quality!r}")
+    if measure not in ("tokens", "workload"):
+        raise UserError(f"--measure must be 'tokens' or 'workload', not {measure!r}")
+    if out.suffix.lower() != ".mp4":
+        raise UserError(f"output must be an .mp4 file, not {str(out)!r}")
+    result = _read(plan)
+    plans = plans_in_range(result, steps) if steps else [select_step(result, step).plan]
+
+    console = Console(stderr=True)
+    started = time.perf_counter()
+    label = f"rendering {len(plans)} step{'s' if len(plans) != 1 else ''} ({quality})"
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total} animations"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    ) as progress:
+        task = progress.add_task(label, total=None)
+
+        def on_progress(done: int, total: int) -> None:
+            progress.update(task, completed=done, total=total)
+
+        written = render_video(plans, out, quality, measure, title, on_progress)  # type: ignore[arg-type]
+    seconds = time.perf_counter() - started
+    console.print(f"wrote {written} ({len(plans)} step(s), {quality}) in {seconds:.1f} s")
+
+
+def report(
+    plans: Annotated[Path, typer.Argument(help="Plan file: JSON, JSONL or legacy JSON.")],
+    out: Annotated[Path, typer.Option("-o", "--out", help="Output HTML file.")] = Path(
+        "report.html"
+    ),
+    steps: Annotated[
+        str | None,
+        typer.Option(help="Steps A:B (inclusive) to include (default: the last plan)."),
+    ] = None,
+    png: Annotated[
+        Path | None,
+        typer.Option(help="Also export every figure as PNG into this directory (Chromium)."),
+    ] = None,
+) -> None:
+    """Write a self-contained HTML report with the dashboard's plotly figures."""
+    from visualization.report import export_pngs, write_report
+
+    result = _read(plans)
+    written, figures = write_report(result, out, steps=steps, source=str(plans))
+    print(f"wrote {written} ({len(figures)} figures)")
+    if png is not None:
+        try:
+            files = export_pngs(written, png)
+        except RuntimeError as err:
+            raise UserError(str(err)) from None
+        print(f"wrote {len(files)} PNG files to {png}")

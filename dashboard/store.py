@@ -1,0 +1,335 @@
+"""What the dashboard knows about one run, and the folder of runs it may choose from.
+
+A `PlanStore` keeps one `StepSummary` plus a file location per step (a few hundred bytes),
+never the plans themselves: a full plan is re-read and validated only when the user
+selects its step, and the last few are cached. A background thread per store follows
+the file (`dashboard.tail.JsonlTail`) so Dash callbacks only read a snapshot.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from pathlib import Path
+
+from dashboard.tail import JsonlTail
+from knapformer.plan import RoutingPlan
+from knapformer.plan_io import PlanFormatError, Problem, parse_plan_line, read_plans
+from visualization.figures import StepSummary, summarize
+
+_POLL_BYTES = 512 << 10  # per poll while catching up: small, so serving requests waits little
+_IDLE_S = 0.25
+_YIELD_S = 0.5
+_KEEP_PROBLEMS = 200
+_KEEP_EVENTS = 5
+_CACHE_PLANS = 8
+_ROTATED = re.compile(r".*\.\d+\.jsonl$")
+
+
+@dataclass(frozen=True, slots=True)
+class Location:
+    generation: int  # file generation of the tailer (JSONL) — or -1 for a JSON file
+    offset: int  # byte offset (JSONL) or record index (JSON)
+    length: int
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A consistent view for one callback. ``reset`` changes when earlier steps vanished
+    (truncation, a rewritten JSON file), so a client must redraw rather than append."""
+
+    reset: int
+    summaries: list[StepSummary]
+    problems: list[Problem]
+    problem_count: int
+    notices: list[str]
+    indexing: bool
+    mean_speedup: float | None
+
+
+class RequestGate:
+    """Counts web requests in flight, so that catching up on a long file (which holds the
+    GIL most of the time) pauses while a page or callback is being served."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._busy = 0
+        self._idle = threading.Event()
+        self._idle.set()
+
+    def enter(self) -> None:
+        with self._lock:
+            self._busy += 1
+            self._idle.clear()
+
+    def leave(self) -> None:
+        with self._lock:
+            self._busy = max(self._busy - 1, 0)
+            if self._busy == 0:
+                self._idle.set()
+
+    def wait_idle(self, timeout: float) -> None:
+        self._idle.wait(timeout)
+
+
+class PlanStore:
+    """Summaries of every plan in one file (JSONL followed live, or a JSON document)."""
+
+    def __init__(
+        self, path: str | os.PathLike, name: str | None = None, gate: RequestGate | None = None
+    ):
+        self.path = Path(path)
+        self._gate = gate
+        self.name = name or self.path.stem
+        self.is_jsonl = self.path.suffix != ".json"
+        self._lock = threading.Lock()
+        self._summaries: list[StepSummary] = []
+        self._where: list[Location] = []
+        self._problems: deque[Problem] = deque(maxlen=_KEEP_PROBLEMS)
+        self._problem_count = 0
+        self._events: deque[str] = deque(maxlen=_KEEP_EVENTS)
+        self._missing: str | None = None
+        self._reset = 0
+        self._speedup_sum = 0.0
+        self._indexing = True
+        self._cache: OrderedDict[tuple[int, int], RoutingPlan] = OrderedDict()
+        self._tail = JsonlTail(self.path) if self.is_jsonl else None
+        self._json_plans: list[RoutingPlan] = []
+        self._json_stamp: tuple[int, int] | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    # --------------------------------------------------------------- following
+    def start(self) -> None:
+        """Follow the file in a daemon thread until `stop`."""
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._follow, name=f"follow {self.name}", daemon=True
+            )
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if self._tail is not None:
+            self._tail.close()
+
+    def _follow(self) -> None:
+        while not self._stop.is_set():
+            try:
+                more = self.poll()
+            except Exception as err:  # never let the follower die: show why instead
+                with self._lock:
+                    self._events.append(f"error while reading {self.path}: {err}")
+                more = False
+            if not more:
+                self._stop.wait(_IDLE_S)
+            elif self._gate is not None:
+                # Yield to requests, but at most this long, so indexing never starves.
+                self._gate.wait_idle(_YIELD_S)
+
+    def poll(self) -> bool:
+        """Read what is new; True when more is waiting (call again right away)."""
+        if self._tail is None:
+            self._poll_json()
+            return False
+        batch = self._tail.poll(_POLL_BYTES)
+        parsed: list[tuple[StepSummary, Location]] = []
+        problems: list[Problem] = []
+        for line in batch.lines:
+            try:
+                plan = parse_plan_line(line.text)
+            except PlanFormatError as err:
+                problems.append(Problem(self.path.name, line.number, str(err)))
+                continue
+            where = Location(line.generation, line.offset, line.length)
+            parsed.append((summarize(plan, line.number), where))
+        with self._lock:
+            for event in batch.events:
+                if event.kind == "missing":
+                    self._missing = event.message
+                elif event.kind == "appeared":
+                    self._missing = None
+                elif event.kind == "removed":
+                    self._missing = f"{event.message}; waiting for it to reappear"
+                else:
+                    self._events.append(event.message)
+                    if event.kind == "truncated":
+                        self._clear()
+            self._add(parsed, problems)
+            self._indexing = batch.more
+        return batch.more
+
+    def _poll_json(self) -> None:
+        try:
+            st = os.stat(self.path)
+        except OSError as err:
+            with self._lock:
+                self._missing = f"cannot read {self.path}: {err.strerror}"
+                self._indexing = False
+            return
+        stamp = (st.st_mtime_ns, st.st_size)
+        if stamp == self._json_stamp:
+            return
+        self._json_stamp = stamp
+        result = read_plans(self.path, on_error="skip")
+        with self._lock:
+            self._missing = None
+            if self._summaries or self._problem_count:
+                self._events.append(f"{self.path.name} changed on disk; reloaded")
+            self._clear()
+            self._problems.clear()
+            self._problem_count = 0
+            self._json_plans = result.plans
+            parsed = [
+                (summarize(r.plan, r.line), Location(-1, i, 0))
+                for i, r in enumerate(result.records)
+            ]
+            self._add(parsed, result.problems)
+            self._indexing = False
+
+    def _clear(self) -> None:
+        self._summaries = []
+        self._where = []
+        self._speedup_sum = 0.0
+        self._cache.clear()
+        self._reset += 1
+
+    def _add(self, parsed: list[tuple[StepSummary, Location]], problems: list[Problem]) -> None:
+        for summary, where in parsed:
+            self._summaries.append(summary)
+            self._where.append(where)
+            if summary.speedup != float("inf"):
+                self._speedup_sum += summary.speedup
+        self._problems.extend(problems)
+        self._problem_count += len(problems)
+
+    # ----------------------------------------------------------------- reading
+    def snapshot(self) -> Snapshot:
+        with self._lock:
+            n = len(self._summaries)
+            notices = list(self._events)
+            if self._missing:
+                notices.insert(0, self._missing)
+            elif n == 0 and self._problem_count == 0 and not self._indexing:
+                notices.insert(0, f"{self.path.name} holds no plans yet — waiting for some")
+            return Snapshot(
+                reset=self._reset,
+                summaries=list(self._summaries),
+                problems=list(self._problems),
+                problem_count=self._problem_count,
+                notices=notices,
+                indexing=self._indexing,
+                mean_speedup=self._speedup_sum / n if n else None,
+            )
+
+    def plan(self, index: int, reset: int | None = None) -> RoutingPlan:
+        """The full plan of step ``index`` (re-read and validated; a few are cached).
+
+        Raises ``LookupError`` when the step is gone (file truncated or removed)."""
+        with self._lock:
+            if reset is not None and reset != self._reset:
+                raise LookupError("the file was reset; that step is gone")
+            if not 0 <= index < len(self._where):
+                raise LookupError(f"step index {index} is out of range")
+            key = (self._reset, index)
+            cached = self._cache.get(key)
+            if cached is not None:
+                self._cache.move_to_end(key)
+                return cached
+            where = self._where[index]
+            if where.generation < 0:
+                plan = self._json_plans[where.offset]
+            else:
+                try:
+                    text = self._tail.read_record(where.generation, where.offset, where.length)
+                except OSError as err:
+                    raise LookupError(str(err)) from err
+                try:
+                    plan = parse_plan_line(text)
+                except PlanFormatError as err:
+                    raise LookupError(f"record changed on disk: {err}") from err
+            self._cache[key] = plan
+            while len(self._cache) > _CACHE_PLANS:
+                self._cache.popitem(last=False)
+            return plan
+
+
+class Runs:
+    """The runs behind PATH: one file, or a folder of ``<run>/plans.jsonl`` (and plan files
+    directly in it). Stores are created, and start following, when first asked for."""
+
+    def __init__(self, path: str | os.PathLike, gate: RequestGate | None = None):
+        self.path = Path(path)
+        self.gate = gate
+        self._stores: dict[str, PlanStore] = {}
+        self._lock = threading.Lock()
+        self._names: dict[str, Path] = {}
+        self._scanned = 0.0
+
+    def files(self) -> dict[str, Path]:
+        """Run name -> plan file (rescanned at most every 2 s; runs can appear live)."""
+        now = time.monotonic()
+        with self._lock:
+            if now - self._scanned > 2.0 or not self._names:
+                self._names = self._scan()
+                self._scanned = now
+            return dict(self._names)
+
+    def _scan(self) -> dict[str, Path]:
+        if not self.path.is_dir():
+            return {self.path.stem or str(self.path): self.path}
+        found: dict[str, Path] = {}
+        if (self.path / "plans.jsonl").is_file():
+            found[self.path.name] = self.path / "plans.jsonl"
+        try:
+            entries = sorted(self.path.iterdir())
+        except OSError:
+            return found
+        for entry in entries:
+            if entry.is_dir() and (entry / "plans.jsonl").is_file():
+                found[entry.name] = entry / "plans.jsonl"
+            elif (
+                entry.is_file()
+                and entry.suffix in (".json", ".jsonl")
+                and entry.name != "plans.jsonl"
+                and not _ROTATED.fullmatch(entry.name)
+            ):
+                found[entry.name] = entry
+        return found
+
+    def default(self) -> str | None:
+        """The run written to most recently."""
+        files = self.files()
+        if not files:
+            return None
+
+        def mtime(item):
+            try:
+                return item[1].stat().st_mtime
+            except OSError:
+                return 0.0
+
+        return max(files.items(), key=mtime)[0]
+
+    def store(self, name: str | None) -> PlanStore | None:
+        files = self.files()
+        if name not in files:
+            return None
+        with self._lock:
+            store = self._stores.get(name)
+            if store is None:
+                store = self._stores[name] = PlanStore(files[name], name, self.gate)
+                store.start()
+            return store
+
+    def close(self) -> None:
+        with self._lock:
+            for store in self._stores.values():
+                store.stop()
+            self._stores.clear()

@@ -1,0 +1,198 @@
+"""Incremental reader of a JSONL file that is still being written.
+
+Each `poll` reads only bytes not seen before and returns the complete lines among them
+with their byte offsets (so a record can be re-read later without keeping it in memory).
+It copes with what a recorder and the tools around it do to such a file:
+
+- a partial last line (the writer is mid-record): left for the next poll;
+- truncation (the file shrinks below what was read): reading restarts at byte 0;
+- rotation (``plans.jsonl`` renamed to ``plans.1.jsonl`` and a new ``plans.jsonl``
+  started): the rest of the old file is drained through the still-open handle, then the
+  new file is read from its start; the old file stays open so earlier records remain
+  readable by ``read_record``;
+- the file missing or removed while open: reported once, then picked up when it appears.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_CHUNK = 1 << 20
+_KEEP_GENERATIONS = 16  # rotated files kept open for re-reading records
+
+
+@dataclass(frozen=True, slots=True)
+class TailLine:
+    number: int  # 1-based line number within its file generation
+    offset: int  # byte offset of the line's start
+    length: int  # bytes, without the newline
+    generation: int  # which file (0 = the first one opened; +1 per rotation/truncation)
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class TailEvent:
+    kind: str  # "missing" | "appeared" | "truncated" | "rotated" | "removed"
+    message: str
+
+
+@dataclass
+class TailBatch:
+    lines: list[TailLine] = field(default_factory=list)
+    events: list[TailEvent] = field(default_factory=list)
+    more: bool = False  # stopped at max_bytes: poll again right away
+
+
+class JsonlTail:
+    """Follows one path. Not thread-safe: poll from one thread."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.generation = 0
+        self.offset = 0  # bytes consumed: end of the last complete line
+        self.line = 0  # complete lines consumed in this generation
+        self._file = None  # binary handle of the current generation
+        self._inode: int | None = None
+        self._missing_reported = False
+        self._old: dict[int, object] = {}  # generation -> open handle of a rotated file
+
+    # ------------------------------------------------------------------ polling
+    def poll(self, max_bytes: int | None = None) -> TailBatch:
+        """New complete lines since the last poll (at most about ``max_bytes`` of them)."""
+        batch = TailBatch()
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            st = None
+        except OSError as err:
+            batch.events.append(TailEvent("missing", f"cannot read {self.path}: {err.strerror}"))
+            return batch
+
+        if self._file is None:
+            if st is None:
+                if not self._missing_reported:
+                    batch.events.append(TailEvent("missing", f"{self.path} does not exist yet"))
+                    self._missing_reported = True
+                return batch
+            if not self._open(batch):
+                return batch
+            if self._missing_reported:
+                batch.events.append(TailEvent("appeared", f"{self.path} appeared"))
+                self._missing_reported = False
+        elif st is None or st.st_ino != self._inode:
+            # Renamed away or deleted: finish what the old handle still holds first.
+            self._read(batch, None)
+            where = _rotated_name(self.path, self._inode)
+            if where is not None:
+                batch.events.append(
+                    TailEvent(
+                        "rotated",
+                        f"{self.path.name} was rotated to {where.name} after line {self.line}",
+                    )
+                )
+            else:
+                batch.events.append(
+                    TailEvent("removed", f"{self.path} was removed after line {self.line}")
+                )
+            self._retire()
+            if st is None:
+                self._missing_reported = True
+                return batch
+            if not self._open(batch):
+                return batch
+        elif st.st_size < self.offset:
+            batch.events.append(
+                TailEvent(
+                    "truncated",
+                    f"{self.path.name} was truncated to {st.st_size} bytes (had read "
+                    f"{self.offset}, {self.line} lines); reading it again from the start",
+                )
+            )
+            self.generation += 1
+            self.offset = 0
+            self.line = 0
+        self._read(batch, max_bytes)
+        return batch
+
+    def read_record(self, generation: int, offset: int, length: int) -> str:
+        """Re-read one line returned earlier (from the live or a rotated file)."""
+        handle = self._file if generation == self.generation else self._old.get(generation)
+        if handle is None:
+            raise OSError(
+                f"the file holding that record ({self.path}, generation {generation}) "
+                "is no longer available"
+            )
+        data = os.pread(handle.fileno(), length, offset)
+        if len(data) != length:
+            raise OSError(f"{self.path}: record at byte {offset} is no longer in the file")
+        return data.decode("utf-8", errors="replace")
+
+    def close(self) -> None:
+        for handle in [self._file, *self._old.values()]:
+            if handle is not None:
+                handle.close()
+        self._file = None
+        self._old.clear()
+
+    # ---------------------------------------------------------------- internals
+    def _open(self, batch: TailBatch) -> bool:
+        try:
+            self._file = open(self.path, "rb")  # noqa: SIM115 — kept open across polls
+        except OSError as err:
+            batch.events.append(TailEvent("missing", f"cannot open {self.path}: {err.strerror}"))
+            return False
+        self._inode = os.fstat(self._file.fileno()).st_ino
+        self.offset = 0
+        self.line = 0
+        return True
+
+    def _retire(self) -> None:
+        """Keep the old handle for `read_record`; start a new generation."""
+        self._old[self.generation] = self._file
+        while len(self._old) > _KEEP_GENERATIONS:
+            self._old.pop(min(self._old)).close()
+        self._file = None
+        self._inode = None
+        self.generation += 1
+
+    def _read(self, batch: TailBatch, max_bytes: int | None) -> None:
+        fd = self._file.fileno()
+        budget = max_bytes if max_bytes is not None else float("inf")
+        pending = b""  # bytes after the last newline read so far
+        pos = self.offset
+        while budget > 0:
+            data = os.pread(fd, int(min(_CHUNK, budget)), pos)
+            if not data:
+                return
+            pos += len(data)
+            buf = pending + data
+            cut = buf.rfind(b"\n")
+            if cut < 0:
+                pending = buf  # a line longer than one chunk, or a partial last line
+                continue
+            start = self.offset
+            for raw in buf[:cut].split(b"\n"):
+                self.line += 1
+                text = raw.decode("utf-8", errors="replace").rstrip("\r")
+                if text.strip():
+                    batch.lines.append(TailLine(self.line, start, len(raw), self.generation, text))
+                start += len(raw) + 1
+            self.offset = start
+            budget -= cut + 1
+            pending = buf[cut + 1 :]
+        batch.more = True
+
+
+def _rotated_name(path: Path, inode: int | None) -> Path | None:
+    """The sibling (e.g. ``plans.1.jsonl``) that now holds the file with ``inode``."""
+    if inode is None or not path.parent.is_dir():
+        return None
+    for sibling in path.parent.iterdir():
+        try:
+            if sibling != path and sibling.stat().st_ino == inode:
+                return sibling
+        except OSError:
+            continue
+    return None

@@ -1,0 +1,373 @@
+"""`SequenceBalancer`: plan every step, then move tokens to where the plan says.
+
+Typical step (see ``knapformer/models.py`` for a model that does this)::
+
+    plan = balancer.plan_routing(local_seq_lens, token_dim=d)   # small all-gathers
+    chunk_lens, x, feats = balancer.route(packed, {"pos": positions})   # 1 all-to-all
+    ...  # per layer: q, k, v of the chunks (tokens, heads, head_dim)
+    seq_lens, q, k, v = balancer.pre_attn(q, k, v)   # Ulysses inside the bag
+    out = attention(q, k, v, seq_lens)                # whole sequences, heads/g heads
+    chunk_lens, out = balancer.post_attn(out)
+    ...
+    seq_lens, y, _ = balancer.reverse_route(x)        # 1 all-to-all; rows as `packed`
+
+Works on the backend of the process group: NCCL with CUDA tensors, gloo with CPU
+tensors. Balance groups are consecutive ranks; a world of k x (topology GPUs) ranks
+holds k replicas, each balanced on its own.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from knapformer.plan import Measurements, RoutingPlan
+from knapformer.planner import SOLVERS, plan_routing
+from knapformer.router import (
+    Features,
+    Group,
+    RoutingTables,
+    check_rows,
+    exchange,
+    flatten_features,
+    unflatten_features,
+)
+from knapformer.topology import Topology, as_topology
+from knapformer.workload import WorkloadModel
+
+PHASES = ("plan", "route", "pre_attn", "post_attn", "reverse_route")
+
+
+class SequenceBalancer:
+    """Balances packed sequences across the GPUs of a balance group.
+
+    Args:
+        topology: compute bags, e.g. ``"g1n2+g2n1+g4n1"`` (or a `Topology`).
+        gamma: attention weight of the workload model.
+        solver: ``"knapformer"`` (default) or ``"greedy"``.
+        process_group: the group to balance (default: WORLD). Sub-groups are created with
+            ``torch.distributed.new_group``, so every rank of the default group must
+            construct the balancer at the same point.
+        max_tokens_per_gpu: optional hard cap on tokens per GPU after routing.
+        recorder: optional object with ``on_step(balancer, plan)`` and ``close()``
+            (e.g. ``knapformer.PlanRecorder``), called on every rank of the group.
+        run: run name stored in every plan.
+    """
+
+    def __init__(
+        self,
+        topology: Topology | str,
+        gamma: float = 0.4,
+        solver: str = "knapformer",
+        process_group: Group = None,
+        max_tokens_per_gpu: int | None = None,
+        recorder: Any = None,
+        run: str | None = None,
+    ) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "SequenceBalancer needs torch.distributed: call "
+                "torch.distributed.init_process_group(...) first"
+            )
+        self.topology = as_topology(topology)
+        if solver not in SOLVERS:
+            raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
+        WorkloadModel(1, gamma)  # validates gamma now rather than at the first step
+        if max_tokens_per_gpu is not None and max_tokens_per_gpu <= 0:
+            raise ValueError(f"max_tokens_per_gpu must be positive, got {max_tokens_per_gpu}")
+        self.gamma = float(gamma)
+        self.solver = solver
+        self.max_tokens_per_gpu = max_tokens_per_gpu
+        self.recorder = recorder
+        self.run = run
+
+        self.rank: int = dist.get_rank()
+        if process_group is None or process_group == dist.group.WORLD:
+            parent_ranks = list(range(dist.get_world_size()))
+        else:
+            parent_ranks = dist.get_process_group_ranks(process_group)
+        n = self.topology.num_gpus
+        try:
+            replicas = self.topology.num_replicas(len(parent_ranks))
+        except ValueError as err:
+            raise ValueError(f"{err} (process group of {len(parent_ranks)} ranks)") from None
+        balance_groups = [parent_ranks[i * n : (i + 1) * n] for i in range(replicas)]
+        self.group_ranks: list[int] = next(g for g in balance_groups if self.rank in g)
+        self.num_replicas = replicas
+
+        # torch.distributed requires every rank to create every sub-group, in one order.
+        self.group: Group = process_group
+        if replicas > 1:
+            for ranks in balance_groups:
+                created = dist.new_group(ranks)
+                if self.rank in ranks:
+                    self.group = created
+        self._bag_group: Group = None
+        for ranks in balance_groups:
+            for bag in self.topology.bags(ranks):
+                if len(bag) > 1:
+                    created = dist.new_group(bag)
+                    if self.rank in bag:
+                        self._bag_group = created
+        self.my_bag: list[int] = next(
+            b for b in self.topology.bags(self.group_ranks) if self.rank in b
+        )
+
+        backend = str(dist.get_backend(self.group))
+        # NCCL moves CUDA tensors only; everything else here runs on the CPU.
+        if "nccl" in backend:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self.device = torch.device("cpu")
+
+        self.step: int = -1  # -1 until the first plan_routing
+        self.last_plan: RoutingPlan | None = None
+        self.tables: RoutingTables | None = None
+        self.previous_timings: dict[str, float] = {}
+        self._timings: dict[str, float] = {}
+        self._pending: list[tuple[str, Any, Any]] = []  # CUDA events, resolved lazily
+        self._last_start: float | None = None
+        self._closed = False
+
+    # ---------------------------------------------------------------- timings
+    @property
+    def timings(self) -> dict[str, float]:
+        """This rank's ms per phase for the current step (summed over calls)."""
+        for phase, start, end in self._pending:
+            end.synchronize()
+            self._timings[phase] = self._timings.get(phase, 0.0) + start.elapsed_time(end)
+        self._pending.clear()
+        return self._timings
+
+    def add_timing(self, phase: str, ms: float) -> None:
+        """Add a user-measured phase (e.g. ``"forward_backward"``) to this step's timings."""
+        self._timings[phase] = self._timings.get(phase, 0.0) + float(ms)
+
+    @contextmanager
+    def _timed(self, phase: str) -> Iterator[None]:
+        # On CUDA the work is asynchronous: time it with events, read them later.
+        if self.device.type == "cuda":
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._pending.append((phase, start, end))
+        else:
+            began = time.perf_counter()
+            yield
+            self.add_timing(phase, (time.perf_counter() - began) * 1e3)
+
+    # --------------------------------------------------------------- planning
+    def plan_routing(self, local_seq_lens: Any, token_dim: int) -> RoutingPlan:
+        """Plan this step from every rank's sequence lengths; collective over the group.
+
+        ``local_seq_lens``: this rank's sequence lengths (list, numpy array or tensor), in
+        the order the sequences are packed. Returns the plan (also ``self.last_plan``);
+        ``plan.measurements.plan_ms`` is this rank's time for the whole call.
+        """
+        started, wall = time.perf_counter(), time.time()
+        lengths = _as_lengths(local_seq_lens)
+        model = WorkloadModel(int(token_dim), self.gamma)
+        per_gpu = self._gather_lengths(lengths)
+        plan = plan_routing(
+            per_gpu,
+            self.topology,
+            model,
+            solver=self.solver,
+            max_tokens_per_gpu=self.max_tokens_per_gpu,
+            gpus=self.group_ranks,
+            step=self.step + 1,
+            run=self.run,
+        )
+        self.tables = RoutingTables.build(plan, self.rank, self.device, self._bag_group)
+        elapsed = (time.perf_counter() - started) * 1e3
+        plan.time = wall
+        if plan.measurements is None:
+            plan.measurements = Measurements()
+        plan.measurements.plan_ms = elapsed
+
+        previous = dict(self.timings)
+        if self._last_start is not None:
+            previous["step"] = (started - self._last_start) * 1e3
+        self.previous_timings = previous
+        self._timings = {"plan": elapsed}
+        self._last_start = started
+        self.step += 1
+        self.last_plan = plan
+        if self.recorder is not None:
+            self.recorder.on_step(self, plan)
+        return plan
+
+    def _gather_lengths(self, lengths: np.ndarray) -> list[np.ndarray]:
+        """All ranks' lengths: one all-gather of the counts, one of the padded lengths."""
+        n = len(self.group_ranks)
+        count = torch.tensor([len(lengths)], dtype=torch.int64, device=self.device)
+        counts = [torch.empty_like(count) for _ in range(n)]
+        dist.all_gather(counts, count, group=self.group)
+        sizes = torch.cat(counts).tolist()
+        padded = torch.zeros(max(sizes), dtype=torch.int64, device=self.device)
+        padded[: len(lengths)] = torch.from_numpy(lengths)
+        gathered = [torch.empty_like(padded) for _ in range(n)]
+        dist.all_gather(gathered, padded, group=self.group)
+        return [g[:s].cpu().numpy() for g, s in zip(gathered, sizes, strict=True)]
+
+    def _require_tables(self) -> RoutingTables:
+        if self.tables is None:
+            raise RuntimeError("call plan_routing(...) before routing tokens")
+        return self.tables
+
+    # ---------------------------------------------------------------- routing
+    def route(
+        self, packed_seqs: torch.Tensor, features: Features = None
+    ) -> tuple[list[int], torch.Tensor, Features]:
+        """Send every chunk to its GPU: one all-to-all for the tokens and all features.
+
+        ``packed_seqs``: ``(T_local, ...)``, this rank's sequences concatenated in the
+        order of ``local_seq_lens``. ``features``: a tensor or dict/list of tensors with
+        first dim ``T_local`` (any dtype; integers arrive bit-exact).
+        Returns ``(chunk_lens, seqs (T_chunks, ...), features)``: the chunks this rank now
+        holds, ordered by sequence id then chunk index.
+        """
+        t = self._require_tables()
+        with self._timed("route"):
+            tensors = self._inputs(packed_seqs, features, t.num_local, "packed_seqs", "local")
+            outs = exchange(tensors, t.send_splits, t.recv_splits, self.group, t.send_index)
+        return list(t.chunk_lens), outs[0], unflatten_features(features, outs[1:])
+
+    def reverse_route(
+        self, seqs: torch.Tensor, features: Features = None
+    ) -> tuple[list[int], torch.Tensor, Features]:
+        """Send chunks home: the inverse of `route` (rows back in the packed order).
+
+        ``seqs``: ``(T_chunks, ...)``. Returns ``(local_seq_lens, seqs (T_local, ...),
+        features)``.
+        """
+        t = self._require_tables()
+        with self._timed("reverse_route"):
+            tensors = self._inputs(seqs, features, t.num_chunk_tokens, "seqs", "chunks")
+            outs = exchange(
+                tensors, t.recv_splits, t.send_splits, self.group, post_index=t.restore_index
+            )
+        return list(t.local_lens), outs[0], unflatten_features(features, outs[1:])
+
+    def _inputs(self, x, features, rows: int, name: str, where: str) -> list[torch.Tensor]:
+        what = (
+            "the sequence lengths given to plan_routing"
+            if where == "local"
+            else "the chunks routed to this rank"
+        )
+        check_rows(name, x, rows, what)
+        flat = flatten_features(features)
+        for i, f in enumerate(flat):
+            key = list(features)[i] if isinstance(features, dict) else i
+            check_rows(f"feature {key!r}", f, rows, what)
+        return [x, *flat]
+
+    # -------------------------------------------------------------- attention
+    def pre_attn(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Ulysses: trade chunks of all heads for whole sequences of H/g heads.
+
+        ``q, k, v``: ``(T_chunks, H, D)`` from the routed tokens. In a bag of g > 1 GPUs
+        returns ``(seq_lens, q, k, v)`` with ``(T_bag, H/g, D)``: the bag's whole
+        sequences (lengths ``seq_lens``, what a varlen attention kernel needs) and this
+        GPU's share of the heads. A single-GPU bag returns its inputs unchanged.
+        """
+        t = self._require_tables()
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(x, torch.Tensor) or x.dim() != 3:
+                shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                raise ValueError(f"{name} must have shape (tokens, heads, head_dim), got {shape}")
+            check_rows(name, x, t.num_chunk_tokens, "the chunks routed to this rank")
+        if not (q.shape == k.shape == v.shape and q.dtype == k.dtype == v.dtype):
+            raise ValueError(
+                f"q, k, v must share shape and dtype, got {tuple(q.shape)}/{q.dtype}, "
+                f"{tuple(k.shape)}/{k.dtype}, {tuple(v.shape)}/{v.dtype}"
+            )
+        heads = q.shape[1]
+        # Checked against every bag size so that all ranks fail together, not hang.
+        bad = [g for g in set(self.topology.bag_sizes) if heads % g]
+        if bad:
+            raise ValueError(
+                f"{heads} attention heads cannot be split evenly across bags of "
+                f"{max(bad)} GPUs (topology {self.topology}); use a head count divisible "
+                f"by every bag size"
+            )
+        bag = t.bag
+        if bag is None:
+            return list(t.chunk_lens), q, k, v
+        with self._timed("pre_attn"):
+            rows, g, dh = q.shape[0], bag.size, q.shape[2]
+            x = torch.stack([q, k, v], dim=1).reshape(rows, 3, g, heads // g, dh)
+            x = x.permute(2, 0, 1, 3, 4).reshape(g * rows, 3, heads // g, dh)
+            (y,) = exchange(
+                [x], [rows] * g, bag.tokens_per_gpu, bag.group, post_index=bag.to_sequences
+            )
+            q2, k2, v2 = y.unbind(dim=1)
+        return list(bag.seq_lens), q2, k2, v2
+
+    def post_attn(self, out: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+        """Inverse of `pre_attn` for the attention output.
+
+        ``out``: ``(T_bag, H/g, D)`` in the layout `pre_attn` returned. Returns
+        ``(chunk_lens, out (T_chunks, H, D))``.
+        """
+        t = self._require_tables()
+        if not isinstance(out, torch.Tensor) or out.dim() != 3:
+            shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            raise ValueError(f"out must have shape (tokens, heads, head_dim), got {shape}")
+        bag = t.bag
+        if bag is None:
+            check_rows("out", out, t.num_chunk_tokens, "the chunks routed to this rank")
+            return list(t.chunk_lens), out
+        check_rows("out", out, sum(bag.seq_lens), "the bag sequences from pre_attn")
+        with self._timed("post_attn"):
+            rows, g = t.num_chunk_tokens, bag.size
+            (y,) = exchange(
+                [out], bag.tokens_per_gpu, [rows] * g, bag.group, pre_index=bag.from_sequences
+            )
+            y = y.reshape(g, rows, *out.shape[1:]).permute(1, 0, 2, 3)
+            y = y.reshape(rows, g * out.shape[1], out.shape[2])
+        return list(t.chunk_lens), y
+
+    # -------------------------------------------------------------- lifecycle
+    def close(self) -> None:
+        """Close the recorder, if any (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.recorder is not None:
+            self.recorder.close()
+
+    def __enter__(self) -> SequenceBalancer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _as_lengths(local_seq_lens: Any) -> np.ndarray:
+    """This rank's lengths as a 1-D int64 array; a clear error for anything else."""
+    if isinstance(local_seq_lens, torch.Tensor):
+        local_seq_lens = local_seq_lens.detach().cpu().numpy()
+    arr = np.asarray(local_seq_lens)
+    if arr.ndim != 1:
+        raise ValueError(f"local_seq_lens must be a 1-D list of lengths, got shape {arr.shape}")
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if arr.dtype.kind not in "iu" and not (
+        arr.dtype.kind == "f" and np.all(np.isfinite(arr)) and np.all(np.mod(arr, 1) == 0)
+    ):
+        raise ValueError(f"local_seq_lens must be whole numbers of tokens, got {arr.tolist()}")
+    arr = arr.astype(np.int64)
+    if arr.min() < 0:
+        raise ValueError(f"local_seq_lens include a negative length {int(arr.min())}")
+    return arr

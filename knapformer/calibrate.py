@@ -1,0 +1,218 @@
+"""Fit the workload model's time scale ``k`` and attention weight ``γ`` from measurements.
+
+Two sources:
+
+- a CSV of per-sequence measurements with a header naming the columns ``length``
+  (tokens) and ``latency`` (ms; ``latency_ms`` is accepted too); other columns are
+  ignored. Fit: ``latency ≈ k·(24·L·d² + γ·4·L²·d)/1e12`` by least squares
+  (`WorkloadModel.calibrate`).
+- recorded plans whose ``measurements.per_rank_ms[phase]`` carries a measured time per
+  GPU (the compute phase). After routing, GPU i computes 1/g of every sequence of its
+  bag of g GPUs, so its time ≈ ``k·Σ_s (24·L_s·d² + γ·4·L_s²·d)/(g·1e12)``. That is
+  linear in ``(a, b) = (k, k·γ)`` with features ``Σ 24·L·d²/(g·1e12)`` and
+  ``Σ 4·L²·d/(g·1e12)``: one least-squares fit over all (plan, GPU) rows, then
+  ``k = a`` and ``γ = b / a``.
+
+The fitted ``k`` converts workload units into milliseconds, so ``WorkloadModel(d, γ, k)``
+predicts times directly.
+"""
+
+from __future__ import annotations
+
+import csv
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from knapformer.plan import RoutingPlan
+from knapformer.workload import WorkloadModel
+
+# Phases tried, in order, when the user names none: the compute part of a step.
+COMPUTE_PHASES = ("compute", "forward_backward", "forward", "attn", "step")
+
+
+@dataclass
+class Calibration:
+    """A fit and the points it was fitted on (``predicted`` and ``measured`` in ms)."""
+
+    model: WorkloadModel
+    rel_rms_error: float
+    measured: np.ndarray  # (n,)
+    predicted: np.ndarray  # (n,)
+    labels: list[str]  # (n,) what each point is, e.g. "L=4096" or "step 3 GPU 5"
+    source: str  # "csv" or "plans"
+    phase: str | None = None
+
+    @property
+    def scale(self) -> float:
+        return self.model.scale
+
+    @property
+    def gamma(self) -> float:
+        return self.model.gamma
+
+    @property
+    def r2(self) -> float:
+        resid = self.measured - self.predicted
+        total = float(np.sum((self.measured - self.measured.mean()) ** 2))
+        return 1.0 - float(np.sum(resid**2)) / total if total > 0 else 1.0
+
+
+def read_measurements_csv(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
+    """(lengths, latencies) from a CSV with a ``length,latency`` header."""
+    path = Path(path)
+    with path.open(newline="") as handle:
+        reader = csv.DictReader(handle)
+        fields = [f.strip().lower() for f in (reader.fieldnames or [])]
+        names = {f.strip().lower(): f for f in (reader.fieldnames or [])}
+        lat_key = next((names[k] for k in ("latency", "latency_ms") if k in names), None)
+        if "length" not in names or lat_key is None:
+            raise ValueError(
+                f"{path}: expected a header with columns length,latency (ms); got {fields}"
+            )
+        lengths, latencies = [], []
+        for line, row in enumerate(reader, start=2):
+            try:
+                lengths.append(float(row[names["length"]]))
+                latencies.append(float(row[lat_key]))
+            except (TypeError, ValueError):
+                raise ValueError(
+                    f"{path}:{line}: length and latency must be numbers, got "
+                    f"{row[names['length']]!r}, {row[lat_key]!r}"
+                ) from None
+    if not lengths:
+        raise ValueError(f"{path}: no measurements below the header")
+    return np.asarray(lengths), np.asarray(latencies)
+
+
+def calibrate_lengths(lengths, latencies, token_dim: int) -> Calibration:
+    """Fit from per-sequence (length, latency ms) pairs."""
+    model, error = WorkloadModel.calibrate(lengths, latencies, token_dim)
+    lengths = np.asarray(lengths, dtype=np.float64)
+    return Calibration(
+        model=model,
+        rel_rms_error=error,
+        measured=np.asarray(latencies, dtype=np.float64),
+        predicted=model.workload(lengths),
+        labels=[f"L={int(n)}" for n in lengths],
+        source="csv",
+    )
+
+
+def pick_phase(plans: Sequence[RoutingPlan], phase: str | None) -> str:
+    """The measured phase to fit: ``phase`` if given, else the first of COMPUTE_PHASES."""
+    seen: dict[str, None] = {}
+    for plan in plans:
+        if plan.measurements is not None:
+            seen.update(dict.fromkeys(plan.measurements.per_rank_ms))
+    if phase is not None:
+        if phase not in seen:
+            raise ValueError(
+                f"no plan measures phase {phase!r}; measured phases: {', '.join(seen) or 'none'}"
+            )
+        return phase
+    for name in COMPUTE_PHASES:
+        if name in seen:
+            return name
+    raise ValueError(
+        "no plan carries per-rank times of a compute phase "
+        f"({', '.join(COMPUTE_PHASES)}); measured phases: {', '.join(seen) or 'none'}. "
+        "Name one with --phase"
+    )
+
+
+def gpu_features(plan: RoutingPlan, token_dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per GPU of ``plan.gpus``: (linear, attention) workload terms it computes, each (n,)."""
+    seqs = plan.sequences
+    length = np.asarray(seqs.length, dtype=np.float64)
+    d = float(token_dim)
+    bag_size = np.array([len(b) for b in plan.bags], dtype=np.float64)
+    share = 1.0 / bag_size[seqs.bag]
+    lin_bag = np.bincount(seqs.bag, 24.0 * length * d * d / 1e12 * share, len(plan.bags))
+    att_bag = np.bincount(seqs.bag, 4.0 * length**2 * d / 1e12 * share, len(plan.bags))
+    pos = {g: i for i, g in enumerate(plan.gpus)}
+    linear, attention = np.zeros(len(plan.gpus)), np.zeros(len(plan.gpus))
+    for b, members in enumerate(plan.bags):
+        for g in members:
+            linear[pos[g]], attention[pos[g]] = lin_bag[b], att_bag[b]
+    return linear, attention
+
+
+def calibrate_plans(
+    plans: Sequence[RoutingPlan], token_dim: int | None = None, phase: str | None = None
+) -> Calibration:
+    """Fit from plans carrying per-rank times (see module doc)."""
+    if not plans:
+        raise ValueError("no plans to calibrate from")
+    phase = pick_phase(plans, phase)
+    lin, att, measured, labels = [], [], [], []
+    for index, plan in enumerate(plans):
+        times = None if plan.measurements is None else plan.measurements.per_rank_ms.get(phase)
+        if times is None:
+            continue
+        d = token_dim or plan.token_dim
+        if d is None:
+            raise ValueError(
+                f"plan {index} (step {plan.step}) records no token_dim; give --token-dim"
+            )
+        if len(times) != len(plan.gpus):
+            raise ValueError(
+                f"plan {index} (step {plan.step}): phase {phase!r} has {len(times)} times "
+                f"for {len(plan.gpus)} GPUs"
+            )
+        linear, attention = gpu_features(plan, d)
+        lin.append(linear)
+        att.append(attention)
+        measured.append(np.asarray(times, dtype=np.float64))
+        step = plan.step if plan.step is not None else index
+        labels.extend(f"step {step} GPU {g}" for g in plan.gpus)
+        token_dim = d
+    linear, attention, y = np.concatenate(lin), np.concatenate(att), np.concatenate(measured)
+    model, error = fit_scale_gamma(linear, attention, y, int(token_dim))
+    predicted = model.scale * (linear + model.gamma * attention)
+    return Calibration(model, error, y, predicted, labels, "plans", phase)
+
+
+def fit_scale_gamma(
+    linear: np.ndarray, attention: np.ndarray, latency: np.ndarray, token_dim: int
+) -> tuple[WorkloadModel, float]:
+    """Least squares ``latency ≈ a·linear + b·attention``; returns (model k=a, γ=b/a) and
+    the relative RMS error (RMS residual / mean latency)."""
+    if not (np.isfinite(latency).all() and np.isfinite(linear).all()):
+        raise ValueError("measured times must be finite numbers")
+    if latency.size < 2:
+        raise ValueError("calibration needs at least 2 measured times")
+    design = np.stack([linear, attention], axis=1)
+    norms = np.linalg.norm(design, axis=0)  # column scaling keeps the fit well conditioned
+    norms[norms == 0] = 1.0
+    coef, *_ = np.linalg.lstsq(design / norms, latency, rcond=None)
+    a, b = coef / norms
+    if a <= 0:
+        raise ValueError(
+            "the fit gives a non-positive time per linear FLOP; the measured times do not "
+            "grow with the GPUs' workload as the model expects"
+        )
+    model = WorkloadModel(token_dim=token_dim, gamma=float(max(b, 0.0) / a), scale=float(a))
+    residual = model.scale * (linear + model.gamma * attention) - latency
+    mean = float(np.mean(np.abs(latency))) or 1.0
+    return model, float(np.sqrt(np.mean(residual**2)) / mean)
+
+
+def calibrate_file(
+    path: str | Path, token_dim: int | None = None, phase: str | None = None
+) -> Calibration:
+    """Calibrate from a ``.csv`` of (length, latency) or a plan file (JSON/JSONL)."""
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"{path}: no such file")
+    if path.suffix.lower() == ".csv":
+        if token_dim is None:
+            raise ValueError("a CSV of measurements needs --token-dim (the model's hidden size)")
+        lengths, latencies = read_measurements_csv(path)
+        return calibrate_lengths(lengths, latencies, token_dim)
+    from knapformer.plan_io import read_plans
+
+    result = read_plans(path, on_error="raise")
+    return calibrate_plans(result.plans, token_dim, phase)

@@ -1,0 +1,440 @@
+"""The live training demo behind ``knapformer demo`` / ``make demo``.
+
+``run_demo`` starts one CPU worker process per rank on a gloo process group. The workers
+train `knapformer.models.ToyDiT` with a `SequenceBalancer` on a synthetic data mix (a
+flow-matching loss on tokens that share a per-sequence latent, so attention has something
+to learn), take an optimizer step every step and record every plan with a `PlanRecorder`
+to ``<out>/plans.jsonl``. Rank 0 sends one `StepReport` per step to the launcher, which
+prints it and, unless told not to, serves the dashboard on the same file.
+
+Stopping: the launcher owns the workers. Ctrl-C (SIGINT) reaches the launcher; workers
+ignore SIGINT and are stopped with SIGTERM (they close the recorder, so every queued plan
+is written), then SIGKILL after a grace period. Workers also die with the launcher.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import datetime
+import math
+import os
+import re
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from knapformer.datamix import DataCode, parse_mix
+from knapformer.topology import Topology
+
+#: The joint mix's data types squeezed onto 8 GPUs: images of 256..2048 px, keyframes,
+#: videos (the same codes as the 8-GPU sample plan).
+DEMO_CODES = (
+    "g2b4i256f1s0,g1b5i512f1s0,g1b5i1024f1s0,g1b1i2048f1s0,g1b10i256f4s0,g1b1i512f4s0,g1b2i256f85s1"
+)
+DEFAULT_TOPOLOGY = "g1n2+g2n1+g4n1"
+HEAD_DIM = 16
+_LATENT_RANK = 8  # tokens of a sequence are noisy views of one latent of this size
+_GRACE_S = 5.0  # SIGTERM -> SIGKILL
+
+
+@dataclass
+class DemoConfig:
+    """What to train and where to record. ``steps=0`` trains until stopped."""
+
+    steps: int = 200
+    world_size: int = 8
+    topology: str | None = None  # default: see `default_topology`
+    data_codes: str = DEMO_CODES
+    out: Path = Path("runs/demo")
+    record: bool = True
+    every: int = 1
+    length_scale: float = 1 / 16  # the mix's lengths shrunk so a step takes well under 1 s
+    n_layers: int = 2
+    lr: float = 2e-3
+    seed: int = 0
+    run: str = "demo"
+
+
+@dataclass
+class StepReport:
+    """One training step as rank 0 saw it."""
+
+    step: int
+    loss: float
+    imbalance_before: float  # max/mean GPU load of the balance group
+    imbalance_after: float
+    moved_tokens: int
+    tokens: int  # tokens of the balance group this step
+    step_ms: float  # rank 0's wall time from planning to the end of the optimizer step
+    times: dict[str, float] = field(default_factory=dict)  # rank 0's phases (ms)
+
+
+def default_topology(world_size: int) -> str:
+    """``g1n2+g2n1+g4n1`` on 8 ranks; bags of 1, 1, 2, 4, ... on any power of two;
+    otherwise one GPU per bag."""
+    if world_size >= 2 and world_size & (world_size - 1) == 0:
+        sizes, size = [1], 1
+        while sum(sizes) < world_size:
+            sizes.append(size)
+            size *= 2
+        return str(Topology.from_bag_sizes(sizes))
+    return f"g1n{world_size}"
+
+
+def rank_codes(codes: list[DataCode], world_size: int) -> list[DataCode]:
+    """One single-GPU data code per rank, spreading the mix's GPUs evenly over the world
+    (a 32-GPU mix on 8 ranks takes every 4th GPU's data; an 8-GPU mix on 16 repeats)."""
+    per_gpu = [
+        DataCode(1, c.batch, c.resolution, c.frames, c.video) for c in codes for _ in range(c.gpus)
+    ]
+    return [per_gpu[r * len(per_gpu) // world_size] for r in range(world_size)]
+
+
+def model_shape(topology: Topology) -> tuple[int, int]:
+    """(d_model, n_heads): heads must split evenly across every bag size (Ulysses)."""
+    lcm = math.lcm(*topology.bag_sizes)
+    heads = lcm * math.ceil(4 / lcm)
+    if heads > 64:
+        raise ValueError(
+            f"topology {topology} needs {heads} attention heads (a multiple of every bag "
+            "size); use bag sizes with a smaller common multiple"
+        )
+    return heads * HEAD_DIM, heads
+
+
+def check_config(cfg: DemoConfig) -> tuple[Topology, list[DataCode]]:
+    """Validate everything the user chose before any process starts."""
+    if cfg.steps < 0:
+        raise ValueError(f"steps must be >= 0 (0 = until Ctrl-C), got {cfg.steps}")
+    if cfg.world_size < 1:
+        raise ValueError(f"world size must be >= 1, got {cfg.world_size}")
+    if cfg.world_size > 64:
+        raise ValueError(f"world size {cfg.world_size} is too many CPU processes for the demo")
+    if cfg.every < 1:
+        raise ValueError(f"every must be >= 1, got {cfg.every}")
+    if not cfg.length_scale > 0:
+        raise ValueError(f"length scale must be positive, got {cfg.length_scale}")
+    topo = Topology.parse(cfg.topology or default_topology(cfg.world_size))
+    topo.num_replicas(cfg.world_size)  # raises when the world does not fit
+    model_shape(topo)
+    codes = rank_codes(parse_mix(cfg.data_codes), cfg.world_size)
+    return topo, codes
+
+
+def format_report(r: StepReport) -> str:
+    return (
+        f"step {r.step:>4}  loss {r.loss:7.4f}  imbalance {r.imbalance_before:5.2f} → "
+        f"{r.imbalance_after:4.2f}  moved {r.moved_tokens:>6,} of {r.tokens:,} tok  "
+        f"{r.step_ms:6.1f} ms"
+    )
+
+
+# ------------------------------------------------------------------------ launcher
+def run_demo(
+    cfg: DemoConfig,
+    on_report: Callable[[StepReport], None] | None = None,
+    on_start: Callable[[], None] | None = None,
+) -> list[StepReport]:
+    """Train with ``cfg.world_size`` worker processes; returns rank 0's reports.
+
+    ``on_report`` sees each step as it finishes. Raises ``RuntimeError`` if a worker
+    fails, ``KeyboardInterrupt`` on Ctrl-C; either way every worker is stopped first.
+    """
+    check_config(cfg)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if cfg.record:
+        _remove_old_plans(out / "plans.jsonl")
+
+    import multiprocessing as mp
+
+    # A fork server imports torch once; each worker is then a cheap fork of it (8 fresh
+    # interpreters importing torch would cost seconds of CPU each).
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "knapformer.balancer"])
+    rendezvous = tempfile.mkdtemp(prefix="knapformer-demo-")
+    receive, send = ctx.Pipe(duplex=False)
+    stop = ctx.Event()  # asks the workers to finish the current step and exit together
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(rank, cfg, rendezvous, send if rank == 0 else None, stop),
+            name=f"knapformer-demo-rank{rank}",
+        )
+        for rank in range(cfg.world_size)
+    ]
+    reports: list[StepReport] = []
+    try:
+        with _sigterm_as_interrupt():
+            for p in procs:
+                p.start()
+            send.close()  # only the workers write; EOF once rank 0 is gone
+            if on_start is not None:
+                on_start()
+            _supervise(procs, receive, reports, on_report)
+    except KeyboardInterrupt:
+        # Let the workers stop after the same step (the recorder flushes, nothing is cut
+        # mid-collective); whatever has not exited by the deadline is terminated below.
+        stop.set()
+        with ignoring_sigint():
+            _supervise(procs, receive, reports, on_report, time.monotonic() + _GRACE_S)
+        raise
+    finally:
+        with ignoring_sigint():  # a second Ctrl-C must not cut the clean-up short
+            _stop(procs)
+        receive.close()
+        shutil.rmtree(rendezvous, ignore_errors=True)
+    return reports
+
+
+@contextlib.contextmanager
+def ignoring_sigint():
+    """Ignore Ctrl-C inside the block (only the main thread can change signal handlers)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt():
+    """Inside the block, SIGTERM stops the demo the way Ctrl-C does."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _supervise(procs, receive, reports, on_report, deadline: float | None = None) -> None:
+    """Relay rank 0's reports until every worker has exited.
+
+    Without a deadline a worker that fails raises ``RuntimeError`` at once; with one
+    (while stopping) exit codes do not matter and waiting ends at the deadline.
+    """
+    open_pipe = True
+    while deadline is None or time.monotonic() < deadline:
+        if open_pipe and receive.poll(0.1):
+            try:
+                report = receive.recv()
+            except EOFError:  # rank 0 is done (or gone): only exit codes are left to see
+                open_pipe = False
+                continue
+            reports.append(report)
+            if on_report is not None:
+                on_report(report)
+            continue
+        if not open_pipe:
+            time.sleep(0.05)
+        failed = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
+        if failed and deadline is None:
+            rank, code = failed[0]
+            how = f"signal {-code}" if code < 0 else f"exit code {code}"
+            raise RuntimeError(f"demo worker rank {rank} stopped with {how} (see its output above)")
+        if all(p.exitcode is not None for p in procs):
+            while open_pipe and receive.poll():  # reports sent just before exiting
+                try:
+                    report = receive.recv()
+                except EOFError:
+                    break
+                reports.append(report)
+                if on_report is not None:
+                    on_report(report)
+            return
+
+
+def _stop(procs) -> None:
+    """SIGTERM every live worker, SIGKILL after the grace period; reap them all."""
+    for p in procs:
+        if p.pid is not None and p.exitcode is None:
+            with contextlib.suppress(OSError):
+                p.terminate()
+    deadline = time.monotonic() + _GRACE_S
+    for p in procs:
+        if p.pid is not None:
+            p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.pid is not None and p.exitcode is None:
+            with contextlib.suppress(OSError):
+                p.kill()
+            p.join(5)
+
+
+def _remove_old_plans(path: Path) -> None:
+    """Each demo run starts fresh (its steps restart at 0): remove the files an earlier
+    run recorded there (``plans.jsonl``, rotated ``plans.N.jsonl``, ``plans.groupK...``)."""
+    pattern = re.compile(rf"{re.escape(path.stem)}(\.group\d+)?(\.\d+)?{re.escape(path.suffix)}")
+    for old in path.parent.iterdir():
+        if pattern.fullmatch(old.name) and old.is_file():
+            old.unlink()
+
+
+# -------------------------------------------------------------------------- worker
+def _worker(rank: int, cfg: DemoConfig, rendezvous: str, conn: Any, stop: Any) -> None:
+    # The launcher decides when to stop: ignore the terminal's Ctrl-C (the launcher gets
+    # it too), turn SIGTERM into SystemExit so `finally` blocks (the recorder's flush) run.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    _die_with_parent()
+    parent = os.getppid()
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # one core per worker at most; the demo runs many
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{rendezvous}/rendezvous",
+            rank=rank,
+            world_size=cfg.world_size,
+            timeout=datetime.timedelta(seconds=120),
+        )
+        train(rank, cfg, None if conn is None else conn.send, stop)
+        if conn is not None:
+            conn.close()
+        dist.destroy_process_group()
+    except BaseException:
+        if stop.is_set() or os.getppid() != parent:
+            # Being stopped: peers may be gone mid-collective; exit without a traceback
+            # and without torch's teardown, which could wait for them.
+            os._exit(143)
+        raise
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGTERM this process when its parent dies (no orphans)."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(Exception):
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def train(
+    rank: int,
+    cfg: DemoConfig,
+    report: Callable[[StepReport], None] | None = None,
+    stop: Any = None,
+) -> None:
+    """The training loop of one rank (process group already initialised).
+
+    ``stop`` (an event): once any rank sees it set, all ranks finish that step and return.
+    """
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from knapformer.balancer import SequenceBalancer
+    from knapformer.datamix import sample_lengths
+    from knapformer.models import ToyDiT
+    from knapformer.recorder import PlanRecorder
+
+    topo, codes = check_config(cfg)
+    d_model, n_heads = model_shape(topo)
+    torch.manual_seed(cfg.seed)  # identical initial weights on every rank
+    model = ToyDiT(d_model, n_heads, cfg.n_layers)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr)
+    mixing = torch.randn(_LATENT_RANK, d_model) / math.sqrt(_LATENT_RANK)
+    recorder = PlanRecorder(Path(cfg.out) / "plans.jsonl", every=cfg.every) if cfg.record else None
+    balancer = SequenceBalancer(topo, recorder=recorder, run=cfg.run)
+    try:
+        step = 0
+        while cfg.steps == 0 or step < cfg.steps:
+            started = time.perf_counter()
+            rng = np.random.default_rng([cfg.seed, step, rank])
+            lengths = sample_lengths([codes[rank]], rng, cfg.length_scale)[0]
+            noisy, target = _flow_batch(
+                lengths, mixing, torch.Generator().manual_seed(int(rng.integers(2**62)))
+            )
+            plan = balancer.plan_routing(lengths, token_dim=d_model)
+            group_elems = float(plan.sequences.length.sum()) * d_model
+
+            fb_start = time.perf_counter()
+            pred = model(noisy, lengths.tolist(), balancer)
+            sq_err = (pred - target).square().sum()
+            # Each rank's share of its group's mean loss, averaged over the replicas, so
+            # that summing gradients over all ranks gives the gradient of the mean.
+            (sq_err / (group_elems * balancer.num_replicas)).backward()
+            opt_start = time.perf_counter()
+
+            stopping = float(stop is not None and stop.is_set())
+            flat = torch.cat(
+                [p.grad.reshape(-1) for p in params]
+                + [sq_err.detach().reshape(1), torch.tensor([stopping])]
+            )
+            # Data parallel: one all-reduce of the gradients, the loss and the stop flag,
+            # so every rank leaves the loop after the same step.
+            dist.all_reduce(flat)
+            offset = 0
+            for p in params:
+                n = p.numel()
+                p.grad.copy_(flat[offset : offset + n].view_as(p))
+                offset += n
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+            done = time.perf_counter()
+            balancer.add_timing("forward_backward", (opt_start - fb_start) * 1e3)
+            balancer.add_timing("optimizer", (done - opt_start) * 1e3)
+
+            if report is not None:
+                stats = plan.stats
+                world_elems = group_elems * balancer.num_replicas
+                report(
+                    StepReport(
+                        step=plan.step,
+                        loss=float(flat[-2]) / world_elems,
+                        imbalance_before=float(stats.imbalance_before),
+                        imbalance_after=float(stats.imbalance_after),
+                        moved_tokens=int(stats.moved_tokens),
+                        tokens=int(stats.total_tokens),
+                        step_ms=(done - started) * 1e3,
+                        times=dict(balancer.timings),
+                    )
+                )
+            step += 1
+            if flat[-1] > 0:
+                break
+        if recorder is not None:
+            recorder.finish(balancer)  # collective: the last plan gets its times too
+    finally:
+        balancer.close()
+
+
+def _flow_batch(lengths, mixing, gen):
+    """Flow-matching pairs for packed sequences: ``(noisy (T, d), target (T, d))``.
+
+    Each sequence's tokens are noisy copies of one random latent (``mixing``: (k, d)), so
+    denoising a token pays off from attending to the rest of its sequence.
+    """
+    import torch
+
+    lens = torch.as_tensor(lengths, dtype=torch.int64)
+    n = len(lens)
+    latent = torch.randn(n, mixing.shape[0], generator=gen) @ mixing  # (n, d)
+    clean = latent.repeat_interleave(lens, 0)
+    clean = clean + 0.1 * torch.randn(clean.shape, generator=gen)
+    noise = torch.randn(clean.shape, generator=gen)
+    t = torch.rand(n, 1, generator=gen).repeat_interleave(lens, 0)
+    return (1 - t) * clean + t * noise, noise - clean

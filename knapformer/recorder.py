@@ -1,0 +1,456 @@
+"""`PlanRecorder`: write routing plans to JSONL while training, safely enough to leave on.
+
+Guarantees (each one tested in ``tests/test_recorder*.py``):
+
+- Only the writing rank writes: by default the first rank of each balance group. Other
+  ranks keep a step number and take part in one small gather of measured times; they
+  never serialise a plan, open a file or start a thread.
+- The training thread only enqueues the plan object. Serialisation
+  (``plan.model_dump_json()``) and file I/O run on a background thread. The queue is
+  bounded; when it is full the plan is dropped and counted (``dropped``), never waited for.
+- Append-only JSONL: each plan is one line handed to the kernel in one ``write`` call
+  (no user-space buffer), so a reader tailing the file sees whole lines, except possibly
+  the last one while it is being written or after the process was killed.
+- Size-based rotation: when ``plans.jsonl`` would grow past ``max_bytes`` it is renamed
+  to ``plans.1.jsonl`` (older files shift to ``.2``, ``.3``, ...; at most ``backups``
+  are kept) and a new ``plans.jsonl`` is started.
+- An I/O error (disk full, directory removed) logs one warning and disables the
+  recorder; training goes on.
+- ``close()`` flushes the queue; a recorder is a context manager and is closed at
+  interpreter exit.
+
+With a balancer (``SequenceBalancer(..., recorder=PlanRecorder(path))``) the balancer
+calls `on_step` on every rank of the balance group after each plan. The plan of step s
+is held back one step: at step s+1 every rank's measured times of step s
+(``balancer.previous_timings``: plan, route, attention re-sharding, whole step, and
+phases added with ``balancer.add_timing``) are gathered to the writing rank and stored
+in the plan's ``measurements.per_rank_ms[phase]`` (one value per GPU of ``plan.gpus``)
+before it is queued. Without a balancer, ``record(plan)`` queues a plan as it is.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import math
+import os
+import queue
+import sys
+import threading
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from knapformer.plan import Measurements, RoutingPlan
+
+log = logging.getLogger(__name__)
+
+#: Phases gathered from every rank by default, in this order (all ranks must send the
+#: same shape, so the list is fixed up front; add more with ``PlanRecorder(phases=...)``).
+DEFAULT_PHASES = (
+    "plan",
+    "route",
+    "pre_attn",
+    "post_attn",
+    "reverse_route",
+    "forward_backward",
+    "optimizer",
+    "step",
+)
+_STOP = object()  # queue sentinel: the writer thread exits after draining what precedes it
+
+
+class PlanRecorder:
+    """Record routing plans to an append-only JSONL file from a background thread.
+
+    Args:
+        path: the JSONL file (its directory is created). With several balance groups in
+            the world, each group's writer needs its own file: put ``{group}`` in the
+            path (replaced by the group index), otherwise group k > 0 writes to
+            ``<stem>.group<k><suffix>`` next to it.
+        every: record the plans of steps divisible by ``every`` (by ``plan.step``; a
+            plan without a step number counts the calls to `record`).
+        writer: position, within the balance group, of the rank that writes (0 = first).
+        queue_size: plans waiting for the writer thread before new ones are dropped.
+        max_bytes: rotate when the file would grow past this size (``None``: never).
+        backups: rotated files kept (``plans.1.jsonl`` ... ``plans.<backups>.jsonl``).
+        phases: extra timing phases to gather besides `DEFAULT_PHASES`.
+        enabled: ``False`` makes every call a no-op.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        every: int = 1,
+        *,
+        writer: int = 0,
+        queue_size: int = 64,
+        max_bytes: int | None = 256 * 1024 * 1024,
+        backups: int = 5,
+        phases: Iterable[str] = (),
+        enabled: bool = True,
+    ):
+        if int(every) < 1:
+            raise ValueError(f"every must be a positive number of steps, got {every}")
+        if int(writer) < 0:
+            raise ValueError(f"writer must be a rank position >= 0, got {writer}")
+        if int(queue_size) < 1:
+            raise ValueError(f"queue_size must be >= 1, got {queue_size}")
+        if max_bytes is not None and int(max_bytes) <= 0:
+            raise ValueError(f"max_bytes must be positive or None, got {max_bytes}")
+        if int(backups) < 0:
+            raise ValueError(f"backups must be >= 0, got {backups}")
+        self.path = Path(path)
+        self.every = int(every)
+        self.writer = int(writer)
+        self.max_bytes = None if max_bytes is None else int(max_bytes)
+        self.backups = int(backups)
+        self.phases: tuple[str, ...] = tuple(dict.fromkeys([*DEFAULT_PHASES, *phases]))
+        self.enabled = bool(enabled)
+        #: plans queued and then dropped because the queue was full
+        self.dropped = 0
+        #: plans written to disk (updated by the writer thread)
+        self.written = 0
+        #: plans the writer could not serialise (skipped; the recorder stays on)
+        self.failed = 0
+        self.file_path: Path | None = None  # the file this process writes, once known
+        self._queue: queue.Queue = queue.Queue(maxsize=int(queue_size))
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # guards starting the thread / closing
+        self._closed = False
+        self._disabled_reason: str | None = None
+        self._fd: int | None = None
+        self._size = 0
+        self._calls = 0  # record() calls on plans without a step number
+        # on_step state, identical on every rank of the group
+        self._pending_step: int | None = None
+        self._pending: RoutingPlan | None = None  # writer rank only
+        self._warned_phases: set[str] = set()
+
+    # ----------------------------------------------------------------- public API
+    @property
+    def active(self) -> bool:
+        """Whether plans are still being recorded (not closed, disabled or turned off)."""
+        return self.enabled and not self._closed and self._disabled_reason is None
+
+    @property
+    def disabled_reason(self) -> str | None:
+        """Why the recorder switched itself off after an I/O error (``None`` if it did not)."""
+        return self._disabled_reason
+
+    def record(self, plan: RoutingPlan) -> bool:
+        """Queue ``plan`` for writing; returns whether it was queued.
+
+        Never blocks: a full queue drops the plan (counted in ``dropped``). In a process
+        group, only the writing rank of the plan's group (``plan.gpus[writer]``) records.
+        """
+        if not self.active:
+            return False
+        if plan.step is None:
+            due = self._calls % self.every == 0
+            self._calls += 1
+        else:
+            due = plan.step % self.every == 0
+        if not due:
+            return False
+        rank = _dist_rank()
+        if rank is not None:
+            gpus = plan.gpus
+            if self.writer >= len(gpus) or gpus[self.writer] != rank:
+                return False
+            if self.file_path is None:
+                self.file_path = self._group_path(gpus)
+        return self._enqueue(plan)
+
+    def on_step(self, balancer: Any, plan: RoutingPlan) -> None:
+        """Hook the balancer calls on EVERY rank of the balance group after planning.
+
+        Gathers the previous recorded step's per-rank timings to the writing rank (one
+        fixed-size gather, only after a recorded step), attaches them to that step's
+        plan and queues it; keeps ``plan`` pending if its step is due.
+        """
+        if not self.enabled or self._closed:
+            return
+        step = plan.step if plan.step is not None else getattr(balancer, "step", None)
+        is_writer = self._is_writer(balancer)
+        if step is None:  # no step number to agree on: record as it comes, no times
+            if is_writer:
+                self.record(plan)
+            return
+        if self._pending_step is not None:
+            if step is not None and step == self._pending_step + 1:
+                rows = self._gather(balancer, dict(getattr(balancer, "previous_timings", {})))
+                if rows is not None and self._pending is not None:
+                    _attach(self._pending, _group_ranks(balancer), rows, self.phases)
+            # A gap in step numbers (e.g. a restarted counter): the timings we hold are
+            # not the pending step's, so it is written without them.
+            self._flush_pending(is_writer)
+        if step is not None and step % self.every == 0:
+            self._pending_step = step
+            if is_writer and self._disabled_reason is None:
+                self._pending = plan
+
+    def finish(self, balancer: Any) -> None:
+        """Collective end of training (call on every rank of the group, before ``close``).
+
+        Gathers the current step's timings (``balancer.timings``) into the last pending
+        plan and queues it, so the last step also has measured times. ``close()`` alone
+        writes that plan without them (it may not run a collective: other ranks may be gone).
+        """
+        if not self.enabled or self._closed or self._pending_step is None:
+            return
+        is_writer = self._is_writer(balancer)
+        rows = self._gather(balancer, dict(getattr(balancer, "timings", {})))
+        if rows is not None and self._pending is not None:
+            _attach(self._pending, _group_ranks(balancer), rows, self.phases)
+        self._flush_pending(is_writer)
+
+    def close(self, timeout: float | None = 30.0) -> None:
+        """Queue the pending plan, write everything queued, close the file. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        atexit.unregister(self._at_exit)
+        pending, self._pending = self._pending, None
+        self._pending_step = None
+        if pending is not None and self._disabled_reason is None:
+            self._start_thread()
+            self._put(pending)
+        if self._thread is not None:
+            self._queue.put(_STOP)  # blocks only until the writer makes room
+            self._thread.join(timeout)
+        if self.dropped:
+            log.warning(
+                "PlanRecorder dropped %d plan(s) because the writer fell behind "
+                "(queue of %d); record less often with every=k or raise queue_size",
+                self.dropped,
+                self._queue.maxsize,
+            )
+
+    def __enter__(self) -> PlanRecorder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "active" if self.active else (self._disabled_reason or "closed")
+        return (
+            f"PlanRecorder({str(self.path)!r}, every={self.every}, written={self.written}, "
+            f"dropped={self.dropped}, {state})"
+        )
+
+    # ------------------------------------------------------------ training thread
+    def _enqueue(self, plan: RoutingPlan) -> bool:
+        if self._thread is None:
+            self._start_thread()
+        return self._put(plan)
+
+    def _put(self, plan: RoutingPlan) -> bool:
+        try:
+            self._queue.put_nowait(plan)
+        except queue.Full:
+            self.dropped += 1
+            return False
+        return True
+
+    def _start_thread(self) -> None:
+        with self._lock:
+            if self._thread is not None:
+                return
+            if self.file_path is None:
+                self.file_path = self.path
+            self._thread = threading.Thread(
+                target=self._run, name="knapformer-plan-recorder", daemon=True
+            )
+            self._thread.start()
+        atexit.register(self._at_exit)
+
+    def _at_exit(self) -> None:
+        self.close(timeout=10.0)
+
+    def _is_writer(self, balancer: Any) -> bool:
+        ranks = _group_ranks(balancer)
+        rank = getattr(balancer, "rank", None)
+        if rank is None:
+            return True  # no process group: this process is the whole group
+        if self.writer >= len(ranks):
+            raise ValueError(
+                f"PlanRecorder writer position {self.writer} is outside the balance group "
+                f"of {len(ranks)} ranks"
+            )
+        writer = ranks[self.writer] == rank
+        if writer and self.file_path is None:
+            self.file_path = self._group_path(ranks)
+        return writer
+
+    def _group_path(self, group_ranks: list[int]) -> Path:
+        """This group's file: groups are consecutive blocks of ranks, index = first // size."""
+        index = min(group_ranks) // len(group_ranks)
+        text = str(self.path)
+        if "{group}" in text:
+            return Path(text.format(group=index))
+        if index == 0:
+            return self.path
+        return self.path.with_name(f"{self.path.stem}.group{index}{self.path.suffix}")
+
+    def _flush_pending(self, is_writer: bool) -> None:
+        self._pending_step = None
+        if is_writer and self._pending is not None:
+            plan, self._pending = self._pending, None
+            if self.active:
+                self._enqueue(plan)
+
+    def _gather(self, balancer: Any, timings: dict[str, float]) -> list[list[float]] | None:
+        """Gather one row of timings per rank to the writing rank (others get ``None``).
+
+        Rows follow the group's rank order; a phase a rank did not measure is NaN.
+        """
+        unknown = set(timings) - set(self.phases) - self._warned_phases
+        if unknown:
+            self._warned_phases |= unknown
+            log.warning(
+                "PlanRecorder ignores timing phase(s) %s; pass PlanRecorder(phases=[...]) "
+                "to record them",
+                ", ".join(sorted(unknown)),
+            )
+        row = [float(timings.get(p, math.nan)) for p in self.phases]
+        ranks = _group_ranks(balancer)
+        if len(ranks) == 1:
+            return [row]
+        dist = _dist()
+        if dist is None:
+            return None  # a group without a process group (a stand-in): nothing to gather
+        import torch
+
+        group = getattr(balancer, "group", None)
+        device = torch.device("cpu")
+        if dist.get_backend(group) == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+        mine = torch.tensor(row, dtype=torch.float64, device=device)
+        dst = ranks[self.writer]
+        if balancer.rank == dst:
+            rows = [torch.empty_like(mine) for _ in ranks]
+            dist.gather(mine, rows, dst=dst, group=group)
+            return [r.cpu().tolist() for r in rows]
+        dist.gather(mine, None, dst=dst, group=group)
+        return None
+
+    # -------------------------------------------------------------- writer thread
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                break
+            if self._disabled_reason is not None:
+                continue  # drain without writing
+            try:
+                data = (self._serialize(item) + "\n").encode("utf-8")
+            except Exception as err:  # a broken plan is skipped, the recorder stays on
+                self.failed += 1
+                log.warning("PlanRecorder skipped a plan it could not serialise: %s", err)
+                continue
+            try:
+                self._write(data)
+            except OSError as err:
+                self._disable(err)
+        self._close_file()
+
+    def _serialize(self, plan: RoutingPlan) -> str:
+        return plan.model_dump_json()
+
+    def _write(self, data: bytes) -> None:
+        if self._fd is None:
+            self._open()
+        elif self.max_bytes is not None and self._size and self._size + len(data) > self.max_bytes:
+            self._rotate()
+        view = memoryview(data)
+        while view:  # one call for a whole line; loop only if the kernel took part of it
+            n = os.write(self._fd, view)
+            view = view[n:]
+            self._size += n
+        self.written += 1
+
+    def _open(self) -> None:
+        path = self.file_path or self.path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._size = os.fstat(self._fd).st_size
+
+    def _rotate(self) -> None:
+        self._close_file()
+        path = self.file_path or self.path
+        if self.backups == 0:
+            os.unlink(path)
+        else:
+            last = _backup_name(path, self.backups)
+            if last.exists():
+                os.unlink(last)
+            for k in range(self.backups - 1, 0, -1):
+                older = _backup_name(path, k)
+                if older.exists():
+                    os.replace(older, _backup_name(path, k + 1))
+            os.replace(path, _backup_name(path, 1))
+        # Opening plain (no mkdir): if the directory was removed, that is an I/O error.
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._size = 0
+
+    def _close_file(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def _disable(self, err: OSError) -> None:
+        self._disabled_reason = f"I/O error on {self.file_path or self.path}: {err}"
+        log.warning("PlanRecorder disabled (training goes on): %s", self._disabled_reason)
+        self._close_file()
+
+
+def _backup_name(path: Path, k: int) -> Path:
+    """``plans.jsonl`` -> ``plans.<k>.jsonl``."""
+    return path.with_name(f"{path.stem}.{k}{path.suffix}")
+
+
+def _attach(
+    plan: RoutingPlan, ranks: list[int], rows: list[list[float]], phases: tuple[str, ...]
+) -> None:
+    """Store gathered rows in ``plan.measurements.per_rank_ms[phase]`` (ms per GPU of
+    ``plan.gpus``). A phase no rank measured is left out; where only some ranks measured
+    it, the others spent no time in it (e.g. attention re-sharding in a 1-GPU bag): 0."""
+    row_of = {rank: i for i, rank in enumerate(ranks)}
+    if any(gpu not in row_of for gpu in plan.gpus):
+        return  # the plan is not this group's (e.g. planned offline): nothing to attach
+    if plan.measurements is None:
+        plan.measurements = Measurements()
+    for j, phase in enumerate(phases):
+        values = [rows[row_of[gpu]][j] for gpu in plan.gpus]
+        if all(math.isnan(v) for v in values):
+            continue
+        plan.measurements.per_rank_ms[phase] = [0.0 if math.isnan(v) else v for v in values]
+
+
+def _group_ranks(balancer: Any) -> list[int]:
+    ranks = getattr(balancer, "group_ranks", None)
+    if ranks:
+        return [int(r) for r in ranks]
+    rank = getattr(balancer, "rank", None)
+    return [int(rank)] if rank is not None else [0]
+
+
+def _dist():
+    """``torch.distributed`` when a process group is initialised, else ``None``.
+
+    Looked up in ``sys.modules`` so that recording without torch never imports it.
+    """
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    return dist
+
+
+def _dist_rank() -> int | None:
+    dist = _dist()
+    return None if dist is None else dist.get_rank()

@@ -1,0 +1,304 @@
+"""Routing tables and the token exchanges that carry out a `RoutingPlan`.
+
+`RoutingTables.build(plan, rank, bag_group)` turns one plan into what this rank needs
+(split sizes and permutation indices, held as tensors), so the exchanges below do no
+per-chunk Python work. Every exchange is **one** ``torch.distributed.all_to_all_single``
+and is autograd-aware: its backward is the reverse all-to-all.
+
+Token layouts on a rank (T = tokens, d = hidden size, H = heads, D = head dim):
+
+- *packed*: this rank's own sequences, concatenated in the order their lengths were
+  given to ``plan_routing`` — ``(T_local, ...)``;
+- *chunks*: after ``route``, the chunks the plan sends to this rank, in chunk-id order
+  (= by sequence, then chunk index) — ``(T_chunks, ...)``;
+- *bag sequences*: after ``pre_attn`` in a bag of g GPUs, the bag's whole sequences in
+  sequence order, with H/g of the heads — ``(T_bag, H/g, D)``.
+
+Tensors of any dtype travel as raw bytes, so integer features arrive bit-exact and
+several tensors share one exchange.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from knapformer.plan import RoutingPlan
+
+Group = dist.ProcessGroup | None
+
+
+# --------------------------------------------------------------------------- tables
+@dataclass
+class BagTables:
+    """Ulysses tables of this rank's bag (only for bags of more than one GPU)."""
+
+    group: Group
+    size: int  # g
+    tokens_per_gpu: list[int]  # chunk tokens held by each GPU of the bag, bag order
+    to_sequences: torch.Tensor  # permutation: received head shards -> sequence order
+    from_sequences: torch.Tensor  # its inverse
+    seq_lens: list[int]  # whole sequences of the bag, sequence order (no zero lengths)
+
+
+@dataclass
+class RoutingTables:
+    """What one rank needs to route tokens for one plan."""
+
+    local_lens: list[int]  # this rank's sequence lengths, as given (zeros kept)
+    chunk_lens: list[int]  # lengths of the chunks this rank receives, chunk-id order
+    send_splits: list[int]  # tokens sent to each rank of the balance group
+    recv_splits: list[int]  # tokens received from each rank of the balance group
+    send_index: torch.Tensor | None  # packed rows in send order (None = identity)
+    restore_index: torch.Tensor | None  # inverse of send_index
+    bag: BagTables | None  # None for a single-GPU bag
+
+    @property
+    def num_local(self) -> int:
+        return sum(self.local_lens)
+
+    @property
+    def num_chunk_tokens(self) -> int:
+        return sum(self.chunk_lens)
+
+    @classmethod
+    def build(
+        cls, plan: RoutingPlan, rank: int, device: torch.device, bag_group: Group = None
+    ) -> RoutingTables:
+        """Tables of global ``rank`` for ``plan``; ``bag_group`` is its bag's sub-group."""
+        gpus = np.asarray(plan.gpus, dtype=np.int64)
+        n = len(gpus)
+        pos_of = {int(g): i for i, g in enumerate(gpus.tolist())}
+        seqs, chunks = plan.sequences, plan.chunks
+        seq_src = np.asarray(seqs.src_gpu, dtype=np.int64)
+        seq_len = np.asarray(seqs.length, dtype=np.int64)
+        c_seq = np.asarray(chunks.seq, dtype=np.int64)
+        c_src = np.asarray(chunks.src_gpu, dtype=np.int64)
+        c_dst = np.asarray(chunks.dst_gpu, dtype=np.int64)
+        c_off = np.asarray(chunks.offset, dtype=np.int64)
+        c_len = np.asarray(chunks.length, dtype=np.int64)
+        dst_pos = np.searchsorted(gpus, c_dst) if _sorted(gpus) else _positions(c_dst, pos_of)
+        src_pos = np.searchsorted(gpus, c_src) if _sorted(gpus) else _positions(c_src, pos_of)
+
+        # Send side: my chunks grouped by destination (stable: chunk-id order inside).
+        mine_seq = np.flatnonzero(seq_src == rank)
+        local_lens = seq_len[mine_seq]
+        seq_start = np.zeros(len(seq_len), dtype=np.int64)
+        seq_start[mine_seq] = np.cumsum(local_lens) - local_lens
+        out_ids = np.flatnonzero(c_src == rank)
+        out_ids = out_ids[np.argsort(dst_pos[out_ids], kind="stable")]
+        send_splits = np.bincount(dst_pos[out_ids], weights=c_len[out_ids], minlength=n)
+        send_index = _ranges(seq_start[c_seq[out_ids]] + c_off[out_ids], c_len[out_ids])
+
+        # Receive side: chunk ids are ordered by sequence and sequence ids by source GPU,
+        # so chunks for me in id order already arrive grouped by source: no permutation.
+        in_ids = np.flatnonzero(c_dst == rank)
+        recv_splits = np.bincount(src_pos[in_ids], weights=c_len[in_ids], minlength=n)
+
+        identity = bool(np.array_equal(send_index, np.arange(len(send_index))))
+        to_tensor = _index_tensor(device)
+        bag = None
+        my_bag = next(b for b in plan.bags if rank in b)
+        if len(my_bag) > 1:
+            bag = _bag_tables(my_bag, c_dst, c_seq, c_len, bag_group, to_tensor)
+        return cls(
+            local_lens=local_lens.tolist(),
+            chunk_lens=c_len[in_ids].tolist(),
+            send_splits=send_splits.astype(np.int64).tolist(),
+            recv_splits=recv_splits.astype(np.int64).tolist(),
+            send_index=None if identity else to_tensor(send_index),
+            restore_index=None if identity else to_tensor(np.argsort(send_index)),
+            bag=bag,
+        )
+
+
+def _bag_tables(bag_ranks, c_dst, c_seq, c_len, group, to_tensor) -> BagTables:
+    """After route each GPU of the bag holds its chunk of every bag sequence; Ulysses
+    sends head shard j of all of them to bag GPU j, which receives them grouped by source
+    GPU and reorders them into whole sequences (chunk k of a sequence sits on GPU k)."""
+    in_bag = np.isin(c_dst, bag_ranks)
+    ids = np.flatnonzero(in_bag)  # chunk-id order = sequence order, chunk k after k-1
+    member = np.searchsorted(np.asarray(bag_ranks), c_dst[ids])
+    buffer_order = np.argsort(member, kind="stable")  # how the shards arrive
+    lengths_in_buffer = c_len[ids][buffer_order]
+    start_in_buffer = np.empty(len(ids), dtype=np.int64)
+    start_in_buffer[buffer_order] = np.cumsum(lengths_in_buffer) - lengths_in_buffer
+    to_sequences = _ranges(start_in_buffer, c_len[ids])
+    tokens_per_gpu = np.bincount(member, weights=c_len[ids], minlength=len(bag_ranks))
+    _, first = np.unique(c_seq[ids], return_index=True)
+    seq_lens = np.add.reduceat(c_len[ids], first) if len(ids) else np.zeros(0, np.int64)
+    return BagTables(
+        group=group,
+        size=len(bag_ranks),
+        tokens_per_gpu=tokens_per_gpu.astype(np.int64).tolist(),
+        to_sequences=to_tensor(to_sequences),
+        from_sequences=to_tensor(np.argsort(to_sequences)),
+        seq_lens=seq_lens.astype(np.int64).tolist(),
+    )
+
+
+def _sorted(a: np.ndarray) -> bool:
+    return bool(np.all(a[1:] > a[:-1]))
+
+
+def _positions(ranks: np.ndarray, pos_of: dict[int, int]) -> np.ndarray:
+    return np.fromiter((pos_of[int(r)] for r in ranks), dtype=np.int64, count=len(ranks))
+
+
+def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenation of ``arange(s, s + l)`` for every (s, l), vectorised."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    total = int(lengths.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    begin = np.cumsum(lengths) - lengths  # where each range starts in the output
+    return np.repeat(np.asarray(starts, dtype=np.int64) - begin, lengths) + np.arange(total)
+
+
+def _index_tensor(device: torch.device):
+    def convert(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)
+
+    return convert
+
+
+# ------------------------------------------------------------------------ exchange
+def _to_bytes(tensors: Sequence[torch.Tensor], rows: int) -> torch.Tensor:
+    """Row-wise raw bytes of all tensors side by side: ``(rows, total bytes per row)``."""
+    parts = []
+    for t in tensors:
+        width = int(np.prod(t.shape[1:], dtype=np.int64))
+        flat = t.reshape(rows, width)
+        if not flat.is_contiguous():
+            flat = flat.contiguous()
+        parts.append(flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat)
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+def _from_bytes(buf: torch.Tensor, specs: Sequence[tuple[torch.dtype, torch.Size]]):
+    """Inverse of ``_to_bytes`` for ``buf`` of shape (rows, bytes per row)."""
+    rows, out, col = buf.shape[0], [], 0
+    for dtype, shape in specs:
+        width = int(np.prod(shape, dtype=np.int64)) * _itemsize(dtype)
+        part = buf
+        if len(specs) > 1:  # a fresh (rows, width) buffer: views need aligned row strides
+            part = buf.new_empty((rows, width)).copy_(buf[:, col : col + width])
+        col += width
+        out.append(part.view(dtype).reshape(rows, *shape))
+    return out
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def all_to_all_rows(
+    buf: torch.Tensor, send_splits: list[int], recv_splits: list[int], group: Group
+) -> torch.Tensor:
+    """One ``all_to_all_single`` of the rows of ``buf`` (the only collective used here)."""
+    out = buf.new_empty((sum(recv_splits), *buf.shape[1:]))
+    dist.all_to_all_single(out, buf, recv_splits, send_splits, group=group)
+    return out
+
+
+class _Exchange(torch.autograd.Function):
+    """Permute rows, all-to-all, permute rows — for several tensors in one exchange.
+
+    Forward: ``rows = pre_index`` selection, exchange, ``post_index`` selection.
+    Backward: the mirror image (inverse permutations, reverse all-to-all), carrying
+    only the gradients of the floating-point inputs that need them.
+    """
+
+    @staticmethod
+    def forward(ctx, pre_index, post_index, send_splits, recv_splits, group, *tensors):
+        ctx.pre_index, ctx.post_index = pre_index, post_index
+        ctx.send_splits, ctx.recv_splits, ctx.group = send_splits, recv_splits, group
+        ctx.specs = [(t.dtype, t.shape[1:]) for t in tensors]
+        ctx.device = tensors[0].device
+        rows = tensors[0].shape[0]
+        buf = _to_bytes(tensors, rows)
+        if pre_index is not None:
+            buf = buf.index_select(0, pre_index)
+        buf = all_to_all_rows(buf, send_splits, recv_splits, group)
+        if post_index is not None:
+            buf = buf.index_select(0, post_index)
+        outs = _from_bytes(buf, ctx.specs)
+        ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        need = [i for i, flag in enumerate(ctx.needs_input_grad[5:]) if flag]
+        rows = sum(ctx.recv_splits)
+        grads_in = [
+            grads[i]
+            if grads[i] is not None
+            else torch.zeros(rows, *ctx.specs[i][1], dtype=ctx.specs[i][0], device=ctx.device)
+            for i in need
+        ]
+        buf = _to_bytes(grads_in, rows)
+        if ctx.post_index is not None:
+            buf = torch.empty_like(buf).index_copy_(0, ctx.post_index, buf)
+        buf = all_to_all_rows(buf, ctx.recv_splits, ctx.send_splits, ctx.group)
+        if ctx.pre_index is not None:
+            buf = torch.empty_like(buf).index_copy_(0, ctx.pre_index, buf)
+        back = _from_bytes(buf, [ctx.specs[i] for i in need])
+        out: list[torch.Tensor | None] = [None] * len(ctx.specs)
+        for i, g in zip(need, back, strict=True):
+            out[i] = g
+        return (None, None, None, None, None, *out)
+
+
+def exchange(
+    tensors: Sequence[torch.Tensor],
+    send_splits: list[int],
+    recv_splits: list[int],
+    group: Group,
+    pre_index: torch.Tensor | None = None,
+    post_index: torch.Tensor | None = None,
+) -> list[torch.Tensor]:
+    """Exchange the rows of several tensors (same first dim) in one all-to-all."""
+    return list(_Exchange.apply(pre_index, post_index, send_splits, recv_splits, group, *tensors))
+
+
+# ------------------------------------------------------------- features (pytrees)
+Features = torch.Tensor | dict[str, torch.Tensor] | list[torch.Tensor] | tuple | None
+
+
+def flatten_features(features: Features) -> list[torch.Tensor]:
+    if features is None:
+        return []
+    if isinstance(features, torch.Tensor):
+        return [features]
+    if isinstance(features, dict):
+        return list(features.values())
+    if isinstance(features, list | tuple):
+        return list(features)
+    raise TypeError(
+        f"features must be a tensor, a dict or list of tensors, or None; got {type(features)}"
+    )
+
+
+def unflatten_features(features: Features, tensors: list[torch.Tensor]) -> Features:
+    if features is None:
+        return None
+    if isinstance(features, torch.Tensor):
+        return tensors[0]
+    if isinstance(features, dict):
+        return dict(zip(features.keys(), tensors, strict=True))
+    return type(features)(tensors)
+
+
+def check_rows(name: str, tensor: torch.Tensor, rows: int, what: str) -> None:
+    """A clear error when a per-token tensor does not have ``rows`` rows."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dim() < 1 or tensor.shape[0] != rows:
+        raise ValueError(
+            f"{name} has shape {tuple(tensor.shape)} but {what} hold {rows} tokens; "
+            "its first dimension must be the tokens"
+        )

@@ -1,0 +1,146 @@
+"""`knapformer animate`: render real videos with manim and decode them with PyAV."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import av
+import numpy as np
+import pytest
+
+from knapformer.cli import main
+from knapformer.plan_io import read_plans, write_jsonl
+from knapformer.planner import plan_routing
+from knapformer.workload import WorkloadModel
+from visualization.layout import BACKGROUND, layout_plan, to_pixels
+from visualization.scene import STEP_SECONDS, video_duration
+
+KNAPFORMER = [sys.executable, "-c", "import sys; from knapformer.cli import main; sys.exit(main())"]
+ANIMATE = [*KNAPFORMER, "animate"]
+
+
+def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*ANIMATE, *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def _decode(path: Path) -> tuple[list[np.ndarray], float, float]:
+    """All frames as (H, W, 3) uint8 RGB arrays, the duration (s) and the frame rate."""
+    with av.open(str(path)) as container:
+        stream = container.streams.video[0]
+        rate = float(stream.average_rate)
+        frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+        duration = container.duration / av.time_base
+    return frames, duration, rate
+
+
+def _rgb(hex_colour: str) -> np.ndarray:
+    return np.array([int(hex_colour[i : i + 2], 16) for i in (1, 3, 5)], dtype=float)
+
+
+@pytest.fixture(scope="module")
+def video8(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("video") / "routing.mp4"
+    plan = Path(__file__).parent.parent / "sample_plans" / "mixed8_g1n2+g2n1+g4n1.json"
+    done = _run(str(plan), "-o", str(out), "--quality", "low")
+    assert done.returncode == 0, done.stderr
+    assert "wrote" in done.stderr and "Traceback" not in done.stderr
+    return out
+
+
+@pytest.mark.slow
+def test_video_has_requested_size_and_duration(video8):
+    frames, duration, rate = _decode(video8)
+    assert frames[0].shape == (480, 854, 3)  # --quality low
+    assert rate == 15
+    expected = video_duration(1)
+    assert duration == pytest.approx(expected, abs=1.5 / rate)
+    assert len(frames) == pytest.approx(expected * rate, abs=1)
+
+
+@pytest.mark.slow
+def test_first_and_last_frames_differ(video8):
+    frames, _, _ = _decode(video8)
+    diff = np.abs(frames[0].astype(int) - frames[-1].astype(int))
+    assert (diff.max(axis=2) > 40).mean() > 0.05  # a real change, not codec noise
+
+
+@pytest.mark.slow
+def test_last_frame_shows_chunks_where_the_plan_sends_them(video8, plan8_path):
+    frames, _, _ = _decode(video8)
+    last = frames[-1].astype(float)
+    h, w = last.shape[:2]
+    plan = read_plans(plan8_path, on_error="raise").plans[0]
+    lay = layout_plan(plan)
+    background = _rgb(BACKGROUND)
+    checked_rows = set()
+    for c in lay.chunk_blocks:
+        if c.dst.width * w / 14.2 < 8:  # too narrow to sample away from the edges
+            continue
+        col, row = to_pixels(c.dst.x, c.dst.y, w, h)
+        expected = c.opacity * _rgb(c.color) + (1 - c.opacity) * background
+        got = last[row, col]
+        assert np.abs(got - expected).max() < 48, (c.chunk, got, expected)
+        checked_rows.add(c.dst_row)
+    # Every GPU that receives chunks was checked, and each of those spots is coloured.
+    receiving = {lay.rows.index(r) for r in lay.rows if plan.stats.tokens_after[r.pos] > 0}
+    assert checked_rows == receiving
+    # Control: past the end of each after row there is only background.
+    for r, row in enumerate(lay.rows):
+        ends = [c.dst.right for c in lay.chunk_blocks if c.dst_row == r]
+        col, y = to_pixels(max(ends) + 0.3, row.y, w, h)
+        assert np.abs(last[y, col] - background).max() < 30
+
+
+@pytest.mark.slow
+def test_steps_chain_several_plans_into_one_video(tmp_path):
+    # Small, different plans keep this render short; steps 10..12 in the file, 11:12 chosen.
+    model = WorkloadModel(3072)
+    lengths = {
+        10: [[500], [500], [500]],
+        11: [[9000, 300], [200], [4000]],
+        12: [[300], [200, 8000, 500], [100, 100]],
+    }
+    plans = [plan_routing(v, "g1n1+g2n1", model, step=s) for s, v in lengths.items()]
+    source = tmp_path / "three.jsonl"
+    write_jsonl(source, plans)
+    out = tmp_path / "two.mp4"
+    done = _run(str(source), "--steps", "11:12", "-o", str(out), "--measure", "workload")
+    assert done.returncode == 0, done.stderr
+    frames, duration, rate = _decode(out)
+    assert duration == pytest.approx(video_duration(2), abs=1.5 / rate)
+    assert frames[0].shape == (480, 854, 3)
+    # The end of the first step and the end of the video show different plans.
+    end_first = frames[round(STEP_SECONDS * rate) - 1].astype(int)
+    diff = np.abs(end_first - frames[-1].astype(int)).max(axis=2)
+    assert (diff > 40).mean() > 0.02
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--quality", "ultra"], "--quality must be one of low, medium, high, 4k, not 'ultra'"),
+        (["--measure", "flops"], "--measure must be 'tokens' or 'workload', not 'flops'"),
+        (["--step", "1", "--steps", "1:2"], "either --step or --steps"),
+        (["--step", "99"], "step 99 is not in the file"),
+        (["--steps", "5"], "--steps must look like A:B"),
+        (["--steps", "4:2"], "the last step is before the first"),
+        (["-o", "out.gif"], "output must be an .mp4 file"),
+    ],
+)
+def test_user_errors_are_one_line(plan8_path, tmp_path, capsys, args, message):
+    if "-o" not in args:
+        args = [*args, "-o", str(tmp_path / "x.mp4")]
+    assert main(["animate", str(plan8_path), *args]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err, err
+    assert err.count("\n") == 1 and not (tmp_path / "x.mp4").exists()
+
+
+def test_missing_plan_file_is_a_one_line_error(tmp_path, capsys):
+    assert main(["animate", str(tmp_path / "nope.json"), "-o", str(tmp_path / "x.mp4")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "nope.json" in err and err.count("\n") == 1

@@ -1,0 +1,143 @@
+"""What the dashboard server knows: summaries per step, plans on demand, notices, runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+from dashboard.store import PlanStore, Runs
+
+
+@pytest.fixture
+def lines50(steps50_path):
+    return steps50_path.read_text().splitlines()
+
+
+def _store(path):
+    store = PlanStore(path)
+    while store.poll():
+        pass
+    return store
+
+
+def test_summaries_and_plans_on_demand(tmp_path, lines50):
+    path = tmp_path / "plans.jsonl"
+    path.write_text("\n".join(lines50[:5]) + "\n")
+    store = _store(path)
+    snap = store.snapshot()
+    assert [s.step for s in snap.summaries] == [0, 1, 2, 3, 4]
+    assert [s.line for s in snap.summaries] == [1, 2, 3, 4, 5]
+    assert snap.notices == [] and snap.problem_count == 0
+    plan = store.plan(3)
+    assert plan.model_dump_json() == json.dumps(json.loads(lines50[3]), separators=(",", ":"))
+    assert store.plan(3) is plan  # cached
+    with open(path, "a") as f:
+        f.write(lines50[5] + "\n")
+    store.poll()
+    assert len(store.snapshot().summaries) == 6
+    with pytest.raises(LookupError):
+        store.plan(99)
+
+
+def test_bad_records_become_problems_with_line_numbers(tmp_path, lines50):
+    other_version = json.loads(lines50[1])
+    other_version["schema_version"] = 2
+    broken = json.loads(lines50[2])
+    broken["chunks"]["dst_gpu"][0] = 999
+    path = tmp_path / "plans.jsonl"
+    path.write_text(
+        "\n".join([lines50[0], "{not json", json.dumps(other_version), json.dumps(broken)])
+        + "\n"
+        + lines50[3][:100]  # a partial last line: not a problem, just not there yet
+    )
+    store = _store(path)
+    snap = store.snapshot()
+    assert [s.step for s in snap.summaries] == [0]
+    assert snap.problem_count == 3
+    by_line = {p.line: p.message for p in snap.problems}
+    assert set(by_line) == {2, 3, 4}
+    assert "not valid JSON" in by_line[2]
+    assert "schema_version 2" in by_line[3]
+    assert "chunk(s) 0" in by_line[4]
+    assert str(snap.problems[0]).startswith("plans.jsonl:2: ")
+
+
+def test_truncation_drops_old_steps_and_says_so(tmp_path, lines50):
+    path = tmp_path / "plans.jsonl"
+    path.write_text("\n".join(lines50[:4]) + "\n")
+    store = _store(path)
+    reset = store.snapshot().reset
+    path.write_text(lines50[10] + "\n")
+    store.poll()
+    snap = store.snapshot()
+    assert [s.step for s in snap.summaries] == [10]
+    assert snap.reset != reset
+    assert any("truncated" in n for n in snap.notices)
+    with pytest.raises(LookupError):
+        store.plan(0, reset)  # a client still showing the old file gets told
+    assert store.plan(0, snap.reset).step == 10
+
+
+def test_rotation_keeps_old_steps_readable(tmp_path, lines50):
+    path = tmp_path / "plans.jsonl"
+    path.write_text("\n".join(lines50[:3]) + "\n")
+    store = _store(path)
+    os.rename(path, tmp_path / "plans.1.jsonl")
+    path.write_text(lines50[3] + "\n")
+    store.poll()
+    snap = store.snapshot()
+    assert [s.step for s in snap.summaries] == [0, 1, 2, 3]
+    assert any("plans.1.jsonl" in n for n in snap.notices)
+    assert store.plan(1).step == 1 and store.plan(3).step == 3
+
+
+def test_missing_empty_and_removed_files_are_notices(tmp_path, lines50):
+    path = tmp_path / "plans.jsonl"
+    store = _store(path)
+    assert "does not exist" in store.snapshot().notices[0]
+    path.write_text("")
+    store.poll()
+    assert "holds no plans yet" in store.snapshot().notices[0]
+    path.write_text(lines50[0] + "\n")
+    store.poll()
+    assert store.snapshot().notices == []
+    path.unlink()
+    store.poll()
+    snap = store.snapshot()
+    assert "was removed" in snap.notices[0]
+    assert len(snap.summaries) == 1 and store.plan(0).step == 0
+
+
+def test_json_and_legacy_files(plan8_path, legacy_path, tmp_path):
+    store = _store(plan8_path)
+    assert len(store.snapshot().summaries) == 1
+    assert store.plan(0).topology == "g1n2+g2n1+g4n1"
+    legacy = _store(legacy_path)
+    assert len(legacy.snapshot().summaries) == 1
+    assert legacy.plan(0).num_gpus == 8
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"topology": 3}')
+    snap = _store(bad).snapshot()
+    assert snap.summaries == [] and snap.problem_count == 1
+
+
+def test_folder_of_runs(tmp_path, steps50_path, plan8_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    shutil.copy(steps50_path, tmp_path / "a" / "plans.jsonl")
+    shutil.copy(steps50_path, tmp_path / "b" / "plans.jsonl")
+    shutil.copy(steps50_path, tmp_path / "b" / "plans.1.jsonl")  # rotated: not a run
+    shutil.copy(plan8_path, tmp_path / "single.json")
+    os.utime(tmp_path / "b" / "plans.jsonl", (2e9, 2e9))
+    runs = Runs(tmp_path)
+    try:
+        assert sorted(runs.files()) == ["a", "b", "single.json"]
+        assert runs.default() == "b"
+        assert runs.store("nope") is None
+        store = runs.store("single.json")
+        assert store is runs.store("single.json")
+    finally:
+        runs.close()

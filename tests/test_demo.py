@@ -1,0 +1,217 @@
+"""The live demo (`knapformer demo`) and the torchrun example, run as real processes."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from knapformer.cli import main
+from knapformer.datamix import parse_mix
+from knapformer.demo import (
+    DEMO_CODES,
+    DemoConfig,
+    _remove_old_plans,
+    check_config,
+    default_topology,
+    model_shape,
+    rank_codes,
+)
+from knapformer.plan_io import read_plans
+from knapformer.topology import Topology
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+STEP_LINE = re.compile(
+    r"step\s+(\d+)\s+loss\s+([\d.]+)\s+imbalance\s+([\d.]+) → ([\d.]+)\s+moved\s+([\d,]+) of"
+)
+
+
+# ------------------------------------------------------------------- configuration
+def test_default_topology_has_mixed_bags_on_powers_of_two():
+    assert default_topology(8) == "g1n2+g2n1+g4n1"
+    assert default_topology(4) == "g1n2+g2n1"
+    assert default_topology(16) == "g1n2+g2n1+g4n1+g8n1"
+    assert default_topology(6) == "g1n6"
+    for world in (1, 2, 4, 8, 16, 32, 6, 12):
+        assert Topology.parse(default_topology(world)).num_gpus == world
+
+
+def test_rank_codes_spread_the_mix_over_the_world():
+    joint = parse_mix("joint")  # 32 GPUs
+    on8 = rank_codes(joint, 8)
+    assert [c.gpus for c in on8] == [1] * 8
+    # Every 4th GPU of the 32-GPU mix: images, large images, keyframes and videos.
+    assert [str(c) for c in on8] == [
+        "g1b4i256f1s0",
+        "g1b4i256f1s0",
+        "g1b5i512f1s0",
+        "g1b1i2048f1s0",
+        "g1b10i256f4s0",
+        "g1b2i256f85s1",
+        "g1b2i256f85s1",
+        "g1b1i512f85s1",
+    ]
+    demo8 = parse_mix(DEMO_CODES)
+    assert [str(c) for c in rank_codes(demo8, 16)[::2]] == [str(c) for c in rank_codes(demo8, 8)]
+
+
+def test_model_heads_split_across_every_bag():
+    for topo in ("g1n2+g2n1+g4n1", "g1n2+g3n2", "g8n1", "g1n1"):
+        t = Topology.parse(topo)
+        d_model, heads = model_shape(t)
+        assert all(heads % g == 0 for g in t.bag_sizes) and heads >= 4
+        assert d_model == heads * 16
+    with pytest.raises(ValueError, match="g7n1"):
+        model_shape(Topology.parse("g5n1+g7n1+g3n1"))
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--world-size", "6", "--topology", "g1n2+g2n1"], "world size 6"),
+        (["--steps", "-1"], "steps must be >= 0"),
+        (["--data-codes", "g2b4x"], "g2b4x"),
+        (["--topology", "g2x1"], "g2x1"),
+    ],
+)
+def test_bad_options_give_one_line_errors_before_starting(tmp_path, capsys, args, message):
+    code = main(["demo", "--no-dashboard", "--out", str(tmp_path / "o"), *args])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert err.startswith("error: ") and message in err and "Traceback" not in err
+    assert not (tmp_path / "o").exists()  # nothing started, nothing written
+
+
+def test_a_new_run_replaces_the_old_runs_plan_files_only(tmp_path):
+    names = ["plans.jsonl", "plans.1.jsonl", "plans.group1.jsonl", "plans.group1.2.jsonl"]
+    keep = ["notes.txt", "plans.json", "plans.backup.jsonl", "other.jsonl"]
+    for name in names + keep:
+        (tmp_path / name).write_text("x")
+    _remove_old_plans(tmp_path / "plans.jsonl")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(keep)
+
+
+def test_check_config_accepts_the_defaults():
+    topo, codes = check_config(DemoConfig())
+    assert str(topo) == "g1n2+g2n1+g4n1" and len(codes) == 8
+
+
+# ------------------------------------------------------------------- real processes
+@pytest.mark.slow
+def test_demo_three_steps_world4_headless_records_measured_plans(tmp_path):
+    out = tmp_path / "demo"
+    proc = subprocess.run(
+        [
+            *(BIN / "knapformer", "demo", "--steps", "3", "--world-size", "4"),
+            *("--no-dashboard", "--out", str(out)),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = read_plans(out / "plans.jsonl", on_error="raise")  # validates every plan
+    plans = result.plans
+    assert [p.step for p in plans] == [0, 1, 2]
+    for plan in plans:
+        assert plan.topology == "g1n2+g2n1" and plan.gpus == [0, 1, 2, 3]
+        assert plan.run == "demo" and plan.token_dim == 64
+        ms = plan.measurements.per_rank_ms
+        for phase in ("plan", "route", "reverse_route", "forward_backward", "optimizer"):
+            assert len(ms[phase]) == 4, phase
+            assert all(math.isfinite(v) and v > 0 for v in ms[phase]), (phase, ms[phase])
+        # Ulysses re-sharding happens only in the 2-GPU bag (ranks 2 and 3).
+        assert ms["pre_attn"][:2] == [0.0, 0.0] and min(ms["pre_attn"][2:]) > 0
+        if plan.step < 2:  # whole-step time exists once the next step has started
+            assert len(ms["step"]) == 4 and min(ms["step"]) > 0
+    # The printed per-step lines describe the recorded plans.
+    lines = [STEP_LINE.search(line) for line in proc.stdout.splitlines()]
+    lines = [m for m in lines if m]
+    assert [int(m.group(1)) for m in lines] == [0, 1, 2]
+    for m, plan in zip(lines, plans, strict=True):
+        stats = plan.stats
+        assert float(m.group(3)) == pytest.approx(stats.imbalance_before, abs=0.006)
+        assert float(m.group(4)) == pytest.approx(stats.imbalance_after, abs=0.006)
+        assert int(m.group(5).replace(",", "")) == stats.moved_tokens
+        assert math.isfinite(float(m.group(2)))
+    assert "done: 3 steps" in proc.stdout
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_workers_and_dashboard_leaving_nothing_running(tmp_path):
+    out = tmp_path / "demo"
+    proc = subprocess.Popen(
+        [
+            *(BIN / "knapformer", "demo", "--steps", "0", "--world-size", "2", "--port", "0"),
+            *("--topology", "g2n1", "--out", str(out)),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        seen = []
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            seen.append(line)
+            if STEP_LINE.search(line) or not line:
+                break
+        assert any("dashboard: http://127.0.0.1:" in s for s in seen), "".join(seen)
+        assert STEP_LINE.search(seen[-1]), "".join(seen) + proc.stderr.read()
+        parent = psutil.Process(proc.pid)
+        children = parent.children(recursive=True)
+        assert len(children) >= 3  # the fork server and two workers
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, stderr
+    assert "interrupted: workers stopped" in stderr and "Traceback" not in stderr
+    _, alive = psutil.wait_procs(children, timeout=15)
+    assert alive == [], [(p.pid, p.name()) for p in alive]
+    # The workers stopped together after a whole step and flushed the recorder: valid
+    # lines only, and even the last plan carries both ranks' measured times.
+    result = read_plans(out / "plans.jsonl")
+    assert result.problems == [] and len(result.plans) >= 1
+    assert [p.step for p in result.plans] == list(range(len(result.plans)))
+    assert all(len(p.measurements.per_rank_ms["route"]) == 2 for p in result.plans)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("torchrun", path=str(BIN)) is None, reason="needs torchrun")
+def test_torchrun_example_records_plans(tmp_path):
+    out = tmp_path / "toy"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [
+            *(BIN / "torchrun", "--standalone", "--nproc_per_node", "2"),
+            *("examples/train_toy_dit.py", "--steps", "2", "--topology", "g2n1"),
+            *("--out", str(out)),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    plans = read_plans(out / "plans.jsonl", on_error="raise").plans
+    assert [p.step for p in plans] == [0, 1]
+    assert all(p.run == "toy" and p.topology == "g2n1" for p in plans)
+    # finish() gave the last plan its times as well: every plan has both ranks' times.
+    assert all(len(p.measurements.per_rank_ms["forward_backward"]) == 2 for p in plans)
+    assert proc.stdout.count("loss") == 2

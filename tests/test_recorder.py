@@ -1,0 +1,349 @@
+"""PlanRecorder guarantees, single process: background writing, whole lines, drops,
+rotation, I/O errors, flushing at close and at exit, tailing and SIGKILL safety."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from knapformer.datamix import parse_mix, sample_lengths, scale_mix
+from knapformer.plan_io import parse_plan_line, read_plans
+from knapformer.planner import plan_routing
+from knapformer.recorder import PlanRecorder
+from knapformer.workload import WorkloadModel
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = WorkloadModel(token_dim=3072, gamma=0.4)
+TOPO8 = "g1n2+g2n1+g4n1"
+
+
+def make_plans(n: int, seed: int = 0, mix: str = "joint", factor: int = 1) -> list:
+    """``n`` consecutive plans (steps 0..n-1) of ``mix`` scaled to ``factor`` times its GPUs."""
+    codes = scale_mix(parse_mix(mix), factor)
+    gpus = sum(c.gpus for c in codes)
+    topo = f"g1n{gpus // 2}+g2n{gpus // 4}"  # mixes have a multiple of 4 GPUs
+    rng = np.random.default_rng(seed)
+    return [plan_routing(sample_lengths(codes, rng), topo, MODEL, step=i) for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def plans() -> list:
+    codes = parse_mix("g2b4i256f1s0,g2b2i512f1s0,g4b1i1024f1s0")
+    rng = np.random.default_rng(7)
+    return [plan_routing(sample_lengths(codes, rng), TOPO8, MODEL, step=i) for i in range(12)]
+
+
+def steps_in(path: Path) -> list[int]:
+    result = read_plans(path, on_error="raise")
+    return [p.step for p in result.plans]
+
+
+def recorder_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "knapformer.recorder"]
+
+
+# --------------------------------------------------------------------------- basics
+def test_records_every_kth_step_as_valid_jsonl(tmp_path, plans):
+    path = tmp_path / "sub" / "plans.jsonl"  # the directory is created
+    with PlanRecorder(path, every=3) as rec:
+        queued = [rec.record(p) for p in plans]
+    assert queued == [p.step % 3 == 0 for p in plans]
+    assert steps_in(path) == [0, 3, 6, 9]
+    back = read_plans(path).plans
+    assert back[1] == plans[3]  # the same plan, field for field
+    assert rec.written == 4 and rec.dropped == 0
+    assert not rec.active and rec.record(plans[0]) is False  # closed: a no-op
+
+
+def test_plans_without_step_numbers_count_calls(tmp_path, plans):
+    path = tmp_path / "plans.jsonl"
+    with PlanRecorder(path, every=2) as rec:
+        for i, p in enumerate(plans[:5]):
+            p2 = p.model_copy()
+            p2.step = None
+            p2.run = f"call{i}"
+            rec.record(p2)
+    assert [p.run for p in read_plans(path).plans] == ["call0", "call2", "call4"]
+
+
+def test_serialises_on_the_writer_thread_not_the_caller(tmp_path, plans):
+    threads: list[str] = []
+
+    class Spy(PlanRecorder):
+        def _serialize(self, plan):
+            threads.append(threading.current_thread().name)
+            return super()._serialize(plan)
+
+    with Spy(tmp_path / "plans.jsonl") as rec:
+        for p in plans[:3]:
+            rec.record(p)
+    assert threads == ["knapformer-plan-recorder"] * 3
+    assert threading.current_thread().name not in threads
+
+
+def test_disabled_recorder_does_nothing(tmp_path, plans):
+    rec = PlanRecorder(tmp_path / "plans.jsonl", enabled=False)
+    assert rec.record(plans[0]) is False
+    rec.close()
+    assert not (tmp_path / "plans.jsonl").exists()
+    assert rec._thread is None
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"every": 0}, {"queue_size": 0}, {"max_bytes": 0}, {"backups": -1}, {"writer": -1}],
+)
+def test_bad_arguments_name_the_value(tmp_path, kwargs):
+    ((name, value),) = kwargs.items()
+    with pytest.raises(ValueError, match=rf"{name}.*{value}"):
+        PlanRecorder(tmp_path / "p.jsonl", **kwargs)
+
+
+# ------------------------------------------------------------------ queue overflow
+def test_full_queue_drops_and_counts_without_blocking(tmp_path, plans, caplog):
+    entered, release = threading.Event(), threading.Event()
+
+    class Stuck(PlanRecorder):
+        def _serialize(self, plan):
+            entered.set()
+            release.wait(10)
+            return super()._serialize(plan)
+
+    rec = Stuck(tmp_path / "plans.jsonl", queue_size=2)
+    rec.record(plans[0])
+    assert entered.wait(5)  # the writer holds plan 0; the queue is empty
+    started = time.perf_counter()
+    queued = [rec.record(p) for p in plans[1:10]]
+    elapsed = time.perf_counter() - started
+    assert queued == [True, True] + [False] * 7
+    assert rec.dropped == 7
+    assert elapsed < 1.0  # 9 calls against a stuck writer returned (nothing waited 10 s)
+    release.set()
+    with caplog.at_level(logging.WARNING, logger="knapformer.recorder"):
+        rec.close()
+    assert steps_in(tmp_path / "plans.jsonl") == [0, 1, 2]
+    assert any("dropped 7 plan" in m for m in recorder_warnings(caplog))
+
+
+def test_close_writes_everything_queued(tmp_path, plans):
+    release = threading.Event()
+
+    class Slow(PlanRecorder):
+        def _serialize(self, plan):
+            release.wait(10)
+            return super()._serialize(plan)
+
+    rec = Slow(tmp_path / "plans.jsonl", queue_size=64)
+    for p in plans:
+        rec.record(p)
+    assert rec.written == 0
+    threading.Timer(0.2, release.set).start()
+    rec.close()
+    assert steps_in(tmp_path / "plans.jsonl") == list(range(12))
+
+
+# ------------------------------------------------------------------------ rotation
+def test_rotation_keeps_the_newest_files_up_to_retention(tmp_path, plans):
+    line = len(plans[0].model_dump_json()) + 1
+    path = tmp_path / "plans.jsonl"
+    max_bytes = int(2.5 * line)  # ~2 plans per file
+    with PlanRecorder(path, max_bytes=max_bytes, backups=2) as rec:
+        for p in plans:
+            rec.record(p)
+    names = sorted(f.name for f in tmp_path.iterdir())
+    assert names == ["plans.1.jsonl", "plans.2.jsonl", "plans.jsonl"]
+    newest = steps_in(path)
+    older = steps_in(tmp_path / "plans.1.jsonl")
+    oldest = steps_in(tmp_path / "plans.2.jsonl")
+    # Files hold consecutive steps, oldest file first, ending with the last plan.
+    assert oldest + older + newest == list(range(oldest[0], 12))
+    assert newest[-1] == 11 and oldest[0] > 0  # the oldest plans were deleted
+    for name in names:
+        assert (tmp_path / name).stat().st_size <= max_bytes
+
+
+def test_rotation_without_backups_starts_over(tmp_path, plans):
+    path = tmp_path / "plans.jsonl"
+    line = len(plans[0].model_dump_json()) + 1
+    with PlanRecorder(path, max_bytes=int(1.5 * line), backups=0) as rec:
+        for p in plans[:4]:
+            rec.record(p)
+    assert [f.name for f in tmp_path.iterdir()] == ["plans.jsonl"]
+    assert steps_in(path) == [3]
+
+
+def test_appends_to_an_existing_file(tmp_path, plans):
+    path = tmp_path / "plans.jsonl"
+    with PlanRecorder(path) as rec:
+        rec.record(plans[0])
+    with PlanRecorder(path) as rec:
+        rec.record(plans[1])
+    assert steps_in(path) == [0, 1]
+
+
+# ----------------------------------------------------------------------- I/O errors
+def test_disk_full_disables_with_one_warning_and_training_goes_on(plans, caplog):
+    if not os.path.exists("/dev/full"):
+        pytest.skip("needs /dev/full")
+    with caplog.at_level(logging.WARNING, logger="knapformer.recorder"):
+        rec = PlanRecorder("/dev/full")
+        rec.record(plans[0])
+        deadline = time.monotonic() + 5
+        while rec.disabled_reason is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        later = [rec.record(p) for p in plans[1:]]  # the "training loop" keeps going
+        rec.close()
+    assert "No space left" in rec.disabled_reason
+    assert later == [False] * (len(plans) - 1)
+    warnings = recorder_warnings(caplog)
+    assert len(warnings) == 1 and "disabled" in warnings[0] and "/dev/full" in warnings[0]
+    assert rec.written == 0
+
+
+def test_directory_removed_mid_run_disables_with_one_warning(tmp_path, plans, caplog):
+    out = tmp_path / "run"
+    line = len(plans[0].model_dump_json()) + 1
+    with caplog.at_level(logging.WARNING, logger="knapformer.recorder"):
+        rec = PlanRecorder(out / "plans.jsonl", max_bytes=int(1.5 * line), backups=1)
+        rec.record(plans[0])
+        deadline = time.monotonic() + 5
+        while rec.written < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        shutil.rmtree(out)
+        for p in plans[1:]:  # the next write must rotate, which needs the directory
+            rec.record(p)
+        rec.close()
+    assert rec.disabled_reason is not None and "plans.jsonl" in rec.disabled_reason
+    assert len(recorder_warnings(caplog)) == 1
+    assert not out.exists()  # nothing was recreated behind the user's back
+
+
+def test_unwritable_location_disables(tmp_path, plans, caplog):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with (
+        caplog.at_level(logging.WARNING, logger="knapformer.recorder"),
+        PlanRecorder(blocker / "plans.jsonl") as rec,
+    ):
+        for p in plans[:3]:
+            rec.record(p)
+    assert rec.disabled_reason is not None
+    assert len(recorder_warnings(caplog)) == 1
+
+
+# ------------------------------------------------------------- separate processes
+WRITER = """
+import sys, numpy as np
+sys.path.insert(0, {tests!r})
+from test_recorder import make_plans
+from knapformer.recorder import PlanRecorder
+plans = make_plans(8, seed=3, mix="joint", factor={factor})
+rec = PlanRecorder({path!r}, queue_size=1024, max_bytes=None)
+print("ready", flush=True)
+step = 0
+while step < {count}:
+    p = plans[step % len(plans)].model_copy()
+    p.step = step
+    if rec.record(p):
+        step += 1
+{tail}
+"""
+
+
+def start_writer(path: Path, count: int, factor: int, tail: str = "rec.close()"):
+    code = WRITER.format(
+        tests=str(ROOT / "tests"), path=str(path), count=count, factor=factor, tail=tail
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def test_tailing_reader_never_parses_a_partial_record(tmp_path):
+    path = tmp_path / "plans.jsonl"
+    count = 150
+    proc = start_writer(path, count, factor=4)  # 128 GPUs: lines of tens of kB
+    seen: list[int] = []
+    buffer = b""
+    polls = 0
+    try:
+        while not path.exists():
+            time.sleep(0.001)
+        with open(path, "rb") as f:
+            while True:
+                chunk = f.read()
+                polls += 1
+                buffer += chunk
+                *complete, buffer = buffer.split(b"\n")
+                for line in complete:
+                    seen.append(parse_plan_line(line.decode()).step)  # raises if partial
+                if proc.poll() is not None and not chunk:
+                    break
+    finally:
+        proc.wait(30)
+    assert proc.returncode == 0
+    assert buffer == b""  # the file ends with a whole line
+    assert seen == list(range(count))
+    assert polls > 10  # the reader really ran while the writer wrote
+
+
+def test_sigkill_leaves_whole_lines_and_at_most_a_partial_last_one(tmp_path):
+    path = tmp_path / "plans.jsonl"
+    proc = start_writer(path, 10**9, factor=4, tail="")
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if path.exists() and path.read_bytes().count(b"\n") >= 20:
+                break
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait(10)
+    assert proc.returncode == -signal.SIGKILL
+    data = path.read_bytes()
+    lines = data.split(b"\n")
+    result = read_plans(path)
+    whole = len(lines) - 1  # lines terminated by a newline
+    assert whole >= 20
+    assert [p.step for p in result.plans] == list(range(whole))
+    if lines[-1]:  # killed mid-line: exactly that line is skipped and reported
+        assert len(result.problems) == 1 and result.problems[0].line == whole + 1
+    else:
+        assert result.problems == []
+    # A reader meets a cut-off final line the same way however it arises.
+    cut = tmp_path / "cut.jsonl"
+    cut.write_bytes(data[: data.rindex(b"\n") - 100])
+    cut_result = read_plans(cut)
+    assert [p.step for p in cut_result.plans] == list(range(whole - 1))
+    assert [p.line for p in cut_result.problems] == [whole]
+
+
+def test_plans_are_flushed_at_interpreter_exit_without_close(tmp_path):
+    path = tmp_path / "plans.jsonl"
+    proc = start_writer(path, 40, factor=1, tail="print(rec.dropped)")
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0
+    assert out.strip() == "0"
+    assert steps_in(path) == list(range(40))
+
+
+def test_record_payload_is_json_object_per_line(tmp_path, plans):
+    path = tmp_path / "plans.jsonl"
+    with PlanRecorder(path) as rec:
+        rec.record(plans[0])
+    raw = path.read_bytes()
+    assert raw.endswith(b"\n") and raw.count(b"\n") == 1
+    assert json.loads(raw)["step"] == 0

@@ -1,0 +1,148 @@
+"""The incremental JSONL reader: partial lines, only-new-bytes, truncation, rotation, removal."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import dashboard.tail as tail_module
+from dashboard.tail import JsonlTail
+
+
+def _append(path, text: str) -> None:
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(text)
+
+
+@pytest.fixture
+def tail(tmp_path):
+    t = JsonlTail(tmp_path / "plans.jsonl")
+    yield t
+    t.close()
+
+
+def test_partial_last_line_waits_for_its_newline(tmp_path, tail):
+    path = tmp_path / "plans.jsonl"
+    _append(path, '{"a": 1}\n{"b": ')
+    batch = tail.poll()
+    assert [(ln.number, ln.text) for ln in batch.lines] == [(1, '{"a": 1}')]
+    assert tail.offset == len('{"a": 1}\n')
+    assert tail.poll().lines == []  # still partial
+    _append(path, '2}\n{"c": 3}\n')
+    batch = tail.poll()
+    assert [(ln.number, ln.text) for ln in batch.lines] == [(2, '{"b": 2}'), (3, '{"c": 3}')]
+    second = batch.lines[0]
+    assert second.offset == len('{"a": 1}\n')
+    assert tail.read_record(second.generation, second.offset, second.length) == '{"b": 2}'
+
+
+def test_reads_only_new_bytes(tmp_path, tail, monkeypatch):
+    path = tmp_path / "plans.jsonl"
+    _append(path, "x" * 5000 + "\n")
+    tail.poll()
+    read = []
+    real_pread = os.pread
+
+    def counting(fd, n, offset):
+        data = real_pread(fd, n, offset)
+        read.append((offset, len(data)))
+        return data
+
+    monkeypatch.setattr(tail_module.os, "pread", counting)
+    _append(path, "y" * 10 + "\n")
+    batch = tail.poll()
+    assert [ln.text for ln in batch.lines] == ["y" * 10]
+    assert sum(n for _, n in read) == 11  # the new line only, not the 5001 bytes before it
+    assert min(off for off, _ in read) == 5001
+
+
+def test_blank_lines_and_crlf_keep_line_numbers(tmp_path, tail):
+    path = tmp_path / "plans.jsonl"
+    path.write_bytes(b"one\r\n\n  \nfour\n")
+    batch = tail.poll()
+    assert [(ln.number, ln.text) for ln in batch.lines] == [(1, "one"), (4, "four")]
+
+
+def test_truncation_restarts_from_the_beginning(tmp_path, tail):
+    path = tmp_path / "plans.jsonl"
+    _append(path, "first\nsecond\nthird\n")
+    assert len(tail.poll().lines) == 3
+    with open(path, "w") as f:  # truncate in place (same inode), as `> plans.jsonl` does
+        f.write("new\n")
+    batch = tail.poll()
+    assert [e.kind for e in batch.events] == ["truncated"]
+    assert "truncated" in batch.events[0].message
+    assert [(ln.number, ln.text, ln.generation) for ln in batch.lines] == [(1, "new", 1)]
+    assert tail.read_record(1, batch.lines[0].offset, batch.lines[0].length) == "new"
+
+
+def test_rotation_drains_the_old_file_then_follows_the_new_one(tmp_path, tail):
+    path = tmp_path / "plans.jsonl"
+    _append(path, "a1\na2\n")
+    first = tail.poll().lines
+    _append(path, "a3\n")  # written just before the rotation, not yet read
+    os.rename(path, tmp_path / "plans.1.jsonl")
+    _append(path, "b1\n")
+    batch = tail.poll()
+    assert [(ln.generation, ln.number, ln.text) for ln in batch.lines] == [
+        (0, 3, "a3"),
+        (1, 1, "b1"),
+    ]
+    assert [e.kind for e in batch.events] == ["rotated"]
+    assert "plans.1.jsonl" in batch.events[0].message
+    # Records of the rotated file stay readable.
+    old = first[1]
+    assert tail.read_record(old.generation, old.offset, old.length) == "a2"
+    _append(path, "b2\n")
+    assert [ln.text for ln in tail.poll().lines] == ["b2"]
+
+
+def test_missing_file_is_reported_once_then_picked_up(tmp_path, tail):
+    path = tmp_path / "plans.jsonl"
+    batch = tail.poll()
+    assert [e.kind for e in batch.events] == ["missing"]
+    assert tail.poll().events == []  # not repeated every poll
+    _append(path, "hello\n")
+    batch = tail.poll()
+    assert [e.kind for e in batch.events] == ["appeared"]
+    assert [ln.text for ln in batch.lines] == ["hello"]
+
+
+def test_file_removed_while_open(tmp_path, tail):
+    path = tmp_path / "plans.jsonl"
+    _append(path, "one\n")
+    line = tail.poll().lines[0]
+    path.unlink()
+    batch = tail.poll()
+    assert [e.kind for e in batch.events] == ["removed"]
+    assert tail.poll().events == []
+    # The open handle still serves records of the removed file.
+    assert tail.read_record(line.generation, line.offset, line.length) == "one"
+    _append(path, "again\n")
+    batch = tail.poll()
+    assert [(ln.number, ln.text) for ln in batch.lines] == [(1, "again")]
+
+
+def test_max_bytes_reads_in_slices(tmp_path, tail):
+    path = tmp_path / "plans.jsonl"
+    lines = [f"{i:04d}" + "z" * 95 for i in range(100)]  # 100 lines of 100 bytes + newline
+    _append(path, "\n".join(lines) + "\n")
+    seen, polls = [], 0
+    while True:
+        batch = tail.poll(max_bytes=1000)
+        polls += 1
+        seen += [ln.text for ln in batch.lines]
+        if not batch.more:
+            break
+    assert seen == lines
+    assert polls >= 10
+
+
+def test_line_longer_than_one_read(tmp_path, tail):
+    path = tmp_path / "plans.jsonl"
+    big = "q" * (tail_module._CHUNK + 12345)
+    _append(path, big)
+    assert tail.poll().lines == []  # no newline yet
+    _append(path, "\nsmall\n")
+    assert [len(ln.text) for ln in tail.poll().lines] == [len(big), 5]

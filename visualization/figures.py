@@ -1,0 +1,489 @@
+"""Plotly figures of routing plans, shared by the live dashboard and the static report.
+
+Pure functions of plans (or of `StepSummary` lists): no Dash, no I/O. Per-GPU arrays come
+from ``plan.stats`` and are indexed by position in ``plan.gpus``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import plotly.graph_objects as go
+import plotly.io as pio
+
+from knapformer.plan import RoutingPlan
+
+BEFORE_COLOR = "#b0b7c3"
+AFTER_COLOR = "#2a6fdb"
+HIGHLIGHT_COLOR = "#e8590c"
+# Phases tried, in order, as "the" measured time of a GPU for predicted-vs-measured.
+_MEASURED_PHASES = ("step", "forward_backward", "compute", "forward")
+# A GPU whose measured/predicted ratio exceeds the median ratio by this much is flagged.
+_STRAGGLER_FACTOR = 1.15
+# Only the layout part of the template: its per-trace defaults would triple every figure.
+_TEMPLATE = {"layout": pio.templates["plotly_white"].layout.to_plotly_json()}
+_MARKERS_UP_TO = 400  # timeline points drawn with markers; beyond, lines only (fast SVG)
+
+
+def _bag_label(bag_id: int, size: int) -> str:
+    return f"bag {bag_id} · {size} GPU{'s' if size != 1 else ''}"
+
+
+def _gpu_axis(plan: RoutingPlan) -> tuple[list[str], list[str], np.ndarray]:
+    """Multicategory x (bag label, GPU label) in bag order and, per bar, the GPU's position
+    in ``plan.gpus`` (bars are drawn bag by bag so each bag is one labelled group)."""
+    pos = {g: i for i, g in enumerate(plan.gpus)}
+    bags, gpus, index = [], [], []
+    for bag_id, members in enumerate(plan.bags):
+        for g in members:
+            bags.append(_bag_label(bag_id, len(members)))
+            gpus.append(str(g))
+            index.append(pos[g])
+    return bags, gpus, np.asarray(index, dtype=np.int64)
+
+
+def _check_seq(plan: RoutingPlan, seq: int | None) -> int | None:
+    if seq is None:
+        return None
+    if not 0 <= seq < len(plan.sequences):
+        raise ValueError(f"sequence {seq} is not in this plan (it has {len(plan.sequences)})")
+    return int(seq)
+
+
+def _title(plan: RoutingPlan, what: str) -> str:
+    step = "" if plan.step is None else f" · step {plan.step}"
+    return f"{what}{step} · {plan.topology}"
+
+
+def _figure(data: list[dict], layout: dict, validate: bool) -> go.Figure:
+    """A figure from trace and layout dicts. ``validate=False`` skips plotly's per-property
+    validation (10x faster; the live dashboard uses it, tests check the specs validate)."""
+    layout = {"template": _TEMPLATE, **layout}
+    return go.Figure({"data": data, "layout": layout}, _validate=validate)
+
+
+def bag_load_figure(
+    plan: RoutingPlan, highlight_seq: int | None = None, validate: bool = True
+) -> go.Figure:
+    """Per-GPU load before and after balancing, grouped by bag, with the mean as capacity.
+
+    ``highlight_seq`` marks the GPUs that receive that sequence's chunks (with each chunk's
+    share of the workload) and the GPU it starts on.
+    """
+    seq = _check_seq(plan, highlight_seq)
+    st = plan.stats
+    bags, gpus, idx = _gpu_axis(plan)
+    x = [bags, gpus]
+    hover = [f"GPU {g} · {b}" for g, b in zip(gpus, bags, strict=True)]
+    data = [
+        {
+            "type": "bar",
+            "x": x,
+            "y": st.load_before[idx],
+            "name": "before",
+            "marker": {"color": BEFORE_COLOR},
+            "customdata": st.tokens_before[idx],
+            "hovertext": hover,
+            "hovertemplate": "%{hovertext}<br>load before %{y:.4g}<br>%{customdata:,} tokens"
+            "<extra></extra>",
+        },
+        {
+            "type": "bar",
+            "x": x,
+            "y": st.load_after[idx],
+            "name": "after",
+            "marker": {"color": AFTER_COLOR},
+            "customdata": st.tokens_after[idx],
+            "hovertext": hover,
+            "hovertemplate": "%{hovertext}<br>load after %{y:.4g}<br>%{customdata:,} tokens"
+            "<extra></extra>",
+        },
+        {
+            "type": "scatter",
+            "x": x,
+            "y": np.full(len(idx), st.mean_load),
+            "mode": "lines",
+            "name": f"capacity (mean {st.mean_load:.4g})",
+            "line": {"color": "#2f9e44", "dash": "dash", "width": 2},
+            "hoverinfo": "skip",
+        },
+    ]
+    if seq is not None:
+        chunks = plan.chunks
+        mine = np.flatnonzero(chunks.seq == seq)
+        bag = int(plan.sequences.bag[seq])
+        share = float(plan.sequences.workload[seq]) / len(plan.bags[bag])
+        label_of = dict(zip(gpus, bags, strict=True))
+        dst_labels = [str(int(g)) for g in chunks.dst_gpu[mine]]
+        src = str(int(plan.sequences.src_gpu[seq]))
+        data += [
+            {
+                "type": "bar",
+                "x": [[label_of[g] for g in dst_labels], dst_labels],
+                "y": np.full(len(mine), share),
+                "name": f"sequence {seq}",
+                "marker": {"color": HIGHLIGHT_COLOR},
+                "customdata": np.stack([chunks.offset[mine], chunks.length[mine]], axis=-1),
+                "hovertemplate": (
+                    f"sequence {seq}: chunk at %{{customdata[0]}}, %{{customdata[1]}} tokens"
+                    "<br>share %{y:.4g}<extra></extra>"
+                ),
+                "width": 0.25,
+            },
+            {
+                "type": "scatter",
+                "x": [[label_of[src]], [src]],
+                "y": [0],
+                "mode": "markers",
+                "name": f"sequence {seq} source",
+                "marker": {"symbol": "triangle-up", "size": 14, "color": HIGHLIGHT_COLOR},
+                "hovertemplate": f"sequence {seq} starts here<extra></extra>",
+            },
+        ]
+    layout = {
+        "title": {"text": _title(plan, "Load per GPU, grouped by bag")},
+        "barmode": "group",
+        "bargap": 0.15,
+        "yaxis": {"title": {"text": "modelled load"}},
+        "xaxis": {"title": {"text": "GPU rank, grouped by bag"}},
+        "legend": {"orientation": "h", "y": 1.02, "x": 1, "xanchor": "right", "yanchor": "bottom"},
+        "margin": {"l": 60, "r": 20, "t": 70, "b": 60},
+    }
+    return _figure(data, layout, validate)
+
+
+def traffic_figure(
+    plan: RoutingPlan, highlight_seq: int | None = None, validate: bool = True
+) -> go.Figure:
+    """Heatmap of tokens sent from each source GPU (rows) to each destination (columns).
+
+    Colour is log10(1 + tokens) because the diagonal (tokens that stay) dwarfs the rest;
+    hovering shows exact counts. ``highlight_seq`` outlines that sequence's chunk cells.
+    """
+    seq = _check_seq(plan, highlight_seq)
+    traffic = plan.stats.traffic
+    labels = [f"GPU {g}" for g in plan.gpus]
+    data = [
+        {
+            "type": "heatmap",
+            "z": np.log10(1.0 + traffic),
+            "x": labels,
+            "y": labels,
+            "customdata": traffic,
+            "colorscale": "Blues",
+            "colorbar": {"title": {"text": "log10(1+tokens)"}},
+            "hovertemplate": "%{y} → %{x}<br>%{customdata:,} tokens<extra></extra>",
+            "name": "traffic",
+        }
+    ]
+    if seq is not None:
+        chunks = plan.chunks
+        mine = np.flatnonzero(chunks.seq == seq)
+        data.append(
+            {
+                "type": "scatter",
+                "x": [f"GPU {int(g)}" for g in chunks.dst_gpu[mine]],
+                "y": [f"GPU {int(g)}" for g in chunks.src_gpu[mine]],
+                "mode": "markers",
+                "name": f"sequence {seq}",
+                "marker": {
+                    "symbol": "square-open",
+                    "size": 14,
+                    "color": HIGHLIGHT_COLOR,
+                    "line": {"width": 3},
+                },
+                "customdata": chunks.length[mine],
+                "hovertemplate": f"sequence {seq}: %{{customdata:,}} tokens<extra></extra>",
+            }
+        )
+    layout = {
+        "title": {"text": _title(plan, "GPU→GPU traffic (tokens)")},
+        "xaxis": {"title": {"text": "destination"}, "type": "category"},
+        "yaxis": {"title": {"text": "source"}, "type": "category", "autorange": "reversed"},
+        "margin": {"l": 70, "r": 20, "t": 60, "b": 60},
+        "showlegend": seq is not None,
+    }
+    return _figure(data, layout, validate)
+
+
+@dataclass(frozen=True, slots=True)
+class StepSummary:
+    """The few numbers of one plan the timeline and header need (cheap to keep per step)."""
+
+    step: int | None
+    time: float | None
+    run: str | None
+    line: int | None  # 1-based line in the file it came from
+    num_gpus: int
+    num_sequences: int
+    num_chunks: int
+    imbalance_before: float  # max / mean load
+    imbalance_after: float
+    max_min_before: float
+    max_min_after: float
+    moved_fraction: float
+    plan_ms: float | None
+    speedup: float  # makespan before / after (modelled)
+    makespan_over_lb: float
+    has_measurements: bool
+
+
+def summarize(plan: RoutingPlan, line: int | None = None) -> StepSummary:
+    """Summary of one plan (computes ``plan.stats`` once)."""
+    st = plan.stats
+    m = plan.measurements
+    return StepSummary(
+        step=plan.step,
+        time=plan.time,
+        run=plan.run,
+        line=line,
+        num_gpus=len(plan.gpus),
+        num_sequences=len(plan.sequences),
+        num_chunks=len(plan.chunks),
+        imbalance_before=st.imbalance_before,
+        imbalance_after=st.imbalance_after,
+        max_min_before=st.max_min_before,
+        max_min_after=st.max_min_after,
+        moved_fraction=st.moved_fraction,
+        plan_ms=None if m is None else m.plan_ms,
+        speedup=st.speedup,
+        makespan_over_lb=st.makespan_over_lb,
+        has_measurements=bool(m is not None and m.per_rank_ms),
+    )
+
+
+def step_x(summaries: list[StepSummary]) -> list[int]:
+    """The x of each summary on the timeline: its step, or its index when it has none."""
+    return [i if s.step is None else s.step for i, s in enumerate(summaries)]
+
+
+# (name, colour, subplot row, hover format) of each timeline trace, in trace order.
+_TIMELINE_TRACES = (
+    ("before", BEFORE_COLOR, 1, ".3f"),
+    ("after", AFTER_COLOR, 1, ".3f"),
+    ("moved", "#7048e8", 2, ".1%"),
+    ("plan ms", "#868e96", 3, ".2f"),
+)
+
+
+def timeline_columns(
+    summaries: list[StepSummary], start: int = 0
+) -> list[tuple[list, list, list[int]]]:
+    """(x, y, customdata) of each timeline trace for ``summaries[start:]``, in trace order,
+    so a live view can append new steps to a figure it already shows."""
+    tail = summaries[start:]
+    x = [start + i if s.step is None else s.step for i, s in enumerate(tail)]
+    index = list(range(start, start + len(tail)))
+    return [
+        (x, [s.imbalance_before for s in tail], index),
+        (x, [s.imbalance_after for s in tail], index),
+        (x, [s.moved_fraction for s in tail], index),
+        (x, [s.plan_ms for s in tail], index),
+    ]
+
+
+def timeline_figure(
+    summaries: list[StepSummary], selected_step: int | None = None, validate: bool = True
+) -> go.Figure:
+    """Imbalance before/after, moved-token fraction and planning time over steps.
+
+    Three stacked panels sharing one x axis (step). Every point's ``customdata`` is its
+    index in ``summaries`` (click → select). ``selected_step`` is an index into
+    ``summaries``; it is marked with a vertical line across the panels.
+    """
+    mode = "lines+markers" if len(summaries) <= _MARKERS_UP_TO else "lines"
+    data = []
+    for (name, color, row, fmt), (x, y, index) in zip(
+        _TIMELINE_TRACES, timeline_columns(summaries), strict=True
+    ):
+        data.append(
+            {
+                "type": "scatter",
+                "x": x,
+                "y": y,
+                "customdata": index,
+                "mode": mode,
+                "name": name,
+                "line": {"color": color, "width": 1.5},
+                "marker": {"size": 5},
+                "hovertemplate": f"step %{{x}}<br>{name} %{{y:{fmt}}}<extra></extra>",
+                "xaxis": "x",
+                "yaxis": "y" if row == 1 else f"y{row}",
+            }
+        )
+    domains = {1: [0.70, 1.0], 2: [0.37, 0.63], 3: [0.0, 0.30]}
+    titles = ("imbalance (max / mean load)", "moved tokens", "planning time (ms)")
+    layout = {
+        "height": 430,
+        "margin": {"l": 60, "r": 20, "t": 60, "b": 40},
+        "hovermode": "x",
+        "clickmode": "event",
+        "legend": {"orientation": "h", "y": 1.06, "yanchor": "bottom", "x": 1, "xanchor": "right"},
+        "xaxis": {"anchor": "y3", "title": {"text": "step"}},
+        "yaxis": {"domain": domains[1], "anchor": "x"},
+        "yaxis2": {"domain": domains[2], "anchor": "x", "tickformat": ".1%"},
+        "yaxis3": {"domain": domains[3], "anchor": "x"},
+        "annotations": [
+            {
+                "text": title,
+                "showarrow": False,
+                "xref": "paper",
+                "yref": "paper",
+                "x": 0.5,
+                "y": domains[row][1],
+                "xanchor": "center",
+                "yanchor": "bottom",
+                "font": {"size": 13},
+            }
+            for row, title in enumerate(titles, start=1)
+        ],
+        "shapes": selection_shapes(summaries, selected_step),
+    }
+    return _figure(data, layout, validate)
+
+
+def selection_shapes(summaries: list[StepSummary], selected: int | None) -> list[dict]:
+    """The vertical line marking the selected index on the timeline (empty when none)."""
+    if selected is None or not 0 <= selected < len(summaries):
+        return []
+    s = summaries[selected]
+    x = selected if s.step is None else s.step
+    return [
+        {
+            "type": "line",
+            "xref": "x",
+            "yref": "paper",
+            "x0": x,
+            "x1": x,
+            "y0": 0,
+            "y1": 1,
+            "line": {"color": HIGHLIGHT_COLOR, "width": 2},
+        }
+    ]
+
+
+def measured_phase(plan: RoutingPlan) -> str | None:
+    """The phase of ``measurements.per_rank_ms`` compared with the model (None: none)."""
+    if plan.measurements is None or not plan.measurements.per_rank_ms:
+        return None
+    phases = plan.measurements.per_rank_ms
+    for name in _MEASURED_PHASES:
+        if name in phases:
+            return name
+    return next(iter(phases))
+
+
+def stragglers(plan: RoutingPlan) -> list[int]:
+    """GPU ranks whose measured time per unit of predicted load exceeds the median by 15%."""
+    phase = measured_phase(plan)
+    if phase is None:
+        return []
+    measured = np.asarray(plan.measurements.per_rank_ms[phase], dtype=np.float64)
+    predicted = plan.stats.load_after
+    ok = predicted > 0
+    if not ok.any():
+        return []
+    ratio = np.where(ok, measured / np.where(ok, predicted, 1.0), np.nan)
+    median = float(np.nanmedian(ratio))
+    slow = ok & (ratio > median * _STRAGGLER_FACTOR)
+    return [int(plan.gpus[i]) for i in np.flatnonzero(slow)]
+
+
+def predicted_vs_measured_figure(plan: RoutingPlan, validate: bool = True) -> go.Figure | None:
+    """Predicted load after balancing vs measured time per GPU (None without measurements).
+
+    The dashed line is measured = k · predicted with k the median ratio; GPUs above it by
+    more than 15% are drawn as stragglers — slow for a reason the model does not explain.
+    """
+    phase = measured_phase(plan)
+    if phase is None:
+        return None
+    st = plan.stats
+    measured = np.asarray(plan.measurements.per_rank_ms[phase], dtype=np.float64)
+    predicted = st.load_after
+    slow = set(stragglers(plan))
+    bag_of = {g: b for b, members in enumerate(plan.bags) for g in members}
+    labels = [f"GPU {g} ({_bag_label(bag_of[g], len(plan.bags[bag_of[g]]))})" for g in plan.gpus]
+    is_slow = np.array([g in slow for g in plan.gpus], dtype=bool)
+    data = []
+    for name, mask, color, symbol in (
+        ("GPU", ~is_slow, AFTER_COLOR, "circle"),
+        ("straggler", is_slow, HIGHLIGHT_COLOR, "x"),
+    ):
+        if mask.any():
+            data.append(
+                {
+                    "type": "scatter",
+                    "x": predicted[mask],
+                    "y": measured[mask],
+                    "text": [lbl for lbl, m in zip(labels, mask, strict=True) if m],
+                    "mode": "markers",
+                    "name": name,
+                    "marker": {"color": color, "size": 9, "symbol": symbol},
+                    "hovertemplate": (
+                        "%{text}<br>predicted %{x:.4g}<br>measured %{y:.2f} ms<extra></extra>"
+                    ),
+                }
+            )
+    ok = predicted > 0
+    if ok.any():
+        k = float(np.median(measured[ok] / predicted[ok]))
+        top = float(predicted.max())
+        data.append(
+            {
+                "type": "scatter",
+                "x": [0, top],
+                "y": [0, k * top],
+                "mode": "lines",
+                "name": f"model fit ({k:.3g} ms per unit)",
+                "line": {"dash": "dash", "color": "#2f9e44"},
+                "hoverinfo": "skip",
+            }
+        )
+    layout = {
+        "title": {"text": _title(plan, f"Predicted load vs measured {phase} time")},
+        "xaxis": {"title": {"text": "predicted load after balancing"}},
+        "yaxis": {"title": {"text": f"measured {phase} (ms)"}},
+        "margin": {"l": 60, "r": 20, "t": 60, "b": 50},
+    }
+    return _figure(data, layout, validate)
+
+
+def sequence_rows(plan: RoutingPlan) -> list[dict]:
+    """One row per sequence: id, src_gpu, length, workload, bag, chunks, destinations.
+
+    ``destinations`` lists the destination GPU of each chunk in offset order, e.g. "4 5 6 7".
+    """
+    seqs, chunks = plan.sequences, plan.chunks
+    n = len(seqs)
+    order = np.lexsort((chunks.offset, chunks.seq))
+    counts = np.bincount(chunks.seq, minlength=n)
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    dst = chunks.dst_gpu[order].tolist()
+    src, length, workload, bag = (
+        seqs.src_gpu.tolist(),
+        seqs.length.tolist(),
+        seqs.workload.tolist(),
+        seqs.bag.tolist(),
+    )
+    return [
+        {
+            "id": i,
+            "src_gpu": src[i],
+            "length": length[i],
+            "workload": _round(workload[i]),
+            "bag": bag[i],
+            "chunks": int(counts[i]),
+            "destinations": " ".join(str(g) for g in dst[starts[i] : starts[i + 1]]),
+        }
+        for i in range(n)
+    ]
+
+
+def _round(value: float, digits: int = 4) -> float:
+    """Round to ``digits`` significant digits (the table is for reading, not arithmetic)."""
+    if value == 0 or not math.isfinite(value):
+        return value
+    return round(value, digits - 1 - math.floor(math.log10(abs(value))))

@@ -1,0 +1,111 @@
+"""Render routing plans to an MP4 with manim (Cairo renderer, PyAV writer, no display).
+
+manim writes into a temporary media directory that is removed afterwards; the finished file
+is moved to the requested path. manim's own logging and progress bars are silenced; callers
+get progress through ``on_progress(done, total)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from knapformer.plan import RoutingPlan
+from knapformer.plan_io import PlanFormatError, ReadResult
+from visualization.layout import Measure, layout_plan
+
+QUALITIES = {
+    "low": "low_quality",  # 854x480, 15 fps
+    "medium": "medium_quality",  # 1280x720, 30 fps
+    "high": "high_quality",  # 1920x1080, 60 fps
+    "4k": "fourk_quality",  # 3840x2160, 60 fps
+}
+
+
+def parse_step_range(spec: str) -> tuple[int | None, int | None]:
+    """``"A:B"`` → (A, B), both inclusive; either side may be empty (open end)."""
+    first, sep, last = spec.partition(":")
+    if not sep:
+        raise ValueError(f"--steps must look like A:B (e.g. 3:7), not {spec!r}")
+    try:
+        a = int(first) if first.strip() else None
+        b = int(last) if last.strip() else None
+    except ValueError:
+        raise ValueError(f"--steps must look like A:B with integer steps, not {spec!r}") from None
+    if a is not None and b is not None and b < a:
+        raise ValueError(f"--steps {spec!r}: the last step is before the first")
+    return a, b
+
+
+def plans_in_range(result: ReadResult, spec: str) -> list[RoutingPlan]:
+    """The plans whose step (or, when a file has no steps, index) lies in ``A:B``."""
+    a, b = parse_step_range(spec)
+    if not result.records:
+        raise PlanFormatError("no valid plan in the file")
+    unnumbered = all(r.plan.step is None for r in result.records)
+    chosen = []
+    for index, record in enumerate(result.records):
+        step = index if unnumbered else record.plan.step
+        if step is not None and (a is None or step >= a) and (b is None or step <= b):
+            chosen.append(record.plan)
+    if not chosen:
+        steps = [
+            (i if unnumbered else r.plan.step)
+            for i, r in enumerate(result.records)
+            if unnumbered or r.plan.step is not None
+        ]
+        raise ValueError(
+            f"no plan with a step in {spec!r} (the file holds steps {min(steps)}..{max(steps)})"
+        )
+    return chosen
+
+
+def render_video(
+    plans: list[RoutingPlan],
+    out: str | Path,
+    quality: str = "low",
+    measure: Measure = "tokens",
+    title: str | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> Path:
+    """Render ``plans`` (chained, in order) into the MP4 ``out``; returns its path."""
+    if quality not in QUALITIES:
+        raise ValueError(f"quality must be one of {', '.join(QUALITIES)}, not {quality!r}")
+    if not plans:
+        raise ValueError("no plan to render")
+    out = Path(out)
+    if out.suffix.lower() != ".mp4":
+        raise ValueError(f"output must be an .mp4 file, not {str(out)!r}")
+    if not out.parent.exists():
+        raise ValueError(f"output directory {str(out.parent)!r} does not exist")
+    layouts = [layout_plan(p, measure=measure, title=title) for p in plans]
+
+    from manim import tempconfig  # heavy import, only when rendering
+
+    from visualization.scene import RoutingScene
+
+    logging.getLogger("manim").setLevel(logging.WARNING)
+    with tempfile.TemporaryDirectory(prefix="knapformer-manim-") as media:
+        options = {
+            "quality": QUALITIES[quality],
+            "media_dir": media,
+            "output_file": "routing",
+            "disable_caching": True,  # hashing every mobject costs more than it saves here
+            "verbosity": "WARNING",
+            "progress_bar": "none",
+            "write_to_movie": True,
+            "format": "mp4",
+            "renderer": "cairo",
+            "preview": False,
+        }
+        with tempconfig(options):
+            scene = RoutingScene(layouts, on_progress=on_progress)
+            scene.render()
+            movie = Path(scene.renderer.file_writer.movie_file_path)
+        if not movie.is_file():
+            raise RuntimeError(f"manim did not write a video (expected {movie})")
+        shutil.move(str(movie), out)
+    return out

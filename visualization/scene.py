@@ -1,0 +1,192 @@
+"""The manim scene of one or more routing decisions (draws what `layout.py` decided).
+
+Text uses manim's `Text` (Pango), never LaTeX. Few mobjects and no updaters keep the Cairo
+renderer fast: sequences grow in, split into chunks, chunks fly to their destination in one
+`LaggedStart`, then the after load bars and the figures appear.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from manim import (
+    LEFT,
+    AnimationGroup,
+    DashedLine,
+    FadeIn,
+    FadeOut,
+    GrowFromEdge,
+    LaggedStart,
+    Line,
+    Rectangle,
+    Scene,
+    Text,
+    VGroup,
+    Write,
+)
+
+from visualization.layout import (
+    AFTER_X,
+    BACKGROUND,
+    BAG_LABEL_RIGHT,
+    BEFORE_X,
+    BRACKET_X,
+    CAPACITY_COLOR,
+    GPU_LABEL_RIGHT,
+    HEADER_Y,
+    LEGEND_Y,
+    LOAD_AFTER_COLOR,
+    LOAD_AFTER_X,
+    LOAD_BEFORE_COLOR,
+    LOAD_BEFORE_X,
+    STATS_Y,
+    TITLE_Y,
+    Box,
+    SceneLayout,
+)
+
+# Seconds of each phase of one step; `step_duration` is what the video length follows.
+# Multiples of 0.2 s give whole frames at 15, 30 and 60 fps, so durations add up exactly.
+T_INTRO, T_LOAD, T_PAUSE, T_SPLIT, T_FLY, T_AFTER, T_HOLD, T_CLEAR = (
+    1.0, 0.6, 0.4, 0.6, 2.0, 0.8, 1.4, 0.6,
+)  # fmt: skip
+GHOST_OPACITY = 0.2  # sequences left behind on their source GPU once split
+STEP_SECONDS = T_INTRO + T_LOAD + T_PAUSE + T_SPLIT + T_FLY + T_AFTER + T_HOLD
+CALLS_PER_STEP = 7  # play/wait calls per step (progress reporting)
+FONT = "DejaVu Sans"
+
+
+def video_duration(num_steps: int) -> float:
+    """Seconds of the video of ``num_steps`` chained steps."""
+    return num_steps * STEP_SECONDS + (num_steps - 1) * T_CLEAR
+
+
+def total_calls(num_steps: int) -> int:
+    return num_steps * CALLS_PER_STEP + (num_steps - 1)
+
+
+def _rect(box: Box, color: str, opacity: float = 1.0, stroke: float = 0.0) -> Rectangle:
+    rect = Rectangle(width=max(box.width, 1e-3), height=box.height)
+    rect.set_fill(color, opacity=opacity).set_stroke("#ffffff", width=stroke, opacity=0.9)
+    return rect.move_to([box.x, box.y, 0])
+
+
+def _text(s: str, size: float, color: str = "#e9ecef", max_width: float | None = None) -> Text:
+    t = Text(s, font=FONT, font_size=size, color=color)
+    if max_width is not None and t.width > max_width:
+        t.scale_to_fit_width(max_width)
+    return t
+
+
+class RoutingScene(Scene):
+    """Animates ``layouts`` one after another; ``on_progress(done, total)`` after each call."""
+
+    def __init__(
+        self,
+        layouts: list[SceneLayout],
+        on_progress: Callable[[int, int], None] | None = None,
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        self.layouts = layouts
+        self.on_progress = on_progress
+        self._done = 0
+        self._total = total_calls(len(layouts))
+
+    def _tick(self) -> None:
+        self._done += 1
+        if self.on_progress is not None:
+            self.on_progress(self._done, self._total)
+
+    def play(self, *args, **kwargs):  # manim's wait() goes through play() too
+        super().play(*args, **kwargs)
+        self._tick()
+
+    def construct(self) -> None:
+        self.camera.background_color = BACKGROUND
+        for i, lay in enumerate(self.layouts):
+            if i:
+                self.play(FadeOut(*self.mobjects), run_time=T_CLEAR)
+            self._step(lay)
+
+    def _frame(self, lay: SceneLayout) -> VGroup:
+        """Title, headers, GPU labels, bag brackets, capacity lines (static during a step)."""
+        parts = VGroup()
+        parts.add(_text(lay.title, 20, max_width=13.4).move_to([0, TITLE_Y, 0]))
+        unit = "tokens" if lay.measure == "tokens" else "workload"
+        for label, band in (
+            (f"before · {unit} per GPU", BEFORE_X),
+            ("load", LOAD_BEFORE_X),
+            ("after routing", AFTER_X),
+            ("load", LOAD_AFTER_X),
+        ):
+            head = _text(label, 15, "#adb5bd", max_width=band[1] - band[0])
+            parts.add(head.move_to([(band[0] + band[1]) / 2, HEADER_Y, 0]))
+        for row in lay.rows:
+            if row.label:
+                t = _text(row.label, lay.label_font, "#ced4da", max_width=0.7)
+                parts.add(t.move_to([GPU_LABEL_RIGHT - t.width / 2, row.y, 0]))
+        for br in lay.brackets:
+            tick = 0.07
+            parts.add(
+                Line([BRACKET_X + tick, br.top, 0], [BRACKET_X, br.top, 0]),
+                Line([BRACKET_X, br.top, 0], [BRACKET_X, br.bottom, 0]),
+                Line([BRACKET_X, br.bottom, 0], [BRACKET_X + tick, br.bottom, 0]),
+            )
+            if br.label:
+                t = _text(br.label, lay.label_font, "#ced4da", max_width=0.85)
+                mid = (br.top + br.bottom) / 2
+                parts.add(t.move_to([BAG_LABEL_RIGHT - t.width / 2, mid, 0]))
+        top, bottom = lay.rows[0].y + lay.rows[0].height, lay.rows[-1].y - lay.rows[-1].height
+        for x in lay.capacity_x:
+            parts.add(
+                DashedLine([x, top, 0], [x, bottom, 0], dash_length=0.08).set_stroke(
+                    CAPACITY_COLOR, width=2
+                )
+            )
+        legend = lay.legend_text + (f"   ·   {lay.note}" if lay.note else "")
+        parts.add(_text(legend, 12, "#adb5bd", max_width=13.4).move_to([0, LEGEND_Y, 0]))
+        return parts
+
+    def _step(self, lay: SceneLayout) -> None:
+        seqs = {b.seq: _rect(b.box, b.color) for b in lay.seq_blocks}
+        groups_before = [_rect(b.box, b.color, 0.8) for b in lay.groups_before]
+        self.play(
+            FadeIn(self._frame(lay)),
+            LaggedStart(
+                *(GrowFromEdge(m, LEFT) for m in [*seqs.values(), *groups_before]),
+                lag_ratio=0.5 / max(len(seqs), 1),
+            ),
+            run_time=T_INTRO,
+        )
+        loads_before = [_rect(b, LOAD_BEFORE_COLOR, 0.9) for b in lay.load_before if b.width > 0]
+        self.play(*(GrowFromEdge(m, LEFT) for m in loads_before), run_time=T_LOAD)
+        self.wait(T_PAUSE)
+
+        # Split: chunk pieces appear over their sequence, which stays behind as a faint ghost
+        # so the final frame still shows the "before" state.
+        targets = []
+        for c in lay.chunk_blocks:
+            piece = _rect(c.src, c.color, c.opacity, 1.5 if c.moves else 0.0)
+            piece.stretch_to_fit_width(max(c.src.width - 0.012, 1e-3))  # hairline gap
+            targets.append((piece, c))
+        ghosts = [m.animate.set_fill(opacity=GHOST_OPACITY) for m in seqs.values()]
+        ghosts += [m.animate.set_fill(opacity=GHOST_OPACITY) for m in groups_before]
+        self.play(*ghosts, *(FadeIn(p) for p, _ in targets), run_time=T_SPLIT)
+
+        groups_after = [_rect(b.box, b.color, 0.8) for b in lay.groups_after]
+        moves = [
+            piece.animate(path_arc=-0.6 if c.moves else 0.0).move_to([c.dst.x, c.dst.y, 0])
+            for piece, c in targets
+        ]
+        fly = [LaggedStart(*moves, lag_ratio=0.6 / max(len(moves), 1))] if moves else []
+        self.play(*fly, *(FadeIn(m) for m in groups_after), run_time=T_FLY)
+
+        loads_after = [_rect(b, LOAD_AFTER_COLOR, 0.9) for b in lay.load_after if b.width > 0]
+        stats = _text(lay.stats_text, 14, max_width=13.4).move_to([0, STATS_Y, 0])
+        self.play(
+            AnimationGroup(*(GrowFromEdge(m, LEFT) for m in loads_after)),
+            Write(stats),
+            run_time=T_AFTER,
+        )
+        self.wait(T_HOLD)
