@@ -37,8 +37,10 @@ $(VENV)/.installed: pyproject.toml
 test: system-deps browser-deps $(VENV)/.installed
 	$(PY) -m pytest -q
 
+# The live demo: 8 CPU workers train a toy DiT with the balancer, record every plan to
+# runs/demo/plans.jsonl and serve the dashboard on http://127.0.0.1:8050 (Ctrl-C stops).
 demo: system-deps $(VENV)/.installed
-	$(VENV)/bin/knapformer show "sample_plans/mixed8_g1n2+g2n1+g4n1.json"
+	$(VENV)/bin/knapformer demo $(DEMO_ARGS)
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
@@ -53,6 +55,8 @@ bench: $(VENV)/.installed
 
 samples: $(VENV)/.installed
 	$(PY) sample_plans/make_samples.py
+	$(VENV)/bin/knapformer demo --steps 30 --no-dashboard --out runs/demo-sample
+	cp runs/demo-sample/plans.jsonl sample_plans/demo.jsonl
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis media runs

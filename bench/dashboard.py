@@ -56,6 +56,8 @@ CHROMIUM_ARGS = [
     "--disable-sync",
     "--no-first-run",
 ]
+# The bar chart of a step is drawn: bars exist in the plot's SVG.
+RENDERED = "() => document.querySelectorAll('#bag-load .barlayer .point').length > 0"
 TARGETS = {"first_page_s": 5.0, "update_ms": 300.0, "rss_mib": 1024.0}
 
 
@@ -137,18 +139,15 @@ def bench_dashboard(path: Path, plans: list, steps: int, updates: int) -> dict:
         page = browser.new_page(viewport={"width": 1400, "height": 1600})
         code = f"from dashboard.server import serve; serve({str(path)!r}, '127.0.0.1', {port})"
         started = time.perf_counter()
+        log = open(path.parent / "server.log", "w+")  # noqa: SIM115 — a file, not a pipe that fills
         server = subprocess.Popen(
-            [sys.executable, "-c", code],
-            cwd=ROOT,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
+            [sys.executable, "-c", code], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT
         )
         rss = PeakRss(server.pid)
         try:
             wait_until(lambda: status(url) is not None, 60, "server start")
             page.goto(url)
-            page.wait_for_selector("#bag-load .main-svg .bars", timeout=60_000)
+            page.wait_for_function(RENDERED, timeout=60_000)
             out["first_page_s"] = time.perf_counter() - started
             out["steps_at_first_page"] = int(
                 page.inner_text("#stat-steps").split()[0].replace(",", "")
@@ -178,10 +177,11 @@ def bench_dashboard(path: Path, plans: list, steps: int, updates: int) -> dict:
                             "._fullLayout.title.text"
                         )
                     ),
-                    10,
+                    60,
                     f"step {n} shown",
                 )
                 latencies.append(time.perf_counter() - t0)
+                print(f"update {k}: {latencies[-1]:.2f} s", status(url)["callback_ms"][-3:])
                 time.sleep(0.3)
             timings = status(url)["callback_ms"][before:]
             # Each update runs the tick callback then the per-step one; idle ticks in
@@ -190,14 +190,31 @@ def bench_dashboard(path: Path, plans: list, steps: int, updates: int) -> dict:
             out["callback_ms_max"] = max(timings)
             out["visible_latency_s"] = statistics.median(latencies)
             out["visible_latency_max_s"] = max(latencies)
+        except Exception:
+            print(
+                "page shows:",
+                page.inner_text("#stat-steps"),
+                "|",
+                page.inner_text("#step-label"),
+                "|",
+                page.inner_text("#detail-notice"),
+                page.evaluate(
+                    "document.querySelector('#bag-load .js-plotly-plot')._fullLayout.title.text"
+                ),
+                file=sys.stderr,
+            )
+            log.seek(0)
+            print("server log (last lines):\n" + "".join(log.readlines()[-30:]), file=sys.stderr)
+            raise
         finally:
             out["rss_mib"] = rss.stop() / 2**20
             server.send_signal(signal.SIGINT)
             try:
-                server.communicate(timeout=20)
+                server.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 server.kill()
-                server.communicate()
+                server.wait()
+            log.close()
             browser.close()
     return out
 

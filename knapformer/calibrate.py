@@ -4,14 +4,16 @@ Two sources:
 
 - a CSV of per-sequence measurements with a header naming the columns ``length``
   (tokens) and ``latency`` (ms; ``latency_ms`` is accepted too); other columns are
-  ignored. Fit: ``latency ≈ k·(24·L·d² + γ·4·L²·d)/1e12`` by least squares
-  (`WorkloadModel.calibrate`).
+  ignored. Fit: ``latency ≈ k·(24·L·d² + γ·4·L²·d)/1e12``, linear in ``(k, k·γ)``.
 - recorded plans whose ``measurements.per_rank_ms[phase]`` carries a measured time per
   GPU (the compute phase). After routing, GPU i computes 1/g of every sequence of its
   bag of g GPUs, so its time ≈ ``k·Σ_s (24·L_s·d² + γ·4·L_s²·d)/(g·1e12)``. That is
   linear in ``(a, b) = (k, k·γ)`` with features ``Σ 24·L·d²/(g·1e12)`` and
   ``Σ 4·L²·d/(g·1e12)``: one least-squares fit over all (plan, GPU) rows, then
   ``k = a`` and ``γ = b / a``.
+
+Both fits minimise relative residuals (see `fit_scale_gamma`), unlike the plain least
+squares of `WorkloadModel.calibrate`.
 
 The fitted ``k`` converts workload units into milliseconds, so ``WorkloadModel(d, γ, k)``
 predicts times directly.
@@ -88,9 +90,17 @@ def read_measurements_csv(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
 
 
 def calibrate_lengths(lengths, latencies, token_dim: int) -> Calibration:
-    """Fit from per-sequence (length, latency ms) pairs."""
-    model, error = WorkloadModel.calibrate(lengths, latencies, token_dim)
-    lengths = np.asarray(lengths, dtype=np.float64)
+    """Fit from per-sequence (length, latency ms) pairs (relative least squares)."""
+    lengths = np.asarray(lengths, dtype=np.float64).ravel()
+    latencies = np.asarray(latencies, dtype=np.float64).ravel()
+    if lengths.shape != latencies.shape:
+        raise ValueError(f"got {lengths.size} lengths but {latencies.size} latencies")
+    if np.unique(lengths[lengths > 0]).size < 2:
+        raise ValueError("calibration needs at least 2 distinct positive lengths")
+    d = float(token_dim)
+    linear = 24.0 * lengths * d * d / 1e12
+    attention = 4.0 * lengths**2 * d / 1e12
+    model, error = fit_scale_gamma(linear, attention, latencies, int(token_dim))
     return Calibration(
         model=model,
         rel_rms_error=error,
@@ -178,16 +188,23 @@ def calibrate_plans(
 def fit_scale_gamma(
     linear: np.ndarray, attention: np.ndarray, latency: np.ndarray, token_dim: int
 ) -> tuple[WorkloadModel, float]:
-    """Least squares ``latency ≈ a·linear + b·attention``; returns (model k=a, γ=b/a) and
-    the relative RMS error (RMS residual / mean latency)."""
+    """Fit ``latency ≈ a·linear + b·attention``; returns (model k=a, γ=b/a) and the
+    relative RMS error (RMS residual / mean latency).
+
+    Minimises the *relative* residuals Σ((fit − latency)/latency)²: timing noise grows
+    with the time, and plain least squares would let the few longest sequences (where
+    attention dominates) decide alone, leaving the linear term to chance."""
     if not (np.isfinite(latency).all() and np.isfinite(linear).all()):
         raise ValueError("measured times must be finite numbers")
     if latency.size < 2:
         raise ValueError("calibration needs at least 2 measured times")
-    design = np.stack([linear, attention], axis=1)
+    if (latency <= 0).any():
+        i = int(np.flatnonzero(latency <= 0)[0])
+        raise ValueError(f"measured time #{i + 1} is {latency[i]:g} ms; times must be > 0")
+    design = np.stack([linear, attention], axis=1) / latency[:, None]
     norms = np.linalg.norm(design, axis=0)  # column scaling keeps the fit well conditioned
     norms[norms == 0] = 1.0
-    coef, *_ = np.linalg.lstsq(design / norms, latency, rcond=None)
+    coef, *_ = np.linalg.lstsq(design / norms, np.ones_like(latency), rcond=None)
     a, b = coef / norms
     if a <= 0:
         raise ValueError(

@@ -184,8 +184,9 @@ def run_demo(
         # Let the workers stop after the same step (the recorder flushes, nothing is cut
         # mid-collective); whatever has not exited by the deadline is terminated below.
         stop.set()
+        started = [p for p in procs if p.pid is not None]
         with ignoring_sigint():
-            _supervise(procs, receive, reports, on_report, time.monotonic() + _GRACE_S)
+            _supervise(started, receive, reports, on_report, time.monotonic() + _GRACE_S)
         raise
     finally:
         with ignoring_sigint():  # a second Ctrl-C must not cut the clean-up short

@@ -433,11 +433,13 @@ def _solve_local(lengths, workload, home_bag, src_pos, layout):
 
 
 def _level_makespan(lengths, workload, home_bag, src_pos, layout, bag, rem, max_iters=None):
-    """Local search on the makespan: move one sequence from the most-loaded bag to one of
-    the least-loaded ones, or swap a pair between them, whichever evens the two out best
-    (all partners scored in one vectorised pass), while that lowers the larger of the
-    two. Staying home leaves uneven last gaps; a few well-sized moves and swaps close
-    them (greedy gets the same effect from placing the smallest last)."""
+    """Local search on the makespan. Each round, every bag above the stopping load (up
+    to ``_LEVEL_PARTNERS`` of them, most loaded first) is paired with a distinct one of
+    the least-loaded bags: one sequence moves from it to the partner, or a pair is
+    swapped, whichever evens the two out best, as long as that lowers the larger of the
+    two. All pairs are scored in one vectorised pass. Staying home leaves uneven last
+    gaps; a few well-sized moves and swaps close them (greedy gets the same effect from
+    placing the smallest last)."""
     num_bags = len(layout.size)
     if layout.gpu_capacity <= 0 or num_bags < 2:
         return
@@ -454,55 +456,117 @@ def _level_makespan(lengths, workload, home_bag, src_pos, layout, bag, rem, max_
     members = [order[bounds[b] : bounds[b + 1]] for b in range(num_bags)]
     accepts = layout.capacity * (1 + _EPS)  # the largest workload each bag may take
     for _ in range(4 * num_bags if max_iters is None else max_iters):
-        a = int(per_gpu.argmax())
-        if per_gpu[a] <= stop:
+        by_load = per_gpu.argsort(kind="stable").tolist()
+        over = [b for b in reversed(by_load) if per_gpu[b] > stop][:_LEVEL_PARTNERS]
+        if not over:
             return
-        partners = per_gpu.argsort(kind="stable")[: _LEVEL_PARTNERS + 1]
-        partners = partners[partners != a][:_LEVEL_PARTNERS]
-        # Candidates that come back into a: nothing (one per partner) or a partner member.
-        back = np.concatenate([np.full(partners.size, -1), *(members[b] for b in partners)])
-        back_bag = np.concatenate(
-            [partners, np.repeat(partners, [members[b].size for b in partners])]
-        )
+        partners = [b for b in by_load[: len(by_load) - len(over)]][:_LEVEL_PARTNERS]
+        if not partners:
+            return
+        num_p = len(partners)
+        column = np.arange(num_p)
+        col2 = np.concatenate([column, column])  # partner of each candidate column below
+        pb = np.asarray(partners)
+        # Sequences that may leave the over-loaded bags (rows, grouped by bag).
+        out = np.concatenate([members[a] for a in over])
+        row_counts = [members[a].size for a in over]
+        row_bag = np.repeat(over, row_counts)
+        # What may come back from each partner, sorted by (partner, workload) in one key:
+        # nothing (workload 0, listed first) or a member small enough for some over bag.
+        back = np.concatenate([members[b] for b in partners])
+        back_p = np.repeat(column, [members[b].size for b in partners])
+        ok_back = (lengths[back] >= size[over].min()) & (workload[back] <= accepts[over].max())
+        back, back_p = back[ok_back], back_p[ok_back]
         back_w = workload[back]
-        back_ok = (back < 0) | ((lengths[back] >= size[a]) & (back_w <= accepts[a]))
-        back_w[back < 0] = 0.0
-        out = members[a]
-        if out.size == 0:
-            return
+        span = 2.0 * float(back_w.max(initial=0.0)) + 1.0  # keeps partners' keys apart
+        key = np.concatenate([column * span, back_p * span + back_w])
+        by_key = key.argsort(kind="stable")
+        key = key[by_key]
+        back = np.concatenate([np.full(num_p, -1), back])[by_key]
+        back_w = np.concatenate([np.zeros(num_p), back_w])[by_key]
+        seg = np.searchsorted(key, column * span)
+        seg_end = np.append(seg[1:], key.size) - 1
+        # The best exchange of bags a and b moves net `ideal` from a to b; the objective
+        # is V-shaped in the net, so per (leaving sequence, partner) only the two
+        # candidates nearest to (its workload - ideal) can be best.
+        g_a, per_a = size[row_bag][:, None], per_gpu[row_bag][:, None]
+        g_b, per_b = size[pb], per_gpu[pb]
         out_w = workload[out][:, None]
-        # net workload leaving a per (out, back) pair, and the larger load after it
-        delta = out_w - back_w
-        g_b = size[back_bag]
-        new_max = np.maximum(per_gpu[a] - delta / size[a], per_gpu[back_bag] + delta / g_b)
-        ok = (lengths[out][:, None] >= g_b) & (out_w <= accepts[back_bag]) & back_ok
-        ok &= delta > 0
-        new_max[~ok] = np.inf
-        best = int(new_max.argmin())
-        i, j = divmod(best, back.size)
-        if not new_max[i, j] < per_gpu[a] * (1 - 1e-9):
+        target = out_w - (per_a - per_b) / (1.0 / g_a + 1.0 / g_b)
+        target = np.minimum(np.maximum(target, 0.0), span / 2) + column * span
+        hit = np.searchsorted(key, target)
+        near = np.concatenate([np.maximum(hit - 1, seg), np.minimum(hit, seg_end)], 1)
+        delta = out_w - back_w[near]  # net workload leaving a
+        new_max = np.maximum(per_a - delta / g_a, per_b[col2] + delta / g_b[col2])
+        came = back[near]
+        ok = (lengths[out][:, None] >= g_b[col2]) & (out_w <= accepts[pb][col2]) & (delta > 0)
+        ok &= (came < 0) | ((lengths[came] >= g_a) & (back_w[near] <= accepts[row_bag][:, None]))
+        new_max[~ok | ~(new_max < per_a * (1 - 1e-9))] = np.inf
+        # Each over-loaded bag takes its best exchange among the partners still free.
+        free = [True] * num_p
+        moves = []
+        row = 0
+        for a, count in zip(over, row_counts, strict=True):
+            if count:
+                block = new_max[row : row + count]
+                best_per_col = block.min(axis=0).tolist()
+                score = [
+                    min(best_per_col[p], best_per_col[p + num_p]) if free[p] else np.inf
+                    for p in range(num_p)
+                ]
+                p = int(np.argmin(score))
+                if score[p] < np.inf:
+                    c = p if best_per_col[p] <= best_per_col[p + num_p] else p + num_p
+                    i = row + int(block[:, c].argmin())
+                    free[p] = False
+                    moves.append((a, partners[p], int(out[i]), int(came[i, c])))
+            row += count
+        if not moves:
             return
-        b = int(back_bag[j])
-        out_of_a, out_of_b = int(out[i]), int(back[j])
-        for seq, src, dst in ((out_of_a, a, b), (out_of_b, b, a)):
-            if seq < 0:
-                continue
-            new_rem = int(src_pos[seq] - layout.start[dst]) if home_bag[seq] == dst else 0
-            layout.add(src, float(workload[seq]), int(lengths[seq]), int(rem[seq]), sign=-1)
-            layout.add(dst, float(workload[seq]), int(lengths[seq]), new_rem)
-            bag[seq], rem[seq] = dst, new_rem
-            members[src] = members[src][members[src] != seq]
-            members[dst] = np.append(members[dst], seq)
-        if layout.max_tokens is not None and (layout.bag_max_tokens > layout.max_tokens).any():
-            # Undo: the exchange broke the token cap (rare; the cap wins over balance).
-            for seq, src, dst in ((out_of_a, b, a), (out_of_b, a, b)):
-                if seq >= 0:
-                    layout.add(src, float(workload[seq]), int(lengths[seq]), int(rem[seq]), -1)
-                    rem[seq] = int(src_pos[seq] - layout.start[dst]) if home_bag[seq] == dst else 0
-                    layout.add(dst, float(workload[seq]), int(lengths[seq]), int(rem[seq]))
-                    bag[seq] = dst
-            return
-        per_gpu[a], per_gpu[b] = layout.load[a] / size[a], layout.load[b] / size[b]
+        for a, b, out_of_a, out_of_b in moves:
+            if not _exchange(
+                a,
+                b,
+                out_of_a,
+                out_of_b,
+                lengths,
+                workload,
+                home_bag,
+                src_pos,
+                layout,
+                bag,
+                rem,
+                members,
+            ):
+                return
+            per_gpu[a], per_gpu[b] = layout.load[a] / size[a], layout.load[b] / size[b]
+
+
+def _exchange(
+    a, b, out_of_a, out_of_b, lengths, workload, home_bag, src_pos, layout, bag, rem, members
+) -> bool:
+    """Move ``out_of_a`` to bag b and ``out_of_b`` (or nothing if -1) to bag a; undone
+    (returns False) when it breaks the token cap (rare; the cap wins over balance)."""
+    for seq, src, dst in ((out_of_a, a, b), (out_of_b, b, a)):
+        if seq < 0:
+            continue
+        new_rem = int(src_pos[seq] - layout.start[dst]) if home_bag[seq] == dst else 0
+        layout.add(src, float(workload[seq]), int(lengths[seq]), int(rem[seq]), sign=-1)
+        layout.add(dst, float(workload[seq]), int(lengths[seq]), new_rem)
+        bag[seq], rem[seq] = dst, new_rem
+        members[src] = members[src][members[src] != seq]
+        members[dst] = np.append(members[dst], seq)
+    if layout.max_tokens is not None and (layout.bag_max_tokens > layout.max_tokens).any():
+        for seq, src, dst in ((out_of_a, b, a), (out_of_b, a, b)):
+            if seq >= 0:
+                layout.add(src, float(workload[seq]), int(lengths[seq]), int(rem[seq]), -1)
+                rem[seq] = int(src_pos[seq] - layout.start[dst]) if home_bag[seq] == dst else 0
+                layout.add(dst, float(workload[seq]), int(lengths[seq]), int(rem[seq]))
+                bag[seq] = dst
+                members[src] = members[src][members[src] != seq]
+                members[dst] = np.append(members[dst], seq)
+        return False
+    return True
 
 
 def _prefix_within_groups(values: np.ndarray, group: np.ndarray, room: np.ndarray) -> np.ndarray:

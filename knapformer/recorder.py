@@ -38,6 +38,7 @@ import os
 import queue
 import sys
 import threading
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -127,6 +128,7 @@ class PlanRecorder:
         self._pending_step: int | None = None
         self._pending: RoutingPlan | None = None  # writer rank only
         self._warned_phases: set[str] = set()
+        self._pid = os.getpid()  # the writer thread exists only in this process
 
     # ----------------------------------------------------------------- public API
     @property
@@ -145,7 +147,7 @@ class PlanRecorder:
         Never blocks: a full queue drops the plan (counted in ``dropped``). In a process
         group, only the writing rank of the plan's group (``plan.gpus[writer]``) records.
         """
-        if not self.active:
+        if not self.active or self._pid != os.getpid():
             return False
         if plan.step is None:
             due = self._calls % self.every == 0
@@ -218,9 +220,16 @@ class PlanRecorder:
         if pending is not None and self._disabled_reason is None:
             self._start_thread()
             self._put(pending)
-        if self._thread is not None:
-            self._queue.put(_STOP)  # blocks only until the writer makes room
-            self._thread.join(timeout)
+        if self._thread is not None and self._pid == os.getpid():
+            # Bounded: a writer stuck on a hung file system must not hang the job's exit.
+            began = time.monotonic()
+            try:
+                self._queue.put(_STOP, timeout=timeout)
+            except queue.Full:
+                log.warning("PlanRecorder could not flush %s in %s s", self.file_path, timeout)
+            else:
+                left = None if timeout is None else max(0.0, timeout - (time.monotonic() - began))
+                self._thread.join(left)
         if self.dropped:
             log.warning(
                 "PlanRecorder dropped %d plan(s) because the writer fell behind "
@@ -246,6 +255,8 @@ class PlanRecorder:
     def _enqueue(self, plan: RoutingPlan) -> bool:
         if self._thread is None:
             self._start_thread()
+        elif self._pid != os.getpid():
+            return False  # a forked child (e.g. a data-loader worker) has no writer thread
         return self._put(plan)
 
     def _put(self, plan: RoutingPlan) -> bool:
@@ -262,6 +273,7 @@ class PlanRecorder:
                 return
             if self.file_path is None:
                 self.file_path = self.path
+            self._pid = os.getpid()
             self._thread = threading.Thread(
                 target=self._run, name="knapformer-plan-recorder", daemon=True
             )
@@ -327,7 +339,7 @@ class PlanRecorder:
 
         group = getattr(balancer, "group", None)
         device = torch.device("cpu")
-        if dist.get_backend(group) == "nccl":
+        if "nccl" in str(dist.get_backend(group)):  # NCCL moves CUDA tensors only
             device = torch.device("cuda", torch.cuda.current_device())
         mine = torch.tensor(row, dtype=torch.float64, device=device)
         dst = ranks[self.writer]

@@ -136,7 +136,7 @@ def first_difference(recorded: RoutingPlan, planned: RoutingPlan, gpus: list[int
                 if column in gpu_columns:
                     va, vb = f"GPU {gpus[int(va)]}", f"GPU {gpus[int(vb)]}"
                 what = "sequence" if table == "sequences" else "chunk"
-                extra = f" ({int(bad.sum())} rows differ)" if bad.sum() > 1 else ""
+                extra = f" ({int(bad.sum())} {what}s differ)" if bad.sum() > 1 else ""
                 return f"{what} {i} {column}: recorded {va}, planned {vb}{extra}"
     return None
 

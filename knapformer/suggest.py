@@ -150,7 +150,7 @@ class Suggestion:
             out.append(f"balanced ({self.imbalance_after:.3f}x the mean)")
         share = self.ulysses_ms / self.step_ms if self.step_ms else 0.0
         out.append(
-            "no Ulysses cost (single-GPU bags)"
+            "no Ulysses cost"
             if self.topology.max_bag_size == 1
             else f"Ulysses {share:.0%} of the step"
         )

@@ -18,7 +18,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-_PRELOAD = ["torch", "torch.distributed", "numpy", "knapformer.balancer", "knapformer.models"]
+# torch's first backward() imports symbolic_shapes (and sympy): seconds per process.
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.fx.experimental.symbolic_shapes",
+    "numpy",
+    "knapformer.balancer",
+    "knapformer.models",
+]
 
 
 def _entry(

@@ -74,3 +74,15 @@ def test_schema_prints_json_schema():
     schema = json.loads(done.stdout)
     assert schema["title"] == "RoutingPlan"
     assert "sequences" in schema["properties"]
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [(("show",), "Missing argument"), (("nosuch",), "No such command"),
+     (("show", "x.json", "--step", "x"), "Invalid value for '--step'")],
+)
+def test_usage_errors_exit_2_without_traceback(args, fragment):
+    done = run(*args)
+    assert done.returncode == 2
+    assert fragment in done.stderr
+    assert "Traceback" not in done.stderr

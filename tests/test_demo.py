@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -90,6 +91,18 @@ def test_bad_options_give_one_line_errors_before_starting(tmp_path, capsys, args
     assert code == 1
     assert err.startswith("error: ") and message in err and "Traceback" not in err
     assert not (tmp_path / "o").exists()  # nothing started, nothing written
+
+
+def test_busy_dashboard_port_is_a_one_line_error(tmp_path, capsys):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        code = main(["demo", "--port", str(port), "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert err.startswith("error: ") and str(port) in err and "Traceback" not in err
+    assert not (tmp_path / "o" / "plans.jsonl").exists()  # no worker was started
 
 
 def test_a_new_run_replaces_the_old_runs_plan_files_only(tmp_path):

@@ -201,3 +201,12 @@ def test_to_pixels_maps_frame_corners_and_centre():
     assert to_pixels(-L.FRAME_WIDTH / 2, L.FRAME_HEIGHT / 2, 854, 480) == (0, 0)
     assert to_pixels(L.FRAME_WIDTH / 2, -L.FRAME_HEIGHT / 2, 854, 480) == (853, 479)
     assert to_pixels(0, 0, 854, 480) == (427, 240)
+
+
+def test_plan_with_only_empty_sequences_has_nothing_to_draw():
+    plan = plan_routing([[0], [0, 0], [], []], "g1n2+g2n1", WorkloadModel(3072))
+    lay = layout_plan(plan)
+    assert len(lay.rows) == 4 and len(lay.brackets) == 3
+    assert not lay.seq_blocks and not lay.chunk_blocks and not lay.groups_before
+    assert all(b.width == 0 for b in [*lay.load_before, *lay.load_after])
+    assert "moved 0 tokens" in lay.stats_text

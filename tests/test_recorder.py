@@ -128,7 +128,7 @@ def test_full_queue_drops_and_counts_without_blocking(tmp_path, plans, caplog):
     elapsed = time.perf_counter() - started
     assert queued == [True, True] + [False] * 7
     assert rec.dropped == 7
-    assert elapsed < 1.0  # 9 calls against a stuck writer returned (nothing waited 10 s)
+    assert elapsed < 5.0  # 9 calls against a stuck writer returned (none waited for it)
     release.set()
     with caplog.at_level(logging.WARNING, logger="knapformer.recorder"):
         rec.close()
@@ -244,12 +244,16 @@ def test_unwritable_location_disables(tmp_path, plans, caplog):
 
 # ------------------------------------------------------------- separate processes
 WRITER = """
-import sys, numpy as np
+import sys, time
 sys.path.insert(0, {tests!r})
 from test_recorder import make_plans
 from knapformer.recorder import PlanRecorder
+class SlowWriter(PlanRecorder):
+    def _serialize(self, plan):
+        time.sleep({write_delay})  # a slow disk: the writer lags behind the "training"
+        return super()._serialize(plan)
 plans = make_plans(8, seed=3, mix="joint", factor={factor})
-rec = PlanRecorder({path!r}, queue_size=1024, max_bytes=None)
+rec = SlowWriter({path!r}, queue_size=1024, max_bytes=None)
 print("ready", flush=True)
 step = 0
 while step < {count}:
@@ -257,13 +261,27 @@ while step < {count}:
     p.step = step
     if rec.record(p):
         step += 1
+        time.sleep({pause})
 {tail}
 """
 
 
-def start_writer(path: Path, count: int, factor: int, tail: str = "rec.close()"):
+def start_writer(
+    path: Path,
+    count: int,
+    factor: int,
+    tail: str = "rec.close()",
+    pause: float = 0.0,
+    write_delay: float = 0.0,
+):
     code = WRITER.format(
-        tests=str(ROOT / "tests"), path=str(path), count=count, factor=factor, tail=tail
+        tests=str(ROOT / "tests"),
+        path=str(path),
+        count=count,
+        factor=factor,
+        tail=tail,
+        pause=pause,
+        write_delay=write_delay,
     )
     proc = subprocess.Popen(
         [sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True
@@ -275,21 +293,22 @@ def start_writer(path: Path, count: int, factor: int, tail: str = "rec.close()")
 def test_tailing_reader_never_parses_a_partial_record(tmp_path):
     path = tmp_path / "plans.jsonl"
     count = 150
-    proc = start_writer(path, count, factor=4)  # 128 GPUs: lines of tens of kB
+    # 128 GPUs: lines of tens of kB, written over ~0.5 s while the reader polls.
+    proc = start_writer(path, count, factor=4, pause=0.003)
     seen: list[int] = []
     buffer = b""
-    polls = 0
+    progress = set()  # how many records the reader had at each poll
     try:
         while not path.exists():
             time.sleep(0.001)
         with open(path, "rb") as f:
             while True:
                 chunk = f.read()
-                polls += 1
                 buffer += chunk
                 *complete, buffer = buffer.split(b"\n")
                 for line in complete:
                     seen.append(parse_plan_line(line.decode()).step)  # raises if partial
+                progress.add(len(seen))
                 if proc.poll() is not None and not chunk:
                     break
     finally:
@@ -297,7 +316,8 @@ def test_tailing_reader_never_parses_a_partial_record(tmp_path):
     assert proc.returncode == 0
     assert buffer == b""  # the file ends with a whole line
     assert seen == list(range(count))
-    assert polls > 10  # the reader really ran while the writer wrote
+    # The reader really read while the writer wrote: it saw the file at many sizes.
+    assert len([n for n in progress if 0 < n < count]) >= 5
 
 
 def test_sigkill_leaves_whole_lines_and_at_most_a_partial_last_one(tmp_path):
@@ -333,10 +353,14 @@ def test_sigkill_leaves_whole_lines_and_at_most_a_partial_last_one(tmp_path):
 
 def test_plans_are_flushed_at_interpreter_exit_without_close(tmp_path):
     path = tmp_path / "plans.jsonl"
-    proc = start_writer(path, 40, factor=1, tail="print(rec.dropped)")
+    # The script ends right after queueing; the writer is still ~1 s behind.
+    proc = start_writer(
+        path, 40, factor=1, tail="print(rec.written, rec.dropped)", write_delay=0.025
+    )
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0
-    assert out.strip() == "0"
+    written_before_exit, dropped = map(int, out.split())
+    assert dropped == 0 and written_before_exit < 40
     assert steps_in(path) == list(range(40))
 
 

@@ -11,7 +11,6 @@ from collections.abc import Callable
 
 from manim import (
     LEFT,
-    AnimationGroup,
     DashedLine,
     FadeIn,
     FadeOut,
@@ -102,6 +101,14 @@ class RoutingScene(Scene):
         super().play(*args, **kwargs)
         self._tick()
 
+    def _play_or_wait(self, animations: list, run_time: float) -> None:
+        """manim refuses play() without animations (e.g. a plan with only empty sequences);
+        waiting instead keeps every step the same length."""
+        if animations:
+            self.play(*animations, run_time=run_time)
+        else:
+            self.wait(run_time)
+
     def construct(self) -> None:
         self.camera.background_color = BACKGROUND
         for i, lay in enumerate(self.layouts):
@@ -151,16 +158,12 @@ class RoutingScene(Scene):
     def _step(self, lay: SceneLayout) -> None:
         seqs = {b.seq: _rect(b.box, b.color) for b in lay.seq_blocks}
         groups_before = [_rect(b.box, b.color, 0.8) for b in lay.groups_before]
-        self.play(
-            FadeIn(self._frame(lay)),
-            LaggedStart(
-                *(GrowFromEdge(m, LEFT) for m in [*seqs.values(), *groups_before]),
-                lag_ratio=0.5 / max(len(seqs), 1),
-            ),
-            run_time=T_INTRO,
-        )
+        blocks = [*seqs.values(), *groups_before]
+        grow = [GrowFromEdge(m, LEFT) for m in blocks]
+        lagged = [LaggedStart(*grow, lag_ratio=0.5 / len(blocks))] if blocks else []
+        self.play(FadeIn(self._frame(lay)), *lagged, run_time=T_INTRO)
         loads_before = [_rect(b, LOAD_BEFORE_COLOR, 0.9) for b in lay.load_before if b.width > 0]
-        self.play(*(GrowFromEdge(m, LEFT) for m in loads_before), run_time=T_LOAD)
+        self._play_or_wait([GrowFromEdge(m, LEFT) for m in loads_before], T_LOAD)
         self.wait(T_PAUSE)
 
         # Split: chunk pieces appear over their sequence, which stays behind as a faint ghost
@@ -172,7 +175,7 @@ class RoutingScene(Scene):
             targets.append((piece, c))
         ghosts = [m.animate.set_fill(opacity=GHOST_OPACITY) for m in seqs.values()]
         ghosts += [m.animate.set_fill(opacity=GHOST_OPACITY) for m in groups_before]
-        self.play(*ghosts, *(FadeIn(p) for p, _ in targets), run_time=T_SPLIT)
+        self._play_or_wait([*ghosts, *(FadeIn(p) for p, _ in targets)], T_SPLIT)
 
         groups_after = [_rect(b.box, b.color, 0.8) for b in lay.groups_after]
         moves = [
@@ -180,13 +183,9 @@ class RoutingScene(Scene):
             for piece, c in targets
         ]
         fly = [LaggedStart(*moves, lag_ratio=0.6 / max(len(moves), 1))] if moves else []
-        self.play(*fly, *(FadeIn(m) for m in groups_after), run_time=T_FLY)
+        self._play_or_wait([*fly, *(FadeIn(m) for m in groups_after)], T_FLY)
 
         loads_after = [_rect(b, LOAD_AFTER_COLOR, 0.9) for b in lay.load_after if b.width > 0]
         stats = _text(lay.stats_text, 14, max_width=13.4).move_to([0, STATS_Y, 0])
-        self.play(
-            AnimationGroup(*(GrowFromEdge(m, LEFT) for m in loads_after)),
-            Write(stats),
-            run_time=T_AFTER,
-        )
+        self.play(*(GrowFromEdge(m, LEFT) for m in loads_after), Write(stats), run_time=T_AFTER)
         self.wait(T_HOLD)

@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import sys
 
-import click
 import typer
+
+try:  # recent typer bundles its own click; older ones use the click package
+    from typer._click.exceptions import ClickException
+except ImportError:  # pragma: no cover
+    from click import ClickException
 
 from knapformer.cli import dashboard, debug, demo, plans, render
 from knapformer.cli.errors import UserError
@@ -26,12 +30,12 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script; never shows a traceback for user errors."""
     try:
         code = app(args=argv, standalone_mode=False)
-    except click.exceptions.Exit as done:
+    except typer.Exit as done:
         return done.exit_code
-    except click.exceptions.Abort:
+    except typer.Abort:
         print("aborted", file=sys.stderr)
         return 130
-    except click.ClickException as err:
+    except ClickException as err:
         err.show()
         return err.exit_code
     except KeyboardInterrupt:

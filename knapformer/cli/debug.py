@@ -1,9 +1,337 @@
-"""Placeholder: this command group is added by a later issue."""
+"""``knapformer replay``, ``simulate``, ``suggest`` and ``calibrate``: reproduce a recorded
+plan locally and ask "what if" of the balancer offline."""
 
 from __future__ import annotations
 
+import sys
+import time
+from pathlib import Path
+
 import typer
+from rich.console import Console
+from rich.table import Table
+
+from knapformer.cli.errors import UserError
 
 
 def register(app: typer.Typer) -> None:
-    """Add this module's commands to ``app``."""
+    app.command()(replay)
+    app.command()(simulate)
+    app.command()(suggest)
+    app.command()(calibrate)
+
+
+def _console() -> Console:
+    return Console(highlight=False, width=max(Console().width, 150))
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+# ---------------------------------------------------------------------- replay
+def replay(
+    file: Path = typer.Argument(..., help="plan file (JSON, JSONL or legacy JSON)"),
+    step: int | None = typer.Option(None, help="step to replay (default: the last plan)"),
+    dim: int | None = typer.Option(
+        None, help="hidden size of the synthetic tokens (default 8/head)"
+    ),
+    heads: int | None = typer.Option(
+        None, help="attention heads; a multiple of every bag size (default: smallest >= 4)"
+    ),
+) -> None:
+    """Re-execute a recorded plan on one local CPU process per GPU (gloo) and check it.
+
+    Re-plans from the recorded lengths (must give the recorded plan), then runs route →
+    pre_attn → post_attn → reverse_route on tokens carrying their ids. Exit 1 on any
+    mismatch, naming the first difference.
+    """
+    from knapformer.plan_io import PlanFormatError, read_plans, select_step
+    from knapformer.replay import replay as run_replay
+
+    result = read_plans(file, on_error="skip")
+    if result.problems and not result.records:
+        raise UserError(str(result.problems[0]))
+    try:
+        record = select_step(result, step)
+    except PlanFormatError as err:
+        raise UserError(f"{file}: {err}") from err
+    plan = record.plan
+    console = _console()
+    console.print(
+        f"replaying {file}{'' if plan.step is None else f' step {plan.step}'}: "
+        f"{plan.topology}, {len(plan.gpus)} GPUs, {len(plan.sequences)} sequences, "
+        f"{len(plan.chunks)} chunks, solver {plan.solver} "
+        f"on {len(plan.gpus)} local processes (gloo)"
+    )
+    try:
+        out = run_replay(plan, dim=dim, heads=heads)
+    except RuntimeError as err:
+        raise UserError(f"replay failed: {err}") from err
+
+    table = Table(
+        title=f"per rank · synthetic tokens of dim {out.dim}, {out.heads} heads · tokens = "
+        "route, bytes = route + Ulysses + reverse_route · times in ms",
+        title_justify="left",
+    )
+    for name in ("GPU", "tokens out", "tokens in", "bytes out", "bytes in"):
+        table.add_column(name, justify="right")
+    phases = [
+        p
+        for p in ("plan", "route", "pre_attn", "post_attn", "reverse_route")
+        if any(p in r.timings_ms for r in out.ranks)
+    ]
+    for p in phases:
+        table.add_column(p, justify="right")
+    table.add_column("check")
+    for r in out.ranks:
+        table.add_row(
+            str(plan.gpus[r.rank]),
+            f"{r.tokens_sent:,}",
+            f"{r.tokens_received:,}",
+            _bytes(r.bytes_sent),
+            _bytes(r.bytes_received),
+            *(f"{r.timings_ms.get(p, 0.0):.1f}" for p in phases),
+            "ok" if r.error is None else "[red]MISMATCH[/red]",
+        )
+    console.print(table)
+    if out.replanned:
+        planning = (
+            "re-planned from the recorded lengths: identical plan"
+            if out.plan_difference is None
+            else "[red]re-planned from the recorded lengths: DIFFERENT[/red] — "
+            + out.plan_difference
+        )
+    else:
+        planning = (
+            f"[yellow]planning not re-checked[/yellow]: {out.skip_reason}; "
+            "the recorded routing itself was replayed"
+        )
+    console.print(planning)
+    errors = out.routing_errors
+    console.print(
+        "routing: every token reached its chunk's GPU and came back to where it started"
+        if not errors
+        else f"[red]routing: {len(errors)} rank(s) mismatched[/red] — first: {errors[0]}"
+    )
+    if out.ok:
+        console.print("[green]verdict: OK[/green]")
+        return
+    console.print(f"[red]verdict: MISMATCH[/red] — {out.first_problem}")
+    raise typer.Exit(1)
+
+
+# -------------------------------------------------------------------- simulate
+def simulate(
+    data_codes: str = typer.Option(
+        ..., "--data-codes", help="mix name (lowres, mixres, joint) or codes gGbBiIfFsS,..."
+    ),
+    topology: list[str] = typer.Option(
+        ..., "--topology", "-t", help="topology to try: --topology g8n4 g4n8, or repeat the flag"
+    ),
+    more: list[str] | None = typer.Argument(
+        None, metavar="[TOPOLOGY]...", help="more topologies (after --topology T)"
+    ),
+    steps: int = typer.Option(10, help="sampled steps"),
+    d_model: int = typer.Option(3072, "--d-model", help="token dimension d"),
+    gamma: float = typer.Option(0.4, help="attention weight γ of the workload model"),
+    solver: list[str] = typer.Option(
+        ["knapformer", "greedy"], "--solver", help="solver(s) to compare"
+    ),
+    dtype_bytes: int = typer.Option(2, "--dtype-bytes", help="bytes per value (bf16 = 2)"),
+    seed: int = typer.Option(0, help="random seed of the data sampler"),
+    out: Path | None = typer.Option(None, help="write every simulated plan to this JSONL file"),
+) -> None:
+    """Simulate a data mix over steps, topologies and solvers (what-if, no GPUs).
+
+    Prints per topology and solver the modelled step time (makespan) without and with
+    balancing, speedup, imbalance, moved tokens and bytes, and max tokens per GPU.
+    """
+    from knapformer.datamix import parse_mix
+    from knapformer.plan_io import write_jsonl
+    from knapformer.simulate import simulate as run_simulate
+
+    codes = parse_mix(data_codes)
+    topologies = [t for arg in [*topology, *(more or [])] for t in arg.replace(",", " ").split()]
+    console = _console()
+    plans = [] if out is not None else None
+    progress = _Progress(steps, "simulating step")
+    result = run_simulate(
+        codes,
+        topologies,
+        steps=steps,
+        token_dim=d_model,
+        gamma=gamma,
+        solvers=solver,
+        seed=seed,
+        dtype_bytes=dtype_bytes,
+        on_plan=plans.append if plans is not None else None,
+        on_step=lambda i: progress.update(i + 1),
+    )
+    progress.done()
+    table = Table(
+        title=f"{data_codes} on {result.num_gpus} GPUs · {steps} steps · d={d_model} γ={gamma} "
+        "· means per step",
+        title_justify="left",
+    )
+    for name in (
+        "topology", "solver", "step time", "speedup", "imbalance", "moved tokens", "comm",
+        "max tok/GPU", "plan ms",
+    ):  # fmt: skip
+        table.add_column(
+            name, justify="left" if name in ("topology", "solver") else "right", no_wrap=True
+        )
+    for s in result.summaries:
+        table.add_row(
+            s.topology,
+            s.solver,
+            f"{s.mean_makespan_before:.4g} → {s.mean_makespan_after:.4g}",
+            f"{s.speedup:.2f}×",
+            f"{s.mean_imbalance_before:.3f} → {s.mean_imbalance_after:.3f} "
+            f"(max {s.worst_imbalance_after:.3f})",
+            f"{s.mean_moved_tokens:,.0f} ({s.moved_fraction:.0%})",
+            _bytes(s.comm_bytes),
+            f"{s.max_tokens_per_gpu:,}",
+            f"{s.mean_plan_ms:.2f}",
+        )
+    console.print(table)
+    console.print(
+        "step time = makespan (workload units) unbalanced → balanced; imbalance = max/mean "
+        "load; comm = route + "
+        "reverse_route bytes per step over all GPUs "
+        f"(moved tokens × 2 × d × {dtype_bytes} B); max tokens/GPU is the peak after routing "
+        f"(before: {max(s.max_tokens_per_gpu_before for s in result.summaries):,})"
+    )
+    if plans is not None:
+        count = write_jsonl(out, plans)
+        console.print(f"wrote {count} plans to {out} (run = topology/solver)")
+
+
+class _Progress:
+    """A one-line ``what i/n`` counter on stderr, only on a terminal and after 1 s."""
+
+    def __init__(self, total: int, what: str):
+        self.total, self.what = total, what
+        self.started = time.perf_counter()
+        self.enabled = sys.stderr.isatty()
+        self.shown = False
+
+    def update(self, done: int, total: int | None = None) -> None:
+        if self.enabled and (self.shown or time.perf_counter() - self.started > 1.0):
+            print(
+                f"\r{self.what} {done}/{total or self.total}", end="", file=sys.stderr, flush=True
+            )
+            self.shown = True
+
+    def done(self) -> None:
+        if self.shown:
+            print("\r\033[K", end="", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------- suggest
+def suggest(
+    data_codes: str = typer.Option(
+        ..., "--data-codes", help="mix name (lowres, mixres, joint) or codes gGbBiIfFsS,..."
+    ),
+    gpus: int = typer.Option(..., "--gpus", help="GPUs of one balance group"),
+    max_bag: int = typer.Option(8, "--max-bag", help="largest bag size (a power of two)"),
+    steps: int = typer.Option(4, help="sampled steps per topology"),
+    d_model: int = typer.Option(3072, "--d-model", help="token dimension d"),
+    gamma: float = typer.Option(0.4, help="attention weight γ"),
+    bandwidth: float = typer.Option(100.0, "--bandwidth", help="all-to-all GB/s per GPU"),
+    tflops: float = typer.Option(400.0, "--tflops", help="sustained TFLOP/s per GPU"),
+    layers: int = typer.Option(32, help="transformer layers"),
+    dtype_bytes: int = typer.Option(2, "--dtype-bytes", help="bytes per value (bf16 = 2)"),
+    top: int = typer.Option(10, help="rows to print"),
+    seed: int = typer.Option(0, help="random seed of the data sampler"),
+) -> None:
+    """Rank the topologies of N GPUs for a data mix by modelled step time.
+
+    Step time = compute at --tflops + Ulysses all-to-alls inside bags at --bandwidth +
+    routing, so bigger bags are not free (model: knapformer/suggest.py).
+    """
+    from knapformer.datamix import parse_mix
+    from knapformer.suggest import CostModel, enumerate_topologies, fit_mix
+    from knapformer.suggest import suggest as run_suggest
+
+    codes = fit_mix(parse_mix(data_codes), gpus)
+    cost = CostModel(d_model, dtype_bytes, tflops, bandwidth, layers)
+    candidates = enumerate_topologies(gpus, max_bag)
+    console = _console()
+    progress = _Progress(len(candidates), "simulating topology")
+    ranked = run_suggest(
+        codes, gpus, max_bag, steps, gamma, cost, seed=seed, topologies=candidates,
+        on_topology=progress.update,
+    )  # fmt: skip
+    progress.done()
+    best = ranked[0]
+    table = Table(
+        title=f"{data_codes} on {gpus} GPUs: {len(ranked)} topologies (bags ≤ {max_bag}), "
+        f"{steps} steps · {tflops:g} TFLOP/s · {bandwidth:g} GB/s · {layers} layers · d={d_model}",
+        title_justify="left",
+    )
+    for name in ("#", "topology", "step ms", "compute", "Ulysses", "routing", "speedup", "why"):
+        table.add_column(name, justify="left" if name in ("topology", "why") else "right")
+    shown = ranked[:top]
+    baseline = next((s for s in ranked if s.topology.max_bag_size == 1), None)
+    if baseline is not None and baseline not in shown:
+        shown = [*shown, baseline]
+    for s in shown:
+        table.add_row(
+            str(ranked.index(s) + 1),
+            str(s.topology),
+            f"{s.step_ms:.1f}",
+            f"{s.compute_ms:.1f}",
+            f"{s.ulysses_ms:.1f}",
+            f"{s.balancing_ms:.1f}",
+            f"{s.speedup:.2f}×",
+            s.reasons(best),
+        )
+    console.print(table)
+    console.print(
+        f"suggested: [bold]{best.topology}[/bold] — modelled {best.step_ms:.1f} ms/step vs "
+        f"{best.unbalanced_ms:.1f} ms unbalanced ({best.speedup:.2f}×). speedup = unbalanced "
+        "step time / modelled step time; compute/Ulysses are the slowest GPU's, all layers."
+    )
+
+
+# ------------------------------------------------------------------- calibrate
+def calibrate(
+    file: Path = typer.Argument(
+        ..., help="CSV with header length,latency (ms per sequence) or plans JSON/JSONL"
+    ),
+    token_dim: int | None = typer.Option(
+        None, "--token-dim", help="model hidden size d (default: the plans' token_dim)"
+    ),
+    phase: str | None = typer.Option(
+        None, help="measured phase of the plans to fit (default: compute, forward_backward, …)"
+    ),
+    plot: Path | None = typer.Option(None, help="write predicted-vs-measured plotly HTML here"),
+) -> None:
+    """Fit the workload model's time scale k and γ from measured latencies."""
+    from knapformer.calibrate import calibrate_file
+
+    cal = calibrate_file(file, token_dim, phase)
+    console = _console()
+    source = (
+        f"{len(cal.measured)} (length, latency) pairs"
+        if cal.source == "csv"
+        else f"{len(cal.measured)} per-GPU times of phase {cal.phase!r}"
+    )
+    console.print(f"fitted from {source}, d = {cal.model.token_dim}:")
+    console.print(f"  k (ms per workload unit) = {cal.scale:.6g}")
+    console.print(f"  γ (attention weight)     = {cal.gamma:.4g}")
+    console.print(f"  relative RMS error       = {cal.rel_rms_error:.2%}   R² = {cal.r2:.4f}")
+    console.print(
+        f"use: WorkloadModel(token_dim={cal.model.token_dim}, gamma={cal.gamma:.4g}, "
+        f"scale={cal.scale:.6g}) predicts ms; the balancer only needs gamma={cal.gamma:.4g}"
+    )
+    if plot is not None:
+        from visualization.calibration import calibration_figure
+
+        calibration_figure(cal, title=str(file)).write_html(plot, include_plotlyjs=True)
+        console.print(f"wrote {plot}")

@@ -69,18 +69,29 @@ def animate(
     console = Console(stderr=True)
     started = time.perf_counter()
     label = f"rendering {len(plans)} step{'s' if len(plans) != 1 else ''} ({quality})"
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total} animations"),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-    ) as progress:
-        task = progress.add_task(label, total=None)
+    if console.is_terminal:
+        with Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total} animations"),
+            TimeElapsedColumn(),
+            console=console,
+            transient=True,
+        ) as progress:
+            task = progress.add_task(label, total=None)
+
+            def on_progress(done: int, total: int) -> None:
+                progress.update(task, completed=done, total=total)
+
+            written = render_video(plans, out, quality, measure, title, on_progress)  # type: ignore[arg-type]
+    else:  # logs and pipes: a few plain lines instead of a redrawn bar
+        quarters = [0]
 
         def on_progress(done: int, total: int) -> None:
-            progress.update(task, completed=done, total=total)
+            if done * 4 // total > quarters[0]:
+                quarters[0] = done * 4 // total
+                elapsed = time.perf_counter() - started
+                console.print(f"{label}: {done}/{total} animations, {elapsed:.1f} s")
 
         written = render_video(plans, out, quality, measure, title, on_progress)  # type: ignore[arg-type]
     seconds = time.perf_counter() - started

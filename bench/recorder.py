@@ -1,0 +1,180 @@
+"""Benchmark the PlanRecorder: what recording costs the training loop.
+
+    .venv/bin/python bench/recorder.py                 # ~2-3 minutes on 2 cores
+    .venv/bin/python bench/recorder.py --quick         # skip the demo runs (~10 s)
+
+1. ``record()`` on the training thread for plans of 256 and 1024 sequences (median and
+   99th percentile; target <= 0.3 ms), against the baseline of writing the plan
+   synchronously (serialise + one write + flush on the training thread);
+2. plans written per second by the background writer, against the same synchronous loop;
+3. the demo's median step time with and without the recorder, in the same run (runs
+   alternate off/on to spread machine noise evenly; target <= 1 % slower).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from knapformer.datamix import parse_mix, sample_lengths, scale_mix
+from knapformer.planner import plan_routing
+from knapformer.recorder import PlanRecorder
+from knapformer.workload import WorkloadModel
+
+MODEL = WorkloadModel(token_dim=3072, gamma=0.4)
+
+
+def plans_of(num_seqs: int, count: int, seed: int = 0) -> list:
+    """``count`` plans of exactly ``num_seqs`` sequences (the joint mix, trimmed)."""
+    codes = parse_mix("joint")
+    factor = max(1, -(-num_seqs // 89))  # the joint mix holds ~89 sequences per 32 GPUs
+    codes = scale_mix(codes, factor + 1)
+    gpus = sum(c.gpus for c in codes)
+    topo = f"g1n{gpus // 2}+g2n{gpus // 8}+g4n{gpus // 16}"
+    rng = np.random.default_rng(seed)
+    out = []
+    for step in range(count):
+        per_gpu = sample_lengths(codes, rng)
+        left, trimmed = num_seqs, []
+        for lengths in per_gpu:
+            trimmed.append(lengths[:left])
+            left -= len(trimmed[-1])
+        assert left == 0, "mix too small"
+        out.append(plan_routing(trimmed, topo, MODEL, step=step))
+    return out
+
+
+def time_record(plans: list, path: Path, gap_s: float) -> list[float]:
+    """ms per record() call, one call per simulated step of ``gap_s`` seconds."""
+    times = []
+    with PlanRecorder(path, queue_size=len(plans)) as rec:
+        for plan in plans:
+            began = time.perf_counter()
+            rec.record(plan)
+            times.append((time.perf_counter() - began) * 1e3)
+            _busy(gap_s)  # the "training step": keeps the thread busy, as training would
+    assert rec.written == len(plans) and rec.dropped == 0
+    return times
+
+
+def time_sync(plans: list, path: Path, gap_s: float) -> list[float]:
+    """Baseline: serialise and write on the training thread."""
+    times = []
+    with open(path, "a", encoding="utf-8") as f:
+        for plan in plans:
+            began = time.perf_counter()
+            f.write(plan.model_dump_json() + "\n")
+            f.flush()
+            times.append((time.perf_counter() - began) * 1e3)
+            _busy(gap_s)
+    return times
+
+
+def _busy(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def throughput(plans: list, path: Path) -> tuple[float, float]:
+    """Plans per second: background writer (enqueue all, close) vs synchronous writes."""
+    began = time.perf_counter()
+    with PlanRecorder(path, queue_size=len(plans)) as rec:
+        for plan in plans:
+            rec.record(plan)
+    bg = len(plans) / (time.perf_counter() - began)
+    assert rec.written == len(plans)
+    began = time.perf_counter()
+    with open(path.with_suffix(".sync"), "a", encoding="utf-8") as f:
+        for plan in plans:
+            f.write(plan.model_dump_json() + "\n")
+            f.flush()
+    return bg, len(plans) / (time.perf_counter() - began)
+
+
+def demo_steps(world: int, steps: int, record: bool, out: Path) -> list[float]:
+    from knapformer.demo import DemoConfig, run_demo
+
+    cfg = DemoConfig(steps=steps, world_size=world, out=out, record=record)
+    reports = run_demo(cfg)
+    return [r.step_ms for r in reports[3:]]  # the first steps warm up
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="skip the demo runs")
+    parser.add_argument("--world-size", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=40, help="demo steps per run")
+    parser.add_argument("--repeats", type=int, default=3, help="demo runs per setting")
+    args = parser.parse_args()
+    console = Console()
+    tmp = Path(tempfile.mkdtemp(prefix="bench-recorder-"))
+
+    table = Table(title="record() on the training thread (ms per call)")
+    for col in (
+        "sequences",
+        "JSON line",
+        "recorder median",
+        "recorder p99",
+        "sync median",
+        "sync p99",
+        "median speed-up",
+    ):
+        table.add_column(col, justify="right")
+    rates = Table(title="plans written per second")
+    for col in ("sequences", "background writer", "synchronous baseline"):
+        rates.add_column(col, justify="right")
+    for n in (256, 1024):
+        plans = plans_of(n, 100, seed=n)
+        size = len(plans[0].model_dump_json()) + 1
+        rec = time_record(plans, tmp / f"rec{n}.jsonl", gap_s=0.005)
+        sync = time_sync(plans, tmp / f"sync{n}.jsonl", gap_s=0.005)
+        table.add_row(
+            str(n),
+            f"{size / 1024:.0f} KiB",
+            f"{statistics.median(rec):.4f}",
+            f"{np.percentile(rec, 99):.4f}",
+            f"{statistics.median(sync):.3f}",
+            f"{np.percentile(sync, 99):.3f}",
+            f"{statistics.median(sync) / statistics.median(rec):.0f}x",
+        )
+        bg, sy = throughput(plans, tmp / f"rate{n}.jsonl")
+        rates.add_row(str(n), f"{bg:,.0f}", f"{sy:,.0f}")
+    console.print(table)
+    console.print(rates)
+
+    if args.quick:
+        return
+    runs: dict[bool, list[float]] = {False: [], True: []}
+    per_run: dict[bool, list[float]] = {False: [], True: []}
+    for i in range(args.repeats):
+        for record in (False, True):
+            times = demo_steps(args.world_size, args.steps, record, tmp / f"demo{i}{record}")
+            runs[record] += times
+            per_run[record].append(statistics.median(times))
+    off, on = statistics.median(runs[False]), statistics.median(runs[True])
+    demo = Table(
+        title=f"demo step time, {args.world_size} CPU workers, {args.steps} steps x "
+        f"{args.repeats} runs per setting (first 3 steps of each run dropped)"
+    )
+    for col in ("recorder", "median step (ms)", "run medians (ms)", "vs off"):
+        demo.add_column(col, justify="right")
+    demo.add_row("off", f"{off:.1f}", ", ".join(f"{m:.1f}" for m in per_run[False]), "")
+    demo.add_row(
+        "on (every step)",
+        f"{on:.1f}",
+        ", ".join(f"{m:.1f}" for m in per_run[True]),
+        f"{(on / off - 1) * 100:+.1f} %",
+    )
+    console.print(demo)
+
+
+if __name__ == "__main__":
+    main()

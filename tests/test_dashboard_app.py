@@ -1,0 +1,55 @@
+"""The Dash server over HTTP without a browser: the page, the callbacks, the status API."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import pytest
+
+from dashboard.server import start_server
+
+
+def _get(url: str) -> tuple[int, str]:
+    with urllib.request.urlopen(url, timeout=30) as resp:
+        return resp.status, resp.read().decode()
+
+
+@pytest.fixture
+def server(tmp_path, steps50_path):
+    path = tmp_path / "plans.jsonl"
+    path.write_text("\n".join(steps50_path.read_text().splitlines()[:3]) + "\n{broken\n")
+    handle = start_server(path, port=0)
+    yield handle, path
+    handle.stop()
+
+
+def test_port_zero_picks_a_free_port_and_stop_frees_it(server):
+    handle, _ = server
+    assert handle.port > 0 and handle.url == f"http://127.0.0.1:{handle.port}/"
+    status, page = _get(handle.url)
+    assert status == 200 and "<title>KnapFormer dashboard</title>" in page
+    assert '"debug": false' in page or "debug" not in page.split("_dash-config")[-1][:300]
+
+
+def test_status_reports_steps_and_problems(server):
+    import time
+
+    handle, path = server
+    deadline = time.monotonic() + 10
+    while True:
+        status = json.loads(_get(handle.url + "api/status")[1])
+        if status["steps"] == 3 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert status["steps"] == 3
+    assert status["problems"] == 1
+    assert status["run"] == "plans"
+
+
+def test_stop_closes_the_socket(tmp_path, steps50_path):
+    handle = start_server(steps50_path, port=0)
+    url = handle.url
+    handle.stop()
+    with pytest.raises(OSError):
+        _get(url)

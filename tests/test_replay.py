@@ -1,0 +1,153 @@
+"""Replay: a recorded plan re-executed on local gloo processes, one per GPU."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from knapformer.datamix import parse_mix, sample_lengths
+from knapformer.plan_io import read_plans, write_json
+from knapformer.planner import plan_routing
+from knapformer.replay import replay
+from knapformer.workload import WorkloadModel
+
+ROOT = Path(__file__).resolve().parent.parent
+MIX8 = (
+    "g2b4i256f1s0,g1b5i512f1s0,g1b5i1024f1s0,g1b1i2048f1s0,g1b10i256f4s0,g1b1i512f4s0,g1b2i256f85s1"
+)
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    code = "import sys; from knapformer.cli import main; sys.exit(main(sys.argv[1:]))"
+    return subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=ROOT, timeout=300
+    )
+
+
+def fresh_plan(path: Path, gpus: list[int] | None = None) -> dict:
+    """A plan made by today's planner (8 GPUs, bags of 1, 1, 2, 4), written to ``path``."""
+    lengths = sample_lengths(parse_mix(MIX8), np.random.default_rng(5), length_scale=0.25)
+    plan = plan_routing(lengths, "g1n2+g2n1+g4n1", WorkloadModel(3072, 0.4), gpus=gpus, step=7)
+    write_json(path, plan)
+    return json.loads(path.read_text())
+
+
+def test_fresh_plan_replays_ok(tmp_path):
+    path = tmp_path / "plan.json"
+    record = fresh_plan(path, gpus=list(range(8, 16)))  # a second replica's ranks
+    proc = run_cli("replay", str(path), "--heads", "8", "--dim", "32")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "identical plan" in out and "verdict: OK" in out
+    assert "every token reached its chunk's GPU and came back" in out
+    # One row per recorded GPU rank, with the tokens the plan moves.
+    moved = {g: 0 for g in range(8, 16)}
+    c = record["chunks"]
+    for src, dst, n in zip(c["src_gpu"], c["dst_gpu"], c["length"], strict=True):
+        if src != dst:
+            moved[src] += n
+    for gpu, tokens in moved.items():
+        assert any(
+            line.split("│")[1].strip() == str(gpu) and line.split("│")[2].strip() == f"{tokens:,}"
+            for line in out.splitlines()
+            if line.count("│") > 3
+        ), f"no row for GPU {gpu} with {tokens} tokens sent"
+
+
+def test_wrong_destination_is_named(tmp_path):
+    path = tmp_path / "plan.json"
+    record = fresh_plan(path)
+    c = record["chunks"]
+    # Swap the GPUs of the first two chunks of a sequence in the 4-GPU bag: still a valid
+    # plan, but not what the planner makes.
+    first = next(i for i in range(len(c["seq"]) - 1)
+                 if c["seq"][i] == c["seq"][i + 1] and c["dst_gpu"][i] >= 4)  # fmt: skip
+    c["dst_gpu"][first], c["dst_gpu"][first + 1] = c["dst_gpu"][first + 1], c["dst_gpu"][first]
+    path.write_text(json.dumps(record))
+    assert not read_plans(path).problems  # valid: only replay can tell
+    proc = run_cli("replay", str(path))
+    assert proc.returncode == 1
+    assert f"chunk {first} dst_gpu: recorded GPU {c['dst_gpu'][first]}" in proc.stdout
+    assert "verdict: MISMATCH" in proc.stdout
+
+
+def test_changed_length_is_named(tmp_path):
+    path = tmp_path / "plan.json"
+    record = fresh_plan(path)
+    s, c = record["sequences"], record["chunks"]
+    seq = 3
+    last = max(i for i, q in enumerate(c["seq"]) if q == seq)
+    s["length"][seq] += 5  # the chunk grows with it, so the plan stays valid
+    c["length"][last] += 5
+    path.write_text(json.dumps(record))
+    proc = run_cli("replay", str(path))
+    assert proc.returncode == 1
+    assert f"sequence {seq} workload: recorded" in proc.stdout
+
+
+def test_chunk_outside_its_bag_is_rejected(tmp_path):
+    path = tmp_path / "plan.json"
+    record = fresh_plan(path)
+    c = record["chunks"]
+    i = next(i for i, dst in enumerate(c["dst_gpu"]) if dst >= 4)
+    c["dst_gpu"][i] = 0
+    path.write_text(json.dumps(record))
+    proc = run_cli("replay", str(path))
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("error:") and "Traceback" not in proc.stderr
+    assert str(i) in proc.stderr
+
+
+def test_broken_router_is_caught(tmp_path, monkeypatch):
+    """The token check itself: a reverse_route that scrambles rows must be reported."""
+    from knapformer.balancer import SequenceBalancer
+
+    original = SequenceBalancer.reverse_route
+
+    def scrambled(self, seqs, features=None):
+        lens, out, feats = original(self, seqs, features)
+        return lens, out.flip(0), {k: v.flip(0) for k, v in feats.items()}
+
+    monkeypatch.setattr(SequenceBalancer, "reverse_route", scrambled)  # inherited by fork
+    path = tmp_path / "plan.json"
+    fresh_plan(path)
+    result = replay(read_plans(path).plans[0])
+    assert not result.ok and result.plan_difference is None
+    assert "reverse_route: row 0 got token" in result.first_problem
+
+
+def test_legacy_plan_replays_recorded_routing(legacy_path):
+    proc = run_cli("replay", str(legacy_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "planning not re-checked" in proc.stdout and "legacy" in proc.stdout
+    assert "verdict: OK" in proc.stdout
+
+
+def test_too_many_gpus_and_bad_heads_are_refused(tmp_path):
+    path = tmp_path / "big.json"
+    write_json(path, plan_routing([[10]] * 65, "g1n65", WorkloadModel(64)))
+    proc = run_cli("replay", str(path))
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == (
+        "error: the plan has 65 GPUs; replay runs one local process per GPU and stops at 64"
+    )
+    small = tmp_path / "small.json"
+    fresh_plan(small)
+    proc = run_cli("replay", str(small), "--heads", "6")
+    assert proc.returncode == 1 and "--heads 6 must be a positive multiple" in proc.stderr
+
+
+SAMPLES = sorted(p.name for p in (ROOT / "sample_plans").glob("*.json*"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SAMPLES)
+def test_every_sample_plan_replays(name):
+    proc = run_cli("replay", f"sample_plans/{name}")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
+    assert "verdict: OK" in proc.stdout

@@ -1,0 +1,72 @@
+"""Simulator: the published headline on the synthetic mixes, fair comparisons, CLI."""
+
+from __future__ import annotations
+
+import pytest
+
+from knapformer.cli import main
+from knapformer.datamix import parse_mix
+from knapformer.plan_io import read_plans
+from knapformer.simulate import simulate
+
+
+@pytest.mark.parametrize("mix", ["joint", "mixres"])
+def test_headline_speedup_on_g8n4(mix):
+    result = simulate(parse_mix(mix), ["g8n4"], steps=6, solvers=["knapformer"])
+    summary = result.get("g8n4", "knapformer")
+    assert 2.0 <= summary.speedup <= 3.0
+    assert summary.worst_imbalance_after <= 1.01
+    # The gain comes from a mix that is badly imbalanced to start with.
+    assert summary.mean_imbalance_before > 2.0
+
+
+def test_lowres_has_little_to_gain():
+    summary = simulate(parse_mix("lowres"), ["g8n4"], steps=6, solvers=["knapformer"]).get("g8n4")
+    assert summary.mean_imbalance_before < 1.15
+    assert 1.0 <= summary.speedup < 1.15
+
+
+def test_every_topology_and_solver_sees_the_same_steps():
+    result = simulate(parse_mix("mixres"), ["g8n4", "g1n32", "g2n16"], steps=3)
+    assert len(result.summaries) == 3 * 2
+    befores = {tuple(s.makespan_before) for s in result.summaries}
+    assert len(befores) == 1  # unbalanced step time depends on the sampled lengths only
+    # Single-GPU bags cannot split the 2048 px images: balancing barely helps.
+    assert result.get("g1n32").speedup < 1.1 < result.get("g2n16").speedup
+
+
+def test_communication_counts_route_and_reverse_route():
+    s = simulate(parse_mix("joint"), ["g4n8"], steps=2, token_dim=1024, dtype_bytes=4).get("g4n8")
+    assert s.mean_moved_tokens > 0
+    assert s.comm_bytes == pytest.approx(2 * s.mean_moved_tokens * 1024 * 4)
+
+
+def test_topology_that_does_not_fit_the_mix_is_refused():
+    with pytest.raises(ValueError, match="g8n2 has 16 GPUs but the data mix fills 32"):
+        simulate(parse_mix("joint"), ["g8n4", "g8n2"], steps=1)
+
+
+def test_cli_prints_table_and_records_plans(tmp_path, capsys):
+    out = tmp_path / "sim.jsonl"
+    code = main(
+        ["simulate", "--data-codes", "mixres", "--topology", "g8n4", "g1n32",
+         "--steps", "2", "--out", str(out)]
+    )  # fmt: skip
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "g8n4" in text and "g1n32" in text and "greedy" in text
+    result = read_plans(out)
+    assert not result.problems
+    assert len(result.plans) == 2 * 2 * 2  # steps x topologies x solvers
+    assert {p.run for p in result.plans} == {
+        "g8n4/knapformer", "g8n4/greedy", "g1n32/knapformer", "g1n32/greedy"
+    }  # fmt: skip
+    assert sorted({p.step for p in result.plans}) == [0, 1]
+
+
+def test_cli_user_errors_are_one_line(capsys):
+    assert main(["simulate", "--data-codes", "joint", "--topology", "g8n2"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: topology g8n2") and err.count("\n") == 1
+    assert main(["simulate", "--data-codes", "g8b4x", "--topology", "g8n1"]) == 1
+    assert "data code 'g8b4x'" in capsys.readouterr().err

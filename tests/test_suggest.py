@@ -1,0 +1,87 @@
+"""Topology suggestion: enumeration, the cost model, and the ranking."""
+
+from __future__ import annotations
+
+import pytest
+
+from knapformer.cli import main
+from knapformer.datamix import parse_mix
+from knapformer.planner import plan_routing
+from knapformer.suggest import CostModel, enumerate_topologies, fit_mix, suggest
+from knapformer.topology import Topology
+from knapformer.workload import WorkloadModel
+
+
+def test_enumeration_fits_and_is_bounded():
+    topos = enumerate_topologies(32, max_bag=8)
+    names = {str(t) for t in topos}
+    assert len(names) == len(topos)  # no duplicates
+    assert all(t.num_gpus == 32 for t in topos)
+    assert all(s in (1, 2, 4, 8) for t in topos for s in t.bag_sizes)
+    assert {"g1n32", "g2n16", "g4n8", "g8n4", "g1n16+g4n2+g8n1"} <= names
+    assert all(len(set(t.bag_sizes)) <= 3 for t in topos)
+    assert len(topos) < 200
+    assert all(t.max_bag_size <= 4 for t in enumerate_topologies(32, max_bag=4))
+    # A GPU count that eighths do not divide still gets its homogeneous layouts.
+    assert {"g1n6", "g2n3"} <= {str(t) for t in enumerate_topologies(6, max_bag=8)}
+    with pytest.raises(ValueError, match="power of two"):
+        enumerate_topologies(32, max_bag=3)
+
+
+def test_cost_model_by_hand():
+    # One sequence of 1000 tokens on GPU 0, one bag of 2 GPUs: 500 tokens each.
+    d = 8
+    plan = plan_routing([[1000], []], "g2n1", WorkloadModel(d, gamma=0.5))
+    cost = CostModel(token_dim=d, dtype_bytes=2, tflops=1.0, bandwidth_gbs=1.0, layers=3)
+    c = cost.step_cost(plan)
+    work = (24 * 1000 * d * d + 0.5 * 4 * 1000**2 * d) / 1e12
+    compute_ms = work / 2 / 1.0 * 1e3
+    ulysses_ms = 4 * (1 / 2) * 500 * d * 2 / 1e9 * 1e3  # 4 all-to-alls, half the rows leave
+    route_ms = 2 * 500 * d * 2 / 1e9 * 1e3  # 500 tokens go to GPU 1 and come back
+    assert c.compute_ms == pytest.approx(3 * compute_ms)
+    assert c.ulysses_ms == pytest.approx(3 * ulysses_ms)
+    assert c.balancing_ms == pytest.approx(route_ms)
+    assert c.step_ms == pytest.approx(3 * (compute_ms + ulysses_ms) + route_ms)
+    assert c.unbalanced_ms == pytest.approx(3 * work * 1e3)
+
+
+def test_joint_ranks_multi_gpu_bags_above_single_gpu_bags():
+    ranked = suggest(parse_mix("joint"), 32, steps=2)
+    names = [str(s.topology) for s in ranked]
+    assert len(names) == len(enumerate_topologies(32))
+    assert ranked[0].topology.max_bag_size > 1
+    single = ranked[names.index("g1n32")]
+    assert names.index("g8n4") < names.index("g1n32") and names.index("g4n8") < names.index("g1n32")
+    assert single.step_ms > 1.5 * ranked[0].step_ms
+    assert ranked[0].speedup > 1.5
+    assert [s.step_ms for s in ranked] == sorted(s.step_ms for s in ranked)
+    assert "load 2." in ranked[names.index("g1n32")].reasons(ranked[0])
+
+
+def test_bigger_bags_are_not_free():
+    # lowres: every sequence is small, so splitting it only adds Ulysses traffic.
+    ranked = suggest(parse_mix("lowres"), 32, steps=2)
+    assert str(ranked[0].topology) == "g1n32"
+    g8n4 = next(s for s in ranked if str(s.topology) == "g8n4")
+    assert g8n4.ulysses_ms > 0 and g8n4.step_ms > ranked[0].step_ms
+    # Halving the bandwidth doubles the Ulysses time of the same topology.
+    slow = suggest(parse_mix("lowres"), 32, steps=2, cost=CostModel(bandwidth_gbs=50.0),
+                   topologies=[Topology.parse("g8n4")])[0]  # fmt: skip
+    assert slow.ulysses_ms == pytest.approx(2 * g8n4.ulysses_ms)
+
+
+def test_mix_is_repeated_for_a_multiple_of_its_gpus():
+    assert sum(c.gpus for c in fit_mix(parse_mix("joint"), 64)) == 64
+    with pytest.raises(ValueError, match="--gpus 48 must be a multiple of 32"):
+        fit_mix(parse_mix("joint"), 48)
+
+
+def test_cli_ranking(capsys):
+    code = main(["suggest", "--data-codes", "joint", "--gpus", "32", "--steps", "1", "--top", "3",
+                 "--bandwidth", "200"])  # fmt: skip
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "200 GB/s" in out and "suggested:" in out
+    assert "g1n32" in out  # the single-GPU baseline is always listed
+    assert main(["suggest", "--data-codes", "joint", "--gpus", "32", "--bandwidth", "0"]) == 1
+    assert "bandwidth_gbs must be a positive number" in capsys.readouterr().err
