@@ -1,0 +1,1 @@
+"""Live web dashboard of routing plans (Dash): `dashboard.server.start_server` / `serve`."""

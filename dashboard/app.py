@@ -13,6 +13,7 @@ import time
 from collections import deque
 from pathlib import Path
 
+import flask
 from dash import Dash, Input, Output, Patch, State, ctx, dash_table, dcc, html, no_update
 from dash.exceptions import PreventUpdate
 
@@ -24,10 +25,12 @@ from visualization.figures import (
     sequence_rows,
     timeline_columns,
     timeline_figure,
+    timeline_mode,
     traffic_figure,
 )
 
 TICK_MS = 500
+PAGE_LOAD_LINGER_S = 1.5
 _SHOWN_PROBLEMS = 8
 _HIDDEN = {"display": "none"}
 _CARD = {
@@ -191,7 +194,10 @@ def create_app(path: str | Path) -> Dash:
 
     @app.server.teardown_request
     def _leave(_exc):
-        gate.leave()
+        # Page and asset loads (GET) are followed by heavy parsing in the browser; live
+        # updates (POST callbacks) are not.
+        page_load = flask.request.method == "GET" and not flask.request.path.startswith("/api")
+        gate.leave(PAGE_LOAD_LINGER_S if page_load else 0.0)
 
     @app.server.route("/api/status")
     def status():
@@ -293,10 +299,13 @@ def create_app(path: str | Path) -> Dash:
             figure = Patch()
             count = client.get("count", 0)
             if count < n:
+                switch = timeline_mode(n) != timeline_mode(count)
                 for i, (x, y, c) in enumerate(timeline_columns(snap.summaries, count)):
                     figure["data"][i]["x"].extend(x)
                     figure["data"][i]["y"].extend(y)
                     figure["data"][i]["customdata"].extend(c)
+                    if switch:
+                        figure["data"][i]["mode"] = timeline_mode(n)
             figure["layout"]["shapes"] = selection_shapes(snap.summaries, index)
             new_client = {"run": run, "reset": snap.reset, "count": n}
 

@@ -38,7 +38,7 @@ def screenshot(plans: Path, out: Path, width: int = 1400, height: int = 1250) ->
             chunks = page.locator("#seq-table td[data-dash-column=chunks]").all_inner_texts()
             row = next((i for i, c in enumerate(chunks) if int(c) > 1), None)
             if row is None:  # none on the first page: look for a split sequence by filter
-                page.locator("#seq-table th[data-dash-column=chunks] input").fill(">1")
+                page.locator("#seq-table th[data-dash-column=chunks] input[type=text]").fill("> 1")
                 page.keyboard.press("Enter")
                 page.wait_for_timeout(500)
                 row = 0

@@ -53,11 +53,13 @@ class Snapshot:
 
 class RequestGate:
     """Counts web requests in flight, so that catching up on a long file (which holds the
-    GIL most of the time) pauses while a page or callback is being served."""
+    GIL most of the time) pauses while a page or callback is being served — and for a
+    moment after a page load, while the browser parses plotly.js on the same CPUs."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self._busy = 0
+        self._quiet_at = 0.0  # monotonic time until which to stay out of the way
         self._idle = threading.Event()
         self._idle.set()
 
@@ -66,14 +68,20 @@ class RequestGate:
             self._busy += 1
             self._idle.clear()
 
-    def leave(self) -> None:
+    def leave(self, linger: float = 0.0) -> None:
         with self._lock:
             self._busy = max(self._busy - 1, 0)
+            self._quiet_at = max(self._quiet_at, time.monotonic() + linger)
             if self._busy == 0:
                 self._idle.set()
 
     def wait_idle(self, timeout: float) -> None:
+        """Wait until no request is in flight and any linger is over, at most ``timeout``."""
+        deadline = time.monotonic() + timeout
         self._idle.wait(timeout)
+        rest = min(self._quiet_at, deadline) - time.monotonic()
+        if rest > 0:
+            time.sleep(rest)
 
 
 class PlanStore:

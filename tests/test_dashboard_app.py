@@ -24,18 +24,19 @@ def server(tmp_path, steps50_path):
     handle.stop()
 
 
-def test_port_zero_picks_a_free_port_and_stop_frees_it(server):
+def test_port_zero_picks_a_free_port_and_debug_is_off(server):
     handle, _ = server
     assert handle.port > 0 and handle.url == f"http://127.0.0.1:{handle.port}/"
     status, page = _get(handle.url)
     assert status == 200 and "<title>KnapFormer dashboard</title>" in page
-    assert '"debug": false' in page or "debug" not in page.split("_dash-config")[-1][:300]
+    # Dash debug off: no dev-tools UI, no props checking (and no reloader thread).
+    assert '"ui":false' in page and '"props_check":false' in page
 
 
 def test_status_reports_steps_and_problems(server):
     import time
 
-    handle, path = server
+    handle, _ = server
     deadline = time.monotonic() + 10
     while True:
         status = json.loads(_get(handle.url + "api/status")[1])

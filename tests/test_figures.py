@@ -165,3 +165,11 @@ def test_unvalidated_fast_figures_are_valid_plotly(plan8, steps50):
         checked = go.Figure(fig.to_plotly_json())  # raises ValueError on any bad property
         assert len(checked.data) == len(fig.data)
         assert checked.layout.template.layout.plot_bgcolor == "white"
+
+
+def test_long_timelines_drop_markers(steps50):
+    summaries = [summarize(r.plan) for r in steps50]
+    assert timeline_figure(summaries).data[0].mode == "lines+markers"
+    long = timeline_figure(summaries * 10, validate=False)  # 500 steps
+    assert {t.mode for t in long.data} == {"lines"}
+    assert len(long.data[0].x) == 500

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+import plotly.colors
 import plotly.graph_objects as go
 import plotly.io as pio
 
@@ -118,6 +119,12 @@ def bag_load_figure(
         label_of = dict(zip(gpus, bags, strict=True))
         dst_labels = [str(int(g)) for g in chunks.dst_gpu[mine]]
         src = str(int(plan.sequences.src_gpu[seq]))
+        # Outline the "after" bars of the GPUs that receive a chunk.
+        receiving = set(dst_labels)
+        data[1]["marker"]["line"] = {
+            "color": HIGHLIGHT_COLOR,
+            "width": [3 if g in receiving else 0 for g in gpus],
+        }
         data += [
             {
                 "type": "bar",
@@ -172,7 +179,8 @@ def traffic_figure(
             "x": labels,
             "y": labels,
             "customdata": traffic,
-            "colorscale": "Blues",
+            # An explicit list: plotly.js's own "Blues" runs dark to light.
+            "colorscale": [[i / 8, c] for i, c in enumerate(plotly.colors.sequential.Blues)],
             "colorbar": {"title": {"text": "log10(1+tokens)"}},
             "hovertemplate": "%{y} → %{x}<br>%{customdata:,} tokens<extra></extra>",
             "name": "traffic",
@@ -284,6 +292,12 @@ def timeline_columns(
     ]
 
 
+def timeline_mode(count: int) -> str:
+    """Trace mode of a timeline of ``count`` steps: markers only while few, because tens of
+    thousands of SVG markers make every redraw of a long run take seconds."""
+    return "lines+markers" if count <= _MARKERS_UP_TO else "lines"
+
+
 def timeline_figure(
     summaries: list[StepSummary], selected_step: int | None = None, validate: bool = True
 ) -> go.Figure:
@@ -293,7 +307,7 @@ def timeline_figure(
     index in ``summaries`` (click → select). ``selected_step`` is an index into
     ``summaries``; it is marked with a vertical line across the panels.
     """
-    mode = "lines+markers" if len(summaries) <= _MARKERS_UP_TO else "lines"
+    mode = timeline_mode(len(summaries))
     data = []
     for (name, color, row, fmt), (x, y, index) in zip(
         _TIMELINE_TRACES, timeline_columns(summaries), strict=True

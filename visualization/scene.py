@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from manim import (
     LEFT,
+    RIGHT,
     DashedLine,
     FadeIn,
     FadeOut,
@@ -21,7 +22,6 @@ from manim import (
     Scene,
     Text,
     VGroup,
-    Write,
 )
 
 from visualization.layout import (
@@ -158,10 +158,13 @@ class RoutingScene(Scene):
     def _step(self, lay: SceneLayout) -> None:
         seqs = {b.seq: _rect(b.box, b.color) for b in lay.seq_blocks}
         groups_before = [_rect(b.box, b.color, 0.8) for b in lay.groups_before]
-        blocks = [*seqs.values(), *groups_before]
-        grow = [GrowFromEdge(m, LEFT) for m in blocks]
-        lagged = [LaggedStart(*grow, lag_ratio=0.5 / len(blocks))] if blocks else []
-        self.play(FadeIn(self._frame(lay)), *lagged, run_time=T_INTRO)
+        blocks = VGroup(*seqs.values(), *groups_before)
+        # The frame (mostly text) appears at once: animating it would deep-copy every glyph.
+        self.add(self._frame(lay))
+        # One animation per group, staggered over its members (lag_ratio): manim's per-
+        # animation bookkeeping scans the whole scene, so hundreds of small ones are slow.
+        intro = [FadeIn(blocks, shift=0.25 * RIGHT, lag_ratio=0.03)] if len(blocks) else []
+        self._play_or_wait(intro, T_INTRO)
         loads_before = [_rect(b, LOAD_BEFORE_COLOR, 0.9) for b in lay.load_before if b.width > 0]
         self._play_or_wait([GrowFromEdge(m, LEFT) for m in loads_before], T_LOAD)
         self.wait(T_PAUSE)
@@ -173,9 +176,10 @@ class RoutingScene(Scene):
             piece = _rect(c.src, c.color, c.opacity, 1.5 if c.moves else 0.0)
             piece.stretch_to_fit_width(max(c.src.width - 0.012, 1e-3))  # hairline gap
             targets.append((piece, c))
-        ghosts = [m.animate.set_fill(opacity=GHOST_OPACITY) for m in seqs.values()]
-        ghosts += [m.animate.set_fill(opacity=GHOST_OPACITY) for m in groups_before]
-        self._play_or_wait([*ghosts, *(FadeIn(p) for p, _ in targets)], T_SPLIT)
+        pieces = VGroup(*(p for p, _ in targets))
+        split = [blocks.animate.set_fill(opacity=GHOST_OPACITY)] if len(blocks) else []
+        split += [FadeIn(pieces)] if targets else []
+        self._play_or_wait(split, T_SPLIT)
 
         groups_after = [_rect(b.box, b.color, 0.8) for b in lay.groups_after]
         moves = [
@@ -183,9 +187,11 @@ class RoutingScene(Scene):
             for piece, c in targets
         ]
         fly = [LaggedStart(*moves, lag_ratio=0.6 / max(len(moves), 1))] if moves else []
-        self._play_or_wait([*fly, *(FadeIn(m) for m in groups_after)], T_FLY)
+        fly += [FadeIn(VGroup(*groups_after))] if groups_after else []
+        self._play_or_wait(fly, T_FLY)
 
         loads_after = [_rect(b, LOAD_AFTER_COLOR, 0.9) for b in lay.load_after if b.width > 0]
         stats = _text(lay.stats_text, 14, max_width=13.4).move_to([0, STATS_Y, 0])
-        self.play(*(GrowFromEdge(m, LEFT) for m in loads_after), Write(stats), run_time=T_AFTER)
+        self.add(stats)
+        self._play_or_wait([GrowFromEdge(m, LEFT) for m in loads_after], T_AFTER)
         self.wait(T_HOLD)

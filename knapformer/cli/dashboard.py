@@ -28,7 +28,5 @@ def dashboard(
     if not path.exists():
         # Not an error: a training job may create the file in a moment; the page says so.
         print(f"note: {path} does not exist yet; the dashboard will show it when it appears")
-    try:
-        serve(path, host=host, port=port)
-    except KeyboardInterrupt:
-        print("dashboard stopped")
+    serve(path, host=host, port=port)  # returns on Ctrl-C (werkzeug handles the interrupt)
+    print("dashboard stopped")
