@@ -44,18 +44,11 @@ from knapformer.datamix import parse_mix, sample_lengths  # noqa: E402
 from knapformer.plan_io import read_plans  # noqa: E402
 from knapformer.planner import plan_routing  # noqa: E402
 from knapformer.workload import WorkloadModel  # noqa: E402
+from visualization.browser import launch_chromium  # noqa: E402
 
 TOPOLOGY = "g1n8+g2n4+g4n2+g8n1"
 # 16*8 + 8*8 + 8*8 = 256 sequences on 32 GPUs, resolutions 256..1024 px.
 MIX = "g16b8i256f1s0,g8b8i512f1s0,g8b8i1024f1s0"
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
 # The bar chart of a step is drawn: bars exist in the plot's SVG.
 RENDERED = "() => document.querySelectorAll('#bag-load .barlayer .point').length > 0"
 TARGETS = {"first_page_s": 5.0, "update_ms": 300.0, "rss_mib": 1024.0}
@@ -133,9 +126,7 @@ def bench_dashboard(path: Path, plans: list, steps: int, updates: int) -> dict:
     url = f"http://127.0.0.1:{port}/"
     out: dict = {}
     with sync_playwright() as pw:
-        browser = pw.chromium.launch(
-            executable_path="/usr/bin/chromium", headless=True, args=CHROMIUM_ARGS
-        )
+        browser = launch_chromium(pw)
         page = browser.new_page(viewport={"width": 1400, "height": 1600})
         code = f"from dashboard.server import serve; serve({str(path)!r}, '127.0.0.1', {port})"
         started = time.perf_counter()

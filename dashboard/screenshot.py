@@ -11,16 +11,9 @@ import argparse
 from pathlib import Path
 
 from dashboard.server import start_server
+from visualization.browser import launch_chromium
 
 ROOT = Path(__file__).resolve().parent.parent
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
 
 
 def screenshot(plans: Path, out: Path, width: int = 1400, height: int = 1250) -> Path:
@@ -28,9 +21,7 @@ def screenshot(plans: Path, out: Path, width: int = 1400, height: int = 1250) ->
     from playwright.sync_api import sync_playwright
 
     with start_server(plans, port=0) as handle, sync_playwright() as pw:
-        browser = pw.chromium.launch(
-            executable_path="/usr/bin/chromium", headless=True, args=CHROMIUM_ARGS
-        )
+        browser = launch_chromium(pw)
         try:
             page = browser.new_page(viewport={"width": width, "height": height})
             page.goto(handle.url)

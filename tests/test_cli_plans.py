@@ -78,8 +78,11 @@ def test_schema_prints_json_schema():
 
 @pytest.mark.parametrize(
     ("args", "fragment"),
-    [(("show",), "Missing argument"), (("nosuch",), "No such command"),
-     (("show", "x.json", "--step", "x"), "Invalid value for '--step'")],
+    [
+        (("show",), "Missing argument"),
+        (("nosuch",), "No such command"),
+        (("show", "x.json", "--step", "x"), "Invalid value for '--step'"),
+    ],
 )
 def test_usage_errors_exit_2_without_traceback(args, fragment):
     done = run(*args)

@@ -15,22 +15,15 @@ import numpy as np
 import pytest
 
 from knapformer.plan_io import parse_plan_line
+from visualization.browser import find_chromium, launch_chromium
 
 pytestmark = pytest.mark.browser
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
+CHROMIUM = find_chromium()
 LIVE_WITHIN_S = 5.0
 
-if not Path(CHROMIUM).exists():
-    pytest.skip(f"{CHROMIUM} is not installed (make browser-deps)", allow_module_level=True)
+if CHROMIUM is None:
+    pytest.skip("no Chromium on this machine (make browser-deps)", allow_module_level=True)
 sync_api = pytest.importorskip("playwright.sync_api")
 
 
@@ -67,7 +60,7 @@ def page(runs_dir):
 
     handle = start_server(runs_dir, port=0)
     with sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        browser = launch_chromium(pw)
         try:
             pg = browser.new_page(viewport={"width": 1400, "height": 1600})
             pg.goto(handle.url)

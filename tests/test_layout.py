@@ -123,7 +123,9 @@ def test_eight_gpu_sample_draws_every_sequence_and_chunk(plan8):
     # Both kinds of chunks occur in this plan and are styled differently.
     assert {c.moves for c in lay.chunk_blocks} == {True, False}
     assert L.STAYING_OPACITY < L.MOVING_OPACITY
-    assert "2.11 → 1.01" in lay.stats_text and f"{plan8.stats.moved_tokens:,}" in lay.stats_text
+    st = plan8.stats
+    assert f"{st.imbalance_before:.2f} → {st.imbalance_after:.2f}" in lay.stats_text
+    assert f"{st.moved_tokens:,}" in lay.stats_text
     assert all(r.label == f"GPU {r.gpu}" for r in lay.rows)
 
 

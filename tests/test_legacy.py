@@ -5,8 +5,8 @@ import pytest
 
 from knapformer.legacy import plan_from_legacy, plan_to_legacy
 from knapformer.plan import RoutingPlan
-from knapformer.planner import plan_routing
 from knapformer.plan_io import read_plans
+from knapformer.planner import plan_routing
 from knapformer.workload import WorkloadModel
 
 

@@ -9,7 +9,9 @@ from knapformer.workload import WorkloadModel
 
 def _plans(n):
     model = WorkloadModel(256, 0.4)
-    return [plan_routing([[100 + i], [50], [75], [10]], "g1n2+g2n1", model, step=i) for i in range(n)]
+    return [
+        plan_routing([[100 + i], [50], [75], [10]], "g1n2+g2n1", model, step=i) for i in range(n)
+    ]
 
 
 def test_jsonl_round_trip_with_line_numbers(tmp_path):

@@ -96,7 +96,11 @@ BROKEN = [
         _break(["sequences", "workload"], [1.0, float("nan"), 0.25, 0.0]),
         ["sequence(s) 1", "workload"],
     ),
-    ("negative workload", _break(["sequences", "workload"], [1.0, 0.5, -0.25, 0.0]), ["sequence(s) 2"]),
+    (
+        "negative workload",
+        _break(["sequences", "workload"], [1.0, 0.5, -0.25, 0.0]),
+        ["sequence(s) 2"],
+    ),
     ("source outside group", _break(["sequences", "src_gpu"], [0, 1, 2, 7]), ["sequence(s) 3"]),
     ("bag id out of range", _break(["sequences", "bag"], [0, 2, 1, 5]), ["sequence(s) 3"]),
     ("chunk names no sequence", _break(["chunks", "seq"], [0, 1, 1, 9]), ["chunk(s) 3"]),

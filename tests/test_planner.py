@@ -14,7 +14,7 @@ from knapformer.topology import Topology
 from knapformer.workload import WorkloadModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-from baselines.greedy_python import greedy_plan_python  # noqa: E402
+from baselines.greedy_python import greedy_plan_python
 
 MODEL = WorkloadModel(token_dim=3072, gamma=0.4)
 
@@ -24,9 +24,7 @@ def problems(draw):
     sizes = draw(st.lists(st.sampled_from([1, 1, 2, 3, 4, 8]), min_size=1, max_size=6))
     topo = Topology.from_bag_sizes(sizes)
     length = st.one_of(st.just(0), st.integers(1, 7), st.integers(1, 20000))
-    lengths = [
-        draw(st.lists(length, min_size=0, max_size=6)) for _ in range(topo.num_gpus)
-    ]
+    lengths = [draw(st.lists(length, min_size=0, max_size=6)) for _ in range(topo.num_gpus)]
     return topo, lengths
 
 
@@ -84,7 +82,7 @@ def test_default_solver_makespan_is_no_worse_than_greedy(problem):
 def test_token_cap_is_respected_or_reported(problem, slack):
     topo, lengths = problem
     total = sum(sum(x) for x in lengths)
-    cap = max(1, int(slack * total / topo.num_gpus) + max((max(x, default=0) for x in lengths)))
+    cap = max(1, int(slack * total / topo.num_gpus) + max(max(x, default=0) for x in lengths))
     try:
         plan = plan_routing(lengths, topo, MODEL, max_tokens_per_gpu=cap)
     except ValueError as err:

@@ -14,7 +14,7 @@ from PIL import Image
 from knapformer.cli import main
 from knapformer.plan import Measurements
 from knapformer.plan_io import read_plans, write_json
-from visualization.report import CHROMIUM_ARGS, find_chromium
+from visualization.browser import find_chromium, launch_chromium
 
 CHROMIUM = find_chromium()
 needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="no Chromium on this machine")
@@ -110,7 +110,7 @@ def test_report_opens_in_headless_chromium_without_errors(tmp_path, steps50_path
     expected = sum(_views(out.read_text()).values())
     problems: list[str] = []
     with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        browser = launch_chromium(pw)
         try:
             page = browser.new_page()
             page.on("console", lambda m: m.type == "error" and problems.append(m.text))

@@ -10,28 +10,17 @@ from __future__ import annotations
 import html
 import os
 import re
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 from knapformer.plan import RoutingPlan
 from knapformer.plan_io import ReadResult
 from visualization import figures as F
+from visualization.browser import CHROMIUM_ARGS, CHROMIUM_ENV, DEFAULT_CHROMIUM, find_chromium
 from visualization.render import plans_in_range
 
 MAX_STEPS = 20  # per report: each step adds several figures and a table
 MAX_TABLE_ROWS = 500  # sequence table rows per step; the rest is summarised
-CHROMIUM_ENV = "KNAPFORMER_CHROMIUM"
-DEFAULT_CHROMIUM = "/usr/bin/chromium"
-# Flags for headless Chromium in containers and CI (no sandbox, no GPU, no network chatter).
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
 
 
 @dataclass(frozen=True)
@@ -39,16 +28,6 @@ class ReportFigure:
     name: str  # unique, used for the PNG file name, e.g. "step-12-traffic"
     view: str  # timeline | bag-load | traffic | predicted-vs-measured
     step: int | None
-
-
-def find_chromium() -> str | None:
-    """Path of the Chromium to drive: $KNAPFORMER_CHROMIUM, /usr/bin/chromium, or on PATH."""
-    override = os.environ.get(CHROMIUM_ENV)
-    if override:
-        return override if Path(override).is_file() else None
-    if Path(DEFAULT_CHROMIUM).is_file():
-        return DEFAULT_CHROMIUM
-    return shutil.which("chromium") or shutil.which("chromium-browser")
 
 
 def _table(plan: RoutingPlan) -> str:
