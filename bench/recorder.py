@@ -114,9 +114,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40, help="demo steps per run")
     parser.add_argument("--repeats", type=int, default=3, help="demo runs per setting")
     args = parser.parse_args()
-    console = Console()
-    tmp = Path(tempfile.mkdtemp(prefix="bench-recorder-"))
+    # The plan files are only timed, not kept: the folder goes away even on Ctrl-C.
+    with tempfile.TemporaryDirectory(prefix="bench-recorder-") as tmp:
+        run(args, Path(tmp))
 
+
+def run(args: argparse.Namespace, tmp: Path) -> None:
+    """Every measurement, writing its plan files under ``tmp``."""
+    console = Console()
     table = Table(title="record() on the training thread (ms per call)")
     for col in (
         "sequences",

@@ -103,6 +103,7 @@ class PlanStore:
         self._missing: str | None = None
         self._reset = 0
         self._speedup_sum = 0.0
+        self._speedup_count = 0
         self._indexing = True
         self._cache: OrderedDict[tuple[int, int], RoutingPlan] = OrderedDict()
         self._tail = JsonlTail(self.path) if self.is_jsonl else None
@@ -205,6 +206,9 @@ class PlanStore:
         self._summaries = []
         self._where = []
         self._speedup_sum = 0.0
+        self._speedup_count = 0
+        self._problems.clear()
+        self._problem_count = 0
         self._cache.clear()
         self._reset += 1
 
@@ -212,8 +216,9 @@ class PlanStore:
         for summary, where in parsed:
             self._summaries.append(summary)
             self._where.append(where)
-            if summary.speedup != float("inf"):
+            if summary.speedup != float("inf"):  # a step with nothing to do after
                 self._speedup_sum += summary.speedup
+                self._speedup_count += 1
         self._problems.extend(problems)
         self._problem_count += len(problems)
 
@@ -233,7 +238,9 @@ class PlanStore:
                 problem_count=self._problem_count,
                 notices=notices,
                 indexing=self._indexing,
-                mean_speedup=self._speedup_sum / n if n else None,
+                mean_speedup=(
+                    self._speedup_sum / self._speedup_count if self._speedup_count else None
+                ),
             )
 
     def plan(self, index: int, reset: int | None = None) -> RoutingPlan:
@@ -256,7 +263,7 @@ class PlanStore:
             else:
                 try:
                     text = self._tail.read_record(where.generation, where.offset, where.length)
-                except OSError as err:
+                except (OSError, ValueError) as err:  # ValueError: handle closed meanwhile
                     raise LookupError(str(err)) from err
                 try:
                     plan = parse_plan_line(text)

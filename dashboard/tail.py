@@ -16,6 +16,7 @@ It copes with what a recorder and the tools around it do to such a file:
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,7 +47,8 @@ class TailBatch:
 
 
 class JsonlTail:
-    """Follows one path. Not thread-safe: poll from one thread."""
+    """Follows one path. One thread polls; others may call `read_record` at the same time
+    (a lock keeps a rotation from closing a handle under a concurrent read)."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
@@ -57,10 +59,15 @@ class JsonlTail:
         self._inode: int | None = None
         self._missing_reported = False
         self._old: dict[int, object] = {}  # generation -> open handle of a rotated file
+        self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ polling
     def poll(self, max_bytes: int | None = None) -> TailBatch:
         """New complete lines since the last poll (at most about ``max_bytes`` of them)."""
+        with self._lock:
+            return self._poll(max_bytes)
+
+    def _poll(self, max_bytes: int | None) -> TailBatch:
         batch = TailBatch()
         try:
             st = os.stat(self.path)
@@ -118,6 +125,10 @@ class JsonlTail:
 
     def read_record(self, generation: int, offset: int, length: int) -> str:
         """Re-read one line returned earlier (from the live or a rotated file)."""
+        with self._lock:
+            return self._read_record(generation, offset, length)
+
+    def _read_record(self, generation: int, offset: int, length: int) -> str:
         handle = self._file if generation == self.generation else self._old.get(generation)
         if handle is None:
             raise OSError(
@@ -130,11 +141,12 @@ class JsonlTail:
         return data.decode("utf-8", errors="replace")
 
     def close(self) -> None:
-        for handle in [self._file, *self._old.values()]:
-            if handle is not None:
-                handle.close()
-        self._file = None
-        self._old.clear()
+        with self._lock:
+            for handle in [self._file, *self._old.values()]:
+                if handle is not None:
+                    handle.close()
+            self._file = None
+            self._old.clear()
 
     # ---------------------------------------------------------------- internals
     def _open(self, batch: TailBatch) -> bool:

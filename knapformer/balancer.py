@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any
 
 import numpy as np
@@ -102,12 +102,16 @@ class SequenceBalancer:
         self.num_replicas = replicas
 
         # torch.distributed requires every rank to create every sub-group, in one order.
+        # The groups this rank belongs to that we created; close() destroys them (new_group
+        # hands non-members a placeholder that owns nothing).
+        self._own_groups: list[dist.ProcessGroup] = []
         self.group: Group = process_group
         if replicas > 1:
             for ranks in balance_groups:
                 created = dist.new_group(ranks)
                 if self.rank in ranks:
                     self.group = created
+                    self._own_groups.append(created)
         self._bag_group: Group = None
         for ranks in balance_groups:
             for bag in self.topology.bags(ranks):
@@ -115,6 +119,7 @@ class SequenceBalancer:
                     created = dist.new_group(bag)
                     if self.rank in bag:
                         self._bag_group = created
+                        self._own_groups.append(created)
         self.my_bag: list[int] = next(
             b for b in self.topology.bags(self.group_ranks) if self.rank in b
         )
@@ -172,6 +177,7 @@ class SequenceBalancer:
         the order the sequences are packed. Returns the plan (also ``self.last_plan``);
         ``plan.measurements.plan_ms`` is this rank's time for the whole call.
         """
+        self._require_open()
         started, wall = time.perf_counter(), time.time()
         lengths = _as_lengths(local_seq_lens)
         model = WorkloadModel(int(token_dim), self.gamma)
@@ -218,7 +224,12 @@ class SequenceBalancer:
         dist.all_gather(gathered, padded, group=self.group)
         return [g[:s].cpu().numpy() for g, s in zip(gathered, sizes, strict=True)]
 
+    def _require_open(self) -> None:
+        if self._closed:  # its sub-groups are destroyed
+            raise RuntimeError("this SequenceBalancer is closed; create a new one")
+
     def _require_tables(self) -> RoutingTables:
+        self._require_open()
         if self.tables is None:
             raise RuntimeError("call plan_routing(...) before routing tokens")
         return self.tables
@@ -340,12 +351,22 @@ class SequenceBalancer:
 
     # -------------------------------------------------------------- lifecycle
     def close(self) -> None:
-        """Close the recorder, if any (idempotent)."""
+        """Close the recorder, if any, then destroy the sub-groups this balancer created
+        (idempotent). The balancer cannot route after this; the parent group is untouched.
+        """
         if self._closed:
             return
         self._closed = True
         if self.recorder is not None:
-            self.recorder.close()
+            self.recorder.close()  # first: closing may still talk over the balance group
+        groups, self._own_groups = self._own_groups, []
+        for group in groups:
+            # Skip what is already gone: destroying WORLD (e.g. at shutdown, before close)
+            # destroys every group, and destroying one twice raises.
+            if not dist.is_initialized():
+                break
+            with suppress(ValueError):
+                dist.destroy_process_group(group)
 
     def __enter__(self) -> SequenceBalancer:
         return self

@@ -12,8 +12,8 @@ Two sources:
   ``Σ 4·L²·d/(g·1e12)``: one least-squares fit over all (plan, GPU) rows, then
   ``k = a`` and ``γ = b / a``.
 
-Both fits minimise relative residuals (see `fit_scale_gamma`), unlike the plain least
-squares of `WorkloadModel.calibrate`.
+Both are the one relative least-squares fit of `knapformer.workload.fit_scale_gamma`
+(per sequence through `WorkloadModel.calibrate`; per GPU on summed `WorkloadModel.terms`).
 
 The fitted ``k`` converts workload units into milliseconds, so ``WorkloadModel(d, γ, k)``
 predicts times directly.
@@ -22,6 +22,7 @@ predicts times directly.
 from __future__ import annotations
 
 import csv
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from knapformer.plan import RoutingPlan
-from knapformer.workload import WorkloadModel
+from knapformer.workload import WorkloadModel, fit_scale_gamma
 
 # Phases tried, in order, when the user names none: the compute part of a step.
 COMPUTE_PHASES = ("compute", "forward_backward", "forward", "attn", "step")
@@ -90,21 +91,14 @@ def read_measurements_csv(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
 
 
 def calibrate_lengths(lengths, latencies, token_dim: int) -> Calibration:
-    """Fit from per-sequence (length, latency ms) pairs (relative least squares)."""
+    """Fit from per-sequence (length, latency ms) pairs, each (n,) (`WorkloadModel.calibrate`)."""
     lengths = np.asarray(lengths, dtype=np.float64).ravel()
     latencies = np.asarray(latencies, dtype=np.float64).ravel()
-    if lengths.shape != latencies.shape:
-        raise ValueError(f"got {lengths.size} lengths but {latencies.size} latencies")
-    if np.unique(lengths[lengths > 0]).size < 2:
-        raise ValueError("calibration needs at least 2 distinct positive lengths")
-    d = float(token_dim)
-    linear = 24.0 * lengths * d * d / 1e12
-    attention = 4.0 * lengths**2 * d / 1e12
-    model, error = fit_scale_gamma(linear, attention, latencies, int(token_dim))
+    model, error = WorkloadModel.calibrate(lengths, latencies, int(token_dim))
     return Calibration(
         model=model,
         rel_rms_error=error,
-        measured=np.asarray(latencies, dtype=np.float64),
+        measured=latencies,
         predicted=model.workload(lengths),
         labels=[f"L={int(n)}" for n in lengths],
         source="csv",
@@ -136,12 +130,11 @@ def pick_phase(plans: Sequence[RoutingPlan], phase: str | None) -> str:
 def gpu_features(plan: RoutingPlan, token_dim: int) -> tuple[np.ndarray, np.ndarray]:
     """Per GPU of ``plan.gpus``: (linear, attention) workload terms it computes, each (n,)."""
     seqs = plan.sequences
-    length = np.asarray(seqs.length, dtype=np.float64)
-    d = float(token_dim)
+    seq_linear, seq_attention = WorkloadModel(int(token_dim)).terms(seqs.length)
     bag_size = np.array([len(b) for b in plan.bags], dtype=np.float64)
-    share = 1.0 / bag_size[seqs.bag]
-    lin_bag = np.bincount(seqs.bag, 24.0 * length * d * d / 1e12 * share, len(plan.bags))
-    att_bag = np.bincount(seqs.bag, 4.0 * length**2 * d / 1e12 * share, len(plan.bags))
+    share = 1.0 / bag_size[seqs.bag]  # each GPU of a bag of g computes 1/g of its sequences
+    lin_bag = np.bincount(seqs.bag, seq_linear * share, len(plan.bags))
+    att_bag = np.bincount(seqs.bag, seq_attention * share, len(plan.bags))
     pos = {g: i for i, g in enumerate(plan.gpus)}
     linear, attention = np.zeros(len(plan.gpus)), np.zeros(len(plan.gpus))
     for b, members in enumerate(plan.bags):
@@ -180,41 +173,10 @@ def calibrate_plans(
         labels.extend(f"step {step} GPU {g}" for g in plan.gpus)
         token_dim = d
     linear, attention, y = np.concatenate(lin), np.concatenate(att), np.concatenate(measured)
-    model, error = fit_scale_gamma(linear, attention, y, int(token_dim))
+    scale, gamma, error = fit_scale_gamma(linear, attention, y)
+    model = WorkloadModel(token_dim=int(token_dim), gamma=gamma, scale=scale)
     predicted = model.scale * (linear + model.gamma * attention)
     return Calibration(model, error, y, predicted, labels, "plans", phase)
-
-
-def fit_scale_gamma(
-    linear: np.ndarray, attention: np.ndarray, latency: np.ndarray, token_dim: int
-) -> tuple[WorkloadModel, float]:
-    """Fit ``latency ≈ a·linear + b·attention``; returns (model k=a, γ=b/a) and the
-    relative RMS error (RMS residual / mean latency).
-
-    Minimises the *relative* residuals Σ((fit − latency)/latency)²: timing noise grows
-    with the time, and plain least squares would let the few longest sequences (where
-    attention dominates) decide alone, leaving the linear term to chance."""
-    if not (np.isfinite(latency).all() and np.isfinite(linear).all()):
-        raise ValueError("measured times must be finite numbers")
-    if latency.size < 2:
-        raise ValueError("calibration needs at least 2 measured times")
-    if (latency <= 0).any():
-        i = int(np.flatnonzero(latency <= 0)[0])
-        raise ValueError(f"measured time #{i + 1} is {latency[i]:g} ms; times must be > 0")
-    design = np.stack([linear, attention], axis=1) / latency[:, None]
-    norms = np.linalg.norm(design, axis=0)  # column scaling keeps the fit well conditioned
-    norms[norms == 0] = 1.0
-    coef, *_ = np.linalg.lstsq(design / norms, np.ones_like(latency), rcond=None)
-    a, b = coef / norms
-    if a <= 0:
-        raise ValueError(
-            "the fit gives a non-positive time per linear FLOP; the measured times do not "
-            "grow with the GPUs' workload as the model expects"
-        )
-    model = WorkloadModel(token_dim=token_dim, gamma=float(max(b, 0.0) / a), scale=float(a))
-    residual = model.scale * (linear + model.gamma * attention) - latency
-    mean = float(np.mean(np.abs(latency))) or 1.0
-    return model, float(np.sqrt(np.mean(residual**2)) / mean)
 
 
 def calibrate_file(
@@ -231,5 +193,10 @@ def calibrate_file(
         return calibrate_lengths(lengths, latencies, token_dim)
     from knapformer.plan_io import read_plans
 
-    result = read_plans(path, on_error="raise")
+    # A recording cut by a crash may end in a partial line: skip bad records, say so.
+    result = read_plans(path, on_error="skip")
+    for problem in result.problems:
+        print(f"skipped {problem}", file=sys.stderr)
+    if not result.plans:
+        raise ValueError(f"{path}: no valid plan to calibrate from")
     return calibrate_plans(result.plans, token_dim, phase)

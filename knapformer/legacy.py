@@ -61,7 +61,22 @@ def topology_from_bags(bags: list[list[int]]) -> str:
 
 
 def plan_from_legacy(summary: dict) -> RoutingPlan:
-    """Build (and validate) a `RoutingPlan` from a legacy summary dict."""
+    """Build (and validate) a `RoutingPlan` from a legacy summary dict.
+
+    Malformed input raises ``ValueError`` (pydantic's ``ValidationError`` for a broken
+    invariant) naming what is wrong, never a bare ``KeyError``/``TypeError``.
+    """
+    try:
+        return _plan_from_legacy(summary)
+    except KeyError as err:
+        raise ValueError(
+            f"legacy plan: id {err.args[0]!r} is referenced but not described"
+        ) from err
+    except (TypeError, AttributeError, IndexError) as err:
+        raise ValueError(f"legacy plan: a field has the wrong shape ({err})") from err
+
+
+def _plan_from_legacy(summary: dict) -> RoutingPlan:
     missing = [k for k in _REQUIRED if k not in summary]
     if missing:
         raise ValueError(f"legacy plan is missing key(s): {', '.join(missing)}")
@@ -108,6 +123,14 @@ def plan_from_legacy(summary: dict) -> RoutingPlan:
         s = c_seq[i]
         offsets[i] = running.get(s, 0)
         running[s] = offsets[i] + c_len[i]
+
+    # Canonical chunk order: by sequence, then offset.
+    order = np.lexsort((offsets, np.asarray(c_seq, dtype=np.int64)))
+    c_seq = [c_seq[i] for i in order]
+    c_len = [c_len[i] for i in order]
+    c_dst = [c_dst[i] for i in order]
+    chunk_src = [chunk_src[i] for i in order]
+    offsets = offsets[order]
 
     bag_of_gpu = {g: b for b, members in enumerate(bags) for g in members}
     seq_bag = [-1] * len(old_seq_ids)

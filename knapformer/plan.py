@@ -221,6 +221,9 @@ def _invariant_problems(plan: RoutingPlan):
     if len(gpus) == 0:
         yield "gpus is empty: a plan needs at least one GPU"
         return
+    if (gpus < 0).any():
+        yield f"gpus holds negative rank(s) {_ids(gpus[gpus < 0])}"
+        return
     uniq, counts = np.unique(gpus, return_counts=True)
     if (counts > 1).any():
         yield f"gpus lists GPU(s) {_ids(uniq[counts > 1])} more than once"
@@ -248,6 +251,18 @@ def _invariant_problems(plan: RoutingPlan):
     bad = ~np.isin(seqs.src_gpu, gpus)
     if bad.any():
         yield f"sequence(s) {_ids(bad)} have a source GPU outside gpus"
+        return
+    # Canonical order (the router relies on it): sequences grouped by source GPU in the
+    # order of `gpus`, chunks by sequence then offset.
+    position = np.empty(int(gpus.max()) + 1, dtype=np.int64)
+    position[gpus] = np.arange(len(gpus))
+    src_position = position[seqs.src_gpu]
+    bad = np.flatnonzero(np.diff(src_position) < 0) + 1
+    if bad.size:
+        yield (
+            f"sequence(s) {_ids(bad)} are out of order: sequences must be grouped by source "
+            "GPU in the order of gpus"
+        )
         return
     if (seqs.length < 0).any():
         yield f"sequence(s) {_ids(seqs.length < 0)} have a negative length"
@@ -295,6 +310,15 @@ def _invariant_problems(plan: RoutingPlan):
         yield f"sequence(s) {_ids(dup_seq)} send more than one chunk to the same GPU"
         return
 
+    step_back = (np.diff(chunks.seq) < 0) | (
+        (np.diff(chunks.seq) == 0) & (np.diff(chunks.offset) < 0)
+    )
+    if step_back.any():
+        yield (
+            f"chunk(s) {_ids(np.flatnonzero(step_back) + 1)} are out of order: chunks must be "
+            "ordered by sequence id, then offset"
+        )
+        return
     # Tiling: sorted by (seq, offset), each chunk starts where the previous one ended.
     order = np.lexsort((chunks.offset, chunks.seq))
     s, off, ln = chunks.seq[order], chunks.offset[order], chunks.length[order]

@@ -81,6 +81,8 @@ def parse_plan_record(record: Any) -> RoutingPlan:
         raise
     except ValueError as err:
         raise PlanFormatError(str(err)) from err
+    except (KeyError, TypeError, IndexError, AttributeError) as err:  # malformed structure
+        raise PlanFormatError(f"malformed record ({type(err).__name__}: {err})") from err
 
 
 def parse_plan_line(text: str) -> RoutingPlan:
@@ -175,3 +177,44 @@ def select_step(result: ReadResult, step: int | None) -> PlanRecord:
     steps = [r.plan.step for r in result.records if r.plan.step is not None]
     span = f"steps {min(steps)}..{max(steps)}" if steps else f"{len(result.records)} plan(s)"
     raise PlanFormatError(f"step {step} is not in the file (it holds {span})")
+
+
+def parse_step_range(spec: str) -> tuple[int | None, int | None]:
+    """``"A:B"`` → (A, B), both inclusive; either side may be empty (open end)."""
+    first, sep, last = spec.partition(":")
+    if not sep:
+        raise ValueError(f"--steps must look like A:B (e.g. 3:7), not {spec!r}")
+    try:
+        a = int(first) if first.strip() else None
+        b = int(last) if last.strip() else None
+    except ValueError:
+        raise ValueError(f"--steps must look like A:B with integer steps, not {spec!r}") from None
+    if a is not None and b is not None and b < a:
+        raise ValueError(f"--steps {spec!r}: the last step is before the first")
+    return a, b
+
+
+def plans_in_range(result: ReadResult, spec: str) -> list[RoutingPlan]:
+    """The plans whose step (or, when a file has no steps, index) lies in ``A:B``.
+
+    The range counterpart of `select_step`, with the same step numbering.
+    """
+    a, b = parse_step_range(spec)
+    if not result.records:
+        raise PlanFormatError("no valid plan in the file")
+    unnumbered = all(r.plan.step is None for r in result.records)
+    chosen = []
+    for index, record in enumerate(result.records):
+        step = index if unnumbered else record.plan.step
+        if step is not None and (a is None or step >= a) and (b is None or step <= b):
+            chosen.append(record.plan)
+    if not chosen:
+        steps = [
+            (i if unnumbered else r.plan.step)
+            for i, r in enumerate(result.records)
+            if unnumbered or r.plan.step is not None
+        ]
+        raise ValueError(
+            f"no plan with a step in {spec!r} (the file holds steps {min(steps)}..{max(steps)})"
+        )
+    return chosen

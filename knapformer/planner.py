@@ -10,8 +10,10 @@ the largest size); the sequence goes to the candidate with the lowest occupancy
 (load / capacity). A sequence in a bag of g GPUs is split into g chunks of L // g tokens,
 the remainder going to one chunk chosen round-robin.
 
-``"knapformer"`` (default) — the same capacity model, with locality:
-1. *heavy* sequences (more than half a GPU's capacity) are placed first, largest first,
+``"knapformer"`` (default) — balance like greedy, move far fewer tokens. Its per-GPU
+capacity is the lower bound on the makespan (at least greedy's mean load; larger when one
+sequence outweighs the mean, and then every GPU under it keeps its own work).
+1. *heavy* sequences (more than a quarter of a GPU's capacity) are placed first, largest first,
    in their home bag (the bag holding their source GPU) when it has room, else like
    greedy;
 2. every other sequence stays in its home bag while the bag has room — decided for all

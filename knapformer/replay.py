@@ -157,11 +157,11 @@ def default_heads(plan: RoutingPlan) -> int:
     return lcm * max(1, math.ceil(4 / lcm))
 
 
-def replay(
-    plan: RoutingPlan, dim: int | None = None, heads: int | None = None, timeout_s: float = 300.0
-) -> ReplayResult:
-    """Run both checks on ``len(plan.gpus)`` local processes. ``dim`` = hidden size of
-    the synthetic tensors (a multiple of ``heads``; default 8 per head)."""
+def check_options(
+    plan: RoutingPlan, dim: int | None = None, heads: int | None = None
+) -> tuple[int, int]:
+    """The (dim, heads) a replay of ``plan`` uses (defaults filled in), or a ValueError
+    naming the bad value. Cheap: callers validate with it before announcing a replay."""
     n = len(plan.gpus)
     if n > MAX_REPLAY_GPUS:
         raise ValueError(
@@ -178,6 +178,15 @@ def replay(
     dim = heads * 8 if dim is None else int(dim)
     if dim <= 0 or dim % heads:
         raise ValueError(f"--dim {dim} must be a positive multiple of --heads {heads}")
+    return dim, heads
+
+
+def replay(
+    plan: RoutingPlan, dim: int | None = None, heads: int | None = None, timeout_s: float = 300.0
+) -> ReplayResult:
+    """Run both checks on ``len(plan.gpus)`` local processes. ``dim`` = hidden size of
+    the synthetic tensors (a multiple of ``heads``; default 8 per head)."""
+    dim, heads = check_options(plan, dim, heads)
     skip = replan_skip_reason(plan)
     local = renumber(plan)
     reports = _run_workers(local, list(plan.gpus), dim, heads, skip is None, timeout_s)
@@ -277,7 +286,7 @@ def _replay_rank(report: RankReport, plan: RoutingPlan, gpus, dim, heads, replan
     import torch
 
     from knapformer.balancer import SequenceBalancer
-    from knapformer.router import RoutingTables
+    from knapformer.router import RoutingTables, token_ranges
 
     rank = report.rank
     seqs, chunks = plan.sequences, plan.chunks
@@ -302,11 +311,13 @@ def _replay_rank(report: RankReport, plan: RoutingPlan, gpus, dim, heads, replan
 
     # Global token ids: sequence s owns ids seq_start[s] .. seq_start[s] + length - 1.
     seq_start = np.concatenate([[0], np.cumsum(seqs.length)[:-1]]).astype(np.int64)
-    ids = _ranges(seq_start[mine], local_lens)
+    ids = token_ranges(seq_start[mine], local_lens)
     token_id = torch.from_numpy(ids)
     x = _payload(token_id, dim)
     for_me = np.flatnonzero(chunks.dst_gpu == rank)  # chunk-id order
-    expected = _ranges(seq_start[chunks.seq[for_me]] + chunks.offset[for_me], chunks.length[for_me])
+    expected = token_ranges(
+        seq_start[chunks.seq[for_me]] + chunks.offset[for_me], chunks.length[for_me]
+    )
 
     def fail(message: str) -> None:
         if report.error is None:
@@ -339,7 +350,7 @@ def _replay_rank(report: RankReport, plan: RoutingPlan, gpus, dim, heads, replan
     bag_id = plan.bags.index(bag)
     bag_seqs = np.flatnonzero((seqs.bag == bag_id) & (seqs.length > 0))
     if g > 1:
-        want_ids = _ranges(seq_start[bag_seqs], seqs.length[bag_seqs])
+        want_ids = token_ranges(seq_start[bag_seqs], seqs.length[bag_seqs])
         share = heads // g
         r = bag.index(rank)
         want_heads = torch.arange(r * share, (r + 1) * share, dtype=torch.float64)
@@ -389,14 +400,3 @@ def _payload(token_id, dim: int):
 
     col = torch.arange(dim, dtype=torch.float32)
     return (token_id.to(torch.float32) % 4096)[:, None] + col[None, :] / dim
-
-
-def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenated ``arange(s, s + n)`` for each (s, n); int64."""
-    starts = np.asarray(starts, dtype=np.int64)
-    lengths = np.asarray(lengths, dtype=np.int64)
-    total = int(lengths.sum())
-    if total == 0:
-        return np.zeros(0, dtype=np.int64)
-    rep = np.repeat(starts - np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths)
-    return rep + np.arange(total, dtype=np.int64)

@@ -92,7 +92,7 @@ class RoutingTables:
         out_ids = np.flatnonzero(c_src == rank)
         out_ids = out_ids[np.argsort(dst_pos[out_ids], kind="stable")]
         send_splits = np.bincount(dst_pos[out_ids], weights=c_len[out_ids], minlength=n)
-        send_index = _ranges(seq_start[c_seq[out_ids]] + c_off[out_ids], c_len[out_ids])
+        send_index = token_ranges(seq_start[c_seq[out_ids]] + c_off[out_ids], c_len[out_ids])
 
         # Receive side: chunk ids are ordered by sequence and sequence ids by source GPU,
         # so chunks for me in id order already arrive grouped by source: no permutation.
@@ -127,7 +127,7 @@ def _bag_tables(bag_ranks, c_dst, c_seq, c_len, group, to_tensor) -> BagTables:
     lengths_in_buffer = c_len[ids][buffer_order]
     start_in_buffer = np.empty(len(ids), dtype=np.int64)
     start_in_buffer[buffer_order] = np.cumsum(lengths_in_buffer) - lengths_in_buffer
-    to_sequences = _ranges(start_in_buffer, c_len[ids])
+    to_sequences = token_ranges(start_in_buffer, c_len[ids])
     tokens_per_gpu = np.bincount(member, weights=c_len[ids], minlength=len(bag_ranks))
     _, first = np.unique(c_seq[ids], return_index=True)
     seq_lens = np.add.reduceat(c_len[ids], first) if len(ids) else np.zeros(0, np.int64)
@@ -149,7 +149,7 @@ def _positions(ranks: np.ndarray, pos_of: dict[int, int]) -> np.ndarray:
     return np.fromiter((pos_of[int(r)] for r in ranks), dtype=np.int64, count=len(ranks))
 
 
-def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+def token_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """Concatenation of ``arange(s, s + l)`` for every (s, l), vectorised."""
     lengths = np.asarray(lengths, dtype=np.int64)
     total = int(lengths.sum())

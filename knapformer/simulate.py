@@ -5,12 +5,18 @@ Every topology and solver sees the *same* sampled lengths at a step, so their fi
 compare like with like. Step time is modelled as the makespan (largest per-GPU
 workload): without balancing every GPU computes its own sequences alone; with
 balancing each GPU computes workload / g of every sequence of its bag of g GPUs.
+
+Each (topology, solver) is one run named ``<topology>-<solver>`` (`run_name`): its plans
+share step numbers with the other runs, so they are written to separate files,
+``OUT/<run>/plans.jsonl`` (`run_files`), the folder layout the dashboard picks runs from.
 """
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -31,6 +37,67 @@ def check_fits(topology: Topology | str, codes: Sequence[DataCode]) -> Topology:
             f"give topologies of {need} GPUs"
         )
     return topo
+
+
+def run_name(topology: Topology | str, solver: str) -> str:
+    """The run of one topology and solver: its plans' ``run`` and folder under ``--out``."""
+    return f"{as_topology(topology)}-{solver}"
+
+
+def check_options(
+    codes: Sequence[DataCode],
+    topologies: Sequence[Topology | str],
+    steps: int,
+    solvers: Sequence[str],
+    dtype_bytes: int = 2,
+) -> list[Topology]:
+    """The parsed topologies, once all options are valid; else a ValueError naming the value."""
+    if steps <= 0:
+        raise ValueError(f"--steps must be positive, got {steps}")
+    if dtype_bytes <= 0:
+        raise ValueError(f"dtype size must be positive, got {dtype_bytes}")
+    for solver in solvers:
+        if solver not in SOLVERS:
+            raise ValueError(f"unknown solver {solver!r}; choose from {', '.join(SOLVERS)}")
+    if not topologies:
+        raise ValueError("give at least one topology")
+    return [check_fits(t, codes) for t in topologies]
+
+
+def run_files(out: str | Path, runs: Sequence[str]) -> dict[str, Path]:
+    """Run name -> ``out/<run>/plans.jsonl``, after making sure plans can be written there.
+
+    Creates ``out`` (and its parents) and writes a probe file in it, so that a bad folder
+    fails before a long simulation rather than after; the run folders are created by the
+    writer. Raises ValueError naming the path when ``out`` or a run folder is unusable.
+    """
+    out = Path(out)
+    if out.suffix.lower() in (".json", ".jsonl") and not out.is_dir():
+        raise ValueError(
+            f"--out is a folder (one <topology>-<solver>/plans.jsonl per run), not a plan "
+            f"file: {str(out)!r}"
+        )
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise ValueError(f"--out {str(out)!r} exists and is not a folder") from None
+    except OSError as err:
+        raise ValueError(f"cannot create the --out folder {str(out)!r}: {err.strerror}") from None
+    try:
+        # A real write, not os.access: access checks say yes to root even on read-only mounts.
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as err:
+        raise ValueError(f"cannot write in the --out folder {str(out)!r}: {err.strerror}") from None
+    files = {}
+    for run in runs:
+        folder, path = out / run, out / run / "plans.jsonl"
+        if folder.exists() and not folder.is_dir():
+            raise ValueError(f"{str(folder)!r} exists and is not a folder; cannot write run {run}")
+        if path.is_dir():
+            raise ValueError(f"{str(path)!r} is a folder; cannot write run {run}")
+        files[run] = path
+    return files
 
 
 @dataclass
@@ -145,19 +212,10 @@ def simulate(
 ) -> SimulationResult:
     """Plan ``steps`` sampled steps of the mix with every topology and solver.
 
-    ``on_plan`` receives every plan (e.g. to record it; ``run`` names topology and
-    solver, ``step`` is the simulated step); ``on_step(i)`` is called after step i.
+    ``on_plan`` receives every plan (e.g. to record it; ``run`` is `run_name` of its
+    topology and solver, ``step`` the simulated step); ``on_step(i)`` is called after step i.
     """
-    if steps <= 0:
-        raise ValueError(f"--steps must be positive, got {steps}")
-    if dtype_bytes <= 0:
-        raise ValueError(f"dtype size must be positive, got {dtype_bytes}")
-    for solver in solvers:
-        if solver not in SOLVERS:
-            raise ValueError(f"unknown solver {solver!r}; choose from {', '.join(SOLVERS)}")
-    if not topologies:
-        raise ValueError("give at least one topology")
-    topos = [check_fits(t, codes) for t in topologies]
+    topos = check_options(codes, topologies, steps, solvers, dtype_bytes)
     model = WorkloadModel(token_dim=token_dim, gamma=gamma)
     summaries = {
         (str(t), s): TopologySummary(str(t), s, bytes_per_token=token_dim * dtype_bytes)
@@ -169,7 +227,7 @@ def simulate(
         lengths = sample_lengths(codes, rng)
         for (topo, solver), summary in summaries.items():
             plan = plan_routing(
-                lengths, topo, model, solver=solver, step=step, run=f"{topo}/{solver}"
+                lengths, topo, model, solver=solver, step=step, run=run_name(topo, solver)
             )
             summary.add(plan)
             if on_plan is not None:

@@ -2,8 +2,9 @@
 
 ``workload(L) = scale * (24*L*d^2 + gamma*4*L^2*d) / 1e12``: the linear layers grow with
 L, attention with L^2, and gamma weighs attention against the linear layers. With the
-default ``scale=1`` the unit is TFLOP-like; ``calibrate`` fits ``scale`` and ``gamma`` so
-that workloads predict measured latencies.
+default ``scale=1`` the unit is TFLOP-like; ``calibrate`` (and `fit_scale_gamma`, the same
+relative least-squares fit on per-GPU sums of `WorkloadModel.terms`) fits ``scale`` and
+``gamma`` so that workloads predict measured latencies.
 """
 
 from __future__ import annotations
@@ -28,21 +29,30 @@ class WorkloadModel:
         if not np.isfinite(self.scale) or self.scale <= 0:
             raise ValueError(f"scale must be finite and > 0, got {self.scale}")
 
-    def workload(self, lengths: ArrayLike) -> np.ndarray:
-        """Workload of each length; shape of ``lengths``, float64."""
+    def terms(self, lengths: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
+        """(linear, attention) cost terms of each length, each of ``lengths``' shape, float64.
+
+        ``linear = 24*L*d^2/1e12`` and ``attention = 4*L^2*d/1e12``, so that
+        ``workload = scale * (linear + gamma * attention)``. Calibration fits ``scale`` and
+        ``gamma`` on these terms (summed per GPU when a GPU computes several sequences).
+        """
         length = np.asarray(lengths, dtype=np.float64)
         d = float(self.token_dim)
-        return self.scale * (24.0 * length * d * d + self.gamma * 4.0 * length * length * d) / 1e12
+        return 24.0 * length * d * d / 1e12, 4.0 * length * length * d / 1e12
+
+    def workload(self, lengths: ArrayLike) -> np.ndarray:
+        """Workload of each length; shape of ``lengths``, float64."""
+        linear, attention = self.terms(lengths)
+        return self.scale * (linear + self.gamma * attention)
 
     @classmethod
     def calibrate(
         cls, lengths: ArrayLike, latencies: ArrayLike, token_dim: int
     ) -> tuple[WorkloadModel, float]:
-        """Least-squares fit of ``scale`` and ``gamma`` from (length, latency) pairs.
+        """Fit ``scale`` and ``gamma`` from (length, latency) pairs (see `fit_scale_gamma`).
 
-        latency ~= a * linear(L) + b * attention(L) with a = scale, b = scale * gamma, a
-        linear problem. Returns the model and its relative RMS error (RMS residual divided
-        by the mean latency).
+        ``lengths`` and ``latencies`` are (n,) and pair up; latencies must be > 0. Returns
+        the model and its relative RMS error (RMS residual divided by the mean latency).
         """
         length = np.asarray(lengths, dtype=np.float64).ravel()
         latency = np.asarray(latencies, dtype=np.float64).ravel()
@@ -50,29 +60,57 @@ class WorkloadModel:
             raise ValueError(
                 f"got {length.size} lengths but {latency.size} latencies; they must pair up"
             )
-        if length.size < 2:
-            raise ValueError("calibration needs at least 2 (length, latency) pairs")
-        if not (np.isfinite(length).all() and np.isfinite(latency).all()):
-            raise ValueError("lengths and latencies must be finite numbers")
+        if not np.isfinite(length).all():
+            raise ValueError("lengths must be finite numbers")
         if np.unique(length[length > 0]).size < 2:
             raise ValueError("calibration needs at least 2 distinct positive lengths")
-        d = float(token_dim)
-        linear = 24.0 * length * d * d / 1e12
-        attention = 4.0 * length * length * d / 1e12
-        design = np.stack([linear, attention], axis=1)
-        # Column scaling keeps the normal equations well conditioned.
-        norms = np.linalg.norm(design, axis=0)
-        norms[norms == 0] = 1.0
-        coef, *_ = np.linalg.lstsq(design / norms, latency, rcond=None)
-        a, b = coef / norms
-        if a <= 0:
-            raise ValueError(
-                "the fit gives a non-positive linear term; the measurements do not grow "
-                "with length as the model expects"
-            )
-        b = max(b, 0.0)  # attention cost cannot be negative
-        model = cls(token_dim=int(token_dim), gamma=float(b / a), scale=float(a))
-        residual = model.workload(length) - latency
-        mean = float(np.mean(np.abs(latency))) or 1.0
-        error = float(np.sqrt(np.mean(residual**2)) / mean)
-        return model, error
+        linear, attention = cls(token_dim=int(token_dim)).terms(length)
+        scale, gamma, error = fit_scale_gamma(linear, attention, latency)
+        return cls(token_dim=int(token_dim), gamma=gamma, scale=scale), error
+
+
+def fit_scale_gamma(
+    linear: ArrayLike, attention: ArrayLike, latencies: ArrayLike
+) -> tuple[float, float, float]:
+    """Fit ``latency ~= scale * (linear + gamma * attention)``; returns (scale, gamma, error).
+
+    ``linear``, ``attention`` and ``latencies`` are (n,): the `WorkloadModel.terms` of each
+    measured item (a sequence, or the sum over what one GPU computes) and its time.
+    ``error`` is the relative RMS error: RMS residual divided by the mean latency.
+
+    The problem is linear in ``(a, b) = (scale, scale * gamma)``. It minimises the
+    *relative* residuals ``sum(((fit - latency) / latency)**2)`` rather than the absolute
+    ones: timing noise grows with the time, so plain least squares would let the few
+    longest items (where attention dominates) decide alone and leave the linear term,
+    which dominates short items, to chance.
+    """
+    lin = np.asarray(linear, dtype=np.float64).ravel()
+    att = np.asarray(attention, dtype=np.float64).ravel()
+    latency = np.asarray(latencies, dtype=np.float64).ravel()
+    if not lin.shape == att.shape == latency.shape:
+        raise ValueError(
+            f"got {lin.size} linear terms, {att.size} attention terms and {latency.size} "
+            "measured times; they must pair up"
+        )
+    if latency.size < 2:
+        raise ValueError("calibration needs at least 2 measured times")
+    if not (np.isfinite(lin).all() and np.isfinite(att).all() and np.isfinite(latency).all()):
+        raise ValueError("measured times and workload terms must be finite numbers")
+    if (latency <= 0).any():
+        i = int(np.flatnonzero(latency <= 0)[0])
+        raise ValueError(f"measured time #{i + 1} is {latency[i]:g} ms; times must be > 0")
+    design = np.stack([lin, att], axis=1) / latency[:, None]
+    # Column scaling keeps the least-squares problem well conditioned.
+    norms = np.linalg.norm(design, axis=0)
+    norms[norms == 0] = 1.0
+    coef, *_ = np.linalg.lstsq(design / norms, np.ones_like(latency), rcond=None)
+    a, b = coef / norms
+    if not a > 0:
+        raise ValueError(
+            "the fit gives a non-positive time per linear-layer FLOP; the measured times do "
+            "not grow with the workload as the model expects"
+        )
+    gamma = max(float(b), 0.0) / float(a)  # attention cost cannot be negative
+    residual = float(a) * (lin + gamma * att) - latency
+    mean = float(np.mean(np.abs(latency)))
+    return float(a), gamma, float(np.sqrt(np.mean(residual**2)) / mean)

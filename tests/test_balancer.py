@@ -232,9 +232,24 @@ def _worker(rank: int, world: int, topologies: list[str]) -> dict:
         results[topo] = per_case
         results[(topo, "group")] = (bal.group_ranks, bal.my_bag)
         results[(topo, "errors")] = _errors(bal, world)
+        own = list(bal._own_groups)
         bal.close()
         bal.close()
         results[(topo, "recorder")] = (Recorder.steps, Recorder.closed)
+        # close() destroyed the sub-groups this rank belongs to (and only them: the next
+        # topology still balances over WORLD).
+        alive = []
+        for group in own:
+            try:
+                dist.get_process_group_ranks(group)
+                alive.append(group)
+            except KeyError:
+                pass
+        results[(topo, "destroyed")] = (len(own), len(alive))
+        try:
+            bal.plan_routing([1], D_MODEL)
+        except RuntimeError as err:
+            results[(topo, "after_close")] = str(err)
     return results
 
 
@@ -325,6 +340,11 @@ def test_balancer_on_gloo(world, tmp_path):
             recorded, closed = res[(topo, "recorder")]
             assert recorded == [0, 1, 2], "recorder.on_step once per plan, on every rank"
             assert closed == 1, "close() is idempotent"
+            own, alive = res[(topo, "destroyed")]
+            replicas = world // t.num_gpus
+            assert own == (replicas > 1) + (len(bag) > 1), "balance group and bag sub-groups"
+            assert alive == 0, f"{topo} rank {rank}: close() left {alive} sub-group(s) alive"
+            assert "closed" in res[(topo, "after_close")]
             assert "plan_routing" in res[(topo, "early")]
             errs = res[(topo, "errors")]
             assert "negative length -2" in errs["negative"]

@@ -6,7 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+
+from knapformer.plan_io import read_plans
 
 EXE = shutil.which("knapformer") or str(Path(sys.executable).parent / "knapformer")
 
@@ -43,9 +46,14 @@ def test_show_prints_per_gpu_table_and_figures(plan8_path):
     assert "bag 3 · 4 GPUs" in done.stdout
     assert "imbalance max/mean" in done.stdout and "moved tokens" in done.stdout
     assert "lower bound" in done.stdout
-    # one row per GPU: ranks 0..7 appear in the first column
-    rows = [line for line in done.stdout.splitlines() if line.startswith("│")]
-    assert [int(r.split("│")[1]) for r in rows] == list(range(8))
+    # one row per GPU, in rank order, with the plan's tokens and loads
+    st = read_plans(plan8_path).plans[0].stats
+    rows = [line.split("│")[1:-1] for line in done.stdout.splitlines() if line.startswith("│")]
+    assert [int(r[0]) for r in rows] == list(range(8))
+    assert [int(r[3].replace(",", "")) for r in rows] == st.tokens_before.tolist()
+    assert [int(r[4].replace(",", "")) for r in rows] == st.tokens_after.tolist()
+    np.testing.assert_allclose([float(r[6]) for r in rows], st.load_after, rtol=1e-3)
+    assert f"{st.imbalance_before:.3f} → {st.imbalance_after:.3f}" in done.stdout
 
 
 def test_show_picks_a_step_and_legacy_files(steps50_path, legacy_path):
@@ -54,11 +62,14 @@ def test_show_picks_a_step_and_legacy_files(steps50_path, legacy_path):
     assert run("show", str(legacy_path)).returncode == 0
 
 
+STEPS50 = Path(__file__).resolve().parent.parent / "sample_plans" / "joint32_50steps.jsonl"
+
+
 @pytest.mark.parametrize(
     ("args", "fragment"),
     [
         (("show", "/no/such/file.jsonl"), "cannot read"),
-        (("show", "sample_plans/joint32_50steps.jsonl", "--step", "500"), "step 500 is not"),
+        (("show", str(STEPS50), "--step", "500"), "step 500 is not"),
     ],
 )
 def test_errors_are_one_line_without_traceback(args, fragment):

@@ -64,3 +64,22 @@ def test_committed_legacy_sample_is_recognised(legacy_path):
     assert len(result.plans) == 1
     assert result.plans[0].solver == "unknown"
     assert len(result.plans[0].gpus) == 8
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("balance_gpu_ids", 5), ("gpu_id2seq_ids", {"0": 3}), ("seq_id2seq_len", {})],
+)
+def test_malformed_legacy_fields_are_value_errors(key, value):
+    summary = json.loads(json.dumps(plan_to_legacy(_plan())))
+    summary[key] = value
+    with pytest.raises(ValueError, match="legacy plan"):
+        plan_from_legacy(summary)
+
+
+def test_legacy_chunks_listed_out_of_order_are_put_in_canonical_order():
+    summary = json.loads(json.dumps(plan_to_legacy(_plan())))
+    for gpu, ids in summary["gpu_id2chunk_ids"].items():
+        summary["gpu_id2chunk_ids"][gpu] = ids[::-1]
+    plan = plan_from_legacy(summary)
+    assert np.array_equal(plan.chunks.seq, np.sort(plan.chunks.seq))

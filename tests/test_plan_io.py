@@ -2,7 +2,15 @@ import json
 
 import pytest
 
-from knapformer.plan_io import PlanFormatError, read_plans, select_step, write_json, write_jsonl
+from knapformer.plan_io import (
+    PlanFormatError,
+    parse_step_range,
+    plans_in_range,
+    read_plans,
+    select_step,
+    write_json,
+    write_jsonl,
+)
 from knapformer.planner import plan_routing
 from knapformer.workload import WorkloadModel
 
@@ -70,3 +78,32 @@ def test_select_step(tmp_path):
     assert select_step(result, 1).plan.step == 1
     with pytest.raises(PlanFormatError, match=r"step 9 is not in the file \(it holds steps 0..2\)"):
         select_step(result, 9)
+
+
+def test_step_ranges_select_like_select_step(tmp_path):
+    assert parse_step_range("3:7") == (3, 7)
+    assert parse_step_range(":7") == (None, 7) and parse_step_range("3:") == (3, None)
+    with pytest.raises(ValueError, match="must look like A:B"):
+        parse_step_range("5")
+    with pytest.raises(ValueError, match="integer steps"):
+        parse_step_range("a:b")
+    with pytest.raises(ValueError, match="the last step is before the first"):
+        parse_step_range("4:2")
+    plans = _plans(5)
+    for i, plan in enumerate(plans):
+        plan.step = 10 + i
+    path = tmp_path / "plans.jsonl"
+    write_jsonl(path, plans)
+    result = read_plans(path)
+    assert [p.step for p in plans_in_range(result, "11:12")] == [11, 12]
+    assert [p.step for p in plans_in_range(result, "13:")] == [13, 14]
+    gap = r"no plan with a step in '0:9' \(the file holds steps 10..14\)"
+    with pytest.raises(ValueError, match=gap):
+        plans_in_range(result, "0:9")
+    # Without step numbers, the index in the file is the step (as for select_step).
+    for plan in plans:
+        plan.step = None
+    write_jsonl(path, plans)
+    result = read_plans(path)
+    assert plans_in_range(result, "1:2") == [result.plans[1], result.plans[2]]
+    assert select_step(result, 1).plan == result.plans[1]

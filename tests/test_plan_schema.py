@@ -172,3 +172,21 @@ def test_json_schema_describes_columns_as_arrays():
     seq = schema["$defs"]["Sequences"]["properties"]
     assert seq["length"]["type"] == "array"
     assert seq["workload"]["items"]["type"] == "number"
+
+
+def test_negative_ranks_and_out_of_order_rows_are_rejected():
+    d = small_plan_dict()
+    d["gpus"] = [0, 1, 2, -3]
+    with pytest.raises(ValidationError, match="negative rank"):
+        RoutingPlan.model_validate(d)
+    d = small_plan_dict()  # chunks 1 and 2 of sequence 1 swapped: a valid tiling, wrong order
+    for name in ("dst_gpu", "offset", "length"):
+        col = d["chunks"][name]
+        col[1], col[2] = col[2], col[1]
+    with pytest.raises(ValidationError, match=r"chunk\(s\) 2 are out of order"):
+        RoutingPlan.model_validate(d)
+    d = small_plan_dict()  # sequences not grouped by source GPU
+    d["sequences"]["src_gpu"] = [0, 1, 3, 2]
+    d["chunks"]["src_gpu"] = [0, 1, 1, 3]
+    with pytest.raises(ValidationError, match=r"sequence\(s\) 3 are out of order"):
+        RoutingPlan.model_validate(d)

@@ -13,7 +13,7 @@ from knapformer.planner import plan_routing
 from knapformer.topology import Topology
 from knapformer.workload import WorkloadModel
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+sys.path.append(str(Path(__file__).resolve().parent.parent / "bench"))
 from baselines.greedy_python import greedy_plan_python
 
 MODEL = WorkloadModel(token_dim=3072, gamma=0.4)

@@ -317,7 +317,7 @@ def test_tailing_reader_never_parses_a_partial_record(tmp_path):
     assert buffer == b""  # the file ends with a whole line
     assert seen == list(range(count))
     # The reader really read while the writer wrote: it saw the file at many sizes.
-    assert len([n for n in progress if 0 < n < count]) >= 5
+    assert len([n for n in progress if 0 < n < count]) >= 3
 
 
 def test_sigkill_leaves_whole_lines_and_at_most_a_partial_last_one(tmp_path):

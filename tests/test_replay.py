@@ -140,6 +140,10 @@ def test_too_many_gpus_and_bad_heads_are_refused(tmp_path):
     fresh_plan(small)
     proc = run_cli("replay", str(small), "--heads", "6")
     assert proc.returncode == 1 and "--heads 6 must be a positive multiple" in proc.stderr
+    assert proc.stdout == ""  # refused before announcing a replay
+    proc = run_cli("replay", str(small), "--heads", "8", "--dim", "12")
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.strip() == "error: --dim 12 must be a positive multiple of --heads 8"
 
 
 SAMPLES = sorted(p.name for p in (ROOT / "sample_plans").glob("*.json*"))

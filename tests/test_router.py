@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from knapformer.planner import plan_routing
-from knapformer.router import RoutingTables, _from_bytes, _ranges, _to_bytes
+from knapformer.router import RoutingTables, _from_bytes, _to_bytes, token_ranges
 from knapformer.workload import WorkloadModel
 
 CPU = torch.device("cpu")
@@ -98,7 +98,7 @@ def test_nothing_moves_means_no_permutation():
 
 
 def test_ranges_and_byte_packing_round_trip():
-    assert _ranges(np.array([5, 0, 9]), np.array([2, 0, 3])).tolist() == [5, 6, 9, 10, 11]
+    assert token_ranges(np.array([5, 0, 9]), np.array([2, 0, 3])).tolist() == [5, 6, 9, 10, 11]
     rows = 4
     tensors = [
         torch.randn(rows, 3),

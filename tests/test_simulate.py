@@ -46,8 +46,8 @@ def test_topology_that_does_not_fit_the_mix_is_refused():
         simulate(parse_mix("joint"), ["g8n4", "g8n2"], steps=1)
 
 
-def test_cli_prints_table_and_records_plans(tmp_path, capsys):
-    out = tmp_path / "sim.jsonl"
+def test_cli_records_one_run_folder_per_topology_and_solver(tmp_path, capsys):
+    out = tmp_path / "whatif"
     code = main(
         ["simulate", "--data-codes", "mixres", "--topology", "g8n4", "g1n32",
          "--steps", "2", "--out", str(out)]
@@ -55,13 +55,40 @@ def test_cli_prints_table_and_records_plans(tmp_path, capsys):
     assert code == 0
     text = capsys.readouterr().out
     assert "g8n4" in text and "g1n32" in text and "greedy" in text
-    result = read_plans(out)
-    assert not result.problems
-    assert len(result.plans) == 2 * 2 * 2  # steps x topologies x solvers
-    assert {p.run for p in result.plans} == {
-        "g8n4/knapformer", "g8n4/greedy", "g1n32/knapformer", "g1n32/greedy"
-    }  # fmt: skip
-    assert sorted({p.step for p in result.plans}) == [0, 1]
+    assert f"knapformer dashboard {out}" in text
+    runs = {"g8n4-knapformer", "g8n4-greedy", "g1n32-knapformer", "g1n32-greedy"}
+    # <run>/plans.jsonl is the layout the dashboard's folder run picker lists.
+    assert {p.name for p in out.iterdir()} == runs
+    for run in runs:
+        result = read_plans(out / run / "plans.jsonl")
+        assert not result.problems
+        # Each run alone holds its steps, once each, so step numbers are unambiguous.
+        assert [p.step for p in result.plans] == [0, 1]
+        assert {p.run for p in result.plans} == {run}
+        topology, solver = run.split("-")
+        assert {(p.topology, p.solver) for p in result.plans} == {(topology, solver)}
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda tmp: tmp / "file.txt", "exists and is not a folder"),
+        (lambda tmp: tmp / "file.txt" / "sub", "cannot create the --out folder"),
+        (lambda tmp: tmp / "sim.jsonl", "--out is a folder"),
+    ],
+)
+def test_cli_unusable_out_fails_before_simulating(tmp_path, capsys, make, message):
+    (tmp_path / "file.txt").write_text("not a folder")
+    out = make(tmp_path)
+    code = main(
+        ["simulate", "--data-codes", "mixres", "--topology", "g8n4", "--steps", "2",
+         "--out", str(out)]
+    )  # fmt: skip
+    assert code == 1
+    captured = capsys.readouterr()
+    assert message in captured.err and captured.err.count("\n") == 1
+    assert "g8n4" not in captured.out  # no table: nothing was simulated
+    assert not (tmp_path / "sim.jsonl").exists()
 
 
 def test_cli_user_errors_are_one_line(capsys):

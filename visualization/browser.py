@@ -34,15 +34,20 @@ def find_chromium() -> str | None:
     return shutil.which("chromium") or shutil.which("chromium-browser")
 
 
+def missing_chromium() -> str:
+    """Why no Chromium was found, and how to get one (one line)."""
+    where = os.environ.get(CHROMIUM_ENV) or DEFAULT_CHROMIUM
+    return (
+        f"none was found at {where} or on PATH (install chromium, "
+        f"or set {CHROMIUM_ENV}=/path/to/chromium)"
+    )
+
+
 def launch_chromium(playwright, **kwargs):
     """Launch headless Chromium through a running Playwright (``sync_playwright()``)."""
     path = find_chromium()
     if path is None:
-        where = os.environ.get(CHROMIUM_ENV) or DEFAULT_CHROMIUM
-        raise RuntimeError(
-            f"no Chromium found at {where} or on PATH (install Debian's chromium, "
-            f"or set {CHROMIUM_ENV}=/path/to/chromium)"
-        )
+        raise RuntimeError(f"no Chromium: {missing_chromium()}")
     return playwright.chromium.launch(
         executable_path=path, headless=True, args=CHROMIUM_ARGS, **kwargs
     )

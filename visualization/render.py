@@ -14,7 +14,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from knapformer.plan import RoutingPlan
-from knapformer.plan_io import PlanFormatError, ReadResult
 from visualization.layout import Measure, layout_plan
 
 QUALITIES = {
@@ -23,44 +22,6 @@ QUALITIES = {
     "high": "high_quality",  # 1920x1080, 60 fps
     "4k": "fourk_quality",  # 3840x2160, 60 fps
 }
-
-
-def parse_step_range(spec: str) -> tuple[int | None, int | None]:
-    """``"A:B"`` → (A, B), both inclusive; either side may be empty (open end)."""
-    first, sep, last = spec.partition(":")
-    if not sep:
-        raise ValueError(f"--steps must look like A:B (e.g. 3:7), not {spec!r}")
-    try:
-        a = int(first) if first.strip() else None
-        b = int(last) if last.strip() else None
-    except ValueError:
-        raise ValueError(f"--steps must look like A:B with integer steps, not {spec!r}") from None
-    if a is not None and b is not None and b < a:
-        raise ValueError(f"--steps {spec!r}: the last step is before the first")
-    return a, b
-
-
-def plans_in_range(result: ReadResult, spec: str) -> list[RoutingPlan]:
-    """The plans whose step (or, when a file has no steps, index) lies in ``A:B``."""
-    a, b = parse_step_range(spec)
-    if not result.records:
-        raise PlanFormatError("no valid plan in the file")
-    unnumbered = all(r.plan.step is None for r in result.records)
-    chosen = []
-    for index, record in enumerate(result.records):
-        step = index if unnumbered else record.plan.step
-        if step is not None and (a is None or step >= a) and (b is None or step <= b):
-            chosen.append(record.plan)
-    if not chosen:
-        steps = [
-            (i if unnumbered else r.plan.step)
-            for i, r in enumerate(result.records)
-            if unnumbered or r.plan.step is not None
-        ]
-        raise ValueError(
-            f"no plan with a step in {spec!r} (the file holds steps {min(steps)}..{max(steps)})"
-        )
-    return chosen
 
 
 def render_video(

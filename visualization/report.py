@@ -8,16 +8,14 @@ data-step=...>`` so tools (and tests) can find each view.
 from __future__ import annotations
 
 import html
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from knapformer.plan import RoutingPlan
-from knapformer.plan_io import ReadResult
+from knapformer.plan_io import ReadResult, plans_in_range
 from visualization import figures as F
-from visualization.browser import CHROMIUM_ARGS, CHROMIUM_ENV, DEFAULT_CHROMIUM, find_chromium
-from visualization.render import plans_in_range
+from visualization.browser import find_chromium, launch_chromium, missing_chromium
 
 MAX_STEPS = 20  # per report: each step adds several figures and a table
 MAX_TABLE_ROWS = 500  # sequence table rows per step; the rest is summarised
@@ -147,13 +145,9 @@ def export_pngs(report: str | Path, png_dir: str | Path, timeout_s: float = 60) 
     """Screenshot every figure of the report file ``report`` into ``png_dir`` (one PNG per
     figure, named after it) with headless Chromium. Raises RuntimeError when Chromium or
     Playwright is missing."""
-    chromium = find_chromium()
-    if chromium is None:
-        where = os.environ.get(CHROMIUM_ENV) or DEFAULT_CHROMIUM
+    if find_chromium() is None:
         raise RuntimeError(
-            f"PNG export needs Chromium, and none was found at {where} or on PATH "
-            f"(install chromium, or set {CHROMIUM_ENV}=/path/to/chromium); the HTML report "
-            "was written"
+            f"PNG export needs Chromium: {missing_chromium()}; the HTML report was written"
         )
     try:
         from playwright.sync_api import sync_playwright
@@ -165,7 +159,7 @@ def export_pngs(report: str | Path, png_dir: str | Path, timeout_s: float = 60) 
     png_dir.mkdir(parents=True, exist_ok=True)
     written = []
     with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
+        browser = launch_chromium(pw)
         try:
             page = browser.new_page(viewport={"width": 1200, "height": 900})
             page.goto(Path(report).resolve().as_uri(), timeout=timeout_s * 1000)

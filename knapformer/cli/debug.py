@@ -51,6 +51,7 @@ def replay(
     mismatch, naming the first difference.
     """
     from knapformer.plan_io import PlanFormatError, read_plans, select_step
+    from knapformer.replay import check_options
     from knapformer.replay import replay as run_replay
 
     result = read_plans(file, on_error="skip")
@@ -61,6 +62,7 @@ def replay(
     except PlanFormatError as err:
         raise UserError(f"{file}: {err}") from err
     plan = record.plan
+    dim, heads = check_options(plan, dim, heads)  # refuse bad options before announcing
     console = _console()
     console.print(
         f"replaying {file}{'' if plan.step is None else f' step {plan.step}'}: "
@@ -144,7 +146,11 @@ def simulate(
     ),
     dtype_bytes: int = typer.Option(2, "--dtype-bytes", help="bytes per value (bf16 = 2)"),
     seed: int = typer.Option(0, help="random seed of the data sampler"),
-    out: Path | None = typer.Option(None, help="write every simulated plan to this JSONL file"),
+    out: Path | None = typer.Option(
+        None,
+        help="folder to record the plans in: OUT/<topology>-<solver>/plans.jsonl per run "
+        "(view with: knapformer dashboard OUT)",
+    ),
 ) -> None:
     """Simulate a data mix over steps, topologies and solvers (what-if, no GPUs).
 
@@ -153,12 +159,18 @@ def simulate(
     """
     from knapformer.datamix import parse_mix
     from knapformer.plan_io import write_jsonl
+    from knapformer.simulate import check_options, run_files, run_name
     from knapformer.simulate import simulate as run_simulate
 
     codes = parse_mix(data_codes)
     topologies = [t for arg in [*topology, *(more or [])] for t in arg.replace(",", " ").split()]
+    # Everything that can be wrong is checked before simulating, the --out folder included.
+    topos = check_options(codes, topologies, steps, solver, dtype_bytes)
+    files = None
+    if out is not None:
+        files = run_files(out, list(dict.fromkeys(run_name(t, s) for t in topos for s in solver)))
+    plans: dict[str, list] = {run: [] for run in files or {}}
     console = _console()
-    plans = [] if out is not None else None
     progress = _Progress(steps, "simulating step")
     result = run_simulate(
         codes,
@@ -169,7 +181,7 @@ def simulate(
         solvers=solver,
         seed=seed,
         dtype_bytes=dtype_bytes,
-        on_plan=plans.append if plans is not None else None,
+        on_plan=(lambda plan: plans[plan.run].append(plan)) if files else None,
         on_step=lambda i: progress.update(i + 1),
     )
     progress.done()
@@ -206,9 +218,17 @@ def simulate(
         f"(moved tokens × 2 × d × {dtype_bytes} B); max tokens/GPU is the peak after routing "
         f"(before: {max(s.max_tokens_per_gpu_before for s in result.summaries):,})"
     )
-    if plans is not None:
-        count = write_jsonl(out, plans)
-        console.print(f"wrote {count} plans to {out} (run = topology/solver)")
+    if files:
+        count = 0
+        for run, path in files.items():
+            path.parent.mkdir(exist_ok=True)
+            count += write_jsonl(path, plans[run])
+        # soft_wrap: paths and the command stay whole, to copy and paste.
+        console.print(
+            f"wrote {count} plans in {len(files)} runs to {out}/<topology>-<solver>/plans.jsonl",
+            soft_wrap=True,
+        )
+        console.print(f"view them with: knapformer dashboard {out}", soft_wrap=True)
 
 
 class _Progress:

@@ -52,8 +52,8 @@ def animate(
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from knapformer.plan_io import select_step
-    from visualization.render import QUALITIES, plans_in_range, render_video
+    from knapformer.plan_io import plans_in_range, select_step
+    from visualization.render import QUALITIES, render_video
 
     if step is not None and steps is not None:
         raise UserError("give either --step or --steps, not both")
