@@ -42,6 +42,8 @@ def screenshot(plans: Path, out: Path, width: int = 1400, height: int = 1250) ->
                 timeout=30_000,
             )
             page.wait_for_timeout(800)  # let the transitions settle
+            page.evaluate("window.scrollTo(0, 0)")  # checking the row scrolled the table in
+            page.wait_for_timeout(200)
             out.parent.mkdir(parents=True, exist_ok=True)
             page.screenshot(path=str(out), full_page=False)
         finally:
