@@ -78,29 +78,23 @@ def bag_load_figure(
     bags, gpus, idx = _gpu_axis(plan)
     x = [bags, gpus]
     hover = [f"GPU {g} · {b}" for g, b in zip(gpus, bags, strict=True)]
+
+    def load_bars(when: str, load, tokens, color: str) -> dict:
+        return {
+            "type": "bar",
+            "x": x,
+            "y": load[idx],
+            "name": when,
+            "marker": {"color": color},
+            "customdata": tokens[idx],
+            "hovertext": hover,
+            "hovertemplate": f"%{{hovertext}}<br>load {when} %{{y:.4g}}<br>%{{customdata:,}} "
+            "tokens<extra></extra>",
+        }
+
     data = [
-        {
-            "type": "bar",
-            "x": x,
-            "y": st.load_before[idx],
-            "name": "before",
-            "marker": {"color": BEFORE_COLOR},
-            "customdata": st.tokens_before[idx],
-            "hovertext": hover,
-            "hovertemplate": "%{hovertext}<br>load before %{y:.4g}<br>%{customdata:,} tokens"
-            "<extra></extra>",
-        },
-        {
-            "type": "bar",
-            "x": x,
-            "y": st.load_after[idx],
-            "name": "after",
-            "marker": {"color": AFTER_COLOR},
-            "customdata": st.tokens_after[idx],
-            "hovertext": hover,
-            "hovertemplate": "%{hovertext}<br>load after %{y:.4g}<br>%{customdata:,} tokens"
-            "<extra></extra>",
-        },
+        load_bars("before", st.load_before, st.tokens_before, BEFORE_COLOR),
+        load_bars("after", st.load_after, st.tokens_after, AFTER_COLOR),
         {
             "type": "scatter",
             "x": x,
