@@ -182,14 +182,25 @@ def check_options(
 
 
 def replay(
-    plan: RoutingPlan, dim: int | None = None, heads: int | None = None, timeout_s: float = 300.0
+    plan: RoutingPlan,
+    dim: int | None = None,
+    heads: int | None = None,
+    timeout_s: float = 300.0,
+    start_method: str = "forkserver",
 ) -> ReplayResult:
     """Run both checks on ``len(plan.gpus)`` local processes. ``dim`` = hidden size of
-    the synthetic tensors (a multiple of ``heads``; default 8 per head)."""
+    the synthetic tensors (a multiple of ``heads``; default 8 per head).
+
+    ``start_method``: workers fork from a server that imported torch once
+    (``"forkserver"``, safe whatever this process has run), or from this process
+    (``"fork"``: they inherit its state, including patches — for tests).
+    """
     dim, heads = check_options(plan, dim, heads)
     skip = replan_skip_reason(plan)
     local = renumber(plan)
-    reports = _run_workers(local, list(plan.gpus), dim, heads, skip is None, timeout_s)
+    reports = _run_workers(
+        local, list(plan.gpus), dim, heads, skip is None, timeout_s, start_method
+    )
     difference = next((r.plan_difference for r in reports if r.plan_difference), None)
     return ReplayResult(plan, skip is None, skip, difference, reports, dim, heads)
 
@@ -200,18 +211,33 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+_PRELOAD = ["torch", "torch.distributed", "knapformer.balancer", "knapformer.router"]
+
+
 def _run_workers(
-    plan: RoutingPlan, gpus: list[int], dim: int, heads: int, replan: bool, timeout_s: float
+    plan: RoutingPlan,
+    gpus: list[int],
+    dim: int,
+    heads: int,
+    replan: bool,
+    timeout_s: float,
+    start_method: str = "forkserver",
 ) -> list[RankReport]:
     n = len(gpus)
-    # fork: workers inherit torch already imported here (importing it in each of up to
-    # 64 processes costs seconds of CPU apiece) and the plan.
-    import torch.distributed  # noqa: F401
+    # Workers must not import torch one by one (seconds of CPU apiece, up to 64 of
+    # them): they fork from a process that already has it. A forkserver is that process
+    # by default; forking this one directly is unsafe once it has run OpenMP threads.
+    if start_method not in mp.get_all_start_methods():
+        start_method = "spawn"
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(_PRELOAD)
+    else:
+        import torch.distributed  # noqa: F401
 
-    import knapformer.balancer
-    import knapformer.router  # noqa: F401
+        import knapformer.balancer
+        import knapformer.router  # noqa: F401
 
-    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
     results = ctx.Queue()
     port = _free_port()
     procs = [

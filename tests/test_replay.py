@@ -116,7 +116,7 @@ def test_broken_router_is_caught(tmp_path, monkeypatch):
     monkeypatch.setattr(SequenceBalancer, "reverse_route", scrambled)  # inherited by fork
     path = tmp_path / "plan.json"
     fresh_plan(path)
-    result = replay(read_plans(path).plans[0])
+    result = replay(read_plans(path).plans[0], start_method="fork")
     assert not result.ok and result.plan_difference is None
     assert "reverse_route: row 0 got token" in result.first_problem
 
