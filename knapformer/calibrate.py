@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from knapformer.plan import RoutingPlan
+from knapformer.stats import bag_share
 from knapformer.workload import WorkloadModel, fit_scale_gamma
 
 # Phases tried, in order, when the user names none: the compute part of a step.
@@ -129,18 +130,8 @@ def pick_phase(plans: Sequence[RoutingPlan], phase: str | None) -> str:
 
 def gpu_features(plan: RoutingPlan, token_dim: int) -> tuple[np.ndarray, np.ndarray]:
     """Per GPU of ``plan.gpus``: (linear, attention) workload terms it computes, each (n,)."""
-    seqs = plan.sequences
-    seq_linear, seq_attention = WorkloadModel(int(token_dim)).terms(seqs.length)
-    bag_size = np.array([len(b) for b in plan.bags], dtype=np.float64)
-    share = 1.0 / bag_size[seqs.bag]  # each GPU of a bag of g computes 1/g of its sequences
-    lin_bag = np.bincount(seqs.bag, seq_linear * share, len(plan.bags))
-    att_bag = np.bincount(seqs.bag, seq_attention * share, len(plan.bags))
-    pos = {g: i for i, g in enumerate(plan.gpus)}
-    linear, attention = np.zeros(len(plan.gpus)), np.zeros(len(plan.gpus))
-    for b, members in enumerate(plan.bags):
-        for g in members:
-            linear[pos[g]], attention[pos[g]] = lin_bag[b], att_bag[b]
-    return linear, attention
+    seq_linear, seq_attention = WorkloadModel(int(token_dim)).terms(plan.sequences.length)
+    return bag_share(plan, seq_linear), bag_share(plan, seq_attention)
 
 
 def calibrate_plans(

@@ -197,6 +197,11 @@ class RoutingPlan(BaseModel):
     def num_gpus(self) -> int:
         return len(self.gpus)
 
+    def bag_label(self, bag_id: int, sep: str = " · ") -> str:
+        """How readers name a bag: ``bag 3 · 4 GPUs``."""
+        size = len(self.bags[bag_id])
+        return f"bag {bag_id}{sep}{size} GPU{'s' if size != 1 else ''}"
+
     def to_json_line(self) -> str:
         return self.model_dump_json()
 

@@ -24,6 +24,7 @@ class PlanStats:
     bag_load_before: np.ndarray  # (num_bags,) sum of load_before over the bag's GPUs
     bag_load_after: np.ndarray  # (num_bags,) workload assigned to the bag
     traffic: np.ndarray  # (num_gpus, num_gpus) tokens sent from gpus[i] to gpus[j]
+    gpu_bag: np.ndarray  # (num_gpus,) bag id of each GPU
     total_load: float
     total_tokens: int
     moved_tokens: int  # tokens in chunks whose destination differs from their source
@@ -79,6 +80,18 @@ def _ratio(a: float, b: float) -> float:
     return 1.0 if a == 0 else float("inf")
 
 
+def bag_share(plan: RoutingPlan, per_seq: np.ndarray) -> np.ndarray:
+    """Per GPU of ``plan.gpus``: its share of ``per_seq`` (n_seq,) values after routing.
+
+    Each GPU of a bag of g computes 1/g of every sequence of its bag (Ulysses), so it
+    gets the bag's sum over its sequences divided by g. ``load_after`` is the share of
+    the workloads; calibration takes the share of each workload term.
+    """
+    sizes = np.array([len(b) for b in plan.bags], dtype=np.float64)
+    per_bag = np.bincount(plan.sequences.bag, weights=per_seq, minlength=len(plan.bags))
+    return (per_bag / sizes)[plan.stats.gpu_bag]
+
+
 def compute_stats(plan: RoutingPlan) -> PlanStats:
     gpus = np.asarray(plan.gpus, dtype=np.int64)
     n = len(gpus)
@@ -92,12 +105,12 @@ def compute_stats(plan: RoutingPlan) -> PlanStats:
     load_before = np.bincount(src, weights=workload, minlength=n)
     tokens_before = np.bincount(src, weights=seqs.length, minlength=n).astype(np.int64)
 
-    bag_load_after = np.bincount(seqs.bag, weights=workload, minlength=len(plan.bags))
-    per_gpu_share = bag_load_after / bag_sizes
-    load_after = np.zeros(n)
+    gpu_bag = np.empty(n, dtype=np.int64)
     for bag_id, members in enumerate(plan.bags):
-        load_after[pos[members]] = per_gpu_share[bag_id]
-    bag_load_before = np.array([load_before[pos[m]].sum() for m in plan.bags])
+        gpu_bag[pos[members]] = bag_id
+    bag_load_after = np.bincount(seqs.bag, weights=workload, minlength=len(plan.bags))
+    load_after = (bag_load_after / bag_sizes)[gpu_bag]
+    bag_load_before = np.bincount(gpu_bag, weights=load_before, minlength=len(plan.bags))
 
     csrc, cdst = pos[chunks.src_gpu], pos[chunks.dst_gpu]
     tokens_after = np.bincount(cdst, weights=chunks.length, minlength=n).astype(np.int64)
@@ -116,6 +129,7 @@ def compute_stats(plan: RoutingPlan) -> PlanStats:
         bag_load_before=bag_load_before,
         bag_load_after=bag_load_after,
         traffic=traffic,
+        gpu_bag=gpu_bag,
         total_load=total,
         total_tokens=int(seqs.length.sum()),
         moved_tokens=moved,

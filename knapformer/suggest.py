@@ -60,11 +60,7 @@ class CostModel:
     def step_cost(self, plan: RoutingPlan) -> StepCost:
         """Modelled milliseconds of one step carried out as ``plan`` says."""
         stats = plan.stats
-        sizes = np.zeros(len(plan.gpus), dtype=np.float64)
-        pos = {g: i for i, g in enumerate(plan.gpus)}
-        for bag in plan.bags:
-            for g in bag:
-                sizes[pos[g]] = len(bag)
+        sizes = np.array([len(b) for b in plan.bags], dtype=np.float64)[stats.gpu_bag]
         token_bytes = self.token_dim * self.dtype_bytes
         compute = stats.load_after / self.tflops * 1e3  # per layer, ms
         ulysses = self.bytes_ms(4.0 * (sizes - 1) / sizes * stats.tokens_after * token_bytes)

@@ -28,10 +28,6 @@ _TEMPLATE = {"layout": pio.templates["plotly_white"].layout.to_plotly_json()}
 _MARKERS_UP_TO = 400  # timeline points drawn with markers; beyond, lines only (fast SVG)
 
 
-def _bag_label(bag_id: int, size: int) -> str:
-    return f"bag {bag_id} · {size} GPU{'s' if size != 1 else ''}"
-
-
 def _gpu_axis(plan: RoutingPlan) -> tuple[list[str], list[str], np.ndarray]:
     """Multicategory x (bag label, GPU label) in bag order and, per bar, the GPU's position
     in ``plan.gpus`` (bars are drawn bag by bag so each bag is one labelled group)."""
@@ -39,7 +35,7 @@ def _gpu_axis(plan: RoutingPlan) -> tuple[list[str], list[str], np.ndarray]:
     bags, gpus, index = [], [], []
     for bag_id, members in enumerate(plan.bags):
         for g in members:
-            bags.append(_bag_label(bag_id, len(members)))
+            bags.append(plan.bag_label(bag_id))
             gpus.append(str(g))
             index.append(pos[g])
     return bags, gpus, np.asarray(index, dtype=np.int64)
@@ -412,8 +408,10 @@ def predicted_vs_measured_figure(plan: RoutingPlan, validate: bool = True) -> go
     measured = np.asarray(plan.measurements.per_rank_ms[phase], dtype=np.float64)
     predicted = st.load_after
     slow = set(stragglers(plan))
-    bag_of = {g: b for b, members in enumerate(plan.bags) for g in members}
-    labels = [f"GPU {g} ({_bag_label(bag_of[g], len(plan.bags[bag_of[g]]))})" for g in plan.gpus]
+    labels = [
+        f"GPU {g} ({plan.bag_label(b)})"
+        for g, b in zip(plan.gpus, st.gpu_bag.tolist(), strict=True)
+    ]
     is_slow = np.array([g in slow for g in plan.gpus], dtype=bool)
     data = []
     for name, mask, color, symbol in (

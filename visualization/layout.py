@@ -168,10 +168,6 @@ def to_pixels(x: float, y: float, width_px: int, height_px: int) -> tuple[int, i
     return min(max(int(col), 0), width_px - 1), min(max(int(row), 0), height_px - 1)
 
 
-def _bag_label(bag_id: int, size: int) -> str:
-    return f"bag {bag_id}\n{size} GPU{'s' if size != 1 else ''}"
-
-
 def _threshold(widths: np.ndarray, cap: int) -> float:
     """Smallest drawn width: MIN_BLOCK_WIDTH, raised so at most ``cap`` blocks are drawn."""
     if widths.size <= cap:
@@ -203,7 +199,7 @@ def _rows(plan: RoutingPlan) -> tuple[list[Row], list[Bracket], float]:
         label = None
         if last_label_y - mid >= MIN_LABEL_GAP:
             # Two lines where the bracket is tall enough, else the short form.
-            label = _bag_label(bag_id, len(members)) if bag_top - y >= 0.5 else f"bag {bag_id}"
+            label = plan.bag_label(bag_id, "\n") if bag_top - y >= 0.5 else f"bag {bag_id}"
             last_label_y = mid
         brackets.append(
             Bracket(bag=bag_id, top=bag_top - unit * 0.05, bottom=y + unit * 0.05, label=label)

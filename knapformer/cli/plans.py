@@ -60,10 +60,6 @@ def schema() -> None:
     print(json.dumps(RoutingPlan.model_json_schema(), indent=2))
 
 
-def bag_label(bag_id: int, size: int) -> str:
-    return f"bag {bag_id} · {size} GPU{'s' if size != 1 else ''}"
-
-
 def plan_table(record: PlanRecord) -> Table:
     plan = record.plan
     st = plan.stats
@@ -83,7 +79,7 @@ def plan_table(record: PlanRecord) -> Table:
             i = pos[g]
             table.add_row(
                 str(g),
-                bag_label(bag_id, len(members)) if k == 0 else "",
+                plan.bag_label(bag_id) if k == 0 else "",
                 str(seqs_per_gpu[g]),
                 f"{st.tokens_before[i]:,}",
                 f"{st.tokens_after[i]:,}",
