@@ -100,8 +100,7 @@ def rank_codes(codes: list[DataCode], world_size: int) -> list[DataCode]:
 
 def model_shape(topology: Topology) -> tuple[int, int]:
     """(d_model, n_heads): heads must split evenly across every bag size (Ulysses)."""
-    lcm = math.lcm(*topology.bag_sizes)
-    heads = lcm * math.ceil(4 / lcm)
+    heads = topology.heads_for(4)
     if heads > 64:
         raise ValueError(
             f"topology {topology} needs {heads} attention heads (a multiple of every bag "

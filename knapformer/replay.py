@@ -18,7 +18,6 @@ name the recorded GPU ranks.
 
 from __future__ import annotations
 
-import math
 import multiprocessing as mp
 import os
 import queue
@@ -32,6 +31,7 @@ import numpy as np
 
 from knapformer.plan import RoutingPlan
 from knapformer.planner import SOLVERS
+from knapformer.topology import Topology
 
 MAX_REPLAY_GPUS = 64  # one OS process each; beyond this a laptop thrashes
 PHASES = ("plan", "route", "pre_attn", "post_attn", "reverse_route")
@@ -153,8 +153,7 @@ def replan_skip_reason(plan: RoutingPlan) -> str | None:
 # ------------------------------------------------------------------ running
 def default_heads(plan: RoutingPlan) -> int:
     """Smallest multiple of every bag size that is >= 4 (heads must split evenly)."""
-    lcm = math.lcm(*(len(b) for b in plan.bags))
-    return lcm * max(1, math.ceil(4 / lcm))
+    return Topology.from_bag_sizes([len(b) for b in plan.bags]).heads_for(4)
 
 
 def check_options(

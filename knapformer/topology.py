@@ -8,6 +8,7 @@ A world size that is a multiple of the topology's GPU count holds several replic
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from functools import cached_property
@@ -59,6 +60,12 @@ class Topology:
     @property
     def max_bag_size(self) -> int:
         return self.bag_sizes[-1]
+
+    def heads_for(self, at_least: int = 4) -> int:
+        """The smallest head count >= ``at_least`` that every bag size divides (Ulysses
+        splits the heads evenly across the GPUs of a bag)."""
+        lcm = math.lcm(*self.bag_sizes)
+        return lcm * max(1, math.ceil(at_least / lcm))
 
     def __str__(self) -> str:
         counts: dict[int, int] = {}

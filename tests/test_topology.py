@@ -55,3 +55,10 @@ def test_world_size_that_does_not_fit_is_rejected(world):
 def test_bags_reject_wrong_gpu_count():
     with pytest.raises(ValueError, match="needs 4 GPUs"):
         Topology.parse("g2n2").bags([0, 1, 2])
+
+
+def test_heads_for_is_the_smallest_common_multiple_of_bag_sizes_at_least_asked():
+    assert Topology.parse("g1n2+g2n1+g4n1").heads_for(4) == 4
+    assert Topology.parse("g2n1+g3n1").heads_for(4) == 6
+    assert Topology.parse("g8n4").heads_for(4) == 8
+    assert Topology.parse("g1n4").heads_for(5) == 5
