@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from knapformer.plan import Measurements, RoutingPlan
+from knapformer.plan import RoutingPlan
 from knapformer.planner import SOLVERS, plan_routing
 from knapformer.router import (
     Features,
@@ -192,12 +192,10 @@ class SequenceBalancer:
             step=self.step + 1,
             run=self.run,
         )
-        self.tables = RoutingTables.build(plan, self.rank, self.device, self._bag_group)
+        self.use_plan(plan)
         elapsed = (time.perf_counter() - started) * 1e3
         plan.time = wall
-        if plan.measurements is None:
-            plan.measurements = Measurements()
-        plan.measurements.plan_ms = elapsed
+        plan.measurements.plan_ms = elapsed  # the planner's own time plus the gather
 
         previous = dict(self.timings)
         if self._last_start is not None:
@@ -206,10 +204,17 @@ class SequenceBalancer:
         self._timings = {"plan": elapsed}
         self._last_start = started
         self.step += 1
-        self.last_plan = plan
         if self.recorder is not None:
             self.recorder.on_step(self, plan)
         return plan
+
+    def use_plan(self, plan: RoutingPlan) -> None:
+        """Route the following calls by ``plan`` (what `plan_routing` does with the plan it
+        makes). Local: every rank of the group must be given the same plan, whose GPUs are
+        the group's ranks. Replay uses it to execute a recorded plan."""
+        self._require_open()
+        self.tables = RoutingTables.build(plan, self.rank, self.device, self._bag_group)
+        self.last_plan = plan
 
     def _gather_lengths(self, lengths: np.ndarray) -> list[np.ndarray]:
         """All ranks' lengths: one all-gather of the counts, one of the padded lengths."""

@@ -311,7 +311,7 @@ def _replay_rank(report: RankReport, plan: RoutingPlan, gpus, dim, heads, replan
     import torch
 
     from knapformer.balancer import SequenceBalancer
-    from knapformer.router import RoutingTables, token_ranges
+    from knapformer.router import token_ranges
 
     rank = report.rank
     seqs, chunks = plan.sequences, plan.chunks
@@ -329,10 +329,7 @@ def _replay_rank(report: RankReport, plan: RoutingPlan, gpus, dim, heads, replan
     else:
         # Nothing to re-plan with: still time the all-gather of lengths, as training does.
         balancer.plan_routing(local_lens, token_dim=plan.token_dim or dim)
-    # Execute the *recorded* routing, whatever the planner made (the balancer has no
-    # public way to take a given plan; its tables are what route/pre_attn/... read).
-    balancer.tables = RoutingTables.build(plan, rank, balancer.device, balancer._bag_group)
-    balancer.last_plan = plan
+    balancer.use_plan(plan)  # execute the *recorded* routing, whatever the planner made
 
     # Global token ids: sequence s owns ids seq_start[s] .. seq_start[s] + length - 1.
     seq_start = np.concatenate([[0], np.cumsum(seqs.length)[:-1]]).astype(np.int64)
@@ -357,8 +354,9 @@ def _replay_rank(report: RankReport, plan: RoutingPlan, gpus, dim, heads, replan
         fail(f"route: row {i} holds token {got[i]}, plan expects token {expected[i]}")
     elif not torch.equal(routed, _payload(feats["token_id"], dim)):
         fail("route: token values arrived changed")
-    moved = chunks.length[(chunks.src_gpu == rank) & (chunks.dst_gpu != rank)].sum()
-    arrived = chunks.length[(chunks.dst_gpu == rank) & (chunks.src_gpu != rank)].sum()
+    traffic = plan.stats.traffic  # renumbered: GPU position = local rank
+    moved = traffic[rank].sum() - traffic[rank, rank]
+    arrived = traffic[:, rank].sum() - traffic[rank, rank]
     per_token = dim * x.element_size() + _FEATURE_BYTES
     report.tokens_sent, report.tokens_received = int(moved), int(arrived)
     report.bytes_sent, report.bytes_received = int(moved) * per_token, int(arrived) * per_token
