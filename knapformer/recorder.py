@@ -181,14 +181,14 @@ class PlanRecorder:
                 self.record(plan)
             return
         if self._pending_step is not None:
-            if step is not None and step == self._pending_step + 1:
+            if step == self._pending_step + 1:
                 rows = self._gather(balancer, dict(getattr(balancer, "previous_timings", {})))
                 if rows is not None and self._pending is not None:
                     _attach(self._pending, _group_ranks(balancer), rows, self.phases)
             # A gap in step numbers (e.g. a restarted counter): the timings we hold are
             # not the pending step's, so it is written without them.
             self._flush_pending(is_writer)
-        if step is not None and step % self.every == 0:
+        if step % self.every == 0:
             self._pending_step = step
             if is_writer and self._disabled_reason is None:
                 self._pending = plan
@@ -338,9 +338,8 @@ class PlanRecorder:
         import torch
 
         group = getattr(balancer, "group", None)
-        device = torch.device("cpu")
-        if "nccl" in str(dist.get_backend(group)):  # NCCL moves CUDA tensors only
-            device = torch.device("cuda", torch.cuda.current_device())
+        # The balancer's device suits its group's backend (CUDA for NCCL, else CPU).
+        device = getattr(balancer, "device", None) or torch.device("cpu")
         mine = torch.tensor(row, dtype=torch.float64, device=device)
         dst = ranks[self.writer]
         if balancer.rank == dst:
