@@ -22,6 +22,11 @@ MIXES = {
         "g3b1i512f4s0,g8b2i256f85s1,g4b1i512f85s1"
     ),
 }
+#: The joint mix's data types squeezed onto 8 GPUs: images of 256..2048 px, keyframes,
+#: videos (the 8-GPU sample plans and the demo).
+MIXED8 = (
+    "g2b4i256f1s0,g1b5i512f1s0,g1b5i1024f1s0,g1b1i2048f1s0,g1b10i256f4s0,g1b1i512f4s0,g1b2i256f85s1"
+)
 MAX_TEXT_TOKENS = 392
 _CODE = re.compile(r"g(\d+)b(\d+)i(\d+)f(\d+)s([01])")
 

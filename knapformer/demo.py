@@ -31,15 +31,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from knapformer.datamix import DataCode, parse_mix
+from knapformer.datamix import MIXED8, DataCode, parse_mix
 from knapformer.topology import Topology
 
-#: The joint mix's data types squeezed onto 8 GPUs: images of 256..2048 px, keyframes,
-#: videos (the same codes as the 8-GPU sample plan).
-DEMO_CODES = (
-    "g2b4i256f1s0,g1b5i512f1s0,g1b5i1024f1s0,g1b1i2048f1s0,g1b10i256f4s0,g1b1i512f4s0,g1b2i256f85s1"
-)
-DEFAULT_TOPOLOGY = "g1n2+g2n1+g4n1"
+DEMO_CODES = MIXED8  # the joint mix's data types on 8 GPUs, as in the 8-GPU samples
 HEAD_DIM = 16
 _LATENT_RANK = 8  # tokens of a sequence are noisy views of one latent of this size
 _GRACE_S = 5.0  # SIGTERM -> SIGKILL

@@ -41,9 +41,15 @@ class WorkloadModel:
         return 24.0 * length * d * d / 1e12, 4.0 * length * length * d / 1e12
 
     def workload(self, lengths: ArrayLike) -> np.ndarray:
-        """Workload of each length; shape of ``lengths``, float64."""
-        linear, attention = self.terms(lengths)
-        return self.scale * (linear + self.gamma * attention)
+        """Workload of each length; shape of ``lengths``, float64.
+
+        Evaluated as the published formula is written (not as ``scale * (linear + gamma *
+        attention)`` from `terms`): the rounding then matches other implementations of
+        it bit for bit, which greedy's near-ties depend on.
+        """
+        length = np.asarray(lengths, dtype=np.float64)
+        d = float(self.token_dim)
+        return self.scale * (24.0 * length * d * d + self.gamma * 4.0 * length * length * d) / 1e12
 
     @classmethod
     def calibrate(

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from knapformer.datamix import parse_mix, sample_lengths
+from knapformer.datamix import MIXED8, parse_mix, sample_lengths
 from knapformer.legacy import plan_to_legacy
 from knapformer.plan import RoutingPlan
 from knapformer.plan_io import write_json, write_jsonl
@@ -21,10 +21,6 @@ from knapformer.workload import WorkloadModel
 HERE = Path(__file__).resolve().parent
 MODEL = WorkloadModel(token_dim=3072, gamma=0.4)
 T0 = 1_790_000_000.0  # fixed wall-clock stamp so files only change when plans change
-# The joint mix's data types squeezed onto 8 GPUs (images, keyframes, videos).
-MIXED8 = (
-    "g2b4i256f1s0,g1b5i512f1s0,g1b5i1024f1s0,g1b1i2048f1s0,g1b10i256f4s0,g1b1i512f4s0,g1b2i256f85s1"
-)
 
 
 def one_plan(mix: str, topology: str, seed: int, step: int, run: str) -> RoutingPlan:
