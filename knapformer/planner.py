@@ -465,7 +465,7 @@ def _level_makespan(lengths, workload, home_bag, src_pos, layout, bag, rem, max_
         over = [b for b in reversed(by_load) if per_gpu[b] > stop][:_LEVEL_PARTNERS]
         if not over:
             return
-        partners = [b for b in by_load[: len(by_load) - len(over)]][:_LEVEL_PARTNERS]
+        partners = by_load[: len(by_load) - len(over)][:_LEVEL_PARTNERS]
         if not partners:
             return
         num_p = len(partners)
@@ -554,24 +554,21 @@ def _exchange(
 ) -> bool:
     """Move ``out_of_a`` to bag b and ``out_of_b`` (or nothing if -1) to bag a; undone
     (returns False) when it breaks the token cap (rare; the cap wins over balance)."""
-    for seq, src, dst in ((out_of_a, a, b), (out_of_b, b, a)):
-        if seq < 0:
-            continue
+
+    def move(seq: int, src: int, dst: int) -> None:
         new_rem = int(src_pos[seq] - layout.start[dst]) if home_bag[seq] == dst else 0
         layout.add(src, float(workload[seq]), int(lengths[seq]), int(rem[seq]), sign=-1)
         layout.add(dst, float(workload[seq]), int(lengths[seq]), new_rem)
         bag[seq], rem[seq] = dst, new_rem
         members[src] = members[src][members[src] != seq]
         members[dst] = np.append(members[dst], seq)
+
+    moves = [(seq, src, dst) for seq, src, dst in ((out_of_a, a, b), (out_of_b, b, a)) if seq >= 0]
+    for seq, src, dst in moves:
+        move(seq, src, dst)
     if layout.max_tokens is not None and (layout.bag_max_tokens > layout.max_tokens).any():
-        for seq, src, dst in ((out_of_a, b, a), (out_of_b, a, b)):
-            if seq >= 0:
-                layout.add(src, float(workload[seq]), int(lengths[seq]), int(rem[seq]), -1)
-                rem[seq] = int(src_pos[seq] - layout.start[dst]) if home_bag[seq] == dst else 0
-                layout.add(dst, float(workload[seq]), int(lengths[seq]), int(rem[seq]))
-                bag[seq] = dst
-                members[src] = members[src][members[src] != seq]
-                members[dst] = np.append(members[dst], seq)
+        for seq, src, dst in moves:
+            move(seq, dst, src)
         return False
     return True
 
