@@ -50,18 +50,11 @@ def replay(
     pre_attn → post_attn → reverse_route on tokens carrying their ids. Exit 1 on any
     mismatch, naming the first difference.
     """
-    from knapformer.plan_io import PlanFormatError, read_plans, select_step
-    from knapformer.replay import check_options
+    from knapformer.cli.plans import read_step
+    from knapformer.replay import PHASES, check_options
     from knapformer.replay import replay as run_replay
 
-    result = read_plans(file, on_error="skip")
-    if result.problems and not result.records:
-        raise UserError(str(result.problems[0]))
-    try:
-        record = select_step(result, step)
-    except PlanFormatError as err:
-        raise UserError(f"{file}: {err}") from err
-    plan = record.plan
+    plan = read_step(file, step)[0].plan
     dim, heads = check_options(plan, dim, heads)  # refuse bad options before announcing
     console = _console()
     console.print(
@@ -82,11 +75,7 @@ def replay(
     )
     for name in ("GPU", "tokens out", "tokens in", "bytes out", "bytes in"):
         table.add_column(name, justify="right")
-    phases = [
-        p
-        for p in ("plan", "route", "pre_attn", "post_attn", "reverse_route")
-        if any(p in r.timings_ms for r in out.ranks)
-    ]
+    phases = [p for p in PHASES if any(p in r.timings_ms for r in out.ranks)]
     for p in phases:
         table.add_column(p, justify="right")
     table.add_column("check")

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from knapformer.cli.errors import UserError
 from knapformer.plan import RoutingPlan
-from knapformer.plan_io import PlanFormatError, PlanRecord, read_plans, select_step
+from knapformer.plan_io import PlanFormatError, PlanRecord, ReadResult, read_plans, select_step
 
 
 def register(app: typer.Typer) -> None:
@@ -42,17 +42,30 @@ def show(
     step: int | None = typer.Option(None, help="step to show (default: the last plan)"),
 ) -> None:
     """Print a plan as a table per GPU: bag, tokens and load before/after, and its figures."""
-    result = read_plans(file, on_error="skip")
-    try:
-        record = select_step(result, step)
-    except PlanFormatError as err:
-        detail = f" ({result.problems[0]})" if result.problems and not result.records else ""
-        raise UserError(f"{file}: {err}{detail}") from err
+    record, result = read_step(file, step)
     Console(highlight=False, width=max(Console().width, 110)).print(
         plan_table(record), plan_summary(record.plan)
     )
     for problem in result.problems:
         print(f"skipped {problem}")
+
+
+def read_plan_file(path: Path) -> ReadResult:
+    """Every valid plan of ``path``; a one-line `UserError` naming the first problem when
+    there is none (commands that take a plan file start here)."""
+    result = read_plans(path, on_error="skip")
+    if not result.records:
+        raise UserError(str(result.problems[0]) if result.problems else f"{path}: no plan")
+    return result
+
+
+def read_step(path: Path, step: int | None) -> tuple[PlanRecord, ReadResult]:
+    """The plan of ``step`` in ``path`` (default: the last) and the whole read."""
+    result = read_plan_file(path)
+    try:
+        return select_step(result, step), result
+    except PlanFormatError as err:
+        raise UserError(f"{path}: {err}") from err
 
 
 def schema() -> None:

@@ -11,6 +11,7 @@ from typing import Annotated
 import typer
 
 from knapformer.cli.errors import UserError
+from knapformer.cli.plans import read_plan_file
 
 QUALITY_HELP = "low (854x480, 15 fps), medium (1280x720, 30 fps), high (1080p60) or 4k"
 
@@ -19,16 +20,6 @@ def register(app: typer.Typer) -> None:
     """Add this module's commands to ``app``."""
     app.command()(animate)
     app.command()(report)
-
-
-def _read(path: Path):
-    from knapformer.plan_io import read_plans
-
-    result = read_plans(path)
-    if not result.records:
-        reason = result.problems[0].message if result.problems else "no plan in the file"
-        raise UserError(f"{path}: {reason}")
-    return result
 
 
 def animate(
@@ -63,7 +54,7 @@ def animate(
         raise UserError(f"--measure must be 'tokens' or 'workload', not {measure!r}")
     if out.suffix.lower() != ".mp4":
         raise UserError(f"output must be an .mp4 file, not {str(out)!r}")
-    result = _read(plan)
+    result = read_plan_file(plan)
     plans = plans_in_range(result, steps) if steps else [select_step(result, step).plan]
 
     console = Console(stderr=True)
@@ -115,7 +106,7 @@ def report(
     """Write a self-contained HTML report with the dashboard's plotly figures."""
     from visualization.report import export_pngs, write_report
 
-    result = _read(plans)
+    result = read_plan_file(plans)
     written, figures = write_report(result, out, steps=steps, source=str(plans))
     print(f"wrote {written} ({len(figures)} figures)")
     if png is not None:
