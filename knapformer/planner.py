@@ -219,6 +219,8 @@ class _BagLayout:
         Candidates: capacity >= workload and size <= length; if none, the largest bags.
         """
         k = len(self.class_size)
+        if k == 1:  # one bag size (the usual topology): every bag is a candidate
+            return np.zeros(len(workload), dtype=np.int64)
         lo = np.searchsorted(self.class_size * self.gpu_capacity * (1 + _EPS), workload, "left")
         hi = np.searchsorted(self.class_size, lengths, "right") - 1
         empty = lo > hi
@@ -312,6 +314,7 @@ def _place_in_order(
         src_pos[order].tolist(),
         strict=True,
     )
+    chosen_bag, chosen_rem = [], []  # written back in one call each at the end
     for seq, key, w, length, h, src in rows:
         lo, hi = divmod(key, num_classes)
         room = layout.token_room(length).tolist() if capped else None
@@ -335,12 +338,14 @@ def _place_in_order(
             r = round_robin[b] % g
             if length % g:
                 round_robin[b] += 1
-        bag[seq], rem[seq] = b, r
+        chosen_bag.append(b)
+        chosen_rem.append(r)
         load[b] += w
         occupancy[b] = load[b] / safe_capacity[b]
         heapq.heappush(heaps[class_of_bag[b]], (occupancy[b], b))
         if capped:
             layout.add(b, 0.0, length, r)
+    bag[order], rem[order] = chosen_bag, chosen_rem
     layout.load[:] = load
 
 
