@@ -179,9 +179,12 @@ class SequenceBalancer:
         """
         self._require_open()
         started, wall = time.perf_counter(), time.time()
-        lengths = _as_lengths(local_seq_lens)
+        try:
+            lengths, problem = _as_lengths(local_seq_lens), None
+        except ValueError as err:  # raised after the gather, so no peer is left waiting
+            lengths, problem = np.zeros(0, dtype=np.int64), err
         model = WorkloadModel(int(token_dim), self.gamma)
-        per_gpu = self._gather_lengths(lengths)
+        per_gpu = self._gather_lengths(lengths, problem)
         plan = plan_routing(
             per_gpu,
             self.topology,
@@ -216,13 +219,27 @@ class SequenceBalancer:
         self.tables = RoutingTables.build(plan, self.rank, self.device, self._bag_group)
         self.last_plan = plan
 
-    def _gather_lengths(self, lengths: np.ndarray) -> list[np.ndarray]:
-        """All ranks' lengths: one all-gather of the counts, one of the padded lengths."""
+    def _gather_lengths(self, lengths: np.ndarray, problem: ValueError | None) -> list[np.ndarray]:
+        """All ranks' lengths: one all-gather of the counts, one of the padded lengths.
+
+        A rank whose lengths are invalid sends count -1 instead: then every rank raises
+        (that one its own ``problem``, the others naming it) rather than some waiting
+        forever in the second all-gather.
+        """
         n = len(self.group_ranks)
-        count = torch.tensor([len(lengths)], dtype=torch.int64, device=self.device)
+        mine = -1 if problem is not None else len(lengths)
+        count = torch.tensor([mine], dtype=torch.int64, device=self.device)
         counts = [torch.empty_like(count) for _ in range(n)]
         dist.all_gather(counts, count, group=self.group)
         sizes = torch.cat(counts).tolist()
+        bad = [rank for rank, size in zip(self.group_ranks, sizes, strict=True) if size < 0]
+        if problem is not None:
+            raise problem
+        if bad:
+            raise ValueError(
+                f"invalid local_seq_lens on rank {', '.join(map(str, bad))} (its own error "
+                "says why); no rank of the balance group planned this step"
+            )
         padded = torch.zeros(max(sizes), dtype=torch.int64, device=self.device)
         padded[: len(lengths)] = torch.from_numpy(lengths)
         gathered = [torch.empty_like(padded) for _ in range(n)]

@@ -188,6 +188,9 @@ def _errors(bal, world) -> dict[str, str]:
             msgs[key] = f"{type(err).__name__}: {err}"
 
     catch("negative", lambda: bal.plan_routing([3, -2], token_dim=8))
+    # One rank's mistake: every rank raises instead of its peers hanging in a collective.
+    first = bal.group_ranks[0]
+    catch("one_rank", lambda: bal.plan_routing([3, -2] if bal.rank == first else [4], 8))
     bal.plan_routing([5, 7], token_dim=8)
     catch("rows", lambda: bal.route(torch.zeros(11, 4)))
     catch("feature_rows", lambda: bal.route(torch.zeros(12, 4), {"pos": torch.zeros(3)}))
@@ -348,6 +351,11 @@ def test_balancer_on_gloo(world, tmp_path):
             assert "plan_routing" in res[(topo, "early")]
             errs = res[(topo, "errors")]
             assert "negative length -2" in errs["negative"]
+            first = res[(topo, "group")][0][0]
+            if rank == first:
+                assert "negative length -2" in errs["one_rank"], errs
+            else:
+                assert f"invalid local_seq_lens on rank {first} " in errs["one_rank"], errs
             assert "shape (11, 4)" in errs["rows"] and "12 tokens" in errs["rows"]
             assert "feature 'pos'" in errs["feature_rows"]
             assert "(tokens, heads, head_dim)" in errs["qkv_rank"]
