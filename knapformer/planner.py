@@ -442,7 +442,7 @@ def _solve_local(lengths, workload, home_bag, src_pos, layout):
     return bag, rem
 
 
-def _level_makespan(lengths, workload, home_bag, src_pos, layout, bag, rem, max_iters=None):
+def _level_makespan(lengths, workload, home_bag, src_pos, layout, bag, rem, max_rounds=None):
     """Local search on the makespan. Each round, every bag above the stopping load (up
     to ``_LEVEL_PARTNERS`` of them, most loaded first) is paired with a distinct one of
     the least-loaded bags: one sequence moves from it to the partner, or a pair is
@@ -461,102 +461,88 @@ def _level_makespan(lengths, workload, home_bag, src_pos, layout, bag, rem, max_
     stop = lower_bound * (1 + _LEVEL_TOLERANCE)
     if per_gpu.max() <= stop:  # the usual case: nothing to level
         return
-    order = np.argsort(bag, kind="stable")
-    bounds = np.searchsorted(bag[order], np.arange(num_bags + 1)).tolist()
-    members = [order[bounds[b] : bounds[b + 1]] for b in range(num_bags)]
     accepts = layout.capacity * (1 + _EPS)  # the largest workload each bag may take
-    for _ in range(4 * num_bags if max_iters is None else max_iters):
+    for _ in range(4 * num_bags if max_rounds is None else max_rounds):
         by_load = per_gpu.argsort(kind="stable").tolist()
         over = [b for b in reversed(by_load) if per_gpu[b] > stop][:_LEVEL_PARTNERS]
-        if not over:
+        partners = by_load[: num_bags - len(over)][:_LEVEL_PARTNERS]
+        if not over or not partners:
             return
-        partners = by_load[: len(by_load) - len(over)][:_LEVEL_PARTNERS]
-        if not partners:
-            return
-        num_p = len(partners)
-        column = np.arange(num_p)
-        col2 = np.concatenate([column, column])  # partner of each candidate column below
-        pb = np.asarray(partners)
-        # Sequences that may leave the over-loaded bags (rows, grouped by bag).
-        out = np.concatenate([members[a] for a in over])
-        row_counts = [members[a].size for a in over]
-        row_bag = np.repeat(over, row_counts)
-        # What may come back from each partner, sorted by (partner, workload) in one key:
-        # nothing (workload 0, listed first) or a member small enough for some over bag.
-        back = np.concatenate([members[b] for b in partners])
-        back_p = np.repeat(column, [members[b].size for b in partners])
-        ok_back = (lengths[back] >= size[over].min()) & (workload[back] <= accepts[over].max())
-        back, back_p = back[ok_back], back_p[ok_back]
-        back_w = workload[back]
-        span = 2.0 * float(back_w.max(initial=0.0)) + 1.0  # keeps partners' keys apart
-        key = np.concatenate([column * span, back_p * span + back_w])
-        by_key = key.argsort(kind="stable")
-        key = key[by_key]
-        back = np.concatenate([np.full(num_p, -1), back])[by_key]
-        back_w = np.concatenate([np.zeros(num_p), back_w])[by_key]
-        seg = np.searchsorted(key, column * span)
-        seg_end = np.append(seg[1:], key.size) - 1
-        # The best exchange of bags a and b moves net `ideal` from a to b; the objective
-        # is V-shaped in the net, so per (leaving sequence, partner) only the two
-        # candidates nearest to (its workload - ideal) can be best.
-        g_a, per_a = size[row_bag][:, None], per_gpu[row_bag][:, None]
-        g_b, per_b = size[pb], per_gpu[pb]
-        out_w = workload[out][:, None]
-        target = out_w - (per_a - per_b) / (1.0 / g_a + 1.0 / g_b)
-        target = np.minimum(np.maximum(target, 0.0), span / 2) + column * span
-        hit = np.searchsorted(key, target)
-        near = np.concatenate([np.maximum(hit - 1, seg), np.minimum(hit, seg_end)], 1)
-        came, came_w = back[near], back_w[near]
-        delta = out_w - came_w  # net workload leaving a
-        new_max = np.maximum(per_a - delta / g_a, per_b[col2] + delta / g_b[col2])
-        ok = (lengths[out][:, None] >= g_b[col2]) & (out_w <= accepts[pb][col2]) & (delta > 0)
-        ok &= new_max < per_a * (1 - 1e-9)
-        if size[over].min() != size[over].max():  # the prefilter was for the loosest bag
-            ok &= (came < 0) | ((lengths[came] >= g_a) & (came_w <= accepts[row_bag][:, None]))
-        new_max[~ok] = np.inf
-        # Each over-loaded bag takes its best exchange among the partners still free.
-        free = [True] * num_p
-        moves = []
-        row = 0
-        for a, count in zip(over, row_counts, strict=True):
-            if count:
-                block = new_max[row : row + count]
-                best_per_col = block.min(axis=0).tolist()
-                score = [
-                    min(best_per_col[p], best_per_col[p + num_p]) if free[p] else np.inf
-                    for p in range(num_p)
-                ]
-                p = min(range(num_p), key=score.__getitem__)
-                if score[p] < np.inf:
-                    c = p if best_per_col[p] <= best_per_col[p + num_p] else p + num_p
-                    i = row + int(block[:, c].argmin())
-                    free[p] = False
-                    moves.append((a, partners[p], int(out[i]), int(came[i, c])))
-            row += count
+        moves = _best_exchanges(over, partners, bag, lengths, workload, size, per_gpu, accepts)
         if not moves:
             return
         for a, b, out_of_a, out_of_b in moves:
             if not _exchange(
-                a,
-                b,
-                out_of_a,
-                out_of_b,
-                lengths,
-                workload,
-                home_bag,
-                src_pos,
-                layout,
-                bag,
-                rem,
-                members,
+                a, b, out_of_a, out_of_b, lengths, workload, home_bag, src_pos, layout, bag, rem
             ):
                 return
             per_gpu[a], per_gpu[b] = layout.load[a] / size[a], layout.load[b] / size[b]
 
 
-def _exchange(
-    a, b, out_of_a, out_of_b, lengths, workload, home_bag, src_pos, layout, bag, rem, members
-) -> bool:
+def _best_exchanges(over, partners, bag, lengths, workload, size, per_gpu, accepts):
+    """One round's exchanges: each over-loaded bag ``a`` (most loaded first) with the free
+    partner ``b`` that evens the two out best. Returns (a, b, sequence leaving a, sequence
+    leaving b or -1) per exchange that lowers the larger of the two bags."""
+    num_o, num_p = len(over), len(partners)
+    slot = np.full(len(size), -1)  # over bag -> 0..num_o-1, partner -> num_o..
+    slot[over] = np.arange(num_o)
+    slot[partners] = np.arange(num_o, num_o + num_p)
+    slot_of = slot[bag]
+    # Sequences that may leave the over-loaded bags (rows).
+    out = np.flatnonzero((slot_of >= 0) & (slot_of < num_o))
+    row_o, row_bag = slot_of[out], bag[out]
+    # What may come back from each partner, sorted by (partner, workload) in one key:
+    # nothing (listed first) or a member small enough for some over-loaded bag.
+    ov, pb = np.asarray(over), np.asarray(partners)
+    back = np.flatnonzero(slot_of >= num_o)
+    back = back[(lengths[back] >= size[ov].min()) & (workload[back] <= accepts[ov].max())]
+    back_w = workload[back]
+    span = 2.0 * float(back_w.max(initial=0.0)) + 1.0  # keeps partners' keys apart
+    column = np.arange(num_p)
+    key = np.concatenate([column * span, (slot_of[back] - num_o) * span + back_w])
+    by_key = key.argsort(kind="stable")
+    key = key[by_key]
+    back = np.concatenate([np.full(num_p, -1), back])[by_key]
+    back_w = np.concatenate([np.zeros(num_p), back_w])[by_key]
+    seg = np.flatnonzero(back < 0)  # each partner's "nothing" opens its segment
+    seg_end = np.append(seg[1:], key.size) - 1
+    # The best exchange of bags a and b moves net `ideal` from a to b; the objective is
+    # V-shaped in the net, so per (leaving sequence, partner) only the two candidates
+    # nearest to (its workload - ideal) can be best.
+    g_a, per_a = size[row_bag][:, None], per_gpu[row_bag][:, None]
+    g_b, per_b = size[pb], per_gpu[pb]
+    out_w = workload[out][:, None]
+    target = out_w - (per_a - per_b) / (1.0 / g_a + 1.0 / g_b)
+    target = np.clip(target, 0.0, span / 2) + column * span
+    hit = np.searchsorted(key, target)
+    near = np.concatenate([np.maximum(hit - 1, seg), np.minimum(hit, seg_end)], 1)
+    came, came_w = back[near], back_w[near]
+    col2 = np.concatenate([column, column])  # partner of each candidate column
+    delta = out_w - came_w  # net workload leaving a
+    new_max = np.maximum(per_a - delta / g_a, per_b[col2] + delta / g_b[col2])
+    ok = (lengths[out][:, None] >= g_b[col2]) & (out_w <= accepts[pb][col2]) & (delta > 0)
+    ok &= new_max < per_a * (1 - 1e-9)
+    if size[ov].min() != size[ov].max():  # the prefilter was for the loosest bag
+        ok &= (came < 0) | ((lengths[came] >= g_a) & (came_w <= accepts[row_bag][:, None]))
+    new_max[~ok] = np.inf
+    # Each over-loaded bag takes its best exchange among the partners still free.
+    best = np.full((num_o, 2 * num_p), np.inf)
+    np.minimum.at(best, row_o, new_max)
+    free = [True] * num_p
+    moves = []
+    for o, row in enumerate(best.tolist()):
+        score = [min(row[p], row[p + num_p]) if free[p] else np.inf for p in range(num_p)]
+        p = min(range(num_p), key=score.__getitem__)
+        if score[p] == np.inf:
+            continue
+        c = p if row[p] <= row[p + num_p] else p + num_p
+        i = int(np.flatnonzero((row_o == o) & (new_max[:, c] == row[c]))[0])
+        free[p] = False
+        moves.append((over[o], partners[p], int(out[i]), int(came[i, c])))
+    return moves
+
+
+def _exchange(a, b, out_of_a, out_of_b, lengths, workload, home_bag, src_pos, layout, bag, rem):
     """Move ``out_of_a`` to bag b and ``out_of_b`` (or nothing if -1) to bag a; undone
     (returns False) when it breaks the token cap (rare; the cap wins over balance)."""
 
@@ -565,8 +551,6 @@ def _exchange(
         layout.add(src, float(workload[seq]), int(lengths[seq]), int(rem[seq]), sign=-1)
         layout.add(dst, float(workload[seq]), int(lengths[seq]), new_rem)
         bag[seq], rem[seq] = dst, new_rem
-        members[src] = members[src][members[src] != seq]
-        members[dst] = np.append(members[dst], seq)
 
     moves = [(seq, src, dst) for seq, src, dst in ((out_of_a, a, b), (out_of_b, b, a)) if seq >= 0]
     for seq, src, dst in moves:
