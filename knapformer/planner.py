@@ -53,6 +53,7 @@ DEFAULT_SOLVER = "knapformer"
 SOLVERS = ("knapformer", "greedy")
 _HEAVY_FRACTION = 0.25  # of one GPU's capacity: placed before the bulk "stay home" pass
 _EPS = 1e-12
+_ONE_BY_ONE = 128  # steps of at most this many sequences are placed one by one
 # Further from the lower bound than this fraction, greedy is solved as well and the
 # better makespan kept: the result is then never worse than greedy's (which is >= the
 # bound) by more than 0.1 % of the bound.
@@ -342,7 +343,11 @@ def _place_in_order(
         chosen_rem.append(r)
         load[b] += w
         occupancy[b] = load[b] / safe_capacity[b]
-        heapq.heappush(heaps[class_of_bag[b]], (occupancy[b], b))
+        heap = heaps[class_of_bag[b]]
+        if heap[0][1] == b:  # b was the least occupied: update in place, nothing goes stale
+            heapq.heapreplace(heap, (occupancy[b], b))
+        else:
+            heapq.heappush(heap, (occupancy[b], b))
         if capped:
             layout.add(b, 0.0, length, r)
     bag[order], rem[order] = chosen_bag, chosen_rem
@@ -411,18 +416,29 @@ def _solve_local(lengths, workload, home_bag, src_pos, layout):
     n = len(lengths)
     bag = np.full(n, -1, dtype=np.int64)
     rem = src_pos - layout.start[home_bag]  # remainder chunk = the one on the source GPU
-    home_size = layout.size[home_bag]
 
     empty = lengths == 0  # nothing to compute or move: keep at home, no chunks
     bag[empty] = home_bag[empty]
 
-    heavy = workload > _HEAVY_FRACTION * layout.gpu_capacity
-    heavy &= ~empty
-    heavy_ids = _descending(workload, np.flatnonzero(heavy))
-    _place_in_order(heavy_ids, lengths, workload, home_bag, src_pos, layout, bag, rem, True)
+    # A small step is placed one by one, where a bulk pass would save little time and
+    # land further from the bound; a large one only its heavy sequences.
+    one_by_one = ~empty
+    if n > _ONE_BY_ONE:
+        one_by_one &= workload > _HEAVY_FRACTION * layout.gpu_capacity
+    first = _descending(workload, np.flatnonzero(one_by_one))
+    _place_in_order(first, lengths, workload, home_bag, src_pos, layout, bag, rem, True)
+    if n > _ONE_BY_ONE:
+        _stay_home_in_bulk(np.flatnonzero(bag < 0), lengths, workload, home_bag, layout, bag, rem)
+        pool = _descending(workload, np.flatnonzero(bag < 0))
+        _place_in_order(pool, lengths, workload, home_bag, src_pos, layout, bag, rem, True)
+    _level_makespan(lengths, workload, home_bag, src_pos, layout, bag, rem)
+    return bag, rem
 
-    # Bulk pass: within each home bag, the largest sequences stay while there is room.
-    light = np.flatnonzero(~heavy & (home_size <= lengths))  # home_size >= 1: not empty
+
+def _stay_home_in_bulk(seqs, lengths, workload, home_bag, layout, bag, rem):
+    """Within each home bag, the largest of ``seqs`` stay while there is room (one
+    vectorised pass; sequences shorter than their home bag are left to the pool)."""
+    light = seqs[layout.size[home_bag[seqs]] <= lengths[seqs]]
     order = light[np.lexsort((-workload[light], home_bag[light]))]
     hb = home_bag[order]
     room = layout.capacity - layout.load
@@ -435,11 +451,6 @@ def _solve_local(lengths, workload, home_bag, src_pos, layout):
     stay_ids = order[stays]
     bag[stay_ids] = hb[stays]
     layout.add_many(stay_ids, hb[stays], workload, lengths, rem)
-
-    pool = _descending(workload, np.flatnonzero(bag < 0))
-    _place_in_order(pool, lengths, workload, home_bag, src_pos, layout, bag, rem, True)
-    _level_makespan(lengths, workload, home_bag, src_pos, layout, bag, rem)
-    return bag, rem
 
 
 def _level_makespan(lengths, workload, home_bag, src_pos, layout, bag, rem, max_rounds=None):

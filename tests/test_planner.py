@@ -1,12 +1,14 @@
 import json
 import sys
 from pathlib import Path
+from unittest.mock import patch
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from knapformer import planner
 from knapformer.datamix import parse_mix, sample_lengths
 from knapformer.plan import RoutingPlan
 from knapformer.planner import plan_routing
@@ -49,42 +51,54 @@ def _check_plan(plan: RoutingPlan, topo: Topology, lengths) -> None:
 
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# Steps up to planner._ONE_BY_ONE sequences are placed one by one, larger ones mostly in
+# bulk; the drawn problems are small, so each property is also checked with that limit
+# at 0 (every step takes the bulk path).
+ONE_BY_ONE = st.sampled_from([planner._ONE_BY_ONE, 0])
+
+
+def _limit(one_by_one: int):
+    return patch.object(planner, "_ONE_BY_ONE", one_by_one)
 
 
 @SETTINGS
-@given(problems(), st.sampled_from(["knapformer", "greedy"]))
-def test_plans_are_valid_conserve_tokens_and_respect_bounds(problem, solver):
+@given(problems(), st.sampled_from(["knapformer", "greedy"]), ONE_BY_ONE)
+def test_plans_are_valid_conserve_tokens_and_respect_bounds(problem, solver, one_by_one):
     topo, lengths = problem
-    plan = plan_routing(lengths, topo, MODEL, solver=solver)
+    with _limit(one_by_one):
+        plan = plan_routing(lengths, topo, MODEL, solver=solver)
     _check_plan(plan, topo, lengths)
 
 
 @SETTINGS
-@given(problems(), st.sampled_from(["knapformer", "greedy"]))
-def test_planner_is_deterministic(problem, solver):
+@given(problems(), st.sampled_from(["knapformer", "greedy"]), ONE_BY_ONE)
+def test_planner_is_deterministic(problem, solver, one_by_one):
     topo, lengths = problem
-    first = plan_routing(lengths, topo, MODEL, solver=solver)
-    second = plan_routing([list(x) for x in lengths], str(topo), MODEL, solver=solver)
+    with _limit(one_by_one):
+        first = plan_routing(lengths, topo, MODEL, solver=solver)
+        second = plan_routing([list(x) for x in lengths], str(topo), MODEL, solver=solver)
     assert _content(first) == _content(second)
 
 
 @SETTINGS
-@given(problems())
-def test_default_solver_makespan_is_no_worse_than_greedy(problem):
+@given(problems(), ONE_BY_ONE)
+def test_default_solver_makespan_is_no_worse_than_greedy(problem, one_by_one):
     topo, lengths = problem
-    ours = plan_routing(lengths, topo, MODEL).stats
+    with _limit(one_by_one):
+        ours = plan_routing(lengths, topo, MODEL).stats
     greedy = plan_routing(lengths, topo, MODEL, solver="greedy").stats
     assert ours.makespan_after <= greedy.makespan_after + 1e-3 * ours.lower_bound + 1e-12
 
 
 @SETTINGS
-@given(problems(), st.floats(0.3, 3.0))
-def test_token_cap_is_respected_or_reported(problem, slack):
+@given(problems(), st.floats(0.3, 3.0), ONE_BY_ONE)
+def test_token_cap_is_respected_or_reported(problem, slack, one_by_one):
     topo, lengths = problem
     total = sum(sum(x) for x in lengths)
     cap = max(1, int(slack * total / topo.num_gpus) + max(max(x, default=0) for x in lengths))
     try:
-        plan = plan_routing(lengths, topo, MODEL, max_tokens_per_gpu=cap)
+        with _limit(one_by_one):
+            plan = plan_routing(lengths, topo, MODEL, max_tokens_per_gpu=cap)
     except ValueError as err:
         assert "max_tokens_per_gpu" in str(err)
         return
