@@ -475,8 +475,9 @@ def _level_makespan(lengths, workload, home_bag, src_pos, layout, bag, rem, max_
     accepts = layout.capacity * (1 + _EPS)  # the largest workload each bag may take
     for _ in range(4 * num_bags if max_rounds is None else max_rounds):
         by_load = per_gpu.argsort(kind="stable").tolist()
-        over = [b for b in reversed(by_load) if per_gpu[b] > stop][:_LEVEL_PARTNERS]
-        partners = by_load[: num_bags - len(over)][:_LEVEL_PARTNERS]
+        num_over = min(int(np.count_nonzero(per_gpu > stop)), _LEVEL_PARTNERS)
+        over = by_load[::-1][:num_over]
+        partners = by_load[: num_bags - num_over][:_LEVEL_PARTNERS]
         if not over or not partners:
             return
         moves = _best_exchanges(over, partners, bag, lengths, workload, size, per_gpu, accepts)
@@ -499,9 +500,11 @@ def _best_exchanges(over, partners, bag, lengths, workload, size, per_gpu, accep
     slot[over] = np.arange(num_o)
     slot[partners] = np.arange(num_o, num_o + num_p)
     slot_of = slot[bag]
-    # Sequences that may leave the over-loaded bags (rows).
+    # Sequences that may leave the over-loaded bags (rows, grouped by bag; none is empty).
     out = np.flatnonzero((slot_of >= 0) & (slot_of < num_o))
+    out = out[np.argsort(slot_of[out], kind="stable")]
     row_o, row_bag = slot_of[out], bag[out]
+    starts = np.searchsorted(row_o, np.arange(num_o)).tolist()
     # What may come back from each partner, sorted by (partner, workload) in one key:
     # nothing (listed first) or a member small enough for some over-loaded bag.
     ov, pb = np.asarray(over), np.asarray(partners)
@@ -537,17 +540,17 @@ def _best_exchanges(over, partners, bag, lengths, workload, size, per_gpu, accep
         ok &= (came < 0) | ((lengths[came] >= g_a) & (came_w <= accepts[row_bag][:, None]))
     new_max[~ok] = np.inf
     # Each over-loaded bag takes its best exchange among the partners still free.
-    best = np.full((num_o, 2 * num_p), np.inf)
-    np.minimum.at(best, row_o, new_max)
+    best = np.minimum.reduceat(new_max, starts, axis=0).tolist()
+    ends = [*starts[1:], len(out)]
     free = [True] * num_p
     moves = []
-    for o, row in enumerate(best.tolist()):
+    for o, row in enumerate(best):
         score = [min(row[p], row[p + num_p]) if free[p] else np.inf for p in range(num_p)]
         p = min(range(num_p), key=score.__getitem__)
         if score[p] == np.inf:
             continue
         c = p if row[p] <= row[p + num_p] else p + num_p
-        i = int(np.flatnonzero((row_o == o) & (new_max[:, c] == row[c]))[0])
+        i = starts[o] + int(new_max[starts[o] : ends[o], c].argmin())
         free[p] = False
         moves.append((over[o], partners[p], int(out[i]), int(came[i, c])))
     return moves
