@@ -18,7 +18,6 @@ of the other ranks). Times are the slowest rank's, median over the timed iterati
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import statistics
 import sys
@@ -64,14 +63,9 @@ def _allgather_rows(x: torch.Tensor, counts: list[int]) -> tuple[torch.Tensor, i
 
 
 def _worker(rank: int, out_dir: str, args: argparse.Namespace) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{out_dir}/rendezvous",
-        rank=rank,
-        world_size=WORLD,
-        timeout=datetime.timedelta(seconds=300),
-    )
+    from knapformer.local_world import join
+
+    join(rank, WORLD, f"file://{out_dir}/rendezvous", timeout_s=300)
     from knapformer.balancer import SequenceBalancer
 
     lengths = _lengths(args.length_scale, args.seed)

@@ -16,14 +16,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import datetime
 import math
 import os
 import re
-import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -32,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from knapformer.datamix import MIXED8, DataCode, parse_mix
+from knapformer.local_world import join, rendezvous, worker_context
 from knapformer.topology import Topology
 
 DEMO_CODES = MIXED8  # the joint mix's data types on 8 GPUs, as in the 8-GPU samples
@@ -148,19 +146,23 @@ def run_demo(
     if cfg.record:
         _remove_old_plans(out / "plans.jsonl")
 
-    import multiprocessing as mp
+    with rendezvous("knapformer-demo-") as init_method:
+        return _run_workers(cfg, init_method, on_report, on_start)
 
-    # A fork server imports torch once; each worker is then a cheap fork of it (8 fresh
-    # interpreters importing torch would cost seconds of CPU each).
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "knapformer.balancer"])
-    rendezvous = tempfile.mkdtemp(prefix="knapformer-demo-")
+
+def _run_workers(
+    cfg: DemoConfig,
+    init_method: str,
+    on_report: Callable[[StepReport], None] | None,
+    on_start: Callable[[], None] | None,
+) -> list[StepReport]:
+    ctx = worker_context()
     receive, send = ctx.Pipe(duplex=False)
     stop = ctx.Event()  # asks the workers to finish the current step and exit together
     procs = [
         ctx.Process(
             target=_worker,
-            args=(rank, cfg, rendezvous, send if rank == 0 else None, stop),
+            args=(rank, cfg, init_method, send if rank == 0 else None, stop),
             name=f"knapformer-demo-rank{rank}",
         )
         for rank in range(cfg.world_size)
@@ -186,7 +188,6 @@ def run_demo(
         with ignoring_sigint():  # a second Ctrl-C must not cut the clean-up short
             _stop(procs)
         receive.close()
-        shutil.rmtree(rendezvous, ignore_errors=True)
     return reports
 
 
@@ -284,25 +285,17 @@ def _remove_old_plans(path: Path) -> None:
 
 
 # -------------------------------------------------------------------------- worker
-def _worker(rank: int, cfg: DemoConfig, rendezvous: str, conn: Any, stop: Any) -> None:
+def _worker(rank: int, cfg: DemoConfig, init_method: str, conn: Any, stop: Any) -> None:
     # The launcher decides when to stop: ignore the terminal's Ctrl-C (the launcher gets
     # it too), turn SIGTERM into SystemExit so `finally` blocks (the recorder's flush) run.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     _die_with_parent()
     parent = os.getppid()
-    import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)  # one core per worker at most; the demo runs many
     try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"file://{rendezvous}/rendezvous",
-            rank=rank,
-            world_size=cfg.world_size,
-            timeout=datetime.timedelta(seconds=120),
-        )
+        join(rank, cfg.world_size, init_method)
         train(rank, cfg, None if conn is None else conn.send, stop)
         if conn is not None:
             conn.close()

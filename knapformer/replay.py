@@ -18,17 +18,15 @@ name the recorded GPU ranks.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import queue
-import socket
 import time
 import traceback
 from dataclasses import dataclass, field
-from datetime import timedelta
 
 import numpy as np
 
+from knapformer.local_world import join, rendezvous, worker_context
 from knapformer.plan import RoutingPlan
 from knapformer.planner import SOLVERS
 from knapformer.topology import Topology
@@ -204,15 +202,6 @@ def replay(
     return ReplayResult(plan, skip is None, skip, difference, reports, dim, heads)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-_PRELOAD = ["torch", "torch.distributed", "knapformer.balancer", "knapformer.router"]
-
-
 def _run_workers(
     plan: RoutingPlan,
     gpus: list[int],
@@ -222,27 +211,18 @@ def _run_workers(
     timeout_s: float,
     start_method: str = "forkserver",
 ) -> list[RankReport]:
+    with rendezvous("knapformer-replay-") as init_method:
+        return _supervise(plan, gpus, dim, heads, replan, timeout_s, start_method, init_method)
+
+
+def _supervise(plan, gpus, dim, heads, replan, timeout_s, start_method, init_method):
     n = len(gpus)
-    # Workers must not import torch one by one (seconds of CPU apiece, up to 64 of
-    # them): they fork from a process that already has it. A forkserver is that process
-    # by default; forking this one directly is unsafe once it has run OpenMP threads.
-    if start_method not in mp.get_all_start_methods():
-        start_method = "spawn"
-    ctx = mp.get_context(start_method)
-    if start_method == "forkserver":
-        ctx.set_forkserver_preload(_PRELOAD)
-    else:
-        import torch.distributed  # noqa: F401
-
-        import knapformer.balancer
-        import knapformer.router  # noqa: F401
-
+    ctx = worker_context(start_method=start_method)
     results = ctx.Queue()
-    port = _free_port()
     procs = [
         ctx.Process(
             target=_worker,
-            args=(rank, n, port, plan, gpus, dim, heads, replan, results),
+            args=(rank, n, init_method, plan, gpus, dim, heads, replan, results),
             daemon=True,
         )
         for rank in range(n)
@@ -282,21 +262,13 @@ def _run_workers(
     return [reports[r] for r in range(n)]
 
 
-def _worker(rank, world, port, plan, gpus, dim, heads, replan, results) -> None:
+def _worker(rank, world, init_method, plan, gpus, dim, heads, replan, results) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     report = RankReport(rank)
     try:
-        import torch
         import torch.distributed as dist
 
-        torch.set_num_threads(1)
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=120),
-        )
+        join(rank, world, init_method)
         try:
             _replay_rank(report, plan, gpus, dim, heads, replan)
         finally:

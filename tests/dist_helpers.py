@@ -6,7 +6,6 @@ so assertions (and their messages) live in the test process.
 
 from __future__ import annotations
 
-import datetime
 import multiprocessing
 import os
 import traceback
@@ -17,6 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from knapformer.local_world import join
 
 # torch's first backward() imports symbolic_shapes (and sympy): seconds per process.
 _PRELOAD = [
@@ -32,14 +33,7 @@ _PRELOAD = [
 def _entry(
     rank: int, fn: Callable, world: int, out_dir: str, args: tuple, backend: str = "gloo"
 ) -> None:
-    torch.set_num_threads(1)  # many processes share two cores
-    dist.init_process_group(
-        backend,
-        init_method=f"file://{out_dir}/rendezvous",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=60),  # a hang fails the test instead
-    )
+    join(rank, world, f"file://{out_dir}/rendezvous", timeout_s=60, backend=backend)
     try:
         result = fn(rank, world, *args)
     except BaseException:

@@ -5,15 +5,15 @@ per group, non-writing ranks do no I/O. A stand-in balancer sets exactly known t
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 
 import pytest
 
+from knapformer.local_world import rendezvous, worker_context
 from knapformer.plan_io import read_plans
 
 
-def worker(rank: int, world: int, rendezvous: str, out: str) -> None:
+def worker(rank: int, world: int, init_method: str, out: str) -> None:
     """One rank: 5 steps of a stand-in balancer with known timings, every=2."""
     import logging
     from types import SimpleNamespace
@@ -21,6 +21,7 @@ def worker(rank: int, world: int, rendezvous: str, out: str) -> None:
     import numpy as np
     import torch.distributed as dist
 
+    from knapformer.local_world import join
     from knapformer.planner import plan_routing
     from knapformer.recorder import PlanRecorder
     from knapformer.workload import WorkloadModel
@@ -29,7 +30,7 @@ def worker(rank: int, world: int, rendezvous: str, out: str) -> None:
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: warnings.append(record.getMessage())
     logging.getLogger("knapformer.recorder").addHandler(handler)
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
+    join(rank, world, init_method)
     groups = [[0, 1], [2, 3]]
     handles = [dist.new_group(g) for g in groups]  # every rank creates every group
     mine = next(i for i, g in enumerate(groups) if rank in g)
@@ -77,18 +78,16 @@ def worker(rank: int, world: int, rendezvous: str, out: str) -> None:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("dist")
-    rendezvous = tmp_path_factory.mktemp("rdv") / "file"
-    # A fork server imports torch once for all four ranks (cheap on a shared machine).
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch.distributed", "knapformer.planner"])
-    procs = [ctx.Process(target=worker, args=(r, 4, str(rendezvous), str(out))) for r in range(4)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-    for p in procs:
-        if p.exitcode is None:
-            p.kill()
+    ctx = worker_context(["torch.distributed", "knapformer.planner", "knapformer.recorder"])
+    with rendezvous() as init_method:
+        procs = [ctx.Process(target=worker, args=(r, 4, init_method, str(out))) for r in range(4)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(120)
+        for p in procs:
+            if p.exitcode is None:
+                p.kill()
     assert [p.exitcode for p in procs] == [0] * 4
     reports = {}
     for r in range(4):
