@@ -13,9 +13,9 @@ the remainder going to one chunk chosen round-robin.
 ``"knapformer"`` (default) — balance like greedy, move far fewer tokens. Its per-GPU
 capacity is the lower bound on the makespan (at least greedy's mean load; larger when one
 sequence outweighs the mean, and then every GPU under it keeps its own work).
-1. *heavy* sequences (more than a quarter of a GPU's capacity) are placed first, largest first,
-   in their home bag (the bag holding their source GPU) when it has room, else like
-   greedy;
+1. *heavy* sequences (more than a quarter of a GPU's capacity; in a step of at most 128
+   sequences, every sequence) are placed one by one, largest first, in their home bag
+   (the bag holding their source GPU) when it has room, else like greedy;
 2. every other sequence stays in its home bag while the bag has room — decided for all
    sequences at once with a sorted cumulative sum per bag (largest stay home);
 3. the rest (the *pool*, usually a few percent) is placed largest first: home when it
