@@ -135,6 +135,8 @@ class SequenceBalancer:
         self.last_plan: RoutingPlan | None = None
         self.tables: RoutingTables | None = None
         self.previous_timings: dict[str, float] = {}
+        # Every rank's recorder row of the previous step (group order), when recording.
+        self.previous_timing_rows: list[list[float]] | None = None
         self._timings: dict[str, float] = {}
         self._pending: list[tuple[str, Any, Any]] = []  # CUDA events, resolved lazily
         self._last_start: float | None = None
@@ -184,7 +186,14 @@ class SequenceBalancer:
         except ValueError as err:  # raised after the gather, so no peer is left waiting
             lengths, problem = np.zeros(0, dtype=np.int64), err
         model = WorkloadModel(int(token_dim), self.gamma)
-        per_gpu = self._gather_lengths(lengths, problem)
+        previous = dict(self.timings)
+        if self._last_start is not None:
+            previous["step"] = (started - self._last_start) * 1e3
+        # The recorder's per-rank times of the previous step ride along with the lengths:
+        # recording then adds no collective of its own.
+        timing_row = getattr(self.recorder, "timing_row", None)
+        row = [] if timing_row is None else timing_row(previous)
+        per_gpu, rows = self._gather_lengths(lengths, problem, row)
         plan = plan_routing(
             per_gpu,
             self.topology,
@@ -200,15 +209,17 @@ class SequenceBalancer:
         plan.time = wall
         plan.measurements.plan_ms = elapsed  # the planner's own time plus the gather
 
-        previous = dict(self.timings)
-        if self._last_start is not None:
-            previous["step"] = (started - self._last_start) * 1e3
         self.previous_timings = previous
+        self.previous_timing_rows = rows if row else None
         self._timings = {"plan": elapsed}
         self._last_start = started
         self.step += 1
         if self.recorder is not None:
+            # Timed on the host whatever the device: the hook's cost is what training
+            # pays for recording, and it is recorded with the step like any phase.
+            began = time.perf_counter()
             self.recorder.on_step(self, plan)
+            self.add_timing("record", (time.perf_counter() - began) * 1e3)
         return plan
 
     def use_plan(self, plan: RoutingPlan) -> None:
@@ -219,19 +230,24 @@ class SequenceBalancer:
         self.tables = RoutingTables.build(plan, self.rank, self.device, self._bag_group)
         self.last_plan = plan
 
-    def _gather_lengths(self, lengths: np.ndarray, problem: ValueError | None) -> list[np.ndarray]:
-        """All ranks' lengths: one all-gather of the counts, one of the padded lengths.
+    def _gather_lengths(
+        self, lengths: np.ndarray, problem: ValueError | None, row: list[float]
+    ) -> tuple[list[np.ndarray], list[list[float]]]:
+        """All ranks' lengths and ``row`` (the recorder's timings, the same size on every
+        rank): one all-gather of the counts with the rows, one of the padded lengths.
 
         A rank whose lengths are invalid sends count -1 instead: then every rank raises
         (that one its own ``problem``, the others naming it) rather than some waiting
         forever in the second all-gather.
         """
         n = len(self.group_ranks)
-        mine = -1 if problem is not None else len(lengths)
-        count = torch.tensor([mine], dtype=torch.int64, device=self.device)
-        counts = [torch.empty_like(count) for _ in range(n)]
-        dist.all_gather(counts, count, group=self.group)
-        sizes = torch.cat(counts).tolist()
+        mine = -1.0 if problem is not None else float(len(lengths))  # exact below 2**53
+        head = torch.tensor([mine, *row], dtype=torch.float64, device=self.device)
+        heads = [torch.empty_like(head) for _ in range(n)]
+        dist.all_gather(heads, head, group=self.group)
+        table = torch.stack(heads).cpu()
+        sizes = table[:, 0].to(torch.int64).tolist()
+        rows = table[:, 1:].tolist()
         bad = [rank for rank, size in zip(self.group_ranks, sizes, strict=True) if size < 0]
         if problem is not None:
             raise problem
@@ -244,7 +260,8 @@ class SequenceBalancer:
         padded[: len(lengths)] = torch.from_numpy(lengths)
         gathered = [torch.empty_like(padded) for _ in range(n)]
         dist.all_gather(gathered, padded, group=self.group)
-        return [g[:s].cpu().numpy() for g, s in zip(gathered, sizes, strict=True)]
+        per_gpu = [g[:s].cpu().numpy() for g, s in zip(gathered, sizes, strict=True)]
+        return per_gpu, rows
 
     def _require_open(self) -> None:
         if self._closed:  # its sub-groups are destroyed

@@ -3,8 +3,9 @@
 Guarantees (each one tested in ``tests/test_recorder*.py``):
 
 - Only the writing rank writes: by default the first rank of each balance group. Other
-  ranks keep a step number and take part in one small gather of measured times; they
-  never serialise a plan, open a file or start a thread.
+  ranks keep a step number and send their measured times with the balancer's all-gather
+  of lengths (a few floats more, no collective of its own); they never serialise a
+  plan, open a file or start a thread.
 - The training thread only enqueues the plan object. Serialisation
   (``plan.model_dump_json()``) and file I/O run on a background thread. The queue is
   bounded; when it is full the plan is dropped and counted (``dropped``), never waited for.
@@ -22,8 +23,10 @@ Guarantees (each one tested in ``tests/test_recorder*.py``):
 With a balancer (``SequenceBalancer(..., recorder=PlanRecorder(path))``) the balancer
 calls `on_step` on every rank of the balance group after each plan. The plan of step s
 is held back one step: at step s+1 every rank's measured times of step s
-(``balancer.previous_timings``: plan, route, attention re-sharding, whole step, and
-phases added with ``balancer.add_timing``) are gathered to the writing rank and stored
+(``balancer.previous_timings``: plan, route, attention re-sharding, the recorder's own
+hook, whole step, and phases added with ``balancer.add_timing``) have reached the
+writing rank with that step's lengths (`timing_row`; a stand-in balancer without that is
+gathered by the recorder itself), and are stored
 in the plan's ``measurements.per_rank_ms[phase]`` (one value per GPU of ``plan.gpus``)
 before it is queued. Without a balancer, ``record(plan)`` queues a plan as it is.
 """
@@ -51,6 +54,7 @@ log = logging.getLogger(__name__)
 #: same shape, so the list is fixed up front; add more with ``PlanRecorder(phases=...)``).
 DEFAULT_PHASES = (
     "plan",
+    "record",  # the recorder's own hook (gathering times, queueing the plan)
     "route",
     "pre_attn",
     "post_attn",
@@ -182,7 +186,11 @@ class PlanRecorder:
             return
         if self._pending_step is not None:
             if step == self._pending_step + 1:
-                rows = self._gather(balancer, dict(getattr(balancer, "previous_timings", {})))
+                # Gathered with the balancer's lengths (see `timing_row`); a balancer
+                # that does not carry them (a stand-in) is gathered from here.
+                rows = getattr(balancer, "previous_timing_rows", None)
+                if rows is None:
+                    rows = self._gather(balancer, dict(getattr(balancer, "previous_timings", {})))
                 if rows is not None and self._pending is not None:
                     _attach(self._pending, _group_ranks(balancer), rows, self.phases)
             # A gap in step numbers (e.g. a restarted counter): the timings we hold are
@@ -315,10 +323,11 @@ class PlanRecorder:
             if self.active:
                 self._enqueue(plan)
 
-    def _gather(self, balancer: Any, timings: dict[str, float]) -> list[list[float]] | None:
-        """Gather one row of timings per rank to the writing rank (others get ``None``).
+    def timing_row(self, timings: dict[str, float]) -> list[float]:
+        """This rank's ``timings`` as one row in `phases` order (NaN: not measured).
 
-        Rows follow the group's rank order; a phase a rank did not measure is NaN.
+        `SequenceBalancer` sends the previous step's row with its length all-gather, so
+        recording costs no collective of its own; every rank's row then has the same size.
         """
         unknown = set(timings) - set(self.phases) - self._warned_phases
         if unknown:
@@ -328,7 +337,15 @@ class PlanRecorder:
                 "to record them",
                 ", ".join(sorted(unknown)),
             )
-        row = [float(timings.get(p, math.nan)) for p in self.phases]
+        return [float(timings.get(p, math.nan)) for p in self.phases]
+
+    def _gather(self, balancer: Any, timings: dict[str, float]) -> list[list[float]] | None:
+        """Gather one row of timings per rank to the writing rank (others get ``None``):
+        for `finish` and for balancers that do not gather them (see `timing_row`).
+
+        Rows follow the group's rank order; a phase a rank did not measure is NaN.
+        """
+        row = self.timing_row(timings)
         ranks = _group_ranks(balancer)
         if len(ranks) == 1:
             return [row]

@@ -219,6 +219,9 @@ def _worker(rank: int, world: int, topologies: list[str]) -> dict:
             def on_step(self, balancer, plan):
                 self.steps.append(plan.step)
 
+            def timing_row(self, timings):  # sent with the balancer's length all-gather
+                return [float(rank), 100.0 * len(self.steps)]
+
             def close(self):
                 Recorder.closed += 1
 
@@ -233,6 +236,7 @@ def _worker(rank: int, world: int, topologies: list[str]) -> dict:
             for case in ("mixed", "single")
         }
         results[topo] = per_case
+        results[(topo, "rows")] = bal.previous_timing_rows
         results[(topo, "group")] = (bal.group_ranks, bal.my_bag)
         results[(topo, "errors")] = _errors(bal, world)
         own = list(bal._own_groups)
@@ -327,7 +331,7 @@ def test_balancer_on_gloo(world, tmp_path):
                 assert r["reverse_bytes"] == r["moved_in"] * r["row_bytes"], where
                 assert r["step"] == (0 if case == "mixed" else 1), where
                 assert r["plan_ms"] > 0
-                assert set(r["timings"]) == {"plan", "route", "reverse_route"} | (
+                assert set(r["timings"]) == {"plan", "record", "route", "reverse_route"} | (
                     {"pre_attn", "post_attn"} if r["multi_bag"] else set()
                 ), where
                 if case == "single":
@@ -340,6 +344,9 @@ def test_balancer_on_gloo(world, tmp_path):
             group, bag = res[(topo, "group")]
             assert group == t.group_of(rank, world)
             assert rank in bag and len(bag) in t.bag_sizes
+            # Every rank's recorder row of the previous step arrived with the lengths
+            # (the plan's two all-gathers, checked above, are all it took).
+            assert res[(topo, "rows")] == [[float(r), 100.0] for r in group], res[(topo, "rows")]
             recorded, closed = res[(topo, "recorder")]
             assert recorded == [0, 1, 2], "recorder.on_step once per plan, on every rank"
             assert closed == 1, "close() is idempotent"

@@ -141,7 +141,7 @@ def test_demo_three_steps_world4_headless_records_measured_plans(tmp_path):
         assert plan.topology == "g1n2+g2n1" and plan.gpus == [0, 1, 2, 3]
         assert plan.run == "demo" and plan.token_dim == 64
         ms = plan.measurements.per_rank_ms
-        for phase in ("plan", "route", "reverse_route", "forward_backward", "optimizer"):
+        for phase in ("plan", "record", "route", "reverse_route", "forward_backward", "optimizer"):
             assert len(ms[phase]) == 4, phase
             assert all(math.isfinite(v) and v > 0 for v in ms[phase]), (phase, ms[phase])
         # Ulysses re-sharding happens only in the 2-GPU bag (ranks 2 and 3).
