@@ -5,7 +5,8 @@ with their byte offsets (so a record can be re-read later without keeping it in 
 It copes with what a recorder and the tools around it do to such a file:
 
 - a partial last line (the writer is mid-record): left for the next poll;
-- truncation (the file shrinks below what was read): reading restarts at byte 0;
+- truncation (the file shrinks below what was read), or a rewrite in place that grew
+  past it between two polls (its first bytes changed): reading restarts at byte 0;
 - rotation (``plans.jsonl`` renamed to ``plans.1.jsonl`` and a new ``plans.jsonl``
   started): the rest of the old file is drained through the still-open handle, then the
   new file is read from its start; the old file stays open so earlier records remain
@@ -22,6 +23,7 @@ from pathlib import Path
 
 _CHUNK = 1 << 20
 _KEEP_GENERATIONS = 16  # rotated files kept open for re-reading records
+_HEAD_BYTES = 64  # compared on every poll to notice a file rewritten in place
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +59,7 @@ class JsonlTail:
         self.line = 0  # complete lines consumed in this generation
         self._file = None  # binary handle of the current generation
         self._inode: int | None = None
+        self._head = b""  # the file's first bytes as read (see `_unchanged`)
         self._missing_reported = False
         self._old: dict[int, object] = {}  # generation -> open handle of a rotated file
         self._lock = threading.Lock()
@@ -110,18 +113,37 @@ class JsonlTail:
             if not self._open(batch):
                 return batch
         elif st.st_size < self.offset:
-            batch.events.append(
-                TailEvent(
-                    "truncated",
-                    f"{self.path.name} was truncated to {st.st_size} bytes (had read "
-                    f"{self.offset}, {self.line} lines); reading it again from the start",
-                )
+            self._restart(
+                batch,
+                f"{self.path.name} was truncated to {st.st_size} bytes (had read "
+                f"{self.offset}, {self.line} lines); reading it again from the start",
             )
-            self.generation += 1
-            self.offset = 0
-            self.line = 0
+        elif not self._unchanged():
+            self._restart(
+                batch,
+                f"{self.path.name} was rewritten since line {self.line} was read (its start "
+                "changed); reading it again from the start",
+            )
         self._read(batch, max_bytes)
         return batch
+
+    def _unchanged(self) -> bool:
+        """Whether what was read is still there: a file truncated and written past the read
+        offset between two polls is not smaller, but its first bytes (a plan's step and
+        time) and the newline before the offset are unlikely to have survived."""
+        if self.offset == 0:
+            return True
+        fd = self._file.fileno()
+        head = os.pread(fd, len(self._head), 0)
+        return head == self._head and os.pread(fd, 1, self.offset - 1) == b"\n"
+
+    def _restart(self, batch: TailBatch, message: str) -> None:
+        """The same file, new content: a new generation read from byte 0."""
+        batch.events.append(TailEvent("truncated", message))
+        self.generation += 1
+        self.offset = 0
+        self.line = 0
+        self._head = b""
 
     def read_record(self, generation: int, offset: int, length: int) -> str:
         """Re-read one line returned earlier (from the live or a rotated file)."""
@@ -158,6 +180,7 @@ class JsonlTail:
         self._inode = os.fstat(self._file.fileno()).st_ino
         self.offset = 0
         self.line = 0
+        self._head = b""
         return True
 
     def _retire(self) -> None:
@@ -192,6 +215,8 @@ class JsonlTail:
                     batch.lines.append(TailLine(self.line, start, len(raw), self.generation, text))
                 start += len(raw) + 1
             self.offset = start
+            if len(self._head) < _HEAD_BYTES:
+                self._head = os.pread(fd, min(_HEAD_BYTES, self.offset), 0)
             budget -= cut + 1
             pending = buf[cut + 1 :]
         batch.more = True

@@ -53,8 +53,10 @@ def test_reads_only_new_bytes(tmp_path, tail, monkeypatch):
     _append(path, "y" * 10 + "\n")
     batch = tail.poll()
     assert [ln.text for ln in batch.lines] == ["y" * 10]
-    assert sum(n for _, n in read) == 11  # the new line only, not the 5001 bytes before it
-    assert min(off for off, _ in read) == 5001
+    # The new line, not the 5001 bytes before it; before it only the rewrite check's
+    # fingerprint (the first 64 bytes and the newline ending the last line read).
+    assert sum(n for off, n in read if off >= 5001) == 11
+    assert sorted((off, n) for off, n in read if off < 5001) == [(0, 64), (5000, 1)]
 
 
 def test_blank_lines_and_crlf_keep_line_numbers(tmp_path, tail):
@@ -75,6 +77,23 @@ def test_truncation_restarts_from_the_beginning(tmp_path, tail):
     assert "truncated" in batch.events[0].message
     assert [(ln.number, ln.text, ln.generation) for ln in batch.lines] == [(1, "new", 1)]
     assert tail.read_record(1, batch.lines[0].offset, batch.lines[0].length) == "new"
+
+
+def test_rewrite_in_place_past_the_offset_restarts(tmp_path, tail):
+    # `> plans.jsonl` and a new run writing more than was read, between two polls: the
+    # file never looks smaller, but what was read is gone.
+    path = tmp_path / "plans.jsonl"
+    _append(path, '{"step": 0, "time": 1.5}\n{"step": 1, "time": 2.5}\n')
+    assert len(tail.poll().lines) == 2
+    with open(path, "w") as f:
+        f.write('{"step": 0, "time": 9.25, "run": "b"}\n{"step": 1, "time": 9.5, "run": "b"}\n')
+    batch = tail.poll()
+    assert [e.kind for e in batch.events] == ["truncated"]
+    assert "rewritten" in batch.events[0].message
+    assert [(ln.number, ln.generation) for ln in batch.lines] == [(1, 1), (2, 1)]
+    assert batch.lines[0].text.endswith('"run": "b"}')
+    _append(path, '{"step": 2}\n')  # and plain appends go on as before
+    assert [(ln.number, ln.text) for ln in tail.poll().lines] == [(3, '{"step": 2}')]
 
 
 def test_rotation_drains_the_old_file_then_follows_the_new_one(tmp_path, tail):
