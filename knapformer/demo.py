@@ -21,7 +21,6 @@ import os
 import re
 import signal
 import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ from typing import Any
 
 from knapformer.datamix import MIXED8, DataCode, parse_mix
 from knapformer.local_world import join, rendezvous, worker_context
+from knapformer.signals import deferring_sigint, handling, ignoring_sigint, interrupt
 from knapformer.topology import Topology
 
 DEMO_CODES = MIXED8  # the joint mix's data types on 8 GPUs, as in the 8-GPU samples
@@ -169,9 +169,10 @@ def _run_workers(
     ]
     reports: list[StepReport] = []
     try:
-        with _sigterm_as_interrupt():
-            for p in procs:
-                p.start()
+        with handling(signal.SIGTERM, interrupt):
+            with deferring_sigint():
+                for p in procs:
+                    p.start()
             send.close()  # only the workers write; EOF once rank 0 is gone
             if on_start is not None:
                 on_start()
@@ -189,36 +190,6 @@ def _run_workers(
             _stop(procs)
         receive.close()
     return reports
-
-
-@contextlib.contextmanager
-def ignoring_sigint():
-    """Ignore Ctrl-C inside the block (only the main thread can change signal handlers)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
-@contextlib.contextmanager
-def _sigterm_as_interrupt():
-    """Inside the block, SIGTERM stops the demo the way Ctrl-C does."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def interrupt(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _supervise(procs, receive, reports, on_report, deadline: float | None = None) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import queue
+import signal
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ import numpy as np
 from knapformer.local_world import join, rendezvous, worker_context
 from knapformer.plan import RoutingPlan
 from knapformer.planner import SOLVERS
+from knapformer.signals import deferring_sigint
 from knapformer.topology import Topology
 
 MAX_REPLAY_GPUS = 64  # one OS process each; beyond this a laptop thrashes
@@ -227,11 +229,12 @@ def _supervise(plan, gpus, dim, heads, replan, timeout_s, start_method, init_met
         )
         for rank in range(n)
     ]
-    for p in procs:
-        p.start()
     reports: dict[int, RankReport] = {}
     deadline = time.monotonic() + timeout_s
     try:
+        with deferring_sigint():
+            for p in procs:
+                p.start()
         while len(reports) < n:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -250,9 +253,12 @@ def _supervise(plan, gpus, dim, heads, replan, timeout_s, start_method, init_met
             if report.error and report.error.startswith("crashed:"):
                 break  # the others would wait for it in a collective
     finally:
-        for p in procs:
-            p.join(timeout=5 if len(reports) == n else 0.5)
-        for p in procs:
+        started = [p for p in procs if p.pid is not None]
+        # One deadline for all: after a crash or Ctrl-C the rest are killed, not awaited.
+        until = time.monotonic() + (5.0 if len(reports) == n else 0.5)
+        for p in started:
+            p.join(timeout=max(0.0, until - time.monotonic()))
+        for p in started:
             if p.is_alive():
                 p.kill()
                 p.join()
@@ -263,6 +269,7 @@ def _supervise(plan, gpus, dim, heads, replan, timeout_s, start_method, init_met
 
 
 def _worker(rank, world, init_method, plan, gpus, dim, heads, replan, results) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when workers stop
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     report = RankReport(rank)
     try:

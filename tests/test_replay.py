@@ -155,3 +155,41 @@ def test_every_sample_plan_replays(name):
     proc = run_cli("replay", f"sample_plans/{name}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
     assert "verdict: OK" in proc.stdout
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_replay_says_interrupted_and_stops_every_worker():
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    code = "import sys; from knapformer.cli import main; sys.exit(main(sys.argv[1:]))"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, "replay", "sample_plans/joint32_g8n4.json"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, as a terminal's foreground job
+    )
+    try:
+        first = proc.stdout.readline()  # announced: the 32 workers are starting
+        assert first.startswith("replaying"), first + proc.stderr.read()
+        parent = psutil.Process(proc.pid)
+        deadline = time.monotonic() + 60
+        while len(parent.children(recursive=True)) < 8 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        children = parent.children(recursive=True)
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C reaches the whole group: workers too
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert err.strip() == "interrupted", err
+    assert "verdict" not in out
+    # The workers, the fork server and the resource tracker: none outlives the command.
+    _, alive = psutil.wait_procs(children, timeout=15)
+    assert alive == [], [(p.pid, p.name()) for p in alive]

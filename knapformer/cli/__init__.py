@@ -3,7 +3,11 @@ registers itself on the one Typer app; user errors become one-line messages."""
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import sys
+from collections.abc import Iterator
+from typing import Any
 
 import typer
 
@@ -14,6 +18,7 @@ except ImportError:  # pragma: no cover
 
 from knapformer.cli import dashboard, debug, demo, plans, render
 from knapformer.cli.errors import UserError
+from knapformer.signals import handling, interrupt
 
 app = typer.Typer(
     name="knapformer",
@@ -28,6 +33,28 @@ for _module in (plans, demo, dashboard, render, debug):
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script; never shows a traceback for user errors."""
+    with _noting_ctrl_c() as interrupted:
+        code = _run(argv)
+    if code == 130 and interrupted:
+        # Typer turns Ctrl-C inside a command into a bare exit code 130; say so.
+        print("interrupted", file=sys.stderr)
+    return code
+
+
+@contextlib.contextmanager
+def _noting_ctrl_c() -> Iterator[list[bool]]:
+    """Ctrl-C raises KeyboardInterrupt as usual, and is noted in the yielded list."""
+    noted: list[bool] = []
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        noted.append(True)
+        interrupt(signum, frame)
+
+    with handling(signal.SIGINT, on_sigint):
+        yield noted
+
+
+def _run(argv: list[str] | None) -> int:
     try:
         code = app(args=argv, standalone_mode=False)
     except typer.Exit as done:
@@ -39,7 +66,6 @@ def main(argv: list[str] | None = None) -> int:
         err.show()
         return err.exit_code
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
         return 130
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)

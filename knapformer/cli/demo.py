@@ -43,10 +43,10 @@ def demo(
         DemoConfig,
         check_config,
         format_report,
-        ignoring_sigint,
         model_shape,
         run_demo,
     )
+    from knapformer.signals import ignoring_sigint
 
     cfg = DemoConfig(
         steps=steps,
@@ -79,9 +79,8 @@ def demo(
         except RuntimeError as err:
             raise UserError(str(err)) from err
         except KeyboardInterrupt:
-            # Typer would turn this into a silent exit 130; say what happened.
-            print("interrupted: workers stopped", file=sys.stderr, flush=True)
-            raise typer.Exit(130) from None
+            print("workers stopped", file=sys.stderr, flush=True)
+            raise
         if reports:
             median = statistics.median(r.step_ms for r in reports)
             print(
