@@ -508,8 +508,12 @@ def _best_exchanges(over, partners, bag, lengths, workload, size, per_gpu, accep
     # What may come back from each partner, sorted by (partner, workload) in one key:
     # nothing (listed first) or a member small enough for some over-loaded bag.
     ov, pb = np.asarray(over), np.asarray(partners)
+    # With one bag size every bag is a candidate for every sequence (the rule's fallback
+    # is "the largest bags"): the size and capacity checks below are then skipped.
+    one_size = size.min() == size.max()
     back = np.flatnonzero(slot_of >= num_o)
-    back = back[(lengths[back] >= size[ov].min()) & (workload[back] <= accepts[ov].max())]
+    if not one_size:
+        back = back[(lengths[back] >= size[ov].min()) & (workload[back] <= accepts[ov].max())]
     back_w = workload[back]
     span = 2.0 * float(back_w.max(initial=0.0)) + 1.0  # keeps partners' keys apart
     column = np.arange(num_p)
@@ -534,10 +538,11 @@ def _best_exchanges(over, partners, bag, lengths, workload, size, per_gpu, accep
     col2 = np.concatenate([column, column])  # partner of each candidate column
     delta = out_w - came_w  # net workload leaving a
     new_max = np.maximum(per_a - delta / g_a, per_b[col2] + delta / g_b[col2])
-    ok = (lengths[out][:, None] >= g_b[col2]) & (out_w <= accepts[pb][col2]) & (delta > 0)
-    ok &= new_max < per_a * (1 - 1e-9)
-    if size[ov].min() != size[ov].max():  # the prefilter was for the loosest bag
-        ok &= (came < 0) | ((lengths[came] >= g_a) & (came_w <= accepts[row_bag][:, None]))
+    ok = (delta > 0) & (new_max < per_a * (1 - 1e-9))
+    if not one_size:
+        ok &= (lengths[out][:, None] >= g_b[col2]) & (out_w <= accepts[pb][col2])
+        if size[ov].min() != size[ov].max():  # the prefilter was for the loosest bag
+            ok &= (came < 0) | ((lengths[came] >= g_a) & (came_w <= accepts[row_bag][:, None]))
     new_max[~ok] = np.inf
     # Each over-loaded bag takes its best exchange among the partners still free.
     best = np.minimum.reduceat(new_max, starts, axis=0).tolist()
