@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 #: same shape, so the list is fixed up front; add more with ``PlanRecorder(phases=...)``).
 DEFAULT_PHASES = (
     "plan",
-    "record",  # the recorder's own hook (gathering times, queueing the plan)
+    "record",  # the recorder's own hook on this rank (mostly queueing the plan)
     "route",
     "pre_attn",
     "post_attn",
