@@ -12,6 +12,7 @@ invariant in DESIGN.md and name the offending ids when one is broken.
 
 from __future__ import annotations
 
+import itertools
 import json
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -233,12 +234,23 @@ def _invariant_problems(plan: RoutingPlan):
     if (counts > 1).any():
         yield f"gpus lists GPU(s) {_ids(uniq[counts > 1])} more than once"
         return
-    bag_members = np.concatenate([np.asarray(b, dtype=np.int64) for b in plan.bags] or [[]])
-    empty = [i for i, b in enumerate(plan.bags) if len(b) == 0]
-    if empty:
-        yield f"bag(s) {_ids(np.asarray(empty))} have no GPUs"
+    bag_sizes = np.fromiter(map(len, plan.bags), dtype=np.int64, count=len(plan.bags))
+    bag_members = np.fromiter(
+        itertools.chain.from_iterable(plan.bags), dtype=np.int64, count=int(bag_sizes.sum())
+    )
+    if (bag_sizes == 0).any():
+        yield f"bag(s) {_ids(bag_sizes == 0)} have no GPUs"
         return
-    foreign = ~np.isin(bag_members, gpus)
+    # Position of each rank in `gpus` (-1: not a GPU of the plan), for membership tests.
+    position = np.full(int(gpus.max()) + 1, -1, dtype=np.int64)
+    position[gpus] = np.arange(len(gpus))
+
+    def in_gpus(ranks: np.ndarray) -> np.ndarray:
+        inside = (ranks >= 0) & (ranks < position.size)
+        inside[inside] = position[ranks[inside]] >= 0
+        return inside
+
+    foreign = ~in_gpus(bag_members)
     if foreign.any():
         yield f"bags hold GPU(s) {_ids(bag_members[foreign])} that are not in gpus"
         return
@@ -246,21 +258,20 @@ def _invariant_problems(plan: RoutingPlan):
     if (member_counts > 1).any():
         yield f"GPU(s) {_ids(members[member_counts > 1])} belong to more than one bag"
         return
-    missing = ~np.isin(gpus, bag_members)
-    if missing.any():
-        yield f"GPU(s) {_ids(gpus[missing])} belong to no bag"
+    if len(bag_members) < len(gpus):  # members are distinct GPUs of the plan
+        in_a_bag = np.zeros(len(gpus), dtype=bool)
+        in_a_bag[position[bag_members]] = True
+        yield f"GPU(s) {_ids(gpus[~in_a_bag])} belong to no bag"
         return
 
     seqs, chunks = plan.sequences, plan.chunks
     n_seq, n_bags = len(seqs), len(plan.bags)
-    bad = ~np.isin(seqs.src_gpu, gpus)
+    bad = ~in_gpus(seqs.src_gpu)
     if bad.any():
         yield f"sequence(s) {_ids(bad)} have a source GPU outside gpus"
         return
     # Canonical order (the router relies on it): sequences grouped by source GPU in the
     # order of `gpus`, chunks by sequence then offset.
-    position = np.empty(int(gpus.max()) + 1, dtype=np.int64)
-    position[gpus] = np.arange(len(gpus))
     src_position = position[seqs.src_gpu]
     bad = np.flatnonzero(np.diff(src_position) < 0) + 1
     if bad.size:
@@ -289,7 +300,7 @@ def _invariant_problems(plan: RoutingPlan):
     if bad.any():
         yield f"chunk(s) {_ids(bad)} have a negative length or offset"
         return
-    bad = ~np.isin(chunks.src_gpu, gpus) | ~np.isin(chunks.dst_gpu, gpus)
+    bad = ~in_gpus(chunks.src_gpu) | ~in_gpus(chunks.dst_gpu)
     if bad.any():
         yield f"chunk(s) {_ids(bad)} have a source or destination GPU outside gpus"
         return
@@ -298,9 +309,8 @@ def _invariant_problems(plan: RoutingPlan):
         yield f"chunk(s) {_ids(bad)} start on a GPU other than their sequence's source GPU"
         return
 
-    bag_of_gpu = np.full(int(max(gpus.max(), bag_members.max())) + 1, -1, dtype=np.int64)
-    for bag_id, members_of_bag in enumerate(plan.bags):
-        bag_of_gpu[members_of_bag] = bag_id
+    bag_of_gpu = np.full(position.size, -1, dtype=np.int64)  # members are GPUs of the plan
+    bag_of_gpu[bag_members] = np.repeat(np.arange(n_bags), bag_sizes)
     bad = bag_of_gpu[chunks.dst_gpu] != seqs.bag[chunks.seq]
     if bad.any():
         yield (

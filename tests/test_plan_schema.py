@@ -74,6 +74,13 @@ BROKEN = [
     ("GPU in two bags", _break(["bags"], [[0], [1, 2], [2, 3]]), ["GPU(s) 2", "more than one bag"]),
     ("GPU in no bag", _break(["bags"], [[0], [1], [2]]), ["GPU(s) 3", "no bag"]),
     ("bag outside gpus", _break(["bags"], [[0], [1], [2, 3, 9]]), ["GPU(s) 9"]),
+    ("negative rank in a bag", _break(["bags"], [[0], [1], [2, 3, -4]]), ["GPU(s) -4"]),
+    ("empty bag", _break(["bags"], [[0], [1], [2, 3], []]), ["bag(s) 3", "no GPUs"]),
+    (
+        "chunk to a GPU outside gpus",
+        _break(["chunks", "dst_gpu"], [0, 2, 3, 12]),
+        ["chunk(s) 3", "outside gpus"],
+    ),
     (
         "chunk outside its bag",
         _break(["chunks", "dst_gpu"], [0, 2, 0, 1]),
