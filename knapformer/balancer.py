@@ -56,7 +56,10 @@ class SequenceBalancer:
             construct the balancer at the same point.
         max_tokens_per_gpu: optional hard cap on tokens per GPU after routing.
         recorder: optional object with ``on_step(balancer, plan)`` and ``close()``
-            (e.g. ``knapformer.PlanRecorder``), called on every rank of the group.
+            (e.g. ``knapformer.PlanRecorder``), called on every rank of the group. If it
+            has ``timing_row(timings) -> list[float]`` (the same length on every rank),
+            each rank's row of the previous step's timings is sent with the length
+            all-gather and every rank's row is in ``previous_timing_rows``.
         run: run name stored in every plan.
     """
 
