@@ -3,8 +3,6 @@ plan locally and ask "what if" of the balancer offline."""
 
 from __future__ import annotations
 
-import sys
-import time
 from pathlib import Path
 
 import typer
@@ -12,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from knapformer.cli.errors import UserError
+from knapformer.cli.progress import progress
 
 
 def register(app: typer.Typer) -> None:
@@ -160,20 +159,19 @@ def simulate(
         files = run_files(out, list(dict.fromkeys(run_name(t, s) for t in topos for s in solver)))
     plans: dict[str, list] = {run: [] for run in files or {}}
     console = _console()
-    progress = _Progress(steps, "simulating step")
-    result = run_simulate(
-        codes,
-        topologies,
-        steps=steps,
-        token_dim=d_model,
-        gamma=gamma,
-        solvers=solver,
-        seed=seed,
-        dtype_bytes=dtype_bytes,
-        on_plan=(lambda plan: plans[plan.run].append(plan)) if files else None,
-        on_step=lambda i: progress.update(i + 1),
-    )
-    progress.done()
+    with progress("simulating", "steps", Console(stderr=True)) as on_progress:
+        result = run_simulate(
+            codes,
+            topologies,
+            steps=steps,
+            token_dim=d_model,
+            gamma=gamma,
+            solvers=solver,
+            seed=seed,
+            dtype_bytes=dtype_bytes,
+            on_plan=(lambda plan: plans[plan.run].append(plan)) if files else None,
+            on_step=lambda i: on_progress(i + 1, steps),
+        )
     table = Table(
         title=f"{data_codes} on {result.num_gpus} GPUs · {steps} steps · d={d_model} γ={gamma} "
         "· means per step",
@@ -220,27 +218,6 @@ def simulate(
         console.print(f"view them with: knapformer dashboard {out}", soft_wrap=True)
 
 
-class _Progress:
-    """A one-line ``what i/n`` counter on stderr, only on a terminal and after 1 s."""
-
-    def __init__(self, total: int, what: str):
-        self.total, self.what = total, what
-        self.started = time.perf_counter()
-        self.enabled = sys.stderr.isatty()
-        self.shown = False
-
-    def update(self, done: int, total: int | None = None) -> None:
-        if self.enabled and (self.shown or time.perf_counter() - self.started > 1.0):
-            print(
-                f"\r{self.what} {done}/{total or self.total}", end="", file=sys.stderr, flush=True
-            )
-            self.shown = True
-
-    def done(self) -> None:
-        if self.shown:
-            print("\r\033[K", end="", file=sys.stderr, flush=True)
-
-
 # --------------------------------------------------------------------- suggest
 def suggest(
     data_codes: str = typer.Option(
@@ -271,12 +248,11 @@ def suggest(
     cost = CostModel(d_model, dtype_bytes, tflops, bandwidth, layers)
     candidates = enumerate_topologies(gpus, max_bag)
     console = _console()
-    progress = _Progress(len(candidates), "simulating topology")
-    ranked = run_suggest(
-        codes, gpus, max_bag, steps, gamma, cost, seed=seed, topologies=candidates,
-        on_topology=progress.update,
-    )  # fmt: skip
-    progress.done()
+    with progress("simulating", "topologies", Console(stderr=True)) as on_progress:
+        ranked = run_suggest(
+            codes, gpus, max_bag, steps, gamma, cost, seed=seed, topologies=candidates,
+            on_topology=on_progress,
+        )  # fmt: skip
     best = ranked[0]
     table = Table(
         title=f"{data_codes} on {gpus} GPUs: {len(ranked)} topologies (bags ≤ {max_bag}), "

@@ -41,8 +41,8 @@ def animate(
 ) -> None:
     """Render a video of routing decisions: sequences per GPU, chunks flying to their bags."""
     from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from knapformer.cli.progress import progress
     from knapformer.plan_io import plans_in_range, select_step
     from visualization.render import QUALITIES, render_video
 
@@ -60,30 +60,7 @@ def animate(
     console = Console(stderr=True)
     started = time.perf_counter()
     label = f"rendering {len(plans)} step{'s' if len(plans) != 1 else ''} ({quality})"
-    if console.is_terminal:
-        with Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            TextColumn("{task.completed}/{task.total} animations"),
-            TimeElapsedColumn(),
-            console=console,
-            transient=True,
-        ) as progress:
-            task = progress.add_task(label, total=None)
-
-            def on_progress(done: int, total: int) -> None:
-                progress.update(task, completed=done, total=total)
-
-            written = render_video(plans, out, quality, measure, title, on_progress)  # type: ignore[arg-type]
-    else:  # logs and pipes: a few plain lines instead of a redrawn bar
-        quarters = [0]
-
-        def on_progress(done: int, total: int) -> None:
-            if done * 4 // total > quarters[0]:
-                quarters[0] = done * 4 // total
-                elapsed = time.perf_counter() - started
-                console.print(f"{label}: {done}/{total} animations, {elapsed:.1f} s")
-
+    with progress(label, "animations", console, log_quarters=True) as on_progress:
         written = render_video(plans, out, quality, measure, title, on_progress)  # type: ignore[arg-type]
     seconds = time.perf_counter() - started
     console.print(f"wrote {written} ({len(plans)} step(s), {quality}) in {seconds:.1f} s")
