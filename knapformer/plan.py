@@ -17,6 +17,7 @@ import json
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import numpy as np
+from numpy.typing import ArrayLike
 from pydantic import (
     BaseModel,
     BeforeValidator,
@@ -72,6 +73,15 @@ FloatColumn = Annotated[
     PlainSerializer(_to_list),
     WithJsonSchema({"type": "array", "items": {"type": "number"}}),
 ]
+
+
+def gpu_positions(gpus: ArrayLike) -> np.ndarray:
+    """Lookup array from a rank (0..max(gpus)) to its index in ``gpus``; -1 for a rank that
+    is not one of them. ``gpus`` must be non-negative and distinct."""
+    gpus = np.asarray(gpus, dtype=np.int64)
+    lookup = np.full(int(gpus.max()) + 1, -1, dtype=np.int64)
+    lookup[gpus] = np.arange(len(gpus))
+    return lookup
 
 
 def _ids(mask_or_ids: np.ndarray) -> str:
@@ -241,9 +251,7 @@ def _invariant_problems(plan: RoutingPlan):
     if (bag_sizes == 0).any():
         yield f"bag(s) {_ids(bag_sizes == 0)} have no GPUs"
         return
-    # Position of each rank in `gpus` (-1: not a GPU of the plan), for membership tests.
-    position = np.full(int(gpus.max()) + 1, -1, dtype=np.int64)
-    position[gpus] = np.arange(len(gpus))
+    position = gpu_positions(gpus)  # for the membership tests below
 
     def in_gpus(ranks: np.ndarray) -> np.ndarray:
         inside = (ranks >= 0) & (ranks < position.size)

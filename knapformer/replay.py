@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from knapformer.local_world import join, rendezvous, worker_context
-from knapformer.plan import RoutingPlan
+from knapformer.plan import RoutingPlan, gpu_positions
 from knapformer.planner import SOLVERS
 from knapformer.signals import deferring_sigint
 from knapformer.topology import Topology
@@ -84,8 +84,7 @@ def renumber(plan: RoutingPlan) -> RoutingPlan:
     gpus = np.asarray(plan.gpus, dtype=np.int64)
     if np.array_equal(gpus, np.arange(len(gpus))):
         return plan
-    lookup = np.zeros(int(gpus.max()) + 1, dtype=np.int64)
-    lookup[gpus] = np.arange(len(gpus))
+    lookup = gpu_positions(gpus)
     seqs, chunks = plan.sequences, plan.chunks
     return RoutingPlan.build(
         **{

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from knapformer.plan import RoutingPlan
+from knapformer.plan import RoutingPlan, gpu_positions
 
 Group = dist.ProcessGroup | None
 
@@ -72,7 +72,7 @@ class RoutingTables:
         """Tables of global ``rank`` for ``plan``; ``bag_group`` is its bag's sub-group."""
         gpus = np.asarray(plan.gpus, dtype=np.int64)
         n = len(gpus)
-        pos_of = {int(g): i for i, g in enumerate(gpus.tolist())}
+        pos = gpu_positions(gpus)
         seqs, chunks = plan.sequences, plan.chunks
         seq_src = np.asarray(seqs.src_gpu, dtype=np.int64)
         seq_len = np.asarray(seqs.length, dtype=np.int64)
@@ -81,8 +81,7 @@ class RoutingTables:
         c_dst = np.asarray(chunks.dst_gpu, dtype=np.int64)
         c_off = np.asarray(chunks.offset, dtype=np.int64)
         c_len = np.asarray(chunks.length, dtype=np.int64)
-        dst_pos = np.searchsorted(gpus, c_dst) if _sorted(gpus) else _positions(c_dst, pos_of)
-        src_pos = np.searchsorted(gpus, c_src) if _sorted(gpus) else _positions(c_src, pos_of)
+        dst_pos, src_pos = pos[c_dst], pos[c_src]
 
         # Send side: my chunks grouped by destination (stable: chunk-id order inside).
         mine_seq = np.flatnonzero(seq_src == rank)
@@ -139,14 +138,6 @@ def _bag_tables(bag_ranks, c_dst, c_seq, c_len, group, to_tensor) -> BagTables:
         from_sequences=to_tensor(np.argsort(to_sequences)),
         seq_lens=seq_lens.astype(np.int64).tolist(),
     )
-
-
-def _sorted(a: np.ndarray) -> bool:
-    return bool(np.all(a[1:] > a[:-1]))
-
-
-def _positions(ranks: np.ndarray, pos_of: dict[int, int]) -> np.ndarray:
-    return np.fromiter((pos_of[int(r)] for r in ranks), dtype=np.int64, count=len(ranks))
 
 
 def token_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from knapformer.plan import gpu_positions
+
 if TYPE_CHECKING:
     from knapformer.plan import RoutingPlan
 
@@ -95,8 +97,7 @@ def bag_share(plan: RoutingPlan, per_seq: np.ndarray) -> np.ndarray:
 def compute_stats(plan: RoutingPlan) -> PlanStats:
     gpus = np.asarray(plan.gpus, dtype=np.int64)
     n = len(gpus)
-    pos = np.full(int(gpus.max()) + 1, -1, dtype=np.int64)
-    pos[gpus] = np.arange(n)
+    pos = gpu_positions(gpus)
     seqs, chunks = plan.sequences, plan.chunks
     bag_sizes = np.array([len(b) for b in plan.bags], dtype=np.int64)
     workload = np.asarray(seqs.workload, dtype=np.float64)

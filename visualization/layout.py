@@ -19,7 +19,7 @@ from typing import Literal
 
 import numpy as np
 
-from knapformer.plan import RoutingPlan
+from knapformer.plan import RoutingPlan, gpu_positions
 
 Measure = Literal["tokens", "workload"]
 
@@ -224,8 +224,7 @@ def layout_plan(
     row_of_pos = np.empty(n, dtype=np.int64)
     for r, row in enumerate(rows):
         row_of_pos[row.pos] = r
-    pos_of_gpu = np.full(max(plan.gpus) + 1, -1, dtype=np.int64)
-    pos_of_gpu[np.asarray(plan.gpus)] = np.arange(n)
+    pos_of_gpu = gpu_positions(plan.gpus)
 
     length = np.asarray(seqs.length, dtype=np.float64)
     seq_amount = np.asarray(seqs.workload, dtype=np.float64) if measure == "workload" else length
