@@ -25,6 +25,8 @@ sequence outweighs the mean, and then every GPU under it keeps its own work).
    least-loaded ones until the makespan is within 0.08 % of the lower bound, or no
    exchange helps; if it ends more than 0.1 % above the bound, greedy is solved too and
    the better makespan kept (so it is never worse than greedy's beyond 0.1 % of the bound).
+   A small round scores every (leaving, returning) pair at once; a large one only the two
+   members per partner nearest the ideal exchange (the best one is always among them).
 In a multi-GPU bag the remainder tokens go to the chunk that stays on the source GPU,
 so fewer tokens move. An optional ``max_tokens_per_gpu`` is a hard cap on the tokens
 each GPU holds after routing (``ValueError`` when a sequence fits nowhere).
@@ -60,6 +62,9 @@ _ONE_BY_ONE = 128  # steps of at most this many sequences are placed one by one
 _FALLBACK_TOLERANCE = 1e-3
 _LEVEL_TOLERANCE = 8e-4  # the local search stops this close to the bound (with margin)
 _LEVEL_PARTNERS = 8  # least-loaded bags tried as exchange partners of the most-loaded one
+# A search round scores every (leaving, returning) pair while there are at most this many;
+# beyond, only the two candidates nearest the ideal exchange per partner.
+_DENSE_CELLS = 8192
 
 
 def plan_routing(
@@ -147,9 +152,17 @@ class _BagShape:
         self.start = (np.cumsum(self.size) - self.size).astype(np.int64)
         self.bag_of_pos = np.repeat(np.arange(len(self.size)), self.size)
         self.class_size = np.unique(self.size)
-        self.class_of_bag = np.searchsorted(self.class_size, self.size).tolist()
+        self.class_of_bag_array = np.searchsorted(self.class_size, self.size)
+        self.class_of_bag = self.class_of_bag_array.tolist()
         self.positions = np.arange(int(self.size.sum()))
-        for arr in (self.size, self.start, self.bag_of_pos, self.class_size, self.positions):
+        for arr in (
+            self.size,
+            self.start,
+            self.bag_of_pos,
+            self.class_size,
+            self.class_of_bag_array,
+            self.positions,
+        ):
             arr.flags.writeable = False
         self._masks: dict[int, np.ndarray] = {}
 
@@ -288,7 +301,10 @@ def _place_in_order(
         return
     shape = layout.shape
     num_classes = len(layout.class_size)
-    keys = layout.candidate_keys(workload[order], lengths[order])
+    lo, hi = np.divmod(layout.candidate_keys(workload[order], lengths[order]), num_classes)
+    home = home_bag[order]
+    home_class = shape.class_of_bag_array[home]
+    may_stay = (lo <= home_class) & (home_class <= hi) if prefer_home else np.zeros(len(lo), bool)
     # Plain lists: for the few hundred to few thousand sequences placed one by one,
     # Python scalars beat per-item numpy calls several times over.
     load = layout.load.tolist()
@@ -308,24 +324,22 @@ def _place_in_order(
     capped = layout.max_tokens is not None
     rows = zip(
         order.tolist(),
-        keys.tolist(),
+        lo.tolist(),
+        hi.tolist(),
+        may_stay.tolist(),
         workload[order].tolist(),
         lengths[order].tolist(),
-        home_bag[order].tolist(),
+        home.tolist(),
         src_pos[order].tolist(),
         strict=True,
     )
     chosen_bag, chosen_rem = [], []  # written back in one call each at the end
-    for seq, key, w, length, h, src in rows:
-        lo, hi = divmod(key, num_classes)
+    for seq, lo, hi, may_stay, w, length, h, src in rows:
         room = layout.token_room(length).tolist() if capped else None
-        if (
-            prefer_home
-            and lo <= class_of_bag[h] <= hi
-            and load[h] + w <= limit[h]
-            and (room is None or room[h])
-        ):
+        if may_stay and load[h] + w <= limit[h] and (room is None or room[h]):
             b = h
+        elif lo == hi and not capped:  # the usual case, one size class: its heap's top
+            b = _live_top(heaps[lo], occupancy)[1]
         else:
             b = _least_occupied(heaps, lo, hi, occupancy, room)
             if b < 0:
@@ -366,16 +380,22 @@ def _least_occupied(
     best = None
     for c in range(lo, hi + 1):
         heap = heaps[c]
-        while heap[0][0] != occupancy[heap[0][1]]:  # stale: that bag's load grew since
-            heapq.heappop(heap)
         if allowed is None:
-            top = heap[0]
+            top = _live_top(heap, occupancy)
         else:
             live = (e for e in heap if allowed[e[1]] and e[0] == occupancy[e[1]])
             top = min(live, default=None)
         if top is not None and (best is None or top < best):
             best = top
     return -1 if best is None else best[1]
+
+
+def _live_top(heap: list[tuple[float, int]], occupancy: list[float]) -> tuple[float, int]:
+    """The heap's least (occupancy, bag), after dropping stale entries (bags whose load
+    grew since the entry was pushed)."""
+    while heap[0][0] != occupancy[heap[0][1]]:
+        heapq.heappop(heap)
+    return heap[0]
 
 
 def _solve_local_or_greedy(shape, lengths, workload, home_bag, src_pos, mean, max_tokens):
@@ -473,6 +493,7 @@ def _level_makespan(lengths, workload, home_bag, src_pos, layout, bag, rem, max_
     if per_gpu.max() <= stop:  # the usual case: nothing to level
         return
     accepts = layout.capacity * (1 + _EPS)  # the largest workload each bag may take
+    one_size = len(layout.class_size) == 1
     for _ in range(4 * num_bags if max_rounds is None else max_rounds):
         by_load = per_gpu.argsort(kind="stable").tolist()
         num_over = min(int(np.count_nonzero(per_gpu > stop)), _LEVEL_PARTNERS)
@@ -480,7 +501,9 @@ def _level_makespan(lengths, workload, home_bag, src_pos, layout, bag, rem, max_
         partners = by_load[: num_bags - num_over][:_LEVEL_PARTNERS]
         if not over or not partners:
             return
-        moves = _best_exchanges(over, partners, bag, lengths, workload, size, per_gpu, accepts)
+        moves = _best_exchanges(
+            over, partners, bag, lengths, workload, size, per_gpu, accepts, one_size
+        )
         if not moves:
             return
         for a, b, out_of_a, out_of_b in moves:
@@ -491,10 +514,11 @@ def _level_makespan(lengths, workload, home_bag, src_pos, layout, bag, rem, max_
             per_gpu[a], per_gpu[b] = layout.load[a] / size[a], layout.load[b] / size[b]
 
 
-def _best_exchanges(over, partners, bag, lengths, workload, size, per_gpu, accepts):
+def _best_exchanges(over, partners, bag, lengths, workload, size, per_gpu, accepts, one_size):
     """One round's exchanges: each over-loaded bag ``a`` (most loaded first) with the free
     partner ``b`` that evens the two out best. Returns (a, b, sequence leaving a, sequence
-    leaving b or -1) per exchange that lowers the larger of the two bags."""
+    leaving b or -1) per exchange that lowers the larger of the two bags. ``one_size``:
+    every bag has the same number of GPUs."""
     num_o, num_p = len(over), len(partners)
     slot = np.full(len(size), -1)  # over bag -> 0..num_o-1, partner -> num_o..
     slot[over] = np.arange(num_o)
@@ -503,62 +527,88 @@ def _best_exchanges(over, partners, bag, lengths, workload, size, per_gpu, accep
     # Sequences that may leave the over-loaded bags (rows, grouped by bag; none is empty).
     out = np.flatnonzero((slot_of >= 0) & (slot_of < num_o))
     out = out[np.argsort(slot_of[out], kind="stable")]
-    row_o, row_bag = slot_of[out], bag[out]
-    starts = np.searchsorted(row_o, np.arange(num_o)).tolist()
-    # What may come back from each partner, sorted by (partner, workload) in one key:
-    # nothing (listed first) or a member small enough for some over-loaded bag.
+    row_bag = bag[out]
+    starts = np.searchsorted(slot_of[out], np.arange(num_o))
+    # What may come back from each partner: nothing, or a member small enough for some
+    # over-loaded bag. With one bag size every bag is a candidate for every sequence (the
+    # rule's fallback is "the largest bags"): the size and capacity checks are skipped.
     ov, pb = np.asarray(over), np.asarray(partners)
-    # With one bag size every bag is a candidate for every sequence (the rule's fallback
-    # is "the largest bags"): the size and capacity checks below are then skipped.
-    one_size = size.min() == size.max()
     back = np.flatnonzero(slot_of >= num_o)
     if not one_size:
         back = back[(lengths[back] >= size[ov].min()) & (workload[back] <= accepts[ov].max())]
+    back_partner = slot_of[back] - num_o
+    out_w = workload[out][:, None]
+    g_a, per_a = size[row_bag][:, None], per_gpu[row_bag][:, None]
+    # Candidate columns, grouped by partner: `came` is what comes back (-1: nothing).
+    if out.size * (back.size + num_p) <= _DENSE_CELLS:
+        came, came_w, col_partner = _every_candidate(back, back_partner, workload, num_p)
+    else:
+        ideal = (per_a - per_gpu[pb]) / (1.0 / g_a + 1.0 / size[pb])
+        came, came_w, col_partner = _nearest_candidates(
+            back, back_partner, workload, num_p, out_w - ideal
+        )
+    g_b, per_b = size[pb][col_partner], per_gpu[pb][col_partner]
+    delta = out_w - came_w  # net workload leaving a
+    new_max = np.maximum(per_a - delta / g_a, per_b + delta / g_b)
+    ok = (delta > 0) & (new_max < per_a * (1 - 1e-9))
+    if not one_size:
+        ok &= (lengths[out][:, None] >= g_b) & (out_w <= accepts[pb][col_partner])
+        if size[ov].min() != size[ov].max():  # the prefilter was for the loosest bag
+            ok &= (came < 0) | (
+                (lengths[np.maximum(came, 0)] >= g_a) & (came_w <= accepts[row_bag][:, None])
+            )
+    new_max = np.where(ok, new_max, np.inf)
+    # Best per (over-loaded bag, partner); each over-loaded bag, most loaded first, takes
+    # its best among the partners still free.
+    col_starts = np.searchsorted(col_partner, np.arange(num_p))
+    best = np.minimum.reduceat(np.minimum.reduceat(new_max, starts, 0), col_starts, 1)
+    starts, col_starts = starts.tolist(), col_starts.tolist()
+    ends, col_ends = [*starts[1:], len(out)], [*col_starts[1:], len(col_partner)]
+    free = [True] * num_p
+    moves = []
+    for o, row in enumerate(best.tolist()):
+        score = [s if is_free else np.inf for s, is_free in zip(row, free, strict=True)]
+        p = score.index(min(score))
+        if score[p] == np.inf:
+            continue
+        free[p] = False
+        block = new_max[starts[o] : ends[o], col_starts[p] : col_ends[p]]
+        i, c = divmod(int(block.argmin()), block.shape[1])
+        leaving = starts[o] + i
+        coming = came[leaving if came.shape[0] > 1 else 0, col_starts[p] + c]
+        moves.append((over[o], partners[p], int(out[leaving]), int(coming)))
+    return moves
+
+
+def _every_candidate(back, back_partner, workload, num_p):
+    """Every member of each partner, after one "nothing" column per partner (for rounds
+    small enough to score every pair): one row that holds for every leaving sequence."""
+    came = np.concatenate([np.full(num_p, -1), back])
+    partner = np.concatenate([np.arange(num_p), back_partner])
+    order = partner.argsort(kind="stable")
+    came = came[order]
+    came_w = np.concatenate([np.zeros(num_p), workload[back]])[order]
+    return came[None, :], came_w[None, :], partner[order]
+
+
+def _nearest_candidates(back, back_partner, workload, num_p, target):
+    """Per (leaving sequence, partner) the two members, or nothing, whose workload is
+    nearest ``target`` (rows x partners): the objective is V-shaped in the net workload
+    moved, so only these two can be best. Columns 2p and 2p+1 belong to partner p."""
     back_w = workload[back]
     span = 2.0 * float(back_w.max(initial=0.0)) + 1.0  # keeps partners' keys apart
     column = np.arange(num_p)
-    key = np.concatenate([column * span, (slot_of[back] - num_o) * span + back_w])
+    key = np.concatenate([column * span, back_partner * span + back_w])
     by_key = key.argsort(kind="stable")
     key = key[by_key]
     back = np.concatenate([np.full(num_p, -1), back])[by_key]
     back_w = np.concatenate([np.zeros(num_p), back_w])[by_key]
     seg = np.flatnonzero(back < 0)  # each partner's "nothing" opens its segment
     seg_end = np.append(seg[1:], key.size) - 1
-    # The best exchange of bags a and b moves net `ideal` from a to b; the objective is
-    # V-shaped in the net, so per (leaving sequence, partner) only the two candidates
-    # nearest to (its workload - ideal) can be best.
-    g_a, per_a = size[row_bag][:, None], per_gpu[row_bag][:, None]
-    g_b, per_b = size[pb], per_gpu[pb]
-    out_w = workload[out][:, None]
-    target = out_w - (per_a - per_b) / (1.0 / g_a + 1.0 / g_b)
-    target = np.clip(target, 0.0, span / 2) + column * span
-    hit = np.searchsorted(key, target)
-    near = np.concatenate([np.maximum(hit - 1, seg), np.minimum(hit, seg_end)], 1)
-    came, came_w = back[near], back_w[near]
-    col2 = np.concatenate([column, column])  # partner of each candidate column
-    delta = out_w - came_w  # net workload leaving a
-    new_max = np.maximum(per_a - delta / g_a, per_b[col2] + delta / g_b[col2])
-    ok = (delta > 0) & (new_max < per_a * (1 - 1e-9))
-    if not one_size:
-        ok &= (lengths[out][:, None] >= g_b[col2]) & (out_w <= accepts[pb][col2])
-        if size[ov].min() != size[ov].max():  # the prefilter was for the loosest bag
-            ok &= (came < 0) | ((lengths[came] >= g_a) & (came_w <= accepts[row_bag][:, None]))
-    new_max[~ok] = np.inf
-    # Each over-loaded bag takes its best exchange among the partners still free.
-    best = np.minimum.reduceat(new_max, starts, axis=0).tolist()
-    ends = [*starts[1:], len(out)]
-    free = [True] * num_p
-    moves = []
-    for o, row in enumerate(best):
-        score = [min(row[p], row[p + num_p]) if free[p] else np.inf for p in range(num_p)]
-        p = min(range(num_p), key=score.__getitem__)
-        if score[p] == np.inf:
-            continue
-        c = p if row[p] <= row[p + num_p] else p + num_p
-        i = starts[o] + int(new_max[starts[o] : ends[o], c].argmin())
-        free[p] = False
-        moves.append((over[o], partners[p], int(out[i]), int(came[i, c])))
-    return moves
+    hit = np.searchsorted(key, np.clip(target, 0.0, span / 2) + column * span)
+    near = np.stack([np.maximum(hit - 1, seg), np.minimum(hit, seg_end)], 2)
+    near = near.reshape(len(target), 2 * num_p)
+    return back[near], back_w[near], np.repeat(column, 2)
 
 
 def _exchange(a, b, out_of_a, out_of_b, lengths, workload, home_bag, src_pos, layout, bag, rem):

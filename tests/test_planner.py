@@ -1,5 +1,6 @@
 import json
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 from unittest.mock import patch
 
@@ -52,13 +53,27 @@ def _check_plan(plan: RoutingPlan, topo: Topology, lengths) -> None:
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 # Steps up to planner._ONE_BY_ONE sequences are placed one by one, larger ones mostly in
-# bulk; the drawn problems are small, so each property is also checked with that limit
-# at 0 (every step takes the bulk path).
-ONE_BY_ONE = st.sampled_from([planner._ONE_BY_ONE, 0])
+# bulk; small search rounds score every pair (up to planner._DENSE_CELLS), large ones only
+# the nearest candidates. The drawn problems are small, so each property is also checked
+# with those limits at 0 (every step takes the large-step paths).
+ONE_BY_ONE = st.sampled_from(
+    [
+        (planner._ONE_BY_ONE, planner._DENSE_CELLS),
+        (0, planner._DENSE_CELLS),
+        (planner._ONE_BY_ONE, 0),
+        (0, 0),
+    ]
+)
 
 
-def _limit(one_by_one: int):
-    return patch.object(planner, "_ONE_BY_ONE", one_by_one)
+@contextmanager
+def _limit(limits: tuple[int, int]):
+    one_by_one, dense_cells = limits
+    with (
+        patch.object(planner, "_ONE_BY_ONE", one_by_one),
+        patch.object(planner, "_DENSE_CELLS", dense_cells),
+    ):
+        yield
 
 
 @SETTINGS
@@ -115,6 +130,42 @@ def test_greedy_matches_the_plain_python_transcription(problem):
     assert plan.sequences.bag.tolist() == [s["bag"] for s in ref["sequences"].values()]
     for name in ("seq", "dst_gpu", "offset", "length"):
         assert getattr(plan.chunks, name).tolist() == [c[name] for c in ref["chunks"]]
+
+
+def _exchange_outcome(args, moves) -> list[tuple[int, int, float]]:
+    """(over-loaded bag, partner, larger of the two loads per GPU after) per exchange."""
+    _, _, _, _, workload, size, per_gpu, _, _ = args
+    outcome = []
+    for a, b, out_of_a, out_of_b in moves:
+        net = workload[out_of_a] - (workload[out_of_b] if out_of_b >= 0 else 0.0)
+        outcome.append((a, b, max(per_gpu[a] - net / size[a], per_gpu[b] + net / size[b])))
+    return outcome
+
+
+def test_both_exchange_searches_find_equally_good_exchanges():
+    # Scoring every pair (small rounds) and only the two candidates nearest the ideal
+    # exchange per partner (large rounds) must pick equally good exchanges: the same bag
+    # pairs, leaving the same larger load (ties between sequences may differ).
+    real, calls = planner._best_exchanges, []
+
+    def spy(*args):
+        calls.append([a.copy() if isinstance(a, np.ndarray) else a for a in args])
+        return real(*args)
+
+    with patch.object(planner, "_best_exchanges", spy):
+        for topo in ("g4n8", "g8n4", "g1n32", "g1n8+g2n4+g4n2+g8n1"):
+            for seed in range(4):
+                for mix in ("mixres", "joint", "lowres"):
+                    lengths = sample_lengths(parse_mix(mix), np.random.default_rng(seed))
+                    plan_routing(lengths, topo, MODEL)
+    assert len(calls) >= 20
+    for args in calls:
+        with patch.object(planner, "_DENSE_CELLS", 10**9):
+            every = _exchange_outcome(args, real(*args))
+        with patch.object(planner, "_DENSE_CELLS", 0):
+            nearest = _exchange_outcome(args, real(*args))
+        assert [m[:2] for m in every] == [m[:2] for m in nearest]
+        assert np.allclose([m[2] for m in every], [m[2] for m in nearest], rtol=1e-12)
 
 
 def test_default_solver_moves_far_fewer_tokens_at_g1n32():
