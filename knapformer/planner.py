@@ -493,6 +493,7 @@ def _level_makespan(lengths, workload, home_bag, src_pos, layout, bag, rem, max_
     if per_gpu.max() <= stop:  # the usual case: nothing to level
         return
     accepts = layout.capacity * (1 + _EPS)  # the largest workload each bag may take
+    members = _Members(bag, lengths, workload, num_bags)
     one_size = len(layout.class_size) == 1
     for _ in range(4 * num_bags if max_rounds is None else max_rounds):
         by_load = per_gpu.argsort(kind="stable").tolist()
@@ -501,9 +502,7 @@ def _level_makespan(lengths, workload, home_bag, src_pos, layout, bag, rem, max_
         partners = by_load[: num_bags - num_over][:_LEVEL_PARTNERS]
         if not over or not partners:
             return
-        moves = _best_exchanges(
-            over, partners, bag, lengths, workload, size, per_gpu, accepts, one_size
-        )
+        moves = _best_exchanges(over, partners, members, size, per_gpu, accepts, one_size)
         if not moves:
             return
         for a, b, out_of_a, out_of_b in moves:
@@ -511,59 +510,77 @@ def _level_makespan(lengths, workload, home_bag, src_pos, layout, bag, rem, max_
                 a, b, out_of_a, out_of_b, lengths, workload, home_bag, src_pos, layout, bag, rem
             ):
                 return
+            members.swap(a, b, out_of_a, out_of_b)
             per_gpu[a], per_gpu[b] = layout.load[a] / size[a], layout.load[b] / size[b]
 
 
-def _best_exchanges(over, partners, bag, lengths, workload, size, per_gpu, accepts, one_size):
+class _Members:
+    """Bag, length and workload of every sequence plus one *phantom* per bag (no tokens,
+    fits every bag): "nothing comes back" in an exchange is then just the partner's
+    phantom, scored like any other member."""
+
+    def __init__(self, bag, lengths, workload, num_bags):
+        self.num_real = len(bag)
+        self.bag = np.concatenate([bag, np.arange(num_bags)])
+        self.length = np.concatenate([lengths, np.full(num_bags, np.iinfo(np.int64).max)])
+        self.workload = np.concatenate([workload, np.zeros(num_bags)])
+
+    def real(self, member: int) -> int:
+        """The sequence id of ``member``, or -1 for a phantom."""
+        return member if member < self.num_real else -1
+
+    def swap(self, a: int, b: int, out_of_a: int, out_of_b: int) -> None:
+        self.bag[out_of_a] = b
+        if out_of_b >= 0:
+            self.bag[out_of_b] = a
+
+
+def _best_exchanges(over, partners, members, size, per_gpu, accepts, one_size):
     """One round's exchanges: each over-loaded bag ``a`` (most loaded first) with the free
     partner ``b`` that evens the two out best. Returns (a, b, sequence leaving a, sequence
     leaving b or -1) per exchange that lowers the larger of the two bags. ``one_size``:
     every bag has the same number of GPUs."""
     num_o, num_p = len(over), len(partners)
-    slot = np.full(len(size), -1)  # over bag -> 0..num_o-1, partner -> num_o..
+    slot = np.full(len(size), num_o + num_p)  # over bag -> 0.., partner -> num_o.., rest last
     slot[over] = np.arange(num_o)
     slot[partners] = np.arange(num_o, num_o + num_p)
-    slot_of = slot[bag]
-    # Sequences that may leave the over-loaded bags (rows, grouped by bag; none is empty).
-    out = np.flatnonzero((slot_of >= 0) & (slot_of < num_o))
-    out = out[np.argsort(slot_of[out], kind="stable")]
-    row_bag = bag[out]
-    starts = np.searchsorted(slot_of[out], np.arange(num_o))
-    # What may come back from each partner: nothing, or a member small enough for some
-    # over-loaded bag. With one bag size every bag is a candidate for every sequence (the
-    # rule's fallback is "the largest bags"): the size and capacity checks are skipped.
-    ov, pb = np.asarray(over), np.asarray(partners)
-    back = np.flatnonzero(slot_of >= num_o)
+    slot_of = slot[members.bag]
+    by_slot = slot_of.argsort(kind="stable")
+    bounds = np.searchsorted(slot_of[by_slot], np.arange(num_o + num_p + 1)).tolist()
+    # Rows: members that may leave the over-loaded bags; columns: members that may come
+    # back from the partners (a phantom: nothing). Both grouped by bag, none empty.
+    out, back = by_slot[: bounds[num_o]], by_slot[bounds[num_o] : bounds[-1]]
+    row_starts, col_starts = bounds[:num_o], [s - bounds[num_o] for s in bounds[num_o:-1]]
+    # With one bag size every bag is a candidate for every sequence (the rule's fallback
+    # is "the largest bags"): the size and capacity checks are then skipped.
     if not one_size:
-        back = back[(lengths[back] >= size[ov].min()) & (workload[back] <= accepts[ov].max())]
-    back_partner = slot_of[back] - num_o
-    out_w = workload[out][:, None]
-    g_a, per_a = size[row_bag][:, None], per_gpu[row_bag][:, None]
-    # Candidate columns, grouped by partner: `came` is what comes back (-1: nothing).
-    if out.size * (back.size + num_p) <= _DENSE_CELLS:
-        came, came_w, col_partner = _every_candidate(back, back_partner, workload, num_p)
+        ov = np.asarray(over)
+        back = back[
+            (members.length[back] >= size[ov].min()) & (members.workload[back] <= accepts[ov].max())
+        ]
+        col_starts = np.searchsorted(slot_of[back], np.arange(num_o, num_o + num_p)).tolist()
+    out_w, a_bag = members.workload[out][:, None], members.bag[out][:, None]
+    g_a, per_a = size[a_bag], per_gpu[a_bag]
+    if out.size * back.size <= _DENSE_CELLS:
+        came = back[None, :]  # every pair is scored
     else:
+        pb = np.asarray(partners)
         ideal = (per_a - per_gpu[pb]) / (1.0 / g_a + 1.0 / size[pb])
-        came, came_w, col_partner = _nearest_candidates(
-            back, back_partner, workload, num_p, out_w - ideal
-        )
-    g_b, per_b = size[pb][col_partner], per_gpu[pb][col_partner]
+        came = _nearest_members(back, slot_of[back] - num_o, members.workload, out_w - ideal)
+        col_starts = list(range(0, 2 * num_p, 2))
+    came_w, b_bag = members.workload[came], members.bag[came]
+    g_b, per_b = size[b_bag], per_gpu[b_bag]
     delta = out_w - came_w  # net workload leaving a
     new_max = np.maximum(per_a - delta / g_a, per_b + delta / g_b)
     ok = (delta > 0) & (new_max < per_a * (1 - 1e-9))
     if not one_size:
-        ok &= (lengths[out][:, None] >= g_b) & (out_w <= accepts[pb][col_partner])
-        if size[ov].min() != size[ov].max():  # the prefilter was for the loosest bag
-            ok &= (came < 0) | (
-                (lengths[np.maximum(came, 0)] >= g_a) & (came_w <= accepts[row_bag][:, None])
-            )
+        ok &= (members.length[out][:, None] >= g_b) & (out_w <= accepts[b_bag])
+        ok &= (members.length[came] >= g_a) & (came_w <= accepts[a_bag])
     new_max = np.where(ok, new_max, np.inf)
     # Best per (over-loaded bag, partner); each over-loaded bag, most loaded first, takes
     # its best among the partners still free.
-    col_starts = np.searchsorted(col_partner, np.arange(num_p))
-    best = np.minimum.reduceat(np.minimum.reduceat(new_max, starts, 0), col_starts, 1)
-    starts, col_starts = starts.tolist(), col_starts.tolist()
-    ends, col_ends = [*starts[1:], len(out)], [*col_starts[1:], len(col_partner)]
+    best = np.minimum.reduceat(np.minimum.reduceat(new_max, row_starts, 0), col_starts, 1)
+    row_ends, col_ends = [*row_starts[1:], len(out)], [*col_starts[1:], new_max.shape[1]]
     free = [True] * num_p
     moves = []
     for o, row in enumerate(best.tolist()):
@@ -572,43 +589,30 @@ def _best_exchanges(over, partners, bag, lengths, workload, size, per_gpu, accep
         if score[p] == np.inf:
             continue
         free[p] = False
-        block = new_max[starts[o] : ends[o], col_starts[p] : col_ends[p]]
+        block = new_max[row_starts[o] : row_ends[o], col_starts[p] : col_ends[p]]
         i, c = divmod(int(block.argmin()), block.shape[1])
-        leaving = starts[o] + i
+        leaving = row_starts[o] + i
         coming = came[leaving if came.shape[0] > 1 else 0, col_starts[p] + c]
-        moves.append((over[o], partners[p], int(out[leaving]), int(coming)))
+        moves.append((over[o], partners[p], int(out[leaving]), members.real(int(coming))))
     return moves
 
 
-def _every_candidate(back, back_partner, workload, num_p):
-    """Every member of each partner, after one "nothing" column per partner (for rounds
-    small enough to score every pair): one row that holds for every leaving sequence."""
-    came = np.concatenate([np.full(num_p, -1), back])
-    partner = np.concatenate([np.arange(num_p), back_partner])
-    order = partner.argsort(kind="stable")
-    came = came[order]
-    came_w = np.concatenate([np.zeros(num_p), workload[back]])[order]
-    return came[None, :], came_w[None, :], partner[order]
-
-
-def _nearest_candidates(back, back_partner, workload, num_p, target):
-    """Per (leaving sequence, partner) the two members, or nothing, whose workload is
-    nearest ``target`` (rows x partners): the objective is V-shaped in the net workload
-    moved, so only these two can be best. Columns 2p and 2p+1 belong to partner p."""
+def _nearest_members(back, back_partner, workload, target):
+    """Per (leaving sequence, partner) the two members whose workload is nearest
+    ``target`` (rows x partners): the objective is V-shaped in the net workload moved, so
+    only these two can be best. Columns 2p and 2p+1 belong to partner p."""
+    num_p = target.shape[1]
     back_w = workload[back]
     span = 2.0 * float(back_w.max(initial=0.0)) + 1.0  # keeps partners' keys apart
-    column = np.arange(num_p)
-    key = np.concatenate([column * span, back_partner * span + back_w])
+    column = np.arange(num_p) * span
+    key = back_partner * span + back_w
     by_key = key.argsort(kind="stable")
-    key = key[by_key]
-    back = np.concatenate([np.full(num_p, -1), back])[by_key]
-    back_w = np.concatenate([np.zeros(num_p), back_w])[by_key]
-    seg = np.flatnonzero(back < 0)  # each partner's "nothing" opens its segment
+    key, back = key[by_key], back[by_key]
+    seg = np.searchsorted(key, column)  # each partner's first (lightest) member
     seg_end = np.append(seg[1:], key.size) - 1
-    hit = np.searchsorted(key, np.clip(target, 0.0, span / 2) + column * span)
+    hit = np.searchsorted(key, np.clip(target, 0.0, span / 2) + column)
     near = np.stack([np.maximum(hit - 1, seg), np.minimum(hit, seg_end)], 2)
-    near = near.reshape(len(target), 2 * num_p)
-    return back[near], back_w[near], np.repeat(column, 2)
+    return back[near.reshape(len(target), 2 * num_p)]
 
 
 def _exchange(a, b, out_of_a, out_of_b, lengths, workload, home_bag, src_pos, layout, bag, rem):

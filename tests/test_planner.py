@@ -1,3 +1,4 @@
+import copy
 import json
 import sys
 from contextlib import contextmanager
@@ -134,10 +135,10 @@ def test_greedy_matches_the_plain_python_transcription(problem):
 
 def _exchange_outcome(args, moves) -> list[tuple[int, int, float]]:
     """(over-loaded bag, partner, larger of the two loads per GPU after) per exchange."""
-    _, _, _, _, workload, size, per_gpu, _, _ = args
+    _, _, members, size, per_gpu, _, _ = args
     outcome = []
     for a, b, out_of_a, out_of_b in moves:
-        net = workload[out_of_a] - (workload[out_of_b] if out_of_b >= 0 else 0.0)
+        net = members.workload[out_of_a] - (members.workload[out_of_b] if out_of_b >= 0 else 0)
         outcome.append((a, b, max(per_gpu[a] - net / size[a], per_gpu[b] + net / size[b])))
     return outcome
 
@@ -149,7 +150,7 @@ def test_both_exchange_searches_find_equally_good_exchanges():
     real, calls = planner._best_exchanges, []
 
     def spy(*args):
-        calls.append([a.copy() if isinstance(a, np.ndarray) else a for a in args])
+        calls.append(copy.deepcopy(args))  # the search state changes after the call
         return real(*args)
 
     with patch.object(planner, "_best_exchanges", spy):
