@@ -27,15 +27,16 @@ def worker_context(
     """A multiprocessing context for workers that have ``preload`` imported already.
 
     ``"forkserver"`` (default): workers fork from a server that imported it, safe
-    whatever this process has run. ``"fork"``: from this process, which imports it now;
-    they inherit its state, patches included (unsafe once it has run OpenMP threads).
-    Where the method is not available, ``"spawn"``.
+    whatever this process has run, and start with Ctrl-C ignored (`worker_sigint`).
+    ``"fork"``: from this process, which imports it now; they inherit its state, patches
+    included (unsafe once it has run OpenMP threads). Where the method is not available,
+    ``"spawn"``.
     """
     if start_method not in mp.get_all_start_methods():
         start_method = "spawn"
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
-        ctx.set_forkserver_preload(list(preload))
+        ctx.set_forkserver_preload([*preload, "knapformer.worker_sigint"])
     elif start_method == "fork":
         for name in preload:
             importlib.import_module(name)
