@@ -89,9 +89,14 @@ def bag_share(plan: RoutingPlan, per_seq: np.ndarray) -> np.ndarray:
     gets the bag's sum over its sequences divided by g. ``load_after`` is the share of
     the workloads; calibration takes the share of each workload term.
     """
-    sizes = np.array([len(b) for b in plan.bags], dtype=np.float64)
-    per_bag = np.bincount(plan.sequences.bag, weights=per_seq, minlength=len(plan.bags))
-    return (per_bag / sizes)[plan.stats.gpu_bag]
+    sizes = np.array([len(b) for b in plan.bags], dtype=np.int64)
+    return _share_after(plan.sequences.bag, per_seq, sizes, plan.stats.gpu_bag)[1]
+
+
+def _share_after(seq_bag, per_seq, bag_sizes, gpu_bag) -> tuple[np.ndarray, np.ndarray]:
+    """(sum per bag, share per GPU) of ``per_seq`` values after routing."""
+    per_bag = np.bincount(seq_bag, weights=per_seq, minlength=len(bag_sizes))
+    return per_bag, (per_bag / bag_sizes)[gpu_bag]
 
 
 def compute_stats(plan: RoutingPlan) -> PlanStats:
@@ -109,8 +114,7 @@ def compute_stats(plan: RoutingPlan) -> PlanStats:
     gpu_bag = np.empty(n, dtype=np.int64)
     for bag_id, members in enumerate(plan.bags):
         gpu_bag[pos[members]] = bag_id
-    bag_load_after = np.bincount(seqs.bag, weights=workload, minlength=len(plan.bags))
-    load_after = (bag_load_after / bag_sizes)[gpu_bag]
+    bag_load_after, load_after = _share_after(seqs.bag, workload, bag_sizes, gpu_bag)
     bag_load_before = np.bincount(gpu_bag, weights=load_before, minlength=len(plan.bags))
 
     csrc, cdst = pos[chunks.src_gpu], pos[chunks.dst_gpu]
