@@ -153,7 +153,7 @@ class _BagShape:
         self.bag_of_pos = np.repeat(np.arange(len(self.size)), self.size)
         self.class_size = np.unique(self.size)
         self.class_of_bag_array = np.searchsorted(self.class_size, self.size)
-        self.class_of_bag = self.class_of_bag_array.tolist()
+        self.class_of_bag = self.class_of_bag_array.tolist()  # read item by item
         self.positions = np.arange(int(self.size.sum()))
         for arr in (
             self.size,
@@ -164,17 +164,6 @@ class _BagShape:
             self.positions,
         ):
             arr.flags.writeable = False
-        self._masks: dict[int, np.ndarray] = {}
-
-    def mask(self, key: int) -> np.ndarray:
-        """Bags whose size class lies in the range encoded by ``key`` (see candidate_keys)."""
-        mask = self._masks.get(key)
-        if mask is None:
-            lo, hi = divmod(int(key), len(self.class_size))
-            mask = (self.size >= self.class_size[lo]) & (self.size <= self.class_size[hi])
-            mask.flags.writeable = False
-            self._masks[key] = mask
-        return mask
 
 
 @lru_cache(maxsize=64)
