@@ -40,9 +40,9 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from knapformer.datamix import parse_mix, sample_lengths  # noqa: E402
 from knapformer.plan_io import read_plans  # noqa: E402
 from knapformer.planner import plan_routing  # noqa: E402
+from knapformer.tools.datamix import parse_mix, sample_lengths  # noqa: E402
 from knapformer.workload import WorkloadModel  # noqa: E402
 from visualization.browser import launch_chromium  # noqa: E402
 

@@ -22,9 +22,9 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from baselines.greedy_python import greedy_plan_python
 
-from knapformer.datamix import parse_mix, sample_lengths, scale_mix
 from knapformer.plan import RoutingPlan
 from knapformer.planner import plan_routing
+from knapformer.tools.datamix import parse_mix, sample_lengths, scale_mix
 from knapformer.topology import Topology
 from knapformer.workload import WorkloadModel
 

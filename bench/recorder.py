@@ -24,9 +24,9 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from knapformer.datamix import parse_mix, sample_lengths, scale_mix
 from knapformer.planner import plan_routing
 from knapformer.recorder import PlanRecorder
+from knapformer.tools.datamix import parse_mix, sample_lengths, scale_mix
 from knapformer.workload import WorkloadModel
 
 MODEL = WorkloadModel(token_dim=3072, gamma=0.4)
@@ -103,7 +103,7 @@ def throughput(plans: list, path: Path) -> tuple[float, float]:
 def demo_steps(world: int, steps: int, record: bool, out: Path) -> tuple[list[float], list[float]]:
     """Step times of one demo run (first steps dropped: warm-up) and, when recording,
     the recorder's own time per step (the slowest rank's ``record`` phase)."""
-    from knapformer.demo import DemoConfig, run_demo
+    from knapformer.local.demo import DemoConfig, run_demo
     from knapformer.plan_io import read_plans
 
     cfg = DemoConfig(steps=steps, world_size=world, out=out, record=record)

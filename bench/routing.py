@@ -37,7 +37,7 @@ GPUS_PER_RANK = 4  # the joint mix is defined on 32 GPUs; each rank takes four
 
 
 def _lengths(length_scale: float, seed: int) -> list[np.ndarray]:
-    from knapformer.datamix import parse_mix, sample_lengths
+    from knapformer.tools.datamix import parse_mix, sample_lengths
 
     per_gpu = sample_lengths(parse_mix("joint"), np.random.default_rng(seed), length_scale)
     return [
@@ -63,7 +63,7 @@ def _allgather_rows(x: torch.Tensor, counts: list[int]) -> tuple[torch.Tensor, i
 
 
 def _worker(rank: int, out_dir: str, args: argparse.Namespace) -> None:
-    from knapformer.local_world import join
+    from knapformer.local.local_world import join
 
     join(rank, WORLD, f"file://{out_dir}/rendezvous", timeout_s=300)
     from knapformer.balancer import SequenceBalancer

@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 
 from knapformer import PlanRecorder, SequenceBalancer
-from knapformer.datamix import parse_mix, sample_lengths
-from knapformer.demo import DEMO_CODES, default_topology, model_shape, rank_codes
-from knapformer.models import ToyDiT
+from knapformer.local.demo import DEMO_CODES, default_topology, model_shape, rank_codes
+from knapformer.local.models import ToyDiT
+from knapformer.tools.datamix import parse_mix, sample_lengths
 from knapformer.topology import Topology
 
 

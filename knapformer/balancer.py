@@ -1,6 +1,6 @@
 """`SequenceBalancer`: plan every step, then move tokens to where the plan says.
 
-Typical step (see ``knapformer/models.py`` for a model that does this)::
+Typical step (see ``knapformer/local/models.py`` for a model that does this)::
 
     plan = balancer.plan_routing(local_seq_lens, token_dim=d)   # small all-gathers
     chunk_lens, x, feats = balancer.route(packed, {"pos": positions})   # 1 all-to-all

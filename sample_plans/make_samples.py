@@ -11,11 +11,11 @@ from pathlib import Path
 
 import numpy as np
 
-from knapformer.datamix import MIXED8, parse_mix, sample_lengths
 from knapformer.legacy import plan_to_legacy
 from knapformer.plan import RoutingPlan
 from knapformer.plan_io import write_json, write_jsonl
 from knapformer.planner import plan_routing
+from knapformer.tools.datamix import MIXED8, parse_mix, sample_lengths
 from knapformer.workload import WorkloadModel
 
 HERE = Path(__file__).resolve().parent

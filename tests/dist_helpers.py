@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from knapformer.local_world import join
+from knapformer.local.local_world import join
 
 # torch's first backward() imports symbolic_shapes (and sympy): seconds per process.
 _PRELOAD = [
@@ -26,7 +26,7 @@ _PRELOAD = [
     "torch.fx.experimental.symbolic_shapes",
     "numpy",
     "knapformer.balancer",
-    "knapformer.models",
+    "knapformer.local.models",
 ]
 
 

@@ -32,7 +32,7 @@ def _lengths(world: int, case: str) -> list[list[int]]:
 
 
 def _model():
-    from knapformer.models import ToyDiT
+    from knapformer.local.models import ToyDiT
 
     torch.manual_seed(0)
     return ToyDiT(D_MODEL, HEADS, LAYERS).double()
@@ -110,7 +110,7 @@ def _check_step(bal, lengths, counter, rank) -> dict:
     )
     group_start = bal.group_ranks[0]  # sequence ids count from the balance group's start
     first_seq = sum(len(x) for x in lengths[group_start:rank])
-    from knapformer.models import positions_in_sequences
+    from knapformer.local.models import positions_in_sequences
 
     pos = positions_in_sequences(mine)
     # ids that a float cast would corrupt: > 2**24 and > 2**53 apart

@@ -14,7 +14,7 @@ pytestmark = [
 
 def _worker(rank: int, world: int) -> dict:
     from knapformer.balancer import SequenceBalancer
-    from knapformer.models import ToyDiT
+    from knapformer.local.models import ToyDiT
 
     torch.cuda.set_device(rank)
     bal = SequenceBalancer("g1n1")

@@ -5,12 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from knapformer.calibrate import calibrate_file, calibrate_plans
 from knapformer.cli import main
-from knapformer.datamix import parse_mix, sample_lengths
 from knapformer.plan import Measurements
 from knapformer.plan_io import write_jsonl
 from knapformer.planner import plan_routing
+from knapformer.tools.calibrate import calibrate_file, calibrate_plans
+from knapformer.tools.datamix import parse_mix, sample_lengths
 from knapformer.workload import WorkloadModel
 
 K, GAMMA, D = 0.8, 0.7, 1024

@@ -17,8 +17,7 @@ import psutil
 import pytest
 
 from knapformer.cli import main
-from knapformer.datamix import parse_mix
-from knapformer.demo import (
+from knapformer.local.demo import (
     DEMO_CODES,
     DemoConfig,
     _remove_old_plans,
@@ -28,6 +27,7 @@ from knapformer.demo import (
     rank_codes,
 )
 from knapformer.plan_io import read_plans
+from knapformer.tools.datamix import parse_mix
 from knapformer.topology import Topology
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -8,7 +8,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # other preloads (tests/dist_helpers.py sets its own).
 PROBE = """
 import signal
-from knapformer.local_world import worker_context
+from knapformer.local.local_world import worker_context
 
 def probe(queue):
     queue.put(signal.getsignal(signal.SIGINT) is signal.SIG_IGN)

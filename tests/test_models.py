@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from knapformer.models import ToyDiT, apply_rope, attention, positions_in_sequences
+from knapformer.local.models import ToyDiT, apply_rope, attention, positions_in_sequences
 
 
 def _model(rope: bool = True) -> ToyDiT:

@@ -11,9 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from knapformer import planner
-from knapformer.datamix import parse_mix, sample_lengths
 from knapformer.plan import RoutingPlan
 from knapformer.planner import plan_routing
+from knapformer.tools.datamix import parse_mix, sample_lengths
 from knapformer.topology import Topology
 from knapformer.workload import WorkloadModel
 

@@ -17,10 +17,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from knapformer.datamix import parse_mix, sample_lengths, scale_mix
 from knapformer.plan_io import parse_plan_line, read_plans
 from knapformer.planner import plan_routing
 from knapformer.recorder import PlanRecorder
+from knapformer.tools.datamix import parse_mix, sample_lengths, scale_mix
 from knapformer.workload import WorkloadModel
 
 ROOT = Path(__file__).resolve().parent.parent

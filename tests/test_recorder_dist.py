@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from knapformer.local_world import rendezvous, worker_context
+from knapformer.local.local_world import rendezvous, worker_context
 from knapformer.plan_io import read_plans
 
 
@@ -21,7 +21,7 @@ def worker(rank: int, world: int, init_method: str, out: str) -> None:
     import numpy as np
     import torch.distributed as dist
 
-    from knapformer.local_world import join
+    from knapformer.local.local_world import join
     from knapformer.planner import plan_routing
     from knapformer.recorder import PlanRecorder
     from knapformer.workload import WorkloadModel

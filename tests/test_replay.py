@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from knapformer.datamix import parse_mix, sample_lengths
 from knapformer.plan_io import read_plans, write_json
 from knapformer.planner import plan_routing
-from knapformer.replay import replay
+from knapformer.tools.datamix import parse_mix, sample_lengths
+from knapformer.tools.replay import replay
 from knapformer.workload import WorkloadModel
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from knapformer.cli import main
-from knapformer.datamix import parse_mix
 from knapformer.plan_io import read_plans
-from knapformer.simulate import simulate
+from knapformer.tools.datamix import parse_mix
+from knapformer.tools.simulate import simulate
 
 
 @pytest.mark.parametrize("mix", ["joint", "mixres"])

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from knapformer.cli import main
-from knapformer.datamix import parse_mix
 from knapformer.planner import plan_routing
-from knapformer.suggest import CostModel, enumerate_topologies, fit_mix, suggest
+from knapformer.tools.datamix import parse_mix
+from knapformer.tools.suggest import CostModel, enumerate_topologies, fit_mix, suggest
 from knapformer.topology import Topology
 from knapformer.workload import WorkloadModel
 

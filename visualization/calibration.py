@@ -9,7 +9,7 @@ import numpy as np
 import plotly.graph_objects as go
 
 if TYPE_CHECKING:
-    from knapformer.calibrate import Calibration
+    from knapformer.tools.calibrate import Calibration
 
 
 def calibration_figure(cal: Calibration, title: str | None = None) -> go.Figure:

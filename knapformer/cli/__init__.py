@@ -18,7 +18,7 @@ except ImportError:  # pragma: no cover
 
 from knapformer.cli import dashboard, debug, demo, plans, render
 from knapformer.cli.errors import UserError
-from knapformer.signals import handling, interrupt
+from knapformer.local.signals import handling, interrupt
 
 app = typer.Typer(
     name="knapformer",

@@ -50,8 +50,8 @@ def replay(
     mismatch, naming the first difference.
     """
     from knapformer.cli.plans import read_step
-    from knapformer.replay import PHASES, check_options
-    from knapformer.replay import replay as run_replay
+    from knapformer.tools.replay import PHASES, check_options
+    from knapformer.tools.replay import replay as run_replay
 
     plan = read_step(file, step)[0].plan
     dim, heads = check_options(plan, dim, heads)  # refuse bad options before announcing
@@ -145,10 +145,10 @@ def simulate(
     Prints per topology and solver the modelled step time (makespan) without and with
     balancing, speedup, imbalance, moved tokens and bytes, and max tokens per GPU.
     """
-    from knapformer.datamix import parse_mix
     from knapformer.plan_io import write_jsonl
-    from knapformer.simulate import check_options, run_files, run_name
-    from knapformer.simulate import simulate as run_simulate
+    from knapformer.tools.datamix import parse_mix
+    from knapformer.tools.simulate import check_options, run_files, run_name
+    from knapformer.tools.simulate import simulate as run_simulate
 
     codes = parse_mix(data_codes)
     topologies = [t for arg in [*topology, *(more or [])] for t in arg.replace(",", " ").split()]
@@ -238,11 +238,11 @@ def suggest(
     """Rank the topologies of N GPUs for a data mix by modelled step time.
 
     Step time = compute at --tflops + Ulysses all-to-alls inside bags at --bandwidth +
-    routing, so bigger bags are not free (model: knapformer/suggest.py).
+    routing, so bigger bags are not free (model: knapformer/tools/suggest.py).
     """
-    from knapformer.datamix import parse_mix
-    from knapformer.suggest import CostModel, enumerate_topologies, fit_mix
-    from knapformer.suggest import suggest as run_suggest
+    from knapformer.tools.datamix import parse_mix
+    from knapformer.tools.suggest import CostModel, enumerate_topologies, fit_mix
+    from knapformer.tools.suggest import suggest as run_suggest
 
     codes = fit_mix(parse_mix(data_codes), gpus)
     cost = CostModel(d_model, dtype_bytes, tflops, bandwidth, layers)
@@ -298,7 +298,7 @@ def calibrate(
     plot: Path | None = typer.Option(None, help="write predicted-vs-measured plotly HTML here"),
 ) -> None:
     """Fit the workload model's time scale k and γ from measured latencies."""
-    from knapformer.calibrate import calibrate_file
+    from knapformer.tools.calibrate import calibrate_file
 
     cal = calibrate_file(file, token_dim, phase)
     console = _console()

@@ -1,5 +1,5 @@
 """``knapformer demo``: a live multi-process training run that records plans and serves the
-dashboard on them (what ``make demo`` runs). The training itself is `knapformer.demo`."""
+dashboard on them (what ``make demo`` runs). The training itself is `knapformer.local.demo`."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def demo(
     every: int = typer.Option(1, help="record every k-th step's plan"),
 ) -> None:
     """Train a small DiT on CPU workers with the balancer, record every plan, show it live."""
-    from knapformer.demo import (
+    from knapformer.local.demo import (
         DEMO_CODES,
         DemoConfig,
         check_config,
@@ -46,7 +46,7 @@ def demo(
         model_shape,
         run_demo,
     )
-    from knapformer.signals import ignoring_sigint
+    from knapformer.local.signals import ignoring_sigint
 
     cfg = DemoConfig(
         steps=steps,

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
-from knapformer.datamix import DataCode, mix_gpus, sample_lengths
 from knapformer.plan import RoutingPlan
 from knapformer.planner import DEFAULT_SOLVER, SOLVERS, plan_routing
+from knapformer.tools.datamix import DataCode, mix_gpus, sample_lengths
 from knapformer.topology import Topology, as_topology
 from knapformer.workload import WorkloadModel
 

@@ -1,7 +1,7 @@
 """The live training demo behind ``knapformer demo`` / ``make demo``.
 
 ``run_demo`` starts one CPU worker process per rank on a gloo process group. The workers
-train `knapformer.models.ToyDiT` with a `SequenceBalancer` on a synthetic data mix (a
+train `knapformer.local.models.ToyDiT` with a `SequenceBalancer` on a synthetic data mix (a
 flow-matching loss on tokens that share a per-sequence latent, so attention has something
 to learn), take an optimizer step every step and record every plan with a `PlanRecorder`
 to ``<out>/plans.jsonl``. Rank 0 sends one `StepReport` per step to the launcher, which
@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from knapformer.datamix import MIXED8, DataCode, parse_mix
-from knapformer.local_world import join, rendezvous, worker_context
-from knapformer.signals import deferring_sigint, handling, ignoring_sigint, interrupt
+from knapformer.local.local_world import join, rendezvous, worker_context
+from knapformer.local.signals import deferring_sigint, handling, ignoring_sigint, interrupt
+from knapformer.tools.datamix import MIXED8, DataCode, parse_mix
 from knapformer.topology import Topology
 
 DEMO_CODES = MIXED8  # the joint mix's data types on 8 GPUs, as in the 8-GPU samples
@@ -305,9 +305,9 @@ def train(
     import torch.distributed as dist
 
     from knapformer.balancer import SequenceBalancer
-    from knapformer.datamix import sample_lengths
-    from knapformer.models import ToyDiT
+    from knapformer.local.models import ToyDiT
     from knapformer.recorder import PlanRecorder
+    from knapformer.tools.datamix import sample_lengths
 
     topo, codes = check_config(cfg)
     d_model, n_heads = model_shape(topo)

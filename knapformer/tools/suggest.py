@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from knapformer.datamix import DataCode, mix_gpus, sample_lengths, scale_mix
 from knapformer.plan import RoutingPlan
 from knapformer.planner import DEFAULT_SOLVER, plan_routing
+from knapformer.tools.datamix import DataCode, mix_gpus, sample_lengths, scale_mix
 from knapformer.topology import Topology
 from knapformer.workload import WorkloadModel
 

@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from knapformer.local_world import join, rendezvous, worker_context
+from knapformer.local.local_world import join, rendezvous, worker_context
+from knapformer.local.signals import deferring_sigint
 from knapformer.plan import RoutingPlan, gpu_positions
 from knapformer.planner import SOLVERS
-from knapformer.signals import deferring_sigint
 from knapformer.topology import Topology
 
 MAX_REPLAY_GPUS = 64  # one OS process each; beyond this a laptop thrashes

@@ -36,7 +36,7 @@ def worker_context(
         start_method = "spawn"
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
-        ctx.set_forkserver_preload([*preload, "knapformer.worker_sigint"])
+        ctx.set_forkserver_preload([*preload, "knapformer.local.worker_sigint"])
     elif start_method == "fork":
         for name in preload:
             importlib.import_module(name)
