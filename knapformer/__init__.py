@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"  # the one home of the version (pyproject reads it)
 
 _EXPORTS = {
     "Topology": "knapformer.topology",

@@ -32,7 +32,9 @@ from pydantic import (
 if TYPE_CHECKING:
     from knapformer.stats import PlanStats
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+#: Versions this reader understands: 1 had no ``planner_version``.
+READABLE_SCHEMA_VERSIONS = (1, 2)
 _MAX_IDS_IN_MESSAGE = 5
 
 
@@ -154,7 +156,12 @@ class RoutingPlan(BaseModel):
 
     model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
 
-    schema_version: Literal[1] = SCHEMA_VERSION
+    schema_version: Literal[1, 2] = SCHEMA_VERSION
+    planner_version: str | None = Field(
+        None,
+        description="version of the knapformer package whose planner made the plan (with "
+        "`solver`, what a replay must match); None when unknown (schema 1, legacy plans)",
+    )
     step: int | None = None
     time: float | None = Field(None, description="wall-clock time (unix seconds)")
     run: str | None = None
@@ -179,7 +186,15 @@ class RoutingPlan(BaseModel):
         fields["chunks"] = Chunks.model_construct(**fields["chunks"])
         fields.setdefault("schema_version", SCHEMA_VERSION)
         fields.setdefault("solver_options", {})
-        for name in ("step", "time", "run", "token_dim", "gamma", "measurements"):
+        for name in (
+            "planner_version",
+            "step",
+            "time",
+            "run",
+            "token_dim",
+            "gamma",
+            "measurements",
+        ):
             fields.setdefault(name, None)
         return cls.model_construct(**fields)
 

@@ -17,7 +17,7 @@ from typing import Any, Literal
 from pydantic import ValidationError
 
 from knapformer.legacy import is_legacy, plan_from_legacy
-from knapformer.plan import SCHEMA_VERSION, RoutingPlan
+from knapformer.plan import READABLE_SCHEMA_VERSIONS, SCHEMA_VERSION, RoutingPlan
 
 
 class PlanFormatError(ValueError):
@@ -69,10 +69,10 @@ def parse_plan_record(record: Any) -> RoutingPlan:
         if is_legacy(record):
             return plan_from_legacy(record)
         version = record.get("schema_version", SCHEMA_VERSION)
-        if version != SCHEMA_VERSION:
+        if version not in READABLE_SCHEMA_VERSIONS:
             raise PlanFormatError(
                 f"schema_version {version!r} is not supported (this reader understands "
-                f"{SCHEMA_VERSION})"
+                f"{', '.join(map(str, READABLE_SCHEMA_VERSIONS))})"
             )
         return RoutingPlan.model_validate(record)
     except ValidationError as err:

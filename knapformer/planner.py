@@ -47,6 +47,7 @@ from functools import lru_cache
 import numpy as np
 from numpy.typing import ArrayLike
 
+from knapformer import __version__
 from knapformer.plan import Measurements, RoutingPlan
 from knapformer.topology import Topology, as_topology
 from knapformer.workload import WorkloadModel
@@ -120,6 +121,7 @@ def plan_routing(
 
     options = {} if max_tokens_per_gpu is None else {"max_tokens_per_gpu": max_tokens_per_gpu}
     plan = RoutingPlan.build(
+        planner_version=__version__,
         step=step,
         time=time.time(),
         run=run,

@@ -45,7 +45,7 @@ def test_summaries_and_plans_on_demand(tmp_path, lines50):
 
 def test_bad_records_become_problems_with_line_numbers(tmp_path, lines50):
     other_version = json.loads(lines50[1])
-    other_version["schema_version"] = 2
+    other_version["schema_version"] = 3
     broken = json.loads(lines50[2])
     broken["chunks"]["dst_gpu"][0] = 999
     path = tmp_path / "plans.jsonl"
@@ -61,7 +61,7 @@ def test_bad_records_become_problems_with_line_numbers(tmp_path, lines50):
     by_line = {p.line: p.message for p in snap.problems}
     assert set(by_line) == {2, 3, 4}
     assert "not valid JSON" in by_line[2]
-    assert "schema_version 2" in by_line[3]
+    assert "schema_version 3" in by_line[3]
     assert "chunk(s) 0" in by_line[4]
     assert str(snap.problems[0]).startswith("plans.jsonl:2: ")
 

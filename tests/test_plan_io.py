@@ -52,9 +52,26 @@ def test_malformed_lines_are_skipped_and_reported_or_raised(tmp_path):
 def test_other_schema_version_is_a_clear_problem(tmp_path):
     path = tmp_path / "v2.jsonl"
     record = json.loads(_plans(1)[0].model_dump_json())
-    record["schema_version"] = 2
+    record["schema_version"] = 3
     path.write_text(json.dumps(record) + "\n")
-    assert "schema_version 2 is not supported" in read_plans(path).problems[0].message
+    assert "schema_version 3 is not supported" in read_plans(path).problems[0].message
+
+
+def test_plans_name_their_planner_and_schema_1_files_still_read(tmp_path):
+    import knapformer
+
+    plan = _plans(1)[0]
+    assert plan.schema_version == 2
+    assert plan.planner_version == knapformer.__version__
+    record = json.loads(plan.model_dump_json())
+    record["schema_version"] = 1
+    del record["planner_version"]  # what a schema-1 recorder wrote
+    path = tmp_path / "v1.jsonl"
+    path.write_text(json.dumps(record) + "\n")
+    old = read_plans(path, on_error="raise").plans[0]
+    assert old.schema_version == 1
+    assert old.planner_version is None
+    assert old.sequences == plan.sequences
 
 
 def test_json_document_list_and_missing_or_empty_files(tmp_path):

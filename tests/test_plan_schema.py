@@ -46,7 +46,7 @@ def test_valid_plan_and_exact_json_round_trip():
     again = RoutingPlan.model_validate_json(text)
     assert again == plan
     assert again.model_dump_json() == text
-    assert json.loads(text) == {**small_plan_dict(), "solver_options": {}}
+    assert json.loads(text) == {**small_plan_dict(), "planner_version": None, "solver_options": {}}
 
 
 def test_round_trip_of_planner_output_keeps_floats_bit_exact():
@@ -169,7 +169,7 @@ def test_build_skips_validation_but_validated_checks():
 
 def test_other_schema_version_is_rejected():
     d = small_plan_dict()
-    d["schema_version"] = 2
+    d["schema_version"] = 3
     with pytest.raises(ValidationError, match="schema_version"):
         RoutingPlan.model_validate(d)
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import knapformer
 from knapformer.plan_io import read_plans, write_json
 from knapformer.planner import plan_routing
 from knapformer.tools.datamix import parse_mix, sample_lengths
@@ -74,6 +75,20 @@ def test_wrong_destination_is_named(tmp_path):
     assert proc.returncode == 1
     assert f"chunk {first} dst_gpu: recorded GPU {c['dst_gpu'][first]}" in proc.stdout
     assert "verdict: MISMATCH" in proc.stdout
+
+
+def test_a_different_planner_is_named_when_plans_differ(tmp_path):
+    path = tmp_path / "plan.json"
+    record = fresh_plan(path)
+    c = record["chunks"]
+    first = next(i for i in range(len(c["seq"]) - 1)
+                 if c["seq"][i] == c["seq"][i + 1] and c["dst_gpu"][i] >= 4)  # fmt: skip
+    c["dst_gpu"][first], c["dst_gpu"][first + 1] = c["dst_gpu"][first + 1], c["dst_gpu"][first]
+    record["planner_version"] = "0.0.1"
+    path.write_text(json.dumps(record))
+    proc = run_cli("replay", str(path))
+    assert proc.returncode == 1
+    assert f"recorded by planner 0.0.1, this is {knapformer.__version__}" in proc.stdout
 
 
 def test_changed_length_is_named(tmp_path):

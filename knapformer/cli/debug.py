@@ -94,6 +94,7 @@ def replay(
             "re-planned from the recorded lengths: identical plan"
             if out.plan_difference is None
             else "[red]re-planned from the recorded lengths: DIFFERENT[/red] — "
+            + (f"{out.planner_changed}; " if out.planner_changed else "")
             + out.plan_difference
         )
     else:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from knapformer import __version__
 from knapformer.local.local_world import join, rendezvous, worker_context
 from knapformer.local.signals import deferring_sigint
 from knapformer.plan import RoutingPlan, gpu_positions
@@ -71,9 +72,19 @@ class ReplayResult:
         return self.plan_difference is None and not self.routing_errors
 
     @property
+    def planner_changed(self) -> str | None:
+        """ "recorded by planner X, this is Y" when the plans differ and the recording
+        planner is not this one (then the difference is expected, not a bug)."""
+        if self.plan_difference is None or self.plan.planner_version == __version__:
+            return None
+        recorded = self.plan.planner_version or "unknown (schema 1)"
+        return f"recorded by planner {recorded}, this is {__version__}"
+
+    @property
     def first_problem(self) -> str | None:
         if self.plan_difference:
-            return f"planning differs: {self.plan_difference}"
+            why = f" ({self.planner_changed})" if self.planner_changed else ""
+            return f"planning differs{why}: {self.plan_difference}"
         errors = self.routing_errors
         return f"routing: {errors[0]}" if errors else None
 
