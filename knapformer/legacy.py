@@ -165,20 +165,25 @@ def _plan_from_legacy(summary: dict) -> RoutingPlan:
     )
 
 
-def plan_to_legacy(plan: RoutingPlan) -> dict:
-    """The legacy summary of a plan, with string keys as ``json.dump`` would leave them."""
+def plan_to_legacy(plan: RoutingPlan, json_keys: bool = True) -> dict:
+    """The legacy summary of a plan.
+
+    Ids are keys of the inner dicts: integers as the research code's
+    ``get_routing_plan_summary()`` returns them (``json_keys=False``), or strings as
+    ``json.dump`` leaves them (the default, what a saved summary holds).
+    """
     seqs, chunks = plan.sequences, plan.chunks
     bag_of_gpu = {g: b for b, members in enumerate(plan.bags) for g in members}
     out: dict[str, Any] = {
         "balance_gpu_ids": list(plan.gpus),
-        "bag_id2gpu_ids": {str(b): list(m) for b, m in enumerate(plan.bags)},
-        "gpu_id2bag_id": {str(g): bag_of_gpu[g] for g in plan.gpus},
-        "seq_id2seq_len": {str(i): int(x) for i, x in enumerate(seqs.length)},
-        "seq_id2seq_workload": {str(i): float(x) for i, x in enumerate(seqs.workload)},
+        "bag_id2gpu_ids": {b: list(m) for b, m in enumerate(plan.bags)},
+        "gpu_id2bag_id": {g: bag_of_gpu[g] for g in plan.gpus},
+        "seq_id2seq_len": {i: int(x) for i, x in enumerate(seqs.length)},
+        "seq_id2seq_workload": {i: float(x) for i, x in enumerate(seqs.workload)},
     }
-    by_gpu_seq: dict[str, list] = {str(g): [] for g in plan.gpus}
+    by_gpu_seq: dict[int, list] = {g: [] for g in plan.gpus}
     for i, g in enumerate(seqs.src_gpu.tolist()):
-        by_gpu_seq[str(g)].append(i)
+        by_gpu_seq[g].append(i)
     out["gpu_id2seq_ids"] = by_gpu_seq
     out["gpu_id2seq_lens"] = {
         g: [int(seqs.length[i]) for i in ids] for g, ids in by_gpu_seq.items()
@@ -190,18 +195,24 @@ def plan_to_legacy(plan: RoutingPlan) -> dict:
     order = np.lexsort((chunks.offset, chunks.seq))
     new_id = np.empty(len(order), dtype=np.int64)
     new_id[order] = np.arange(len(order))
-    by_gpu_chunk: dict[str, list] = {str(g): [] for g in plan.gpus}
+    by_gpu_chunk: dict[int, list] = {g: [] for g in plan.gpus}
     for c in order.tolist():
-        by_gpu_chunk[str(int(chunks.src_gpu[c]))].append(int(new_id[c]))
+        by_gpu_chunk[int(chunks.src_gpu[c])].append(int(new_id[c]))
     out["gpu_id2chunk_ids"] = by_gpu_chunk
     out["gpu_id2chunk_lens"] = {
         g: [int(chunks.length[order[c]]) for c in ids] for g, ids in by_gpu_chunk.items()
     }
     out["balance_chunk_id2gpu_id"] = {
-        str(int(new_id[c])): int(chunks.dst_gpu[c]) for c in range(len(order))
+        int(new_id[c]): int(chunks.dst_gpu[c]) for c in range(len(order))
     }
     out["balance_chunk_id2chunk_len"] = {
-        str(int(new_id[c])): int(chunks.length[c]) for c in range(len(order))
+        int(new_id[c]): int(chunks.length[c]) for c in range(len(order))
     }
-    out["chunk_id2seq_id"] = {str(int(new_id[c])): int(chunks.seq[c]) for c in range(len(order))}
+    out["chunk_id2seq_id"] = {int(new_id[c]): int(chunks.seq[c]) for c in range(len(order))}
+    if json_keys:
+        return {k: _str_keys(v) for k, v in out.items()}
     return out
+
+
+def _str_keys(value: Any) -> Any:
+    return {str(k): v for k, v in value.items()} if isinstance(value, dict) else value
