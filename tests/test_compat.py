@@ -1,0 +1,264 @@
+"""knapformer.compat: the research code's balancer interface on top of ours.
+
+One spawn of 4 gloo ranks (bags ``g1n2+g2n1``) runs two steps, the first planned from a
+tensor of lengths and the second from a list; workers report, the test process asserts.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import re
+
+import numpy as np
+import pytest
+import torch
+from dist_helpers import run_world, run_world_backend
+
+from knapformer.compat import ORIGINAL_GAMMA, SequenceBalancer, workload_estimator
+from knapformer.plan import RoutingPlan
+from knapformer.planner import plan_routing
+from knapformer.workload import WorkloadModel
+
+TOPOLOGY = "g1n2+g2n1"
+WORLD = 4
+TOKEN_DIM, HEADS, HEAD_DIM = 32, 2, 8
+
+
+def _lengths(step: int) -> list[list[int]]:
+    """Per-rank lengths of a step (the same on every process)."""
+    rng = np.random.default_rng(10 + step)
+    out = [rng.integers(1, 60, size=rng.integers(1, 6)).tolist() for _ in range(WORLD)]
+    out[3] = [400, *out[3]]  # outweighs a GPU's share: greedy must split it over the 2-bag
+    return out
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _attribute_error(fn) -> str:
+    try:
+        fn()
+    except (AttributeError, RuntimeError) as err:
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+def _step(bal: SequenceBalancer, rank: int, step: int, as_tensor: bool, lines: _Lines) -> dict:
+    lens = _lengths(step)[rank]
+    given = torch.tensor(lens) if as_tensor else lens  # int64, as the original's test gives
+    plan = bal.plan_routing(given, TOKEN_DIM)
+    printed = bal.print_imbalance()
+    logged, lines.lines = lines.lines, []
+
+    x = torch.randn(sum(lens), TOKEN_DIM, dtype=torch.float64)
+    pos = torch.arange(sum(lens), dtype=torch.int64)
+    chunk_lens, y, (y_pos,) = bal.route(x, [pos])
+    q = torch.randn(y.shape[0], HEADS, HEAD_DIM, dtype=torch.float64)
+    attn_lens, q2, _, _ = bal.pre_attn(q, q, q)
+    attn_lens_again = bal.pre_attn(q, q, q)[0]
+    post_lens, q_back = bal.post_attn(q2)
+    back_lens, back, (back_pos,) = bal.reverse_route(y, [y_pos])
+    return {
+        "plan": plan,
+        "printed": printed,
+        "logged": logged,
+        "chunk_lens": chunk_lens,
+        "attn_lens": attn_lens,
+        "attn_lens_cached": attn_lens_again is attn_lens,
+        "post_lens": post_lens,
+        "back_lens": back_lens,
+        "back_lens_is_given": back_lens is given,
+        "equal_all": bool((back_lens == torch.tensor(lens)).all().item()),
+        "round_trip": torch.equal(back, x) and torch.equal(back_pos, pos),
+        "attention_round_trip": torch.equal(q_back, q),
+        "summary": bal.get_routing_plan_summary(),
+        "my_seq_lens": bal.gpu_id2seq_lens[bal.this_gpu_id],
+        "balance_gpu_ids": bal.balance_gpu_ids,
+    }
+
+
+def _worker(rank: int, world: int) -> dict:
+    lines = _Lines()
+    logging.getLogger("knapformer.compat").addHandler(lines)
+    logging.getLogger("knapformer.compat").setLevel(logging.INFO)
+    bal = SequenceBalancer(TOPOLOGY)
+    before = {
+        "attribute": _attribute_error(lambda: bal.gpu_id2seq_lens),
+        "summary": _attribute_error(bal.get_routing_plan_summary),
+        "tracking": _attribute_error(lambda: bal.turn_on_tracking),
+    }
+    result = {
+        "gamma": bal.gamma,
+        "solver": bal.solver,
+        "before": before,
+        "steps": [_step(bal, rank, 0, True, lines), _step(bal, rank, 1, False, lines)],
+    }
+    bal.close()
+    return result
+
+
+@pytest.fixture(scope="module")
+def gloo_results(tmp_path_factory) -> list[dict]:
+    return run_world(_worker, WORLD, tmp_path_factory.mktemp("compat"))
+
+
+def test_constructor_has_the_original_signature_and_defaults():
+    params = inspect.signature(SequenceBalancer).parameters
+    positional = [p for p in params.values() if p.kind is p.POSITIONAL_OR_KEYWORD]
+    assert [p.name for p in positional] == ["bag_specs", "gamma"]
+    assert params["gamma"].default == 1.0 == ORIGINAL_GAMMA
+    assert params["solver"].default == "greedy"
+    assert all(p.kind is p.KEYWORD_ONLY for p in params.values() if p not in positional)
+
+
+def test_workload_estimator_weighs_attention_fully_by_default():
+    lengths = np.array([1, 256, 4096])
+    ours = [workload_estimator(int(n), 3072) for n in lengths]
+    np.testing.assert_array_equal(ours, WorkloadModel(3072, gamma=1.0).workload(lengths))
+    assert ours[-1] > float(WorkloadModel(3072).workload(4096))  # our default γ is lower
+    assert workload_estimator(4096, 3072, gamma=0.4) == float(WorkloadModel(3072).workload(4096))
+
+
+def test_defaults_plan_like_the_original(gloo_results):
+    for res in gloo_results:
+        assert res["gamma"] == 1.0 and res["solver"] == "greedy"
+    for step in (0, 1):
+        expected = plan_routing(
+            _lengths(step), TOPOLOGY, WorkloadModel(TOKEN_DIM, 1.0), solver="greedy"
+        )
+        for res in gloo_results:
+            plan = res["steps"][step]["plan"]
+            assert plan.gamma == 1.0 and plan.solver == "greedy"
+            assert np.array_equal(plan.sequences.bag, expected.sequences.bag)
+            for column in ("seq", "dst_gpu", "offset", "length"):
+                assert np.array_equal(
+                    getattr(plan.chunks, column), getattr(expected.chunks, column)
+                ), column
+
+
+def _chunks_to(plan: RoutingPlan, rank: int) -> list[int]:
+    mine = plan.chunks.dst_gpu == rank
+    return plan.chunks.length[mine].tolist()  # chunks are ordered by sequence, then offset
+
+
+def _bag_sequences(plan: RoutingPlan, rank: int) -> list[int]:
+    bag = next(b for b, members in enumerate(plan.bags) if rank in members)
+    return plan.sequences.length[plan.sequences.bag == bag].tolist()
+
+
+def test_lengths_are_the_originals_types_on_the_datas_device(gloo_results):
+    split = 0
+    for rank, res in enumerate(gloo_results):
+        for step in res["steps"]:
+            plan = step["plan"]
+            # route: a tuple of ints, as the original returned
+            assert type(step["chunk_lens"]) is tuple
+            assert all(type(n) is int for n in step["chunk_lens"])
+            assert list(step["chunk_lens"]) == _chunks_to(plan, rank)
+            # pre_attn: the bag's whole sequences; post_attn: this rank's chunks
+            for key in ("attn_lens", "post_lens", "back_lens"):
+                assert step[key].device == torch.device("cpu"), key
+            assert step["attn_lens"].dtype == step["post_lens"].dtype == torch.int32
+            in_big_bag = len(next(b for b in plan.bags if rank in b)) > 1
+            expected = _bag_sequences(plan, rank) if in_big_bag else _chunks_to(plan, rank)
+            assert step["attn_lens"].tolist() == expected
+            split += in_big_bag and len(expected) > 0
+            assert step["post_lens"].tolist() == _chunks_to(plan, rank)
+            assert step["attn_lens_cached"]  # one tensor per plan, not one per layer
+            assert step["round_trip"] and step["attention_round_trip"]
+            # reverse_route: the lengths given, and the original test's check works
+            assert step["equal_all"]
+            assert step["back_lens"].tolist() == _lengths(plan.step)[rank]
+        tensor_step, list_step = res["steps"]
+        assert tensor_step["back_lens_is_given"]  # the caller's own tensor, as before
+        assert list_step["back_lens"].dtype == torch.int32
+    assert split  # the Ulysses path returned lengths too
+
+
+def test_summary_is_int_keyed_and_imports_to_the_same_routing(gloo_results):
+    for res in gloo_results:
+        for step in res["steps"]:
+            summary, plan = step["summary"], step["plan"]
+            for key, value in summary.items():
+                if isinstance(value, dict):
+                    assert all(type(k) is int for k in value), key
+            assert summary["balance_gpu_ids"] == step["balance_gpu_ids"] == plan.gpus
+            for saved in (summary, json.loads(json.dumps(summary))):
+                imported = RoutingPlan.from_legacy(saved)
+                assert imported.topology == TOPOLOGY
+                for column in ("src_gpu", "length", "bag"):
+                    assert np.array_equal(
+                        getattr(imported.sequences, column), getattr(plan.sequences, column)
+                    )
+                for column in ("seq", "src_gpu", "dst_gpu", "offset", "length"):
+                    assert np.array_equal(
+                        getattr(imported.chunks, column), getattr(plan.chunks, column)
+                    )
+                np.testing.assert_allclose(imported.sequences.workload, plan.sequences.workload)
+
+
+def test_summary_fields_are_attributes_once_planned(gloo_results):
+    for rank, res in enumerate(gloo_results):
+        assert "plan_routing" in res["before"]["attribute"]
+        assert "plan_routing" in res["before"]["summary"]
+        assert "PlanRecorder" in res["before"]["tracking"]
+        for step in res["steps"]:
+            assert step["my_seq_lens"] == _lengths(step["plan"].step)[rank]
+
+
+def _ratios(line: str) -> dict[int, float]:
+    return {int(g): float(r) for g, r in re.findall(r"(\d+):(\d+\.\d+)", line.split(":", 2)[2])}
+
+
+def test_print_imbalance_logs_the_current_plans_figures(gloo_results):
+    for rank, res in enumerate(gloo_results):
+        texts = []
+        for step in res["steps"]:
+            st, plan = step["plan"].stats, step["plan"]
+            assert step["logged"] == step["printed"].splitlines()  # logged at INFO
+            before, after, extremes = step["logged"]
+            assert before.startswith(f"rank {rank} step {plan.step}:")
+            for line, loads in ((before, st.load_before), (after, st.load_after)):
+                ratios = _ratios(line)
+                assert list(ratios) == plan.gpus
+                np.testing.assert_allclose(list(ratios.values()), loads / st.mean_load, atol=5e-3)
+            a, b = re.search(r"max/min workload (\S+) -> (\S+)$", extremes).groups()
+            assert float(a) == pytest.approx(st.max_min_before, abs=1e-4)
+            assert float(b) == pytest.approx(st.max_min_after, abs=1e-4)
+            texts.append(step["printed"])
+        assert texts[0] != texts[1]
+
+
+def _cuda_worker(rank: int, world: int) -> dict:
+    torch.cuda.set_device(rank)
+    bal = SequenceBalancer("g1n1")
+    lens = [7, 130, 1, 64]
+    bal.plan_routing(lens, 64)
+    _, y, _ = bal.route(torch.randn(sum(lens), 64, device="cuda"))
+    q = torch.randn(y.shape[0], 4, 16, device="cuda")
+    attn_lens, q2, _, _ = bal.pre_attn(q, q, q)
+    post_lens, _ = bal.post_attn(q2)
+    back_lens, _, _ = bal.reverse_route(y)
+    bal.close()
+    return {
+        name: (str(t.device), t.dtype, t.tolist())
+        for name, t in (("attn", attn_lens), ("post", post_lens), ("back", back_lens))
+    }
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_lengths_follow_cuda_data(tmp_path):
+    (res,) = run_world_backend(_cuda_worker, 1, tmp_path, "nccl")
+    for name in ("attn", "post", "back"):
+        device, dtype, values = res[name]
+        assert device.startswith("cuda") and dtype == torch.int32, name
+        assert values == [7, 130, 1, 64], name
