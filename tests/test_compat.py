@@ -17,6 +17,7 @@ import torch
 from dist_helpers import run_world, run_world_backend
 
 from knapformer.compat import ORIGINAL_GAMMA, SequenceBalancer, workload_estimator
+from knapformer.legacy import LEGACY_KEYS
 from knapformer.plan import RoutingPlan
 from knapformer.planner import plan_routing
 from knapformer.workload import WorkloadModel
@@ -57,6 +58,8 @@ def _step(bal: SequenceBalancer, rank: int, step: int, as_tensor: bool, lines: _
     plan = bal.plan_routing(given, TOKEN_DIM)
     printed = bal.print_imbalance()
     logged, lines.lines = lines.lines, []
+    bal.nice_print()
+    fields, lines.lines = lines.lines, []
 
     x = torch.randn(sum(lens), TOKEN_DIM, dtype=torch.float64)
     pos = torch.arange(sum(lens), dtype=torch.int64)
@@ -70,6 +73,7 @@ def _step(bal: SequenceBalancer, rank: int, step: int, as_tensor: bool, lines: _
         "plan": plan,
         "printed": printed,
         "logged": logged,
+        "fields": fields,
         "chunk_lens": chunk_lens,
         "attn_lens": attn_lens,
         "attn_lens_cached": attn_lens_again is attn_lens,
@@ -212,6 +216,14 @@ def test_summary_fields_are_attributes_once_planned(gloo_results):
         assert "PlanRecorder" in res["before"]["tracking"]
         for step in res["steps"]:
             assert step["my_seq_lens"] == _lengths(step["plan"].step)[rank]
+
+
+def test_nice_print_logs_every_summary_field(gloo_results):
+    for rank, res in enumerate(gloo_results):
+        for step in res["steps"]:
+            summary = step["summary"]
+            assert step["fields"] == [f"rank {rank} {k}: {v}" for k, v in summary.items()]
+            assert list(summary) == list(LEGACY_KEYS)
 
 
 def _ratios(line: str) -> dict[int, float]:
