@@ -587,10 +587,11 @@ def write_fit_html(path: Path, cal: Calibration, lengths: np.ndarray, title: str
 def environment(device: torch.device) -> dict:
     info = {"torch": torch.__version__, "device": str(device)}
     if device.type == "cuda":
+        nccl = torch.cuda.nccl.version()  # a tuple in recent torch, an int in older ones
         info |= {
             "gpu": torch.cuda.get_device_name(device),
             "cuda": torch.version.cuda,
-            "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+            "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl),
             "flash_sdp": torch.backends.cuda.flash_sdp_enabled(),
         }
     return info
