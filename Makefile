@@ -1,6 +1,7 @@
 # Two commands set everything up on a fresh Debian machine:
 #   make demo   runs the main job        make test   runs the test suite
-# Re-running skips what is already done.
+# Re-running skips what is already done. On a machine with an NVIDIA GPU,
+#   make gpu-check   runs the GPU-marked tests and bench/gpu.py (see that target).
 
 PYTHON ?= python3
 VENV := .venv
@@ -12,7 +13,8 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 MANIM_DEBS := libcairo2-dev libpango1.0-dev pkg-config
 BROWSER_DEBS := chromium
 
-.PHONY: setup test demo lint format bench samples system-deps browser-deps clean
+.PHONY: setup test demo lint format bench samples system-deps browser-deps clean \
+	gpu-check gpu-check-run
 
 setup: system-deps $(VENV)/.installed
 
@@ -52,6 +54,31 @@ format: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PY) bench/planner.py
+
+# The GPU check, for one CUDA GPU (well under 10 minutes on an H100): the GPU-marked
+# tests, then bench/gpu.py (also when a test failed), whose figures (gpu-check.json,
+# workload-fit.html, plans.jsonl) go to GPU_CHECK_OUT. Without a GPU it says that it
+# needs CUDA and exits 0.
+# GPU_PY is the Python it runs with: by default the project's venv, set up as for
+# `make test` (TORCH_SPEC picks a CUDA build of torch); on a machine whose Python already
+# has a CUDA torch and the project's dependencies (offline, say), name it:
+#   make gpu-check GPU_PY=python3 GPU_CHECK_OUT=/some/folder
+GPU_PY ?= $(PY)
+GPU_CHECK_OUT ?= runs/gpu-check
+GPU_TESTS := $(wildcard tests/test_*_gpu.py)
+
+gpu-check:
+	@if nvidia-smi -L >/dev/null 2>&1 || ls /dev/nvidia[0-9]* >/dev/null 2>&1; then \
+	  $(MAKE) --no-print-directory gpu-check-run; \
+	else echo "gpu-check skipped: it needs CUDA, and this machine has no NVIDIA GPU"; fi
+
+# Reached only where a GPU was seen. The venv is set up only when GPU_PY is its Python.
+gpu-check-run: $(if $(filter $(PY),$(GPU_PY)),system-deps $(VENV)/.installed)
+	@cuda=$$($(GPU_PY) -c 'import torch; print(int(torch.cuda.is_available()))') || exit 1; \
+	if [ "$$cuda" != 1 ]; then $(GPU_PY) bench/gpu.py; exit 0; fi; \
+	export PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" GPU_CHECK_OUT="$(GPU_CHECK_OUT)"; \
+	tests=0; $(GPU_PY) -m pytest -q -p no:cacheprovider -m gpu $(GPU_TESTS) || tests=$$?; \
+	$(GPU_PY) bench/gpu.py || exit $$?; exit $$tests
 
 samples: $(VENV)/.installed
 	$(PY) sample_plans/make_samples.py

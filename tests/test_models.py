@@ -78,3 +78,13 @@ def test_clear_errors():
         ToyDiT(30, 4, 1)
     with pytest.raises(ValueError, match=r"shape \(10, 32\) but seq_lens sum to 9"):
         _model()(torch.zeros(10, 32, dtype=torch.float64), [4, 5])
+
+
+def test_rope_in_bfloat16_is_as_exact_as_bfloat16_at_long_positions():
+    x = torch.randn(4, 2, 64, dtype=torch.float64)
+    pos = torch.tensor([5, 1000, 20000, 32000])
+    exact = apply_rope(x, pos)
+    low = apply_rope(x.to(torch.bfloat16), pos).double()
+    # a few bf16 roundings of values of order 1, at every position (an angle rounded to
+    # bf16 before its cosine would be off by radians at 32k)
+    assert (low - exact).abs().max() < 0.05

@@ -33,8 +33,9 @@ def apply_rope(x: torch.Tensor, pos: torch.Tensor, base: float = 10000.0) -> tor
     """Rotary embedding of ``x (T, H, D)`` (D even) at positions ``pos (T,)``."""
     half = x.shape[-1] // 2
     freq = base ** (-torch.arange(half, device=x.device, dtype=torch.float64) / half)
-    angle = (pos.to(torch.float64)[:, None] * freq[None, :]).to(x.dtype)  # (T, D/2)
-    cos, sin = angle.cos()[:, None, :], angle.sin()[:, None, :]
+    angle = pos.to(torch.float64)[:, None] * freq[None, :]  # (T, D/2)
+    # cos/sin before the cast: an angle rounded to bf16 is off by up to 128 rad at 32k
+    cos, sin = (f(angle).to(x.dtype)[:, None, :] for f in (torch.cos, torch.sin))
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
