@@ -18,6 +18,8 @@ from dash import Dash, Input, Output, Patch, State, ctx, dash_table, dcc, html, 
 from dash.exceptions import PreventUpdate
 
 from dashboard.store import RequestGate, Runs, Snapshot
+from knapformer.runfiles import RUNS_LAYOUT
+from knapformer.stats import before_after
 from visualization.figures import (
     bag_load_figure,
     predicted_vs_measured_figure,
@@ -152,7 +154,7 @@ def _fmt(value: float | None, spec: str) -> str:
 
 def _notice(snap: Snapshot | None, path: Path, run: str | None) -> list:
     if snap is None:
-        return [f"no runs found in {path} (expected <run>/plans.jsonl or plan files)"]
+        return [f"no runs found in {path} (expected {RUNS_LAYOUT} or plan files)"]
     lines = list(snap.notices)
     if snap.problem_count:
         lines.append(f"{snap.problem_count} malformed record(s) skipped:")
@@ -318,7 +320,7 @@ def create_app(path: str | Path) -> Dash:
                 + (f" · line {s.line}" if s.line is not None else "")
                 + ("" if following else " · not following live")
             )
-            imbalance = f"{latest.imbalance_before:.3f} → {latest.imbalance_after:.3f}"
+            imbalance = before_after(latest.imbalance_before, latest.imbalance_after)
             run_label = latest.run or run
         else:
             label, imbalance, run_label = "no steps yet", "–", run or "–"

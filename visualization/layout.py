@@ -19,7 +19,9 @@ from typing import Literal
 
 import numpy as np
 
+from knapformer.errors import KnapformerError
 from knapformer.plan import RoutingPlan, gpu_positions
+from knapformer.stats import before_after
 
 Measure = Literal["tokens", "workload"]
 
@@ -216,7 +218,7 @@ def layout_plan(
     by the before and after regions, so a row's length is its GPU's load in that measure.
     """
     if measure not in ("tokens", "workload"):
-        raise ValueError(f"measure must be 'tokens' or 'workload', not {measure!r}")
+        raise KnapformerError(f"measure must be 'tokens' or 'workload', not {measure!r}")
     stats = plan.stats
     seqs, chunks = plan.sequences, plan.chunks
     n = len(plan.gpus)
@@ -322,8 +324,8 @@ def layout_plan(
     if plan.run:
         default_title = f"{plan.run} · {default_title}"
     stats_text = (
-        f"imbalance (max/mean) {stats.imbalance_before:.2f} → {stats.imbalance_after:.2f}"
-        f"   ·   makespan {stats.makespan_before:.3g} → {stats.makespan_after:.3g}"
+        f"imbalance (max/mean) {before_after(stats.imbalance_before, stats.imbalance_after, '.2f')}"
+        f"   ·   makespan {before_after(stats.makespan_before, stats.makespan_after, '.3g')}"
         f" ({stats.speedup:.2f}x)   ·   moved {stats.moved_tokens:,} tokens"
         f" ({stats.moved_fraction:.0%})"
     )

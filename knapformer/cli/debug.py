@@ -3,6 +3,7 @@ plan locally and ask "what if" of the balancer offline."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import typer
@@ -11,6 +12,8 @@ from rich.table import Table
 
 from knapformer.cli.errors import UserError
 from knapformer.cli.progress import progress
+from knapformer.plan import COMPUTE_PHASES
+from knapformer.stats import before_after
 
 
 def register(app: typer.Typer) -> None:
@@ -50,7 +53,8 @@ def replay(
     mismatch, naming the first difference.
     """
     from knapformer.cli.plans import read_step
-    from knapformer.tools.replay import PHASES, check_options
+    from knapformer.plan import BALANCER_PHASES
+    from knapformer.tools.replay import check_options
     from knapformer.tools.replay import replay as run_replay
 
     plan = read_step(file, step)[0].plan
@@ -74,7 +78,7 @@ def replay(
     )
     for name in ("GPU", "tokens out", "tokens in", "bytes out", "bytes in"):
         table.add_column(name, justify="right")
-    phases = [p for p in PHASES if any(p in r.timings_ms for r in out.ranks)]
+    phases = [p for p in BALANCER_PHASES if any(p in r.timings_ms for r in out.ranks)]
     for p in phases:
         table.add_column(p, justify="right")
     table.add_column("check")
@@ -189,9 +193,9 @@ def simulate(
         table.add_row(
             s.topology,
             s.solver,
-            f"{s.mean_makespan_before:.4g} → {s.mean_makespan_after:.4g}",
+            before_after(s.mean_makespan_before, s.mean_makespan_after, ".4g"),
             f"{s.speedup:.2f}×",
-            f"{s.mean_imbalance_before:.3f} → {s.mean_imbalance_after:.3f} "
+            f"{before_after(s.mean_imbalance_before, s.mean_imbalance_after)} "
             f"(max {s.worst_imbalance_after:.3f})",
             f"{s.mean_moved_tokens:,.0f} ({s.moved_fraction:.0%})",
             _bytes(s.comm_bytes),
@@ -294,7 +298,9 @@ def calibrate(
         None, "--token-dim", help="model hidden size d (default: the plans' token_dim)"
     ),
     phase: str | None = typer.Option(
-        None, help="measured phase of the plans to fit (default: compute, forward_backward, …)"
+        None,
+        help="measured phase of the plans to fit (default: the first measured of "
+        f"{', '.join(COMPUTE_PHASES)})",
     ),
     plot: Path | None = typer.Option(None, help="write predicted-vs-measured plotly HTML here"),
 ) -> None:
@@ -302,6 +308,8 @@ def calibrate(
     from knapformer.tools.calibrate import calibrate_file
 
     cal = calibrate_file(file, token_dim, phase)
+    for problem in cal.skipped:
+        print(f"skipped {problem}", file=sys.stderr)
     console = _console()
     source = (
         f"{len(cal.measured)} (length, latency) pairs"
