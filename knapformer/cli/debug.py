@@ -11,8 +11,10 @@ from rich.console import Console
 from rich.table import Table
 
 from knapformer.cli.errors import UserError
+from knapformer.cli.extras import require
 from knapformer.cli.progress import progress
 from knapformer.plan import COMPUTE_PHASES
+from knapformer.runfiles import run_file
 from knapformer.stats import before_after
 
 
@@ -21,6 +23,10 @@ def register(app: typer.Typer) -> None:
     app.command()(simulate)
     app.command()(suggest)
     app.command()(calibrate)
+
+
+# Where `simulate --out` writes each run (a run is named <topology>-<solver>).
+_RUN_FILES = str(run_file("{out}", "<topology>-<solver>"))
 
 
 def _console() -> Console:
@@ -141,7 +147,7 @@ def simulate(
     seed: int = typer.Option(0, help="random seed of the data sampler"),
     out: Path | None = typer.Option(
         None,
-        help="folder to record the plans in: OUT/<topology>-<solver>/plans.jsonl per run "
+        help=f"folder to record the plans in: {_RUN_FILES.format(out='OUT')} per run "
         "(view with: knapformer dashboard OUT)",
     ),
 ) -> None:
@@ -217,7 +223,7 @@ def simulate(
             count += write_jsonl(path, plans[run])
         # soft_wrap: paths and the command stay whole, to copy and paste.
         console.print(
-            f"wrote {count} plans in {len(files)} runs to {out}/<topology>-<solver>/plans.jsonl",
+            f"wrote {count} plans in {len(files)} runs to {_RUN_FILES.format(out=out)}",
             soft_wrap=True,
         )
         console.print(f"view them with: knapformer dashboard {out}", soft_wrap=True)
@@ -307,6 +313,9 @@ def calibrate(
     """Fit the workload model's time scale k and γ from measured latencies."""
     from knapformer.tools.calibrate import calibrate_file
 
+    if plot is not None:  # before the fit, so that a missing extra costs no wait
+        require("dashboard", "knapformer calibrate --plot", "plotly")
+
     cal = calibrate_file(file, token_dim, phase)
     for problem in cal.skipped:
         print(f"skipped {problem}", file=sys.stderr)
@@ -327,5 +336,8 @@ def calibrate(
     if plot is not None:
         from visualization.calibration import calibration_figure
 
-        calibration_figure(cal, title=str(file)).write_html(plot, include_plotlyjs=True)
+        try:
+            calibration_figure(cal, title=str(file)).write_html(plot, include_plotlyjs=True)
+        except OSError as err:
+            raise UserError(f"{plot}: cannot write: {err.strerror or err}") from err
         console.print(f"wrote {plot}")
