@@ -214,20 +214,24 @@ def _changed(new: dict[str, Any], shown: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _timer(timings: deque[float]) -> Callable[[Callable], Callable]:
-    """Decorator noting how long each completed callback took (``/api/status``)."""
+class _CallbackLog:
+    """How many callbacks completed and how long the recent ones took (``/api/status``);
+    a callback that sends nothing (`PreventUpdate`) does not count."""
 
-    def timed(callback: Callable) -> Callable:
+    def __init__(self, keep: int = 200):
+        self.recent_ms: deque[float] = deque(maxlen=keep)
+        self.completed = 0
+
+    def timed(self, callback: Callable) -> Callable:
         @functools.wraps(callback)
         def run(*args: Any, **kwargs: Any) -> Any:
             started = time.perf_counter()
             out = callback(*args, **kwargs)
-            timings.append((time.perf_counter() - started) * 1e3)
+            self.recent_ms.append((time.perf_counter() - started) * 1e3)
+            self.completed += 1
             return out
 
         return run
-
-    return timed
 
 
 def create_app(path: str | Path) -> Dash:
@@ -238,9 +242,8 @@ def create_app(path: str | Path) -> Dash:
     app = Dash(__name__, title="KnapFormer dashboard", update_title=None, serve_locally=True)
     app.layout = lambda: _layout(runs)
     runs.store(runs.default())  # start indexing now, not at the first page view
-    timings: deque[float] = deque(maxlen=200)
+    log = _CallbackLog()
     app.server.config["KNAPFORMER_RUNS"] = runs
-    app.server.config["KNAPFORMER_TIMINGS"] = timings
 
     @app.server.before_request
     def _enter():
@@ -265,10 +268,11 @@ def create_app(path: str | Path) -> Dash:
             "steps": len(snap.summaries) if snap else 0,
             "problems": snap.problem_count if snap else 0,
             "indexing": snap.indexing if snap else False,
-            "callback_ms": list(timings),
+            "callbacks": log.completed,
+            "callback_ms": list(log.recent_ms),
         }
 
-    timed = _timer(timings)
+    timed = log.timed
     _watch_runs(app, runs, path, timed)
     _header_cards(app, runs, timed)
     _notices(app, timed)

@@ -23,10 +23,10 @@ class KnapformerError(ValueError):
 class OptionError(KnapformerError):
     """A bad value of an option: a function argument that a command exposes as a flag.
 
-    The message names each option in backquotes (```dim` 12 must be a multiple of
-    `heads` 8``). ``str()`` shows plain names (``dim 12 must be ...``); the command line
-    shows its own flags with `with_flags` (``--dim 12 must be ...``), so library messages
-    never assume how they are called.
+    The message names each option between backquotes, e.g. "`dim` 12 must be a multiple
+    of `heads` 8". ``str()`` shows the plain names ("dim 12 must be ..."); the command
+    line shows its own flags through `with_flags` ("--dim 12 must be ..."), so library
+    messages never assume how they are called.
     """
 
     def __init__(self, message: str):
