@@ -155,7 +155,8 @@ class SequenceBalancer:
         return self._timings
 
     def add_timing(self, phase: str, ms: float) -> None:
-        """Add a user-measured phase (e.g. ``"forward_backward"``) to this step's timings."""
+        """Add a user-measured phase (e.g. ``"forward_backward"``; `knapformer.plan` names
+        the phases recorded by default) to this step's timings."""
         self._timings[phase] = self._timings.get(phase, 0.0) + float(ms)
 
     @contextmanager

@@ -25,8 +25,9 @@ def register(app: typer.Typer) -> None:
     app.command()(calibrate)
 
 
-# Where `simulate --out` writes each run (a run is named <topology>-<solver>).
-_RUN_FILES = str(run_file("{out}", "<topology>-<solver>"))
+def _run_files(out: object) -> str:
+    """Where `simulate --out` writes each run (a run is named <topology>-<solver>)."""
+    return str(run_file(str(out), "<topology>-<solver>"))
 
 
 def _console() -> Console:
@@ -147,7 +148,7 @@ def simulate(
     seed: int = typer.Option(0, help="random seed of the data sampler"),
     out: Path | None = typer.Option(
         None,
-        help=f"folder to record the plans in: {_RUN_FILES.format(out='OUT')} per run "
+        help=f"folder to record the plans in: {_run_files('OUT')} per run "
         "(view with: knapformer dashboard OUT)",
     ),
 ) -> None:
@@ -223,7 +224,7 @@ def simulate(
             count += write_jsonl(path, plans[run])
         # soft_wrap: paths and the command stay whole, to copy and paste.
         console.print(
-            f"wrote {count} plans in {len(files)} runs to {_RUN_FILES.format(out=out)}",
+            f"wrote {count} plans in {len(files)} runs to {_run_files(out)}",
             soft_wrap=True,
         )
         console.print(f"view them with: knapformer dashboard {out}", soft_wrap=True)
