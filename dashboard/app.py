@@ -1,23 +1,37 @@
-"""The Dash app: layout and callbacks of the live dashboard.
+"""The Dash app: layout and callbacks of the live dashboard, one callback per concern.
 
-Two callbacks do the work. ``_tick`` runs every second (and on navigation): it reads the
-run's snapshot, updates the header, notices, slider and timeline (appending new steps
-with a `Patch` instead of resending the whole figure) and decides which step is shown.
-``_details`` runs only when the shown step or the selected sequence changes: it re-reads
-that one plan and draws the per-step views.
+- run picker (`_watch_runs`): every tick (and when the user picks a run) it decides which
+  run is shown and stores a small *view* of what that run holds now (steps, resets,
+  problems, notices). It sends nothing when nothing changed, so an idle tick costs one
+  request; the callbacks below follow the view, not the tick.
+- header cards (`_header_cards`) and notices (`_notices`): drawn from the view.
+- step selection (`_step_selection`): slider, "follow live" and timeline clicks decide
+  which step is shown (the ``selection`` store).
+- timeline (`_timeline`): appends new steps with a `Patch` instead of resending the
+  whole figure, and marks the selected step.
+- per-step views (`_step_views`): run only when the shown step or the selected sequence
+  changes; they re-read that one plan and draw it.
+
+Every callback names its outputs (dicts of `Output`), and figures are built by
+`visualization.figures`.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import flask
 from dash import Dash, Input, Output, Patch, State, ctx, dash_table, dcc, html, no_update
 from dash.exceptions import PreventUpdate
 
 from dashboard.store import RequestGate, Runs, Snapshot
+from knapformer.runfiles import RUNS_LAYOUT
+from knapformer.stats import before_after
 from visualization.figures import (
     bag_load_figure,
     predicted_vs_measured_figure,
@@ -39,6 +53,7 @@ _CARD = {
     "borderRadius": "6px",
     "minWidth": "150px",
 }
+_PICKER = {"display": "flex", "alignItems": "center", "margin": "6px 0"}
 _NOTICE = {
     "padding": "8px 12px",
     "margin": "8px 0",
@@ -68,7 +83,9 @@ def _layout(runs: Runs) -> html.Div:
     return html.Div(
         [
             dcc.Interval(id="tick", interval=TICK_MS),
-            # What the browser's timeline currently holds, so a tick can append to it.
+            # What the shown run holds now (set by the run picker; the rest follow it).
+            dcc.Store(id="view"),
+            # What the browser's timeline currently holds, so an update can append to it.
             dcc.Store(id="client", data={"run": None, "reset": None, "count": 0}),
             # The step the per-step views show: run, reset counter, index.
             dcc.Store(id="selection", data=initial),
@@ -150,9 +167,9 @@ def _fmt(value: float | None, spec: str) -> str:
     return "–" if value is None else format(value, spec)
 
 
-def _notice(snap: Snapshot | None, path: Path, run: str | None) -> list:
+def _notice(snap: Snapshot | None, path: Path) -> list[str]:
     if snap is None:
-        return [f"no runs found in {path} (expected <run>/plans.jsonl or plan files)"]
+        return [f"no runs found in {path} (expected {RUNS_LAYOUT} or plan files)"]
     lines = list(snap.notices)
     if snap.problem_count:
         lines.append(f"{snap.problem_count} malformed record(s) skipped:")
@@ -176,6 +193,47 @@ def _step_of(snap: Snapshot, index: int) -> int:
     return index if step is None else step
 
 
+def _view(run: str | None, snap: Snapshot | None, path: Path) -> dict:
+    """What the shown run holds now: when this changes, the page has something to redraw."""
+    return {
+        "run": run,
+        "reset": snap.reset if snap else None,
+        "count": len(snap.summaries) if snap else 0,
+        "problems": snap.problem_count if snap else 0,
+        "indexing": snap.indexing if snap else False,
+        "notices": _notice(snap, path),
+    }
+
+
+def _changed(new: dict[str, Any], shown: dict[str, Any]) -> dict[str, Any]:
+    """``new`` with the values the page already shows replaced by `no_update`; nothing at
+    all to send raises `PreventUpdate`."""
+    out = {key: no_update if value == shown.get(key) else value for key, value in new.items()}
+    if all(value is no_update for value in out.values()):
+        raise PreventUpdate
+    return out
+
+
+class _CallbackLog:
+    """How many callbacks completed and how long the recent ones took (``/api/status``);
+    a callback that sends nothing (`PreventUpdate`) does not count."""
+
+    def __init__(self, keep: int = 200):
+        self.recent_ms: deque[float] = deque(maxlen=keep)
+        self.completed = 0
+
+    def timed(self, callback: Callable) -> Callable:
+        @functools.wraps(callback)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            out = callback(*args, **kwargs)
+            self.recent_ms.append((time.perf_counter() - started) * 1e3)
+            self.completed += 1
+            return out
+
+        return run
+
+
 def create_app(path: str | Path) -> Dash:
     """The dashboard of PATH (a .jsonl, a .json, or a folder of runs)."""
     path = Path(path)
@@ -184,9 +242,8 @@ def create_app(path: str | Path) -> Dash:
     app = Dash(__name__, title="KnapFormer dashboard", update_title=None, serve_locally=True)
     app.layout = lambda: _layout(runs)
     runs.store(runs.default())  # start indexing now, not at the first page view
-    timings: deque[float] = deque(maxlen=200)
+    log = _CallbackLog()
     app.server.config["KNAPFORMER_RUNS"] = runs
-    app.server.config["KNAPFORMER_TIMINGS"] = timings
 
     @app.server.before_request
     def _enter():
@@ -211,71 +268,131 @@ def create_app(path: str | Path) -> Dash:
             "steps": len(snap.summaries) if snap else 0,
             "problems": snap.problem_count if snap else 0,
             "indexing": snap.indexing if snap else False,
-            "callback_ms": list(timings),
+            "callbacks": log.completed,
+            "callback_ms": list(log.recent_ms),
         }
 
+    timed = log.timed
+    _watch_runs(app, runs, path, timed)
+    _header_cards(app, runs, timed)
+    _notices(app, timed)
+    _step_selection(app, runs, timed)
+    _timeline(app, runs, timed)
+    _step_views(app, runs, timed)
+    return app
+
+
+def _snapshot(runs: Runs, view: dict | None) -> Snapshot | None:
+    """The current snapshot of the view's run (None: no run)."""
+    store = runs.store(view["run"]) if view else None
+    return store.snapshot() if store else None
+
+
+def _watch_runs(app: Dash, runs: Runs, path: Path, timed: Callable) -> None:
     @app.callback(
-        Output("stat-run", "children"),
-        Output("stat-steps", "children"),
-        Output("stat-imbalance", "children"),
-        Output("stat-speedup", "children"),
-        Output("stat-skipped", "children"),
-        Output("notice", "children"),
-        Output("notice", "style"),
-        Output("step-slider", "max"),
-        Output("step-slider", "marks"),
-        Output("step-slider", "value"),
-        Output("follow", "value"),
-        Output("timeline", "figure"),
-        Output("client", "data"),
-        Output("selection", "data"),
-        Output("step-label", "children"),
-        Output("run-picker", "options"),
-        Output("run-picker", "value"),
-        Output("run-picker-box", "style"),
-        Input("tick", "n_intervals"),
-        Input("step-slider", "value"),
-        Input("timeline", "clickData"),
-        Input("follow", "value"),
-        Input("run-picker", "value"),
-        State("client", "data"),
-        State("selection", "data"),
-        State("run-picker", "options"),
+        output={
+            "options": Output("run-picker", "options"),
+            "value": Output("run-picker", "value"),
+            "style": Output("run-picker-box", "style"),
+            "view": Output("view", "data"),
+        },
+        inputs={"_tick": Input("tick", "n_intervals"), "picked": Input("run-picker", "value")},
+        state={
+            "options": State("run-picker", "options"),
+            "style": State("run-picker-box", "style"),
+            "view": State("view", "data"),
+        },
     )
-    def _tick(_n, value, click, follow, run, client, selection, options):
-        started = time.perf_counter()
-        trigger = ctx.triggered_id
+    @timed
+    def watch_runs(_tick, picked, options, style, view):
         files = runs.files()
-        names = list(files)
-        new_options = [{"label": n, "value": n} for n in names]
-        picked = run
-        if run not in files:
-            run = runs.default()
-        picker_style = {"display": "flex", "alignItems": "center", "margin": "6px 0"}
-        if len(names) <= 1:
-            picker_style = _HIDDEN
+        run = picked if picked in files else runs.default()
         store = runs.store(run)
-        snap = store.snapshot() if store else None
-        notice_lines = _notice(snap, path, run)
-        notice_style = _NOTICE if notice_lines else _HIDDEN
-        notice = [html.Div(line) for line in notice_lines]
+        new = {
+            "options": [{"label": name, "value": name} for name in files],
+            "value": run,
+            "style": _PICKER if len(files) > 1 else _HIDDEN,
+            "view": _view(run, store.snapshot() if store else None, path),
+        }
+        return _changed(new, {"options": options, "value": picked, "style": style, "view": view})
+
+
+def _header_cards(app: Dash, runs: Runs, timed: Callable) -> None:
+    @app.callback(
+        output={
+            "run": Output("stat-run", "children"),
+            "steps": Output("stat-steps", "children"),
+            "imbalance": Output("stat-imbalance", "children"),
+            "speedup": Output("stat-speedup", "children"),
+            "skipped": Output("stat-skipped", "children"),
+        },
+        inputs={"view": Input("view", "data")},
+    )
+    @timed
+    def header_cards(view):
+        snap = _snapshot(runs, view)
+        run = view["run"] if view else None
+        n = len(snap.summaries) if snap else 0
+        latest = snap.summaries[-1] if n else None
+        return {
+            "run": (latest.run if latest else None) or run or "–",
+            "steps": f"{n:,}" + (" (indexing…)" if snap and snap.indexing else ""),
+            "imbalance": (
+                before_after(latest.imbalance_before, latest.imbalance_after) if latest else "–"
+            ),
+            "speedup": _fmt(snap.mean_speedup if snap else None, ".2f") + ("×" if n else ""),
+            "skipped": str(snap.problem_count if snap else 0),
+        }
+
+
+def _notices(app: Dash, timed: Callable) -> None:
+    @app.callback(
+        output={"lines": Output("notice", "children"), "style": Output("notice", "style")},
+        inputs={"view": Input("view", "data")},
+    )
+    @timed
+    def notices(view):
+        lines = view["notices"] if view else []
+        return {
+            "lines": [html.Div(line) for line in lines],
+            "style": _NOTICE if lines else _HIDDEN,
+        }
+
+
+def _step_selection(app: Dash, runs: Runs, timed: Callable) -> None:
+    @app.callback(
+        output={
+            "last": Output("step-slider", "max"),
+            "marks": Output("step-slider", "marks"),
+            "value": Output("step-slider", "value"),
+            "follow": Output("follow", "value"),
+            "selection": Output("selection", "data"),
+            "label": Output("step-label", "children"),
+        },
+        inputs={
+            "view": Input("view", "data"),
+            "value": Input("step-slider", "value"),
+            "click": Input("timeline", "clickData"),
+            "follow": Input("follow", "value"),
+        },
+        state={"selection": State("selection", "data"), "shown_last": State("step-slider", "max")},
+    )
+    @timed
+    def step_selection(view, value, click, follow, selection, shown_last):
+        trigger = ctx.triggered_id
+        snap = _snapshot(runs, view)
+        run = view["run"] if view else None
         n = len(snap.summaries) if snap else 0
         last = max(n - 1, 0)
+        shown = selection or {}
+        run_changed = shown.get("run") != run
+        reset_changed = snap is not None and shown.get("reset") != snap.reset
+        shown_count = 0 if shown.get("index") is None else (shown_last or 0) + 1
+        unchanged = selection is not None and not (run_changed or reset_changed)
+        if trigger == "view" and unchanged and shown_count == n:
+            raise PreventUpdate  # nothing new for the slider
+
         following = "on" in (follow or [])
-        run_changed = client.get("run") != run
-        reset_changed = snap is not None and client.get("reset") != snap.reset
-
-        signature = [
-            run,
-            snap.reset if snap else None,
-            n,
-            snap.problem_count if snap else 0,
-            notice_lines,
-            snap.indexing if snap else False,
-        ]
-        if trigger == "tick" and client.get("signature") == signature:
-            raise PreventUpdate  # nothing new: send nothing, redraw nothing
-
         index = value if isinstance(value, int) else last
         if run_changed:
             following, index = True, last
@@ -288,12 +405,62 @@ def create_app(path: str | Path) -> Dash:
             index = last
         index = min(max(index, 0), last)
 
-        if snap is None or n == 0:
+        new_selection = {
+            "run": run,
+            "reset": snap.reset if snap else None,
+            "index": index if n else None,
+        }
+        if n:
+            s = snap.summaries[index]
+            label = (
+                f"step {_step_of(snap, index)} · {index + 1} of {n}"
+                + (f" · line {s.line}" if s.line is not None else "")
+                + ("" if following else " · not following live")
+            )
+        else:
+            label = "no steps yet"
+        return {
+            "last": last,
+            "marks": _marks(snap) if snap else {},
+            "value": index if index != value else no_update,
+            "follow": (
+                (["on"] if following else [])
+                if following != ("on" in (follow or []))
+                else no_update
+            ),
+            "selection": new_selection if new_selection != selection else no_update,
+            "label": label,
+        }
+
+
+def _timeline(app: Dash, runs: Runs, timed: Callable) -> None:
+    @app.callback(
+        output={"figure": Output("timeline", "figure"), "client": Output("client", "data")},
+        inputs={"view": Input("view", "data"), "selection": Input("selection", "data")},
+        state={"client": State("client", "data")},
+    )
+    @timed
+    def timeline(view, selection, client):
+        snap = _snapshot(runs, view)
+        run = view["run"] if view else None
+        n = len(snap.summaries) if snap else 0
+        reset = snap.reset if snap else None
+        index = None
+        if selection and (selection.get("run"), selection.get("reset")) == (run, reset):
+            index = selection.get("index")
+        new_client = {"run": run, "reset": reset, "count": n, "index": index}
+        if new_client == client:
+            raise PreventUpdate  # the browser already draws exactly this
+
+        if n == 0:
             figure = timeline_figure([], validate=False)
-            new_client = {"run": run, "reset": snap.reset if snap else None, "count": 0}
-        elif run_changed or reset_changed or client.get("count", 0) > n or trigger is None:
+        elif (
+            client.get("run") != run
+            or client.get("reset") != reset
+            or client.get("count", 0) > n
+            or ctx.triggered_id is None
+        ):
             figure = timeline_figure(snap.summaries, index, validate=False)
-            new_client = {"run": run, "reset": snap.reset, "count": n}
         else:
             # Same data on the client: append new steps and move the marker only.
             figure = Patch()
@@ -307,70 +474,56 @@ def create_app(path: str | Path) -> Dash:
                     if switch:
                         figure["data"][i]["mode"] = timeline_mode(n)
             figure["layout"]["shapes"] = selection_shapes(snap.summaries, index)
-            new_client = {"run": run, "reset": snap.reset, "count": n}
+        return {"figure": figure, "client": new_client}
 
-        new_selection = {"run": run, "reset": snap.reset, "index": index} if snap and n else None
-        if n:
-            s = snap.summaries[index]
-            latest = snap.summaries[-1]
-            label = (
-                f"step {_step_of(snap, index)} · {index + 1} of {n}"
-                + (f" · line {s.line}" if s.line is not None else "")
-                + ("" if following else " · not following live")
-            )
-            imbalance = f"{latest.imbalance_before:.3f} → {latest.imbalance_after:.3f}"
-            run_label = latest.run or run
-        else:
-            label, imbalance, run_label = "no steps yet", "–", run or "–"
-        steps = f"{n:,}" + (" (indexing…)" if snap and snap.indexing else "")
-        out = (
-            run_label,
-            steps,
-            imbalance,
-            _fmt(snap.mean_speedup if snap else None, ".2f") + ("×" if snap and n else ""),
-            str(snap.problem_count if snap else 0),
-            notice,
-            notice_style,
-            last,
-            _marks(snap) if snap else {},
-            index if index != value else no_update,
-            (["on"] if following else []) if following != ("on" in (follow or [])) else no_update,
-            figure,
-            new_client if new_client != client else no_update,
-            new_selection if new_selection != selection else no_update,
-            label,
-            new_options if new_options != options else no_update,
-            run if run != picked else no_update,
-            picker_style,
-        )
-        timings.append((time.perf_counter() - started) * 1e3)
-        return out
 
+def _step_views(app: Dash, runs: Runs, timed: Callable) -> None:
     @app.callback(
-        Output("bag-load", "figure"),
-        Output("traffic", "figure"),
-        Output("pvm", "figure"),
-        Output("pvm-box", "style"),
-        Output("seq-table", "data"),
-        Output("seq-table", "selected_rows"),
-        Output("detail-notice", "children"),
-        Output("detail-notice", "style"),
-        Input("selection", "data"),
-        Input("seq-table", "selected_row_ids"),
+        output={
+            "bag_load": Output("bag-load", "figure"),
+            "traffic": Output("traffic", "figure"),
+            "pvm": Output("pvm", "figure"),
+            "pvm_style": Output("pvm-box", "style"),
+            "rows": Output("seq-table", "data"),
+            "selected_rows": Output("seq-table", "selected_rows"),
+            "notice": Output("detail-notice", "children"),
+            "notice_style": Output("detail-notice", "style"),
+        },
+        inputs={
+            "selection": Input("selection", "data"),
+            "selected_ids": Input("seq-table", "selected_row_ids"),
+        },
     )
-    def _details(selection, selected_ids):
-        started = time.perf_counter()
-        if not selection:
+    @timed
+    def step_views(selection, selected_ids):
+        if not selection or selection.get("index") is None:
             empty = {"data": [], "layout": {"template": "plotly_white"}}
-            return empty, empty, empty, _HIDDEN, [], [], "", _HIDDEN
+            return {
+                "bag_load": empty,
+                "traffic": empty,
+                "pvm": empty,
+                "pvm_style": _HIDDEN,
+                "rows": [],
+                "selected_rows": [],
+                "notice": "",
+                "notice_style": _HIDDEN,
+            }
         store = runs.store(selection["run"])
         try:
             if store is None:
                 raise LookupError(f"run {selection['run']!r} is gone")
             plan = store.plan(selection["index"], selection["reset"])
         except LookupError as err:
-            message = f"cannot show this step: {err}"
-            return (no_update,) * 6 + (message, _NOTICE)
+            return {
+                "bag_load": no_update,
+                "traffic": no_update,
+                "pvm": no_update,
+                "pvm_style": no_update,
+                "rows": no_update,
+                "selected_rows": no_update,
+                "notice": f"cannot show this step: {err}",
+                "notice_style": _NOTICE,
+            }
         new_step = ctx.triggered_id != "seq-table"
         seq = None
         if not new_step and selected_ids:  # ids from before a step change are stale
@@ -378,17 +531,13 @@ def create_app(path: str | Path) -> Dash:
             if not 0 <= seq < len(plan.sequences):
                 seq = None
         pvm = predicted_vs_measured_figure(plan, validate=False)
-        out = (
-            bag_load_figure(plan, seq, validate=False),
-            traffic_figure(plan, seq, validate=False),
-            pvm if pvm is not None else no_update,
-            {"display": "block"} if pvm is not None else _HIDDEN,
-            sequence_rows(plan) if new_step else no_update,
-            [] if new_step else no_update,
-            "",
-            _HIDDEN,
-        )
-        timings.append((time.perf_counter() - started) * 1e3)
-        return out
-
-    return app
+        return {
+            "bag_load": bag_load_figure(plan, seq, validate=False),
+            "traffic": traffic_figure(plan, seq, validate=False),
+            "pvm": pvm if pvm is not None else no_update,
+            "pvm_style": {"display": "block"} if pvm is not None else _HIDDEN,
+            "rows": sequence_rows(plan) if new_step else no_update,
+            "selected_rows": [] if new_step else no_update,
+            "notice": "",
+            "notice_style": _HIDDEN,
+        }

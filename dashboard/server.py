@@ -9,6 +9,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from knapformer.errors import KnapformerError
+
 _LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
@@ -50,14 +52,14 @@ def _check_free(host: str, port: int) -> None:
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except OSError as err:
-        raise OSError(f"cannot listen on {host}:{port}: {err.strerror or err}") from err
+        raise KnapformerError(f"cannot listen on {host}:{port}: {err.strerror or err}") from err
     family, _, _, _, address = infos[0]
     with socket.socket(family, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as werkzeug does
         try:
             probe.bind(address)
         except OSError as err:
-            raise OSError(f"cannot listen on {host}:{port}: {err.strerror or err}") from err
+            raise KnapformerError(f"cannot listen on {host}:{port}: {err.strerror or err}") from err
 
 
 def _make(path: str | Path, host: str, port: int):
@@ -67,7 +69,7 @@ def _make(path: str | Path, host: str, port: int):
     from dashboard.app import create_app
 
     if not 0 <= port <= 65535:
-        raise ValueError(f"port {port} is not in 0..65535")
+        raise KnapformerError(f"port {port} is not in 0..65535")
     _warn_if_public(host)
     # One log line per request (a tick a second) would drown the console.
     logging.getLogger("werkzeug").setLevel(logging.WARNING)
@@ -76,7 +78,7 @@ def _make(path: str | Path, host: str, port: int):
     try:
         server = make_server(host, port, app.server, threaded=True)
     except SystemExit as err:  # werkzeug prints and exits when it cannot bind
-        raise OSError(f"cannot listen on {host}:{port}") from err
+        raise KnapformerError(f"cannot listen on {host}:{port}") from err
     return app, server
 
 

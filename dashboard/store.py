@@ -9,7 +9,6 @@ the file (`dashboard.tail.JsonlTail`) so Dash callbacks only read a snapshot.
 from __future__ import annotations
 
 import os
-import re
 import threading
 import time
 from collections import OrderedDict, deque
@@ -19,7 +18,8 @@ from pathlib import Path
 from dashboard.tail import JsonlTail
 from knapformer.plan import RoutingPlan
 from knapformer.plan_io import PlanFormatError, Problem, parse_plan_line, read_plans
-from visualization.figures import StepSummary, summarize
+from knapformer.runfiles import find_runs
+from knapformer.stats import StepSummary, summarize
 
 _POLL_BYTES = 512 << 10  # per poll while catching up: small, so serving requests waits little
 _IDLE_S = 0.25
@@ -27,7 +27,6 @@ _YIELD_S = 0.5
 _KEEP_PROBLEMS = 200
 _KEEP_EVENTS = 5
 _CACHE_PLANS = 8
-_ROTATED = re.compile(r".*\.\d+\.jsonl$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,8 +275,9 @@ class PlanStore:
 
 
 class Runs:
-    """The runs behind PATH: one file, or a folder of ``<run>/plans.jsonl`` (and plan files
-    directly in it). Stores are created, and start following, when first asked for."""
+    """The runs behind PATH (`knapformer.runfiles.find_runs`): one file, or a folder of
+    ``<run>/plans.jsonl`` and plan files. Stores are created, and start following, when
+    first asked for."""
 
     def __init__(self, path: str | os.PathLike, gate: RequestGate | None = None):
         self.path = Path(path)
@@ -292,31 +292,9 @@ class Runs:
         now = time.monotonic()
         with self._lock:
             if now - self._scanned > 2.0 or not self._names:
-                self._names = self._scan()
+                self._names = find_runs(self.path)
                 self._scanned = now
             return dict(self._names)
-
-    def _scan(self) -> dict[str, Path]:
-        if not self.path.is_dir():
-            return {self.path.stem or str(self.path): self.path}
-        found: dict[str, Path] = {}
-        if (self.path / "plans.jsonl").is_file():
-            found[self.path.name] = self.path / "plans.jsonl"
-        try:
-            entries = sorted(self.path.iterdir())
-        except OSError:
-            return found
-        for entry in entries:
-            if entry.is_dir() and (entry / "plans.jsonl").is_file():
-                found[entry.name] = entry / "plans.jsonl"
-            elif (
-                entry.is_file()
-                and entry.suffix in (".json", ".jsonl")
-                and entry.name != "plans.jsonl"
-                and not _ROTATED.fullmatch(entry.name)
-            ):
-                found[entry.name] = entry
-        return found
 
     def default(self) -> str | None:
         """The run written to most recently."""

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from knapformer.errors import KnapformerError
 from knapformer.plan import RoutingPlan
 from knapformer.planner import SOLVERS, plan_routing
 from knapformer.router import (
@@ -40,8 +41,6 @@ from knapformer.router import (
 )
 from knapformer.topology import Topology, as_topology
 from knapformer.workload import WorkloadModel
-
-PHASES = ("plan", "route", "pre_attn", "post_attn", "reverse_route")
 
 
 class SequenceBalancer:
@@ -80,10 +79,10 @@ class SequenceBalancer:
             )
         self.topology = as_topology(topology)
         if solver not in SOLVERS:
-            raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
+            raise KnapformerError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
         WorkloadModel(1, gamma)  # validates gamma now rather than at the first step
         if max_tokens_per_gpu is not None and max_tokens_per_gpu <= 0:
-            raise ValueError(f"max_tokens_per_gpu must be positive, got {max_tokens_per_gpu}")
+            raise KnapformerError(f"max_tokens_per_gpu must be positive, got {max_tokens_per_gpu}")
         self.gamma = float(gamma)
         self.solver = solver
         self.max_tokens_per_gpu = max_tokens_per_gpu
@@ -99,7 +98,7 @@ class SequenceBalancer:
         try:
             replicas = self.topology.num_replicas(len(parent_ranks))
         except ValueError as err:
-            raise ValueError(f"{err} (process group of {len(parent_ranks)} ranks)") from None
+            raise KnapformerError(f"{err} (process group of {len(parent_ranks)} ranks)") from None
         balance_groups = [parent_ranks[i * n : (i + 1) * n] for i in range(replicas)]
         self.group_ranks: list[int] = next(g for g in balance_groups if self.rank in g)
         self.num_replicas = replicas
@@ -156,7 +155,8 @@ class SequenceBalancer:
         return self._timings
 
     def add_timing(self, phase: str, ms: float) -> None:
-        """Add a user-measured phase (e.g. ``"forward_backward"``) to this step's timings."""
+        """Add a user-measured phase (e.g. ``"forward_backward"``; `knapformer.plan` names
+        the phases recorded by default) to this step's timings."""
         self._timings[phase] = self._timings.get(phase, 0.0) + float(ms)
 
     @contextmanager
@@ -255,7 +255,7 @@ class SequenceBalancer:
         if problem is not None:
             raise problem
         if bad:
-            raise ValueError(
+            raise KnapformerError(
                 f"invalid local_seq_lens on rank {', '.join(map(str, bad))} (its own error "
                 "says why); no rank of the balance group planned this step"
             )
@@ -338,10 +338,12 @@ class SequenceBalancer:
         for name, x in (("q", q), ("k", k), ("v", v)):
             if not isinstance(x, torch.Tensor) or x.dim() != 3:
                 shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-                raise ValueError(f"{name} must have shape (tokens, heads, head_dim), got {shape}")
+                raise KnapformerError(
+                    f"{name} must have shape (tokens, heads, head_dim), got {shape}"
+                )
             check_rows(name, x, t.num_chunk_tokens, "the chunks routed to this rank")
         if not (q.shape == k.shape == v.shape and q.dtype == k.dtype == v.dtype):
-            raise ValueError(
+            raise KnapformerError(
                 f"q, k, v must share shape and dtype, got {tuple(q.shape)}/{q.dtype}, "
                 f"{tuple(k.shape)}/{k.dtype}, {tuple(v.shape)}/{v.dtype}"
             )
@@ -349,7 +351,7 @@ class SequenceBalancer:
         # Checked against every bag size so that all ranks fail together, not hang.
         bad = [g for g in set(self.topology.bag_sizes) if heads % g]
         if bad:
-            raise ValueError(
+            raise KnapformerError(
                 f"{heads} attention heads cannot be split evenly across bags of "
                 f"{max(bad)} GPUs (topology {self.topology}); use a head count divisible "
                 f"by every bag size"
@@ -376,7 +378,7 @@ class SequenceBalancer:
         t = self._require_tables()
         if not isinstance(out, torch.Tensor) or out.dim() != 3:
             shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-            raise ValueError(f"out must have shape (tokens, heads, head_dim), got {shape}")
+            raise KnapformerError(f"out must have shape (tokens, heads, head_dim), got {shape}")
         bag = t.bag
         if bag is None:
             check_rows("out", out, t.num_chunk_tokens, "the chunks routed to this rank")
@@ -423,14 +425,16 @@ def _as_lengths(local_seq_lens: Any) -> np.ndarray:
         local_seq_lens = local_seq_lens.detach().cpu().numpy()
     arr = np.asarray(local_seq_lens)
     if arr.ndim != 1:
-        raise ValueError(f"local_seq_lens must be a 1-D list of lengths, got shape {arr.shape}")
+        raise KnapformerError(
+            f"local_seq_lens must be a 1-D list of lengths, got shape {arr.shape}"
+        )
     if arr.size == 0:
         return np.zeros(0, dtype=np.int64)
     if arr.dtype.kind not in "iu" and not (
         arr.dtype.kind == "f" and np.all(np.isfinite(arr)) and np.all(np.mod(arr, 1) == 0)
     ):
-        raise ValueError(f"local_seq_lens must be whole numbers of tokens, got {arr.tolist()}")
+        raise KnapformerError(f"local_seq_lens must be whole numbers of tokens, got {arr.tolist()}")
     arr = arr.astype(np.int64)
     if arr.min() < 0:
-        raise ValueError(f"local_seq_lens include a negative length {int(arr.min())}")
+        raise KnapformerError(f"local_seq_lens include a negative length {int(arr.min())}")
     return arr

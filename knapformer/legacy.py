@@ -8,28 +8,14 @@ unknown (``None`` / solver ``"unknown"``).
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Any
 
 import numpy as np
 
+from knapformer.errors import KnapformerError
 from knapformer.plan import RoutingPlan
+from knapformer.topology import Topology
 
-LEGACY_KEYS = (
-    "balance_gpu_ids",
-    "bag_id2gpu_ids",
-    "gpu_id2bag_id",
-    "seq_id2seq_len",
-    "seq_id2seq_workload",
-    "gpu_id2seq_ids",
-    "gpu_id2seq_lens",
-    "gpu_id2seq_workloads",
-    "gpu_id2chunk_ids",
-    "gpu_id2chunk_lens",
-    "balance_chunk_id2gpu_id",
-    "balance_chunk_id2chunk_len",
-    "chunk_id2seq_id",
-)
 _REQUIRED = (
     "balance_gpu_ids",
     "bag_id2gpu_ids",
@@ -48,38 +34,33 @@ def is_legacy(record: Any) -> bool:
 
 def _int_keyed(mapping: dict, name: str) -> dict[int, Any]:
     if not isinstance(mapping, dict):
-        raise ValueError(f"legacy plan: {name} must be an object keyed by id")
+        raise KnapformerError(f"legacy plan: {name} must be an object keyed by id")
     try:
         return {int(k): v for k, v in mapping.items()}
     except (TypeError, ValueError) as err:
-        raise ValueError(f"legacy plan: {name} has a key that is not an integer id") from err
-
-
-def topology_from_bags(bags: list[list[int]]) -> str:
-    counts = Counter(len(b) for b in bags)
-    return "+".join(f"g{size}n{counts[size]}" for size in sorted(counts))
+        raise KnapformerError(f"legacy plan: {name} has a key that is not an integer id") from err
 
 
 def plan_from_legacy(summary: dict) -> RoutingPlan:
     """Build (and validate) a `RoutingPlan` from a legacy summary dict.
 
-    Malformed input raises ``ValueError`` (pydantic's ``ValidationError`` for a broken
+    Malformed input raises `KnapformerError` (pydantic's ``ValidationError`` for a broken
     invariant) naming what is wrong, never a bare ``KeyError``/``TypeError``.
     """
     try:
         return _plan_from_legacy(summary)
     except KeyError as err:
-        raise ValueError(
+        raise KnapformerError(
             f"legacy plan: id {err.args[0]!r} is referenced but not described"
         ) from err
     except (TypeError, AttributeError, IndexError) as err:
-        raise ValueError(f"legacy plan: a field has the wrong shape ({err})") from err
+        raise KnapformerError(f"legacy plan: a field has the wrong shape ({err})") from err
 
 
 def _plan_from_legacy(summary: dict) -> RoutingPlan:
     missing = [k for k in _REQUIRED if k not in summary]
     if missing:
-        raise ValueError(f"legacy plan is missing key(s): {', '.join(missing)}")
+        raise KnapformerError(f"legacy plan is missing key(s): {', '.join(missing)}")
     gpus = [int(g) for g in summary["balance_gpu_ids"]]
     bag_map = _int_keyed(summary["bag_id2gpu_ids"], "bag_id2gpu_ids")
     bags = [[int(g) for g in bag_map[b]] for b in sorted(bag_map)]
@@ -100,7 +81,7 @@ def _plan_from_legacy(summary: dict) -> RoutingPlan:
     seq_index = {sid: i for i, sid in enumerate(old_seq_ids)}
     for sid in seq_len:
         if sid not in seq_index:
-            raise ValueError(f"legacy plan: sequence {sid} is on no GPU in gpu_id2seq_ids")
+            raise KnapformerError(f"legacy plan: sequence {sid} is on no GPU in gpu_id2seq_ids")
 
     old_chunk_ids, chunk_src = [], []
     for gpu in gpus:
@@ -112,7 +93,7 @@ def _plan_from_legacy(summary: dict) -> RoutingPlan:
         c_len = [int(chunk_len[c]) for c in old_chunk_ids]
         c_dst = [int(chunk_dst[c]) for c in old_chunk_ids]
     except KeyError as err:
-        raise ValueError(
+        raise KnapformerError(
             f"legacy plan: chunk or sequence id {err.args[0]} is not described"
         ) from err
     # A sequence's chunks have consecutive ids and tile it in id order.
@@ -142,7 +123,7 @@ def _plan_from_legacy(summary: dict) -> RoutingPlan:
 
     return RoutingPlan.model_validate(
         {
-            "topology": topology_from_bags(bags),
+            "topology": str(Topology.from_bag_sizes([len(b) for b in bags])),
             "gpus": gpus,
             "bags": bags,
             "token_dim": None,

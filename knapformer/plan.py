@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import numpy as np
@@ -139,6 +140,34 @@ class Chunks(_Columns):
     length: IntColumn = Field(description="tokens")
 
 
+# Phase names: the keys of ``Measurements.per_rank_ms``. The balancer, the recorder, replay,
+# calibration and the figures all take them from here.
+#: What `SequenceBalancer` times itself, in the order a step runs them.
+BALANCER_PHASES = ("plan", "route", "pre_attn", "post_attn", "reverse_route")
+#: What `PlanRecorder` gathers from every rank by default, in row order: the balancer's
+#: phases with the recorder's own hook (``record``), what a training loop reports with
+#: ``balancer.add_timing`` (``forward_backward``, ``optimizer``) and the whole step
+#: (``step``, timed by the balancer from one plan to the next).
+RECORDED_PHASES = (
+    "plan",
+    "record",
+    *BALANCER_PHASES[1:],
+    "forward_backward",
+    "optimizer",
+    "step",
+)
+#: Which measured phase stands for a GPU's compute, best first: a true compute time, then
+#: the parts of a step that are mostly compute, and the whole step (routing and waiting
+#: included) only when nothing better was measured.
+COMPUTE_PHASES = ("compute", "forward_backward", "forward", "attn", "step")
+
+
+def compute_phase(phases: Iterable[str]) -> str | None:
+    """The first of `COMPUTE_PHASES` among ``phases`` (None when none of them is)."""
+    present = set(phases)
+    return next((name for name in COMPUTE_PHASES if name in present), None)
+
+
 class Measurements(BaseModel):
     """Measured times of the step. ``per_rank_ms[phase][i]`` is for GPU ``gpus[i]``."""
 
@@ -149,6 +178,11 @@ class Measurements(BaseModel):
         default_factory=dict,
         description="phase name (e.g. route, forward_backward, step) -> ms per GPU of `gpus`",
     )
+
+    def compute_phase(self) -> str | None:
+        """The measured phase that stands for each GPU's compute (`COMPUTE_PHASES` order);
+        None when no such phase was measured."""
+        return compute_phase(self.per_rank_ms)
 
 
 class RoutingPlan(BaseModel):
@@ -227,9 +261,6 @@ class RoutingPlan(BaseModel):
         """How readers name a bag: ``bag 3 · 4 GPUs``."""
         size = len(self.bags[bag_id])
         return f"bag {bag_id}{sep}{size} GPU{'s' if size != 1 else ''}"
-
-    def to_json_line(self) -> str:
-        return self.model_dump_json()
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, RoutingPlan):

@@ -12,15 +12,16 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TextIO
 
 from pydantic import ValidationError
 
+from knapformer.errors import KnapformerError, OptionError, file_error
 from knapformer.legacy import is_legacy, plan_from_legacy
 from knapformer.plan import READABLE_SCHEMA_VERSIONS, SCHEMA_VERSION, RoutingPlan
 
 
-class PlanFormatError(ValueError):
+class PlanFormatError(KnapformerError):
     """A record that is not a valid plan; ``str()`` is a one-line reason."""
 
 
@@ -144,7 +145,7 @@ def read_plans(path: str | os.PathLike, on_error: Literal["skip", "raise"] = "sk
 def write_jsonl(path: str | os.PathLike, plans: Iterable[RoutingPlan], append: bool = False) -> int:
     """Write one plan per line; returns how many were written."""
     count = 0
-    with open(path, "a" if append else "w", encoding="utf-8") as f:
+    with _open_for_writing(path, "a" if append else "w") as f:
         for plan in plans:
             f.write(plan.model_dump_json() + "\n")
             count += 1
@@ -155,12 +156,20 @@ def write_json(
     path: str | os.PathLike, plan: RoutingPlan | dict, indent: int | None = None
 ) -> None:
     """Write one plan (or a legacy dict) as a JSON document."""
-    with open(path, "w", encoding="utf-8") as f:
+    with _open_for_writing(path, "w") as f:
         if isinstance(plan, RoutingPlan):
             f.write(plan.model_dump_json(indent=indent))
         else:
             json.dump(plan, f, indent=indent)
         f.write("\n")
+
+
+def _open_for_writing(path: str | os.PathLike, mode: str) -> TextIO:
+    """``open(path, mode)``; a path the user cannot write to is a `KnapformerError`."""
+    try:
+        return open(path, mode, encoding="utf-8")
+    except OSError as err:
+        raise file_error(path, err, "cannot write") from err
 
 
 def select_step(result: ReadResult, step: int | None) -> PlanRecord:
@@ -183,14 +192,14 @@ def parse_step_range(spec: str) -> tuple[int | None, int | None]:
     """``"A:B"`` → (A, B), both inclusive; either side may be empty (open end)."""
     first, sep, last = spec.partition(":")
     if not sep:
-        raise ValueError(f"--steps must look like A:B (e.g. 3:7), not {spec!r}")
+        raise OptionError(f"`steps` must look like A:B (e.g. 3:7), not {spec!r}")
     try:
         a = int(first) if first.strip() else None
         b = int(last) if last.strip() else None
     except ValueError:
-        raise ValueError(f"--steps must look like A:B with integer steps, not {spec!r}") from None
+        raise OptionError(f"`steps` must look like A:B with integer steps, not {spec!r}") from None
     if a is not None and b is not None and b < a:
-        raise ValueError(f"--steps {spec!r}: the last step is before the first")
+        raise OptionError(f"`steps` {spec!r}: the last step is before the first")
     return a, b
 
 
@@ -214,7 +223,7 @@ def plans_in_range(result: ReadResult, spec: str) -> list[RoutingPlan]:
             for i, r in enumerate(result.records)
             if unnumbered or r.plan.step is not None
         ]
-        raise ValueError(
+        raise KnapformerError(
             f"no plan with a step in {spec!r} (the file holds steps {min(steps)}..{max(steps)})"
         )
     return chosen

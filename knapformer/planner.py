@@ -29,7 +29,7 @@ sequence outweighs the mean, and then every GPU under it keeps its own work).
    members per partner nearest the ideal exchange (the best one is always among them).
 In a multi-GPU bag the remainder tokens go to the chunk that stays on the source GPU,
 so fewer tokens move. An optional ``max_tokens_per_gpu`` is a hard cap on the tokens
-each GPU holds after routing (``ValueError`` when a sequence fits nowhere).
+each GPU holds after routing (`KnapformerError` when a sequence fits nowhere).
 
 Speed: a plan is made every training step, for ~100 sequences (32 GPUs) up to ~30,000
 (1024 GPUs). Per-sequence work is a fixed number of numpy calls; per-bag state that is
@@ -48,6 +48,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from knapformer import __version__
+from knapformer.errors import KnapformerError
 from knapformer.plan import Measurements, RoutingPlan
 from knapformer.topology import Topology, as_topology
 from knapformer.workload import WorkloadModel
@@ -86,16 +87,16 @@ def plan_routing(
     started = time.perf_counter()
     topo = as_topology(topology)
     if solver not in SOLVERS:
-        raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
+        raise KnapformerError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
     if len(lengths_per_gpu) != topo.num_gpus:
-        raise ValueError(
+        raise KnapformerError(
             f"topology {topo} has {topo.num_gpus} GPUs but lengths were given for "
             f"{len(lengths_per_gpu)} GPUs"
         )
     gpu_ranks = list(range(topo.num_gpus)) if gpus is None else [int(g) for g in gpus]
     bags = topo.bags(gpu_ranks)
     if max_tokens_per_gpu is not None and max_tokens_per_gpu <= 0:
-        raise ValueError(f"max_tokens_per_gpu must be positive, got {max_tokens_per_gpu}")
+        raise KnapformerError(f"max_tokens_per_gpu must be positive, got {max_tokens_per_gpu}")
 
     shape = _bag_shape(topo.bag_sizes)
     lengths, src_pos = _flatten(lengths_per_gpu, shape)
@@ -194,11 +195,11 @@ def _flatten(
         lengths.dtype.kind != "f" or np.any(np.mod(lengths, 1) != 0)
     ):
         bad = int(src_pos[np.flatnonzero(np.mod(lengths.astype(float), 1) != 0)[0]])
-        raise ValueError(f"lengths on GPU position {bad} must be whole numbers of tokens")
+        raise KnapformerError(f"lengths on GPU position {bad} must be whole numbers of tokens")
     lengths = lengths.astype(np.int64, copy=False)
     if lengths.min() < 0:
         bad = int(np.argmin(lengths))
-        raise ValueError(
+        raise KnapformerError(
             f"lengths on GPU position {int(src_pos[bad])} include a negative value {lengths[bad]}"
         )
     return lengths, src_pos
@@ -257,8 +258,8 @@ class _BagLayout:
             self.tokens += np.bincount(pos, weights=ln, minlength=len(self.tokens)).astype(np.int64)
             self.bag_max_tokens = np.maximum.reduceat(self.tokens, self.start)
 
-    def infeasible(self, seq: int, length: int) -> ValueError:
-        return ValueError(
+    def infeasible(self, seq: int, length: int) -> KnapformerError:
+        return KnapformerError(
             f"max_tokens_per_gpu={self.max_tokens} is infeasible: sequence {seq} "
             f"({length} tokens) fits no bag (most-loaded GPU already holds "
             f"{int(self.tokens.max())} tokens)"

@@ -46,23 +46,12 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from knapformer.plan import Measurements, RoutingPlan
+from knapformer.errors import KnapformerError
+from knapformer.plan import RECORDED_PHASES, Measurements, RoutingPlan
+from knapformer.runfiles import group_file, rotated_file
 
 log = logging.getLogger(__name__)
 
-#: Phases gathered from every rank by default, in this order (all ranks must send the
-#: same shape, so the list is fixed up front; add more with ``PlanRecorder(phases=...)``).
-DEFAULT_PHASES = (
-    "plan",
-    "record",  # the recorder's own hook on this rank (mostly queueing the plan)
-    "route",
-    "pre_attn",
-    "post_attn",
-    "reverse_route",
-    "forward_backward",
-    "optimizer",
-    "step",
-)
 _STOP = object()  # queue sentinel: the writer thread exits after draining what precedes it
 
 
@@ -80,7 +69,8 @@ class PlanRecorder:
         queue_size: plans waiting for the writer thread before new ones are dropped.
         max_bytes: rotate when the file would grow past this size (``None``: never).
         backups: rotated files kept (``plans.1.jsonl`` ... ``plans.<backups>.jsonl``).
-        phases: extra timing phases to gather besides `DEFAULT_PHASES`.
+        phases: extra timing phases to gather besides `knapformer.plan.RECORDED_PHASES`
+            (all ranks must send the same row, so the list is fixed up front).
         enabled: ``False`` makes every call a no-op.
     """
 
@@ -97,21 +87,21 @@ class PlanRecorder:
         enabled: bool = True,
     ):
         if int(every) < 1:
-            raise ValueError(f"every must be a positive number of steps, got {every}")
+            raise KnapformerError(f"every must be a positive number of steps, got {every}")
         if int(writer) < 0:
-            raise ValueError(f"writer must be a rank position >= 0, got {writer}")
+            raise KnapformerError(f"writer must be a rank position >= 0, got {writer}")
         if int(queue_size) < 1:
-            raise ValueError(f"queue_size must be >= 1, got {queue_size}")
+            raise KnapformerError(f"queue_size must be >= 1, got {queue_size}")
         if max_bytes is not None and int(max_bytes) <= 0:
-            raise ValueError(f"max_bytes must be positive or None, got {max_bytes}")
+            raise KnapformerError(f"max_bytes must be positive or None, got {max_bytes}")
         if int(backups) < 0:
-            raise ValueError(f"backups must be >= 0, got {backups}")
+            raise KnapformerError(f"backups must be >= 0, got {backups}")
         self.path = Path(path)
         self.every = int(every)
         self.writer = int(writer)
         self.max_bytes = None if max_bytes is None else int(max_bytes)
         self.backups = int(backups)
-        self.phases: tuple[str, ...] = tuple(dict.fromkeys([*DEFAULT_PHASES, *phases]))
+        self.phases: tuple[str, ...] = tuple(dict.fromkeys([*RECORDED_PHASES, *phases]))
         self.enabled = bool(enabled)
         #: plans queued and then dropped because the queue was full
         self.dropped = 0
@@ -297,7 +287,7 @@ class PlanRecorder:
         if rank is None:
             return True  # no process group: this process is the whole group
         if self.writer >= len(ranks):
-            raise ValueError(
+            raise KnapformerError(
                 f"PlanRecorder writer position {self.writer} is outside the balance group "
                 f"of {len(ranks)} ranks"
             )
@@ -308,13 +298,7 @@ class PlanRecorder:
 
     def _group_path(self, group_ranks: list[int]) -> Path:
         """This group's file: groups are consecutive blocks of ranks, index = first // size."""
-        index = min(group_ranks) // len(group_ranks)
-        text = str(self.path)
-        if "{group}" in text:
-            return Path(text.format(group=index))
-        if index == 0:
-            return self.path
-        return self.path.with_name(f"{self.path.stem}.group{index}{self.path.suffix}")
+        return group_file(self.path, min(group_ranks) // len(group_ranks))
 
     def _flush_pending(self, is_writer: bool) -> None:
         self._pending_step = None
@@ -413,14 +397,14 @@ class PlanRecorder:
         if self.backups == 0:
             os.unlink(path)
         else:
-            last = _backup_name(path, self.backups)
+            last = rotated_file(path, self.backups)
             if last.exists():
                 os.unlink(last)
             for k in range(self.backups - 1, 0, -1):
-                older = _backup_name(path, k)
+                older = rotated_file(path, k)
                 if older.exists():
-                    os.replace(older, _backup_name(path, k + 1))
-            os.replace(path, _backup_name(path, 1))
+                    os.replace(older, rotated_file(path, k + 1))
+            os.replace(path, rotated_file(path, 1))
         # Opening plain (no mkdir): if the directory was removed, that is an I/O error.
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._size = 0
@@ -435,11 +419,6 @@ class PlanRecorder:
         self._disabled_reason = f"I/O error on {self.file_path or self.path}: {err}"
         log.warning("PlanRecorder disabled (training goes on): %s", self._disabled_reason)
         self._close_file()
-
-
-def _backup_name(path: Path, k: int) -> Path:
-    """``plans.jsonl`` -> ``plans.<k>.jsonl``."""
-    return path.with_name(f"{path.stem}.{k}{path.suffix}")
 
 
 def _attach(

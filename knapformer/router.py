@@ -27,6 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from knapformer.errors import KnapformerError
 from knapformer.plan import RoutingPlan, gpu_positions
 
 Group = dist.ProcessGroup | None
@@ -289,7 +290,7 @@ def check_rows(name: str, tensor: torch.Tensor, rows: int, what: str) -> None:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
     if tensor.dim() < 1 or tensor.shape[0] != rows:
-        raise ValueError(
+        raise KnapformerError(
             f"{name} has shape {tuple(tensor.shape)} but {what} hold {rows} tokens; "
             "its first dimension must be the tokens"
         )

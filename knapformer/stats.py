@@ -1,4 +1,5 @@
-"""Derived statistics of a routing plan (computed, never stored in the plan).
+"""Derived statistics of a routing plan (computed, never stored in the plan), the
+per-step summary readers keep for every step, and how those figures are written.
 
 Per-GPU arrays are indexed by position in ``plan.gpus`` (not by rank), per-bag arrays
 by bag id. A sequence in a bag of g GPUs costs each GPU of that bag workload / g.
@@ -139,4 +140,74 @@ def compute_stats(plan: RoutingPlan) -> PlanStats:
         total_tokens=int(seqs.length.sum()),
         moved_tokens=moved,
         lower_bound=lower_bound,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class StepSummary:
+    """The few numbers of one plan that a timeline and a header need (cheap to keep for
+    every step of a long run)."""
+
+    step: int | None
+    time: float | None
+    run: str | None
+    line: int | None  # 1-based line in the file it came from
+    num_gpus: int
+    num_sequences: int
+    num_chunks: int
+    imbalance_before: float  # max / mean load
+    imbalance_after: float
+    max_min_before: float
+    max_min_after: float
+    moved_fraction: float
+    plan_ms: float | None
+    speedup: float  # makespan before / after (modelled)
+    makespan_over_lb: float
+    has_measurements: bool
+
+
+def summarize(plan: RoutingPlan, line: int | None = None) -> StepSummary:
+    """Summary of one plan (computes ``plan.stats`` once)."""
+    st = plan.stats
+    m = plan.measurements
+    return StepSummary(
+        step=plan.step,
+        time=plan.time,
+        run=plan.run,
+        line=line,
+        num_gpus=len(plan.gpus),
+        num_sequences=len(plan.sequences),
+        num_chunks=len(plan.chunks),
+        imbalance_before=st.imbalance_before,
+        imbalance_after=st.imbalance_after,
+        max_min_before=st.max_min_before,
+        max_min_after=st.max_min_after,
+        moved_fraction=st.moved_fraction,
+        plan_ms=None if m is None else m.plan_ms,
+        speedup=st.speedup,
+        makespan_over_lb=st.makespan_over_lb,
+        has_measurements=bool(m is not None and m.per_rank_ms),
+    )
+
+
+# ------------------------------------------------------------ how figures are written
+def before_after(before: float, after: float, spec: str = ".3f") -> str:
+    """A figure that balancing changed, as every reader writes it: ``1.842 → 1.013``."""
+    return f"{before:{spec}} → {after:{spec}}"
+
+
+def share(part: int, whole: int, unit: str = "") -> str:
+    """``12,345 of 67,890 tokens (18.2%)`` (``unit`` after the whole, if given)."""
+    fraction = part / whole if whole else 0.0
+    return f"{part:,} of {whole:,}{f' {unit}' if unit else ''} ({fraction:.1%})"
+
+
+def summary_line(
+    imbalance_before: float, imbalance_after: float, moved_tokens: int, total_tokens: int
+) -> str:
+    """The one-line summary of a balanced step:
+    ``imbalance 1.842 → 1.013  moved 12,345 of 67,890 tokens (18.2%)``."""
+    return (
+        f"imbalance {before_after(imbalance_before, imbalance_after)}  "
+        f"moved {share(moved_tokens, total_tokens, 'tokens')}"
     )

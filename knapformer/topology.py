@@ -13,6 +13,8 @@ import re
 from dataclasses import dataclass
 from functools import cached_property
 
+from knapformer.errors import KnapformerError
+
 _TERM = re.compile(r"g(\d+)n(\d+)")
 
 
@@ -26,18 +28,18 @@ class Topology:
     def parse(cls, text: str) -> Topology:
         """Parse ``gXnY[+gXnY...]``; a bag size given twice is merged (``g1n2+g1n3`` = ``g1n5``)."""
         if not isinstance(text, str) or not text.strip():
-            raise ValueError(f"topology {text!r} is empty; expected e.g. 'g1n2+g2n1+g4n1'")
+            raise KnapformerError(f"topology {text!r} is empty; expected e.g. 'g1n2+g2n1+g4n1'")
         counts: dict[int, int] = {}
         for term in text.strip().split("+"):
             match = _TERM.fullmatch(term.strip())
             if match is None:
-                raise ValueError(
+                raise KnapformerError(
                     f"topology {text!r}: term {term!r} is not of the form gXnY "
                     "(X GPUs per bag, Y bags), e.g. 'g2n4'"
                 )
             size, count = int(match.group(1)), int(match.group(2))
             if size == 0 or count == 0:
-                raise ValueError(f"topology {text!r}: term {term!r} has a zero size or count")
+                raise KnapformerError(f"topology {text!r}: term {term!r} has a zero size or count")
             counts[size] = counts.get(size, 0) + count
         sizes = tuple(size for size in sorted(counts) for _ in range(counts[size]))
         return cls(sizes)
@@ -45,7 +47,9 @@ class Topology:
     @classmethod
     def from_bag_sizes(cls, sizes: list[int] | tuple[int, ...]) -> Topology:
         if not sizes or any(int(s) <= 0 for s in sizes):
-            raise ValueError(f"bag sizes {list(sizes)} must be a non-empty list of positive ints")
+            raise KnapformerError(
+                f"bag sizes {list(sizes)} must be a non-empty list of positive ints"
+            )
         return cls(tuple(sorted(int(s) for s in sizes)))
 
     @cached_property
@@ -78,7 +82,7 @@ class Topology:
         if gpus is None:
             gpus = list(range(self.num_gpus))
         if len(gpus) != self.num_gpus:
-            raise ValueError(
+            raise KnapformerError(
                 f"topology {self} needs {self.num_gpus} GPUs per balance group, got {len(gpus)}"
             )
         out, start = [], 0
@@ -90,7 +94,7 @@ class Topology:
     def num_replicas(self, world_size: int) -> int:
         """How many balance groups a world of ``world_size`` ranks holds."""
         if world_size <= 0 or world_size % self.num_gpus:
-            raise ValueError(
+            raise KnapformerError(
                 f"world size {world_size} does not fit topology {self}: it needs a multiple "
                 f"of {self.num_gpus} ranks"
             )
@@ -105,7 +109,7 @@ class Topology:
         """Ranks of the balance group that holds ``rank``."""
         groups = self.balance_groups(world_size)
         if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is outside world size {world_size}")
+            raise KnapformerError(f"rank {rank} is outside world size {world_size}")
         return groups[rank // self.num_gpus]
 
 

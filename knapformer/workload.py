@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import ArrayLike
 
+from knapformer.errors import KnapformerError
+
 
 @dataclass(frozen=True)
 class WorkloadModel:
@@ -23,11 +25,11 @@ class WorkloadModel:
 
     def __post_init__(self) -> None:
         if int(self.token_dim) <= 0:
-            raise ValueError(f"token_dim must be positive, got {self.token_dim}")
+            raise KnapformerError(f"token_dim must be positive, got {self.token_dim}")
         if not np.isfinite(self.gamma) or self.gamma < 0:
-            raise ValueError(f"gamma must be finite and >= 0, got {self.gamma}")
+            raise KnapformerError(f"gamma must be finite and >= 0, got {self.gamma}")
         if not np.isfinite(self.scale) or self.scale <= 0:
-            raise ValueError(f"scale must be finite and > 0, got {self.scale}")
+            raise KnapformerError(f"scale must be finite and > 0, got {self.scale}")
 
     def terms(self, lengths: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
         """(linear, attention) cost terms of each length, each of ``lengths``' shape, float64.
@@ -63,13 +65,13 @@ class WorkloadModel:
         length = np.asarray(lengths, dtype=np.float64).ravel()
         latency = np.asarray(latencies, dtype=np.float64).ravel()
         if length.shape != latency.shape:
-            raise ValueError(
+            raise KnapformerError(
                 f"got {length.size} lengths but {latency.size} latencies; they must pair up"
             )
         if not np.isfinite(length).all():
-            raise ValueError("lengths must be finite numbers")
+            raise KnapformerError("lengths must be finite numbers")
         if np.unique(length[length > 0]).size < 2:
-            raise ValueError("calibration needs at least 2 distinct positive lengths")
+            raise KnapformerError("calibration needs at least 2 distinct positive lengths")
         linear, attention = cls(token_dim=int(token_dim)).terms(length)
         scale, gamma, error = fit_scale_gamma(linear, attention, latency)
         return cls(token_dim=int(token_dim), gamma=gamma, scale=scale), error
@@ -94,17 +96,17 @@ def fit_scale_gamma(
     att = np.asarray(attention, dtype=np.float64).ravel()
     latency = np.asarray(latencies, dtype=np.float64).ravel()
     if not lin.shape == att.shape == latency.shape:
-        raise ValueError(
+        raise KnapformerError(
             f"got {lin.size} linear terms, {att.size} attention terms and {latency.size} "
             "measured times; they must pair up"
         )
     if latency.size < 2:
-        raise ValueError("calibration needs at least 2 measured times")
+        raise KnapformerError("calibration needs at least 2 measured times")
     if not (np.isfinite(lin).all() and np.isfinite(att).all() and np.isfinite(latency).all()):
-        raise ValueError("measured times and workload terms must be finite numbers")
+        raise KnapformerError("measured times and workload terms must be finite numbers")
     if (latency <= 0).any():
         i = int(np.flatnonzero(latency <= 0)[0])
-        raise ValueError(f"measured time #{i + 1} is {latency[i]:g} ms; times must be > 0")
+        raise KnapformerError(f"measured time #{i + 1} is {latency[i]:g} ms; times must be > 0")
     design = np.stack([lin, att], axis=1) / latency[:, None]
     # Column scaling keeps the least-squares problem well conditioned.
     norms = np.linalg.norm(design, axis=0)
@@ -112,7 +114,7 @@ def fit_scale_gamma(
     coef, *_ = np.linalg.lstsq(design / norms, np.ones_like(latency), rcond=None)
     a, b = coef / norms
     if not a > 0:
-        raise ValueError(
+        raise KnapformerError(
             "the fit gives a non-positive time per linear-layer FLOP; the measured times do "
             "not grow with the workload as the model expects"
         )

@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from dist_helpers import run_world
 
+from knapformer.plan import RECORDED_PHASES
+
 D_MODEL, HEADS, LAYERS = 32, 8, 2
 HEAVY = 600  # tokens of one sequence heavier than any bag's fair share
 
@@ -334,6 +336,8 @@ def test_balancer_on_gloo(world, tmp_path):
                 assert set(r["timings"]) == {"plan", "record", "route", "reverse_route"} | (
                     {"pre_attn", "post_attn"} if r["multi_bag"] else set()
                 ), where
+                # The balancer times only phases named in the plan schema's one list.
+                assert set(r["timings"]) | set(r["previous_timings"]) <= set(RECORDED_PHASES)
                 if case == "single":
                     assert r["previous_timings"]["step"] > 0, where
                     assert r["previous_timings"]["route"] > 0, where

@@ -249,3 +249,25 @@ def test_run_picker_switches_to_another_run(page):
     _wait_for(switched)
     assert page.inner_text("#stat-steps") == "1"
     assert not page.locator("#notice").is_visible()
+
+
+def test_idle_ticks_complete_no_callback(page):
+    """With nothing new on disk a tick is answered without running any view's callback."""
+    import json
+    import urllib.request
+
+    def callbacks() -> int:
+        with urllib.request.urlopen(page.url + "api/status", timeout=10) as resp:
+            return json.loads(resp.read())["callbacks"]
+
+    def settled():
+        """no callback completes for a second"""
+        before = callbacks()
+        page.wait_for_timeout(1000)  # lets the page tick (and Playwright dispatch events)
+        return callbacks() == before
+
+    _wait_for(settled, timeout=15)
+    before = callbacks()
+    page.wait_for_timeout(2 * 1000)  # four ticks
+    assert callbacks() == before
+    assert page.inner_text("#stat-steps") == "1"  # still the page of the previous test

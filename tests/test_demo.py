@@ -20,13 +20,13 @@ from knapformer.cli import main
 from knapformer.local.demo import (
     DEMO_CODES,
     DemoConfig,
-    _remove_old_plans,
     check_config,
     default_topology,
     model_shape,
     rank_codes,
 )
 from knapformer.plan_io import read_plans
+from knapformer.runfiles import remove_recording
 from knapformer.tools.datamix import parse_mix
 from knapformer.topology import Topology
 
@@ -110,7 +110,7 @@ def test_a_new_run_replaces_the_old_runs_plan_files_only(tmp_path):
     keep = ["notes.txt", "plans.json", "plans.backup.jsonl", "other.jsonl"]
     for name in names + keep:
         (tmp_path / name).write_text("x")
-    _remove_old_plans(tmp_path / "plans.jsonl")
+    remove_recording(tmp_path / "plans.jsonl")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(keep)
 
 

@@ -7,13 +7,12 @@ import pytest
 
 from knapformer.plan import Measurements
 from knapformer.plan_io import read_plans
+from knapformer.stats import StepSummary, summarize
 from visualization.figures import (
-    StepSummary,
     bag_load_figure,
     predicted_vs_measured_figure,
     sequence_rows,
     stragglers,
-    summarize,
     timeline_columns,
     timeline_figure,
     traffic_figure,

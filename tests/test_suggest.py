@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from knapformer.cli import main
+from knapformer.errors import KnapformerError
 from knapformer.planner import plan_routing
 from knapformer.tools.datamix import parse_mix
 from knapformer.tools.suggest import CostModel, enumerate_topologies, fit_mix, suggest
@@ -72,8 +73,14 @@ def test_bigger_bags_are_not_free():
 
 def test_mix_is_repeated_for_a_multiple_of_its_gpus():
     assert sum(c.gpus for c in fit_mix(parse_mix("joint"), 64)) == 64
-    with pytest.raises(ValueError, match="--gpus 48 must be a multiple of 32"):
+    with pytest.raises(KnapformerError, match="gpus 48 must be a multiple of 32"):
         fit_mix(parse_mix("joint"), 48)
+
+
+def test_cli_names_its_own_flag_in_option_errors(capsys):
+    assert main(["suggest", "--data-codes", "joint", "--gpus", "48"]) == 1
+    err = capsys.readouterr().err
+    assert err == "error: the data mix fills 32 GPUs; --gpus 48 must be a multiple of 32\n"
 
 
 def test_cli_ranking(capsys):

@@ -1,26 +1,25 @@
 """Plotly figures of routing plans, shared by the live dashboard and the static report.
 
-Pure functions of plans (or of `StepSummary` lists): no Dash, no I/O. Per-GPU arrays come
-from ``plan.stats`` and are indexed by position in ``plan.gpus``.
+Pure functions of plans (or of `knapformer.stats.StepSummary` lists): no Dash, no I/O.
+Per-GPU arrays come from ``plan.stats`` and are indexed by position in ``plan.gpus``.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import numpy as np
 import plotly.colors
 import plotly.graph_objects as go
 import plotly.io as pio
 
+from knapformer.errors import KnapformerError
 from knapformer.plan import RoutingPlan
+from knapformer.stats import StepSummary
 
 BEFORE_COLOR = "#b0b7c3"
 AFTER_COLOR = "#2a6fdb"
 HIGHLIGHT_COLOR = "#e8590c"
-# Phases tried, in order, as "the" measured time of a GPU for predicted-vs-measured.
-_MEASURED_PHASES = ("step", "forward_backward", "compute", "forward")
 # A GPU whose measured/predicted ratio exceeds the median ratio by this much is flagged.
 _STRAGGLER_FACTOR = 1.15
 # Only the layout part of the template: its per-trace defaults would triple every figure.
@@ -45,7 +44,7 @@ def _check_seq(plan: RoutingPlan, seq: int | None) -> int | None:
     if seq is None:
         return None
     if not 0 <= seq < len(plan.sequences):
-        raise ValueError(f"sequence {seq} is not in this plan (it has {len(plan.sequences)})")
+        raise KnapformerError(f"sequence {seq} is not in this plan (it has {len(plan.sequences)})")
     return int(seq)
 
 
@@ -206,57 +205,6 @@ def traffic_figure(
     return _figure(data, layout, validate)
 
 
-@dataclass(frozen=True, slots=True)
-class StepSummary:
-    """The few numbers of one plan the timeline and header need (cheap to keep per step)."""
-
-    step: int | None
-    time: float | None
-    run: str | None
-    line: int | None  # 1-based line in the file it came from
-    num_gpus: int
-    num_sequences: int
-    num_chunks: int
-    imbalance_before: float  # max / mean load
-    imbalance_after: float
-    max_min_before: float
-    max_min_after: float
-    moved_fraction: float
-    plan_ms: float | None
-    speedup: float  # makespan before / after (modelled)
-    makespan_over_lb: float
-    has_measurements: bool
-
-
-def summarize(plan: RoutingPlan, line: int | None = None) -> StepSummary:
-    """Summary of one plan (computes ``plan.stats`` once)."""
-    st = plan.stats
-    m = plan.measurements
-    return StepSummary(
-        step=plan.step,
-        time=plan.time,
-        run=plan.run,
-        line=line,
-        num_gpus=len(plan.gpus),
-        num_sequences=len(plan.sequences),
-        num_chunks=len(plan.chunks),
-        imbalance_before=st.imbalance_before,
-        imbalance_after=st.imbalance_after,
-        max_min_before=st.max_min_before,
-        max_min_after=st.max_min_after,
-        moved_fraction=st.moved_fraction,
-        plan_ms=None if m is None else m.plan_ms,
-        speedup=st.speedup,
-        makespan_over_lb=st.makespan_over_lb,
-        has_measurements=bool(m is not None and m.per_rank_ms),
-    )
-
-
-def step_x(summaries: list[StepSummary]) -> list[int]:
-    """The x of each summary on the timeline: its step, or its index when it has none."""
-    return [i if s.step is None else s.step for i, s in enumerate(summaries)]
-
-
 # (name, colour, subplot row, hover format) of each timeline trace, in trace order.
 _TIMELINE_TRACES = (
     ("before", BEFORE_COLOR, 1, ".3f"),
@@ -369,14 +317,14 @@ def selection_shapes(summaries: list[StepSummary], selected: int | None) -> list
 
 
 def measured_phase(plan: RoutingPlan) -> str | None:
-    """The phase of ``measurements.per_rank_ms`` compared with the model (None: none)."""
+    """The phase of ``measurements.per_rank_ms`` compared with the model (None: none).
+
+    The phase that stands for compute (`Measurements.compute_phase`, as calibration
+    picks it); a plan that measured none of those shows its first measured phase.
+    """
     if plan.measurements is None or not plan.measurements.per_rank_ms:
         return None
-    phases = plan.measurements.per_rank_ms
-    for name in _MEASURED_PHASES:
-        if name in phases:
-            return name
-    return next(iter(phases))
+    return plan.measurements.compute_phase() or next(iter(plan.measurements.per_rank_ms))
 
 
 def stragglers(plan: RoutingPlan) -> list[int]:

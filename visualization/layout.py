@@ -19,7 +19,9 @@ from typing import Literal
 
 import numpy as np
 
+from knapformer.errors import KnapformerError
 from knapformer.plan import RoutingPlan, gpu_positions
+from knapformer.stats import before_after
 
 Measure = Literal["tokens", "workload"]
 
@@ -207,6 +209,23 @@ def _rows(plan: RoutingPlan) -> tuple[list[Row], list[Bracket], float]:
     return rows, brackets, unit
 
 
+@dataclass(frozen=True)
+class _Widths:
+    """Where each sequence and chunk sits and how wide it is drawn (scene units).
+
+    Arrays are indexed by sequence id (``seq_*``) or chunk id (``chunk_*``); rows are
+    indices into the row list."""
+
+    seq_row: np.ndarray  # (n_seq,) row of the sequence's source GPU
+    seq_width: np.ndarray  # (n_seq,)
+    chunk_src_row: np.ndarray  # (n_chunks,)
+    chunk_dst_row: np.ndarray  # (n_chunks,)
+    chunk_width: np.ndarray  # (n_chunks,)
+    chunk_offset_share: np.ndarray  # (n_chunks,) chunk offset / sequence length
+    block_height: float
+    colors: list[str]  # (n_seq,)
+
+
 def layout_plan(
     plan: RoutingPlan, measure: Measure = "tokens", title: str | None = None
 ) -> SceneLayout:
@@ -214,129 +233,26 @@ def layout_plan(
 
     Block widths are proportional to tokens or to workload (``measure``), on one scale shared
     by the before and after regions, so a row's length is its GPU's load in that measure.
+    Built in parts: rows and bag brackets, sequence blocks, chunk blocks, load bars, texts.
     """
     if measure not in ("tokens", "workload"):
-        raise ValueError(f"measure must be 'tokens' or 'workload', not {measure!r}")
-    stats = plan.stats
-    seqs, chunks = plan.sequences, plan.chunks
-    n = len(plan.gpus)
+        raise KnapformerError(f"measure must be 'tokens' or 'workload', not {measure!r}")
     rows, brackets, unit = _rows(plan)
-    row_of_pos = np.empty(n, dtype=np.int64)
-    for r, row in enumerate(rows):
-        row_of_pos[row.pos] = r
-    pos_of_gpu = gpu_positions(plan.gpus)
-
-    length = np.asarray(seqs.length, dtype=np.float64)
-    seq_amount = np.asarray(seqs.workload, dtype=np.float64) if measure == "workload" else length
-    c_seq = np.asarray(chunks.seq, dtype=np.int64)
-    c_len = np.asarray(chunks.length, dtype=np.float64)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        share = np.where(length[c_seq] > 0, c_len / length[c_seq], 0.0)
-    chunk_amount = seq_amount[c_seq] * share
-
-    src_row = row_of_pos[pos_of_gpu[np.asarray(seqs.src_gpu)]]
-    c_src_row = row_of_pos[pos_of_gpu[np.asarray(chunks.src_gpu)]]
-    c_dst_row = row_of_pos[pos_of_gpu[np.asarray(chunks.dst_gpu)]]
-    before_total = np.bincount(src_row, weights=seq_amount, minlength=n)
-    after_total = np.bincount(c_dst_row, weights=chunk_amount, minlength=n)
-    peak = max(float(before_total.max(initial=0.0)), float(after_total.max(initial=0.0)))
-    region = BEFORE_X[1] - BEFORE_X[0]
-    scale = region / peak if peak > 0 else 0.0
-    seq_w, chunk_w = seq_amount * scale, chunk_amount * scale
-    block_h = unit * 0.8
-
-    # Sequences: tiny ones are grouped per GPU at the end of the row.
-    seq_min = _threshold(seq_w[seq_w > 0], MAX_BLOCKS)
-    seq_drawn = seq_w >= seq_min
-    colors = [sequence_color(i) for i in range(len(seqs))]
-    seq_blocks, groups_before = [], []
-    seq_left = np.zeros(len(seqs))
-    cursor = np.full(n, BEFORE_X[0])
-    order = np.lexsort((np.arange(len(seqs)), ~seq_drawn))  # drawn first, then by id
-    group_w, group_count = np.zeros(n), np.zeros(n, dtype=np.int64)
-    for s in order:
-        r = src_row[s]
-        if seq_drawn[s]:
-            seq_left[s] = cursor[r]
-            box = Box(cursor[r] + seq_w[s] / 2, rows[r].y, seq_w[s], block_h)
-            seq_blocks.append(SeqBlock(seq=int(s), row=int(r), box=box, color=colors[s]))
-            cursor[r] += seq_w[s]
-        elif length[s] > 0:
-            group_w[r] += seq_w[s]
-            group_count[r] += 1
-    for r in np.flatnonzero(group_count):
-        box = Box(cursor[r] + group_w[r] / 2, rows[r].y, group_w[r], block_h)
-        groups_before.append(SeqBlock(-1, int(r), box, GROUP_COLOR, int(group_count[r])))
-
-    # Chunks: a drawn chunk keeps its place inside its sequence block (src) and is stacked
-    # at its destination row in sequence order (dst); others join the destination's group.
-    offset_in_seq = np.asarray(chunks.offset, dtype=np.float64)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        offset_share = np.where(length[c_seq] > 0, offset_in_seq / length[c_seq], 0.0)
-    candidate = seq_drawn[c_seq] & (chunk_w > 0)
-    chunk_min = _threshold(chunk_w[candidate], MAX_BLOCKS)
-    chunk_drawn = candidate & (chunk_w >= chunk_min)
-    chunk_blocks, groups_after = [], []
-    cursor = np.full(n, AFTER_X[0])
-    group_w, group_count = np.zeros(n), np.zeros(n, dtype=np.int64)
-    for c in np.lexsort((np.arange(len(chunks)), c_seq, ~chunk_drawn)):
-        d = c_dst_row[c]
-        if not chunk_drawn[c]:
-            if c_len[c] > 0:
-                group_w[d] += chunk_w[c]
-                group_count[d] += 1
-            continue
-        s = c_seq[c]
-        src_left = seq_left[s] + offset_share[c] * seq_w[s]
-        src = Box(src_left + chunk_w[c] / 2, rows[c_src_row[c]].y, chunk_w[c], block_h)
-        dst = Box(cursor[d] + chunk_w[c] / 2, rows[d].y, chunk_w[c], block_h)
-        cursor[d] += chunk_w[c]
-        moves = bool(chunks.src_gpu[c] != chunks.dst_gpu[c])
-        chunk_blocks.append(
-            ChunkBlock(int(c), int(s), int(c_src_row[c]), int(d), src, dst, colors[s], moves)
-        )
-    for r in np.flatnonzero(group_count):
-        box = Box(cursor[r] + group_w[r] / 2, rows[r].y, group_w[r], block_h)
-        groups_after.append(SeqBlock(-1, int(r), box, GROUP_COLOR, int(group_count[r])))
-
-    # Load bars always show modelled workload (the quantity the balancer evens out).
-    load_peak = max(stats.makespan_before, stats.makespan_after)
-    lscale = (LOAD_BEFORE_X[1] - LOAD_BEFORE_X[0]) / load_peak if load_peak > 0 else 0.0
-    load_before, load_after = [], []
-    for row in rows:
-        for loads, band, out in (
-            (stats.load_before, LOAD_BEFORE_X, load_before),
-            (stats.load_after, LOAD_AFTER_X, load_after),
-        ):
-            w = float(loads[row.pos]) * lscale
-            out.append(Box(band[0] + w / 2, row.y, w, block_h))
-    cap = stats.mean_load * lscale
-    capacity_x = (LOAD_BEFORE_X[0] + cap, LOAD_AFTER_X[0] + cap)
-
-    grouped_seqs = int((~seq_drawn & (length > 0)).sum())
+    widths = _widths(plan, measure, rows, unit)
+    seq_blocks, groups_before, seq_left, seq_drawn = _sequence_blocks(plan, widths, rows)
+    chunk_blocks, groups_after, grouped_chunks = _chunk_blocks(
+        plan, widths, rows, seq_left, seq_drawn
+    )
+    load_before, load_after, capacity_x = _load_bars(plan, rows, widths.block_height)
+    grouped_seqs = int((~seq_drawn & (plan.sequences.length > 0)).sum())
     note = None
     if grouped_seqs or groups_after:
         note = f"grey: {grouped_seqs} small sequences grouped per GPU"
-    step = f"step {plan.step}" if plan.step is not None else "routing plan"
-    default_title = f"{step} · {plan.topology} · {n} GPUs · {len(seqs)} sequences"
-    if plan.run:
-        default_title = f"{plan.run} · {default_title}"
-    stats_text = (
-        f"imbalance (max/mean) {stats.imbalance_before:.2f} → {stats.imbalance_after:.2f}"
-        f"   ·   makespan {stats.makespan_before:.3g} → {stats.makespan_after:.3g}"
-        f" ({stats.speedup:.2f}x)   ·   moved {stats.moved_tokens:,} tokens"
-        f" ({stats.moved_fraction:.0%})"
-    )
-    legend = (
-        "bright, outlined: chunk moves   ·   faded: chunk stays"
-        "   ·   yellow line: capacity (mean load)"
-    )
-    label_font = float(min(16.0, max(6.0, unit * 34)))
     return SceneLayout(
         measure=measure,
-        title=title or default_title,
-        stats_text=stats_text,
-        legend_text=legend,
+        title=title or _default_title(plan),
+        stats_text=_stats_text(plan),
+        legend_text=LEGEND,
         note=note,
         rows=rows,
         brackets=brackets,
@@ -347,7 +263,160 @@ def layout_plan(
         load_before=load_before,
         load_after=load_after,
         capacity_x=capacity_x,
-        label_font=label_font,
+        label_font=float(min(16.0, max(6.0, unit * 34))),
         grouped_sequences=grouped_seqs,
-        grouped_chunks=int(group_count.sum()),
+        grouped_chunks=grouped_chunks,
+    )
+
+
+def _widths(plan: RoutingPlan, measure: Measure, rows: list[Row], unit: float) -> _Widths:
+    """Rows and widths of sequences and chunks on one scale: the longest row (before or
+    after routing) fills its region."""
+    seqs, chunks = plan.sequences, plan.chunks
+    n = len(plan.gpus)
+    row_of_pos = np.empty(n, dtype=np.int64)
+    for r, row in enumerate(rows):
+        row_of_pos[row.pos] = r
+    pos_of_gpu = gpu_positions(plan.gpus)
+
+    def row_of(ranks: np.ndarray) -> np.ndarray:
+        return row_of_pos[pos_of_gpu[np.asarray(ranks)]]
+
+    length = np.asarray(seqs.length, dtype=np.float64)
+    seq_amount = np.asarray(seqs.workload, dtype=np.float64) if measure == "workload" else length
+    c_seq = np.asarray(chunks.seq, dtype=np.int64)
+    c_len = np.asarray(chunks.length, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        share = np.where(length[c_seq] > 0, c_len / length[c_seq], 0.0)
+        offset_share = np.where(length[c_seq] > 0, chunks.offset / length[c_seq], 0.0)
+    chunk_amount = seq_amount[c_seq] * share
+
+    seq_row = row_of(seqs.src_gpu)
+    chunk_dst_row = row_of(chunks.dst_gpu)
+    before_total = np.bincount(seq_row, weights=seq_amount, minlength=n)
+    after_total = np.bincount(chunk_dst_row, weights=chunk_amount, minlength=n)
+    peak = max(float(before_total.max(initial=0.0)), float(after_total.max(initial=0.0)))
+    scale = (BEFORE_X[1] - BEFORE_X[0]) / peak if peak > 0 else 0.0
+    return _Widths(
+        seq_row=seq_row,
+        seq_width=seq_amount * scale,
+        chunk_src_row=row_of(chunks.src_gpu),
+        chunk_dst_row=chunk_dst_row,
+        chunk_width=chunk_amount * scale,
+        chunk_offset_share=offset_share,
+        block_height=unit * 0.8,
+        colors=[sequence_color(i) for i in range(len(seqs))],
+    )
+
+
+def _group_blocks(
+    cursor: np.ndarray, width: np.ndarray, count: np.ndarray, rows: list[Row], height: float
+) -> list[SeqBlock]:
+    """One grey block per row holding grouped items, placed at the row's ``cursor``."""
+    blocks = []
+    for r in np.flatnonzero(count):
+        box = Box(cursor[r] + width[r] / 2, rows[r].y, width[r], height)
+        blocks.append(SeqBlock(-1, int(r), box, GROUP_COLOR, int(count[r])))
+    return blocks
+
+
+def _sequence_blocks(
+    plan: RoutingPlan, w: _Widths, rows: list[Row]
+) -> tuple[list[SeqBlock], list[SeqBlock], np.ndarray, np.ndarray]:
+    """Sequences on their source GPU before routing, in id order; tiny ones are grouped per
+    GPU at the end of the row. Returns (blocks, groups, left edge (n_seq,), drawn (n_seq,))."""
+    n_seq = len(plan.sequences)
+    length = plan.sequences.length
+    drawn = w.seq_width >= _threshold(w.seq_width[w.seq_width > 0], MAX_BLOCKS)
+    blocks = []
+    left = np.zeros(n_seq)
+    cursor = np.full(len(rows), BEFORE_X[0])
+    group_w, group_count = np.zeros(len(rows)), np.zeros(len(rows), dtype=np.int64)
+    for s in np.lexsort((np.arange(n_seq), ~drawn)):  # drawn first, then by id
+        r, width = w.seq_row[s], w.seq_width[s]
+        if drawn[s]:
+            left[s] = cursor[r]
+            box = Box(cursor[r] + width / 2, rows[r].y, width, w.block_height)
+            blocks.append(SeqBlock(seq=int(s), row=int(r), box=box, color=w.colors[s]))
+            cursor[r] += width
+        elif length[s] > 0:
+            group_w[r] += width
+            group_count[r] += 1
+    groups = _group_blocks(cursor, group_w, group_count, rows, w.block_height)
+    return blocks, groups, left, drawn
+
+
+def _chunk_blocks(
+    plan: RoutingPlan, w: _Widths, rows: list[Row], seq_left: np.ndarray, seq_drawn: np.ndarray
+) -> tuple[list[ChunkBlock], list[SeqBlock], int]:
+    """Chunks: a drawn chunk keeps its place inside its sequence block (src) and is stacked
+    at its destination row in sequence order (dst); others join the destination's grey
+    group. Returns (blocks, groups, how many chunks were grouped)."""
+    chunks = plan.chunks
+    c_seq = np.asarray(chunks.seq, dtype=np.int64)
+    candidate = seq_drawn[c_seq] & (w.chunk_width > 0)
+    drawn = candidate & (w.chunk_width >= _threshold(w.chunk_width[candidate], MAX_BLOCKS))
+    blocks = []
+    cursor = np.full(len(rows), AFTER_X[0])
+    group_w, group_count = np.zeros(len(rows)), np.zeros(len(rows), dtype=np.int64)
+    for c in np.lexsort((np.arange(len(chunks)), c_seq, ~drawn)):
+        d, width = w.chunk_dst_row[c], w.chunk_width[c]
+        if not drawn[c]:
+            if chunks.length[c] > 0:
+                group_w[d] += width
+                group_count[d] += 1
+            continue
+        s = c_seq[c]
+        src_left = seq_left[s] + w.chunk_offset_share[c] * w.seq_width[s]
+        src = Box(src_left + width / 2, rows[w.chunk_src_row[c]].y, width, w.block_height)
+        dst = Box(cursor[d] + width / 2, rows[d].y, width, w.block_height)
+        cursor[d] += width
+        moves = bool(chunks.src_gpu[c] != chunks.dst_gpu[c])
+        blocks.append(
+            ChunkBlock(
+                int(c), int(s), int(w.chunk_src_row[c]), int(d), src, dst, w.colors[s], moves
+            )
+        )
+    groups = _group_blocks(cursor, group_w, group_count, rows, w.block_height)
+    return blocks, groups, int(group_count.sum())
+
+
+def _load_bars(
+    plan: RoutingPlan, rows: list[Row], height: float
+) -> tuple[list[Box], list[Box], tuple[float, float]]:
+    """Per-row load bars before and after, and the capacity line's x in each band. They
+    always show modelled workload (the quantity the balancer evens out)."""
+    stats = plan.stats
+    load_peak = max(stats.makespan_before, stats.makespan_after)
+    lscale = (LOAD_BEFORE_X[1] - LOAD_BEFORE_X[0]) / load_peak if load_peak > 0 else 0.0
+    load_before, load_after = [], []
+    for row in rows:
+        for loads, band, out in (
+            (stats.load_before, LOAD_BEFORE_X, load_before),
+            (stats.load_after, LOAD_AFTER_X, load_after),
+        ):
+            width = float(loads[row.pos]) * lscale
+            out.append(Box(band[0] + width / 2, row.y, width, height))
+    cap = stats.mean_load * lscale
+    return load_before, load_after, (LOAD_BEFORE_X[0] + cap, LOAD_AFTER_X[0] + cap)
+
+
+LEGEND = (
+    "bright, outlined: chunk moves   ·   faded: chunk stays   ·   yellow line: capacity (mean load)"
+)
+
+
+def _default_title(plan: RoutingPlan) -> str:
+    step = f"step {plan.step}" if plan.step is not None else "routing plan"
+    title = f"{step} · {plan.topology} · {len(plan.gpus)} GPUs · {len(plan.sequences)} sequences"
+    return f"{plan.run} · {title}" if plan.run else title
+
+
+def _stats_text(plan: RoutingPlan) -> str:
+    stats = plan.stats
+    return (
+        f"imbalance (max/mean) {before_after(stats.imbalance_before, stats.imbalance_after, '.2f')}"
+        f"   ·   makespan {before_after(stats.makespan_before, stats.makespan_after, '.3g')}"
+        f" ({stats.speedup:.2f}x)   ·   moved {stats.moved_tokens:,} tokens"
+        f" ({stats.moved_fraction:.0%})"
     )

@@ -13,6 +13,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from knapformer.errors import KnapformerError
 from knapformer.plan import RoutingPlan
 from visualization.layout import Measure, layout_plan
 
@@ -34,14 +35,14 @@ def render_video(
 ) -> Path:
     """Render ``plans`` (chained, in order) into the MP4 ``out``; returns its path."""
     if quality not in QUALITIES:
-        raise ValueError(f"quality must be one of {', '.join(QUALITIES)}, not {quality!r}")
+        raise KnapformerError(f"quality must be one of {', '.join(QUALITIES)}, not {quality!r}")
     if not plans:
-        raise ValueError("no plan to render")
+        raise KnapformerError("no plan to render")
     out = Path(out)
     if out.suffix.lower() != ".mp4":
-        raise ValueError(f"output must be an .mp4 file, not {str(out)!r}")
+        raise KnapformerError(f"output must be an .mp4 file, not {str(out)!r}")
     if not out.parent.exists():
-        raise ValueError(f"output directory {str(out.parent)!r} does not exist")
+        raise KnapformerError(f"output directory {str(out.parent)!r} does not exist")
     layouts = [layout_plan(p, measure=measure, title=title) for p in plans]
 
     from manim import tempconfig  # heavy import, only when rendering

@@ -12,8 +12,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from knapformer.errors import KnapformerError, OptionError, file_error
 from knapformer.plan import RoutingPlan
 from knapformer.plan_io import ReadResult, plans_in_range
+from knapformer.stats import summarize
 from visualization import figures as F
 from visualization.browser import find_chromium, launch_chromium, missing_chromium
 
@@ -64,10 +66,10 @@ def build_report(
     """HTML of the report of the plans in ``result`` (steps ``A:B``; default: the last plan)."""
     chosen = plans_in_range(result, steps) if steps else [result.records[-1].plan]
     if len(chosen) > MAX_STEPS:
-        raise ValueError(
-            f"--steps {steps!r} selects {len(chosen)} plans; a report holds at most {MAX_STEPS}"
+        raise OptionError(
+            f"`steps` {steps!r} selects {len(chosen)} plans; a report holds at most {MAX_STEPS}"
         )
-    summaries = [F.summarize(r.plan, r.line) for r in result.records]
+    summaries = [summarize(r.plan, r.line) for r in result.records]
     figures: list[ReportFigure] = []
     parts: list[str] = []
     plotly_js: list[bool] = [True]  # inline plotly.js with the first figure only
@@ -135,9 +137,12 @@ def write_report(
     """Write the report HTML to ``out``; returns its path and the figures it holds."""
     out = Path(out)
     if not out.parent.exists():
-        raise ValueError(f"output directory {str(out.parent)!r} does not exist")
+        raise KnapformerError(f"output directory {str(out.parent)!r} does not exist")
     page, figures = build_report(result, steps, source)
-    out.write_text(page, encoding="utf-8")
+    try:
+        out.write_text(page, encoding="utf-8")
+    except OSError as err:
+        raise file_error(out, err, "cannot write") from err
     return out, figures
 
 
@@ -156,7 +161,10 @@ def export_pngs(report: str | Path, png_dir: str | Path, timeout_s: float = 60) 
             "PNG export needs the Python package playwright (pip install playwright)"
         ) from None
     png_dir = Path(png_dir)
-    png_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        png_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise file_error(png_dir, err, "cannot create the folder") from err
     written = []
     with sync_playwright() as pw:
         browser = launch_chromium(pw)

@@ -1,5 +1,7 @@
 """The ``knapformer`` command line. Each command group lives in its own module and
-registers itself on the one Typer app; user errors become one-line messages."""
+registers itself on the one Typer app. User errors (`KnapformerError` from the library,
+`UserError` from a command) become one-line messages; anything else is a bug and keeps
+its traceback."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import typer
+import typer.main
 
 try:  # recent typer bundles its own click; older ones use the click package
     from typer._click.exceptions import ClickException
@@ -18,6 +21,7 @@ except ImportError:  # pragma: no cover
 
 from knapformer.cli import dashboard, debug, demo, plans, render
 from knapformer.cli.errors import UserError
+from knapformer.errors import KnapformerError, OptionError
 from knapformer.local.signals import handling, interrupt
 
 app = typer.Typer(
@@ -70,7 +74,28 @@ def _run(argv: list[str] | None) -> int:
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return err.code
-    except (ValueError, OSError) as err:
-        print(f"error: {err}", file=sys.stderr)
+    except KnapformerError as err:
+        print(f"error: {_message(err, argv)}", file=sys.stderr)
         return 1
     return code if isinstance(code, int) else 0
+
+
+def _message(err: KnapformerError, argv: list[str] | None) -> str:
+    """The one line for a user error; options the library names become this command's
+    flags (``heads`` -> ``--heads``)."""
+    if not isinstance(err, OptionError):
+        return str(err)
+    return err.with_flags(_flags(sys.argv[1:] if argv is None else argv))
+
+
+def _flags(argv: list[str]) -> dict[str, str]:
+    """Parameter name -> long flag of the command named in ``argv`` (empty if none)."""
+    name = next((arg for arg in argv if not arg.startswith("-")), None)
+    command = typer.main.get_command(app).commands.get(name)  # type: ignore[attr-defined]
+    if command is None:
+        return {}
+    return {
+        param.name: max(param.opts, key=len)
+        for param in command.params
+        if param.name and param.opts and param.param_type_name == "option"
+    }

@@ -6,6 +6,9 @@ from pathlib import Path
 
 import typer
 
+from knapformer.cli.extras import require
+from knapformer.runfiles import RUNS_LAYOUT
+
 
 def register(app: typer.Typer) -> None:
     """Add this module's commands to ``app``."""
@@ -16,12 +19,13 @@ def dashboard(
     path: Path = typer.Argument(
         ...,
         help="plans: a .jsonl (followed live), a .json (ours or legacy), or a folder "
-        "of runs (each <run>/plans.jsonl)",
+        f"of runs (each {RUNS_LAYOUT})",
     ),
     host: str = typer.Option("127.0.0.1", help="address to bind; other than 127.0.0.1 warns"),
     port: int = typer.Option(8050, help="TCP port (0 picks a free one)"),
 ) -> None:
     """Serve a live dashboard of routing plans: per-bag load, timeline, traffic, sequences."""
+    require("dashboard", "knapformer dashboard")
     # Dash is imported inside the command so `import knapformer` stays light.
     from dashboard.server import serve
 

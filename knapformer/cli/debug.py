@@ -3,6 +3,7 @@ plan locally and ask "what if" of the balancer offline."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import typer
@@ -10,7 +11,11 @@ from rich.console import Console
 from rich.table import Table
 
 from knapformer.cli.errors import UserError
+from knapformer.cli.extras import require
 from knapformer.cli.progress import progress
+from knapformer.plan import COMPUTE_PHASES
+from knapformer.runfiles import run_file
+from knapformer.stats import before_after
 
 
 def register(app: typer.Typer) -> None:
@@ -18,6 +23,11 @@ def register(app: typer.Typer) -> None:
     app.command()(simulate)
     app.command()(suggest)
     app.command()(calibrate)
+
+
+def _run_files(out: object) -> str:
+    """Where `simulate --out` writes each run (a run is named <topology>-<solver>)."""
+    return str(run_file(str(out), "<topology>-<solver>"))
 
 
 def _console() -> Console:
@@ -50,7 +60,8 @@ def replay(
     mismatch, naming the first difference.
     """
     from knapformer.cli.plans import read_step
-    from knapformer.tools.replay import PHASES, check_options
+    from knapformer.plan import BALANCER_PHASES
+    from knapformer.tools.replay import check_options
     from knapformer.tools.replay import replay as run_replay
 
     plan = read_step(file, step)[0].plan
@@ -74,7 +85,7 @@ def replay(
     )
     for name in ("GPU", "tokens out", "tokens in", "bytes out", "bytes in"):
         table.add_column(name, justify="right")
-    phases = [p for p in PHASES if any(p in r.timings_ms for r in out.ranks)]
+    phases = [p for p in BALANCER_PHASES if any(p in r.timings_ms for r in out.ranks)]
     for p in phases:
         table.add_column(p, justify="right")
     table.add_column("check")
@@ -137,7 +148,7 @@ def simulate(
     seed: int = typer.Option(0, help="random seed of the data sampler"),
     out: Path | None = typer.Option(
         None,
-        help="folder to record the plans in: OUT/<topology>-<solver>/plans.jsonl per run "
+        help=f"folder to record the plans in: {_run_files('OUT')} per run "
         "(view with: knapformer dashboard OUT)",
     ),
 ) -> None:
@@ -189,9 +200,9 @@ def simulate(
         table.add_row(
             s.topology,
             s.solver,
-            f"{s.mean_makespan_before:.4g} → {s.mean_makespan_after:.4g}",
+            before_after(s.mean_makespan_before, s.mean_makespan_after, ".4g"),
             f"{s.speedup:.2f}×",
-            f"{s.mean_imbalance_before:.3f} → {s.mean_imbalance_after:.3f} "
+            f"{before_after(s.mean_imbalance_before, s.mean_imbalance_after)} "
             f"(max {s.worst_imbalance_after:.3f})",
             f"{s.mean_moved_tokens:,.0f} ({s.moved_fraction:.0%})",
             _bytes(s.comm_bytes),
@@ -213,7 +224,7 @@ def simulate(
             count += write_jsonl(path, plans[run])
         # soft_wrap: paths and the command stay whole, to copy and paste.
         console.print(
-            f"wrote {count} plans in {len(files)} runs to {out}/<topology>-<solver>/plans.jsonl",
+            f"wrote {count} plans in {len(files)} runs to {_run_files(out)}",
             soft_wrap=True,
         )
         console.print(f"view them with: knapformer dashboard {out}", soft_wrap=True)
@@ -294,14 +305,21 @@ def calibrate(
         None, "--token-dim", help="model hidden size d (default: the plans' token_dim)"
     ),
     phase: str | None = typer.Option(
-        None, help="measured phase of the plans to fit (default: compute, forward_backward, …)"
+        None,
+        help="measured phase of the plans to fit (default: the first measured of "
+        f"{', '.join(COMPUTE_PHASES)})",
     ),
     plot: Path | None = typer.Option(None, help="write predicted-vs-measured plotly HTML here"),
 ) -> None:
     """Fit the workload model's time scale k and γ from measured latencies."""
     from knapformer.tools.calibrate import calibrate_file
 
+    if plot is not None:  # before the fit, so that a missing extra costs no wait
+        require("dashboard", "knapformer calibrate --plot", "plotly")
+
     cal = calibrate_file(file, token_dim, phase)
+    for problem in cal.skipped:
+        print(f"skipped {problem}", file=sys.stderr)
     console = _console()
     source = (
         f"{len(cal.measured)} (length, latency) pairs"
@@ -319,5 +337,8 @@ def calibrate(
     if plot is not None:
         from visualization.calibration import calibration_figure
 
-        calibration_figure(cal, title=str(file)).write_html(plot, include_plotlyjs=True)
+        try:
+            calibration_figure(cal, title=str(file)).write_html(plot, include_plotlyjs=True)
+        except OSError as err:
+            raise UserError(f"{plot}: cannot write: {err.strerror or err}") from err
         console.print(f"wrote {plot}")

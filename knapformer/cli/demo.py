@@ -12,6 +12,9 @@ from pathlib import Path
 import typer
 
 from knapformer.cli.errors import UserError
+from knapformer.cli.extras import require
+from knapformer.errors import MissingExtraError
+from knapformer.runfiles import PLANS_FILE, plans_file
 
 
 def register(app: typer.Typer) -> None:
@@ -30,7 +33,7 @@ def demo(
         help="data mix: a name (joint, mixres, lowres) or codes gGbBiIfFsS,... "
         "(default: the joint mix's data types on 8 GPUs)",
     ),
-    out: Path = typer.Option(Path("runs/demo"), help="directory for plans.jsonl"),
+    out: Path = typer.Option(Path("runs/demo"), help=f"directory for {PLANS_FILE}"),
     dashboard: bool = typer.Option(
         True, "--dashboard/--no-dashboard", help="serve the live dashboard on the plans"
     ),
@@ -58,7 +61,7 @@ def demo(
     )
     topo, _ = check_config(cfg)  # bad options fail here, before anything starts
     d_model, heads = model_shape(topo)
-    plans = out / "plans.jsonl"
+    plans = plans_file(out)
     server = _start_dashboard(plans, port) if dashboard else None
     try:
         print(
@@ -100,10 +103,12 @@ def demo(
 def _start_dashboard(plans: Path, port: int):
     """The dashboard in a background thread, or ``None`` (headless) if it is unavailable."""
     try:
-        from dashboard.server import start_server
-    except ImportError as err:
-        print(f"dashboard unavailable ({err}); running headless", flush=True)
+        require("dashboard", "the demo's dashboard")
+    except MissingExtraError as err:
+        print(f"{err}; running headless", flush=True)
         return None
+    from dashboard.server import start_server
+
     return start_server(plans, host="127.0.0.1", port=port)
 
 

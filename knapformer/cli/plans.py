@@ -12,6 +12,7 @@ from rich.table import Table
 from knapformer.cli.errors import UserError
 from knapformer.plan import RoutingPlan
 from knapformer.plan_io import PlanFormatError, PlanRecord, ReadResult, read_plans, select_step
+from knapformer.stats import before_after, share
 
 
 def register(app: typer.Typer) -> None:
@@ -107,12 +108,12 @@ def plan_summary(plan: RoutingPlan) -> str:
     st = plan.stats
     plan_ms = plan.measurements.plan_ms if plan.measurements else None
     lines = [
-        f"imbalance max/mean: {st.imbalance_before:.3f} → {st.imbalance_after:.3f}   "
-        f"max/min: {st.max_min_before:.3f} → {st.max_min_after:.3f}",
-        f"makespan: {st.makespan_before:.4g} → {st.makespan_after:.4g}   lower bound "
+        f"imbalance max/mean: {before_after(st.imbalance_before, st.imbalance_after)}   "
+        f"max/min: {before_after(st.max_min_before, st.max_min_after)}",
+        f"makespan: {before_after(st.makespan_before, st.makespan_after, '.4g')}   lower bound "
         f"{st.lower_bound:.4g} (makespan/LB {st.makespan_over_lb:.4f})   modelled speedup "
         f"{st.speedup:.2f}×",
-        f"moved tokens: {st.moved_tokens:,} of {st.total_tokens:,} ({st.moved_fraction:.1%})"
+        f"moved tokens: {share(st.moved_tokens, st.total_tokens)}"
         f"   sequences {len(plan.sequences):,}   chunks {len(plan.chunks):,}"
         + (f"   planned in {plan_ms:.2f} ms" if plan_ms is not None else ""),
     ]

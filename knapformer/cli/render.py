@@ -11,6 +11,7 @@ from typing import Annotated
 import typer
 
 from knapformer.cli.errors import UserError
+from knapformer.cli.extras import require
 from knapformer.cli.plans import read_plan_file
 
 QUALITY_HELP = "low (854x480, 15 fps), medium (1280x720, 30 fps), high (1080p60) or 4k"
@@ -40,6 +41,7 @@ def animate(
     title: Annotated[str | None, typer.Option(help="Title shown above the scene.")] = None,
 ) -> None:
     """Render a video of routing decisions: sequences per GPU, chunks flying to their bags."""
+    require("animate", "knapformer animate")
     from rich.console import Console
 
     from knapformer.cli.progress import progress
@@ -81,6 +83,7 @@ def report(
     ] = None,
 ) -> None:
     """Write a self-contained HTML report with the dashboard's plotly figures."""
+    require("dashboard", "knapformer report", "plotly")
     from visualization.report import export_pngs, write_report
 
     result = read_plan_file(plans)

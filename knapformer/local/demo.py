@@ -18,7 +18,6 @@ import contextlib
 import ctypes
 import math
 import os
-import re
 import signal
 import sys
 import time
@@ -27,8 +26,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from knapformer.errors import KnapformerError, file_error
 from knapformer.local.local_world import join, rendezvous, worker_context
 from knapformer.local.signals import deferring_sigint, handling, ignoring_sigint, interrupt
+from knapformer.runfiles import plans_file, remove_recording
+from knapformer.stats import summary_line
 from knapformer.tools.datamix import MIXED8, DataCode, parse_mix
 from knapformer.topology import Topology
 
@@ -95,7 +97,7 @@ def model_shape(topology: Topology) -> tuple[int, int]:
     """(d_model, n_heads): heads must split evenly across every bag size (Ulysses)."""
     heads = topology.heads_for(4)
     if heads > 64:
-        raise ValueError(
+        raise KnapformerError(
             f"topology {topology} needs {heads} attention heads (a multiple of every bag "
             "size); use bag sizes with a smaller common multiple"
         )
@@ -105,15 +107,15 @@ def model_shape(topology: Topology) -> tuple[int, int]:
 def check_config(cfg: DemoConfig) -> tuple[Topology, list[DataCode]]:
     """Validate everything the user chose before any process starts."""
     if cfg.steps < 0:
-        raise ValueError(f"steps must be >= 0 (0 = until Ctrl-C), got {cfg.steps}")
+        raise KnapformerError(f"steps must be >= 0 (0 = until Ctrl-C), got {cfg.steps}")
     if cfg.world_size < 1:
-        raise ValueError(f"world size must be >= 1, got {cfg.world_size}")
+        raise KnapformerError(f"world size must be >= 1, got {cfg.world_size}")
     if cfg.world_size > 64:
-        raise ValueError(f"world size {cfg.world_size} is too many CPU processes for the demo")
+        raise KnapformerError(f"world size {cfg.world_size} is too many CPU processes for the demo")
     if cfg.every < 1:
-        raise ValueError(f"every must be >= 1, got {cfg.every}")
+        raise KnapformerError(f"every must be >= 1, got {cfg.every}")
     if not cfg.length_scale > 0:
-        raise ValueError(f"length scale must be positive, got {cfg.length_scale}")
+        raise KnapformerError(f"length scale must be positive, got {cfg.length_scale}")
     topo = Topology.parse(cfg.topology or default_topology(cfg.world_size))
     topo.num_replicas(cfg.world_size)  # raises when the world does not fit
     model_shape(topo)
@@ -123,9 +125,9 @@ def check_config(cfg: DemoConfig) -> tuple[Topology, list[DataCode]]:
 
 def format_report(r: StepReport) -> str:
     return (
-        f"step {r.step:>4}  loss {r.loss:7.4f}  imbalance {r.imbalance_before:5.2f} → "
-        f"{r.imbalance_after:4.2f}  moved {r.moved_tokens:>6,} of {r.tokens:,} tok  "
-        f"{r.step_ms:6.1f} ms"
+        f"step {r.step:>4}  loss {r.loss:7.4f}  "
+        f"{summary_line(r.imbalance_before, r.imbalance_after, r.moved_tokens, r.tokens)}  "
+        f"{r.step_ms:.1f} ms"
     )
 
 
@@ -142,9 +144,12 @@ def run_demo(
     """
     check_config(cfg)
     out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise file_error(out, err, "cannot create the folder") from err
     if cfg.record:
-        _remove_old_plans(out / "plans.jsonl")
+        remove_recording(plans_file(out))  # its steps restart at 0: start a fresh file
 
     with rendezvous("knapformer-demo-") as init_method:
         return _run_workers(cfg, init_method, on_report, on_start)
@@ -246,15 +251,6 @@ def _stop(procs) -> None:
             p.join(5)
 
 
-def _remove_old_plans(path: Path) -> None:
-    """Each demo run starts fresh (its steps restart at 0): remove the files an earlier
-    run recorded there (``plans.jsonl``, rotated ``plans.N.jsonl``, ``plans.groupK...``)."""
-    pattern = re.compile(rf"{re.escape(path.stem)}(\.group\d+)?(\.\d+)?{re.escape(path.suffix)}")
-    for old in path.parent.iterdir():
-        if pattern.fullmatch(old.name) and old.is_file():
-            old.unlink()
-
-
 # -------------------------------------------------------------------------- worker
 def _worker(rank: int, cfg: DemoConfig, init_method: str, conn: Any, stop: Any) -> None:
     # The launcher decides when to stop: ignore the terminal's Ctrl-C (the launcher gets
@@ -316,7 +312,7 @@ def train(
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr)
     mixing = torch.randn(_LATENT_RANK, d_model) / math.sqrt(_LATENT_RANK)
-    recorder = PlanRecorder(Path(cfg.out) / "plans.jsonl", every=cfg.every) if cfg.record else None
+    recorder = PlanRecorder(plans_file(cfg.out), every=cfg.every) if cfg.record else None
     balancer = SequenceBalancer(topo, recorder=recorder, run=cfg.run)
     try:
         step = 0

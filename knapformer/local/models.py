@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from knapformer.errors import KnapformerError
+
 if TYPE_CHECKING:
     from knapformer.balancer import SequenceBalancer
 
@@ -80,10 +82,10 @@ class DiTBlock(nn.Module):
     def __init__(self, d_model: int, n_heads: int, mlp_ratio: int = 4, rope: bool = True):
         super().__init__()
         if d_model % n_heads:
-            raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
+            raise KnapformerError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
         self.n_heads, self.head_dim, self.rope = n_heads, d_model // n_heads, rope
         if rope and self.head_dim % 2:
-            raise ValueError(f"RoPE needs an even head dim, got {self.head_dim}")
+            raise KnapformerError(f"RoPE needs an even head dim, got {self.head_dim}")
         self.norm1 = nn.LayerNorm(d_model)
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.q_norm = nn.RMSNorm(self.head_dim)
@@ -147,7 +149,7 @@ class ToyDiT(nn.Module):
         """
         lens = [int(n) for n in (seq_lens.tolist() if torch.is_tensor(seq_lens) else seq_lens)]
         if packed.dim() != 2 or packed.shape[0] != sum(lens):
-            raise ValueError(
+            raise KnapformerError(
                 f"packed has shape {tuple(packed.shape)} but seq_lens sum to {sum(lens)}; "
                 "expected (sum(seq_lens), d_model)"
             )

@@ -22,19 +22,17 @@ predicts times directly.
 from __future__ import annotations
 
 import csv
-import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
-from knapformer.plan import RoutingPlan
+from knapformer.errors import KnapformerError, OptionError, file_error
+from knapformer.plan import COMPUTE_PHASES, RoutingPlan, compute_phase
+from knapformer.plan_io import Problem, read_plans
 from knapformer.stats import bag_share
 from knapformer.workload import WorkloadModel, fit_scale_gamma
-
-# Phases tried, in order, when the user names none: the compute part of a step.
-COMPUTE_PHASES = ("compute", "forward_backward", "forward", "attn", "step")
 
 
 @dataclass
@@ -48,6 +46,7 @@ class Calibration:
     labels: list[str]  # (n,) what each point is, e.g. "L=4096" or "step 3 GPU 5"
     source: str  # "csv" or "plans"
     phase: str | None = None
+    skipped: list[Problem] = field(default_factory=list)  # bad records of the file, skipped
 
     @property
     def scale(self) -> float:
@@ -67,13 +66,17 @@ class Calibration:
 def read_measurements_csv(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
     """(lengths, latencies) from a CSV with a ``length,latency`` header."""
     path = Path(path)
-    with path.open(newline="") as handle:
+    try:
+        handle = path.open(newline="")
+    except OSError as err:
+        raise file_error(path, err) from err
+    with handle:
         reader = csv.DictReader(handle)
         fields = [f.strip().lower() for f in (reader.fieldnames or [])]
         names = {f.strip().lower(): f for f in (reader.fieldnames or [])}
         lat_key = next((names[k] for k in ("latency", "latency_ms") if k in names), None)
         if "length" not in names or lat_key is None:
-            raise ValueError(
+            raise KnapformerError(
                 f"{path}: expected a header with columns length,latency (ms); got {fields}"
             )
         lengths, latencies = [], []
@@ -82,12 +85,12 @@ def read_measurements_csv(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
                 lengths.append(float(row[names["length"]]))
                 latencies.append(float(row[lat_key]))
             except (TypeError, ValueError):
-                raise ValueError(
+                raise KnapformerError(
                     f"{path}:{line}: length and latency must be numbers, got "
                     f"{row[names['length']]!r}, {row[lat_key]!r}"
                 ) from None
     if not lengths:
-        raise ValueError(f"{path}: no measurements below the header")
+        raise KnapformerError(f"{path}: no measurements below the header")
     return np.asarray(lengths), np.asarray(latencies)
 
 
@@ -107,25 +110,26 @@ def calibrate_lengths(lengths, latencies, token_dim: int) -> Calibration:
 
 
 def pick_phase(plans: Sequence[RoutingPlan], phase: str | None) -> str:
-    """The measured phase to fit: ``phase`` if given, else the first of COMPUTE_PHASES."""
+    """The measured phase to fit: ``phase`` if given, else the phase that stands for
+    compute (`knapformer.plan.compute_phase`) among those the plans measure."""
     seen: dict[str, None] = {}
     for plan in plans:
         if plan.measurements is not None:
             seen.update(dict.fromkeys(plan.measurements.per_rank_ms))
     if phase is not None:
         if phase not in seen:
-            raise ValueError(
+            raise KnapformerError(
                 f"no plan measures phase {phase!r}; measured phases: {', '.join(seen) or 'none'}"
             )
         return phase
-    for name in COMPUTE_PHASES:
-        if name in seen:
-            return name
-    raise ValueError(
-        "no plan carries per-rank times of a compute phase "
-        f"({', '.join(COMPUTE_PHASES)}); measured phases: {', '.join(seen) or 'none'}. "
-        "Name one with --phase"
-    )
+    chosen = compute_phase(seen)
+    if chosen is None:
+        raise OptionError(
+            "no plan carries per-rank times of a compute phase "
+            f"({', '.join(COMPUTE_PHASES)}); measured phases: {', '.join(seen) or 'none'}. "
+            "Name one with `phase`"
+        )
+    return chosen
 
 
 def gpu_features(plan: RoutingPlan, token_dim: int) -> tuple[np.ndarray, np.ndarray]:
@@ -139,7 +143,7 @@ def calibrate_plans(
 ) -> Calibration:
     """Fit from plans carrying per-rank times (see module doc)."""
     if not plans:
-        raise ValueError("no plans to calibrate from")
+        raise KnapformerError("no plans to calibrate from")
     phase = pick_phase(plans, phase)
     lin, att, measured, labels = [], [], [], []
     for index, plan in enumerate(plans):
@@ -148,11 +152,11 @@ def calibrate_plans(
             continue
         d = token_dim or plan.token_dim
         if d is None:
-            raise ValueError(
-                f"plan {index} (step {plan.step}) records no token_dim; give --token-dim"
+            raise OptionError(
+                f"plan {index} (step {plan.step}) records no token_dim; give `token_dim`"
             )
         if len(times) != len(plan.gpus):
-            raise ValueError(
+            raise KnapformerError(
                 f"plan {index} (step {plan.step}): phase {phase!r} has {len(times)} times "
                 f"for {len(plan.gpus)} GPUs"
             )
@@ -173,21 +177,20 @@ def calibrate_plans(
 def calibrate_file(
     path: str | Path, token_dim: int | None = None, phase: str | None = None
 ) -> Calibration:
-    """Calibrate from a ``.csv`` of (length, latency) or a plan file (JSON/JSONL)."""
+    """Calibrate from a ``.csv`` of (length, latency) or a plan file (JSON/JSONL).
+
+    Bad records of a plan file are skipped and listed in ``Calibration.skipped``."""
     path = Path(path)
-    if not path.exists():
-        raise ValueError(f"{path}: no such file")
     if path.suffix.lower() == ".csv":
         if token_dim is None:
-            raise ValueError("a CSV of measurements needs --token-dim (the model's hidden size)")
+            raise OptionError("a CSV of measurements needs `token_dim` (the model's hidden size)")
         lengths, latencies = read_measurements_csv(path)
         return calibrate_lengths(lengths, latencies, token_dim)
-    from knapformer.plan_io import read_plans
-
-    # A recording cut by a crash may end in a partial line: skip bad records, say so.
+    # A recording cut by a crash may end in a partial line: skip bad records, say which.
     result = read_plans(path, on_error="skip")
-    for problem in result.problems:
-        print(f"skipped {problem}", file=sys.stderr)
     if not result.plans:
-        raise ValueError(f"{path}: no valid plan to calibrate from")
-    return calibrate_plans(result.plans, token_dim, phase)
+        unreadable = [p for p in result.problems if p.line is None]
+        if unreadable:  # a missing file, a folder, an empty file: say that, not "no plan"
+            raise KnapformerError(str(unreadable[0]))
+        raise KnapformerError(f"{path}: no valid plan to calibrate from")
+    return replace(calibrate_plans(result.plans, token_dim, phase), skipped=result.problems)

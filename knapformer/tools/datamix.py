@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from knapformer.errors import KnapformerError
+
 MIXES = {
     "lowres": "g32b32i256f1s0",
     "mixres": "g16b4i256f1s0,g4b5i512f1s0,g4b5i1024f1s0,g8b1i2048f1s0",
@@ -43,12 +45,14 @@ class DataCode:
     def parse(cls, text: str) -> DataCode:
         match = _CODE.fullmatch(text.strip())
         if match is None:
-            raise ValueError(
+            raise KnapformerError(
                 f"data code {text!r} is not of the form gGbBiIfFsS (e.g. 'g8b4i256f1s0')"
             )
         g, b, i, f, s = (int(x) for x in match.groups())
         if min(g, b, i, f) <= 0:
-            raise ValueError(f"data code {text!r} has a zero GPU, batch, resolution or frame count")
+            raise KnapformerError(
+                f"data code {text!r} has a zero GPU, batch, resolution or frame count"
+            )
         return cls(g, b, i, f, bool(s))
 
     @property
@@ -68,7 +72,7 @@ def parse_mix(text: str) -> list[DataCode]:
     text = MIXES.get(text.strip(), text)
     codes = [DataCode.parse(part) for part in text.split(",") if part.strip()]
     if not codes:
-        raise ValueError(f"data mix {text!r} holds no data codes")
+        raise KnapformerError(f"data mix {text!r} holds no data codes")
     return codes
 
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from knapformer import __version__
+from knapformer.errors import KnapformerError, OptionError
 from knapformer.local.local_world import join, rendezvous, worker_context
 from knapformer.local.signals import deferring_sigint
 from knapformer.plan import RoutingPlan, gpu_positions
@@ -35,7 +36,6 @@ from knapformer.planner import SOLVERS
 from knapformer.topology import Topology
 
 MAX_REPLAY_GPUS = 64  # one OS process each; beyond this a laptop thrashes
-PHASES = ("plan", "route", "pre_attn", "post_attn", "reverse_route")
 _FEATURE_BYTES = 8  # the int64 token id routed with every token
 
 
@@ -169,24 +169,25 @@ def default_heads(plan: RoutingPlan) -> int:
 def check_options(
     plan: RoutingPlan, dim: int | None = None, heads: int | None = None
 ) -> tuple[int, int]:
-    """The (dim, heads) a replay of ``plan`` uses (defaults filled in), or a ValueError
-    naming the bad value. Cheap: callers validate with it before announcing a replay."""
+    """The (dim, heads) a replay of ``plan`` uses (defaults filled in), or a
+    `KnapformerError` naming the bad value. Cheap: callers validate with it before
+    announcing a replay."""
     n = len(plan.gpus)
     if n > MAX_REPLAY_GPUS:
-        raise ValueError(
+        raise KnapformerError(
             f"the plan has {n} GPUs; replay runs one local process per GPU and stops at "
             f"{MAX_REPLAY_GPUS}"
         )
     heads = default_heads(plan) if heads is None else int(heads)
     bad = sorted({len(b) for b in plan.bags if heads % len(b)})
     if heads <= 0 or bad:
-        raise ValueError(
-            f"--heads {heads} must be a positive multiple of every bag size "
+        raise OptionError(
+            f"`heads` {heads} must be a positive multiple of every bag size "
             f"(not divisible by {bad}); try {default_heads(plan)}"
         )
     dim = heads * 8 if dim is None else int(dim)
     if dim <= 0 or dim % heads:
-        raise ValueError(f"--dim {dim} must be a positive multiple of --heads {heads}")
+        raise OptionError(f"`dim` {dim} must be a positive multiple of `heads` {heads}")
     return dim, heads
 
 

@@ -8,7 +8,7 @@ balancing each GPU computes workload / g of every sequence of its bag of g GPUs.
 
 Each (topology, solver) is one run named ``<topology>-<solver>`` (`run_name`): its plans
 share step numbers with the other runs, so they are written to separate files,
-``OUT/<run>/plans.jsonl`` (`run_files`), the folder layout the dashboard picks runs from.
+one run per folder of ``OUT`` (`run_files`), the layout the dashboard picks runs from.
 """
 
 from __future__ import annotations
@@ -20,19 +20,21 @@ from pathlib import Path
 
 import numpy as np
 
+from knapformer.errors import KnapformerError, OptionError
 from knapformer.plan import RoutingPlan
 from knapformer.planner import DEFAULT_SOLVER, SOLVERS, plan_routing
+from knapformer.runfiles import RUNS_LAYOUT, run_file
 from knapformer.tools.datamix import DataCode, mix_gpus, sample_lengths
 from knapformer.topology import Topology, as_topology
 from knapformer.workload import WorkloadModel
 
 
 def check_fits(topology: Topology | str, codes: Sequence[DataCode]) -> Topology:
-    """The topology, if its GPU count equals the mix's; else a ValueError naming both."""
+    """The topology, if its GPU count equals the mix's; else a `KnapformerError` naming both."""
     topo = as_topology(topology)
     need = mix_gpus(codes)
     if topo.num_gpus != need:
-        raise ValueError(
+        raise KnapformerError(
             f"topology {topo} has {topo.num_gpus} GPUs but the data mix fills {need}; "
             f"give topologies of {need} GPUs"
         )
@@ -40,7 +42,8 @@ def check_fits(topology: Topology | str, codes: Sequence[DataCode]) -> Topology:
 
 
 def run_name(topology: Topology | str, solver: str) -> str:
-    """The run of one topology and solver: its plans' ``run`` and folder under ``--out``."""
+    """The run of one topology and solver: its plans' ``run`` and its folder in a folder of
+    runs (`run_files`)."""
     return f"{as_topology(topology)}-{solver}"
 
 
@@ -51,51 +54,58 @@ def check_options(
     solvers: Sequence[str],
     dtype_bytes: int = 2,
 ) -> list[Topology]:
-    """The parsed topologies, once all options are valid; else a ValueError naming the value."""
+    """The parsed topologies, once all options are valid; else a `KnapformerError` naming
+    the value."""
     if steps <= 0:
-        raise ValueError(f"--steps must be positive, got {steps}")
+        raise OptionError(f"`steps` must be positive, got {steps}")
     if dtype_bytes <= 0:
-        raise ValueError(f"dtype size must be positive, got {dtype_bytes}")
+        raise OptionError(f"`dtype_bytes` must be positive, got {dtype_bytes}")
     for solver in solvers:
         if solver not in SOLVERS:
-            raise ValueError(f"unknown solver {solver!r}; choose from {', '.join(SOLVERS)}")
+            raise KnapformerError(f"unknown solver {solver!r}; choose from {', '.join(SOLVERS)}")
     if not topologies:
-        raise ValueError("give at least one topology")
+        raise OptionError("give at least one `topology`")
     return [check_fits(t, codes) for t in topologies]
 
 
 def run_files(out: str | Path, runs: Sequence[str]) -> dict[str, Path]:
-    """Run name -> ``out/<run>/plans.jsonl``, after making sure plans can be written there.
+    """Run name -> its plan file in ``out`` (`knapformer.runfiles.run_file`), after making
+    sure plans can be written there.
 
     Creates ``out`` (and its parents) and writes a probe file in it, so that a bad folder
     fails before a long simulation rather than after; the run folders are created by the
-    writer. Raises ValueError naming the path when ``out`` or a run folder is unusable.
+    writer. Raises `KnapformerError` naming the path when ``out`` or a run folder is unusable.
     """
     out = Path(out)
     if out.suffix.lower() in (".json", ".jsonl") and not out.is_dir():
-        raise ValueError(
-            f"--out is a folder (one <topology>-<solver>/plans.jsonl per run), not a plan "
-            f"file: {str(out)!r}"
+        raise OptionError(
+            f"`out` is a folder (one {RUNS_LAYOUT} per run, named <topology>-<solver>), "
+            f"not a plan file: {str(out)!r}"
         )
     try:
         out.mkdir(parents=True, exist_ok=True)
     except FileExistsError:
-        raise ValueError(f"--out {str(out)!r} exists and is not a folder") from None
+        raise OptionError(f"`out` {str(out)!r} exists and is not a folder") from None
     except OSError as err:
-        raise ValueError(f"cannot create the --out folder {str(out)!r}: {err.strerror}") from None
+        raise OptionError(f"cannot create the `out` folder {str(out)!r}: {err.strerror}") from None
     try:
         # A real write, not os.access: access checks say yes to root even on read-only mounts.
         with tempfile.TemporaryFile(dir=out):
             pass
     except OSError as err:
-        raise ValueError(f"cannot write in the --out folder {str(out)!r}: {err.strerror}") from None
+        raise OptionError(
+            f"cannot write in the `out` folder {str(out)!r}: {err.strerror}"
+        ) from None
     files = {}
     for run in runs:
-        folder, path = out / run, out / run / "plans.jsonl"
+        path = run_file(out, run)
+        folder = path.parent
         if folder.exists() and not folder.is_dir():
-            raise ValueError(f"{str(folder)!r} exists and is not a folder; cannot write run {run}")
+            raise KnapformerError(
+                f"{str(folder)!r} exists and is not a folder; cannot write run {run}"
+            )
         if path.is_dir():
-            raise ValueError(f"{str(path)!r} is a folder; cannot write run {run}")
+            raise KnapformerError(f"{str(path)!r} is a folder; cannot write run {run}")
         files[run] = path
     return files
 

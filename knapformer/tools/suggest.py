@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from knapformer.errors import KnapformerError, OptionError
 from knapformer.plan import RoutingPlan
 from knapformer.planner import DEFAULT_SOLVER, plan_routing
 from knapformer.tools.datamix import DataCode, mix_gpus, sample_lengths, scale_mix
@@ -52,7 +53,7 @@ class CostModel:
         for name in ("token_dim", "dtype_bytes", "tflops", "bandwidth_gbs", "layers"):
             value = getattr(self, name)
             if not np.isfinite(value) or value <= 0:
-                raise ValueError(f"{name} must be a positive number, got {value}")
+                raise KnapformerError(f"{name} must be a positive number, got {value}")
 
     def bytes_ms(self, num_bytes: np.ndarray | float) -> np.ndarray | float:
         return num_bytes / (self.bandwidth_gbs * 1e9) * 1e3
@@ -167,9 +168,9 @@ def enumerate_topologies(
     so the count stays small: ~130 for 32 GPUs). Ordered by bag sizes, deduplicated.
     """
     if num_gpus <= 0:
-        raise ValueError(f"--gpus must be positive, got {num_gpus}")
+        raise OptionError(f"`gpus` must be positive, got {num_gpus}")
     if max_bag <= 0 or max_bag & (max_bag - 1):
-        raise ValueError(f"--max-bag must be a power of two, got {max_bag}")
+        raise OptionError(f"`max_bag` must be a power of two, got {max_bag}")
     sizes = [1 << k for k in range(max_bag.bit_length()) if (1 << k) <= min(max_bag, num_gpus)]
     # Coarse slices: the largest divisor of num_gpus that is <= parts.
     parts = max(p for p in range(1, parts + 1) if num_gpus % p == 0)
@@ -204,8 +205,8 @@ def fit_mix(codes: Sequence[DataCode], num_gpus: int) -> list[DataCode]:
     if num_gpus == have:
         return list(codes)
     if num_gpus % have:
-        raise ValueError(
-            f"the data mix fills {have} GPUs; --gpus {num_gpus} must be a multiple of {have}"
+        raise OptionError(
+            f"the data mix fills {have} GPUs; `gpus` {num_gpus} must be a multiple of {have}"
         )
     return scale_mix(codes, num_gpus // have)
 
@@ -228,13 +229,13 @@ def suggest(
     reports progress.
     """
     if steps <= 0:
-        raise ValueError(f"--steps must be positive, got {steps}")
+        raise OptionError(f"`steps` must be positive, got {steps}")
     cost = cost or CostModel()
     codes = fit_mix(codes, num_gpus)
     candidates = list(topologies) if topologies else enumerate_topologies(num_gpus, max_bag)
     for topo in candidates:
         if topo.num_gpus != num_gpus:
-            raise ValueError(f"topology {topo} has {topo.num_gpus} GPUs, not {num_gpus}")
+            raise KnapformerError(f"topology {topo} has {topo.num_gpus} GPUs, not {num_gpus}")
     model = WorkloadModel(token_dim=cost.token_dim, gamma=gamma)
     rng = np.random.default_rng(seed)
     batches = [sample_lengths(codes, rng) for _ in range(steps)]

@@ -1,0 +1,112 @@
+"""Where plan files live: the names a recording writes and the layout of a folder of runs.
+
+- A recording writes ``plans.jsonl`` (`PLANS_FILE`) in its output folder (`plans_file`).
+- Size-based rotation renames it to ``plans.1.jsonl``, ``plans.2.jsonl``, ... (`rotated_file`,
+  newest first); readers skip those names when they list runs (`is_rotated`).
+- With several balance groups, group k writes its own file: the path's ``{group}``
+  template filled in, or else ``plans.group<k>.jsonl`` next to it (group 0 keeps the path)
+  (`group_file`). Those rotate the same way (``plans.group1.2.jsonl``).
+- A folder of runs holds one ``<run>/plans.jsonl`` per run (`run_file`), and may hold plan
+  files directly; `find_runs` lists them the way the dashboard offers them.
+
+The recorder, the demo, the simulator and the dashboard all name files through here.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+PLANS_FILE = "plans.jsonl"
+#: How a folder of runs is laid out, for help texts and messages.
+RUNS_LAYOUT = f"<run>/{PLANS_FILE}"
+GROUP_TEMPLATE = "{group}"
+_PLAN_SUFFIXES = (".json", ".jsonl")
+_ROTATED = re.compile(r".+\.\d+\.jsonl")
+
+
+def plans_file(folder: str | Path) -> Path:
+    """The file a recording in ``folder`` writes: ``folder/plans.jsonl``."""
+    return Path(folder) / PLANS_FILE
+
+
+def run_file(folder: str | Path, run: str) -> Path:
+    """The file of run ``run`` in a folder of runs: ``folder/<run>/plans.jsonl``."""
+    return Path(folder) / run / PLANS_FILE
+
+
+def group_file(path: str | Path, group: int) -> Path:
+    """The file balance group ``group`` writes when asked to record to ``path``.
+
+    ``{group}`` in the path is replaced by the group index; without it group 0 writes
+    ``path`` itself and group k > 0 ``<stem>.group<k><suffix>`` next to it.
+    """
+    text = str(path)
+    if GROUP_TEMPLATE in text:
+        return Path(text.replace(GROUP_TEMPLATE, str(group)))
+    path = Path(path)
+    if group == 0:
+        return path
+    return path.with_name(f"{path.stem}.group{group}{path.suffix}")
+
+
+def rotated_file(path: str | Path, k: int) -> Path:
+    """The k-th rotated copy of ``path`` (1 = the newest): ``plans.<k>.jsonl``."""
+    path = Path(path)
+    return path.with_name(f"{path.stem}.{k}{path.suffix}")
+
+
+def is_rotated(path: str | Path) -> bool:
+    """Whether ``path`` is named as a rotated copy (``<stem>.<k>.jsonl``)."""
+    return _ROTATED.fullmatch(Path(path).name) is not None
+
+
+def recording_files(path: str | Path) -> list[Path]:
+    """The files an earlier recording to ``path`` may have left: ``path`` itself, its
+    rotated copies and every group's file and rotated copies (those that exist)."""
+    path = Path(path)
+    stem, suffix = re.escape(path.stem), re.escape(path.suffix)
+    pattern = re.compile(rf"{stem}(\.group\d+)?(\.\d+)?{suffix}")
+    if not path.parent.is_dir():
+        return []
+    return sorted(p for p in path.parent.iterdir() if pattern.fullmatch(p.name) and p.is_file())
+
+
+def remove_recording(path: str | Path) -> list[Path]:
+    """Remove the `recording_files` of ``path`` (a run that restarts its step numbers
+    starts fresh); returns what was removed."""
+    removed = recording_files(path)
+    for old in removed:
+        old.unlink()
+    return removed
+
+
+def find_runs(path: str | Path) -> dict[str, Path]:
+    """Run name -> plan file of the runs behind ``path``, in name order.
+
+    A file is one run named after its stem. A folder offers its own ``plans.jsonl`` (named
+    after the folder), each ``<run>/plans.jsonl`` (named ``<run>``) and every other
+    ``.json``/``.jsonl`` file directly in it (named by file name), rotated copies excepted.
+    An unreadable folder offers what was found before the error.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        return {path.stem or str(path): path}
+    found: dict[str, Path] = {}
+    if plans_file(path).is_file():
+        found[path.name] = plans_file(path)
+    try:
+        entries = sorted(path.iterdir())
+    except OSError:
+        return found
+    for entry in entries:
+        if entry.is_dir() and plans_file(entry).is_file():
+            found[entry.name] = plans_file(entry)
+        elif (
+            entry.is_file()
+            and entry.suffix in _PLAN_SUFFIXES
+            and entry.name != PLANS_FILE
+            and not is_rotated(entry)
+        ):
+            found[entry.name] = entry
+    return found

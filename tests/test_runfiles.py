@@ -1,0 +1,76 @@
+"""The run-file layout: what a recorder writes is what the demo clears and the dashboard
+lists, because all of them name files through `knapformer.runfiles`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dashboard.store import Runs
+from knapformer.planner import plan_routing
+from knapformer.recorder import PlanRecorder
+from knapformer.runfiles import (
+    find_runs,
+    group_file,
+    is_rotated,
+    plans_file,
+    recording_files,
+    remove_recording,
+    rotated_file,
+    run_file,
+)
+from knapformer.workload import WorkloadModel
+
+
+def _plans(n: int) -> list:
+    lengths = [[900, 40], [3000], [10, 20, 30], [5000]]
+    return [plan_routing(lengths, "g1n2+g2n1", WorkloadModel(64), step=i) for i in range(n)]
+
+
+def test_group_files_follow_the_template_or_sit_next_to_the_path(tmp_path):
+    path = tmp_path / "plans.jsonl"
+    assert group_file(path, 0) == path
+    assert group_file(path, 3) == tmp_path / "plans.group3.jsonl"
+    templated = tmp_path / "g{group}" / "plans.jsonl"
+    assert group_file(templated, 0) == tmp_path / "g0" / "plans.jsonl"
+    assert group_file(templated, 2) == tmp_path / "g2" / "plans.jsonl"
+    # Rotation keeps a group file's name recognisable as that group's.
+    assert rotated_file(group_file(path, 1), 2) == tmp_path / "plans.group1.2.jsonl"
+    assert is_rotated(rotated_file(path, 4)) and not is_rotated(group_file(path, 4))
+
+
+def test_recorder_rotations_are_cleared_by_a_new_run_and_hidden_from_the_run_list(tmp_path):
+    plans = _plans(6)
+    path = plans_file(tmp_path / "run")
+    line = len(plans[0].model_dump_json()) + 1
+    with PlanRecorder(path, max_bytes=int(2.5 * line), backups=2) as rec:
+        for plan in plans:
+            rec.record(plan)
+    written = sorted(p.name for p in path.parent.iterdir())
+    assert written == ["plans.1.jsonl", "plans.2.jsonl", "plans.jsonl"]
+    assert [p.name for p in recording_files(path)] == written
+    # The dashboard offers the run once, under its folder's name, not its rotated copies.
+    assert find_runs(tmp_path) == {"run": path}
+    assert Runs(tmp_path).files() == {"run": path}
+    (path.parent / "notes.jsonl").write_text("")
+    removed = remove_recording(path)
+    assert sorted(p.name for p in removed) == written
+    assert [p.name for p in path.parent.iterdir()] == ["notes.jsonl"]
+
+
+def test_a_folder_of_runs_lists_run_folders_and_loose_plan_files(tmp_path):
+    for run in ("b-greedy", "a-knapformer"):
+        run_file(tmp_path, run).parent.mkdir()
+        run_file(tmp_path, run).write_text("")
+    (tmp_path / "empty-run").mkdir()  # no plans.jsonl: not a run
+    for name in ("plans.jsonl", "plans.3.jsonl", "extra.json", "notes.txt"):
+        (tmp_path / name).write_text("")
+    runs = find_runs(tmp_path)
+    assert runs == {
+        tmp_path.name: tmp_path / "plans.jsonl",
+        "a-knapformer": tmp_path / "a-knapformer" / "plans.jsonl",
+        "b-greedy": tmp_path / "b-greedy" / "plans.jsonl",
+        "extra.json": tmp_path / "extra.json",
+    }
+    single = tmp_path / "extra.json"
+    assert find_runs(single) == {"extra": single}
+    assert find_runs(Path(tmp_path / "missing.jsonl")) == {"missing": tmp_path / "missing.jsonl"}
