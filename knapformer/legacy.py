@@ -16,6 +16,24 @@ from knapformer.errors import KnapformerError
 from knapformer.plan import RoutingPlan
 from knapformer.topology import Topology
 
+#: Every key of the summary, in the order the research code writes them (`plan_to_legacy`
+#: writes them all; `knapformer.compat` serves them as attributes).
+LEGACY_KEYS = (
+    "balance_gpu_ids",
+    "bag_id2gpu_ids",
+    "gpu_id2bag_id",
+    "seq_id2seq_len",
+    "seq_id2seq_workload",
+    "gpu_id2seq_ids",
+    "gpu_id2seq_lens",
+    "gpu_id2seq_workloads",
+    "gpu_id2chunk_ids",
+    "gpu_id2chunk_lens",
+    "balance_chunk_id2gpu_id",
+    "balance_chunk_id2chunk_len",
+    "chunk_id2seq_id",
+)
+#: What an import needs of them.
 _REQUIRED = (
     "balance_gpu_ids",
     "bag_id2gpu_ids",
