@@ -20,6 +20,7 @@ from typing import Literal
 import numpy as np
 
 from knapformer.plan import RoutingPlan, gpu_positions
+from knapformer.units import LoadUnit
 
 Measure = Literal["tokens", "workload"]
 
@@ -321,9 +322,11 @@ def layout_plan(
     default_title = f"{step} · {plan.topology} · {n} GPUs · {len(seqs)} sequences"
     if plan.run:
         default_title = f"{plan.run} · {default_title}"
+    load_unit = LoadUnit.of(plan)
     stats_text = (
         f"imbalance (max/mean) {stats.imbalance_before:.2f} → {stats.imbalance_after:.2f}"
-        f"   ·   makespan {stats.makespan_before:.3g} → {stats.makespan_after:.3g}"
+        f"   ·   makespan {load_unit.format(stats.makespan_before)} → "
+        f"{load_unit.format(stats.makespan_after)}"
         f" ({stats.speedup:.2f}x)   ·   moved {stats.moved_tokens:,} tokens"
         f" ({stats.moved_fraction:.0%})"
     )
