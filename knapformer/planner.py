@@ -27,12 +27,21 @@ sequence outweighs the mean, and then every GPU under it keeps its own work).
    the better makespan kept (so it is never worse than greedy's beyond 0.1 % of the bound).
    A small round scores every (leaving, returning) pair at once; a large one only the two
    members per partner nearest the ideal exchange (the best one is always among them).
-In a multi-GPU bag the remainder tokens go to the chunk that stays on the source GPU,
-so fewer tokens move. An optional ``max_tokens_per_gpu`` is a hard cap on the tokens
-each GPU holds after routing (``ValueError`` when a sequence fits nowhere).
+In a multi-GPU bag the default solver spreads the bag's tokens evenly: each chunk takes
+L // g tokens and the L % g remainder tokens go one each to the next GPUs of a cycle
+through the bag's sequences, so every GPU of a bag ends within one token of the others.
+Under Ulysses a GPU's cost is the linear part of its own tokens plus 1/g of the
+attention of every sequence of its bag (docs/concepts.md), so every GPU of a bag then
+computes the bag's load / g to within one token's linear cost, and the bag-level scores
+above are the real per-GPU loads. An optional ``max_tokens_per_gpu`` is a hard cap on
+the tokens each GPU holds after routing (``ValueError`` when a sequence fits nowhere).
 
-Speed: a plan is made every training step, for ~100 sequences (32 GPUs) up to ~30,000
-(1024 GPUs). Per-sequence work is a fixed number of numpy calls; per-bag state that is
+Heterogeneous GPUs: with ``gpu_speed`` (relative speeds, e.g. learnt from measured
+compute) a bag runs at the speed of its slowest GPU, and its capacity is its GPU count
+times that speed; both solvers then balance modelled *times*.
+
+Speed: a plan is made every training step, for ~100 sequences (32 GPUs) up to ~130,000
+(4,096 GPUs). Per-sequence work is a fixed number of numpy calls; per-bag state that is
 read item by item (occupancies, heaps) is kept in Python lists, where numpy's per-call
 overhead would dominate; static per-topology arrays are cached.
 """
