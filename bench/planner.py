@@ -3,8 +3,11 @@
 Run: ``python bench/planner.py [--steps 5] [--repeats 5]``. For every data mix and
 topology row it samples ``--steps`` steps (fixed seeds), plans each with the three
 solvers, and prints the median planning time, makespan / lower bound (worst step),
-max/min load after (worst step) and the moved-token fraction (mean). Targets from the
-foundation issue are checked against the baseline measured in the same run.
+max/min load after (worst step) and the moved-token fraction (mean). Loads are the
+Ulysses-exact per-GPU costs (`plan.stats`, docs/concepts.md), whatever rule a solver cut
+its chunks by. Targets are checked against greedy and the baseline measured in the same
+run. The plain-Python baseline is only timed up to 1,024 GPUs (at 4,096 it takes seconds
+per step); "short" is a mix of many short sequences (128-px images with their prompts).
 """
 
 from __future__ import annotations
@@ -29,11 +32,17 @@ from knapformer.topology import Topology
 from knapformer.workload import WorkloadModel
 
 MODEL = WorkloadModel(token_dim=3072, gamma=0.4)
-ROWS = [
-    (mix, topo, 1)
-    for mix in ("lowres", "mixres", "joint")
-    for topo in ("g1n32", "g2n16", "g4n8", "g8n4")
-] + [("lowres", "g8n128", 32), ("joint", "g8n128", 32)]
+MIXES = {"short": "g32b64i128f1s0"}  # named mixes come from knapformer.tools.datamix
+ROWS = (
+    [
+        (mix, topo, 1)
+        for mix in ("lowres", "mixres", "joint", "short")
+        for topo in ("g1n32", "g2n16", "g4n8", "g8n4")
+    ]
+    + [(mix, "g8n128", 32) for mix in ("lowres", "mixres", "joint")]
+    + [(mix, "g8n512", 128) for mix in ("lowres", "mixres", "joint")]
+)
+BASELINE_UP_TO = 1024  # GPUs
 SOLVERS = ("knapformer", "greedy", "python baseline")
 
 
@@ -64,12 +73,13 @@ def baseline_plan(lengths: list[np.ndarray], topo: Topology) -> tuple[float, Rou
 
 def run_row(mix: str, topo_text: str, gpu_factor: int, steps: int, repeats: int) -> dict:
     topo = Topology.parse(topo_text)
-    codes = scale_mix(parse_mix(mix), gpu_factor)
-    times: dict[str, list[float]] = {s: [] for s in SOLVERS}
-    quality: dict[str, list[tuple[float, float, float]]] = {s: [] for s in SOLVERS}
+    codes = scale_mix(parse_mix(MIXES.get(mix, mix)), gpu_factor)
+    solvers = SOLVERS if topo.num_gpus <= BASELINE_UP_TO else SOLVERS[:2]
+    times: dict[str, list[float]] = {s: [] for s in solvers}
+    quality: dict[str, list[tuple[float, float, float]]] = {s: [] for s in solvers}
     for step in range(steps):
         lengths = sample_lengths(codes, np.random.default_rng(1000 + step))
-        for solver in SOLVERS:
+        for solver in solvers:
             for _ in range(repeats):
                 if solver == "python baseline":
                     elapsed, plan = baseline_plan(lengths, topo)
@@ -86,7 +96,7 @@ def run_row(mix: str, topo_text: str, gpu_factor: int, steps: int, repeats: int)
         "gpus": topo.num_gpus,
         "sequences": sum(len(x) for x in lengths),
     }
-    for solver in SOLVERS:
+    for solver in solvers:
         q = np.array(quality[solver])
         row[solver] = {
             "ms": statistics.median(times[solver]),
@@ -98,29 +108,32 @@ def run_row(mix: str, topo_text: str, gpu_factor: int, steps: int, repeats: int)
 
 
 def check_targets(rows: list[dict]) -> list[tuple[str, bool]]:
+    """The Ulysses-cost issue's targets: default ≤ greedy + 0.001 (true makespan/LB) on
+    every row; moved tokens at g1n32 ≤ ¼ of greedy's; 1,024 GPUs ≤ 30 ms and ≥ 20× the
+    baseline; 4,096 GPUs ≤ 150 ms."""
     checks = []
     for row in rows:
-        ours, base = row["knapformer"], row["python baseline"]
+        ours, greedy = row["knapformer"], row["greedy"]
         name = f"{row['mix']} {row['topology']}"
-        speedup = base["ms"] / ours["ms"]
-        if row["gpus"] >= 1024:
-            checks.append((f"{name}: {speedup:.0f}× faster than baseline (≥ 20×)", speedup >= 20))
-            checks.append((f"{name}: plans in {ours['ms']:.1f} ms (≤ 30 ms)", ours["ms"] <= 30))
-        else:
-            checks.append((f"{name}: {speedup:.1f}× faster than baseline (≥ 2×)", speedup >= 2))
         checks.append(
             (
-                f"{name}: makespan/LB {ours['mk_lb']:.4f} ≤ baseline {base['mk_lb']:.4f} + 0.001",
-                ours["mk_lb"] <= base["mk_lb"] + 0.001,
+                f"{name}: makespan/LB {ours['mk_lb']:.4f} ≤ greedy {greedy['mk_lb']:.4f} + 0.001",
+                ours["mk_lb"] <= greedy["mk_lb"] + 0.001,
             )
         )
         if row["topology"] == "g1n32":
             checks.append(
                 (
-                    f"{name}: moved {ours['moved']:.3f} ≤ ¼ of baseline {base['moved']:.3f}",
-                    ours["moved"] <= base["moved"] / 4,
+                    f"{name}: moved {ours['moved']:.3f} ≤ ¼ of greedy {greedy['moved']:.3f}",
+                    ours["moved"] <= greedy["moved"] / 4,
                 )
             )
+        if row["gpus"] == 1024:
+            speedup = row["python baseline"]["ms"] / ours["ms"]
+            checks.append((f"{name}: {speedup:.0f}× faster than baseline (≥ 20×)", speedup >= 20))
+            checks.append((f"{name}: plans in {ours['ms']:.1f} ms (≤ 30 ms)", ours["ms"] <= 30))
+        if row["gpus"] == 4096:
+            checks.append((f"{name}: plans in {ours['ms']:.1f} ms (≤ 150 ms)", ours["ms"] <= 150))
     return checks
 
 
@@ -147,7 +160,10 @@ def main() -> int:
     for row in rows:
         cells = [row["mix"], f"{row['topology']} ({row['gpus']} GPUs)", str(row["sequences"])]
         for solver in SOLVERS:
-            r = row[solver]
+            r = row.get(solver)
+            if r is None:  # the baseline is not run at this size
+                cells += ["–"] * 4
+                continue
             cells += [
                 f"{r['ms']:.2f}",
                 f"{r['mk_lb']:.4f}",
@@ -161,7 +177,7 @@ def main() -> int:
         console.print(f"[{'green' if ok else 'red'}]{'PASS' if ok else 'FAIL'}[/] {text}")
     failed = sum(not ok for _, ok in checks)
     console.print(f"{len(checks) - failed} of {len(checks)} targets met")
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

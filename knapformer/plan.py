@@ -204,6 +204,18 @@ class RoutingPlan(BaseModel):
     bags: list[list[int]] = Field(description="GPU ranks of each bag; bag id = index")
     token_dim: int | None = None
     gamma: float | None = None
+    scale: float | None = Field(
+        None, description="the workload model's scale (None: 1, or unknown for legacy plans)"
+    )
+    workload_unit: Literal["model", "ms"] = Field(
+        "model",
+        description='"ms" when workloads are calibrated milliseconds, else modelled units',
+    )
+    gpu_speed: list[float] | None = Field(
+        None,
+        description="relative speed of each GPU of `gpus` the planner assumed (1 = nominal; "
+        "the history cost model learns it); None: every GPU nominal",
+    )
     solver: str
     solver_options: dict[str, Any] = Field(default_factory=dict)
     sequences: Sequences
@@ -227,9 +239,12 @@ class RoutingPlan(BaseModel):
             "run",
             "token_dim",
             "gamma",
+            "scale",
+            "gpu_speed",
             "measurements",
         ):
             fields.setdefault(name, None)
+        fields.setdefault("workload_unit", "model")
         return cls.model_construct(**fields)
 
     @classmethod
@@ -409,6 +424,16 @@ def _invariant_problems(plan: RoutingPlan):
             "(chunk lengths do not sum to the sequence length)"
         )
         return
+
+    if plan.gpu_speed is not None:
+        speed = np.asarray(plan.gpu_speed, dtype=np.float64)
+        if speed.shape != (len(gpus),):
+            yield f"gpu_speed has {speed.size} values for {len(gpus)} GPUs"
+            return
+        bad = ~np.isfinite(speed) | (speed <= 0)
+        if bad.any():
+            yield f"gpu_speed of GPU(s) {_ids(gpus[bad])} is not a finite positive number"
+            return
 
     if plan.measurements is not None:
         for phase, values in plan.measurements.per_rank_ms.items():

@@ -27,12 +27,21 @@ sequence outweighs the mean, and then every GPU under it keeps its own work).
    the better makespan kept (so it is never worse than greedy's beyond 0.1 % of the bound).
    A small round scores every (leaving, returning) pair at once; a large one only the two
    members per partner nearest the ideal exchange (the best one is always among them).
-In a multi-GPU bag the remainder tokens go to the chunk that stays on the source GPU,
-so fewer tokens move. An optional ``max_tokens_per_gpu`` is a hard cap on the tokens
-each GPU holds after routing (`KnapformerError` when a sequence fits nowhere).
+In a multi-GPU bag the default solver spreads the bag's tokens evenly: each chunk takes
+L // g tokens and the L % g remainder tokens go one each to the next GPUs of a cycle
+through the bag's sequences, so every GPU of a bag ends within one token of the others.
+Under Ulysses a GPU's cost is the linear part of its own tokens plus 1/g of the
+attention of every sequence of its bag (docs/concepts.md), so every GPU of a bag then
+computes the bag's load / g to within one token's linear cost, and the bag-level scores
+above are the real per-GPU loads. An optional ``max_tokens_per_gpu`` is a hard cap on
+the tokens each GPU holds after routing (`KnapformerError` when a sequence fits nowhere).
 
-Speed: a plan is made every training step, for ~100 sequences (32 GPUs) up to ~30,000
-(1024 GPUs). Per-sequence work is a fixed number of numpy calls; per-bag state that is
+Heterogeneous GPUs: with ``gpu_speed`` (relative speeds, e.g. learnt from measured
+compute) a bag runs at the speed of its slowest GPU, and its capacity is its GPU count
+times that speed; both solvers then balance modelled *times*.
+
+Speed: a plan is made every training step, for ~100 sequences (32 GPUs) up to ~130,000
+(4,096 GPUs). Per-sequence work is a fixed number of numpy calls; per-bag state that is
 read item by item (occupancies, heaps) is kept in Python lists, where numpy's per-call
 overhead would dominate; static per-topology arrays are cached.
 """
@@ -42,6 +51,7 @@ from __future__ import annotations
 import heapq
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
@@ -50,6 +60,7 @@ from numpy.typing import ArrayLike
 from knapformer import __version__
 from knapformer.errors import KnapformerError
 from knapformer.plan import Measurements, RoutingPlan
+from knapformer.stats import lower_bound
 from knapformer.topology import Topology, as_topology
 from knapformer.workload import WorkloadModel
 
@@ -78,11 +89,14 @@ def plan_routing(
     gpus: Sequence[int] | None = None,
     step: int | None = None,
     run: str | None = None,
+    gpu_speed: ArrayLike | None = None,
 ) -> RoutingPlan:
     """Plan one step.
 
     ``lengths_per_gpu[i]`` holds the sequence lengths (tokens) on GPU ``gpus[i]``, in the
     order they are packed there. Sequence ids are assigned in that order, GPU by GPU.
+    ``gpu_speed`` (num_gpus,): relative speed of each GPU (1 = nominal; a bag runs at the
+    speed of its slowest GPU); work is given in proportion. Recorded in the plan.
     """
     started = time.perf_counter()
     topo = as_topology(topology)
@@ -97,23 +111,17 @@ def plan_routing(
     bags = topo.bags(gpu_ranks)
     if max_tokens_per_gpu is not None and max_tokens_per_gpu <= 0:
         raise KnapformerError(f"max_tokens_per_gpu must be positive, got {max_tokens_per_gpu}")
+    speed = _check_speed(gpu_speed, topo.num_gpus)
 
     shape = _bag_shape(topo.bag_sizes)
     lengths, src_pos = _flatten(lengths_per_gpu, shape)
     workload = model.workload(lengths)
-    # Summed left to right (cumsum), as the published algorithm and its plain-Python
-    # transcription do: pairwise summation differs in the last bits and flips near-ties.
-    mean = float(workload.cumsum()[-1]) / topo.num_gpus if workload.size else 0.0
-    home_bag = shape.bag_of_pos[src_pos]
     if solver == "greedy":
-        layout = _BagLayout(shape, mean, max_tokens_per_gpu)
-        bag, rem = _solve_greedy(lengths, workload, home_bag, src_pos, layout)
+        step_state = _solve_greedy(shape, lengths, workload, src_pos, speed, max_tokens_per_gpu)
     else:
-        bag, rem, layout = _solve_local_or_greedy(
-            shape, lengths, workload, home_bag, src_pos, mean, max_tokens_per_gpu
-        )
+        step_state = _solve_default(shape, lengths, workload, src_pos, speed, max_tokens_per_gpu)
 
-    chunk_seq, chunk_pos, chunk_off, chunk_len = _chunk_table(lengths, bag, rem, layout)
+    chunk_seq, chunk_pos, chunk_off, chunk_len = _chunk_table(step_state)
     if gpus is None:  # positions are ranks
         src_gpu, chunk_src, chunk_dst = src_pos, src_pos[chunk_seq], chunk_pos
     else:
@@ -131,9 +139,17 @@ def plan_routing(
         bags=bags,
         token_dim=model.token_dim,
         gamma=model.gamma,
+        scale=model.scale,
+        workload_unit=model.unit,
+        gpu_speed=None if speed is None else speed.tolist(),
         solver=solver,
         solver_options=options,
-        sequences={"src_gpu": src_gpu, "length": lengths, "workload": workload, "bag": bag},
+        sequences={
+            "src_gpu": src_gpu,
+            "length": lengths,
+            "workload": workload,
+            "bag": step_state.bag,
+        },
         chunks={
             "seq": chunk_seq,
             "src_gpu": chunk_src,
@@ -144,6 +160,18 @@ def plan_routing(
     )
     plan.measurements = Measurements(plan_ms=(time.perf_counter() - started) * 1e3)
     return plan
+
+
+def _check_speed(gpu_speed: ArrayLike | None, num_gpus: int) -> np.ndarray | None:
+    """``gpu_speed`` as a (num_gpus,) float array, or None when every GPU is nominal."""
+    if gpu_speed is None:
+        return None
+    speed = np.asarray(gpu_speed, dtype=np.float64).reshape(-1)
+    if speed.size != num_gpus:
+        raise ValueError(f"gpu_speed has {speed.size} values for {num_gpus} GPUs")
+    if not (np.isfinite(speed).all() and (speed > 0).all()):
+        raise ValueError(f"gpu_speed values must be finite and > 0, got {speed.tolist()}")
+    return None if (speed == 1.0).all() else speed
 
 
 class _BagShape:
@@ -206,23 +234,49 @@ def _flatten(
 
 
 class _BagLayout:
-    """A topology's bags plus the mutable per-bag load and per-GPU token state of a solve."""
+    """A topology's bags plus the mutable per-bag load and token state of a solve.
 
-    def __init__(self, shape: _BagShape, gpu_capacity: float, max_tokens: int | None):
+    ``weight`` is a bag's GPUs times the speed of its slowest GPU (the bag size when every
+    GPU is nominal): its capacity is ``weight * gpu_capacity`` and ``load / weight`` the
+    modelled time of each of its GPUs. ``even``: chunks spread a bag's tokens evenly over
+    its GPUs (the default solver); else the published round-robin remainder (greedy).
+    """
+
+    def __init__(
+        self,
+        shape: _BagShape,
+        gpu_capacity: float,
+        max_tokens: int | None,
+        bag_speed: np.ndarray | None,
+        even: bool,
+    ):
         self.shape = shape
         self.size, self.start, self.class_size = shape.size, shape.start, shape.class_size
+        self.weight = self.size.astype(np.float64)
+        if bag_speed is not None:
+            self.weight = self.weight * bag_speed
         self.gpu_capacity = float(gpu_capacity)
-        self.capacity = self.size * self.gpu_capacity
+        self.capacity = self.weight * self.gpu_capacity
         self.load = np.zeros(len(self.size))
         self.max_tokens = max_tokens
+        self.even = even
         if max_tokens is not None:
-            self.tokens = np.zeros(len(shape.bag_of_pos), dtype=np.int64)
-            self.bag_max_tokens = np.zeros(len(self.size), dtype=np.int64)
+            self.bag_tokens = np.zeros(len(self.size), dtype=np.int64)
+            self.tokens = np.zeros(len(shape.bag_of_pos), dtype=np.int64)  # round-robin only
+
+    def per_gpu_time(self) -> np.ndarray:
+        """(num_bags,) modelled time of each GPU of each bag."""
+        return self.load / self.weight
+
+    def makespan(self) -> float:
+        return float(self.per_gpu_time().max(initial=0.0))
 
     def candidate_keys(self, workload: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """Per sequence, the range (lo, hi) of bag-size classes that may take it, as lo*K+hi.
 
         Candidates: capacity >= workload and size <= length; if none, the largest bags.
+        (Capacity by size class at nominal speed: slower bags are then avoided through
+        their higher occupancy.)
         """
         k = len(self.class_size)
         if k == 1:  # one bag size (the usual topology): every bag is a candidate
@@ -234,36 +288,75 @@ class _BagLayout:
         hi = np.where(empty, k - 1, hi)
         return lo * k + hi
 
+    def bag_max_tokens(self) -> np.ndarray:
+        """(num_bags,) tokens on the fullest GPU of each bag (under a token cap)."""
+        if self.even:  # an even spread leaves every GPU of the bag within one token
+            return -(-self.bag_tokens // self.size)
+        return np.maximum.reduceat(self.tokens, self.start)
+
     def token_room(self, length: int) -> np.ndarray:
-        """Which bags can take a sequence of ``length`` tokens under the cap (conservative)."""
+        """Which bags can take a sequence of ``length`` tokens under the cap (round-robin:
+        conservatively, as if its remainder landed on the fullest GPU)."""
+        if self.even:
+            return -(-(self.bag_tokens + length) // self.size) <= self.max_tokens
         need = length // self.size + length % self.size
-        return self.bag_max_tokens + need <= self.max_tokens
+        return self.bag_max_tokens() + need <= self.max_tokens
 
     def add(self, bag: int, workload: float, length: int, rem: int, sign: int = 1) -> None:
-        """Account a sequence placed in ``bag`` (``sign=-1`` takes it out again)."""
+        """Account a sequence placed in ``bag`` (``sign=-1`` takes it out again); ``rem``
+        is its remainder chunk under round-robin."""
         self.load[bag] += sign * workload
         if self.max_tokens is not None:
-            g, s = int(self.size[bag]), int(self.start[bag])
-            self.tokens[s : s + g] += sign * (length // g)
-            self.tokens[s + rem] += sign * (length % g)
-            self.bag_max_tokens[bag] = self.tokens[s : s + g].max()
+            self.bag_tokens[bag] += sign * length
+            if not self.even:
+                g, s = int(self.size[bag]), int(self.start[bag])
+                self.tokens[s : s + g] += sign * (length // g)
+                self.tokens[s + rem] += sign * (length % g)
 
-    def add_many(self, seq: np.ndarray, bag: np.ndarray, workload, lengths, rem) -> None:
-        """Vectorised ``add`` for many sequences at once."""
-        self.load += np.bincount(bag, weights=workload[seq], minlength=len(self.size))
+    def add_many(self, bag: np.ndarray, workload: np.ndarray, lengths: np.ndarray) -> None:
+        """Vectorised ``add`` of sequences placed in ``bag`` (each (m,)), even spread."""
+        self.load += np.bincount(bag, weights=workload, minlength=len(self.size))
         if self.max_tokens is not None:
-            full = np.full(len(lengths), -1, dtype=np.int64)
-            full[seq] = bag
-            _, pos, _, ln = _chunk_table(lengths, full, rem, self, only=seq)
-            self.tokens += np.bincount(pos, weights=ln, minlength=len(self.tokens)).astype(np.int64)
-            self.bag_max_tokens = np.maximum.reduceat(self.tokens, self.start)
+            self.bag_tokens += np.bincount(bag, weights=lengths, minlength=len(self.size)).astype(
+                np.int64
+            )
+
+    def over_token_cap(self) -> bool:
+        return self.max_tokens is not None and bool((self.bag_max_tokens() > self.max_tokens).any())
 
     def infeasible(self, seq: int, length: int) -> KnapformerError:
         return KnapformerError(
             f"max_tokens_per_gpu={self.max_tokens} is infeasible: sequence {seq} "
             f"({length} tokens) fits no bag (most-loaded GPU already holds "
-            f"{int(self.tokens.max())} tokens)"
+            f"{int(self.bag_max_tokens().max())} tokens)"
         )
+
+
+@dataclass
+class _Step:
+    """The state of one solve: the step's sequences (read-only) and where they go."""
+
+    lengths: np.ndarray  # (n,) tokens
+    workload: np.ndarray  # (n,)
+    src_pos: np.ndarray  # (n,) position of each sequence's source GPU
+    home_bag: np.ndarray  # (n,) bag holding that GPU
+    layout: _BagLayout
+    bag: np.ndarray  # (n,) assigned bag; -1 while unplaced
+    rem: np.ndarray  # (n,) round-robin only: the chunk that takes the L % g remainder
+
+    @classmethod
+    def start(cls, shape, lengths, workload, src_pos, layout) -> _Step:
+        n = len(lengths)
+        bag = np.full(n, -1, dtype=np.int64)
+        return cls(lengths, workload, src_pos, shape.bag_of_pos[src_pos], layout, bag,
+                   np.zeros(n, dtype=np.int64))  # fmt: skip
+
+    def move(self, seq: int, dst: int) -> None:
+        """Move a placed sequence to bag ``dst`` (even spread: no remainder to track)."""
+        w, length = float(self.workload[seq]), int(self.lengths[seq])
+        self.layout.add(int(self.bag[seq]), w, length, 0, sign=-1)
+        self.layout.add(dst, w, length, 0)
+        self.bag[seq] = dst
 
 
 def _descending(workload: np.ndarray, seq: np.ndarray) -> np.ndarray:
@@ -271,30 +364,21 @@ def _descending(workload: np.ndarray, seq: np.ndarray) -> np.ndarray:
     return seq[np.argsort(-workload[seq], kind="stable")]
 
 
-def _place_in_order(
-    order: np.ndarray,
-    lengths: np.ndarray,
-    workload: np.ndarray,
-    home_bag: np.ndarray,
-    src_pos: np.ndarray,
-    layout: _BagLayout,
-    bag: np.ndarray,
-    rem: np.ndarray,
-    prefer_home: bool,
-) -> None:
+def _place_in_order(order: np.ndarray, step: _Step, prefer_home: bool) -> None:
     """Place ``order`` one by one into the least-occupied candidate bag (LPT).
 
     With ``prefer_home`` a sequence stays in its home bag when that bag is a candidate
-    and still has room; its remainder tokens then stay on the source GPU. Without it the
-    remainder goes to the bag's chunks round-robin (the published rule). Ties between
-    equally occupied bags go to the lowest bag id.
+    and still has room. Under round-robin the remainder goes to the bag's chunks in turn
+    (the published rule). Ties between equally occupied bags go to the lowest bag id.
     """
     if order.size == 0:
         return
+    layout = step.layout
     shape = layout.shape
     num_classes = len(layout.class_size)
-    lo, hi = np.divmod(layout.candidate_keys(workload[order], lengths[order]), num_classes)
-    home = home_bag[order]
+    lengths, workload = step.lengths[order], step.workload[order]
+    lo, hi = np.divmod(layout.candidate_keys(workload, lengths), num_classes)
+    home = step.home_bag[order]
     home_class = shape.class_of_bag_array[home]
     may_stay = (lo <= home_class) & (home_class <= hi) if prefer_home else np.zeros(len(lo), bool)
     # Plain lists: for the few hundred to few thousand sequences placed one by one,
@@ -311,22 +395,13 @@ def _place_in_order(
         heaps[class_of_bag[b]].append((occ, b))
     for heap in heaps:
         heapq.heapify(heap)
-    size, start = layout.size.tolist(), layout.start.tolist()
+    size = layout.size.tolist()
     round_robin = [0] * len(size)
     capped = layout.max_tokens is not None
-    rows = zip(
-        order.tolist(),
-        lo.tolist(),
-        hi.tolist(),
-        may_stay.tolist(),
-        workload[order].tolist(),
-        lengths[order].tolist(),
-        home.tolist(),
-        src_pos[order].tolist(),
-        strict=True,
-    )
+    rows = zip(order.tolist(), lo.tolist(), hi.tolist(), may_stay.tolist(), workload.tolist(),
+               lengths.tolist(), home.tolist(), strict=True)  # fmt: skip
     chosen_bag, chosen_rem = [], []  # written back in one call each at the end
-    for seq, lo, hi, may_stay, w, length, h, src in rows:
+    for seq, lo, hi, may_stay, w, length, h in rows:
         room = layout.token_room(length).tolist() if capped else None
         if may_stay and load[h] + w <= limit[h] and (room is None or room[h]):
             b = h
@@ -336,12 +411,9 @@ def _place_in_order(
             b = _least_occupied(heaps, lo, hi, occupancy, room)
             if b < 0:
                 raise layout.infeasible(seq, length)
-        g = size[b]
-        if prefer_home and b == h:
-            r = src - start[b]
-        elif prefer_home:
-            r = int(np.argmin(layout.tokens[start[b] : start[b] + g])) if capped else 0
-        else:
+        r = 0
+        if not layout.even:
+            g = size[b]
             r = round_robin[b] % g
             if length % g:
                 round_robin[b] += 1
@@ -356,7 +428,7 @@ def _place_in_order(
             heapq.heappush(heap, (occupancy[b], b))
         if capped:
             layout.add(b, 0.0, length, r)
-    bag[order], rem[order] = chosen_bag, chosen_rem
+    step.bag[order], step.rem[order] = chosen_bag, chosen_rem
     layout.load[:] = load
 
 
@@ -390,82 +462,91 @@ def _live_top(heap: list[tuple[float, int]], occupancy: list[float]) -> tuple[fl
     return heap[0]
 
 
-def _solve_local_or_greedy(shape, lengths, workload, home_bag, src_pos, mean, max_tokens):
+def _bag_speed(shape: _BagShape, speed: np.ndarray | None) -> np.ndarray | None:
+    """(num_bags,) speed of each bag's slowest GPU, or None when every GPU is nominal."""
+    return None if speed is None else np.minimum.reduceat(speed, shape.start)
+
+
+def _solve_greedy(shape, lengths, workload, src_pos, speed, max_tokens, even=False) -> _Step:
+    """The published greedy: capacity = total / #GPUs (by speed), largest first into the
+    least-occupied candidate bag. ``even=False``: its own round-robin chunk rule."""
+    bag_speed = _bag_speed(shape, speed)
+    weight = shape.size if bag_speed is None else shape.size * bag_speed
+    # Summed left to right (cumsum), as the published algorithm and its plain-Python
+    # transcription do: pairwise summation differs in the last bits and flips near-ties.
+    total = float(workload.cumsum()[-1]) if workload.size else 0.0
+    mean = total / float(weight.sum())
+    layout = _BagLayout(shape, mean, max_tokens, bag_speed, even)
+    step = _Step.start(shape, lengths, workload, src_pos, layout)
+    _place_in_order(_descending(workload, np.arange(len(lengths))), step, prefer_home=False)
+    return step
+
+
+def _solve_default(shape, lengths, workload, src_pos, speed, max_tokens) -> _Step:
     """The default solver, with greedy as a safety net.
 
     Its per-GPU capacity is the lower bound on the makespan rather than greedy's mean
     load: when one sequence outweighs the mean, every GPU under that bound can keep all
-    its sequences at no cost to the makespan. Where the local search stalls short of the
-    bound (coarse sequences), greedy is solved too and the better makespan is kept.
+    its sequences at no cost to the makespan. Chunks spread each bag's tokens evenly, so
+    every GPU of a bag computes the bag's load / g to within one token's linear cost:
+    scoring bags scores the real (Ulysses-exact) per-GPU loads. Where the local search
+    stalls short of the bound (coarse sequences), greedy's placement is solved too (with
+    the even spread) and the better makespan is kept.
     """
-    top = float(workload.max()) / int(shape.size[-1]) if workload.size else 0.0
-    lower_bound = max(mean, top)
-    layout = _BagLayout(shape, lower_bound, max_tokens)
-    bag, rem = _solve_local(lengths, workload, home_bag, src_pos, layout)
-    makespan = float((layout.load / layout.size).max(initial=0.0))
-    if makespan <= lower_bound * (1 + _FALLBACK_TOLERANCE):
-        return bag, rem, layout
-    greedy_layout = _BagLayout(shape, mean, max_tokens)
+    bag_speed = _bag_speed(shape, speed)
+    weight = shape.size.astype(np.float64) if bag_speed is None else shape.size * bag_speed
+    bound = lower_bound(workload, weight)
+    layout = _BagLayout(shape, bound, max_tokens, bag_speed, even=True)
+    step = _Step.start(shape, lengths, workload, src_pos, layout)
+    _solve_local(step)
+    makespan = layout.makespan()
+    if makespan <= bound * (1 + _FALLBACK_TOLERANCE):
+        return step
     try:
-        g_bag, g_rem = _solve_greedy(lengths, workload, home_bag, src_pos, greedy_layout)
+        greedy = _solve_greedy(shape, lengths, workload, src_pos, speed, max_tokens, even=True)
     except ValueError:  # greedy cannot meet the token cap where ours did
-        return bag, rem, layout
-    if float((greedy_layout.load / greedy_layout.size).max(initial=0.0)) < makespan:
-        return g_bag, g_rem, greedy_layout
-    return bag, rem, layout
+        return step
+    return greedy if greedy.layout.makespan() < makespan else step
 
 
-def _solve_greedy(lengths, workload, home_bag, src_pos, layout):
+def _solve_local(step: _Step) -> None:
+    layout, lengths, workload = step.layout, step.lengths, step.workload
     n = len(lengths)
-    bag = np.zeros(n, dtype=np.int64)
-    rem = np.zeros(n, dtype=np.int64)
-    order = _descending(workload, np.arange(n))
-    _place_in_order(order, lengths, workload, home_bag, src_pos, layout, bag, rem, False)
-    return bag, rem
-
-
-def _solve_local(lengths, workload, home_bag, src_pos, layout):
-    n = len(lengths)
-    bag = np.full(n, -1, dtype=np.int64)
-    rem = src_pos - layout.start[home_bag]  # remainder chunk = the one on the source GPU
-
     empty = lengths == 0  # nothing to compute or move: keep at home, no chunks
-    bag[empty] = home_bag[empty]
+    step.bag[empty] = step.home_bag[empty]
 
     # A small step is placed one by one, where a bulk pass would save little time and
     # land further from the bound; a large one only its heavy sequences.
     one_by_one = ~empty
     if n > _ONE_BY_ONE:
         one_by_one &= workload > _HEAVY_FRACTION * layout.gpu_capacity
-    first = _descending(workload, np.flatnonzero(one_by_one))
-    _place_in_order(first, lengths, workload, home_bag, src_pos, layout, bag, rem, True)
+    _place_in_order(_descending(workload, np.flatnonzero(one_by_one)), step, prefer_home=True)
     if n > _ONE_BY_ONE:
-        _stay_home_in_bulk(np.flatnonzero(bag < 0), lengths, workload, home_bag, layout, bag, rem)
-        pool = _descending(workload, np.flatnonzero(bag < 0))
-        _place_in_order(pool, lengths, workload, home_bag, src_pos, layout, bag, rem, True)
-    _level_makespan(lengths, workload, home_bag, src_pos, layout, bag, rem)
-    return bag, rem
+        _stay_home_in_bulk(np.flatnonzero(step.bag < 0), step)
+        pool = _descending(workload, np.flatnonzero(step.bag < 0))
+        _place_in_order(pool, step, prefer_home=True)
+    _level_makespan(step)
 
 
-def _stay_home_in_bulk(seqs, lengths, workload, home_bag, layout, bag, rem):
+def _stay_home_in_bulk(seqs: np.ndarray, step: _Step) -> None:
     """Within each home bag, the largest of ``seqs`` stay while there is room (one
     vectorised pass; sequences shorter than their home bag are left to the pool)."""
+    layout, lengths, workload, home_bag = step.layout, step.lengths, step.workload, step.home_bag
     light = seqs[layout.size[home_bag[seqs]] <= lengths[seqs]]
     order = light[np.lexsort((-workload[light], home_bag[light]))]
     hb = home_bag[order]
     room = layout.capacity - layout.load
     stays = _prefix_within_groups(workload[order], hb, room[hb])
     if layout.max_tokens is not None:
-        g = layout.size[hb]
-        need = lengths[order] // g + lengths[order] % g
-        token_room = layout.max_tokens - layout.bag_max_tokens[hb]
-        stays &= _prefix_within_groups(need.astype(np.float64), hb, token_room)
+        # An even spread keeps a bag's fullest GPU at ceil(bag tokens / g).
+        token_room = layout.max_tokens * layout.size[hb] - layout.bag_tokens[hb]
+        stays &= _prefix_within_groups(lengths[order].astype(np.float64), hb, token_room)
     stay_ids = order[stays]
-    bag[stay_ids] = hb[stays]
-    layout.add_many(stay_ids, hb[stays], workload, lengths, rem)
+    step.bag[stay_ids] = hb[stays]
+    layout.add_many(hb[stays], workload[stay_ids], lengths[stay_ids])
 
 
-def _level_makespan(lengths, workload, home_bag, src_pos, layout, bag, rem, max_rounds=None):
+def _level_makespan(step: _Step, max_rounds: int | None = None) -> None:
     """Local search on the makespan. Each round, every bag above the stopping load (up
     to ``_LEVEL_PARTNERS`` of them, most loaded first) is paired with a distinct one of
     the least-loaded bags: one sequence moves from it to the partner, or a pair is
@@ -473,19 +554,17 @@ def _level_makespan(lengths, workload, home_bag, src_pos, layout, bag, rem, max_
     two. All pairs are scored in one vectorised pass. Staying home leaves uneven last
     gaps; a few well-sized moves and swaps close them (greedy gets the same effect from
     placing the smallest last)."""
+    layout = step.layout
     num_bags = len(layout.size)
     if layout.gpu_capacity <= 0 or num_bags < 2:
         return
-    size = layout.size.astype(np.float64)
-    per_gpu = layout.load / size
-    lower_bound = max(
-        float(layout.load.sum() / size.sum()), float(workload.max(initial=0.0)) / size[-1]
-    )
-    stop = lower_bound * (1 + _LEVEL_TOLERANCE)
+    weight = layout.weight
+    per_gpu = layout.per_gpu_time()
+    stop = lower_bound(step.workload, weight) * (1 + _LEVEL_TOLERANCE)
     if per_gpu.max() <= stop:  # the usual case: nothing to level
         return
     accepts = layout.capacity * (1 + _EPS)  # the largest workload each bag may take
-    members = _Members(bag, lengths, workload, num_bags)
+    members = _Members(step.bag, step.lengths, step.workload, num_bags)
     one_size = len(layout.class_size) == 1
     for _ in range(4 * num_bags if max_rounds is None else max_rounds):
         by_load = per_gpu.argsort(kind="stable").tolist()
@@ -494,16 +573,16 @@ def _level_makespan(lengths, workload, home_bag, src_pos, layout, bag, rem, max_
         partners = by_load[: num_bags - num_over][:_LEVEL_PARTNERS]
         if not over or not partners:
             return
-        moves = _best_exchanges(over, partners, members, size, per_gpu, accepts, one_size)
+        moves = _best_exchanges(
+            over, partners, members, layout.size, weight, per_gpu, accepts, one_size
+        )
         if not moves:
             return
         for a, b, out_of_a, out_of_b in moves:
-            if not _exchange(
-                a, b, out_of_a, out_of_b, lengths, workload, home_bag, src_pos, layout, bag, rem
-            ):
+            if not _exchange(step, a, b, out_of_a, out_of_b):
                 return
             members.swap(a, b, out_of_a, out_of_b)
-            per_gpu[a], per_gpu[b] = layout.load[a] / size[a], layout.load[b] / size[b]
+            per_gpu[a], per_gpu[b] = layout.load[a] / weight[a], layout.load[b] / weight[b]
 
 
 class _Members:
@@ -527,17 +606,20 @@ class _Members:
             self.bag[out_of_b] = a
 
 
-def _best_exchanges(over, partners, members, size, per_gpu, accepts, one_size):
+def _best_exchanges(over, partners, members, size, weight, per_gpu, accepts, one_size):
     """One round's exchanges: each over-loaded bag ``a`` (most loaded first) with the free
     partner ``b`` that evens the two out best. Returns (a, b, sequence leaving a, sequence
-    leaving b or -1) per exchange that lowers the larger of the two bags. ``one_size``:
-    every bag has the same number of GPUs."""
+    leaving b or -1) per exchange that lowers the larger of the two bags. ``size``: GPUs
+    per bag (a sequence must not be shorter, bar the rule's fallback); ``weight``: load per
+    GPU = load / weight; ``one_size``: every bag has the same number of GPUs."""
     num_o, num_p = len(over), len(partners)
     slot = np.full(len(size), num_o + num_p)  # over bag -> 0.., partner -> num_o.., rest last
     slot[over] = np.arange(num_o)
     slot[partners] = np.arange(num_o, num_o + num_p)
     slot_of = slot[members.bag]
-    by_slot = slot_of.argsort(kind="stable")
+    # Only the members of the paired bags are sorted (a round looks at a few bags of many).
+    involved = np.flatnonzero(slot_of < num_o + num_p)
+    by_slot = involved[slot_of[involved].argsort(kind="stable")]
     bounds = np.searchsorted(slot_of[by_slot], np.arange(num_o + num_p + 1)).tolist()
     # Rows: members that may leave the over-loaded bags; columns: members that may come
     # back from the partners (a phantom: nothing). Both grouped by bag, none empty.
@@ -552,22 +634,22 @@ def _best_exchanges(over, partners, members, size, per_gpu, accepts, one_size):
         ]
         col_starts = np.searchsorted(slot_of[back], np.arange(num_o, num_o + num_p)).tolist()
     out_w, a_bag = members.workload[out][:, None], members.bag[out][:, None]
-    g_a, per_a = size[a_bag], per_gpu[a_bag]
+    w_a, per_a = weight[a_bag], per_gpu[a_bag]
     if out.size * back.size <= _DENSE_CELLS:
         came = back[None, :]  # every pair is scored
     else:
         pb = np.asarray(partners)
-        ideal = (per_a - per_gpu[pb]) / (1.0 / g_a + 1.0 / size[pb])
+        ideal = (per_a - per_gpu[pb]) / (1.0 / w_a + 1.0 / weight[pb])
         came = _nearest_members(back, slot_of[back] - num_o, members.workload, out_w - ideal)
         col_starts = list(range(0, 2 * num_p, 2))
     came_w, b_bag = members.workload[came], members.bag[came]
-    g_b, per_b = size[b_bag], per_gpu[b_bag]
+    w_b, per_b = weight[b_bag], per_gpu[b_bag]
     delta = out_w - came_w  # net workload leaving a
-    new_max = np.maximum(per_a - delta / g_a, per_b + delta / g_b)
+    new_max = np.maximum(per_a - delta / w_a, per_b + delta / w_b)
     ok = (delta > 0) & (new_max < per_a * (1 - 1e-9))
     if not one_size:
-        ok &= (members.length[out][:, None] >= g_b) & (out_w <= accepts[b_bag])
-        ok &= (members.length[came] >= g_a) & (came_w <= accepts[a_bag])
+        ok &= (members.length[out][:, None] >= size[b_bag]) & (out_w <= accepts[b_bag])
+        ok &= (members.length[came] >= size[a_bag]) & (came_w <= accepts[a_bag])
     new_max = np.where(ok, new_max, np.inf)
     # Best per (over-loaded bag, partner); each over-loaded bag, most loaded first, takes
     # its best among the partners still free.
@@ -607,22 +689,15 @@ def _nearest_members(back, back_partner, workload, target):
     return back[near.reshape(len(target), 2 * num_p)]
 
 
-def _exchange(a, b, out_of_a, out_of_b, lengths, workload, home_bag, src_pos, layout, bag, rem):
+def _exchange(step: _Step, a: int, b: int, out_of_a: int, out_of_b: int) -> bool:
     """Move ``out_of_a`` to bag b and ``out_of_b`` (or nothing if -1) to bag a; undone
     (returns False) when it breaks the token cap (rare; the cap wins over balance)."""
-
-    def move(seq: int, src: int, dst: int) -> None:
-        new_rem = int(src_pos[seq] - layout.start[dst]) if home_bag[seq] == dst else 0
-        layout.add(src, float(workload[seq]), int(lengths[seq]), int(rem[seq]), sign=-1)
-        layout.add(dst, float(workload[seq]), int(lengths[seq]), new_rem)
-        bag[seq], rem[seq] = dst, new_rem
-
     moves = [(seq, src, dst) for seq, src, dst in ((out_of_a, a, b), (out_of_b, b, a)) if seq >= 0]
-    for seq, src, dst in moves:
-        move(seq, src, dst)
-    if layout.max_tokens is not None and (layout.bag_max_tokens > layout.max_tokens).any():
-        for seq, src, dst in moves:
-            move(seq, dst, src)
+    for seq, _, dst in moves:
+        step.move(seq, dst)
+    if step.layout.over_token_cap():
+        for seq, src, _ in moves:
+            step.move(seq, src)
         return False
     return True
 
@@ -638,32 +713,49 @@ def _prefix_within_groups(values: np.ndarray, group: np.ndarray, room: np.ndarra
     return total - group_start_sum <= room * (1 + _EPS)
 
 
-def _chunk_table(lengths, bag, rem, layout, only: np.ndarray | None = None):
+def _chunk_table(step: _Step):
     """Split each sequence into one chunk per GPU of its bag (zero-length chunks dropped).
 
     Returns (seq, dst GPU position, offset, length), ordered by sequence then chunk
-    index; chunk k of a sequence goes to the k-th GPU of its bag and chunk ``rem`` takes
-    the ``L % g`` remainder tokens.
+    index; chunk k of a sequence goes to the k-th GPU of its bag. Each chunk gets
+    ``L // g`` tokens; the ``L % g`` remainder goes, under round-robin, all to chunk
+    ``rem`` (the published rule), else one token each to the next GPUs of a cycle that
+    runs through the bag's sequences in id order, so every GPU of a bag ends within one
+    token of the others (the remainder never piles onto one GPU).
     """
-    if only is None:
-        seq, seq_bag, seq_len, seq_rem = None, bag, lengths, rem
-    else:
-        seq = np.asarray(only)
-        seq_bag, seq_len, seq_rem = bag[seq], lengths[seq], rem[seq]
-    g = layout.size[seq_bag]
-    quot = seq_len // g
+    layout, lengths, bag = step.layout, step.lengths, step.bag
+    g = layout.size[bag]
+    quot = lengths // g
     ends = np.cumsum(g)
     first = ends - g  # row of each sequence's chunk 0
-    length = np.repeat(quot, g)
-    length[first + seq_rem] += seq_len - quot * g
-    # chunk k of a sequence -> GPU position start(bag) + k = row + (start(bag) - first)
     rows = np.arange(int(ends[-1]) if ends.size else 0)
-    pos = rows + np.repeat(layout.start[seq_bag] - first, g)
-    # offset = tokens of the same sequence in earlier chunks
+    k = rows - np.repeat(first, g)  # chunk index within its sequence
+    length = np.repeat(quot, g)
+    if layout.even:
+        rem = lengths - quot * g
+        start = np.repeat(_cycle_starts(bag, rem, g), g)
+        length += (k - start) % np.repeat(g, g) < np.repeat(rem, g)
+    else:
+        length[first + step.rem] += lengths - quot * g
+    pos = np.repeat(layout.start[bag], g) + k
     offset = np.cumsum(length) - length
-    offset -= np.repeat(offset[first] if first.size else first, g)
-    idx = np.repeat(np.arange(len(seq_len)) if seq is None else seq, g)
+    offset -= np.repeat(offset[first] if first.size else first, g)  # within the sequence
+    idx = np.repeat(np.arange(len(lengths)), g)
     if quot.size and quot.min() == 0:  # some sequence is shorter than its bag
         keep = length > 0
         idx, pos, offset, length = idx[keep], pos[keep], offset[keep], length[keep]
     return idx, pos, offset, length
+
+
+def _cycle_starts(bag: np.ndarray, rem: np.ndarray, size: np.ndarray) -> np.ndarray:
+    """(n,) where each sequence's remainder starts in its bag's cycle: the remainders of the
+    bag's earlier sequences (id order), summed, modulo the bag size."""
+    order = np.argsort(bag, kind="stable")
+    r = rem[order]
+    before = np.cumsum(r) - r  # exclusive running sum over all bags
+    group_start = np.ones(len(order), dtype=bool)
+    group_start[1:] = bag[order][1:] != bag[order][:-1]
+    base = np.maximum.accumulate(np.where(group_start, before, 0))
+    starts = np.empty_like(rem)
+    starts[order] = (before - base) % size[order]
+    return starts

@@ -2,11 +2,20 @@
 per-step summary readers keep for every step, and how those figures are written.
 
 Per-GPU arrays are indexed by position in ``plan.gpus`` (not by rank), per-bag arrays
-by bag id. A sequence in a bag of g GPUs costs each GPU of that bag workload / g.
+by bag id.
+
+Loads after routing are Ulysses-exact (docs/concepts.md): a GPU of a g-GPU bag runs the
+linear layers on the tokens of the chunks it holds and attention on the whole sequence
+for 1/g of the heads, so of a sequence's workload W (linear share f) it computes
+``W*f*c/L`` for its chunk of c tokens plus ``W*(1-f)/g``. The share f comes from the
+plan's token_dim and gamma; a plan that lacks them (a legacy one) has it fitted from its
+own (length, workload) pairs. Loads are modelled *times*: a GPU the planner was told runs
+at ``gpu_speed`` s takes work/s.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -20,22 +29,27 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class PlanStats:
-    load_before: np.ndarray  # (num_gpus,) workload held by each GPU before routing
-    load_after: np.ndarray  # (num_gpus,) workload each GPU computes after routing
+    load_before: np.ndarray  # (num_gpus,) modelled time of each GPU's own sequences
+    load_after: np.ndarray  # (num_gpus,) modelled time each GPU computes after routing
+    work_after: np.ndarray  # (num_gpus,) workload each GPU computes after routing (speed 1)
     tokens_before: np.ndarray  # (num_gpus,) int
     tokens_after: np.ndarray  # (num_gpus,) int
     bag_load_before: np.ndarray  # (num_bags,) sum of load_before over the bag's GPUs
     bag_load_after: np.ndarray  # (num_bags,) workload assigned to the bag
     traffic: np.ndarray  # (num_gpus, num_gpus) tokens sent from gpus[i] to gpus[j]
     gpu_bag: np.ndarray  # (num_gpus,) bag id of each GPU
-    total_load: float
+    speed: np.ndarray  # (num_gpus,) relative speed the plan assumed (1 = nominal)
+    bag_capacity: np.ndarray  # (num_bags,) GPUs x speed of the bag's slowest GPU
+    total_load: float  # total workload of the step
     total_tokens: int
     moved_tokens: int  # tokens in chunks whose destination differs from their source
-    lower_bound: float  # max(total / #GPUs, max workload / largest bag size)
+    lower_bound: float  # see `lower_bound`
 
     @property
     def mean_load(self) -> float:
-        return self.total_load / len(self.load_before)
+        """The ideal per-GPU time: total workload over the group's capacity (with nominal
+        speeds, total / #GPUs)."""
+        return self.total_load / float(self.bag_capacity.sum())
 
     @property
     def makespan_before(self) -> float:
@@ -83,21 +97,109 @@ def _ratio(a: float, b: float) -> float:
     return 1.0 if a == 0 else float("inf")
 
 
-def bag_share(plan: RoutingPlan, per_seq: np.ndarray) -> np.ndarray:
-    """Per GPU of ``plan.gpus``: its share of ``per_seq`` (n_seq,) values after routing.
+def linear_share(plan: RoutingPlan) -> np.ndarray:
+    """(n_seq,) fraction of each sequence's workload spent in the linear layers.
 
-    Each GPU of a bag of g computes 1/g of every sequence of its bag (Ulysses), so it
-    gets the bag's sum over its sequences divided by g. ``load_after`` is the share of
-    the workloads; calibration takes the share of each workload term.
+    From the plan's ``token_dim`` and ``gamma`` (``24*d / (24*d + 4*gamma*L)``, the
+    `WorkloadModel` split); a plan without them has ``W = a*L + b*L^2`` fitted to its own
+    sequences. Zero-length sequences count as attention (they have no chunk to carry a
+    linear part).
     """
-    sizes = np.array([len(b) for b in plan.bags], dtype=np.int64)
-    return _share_after(plan.sequences.bag, per_seq, sizes, plan.stats.gpu_bag)[1]
+    length = np.asarray(plan.sequences.length, dtype=np.float64)
+    d, gamma = plan.token_dim, plan.gamma
+    if d is not None and d > 0 and gamma is not None and np.isfinite(gamma) and gamma >= 0:
+        share = 24.0 * d / (24.0 * d + 4.0 * gamma * length)
+    else:
+        share = _fitted_linear_share(length, np.asarray(plan.sequences.workload, np.float64))
+    return np.where(length > 0, share, 0.0)
 
 
-def _share_after(seq_bag, per_seq, bag_sizes, gpu_bag) -> tuple[np.ndarray, np.ndarray]:
-    """(sum per bag, share per GPU) of ``per_seq`` values after routing."""
-    per_bag = np.bincount(seq_bag, weights=per_seq, minlength=len(bag_sizes))
-    return per_bag, (per_bag / bag_sizes)[gpu_bag]
+def _fitted_linear_share(length: np.ndarray, workload: np.ndarray) -> np.ndarray:
+    """``a*L / (a*L + b*L^2)`` with a, b >= 0 fitted by least squares; all linear when the
+    plan cannot tell (fewer than two distinct lengths)."""
+    used = (length > 0) & (workload > 0)
+    if np.unique(length[used]).size < 2:
+        return np.ones_like(length)
+    design = np.stack([length[used], length[used] ** 2], axis=1)
+    norms = np.linalg.norm(design, axis=0)  # column scaling keeps the fit well conditioned
+    (a, b), *_ = np.linalg.lstsq(design / norms, workload[used], rcond=None)
+    a, b = max(float(a / norms[0]), 0.0), max(float(b / norms[1]), 0.0)
+    if a == 0.0 and b == 0.0:
+        return np.ones_like(length)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.nan_to_num(a / (a + b * length), nan=1.0)
+
+
+def terms_after(
+    plan: RoutingPlan, per_seq_linear: np.ndarray, per_seq_attention: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per GPU of ``plan.gpus``: the (linear, attention) parts of per-sequence values it
+    computes after routing, each (num_gpus,).
+
+    ``per_seq_linear`` (n_seq,) is split over a sequence's chunks by their tokens (it goes
+    where the tokens go); ``per_seq_attention`` (n_seq,) is shared equally by the g GPUs of
+    the sequence's bag (Ulysses gives each 1/g of the heads of the whole sequence).
+    `compute_stats` passes the two parts of each workload; calibration the model's terms.
+    """
+    n = len(plan.gpus)
+    pos = gpu_positions(plan.gpus)
+    seqs, chunks = plan.sequences, plan.chunks
+    length = np.asarray(seqs.length, dtype=np.float64)
+    per_token = np.divide(per_seq_linear, length, out=np.zeros(len(length)), where=length > 0)
+    linear = np.bincount(
+        pos[chunks.dst_gpu], weights=per_token[chunks.seq] * chunks.length, minlength=n
+    )
+    bag_sizes = np.fromiter(map(len, plan.bags), dtype=np.float64, count=len(plan.bags))
+    per_bag = np.bincount(seqs.bag, weights=per_seq_attention, minlength=len(plan.bags))
+    attention = (per_bag / bag_sizes)[gpu_bags(plan)]
+    return linear, attention
+
+
+def _bag_members(plan: RoutingPlan) -> tuple[np.ndarray, np.ndarray]:
+    """(sizes (num_bags,), GPU positions of every bag's members, bag after bag)."""
+    sizes = np.fromiter(map(len, plan.bags), dtype=np.int64, count=len(plan.bags))
+    ranks = np.fromiter(itertools.chain.from_iterable(plan.bags), np.int64, int(sizes.sum()))
+    return sizes, gpu_positions(plan.gpus)[ranks]
+
+
+def chunk_loads(plan: RoutingPlan, chunk_ids: np.ndarray) -> np.ndarray:
+    """(m,) the Ulysses-exact cost each of ``chunk_ids`` puts on its destination GPU:
+    its tokens' share of the sequence's linear part plus 1/g of its attention part."""
+    chunks, seqs = plan.chunks, plan.sequences
+    seq = chunks.seq[chunk_ids]
+    workload, length = seqs.workload[seq], seqs.length[seq].astype(np.float64)
+    share = linear_share(plan)[seq]
+    g = np.fromiter(map(len, plan.bags), dtype=np.float64, count=len(plan.bags))[seqs.bag[seq]]
+    linear = np.divide(workload * share * chunks.length[chunk_ids], length,
+                       out=np.zeros(len(seq)), where=length > 0)  # fmt: skip
+    return linear + workload * (1.0 - share) / g
+
+
+def gpu_bags(plan: RoutingPlan) -> np.ndarray:
+    """(num_gpus,) bag id of each GPU of ``plan.gpus``."""
+    sizes, members = _bag_members(plan)
+    gpu_bag = np.empty(len(plan.gpus), dtype=np.int64)
+    gpu_bag[members] = np.repeat(np.arange(len(sizes)), sizes)
+    return gpu_bag
+
+
+def bag_capacity(plan: RoutingPlan) -> np.ndarray:
+    """(num_bags,) GPUs of each bag times the speed of its slowest GPU (the bag waits for it
+    in every Ulysses exchange); with nominal speeds, the bag sizes."""
+    sizes, members = _bag_members(plan)
+    if plan.gpu_speed is None:
+        return sizes.astype(np.float64)
+    speed = np.asarray(plan.gpu_speed, dtype=np.float64)[members]
+    return sizes * np.minimum.reduceat(speed, np.cumsum(sizes) - sizes)
+
+
+def lower_bound(workload: np.ndarray, capacity: np.ndarray) -> float:
+    """Lower bound on the makespan (modelled time) of ``workload`` (n_seq,) over bags of
+    ``capacity`` (num_bags,): the total over the group's capacity, or the largest sequence
+    on the bag of the largest capacity, whichever is larger. With nominal speeds:
+    max(total / #GPUs, max workload / largest bag size)."""
+    biggest = float(workload.max()) if workload.size else 0.0
+    return max(float(workload.sum()) / float(capacity.sum()), biggest / float(capacity.max()))
 
 
 def compute_stats(plan: RoutingPlan) -> PlanStats:
@@ -105,17 +207,19 @@ def compute_stats(plan: RoutingPlan) -> PlanStats:
     n = len(gpus)
     pos = gpu_positions(gpus)
     seqs, chunks = plan.sequences, plan.chunks
-    bag_sizes = np.array([len(b) for b in plan.bags], dtype=np.int64)
     workload = np.asarray(seqs.workload, dtype=np.float64)
+    speed = np.ones(n) if plan.gpu_speed is None else np.asarray(plan.gpu_speed, np.float64)
+    gpu_bag = gpu_bags(plan)
+    capacity = bag_capacity(plan)
 
     src = pos[seqs.src_gpu]
-    load_before = np.bincount(src, weights=workload, minlength=n)
+    work_before = np.bincount(src, weights=workload, minlength=n)
     tokens_before = np.bincount(src, weights=seqs.length, minlength=n).astype(np.int64)
-
-    gpu_bag = np.empty(n, dtype=np.int64)
-    for bag_id, members in enumerate(plan.bags):
-        gpu_bag[pos[members]] = bag_id
-    bag_load_after, load_after = _share_after(seqs.bag, workload, bag_sizes, gpu_bag)
+    share = linear_share(plan)
+    linear, attention = terms_after(plan, workload * share, workload * (1.0 - share))
+    work_after = linear + attention
+    load_before, load_after = work_before / speed, work_after / speed
+    bag_load_after = np.bincount(seqs.bag, weights=workload, minlength=len(plan.bags))
     bag_load_before = np.bincount(gpu_bag, weights=load_before, minlength=len(plan.bags))
 
     csrc, cdst = pos[chunks.src_gpu], pos[chunks.dst_gpu]
@@ -124,22 +228,22 @@ def compute_stats(plan: RoutingPlan) -> PlanStats:
     traffic = traffic.astype(np.int64).reshape(n, n)
     moved = int(chunks.length[chunks.src_gpu != chunks.dst_gpu].sum())
 
-    total = float(workload.sum())
-    max_seq = float(workload.max()) if workload.size else 0.0
-    lower_bound = max(total / n, max_seq / int(bag_sizes.max()))
     return PlanStats(
         load_before=load_before,
         load_after=load_after,
+        work_after=work_after,
         tokens_before=tokens_before,
         tokens_after=tokens_after,
         bag_load_before=bag_load_before,
         bag_load_after=bag_load_after,
         traffic=traffic,
         gpu_bag=gpu_bag,
-        total_load=total,
+        speed=speed,
+        bag_capacity=capacity,
+        total_load=float(workload.sum()),
         total_tokens=int(seqs.length.sum()),
         moved_tokens=moved,
-        lower_bound=lower_bound,
+        lower_bound=lower_bound(workload, capacity),
     )
 
 

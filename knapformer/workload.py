@@ -2,14 +2,21 @@
 
 ``workload(L) = scale * (24*L*d^2 + gamma*4*L^2*d) / 1e12``: the linear layers grow with
 L, attention with L^2, and gamma weighs attention against the linear layers. With the
-default ``scale=1`` the unit is TFLOP-like; ``calibrate`` (and `fit_scale_gamma`, the same
-relative least-squares fit on per-GPU sums of `WorkloadModel.terms`) fits ``scale`` and
-``gamma`` so that workloads predict measured latencies.
+default ``scale=1`` the unit is TFLOP-like (``unit="model"``); ``calibrate`` (and
+`fit_scale_gamma`, the same relative least-squares fit on per-GPU sums of
+`WorkloadModel.terms`) fits ``scale`` and ``gamma`` so that workloads predict measured
+latencies, and the model it returns says so (``unit="ms"``).
+
+Under Ulysses sequence parallelism a GPU of a g-GPU bag runs the linear layers on the c
+tokens of the chunk it holds and attention on the whole sequence for H/g of the heads, so
+its cost for a sequence of L tokens is ``scale * (24*c*d^2 + gamma*4*L^2*d/g) / 1e12``
+(`chunk_cost`); the g chunks add up to the workload. See docs/concepts.md.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -22,6 +29,8 @@ class WorkloadModel:
     token_dim: int
     gamma: float = 0.4
     scale: float = 1.0
+    #: What a workload is measured in: "ms" once ``scale`` is a calibrated time scale.
+    unit: Literal["model", "ms"] = "model"
 
     def __post_init__(self) -> None:
         if int(self.token_dim) <= 0:
@@ -30,6 +39,8 @@ class WorkloadModel:
             raise KnapformerError(f"gamma must be finite and >= 0, got {self.gamma}")
         if not np.isfinite(self.scale) or self.scale <= 0:
             raise KnapformerError(f"scale must be finite and > 0, got {self.scale}")
+        if self.unit not in ("model", "ms"):
+            raise KnapformerError(f"unit must be 'model' or 'ms', got {self.unit!r}")
 
     def terms(self, lengths: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
         """(linear, attention) cost terms of each length, each of ``lengths``' shape, float64.
@@ -53,6 +64,23 @@ class WorkloadModel:
         d = float(self.token_dim)
         return self.scale * (24.0 * length * d * d + self.gamma * 4.0 * length * length * d) / 1e12
 
+    def linear_share(self, lengths: ArrayLike) -> np.ndarray:
+        """Fraction of each length's workload spent in the linear layers (the rest is
+        attention): ``24*d / (24*d + 4*gamma*L)``; shape of ``lengths``, float64 in (0, 1]."""
+        length = np.asarray(lengths, dtype=np.float64)
+        d = float(self.token_dim)
+        return 24.0 * d / (24.0 * d + 4.0 * self.gamma * length)
+
+    def chunk_cost(self, seq_lengths: ArrayLike, chunk_lengths: ArrayLike, bag_sizes: ArrayLike):
+        """Cost on one GPU of a chunk of c tokens of a sequence of L tokens in a bag of g GPUs
+        under Ulysses: ``scale * (24*c*d^2 + gamma*4*L^2*d/g) / 1e12``. Arguments broadcast
+        (e.g. each (n,)); float64. The g chunks of a sequence add up to its workload."""
+        seq = np.asarray(seq_lengths, dtype=np.float64)
+        chunk = np.asarray(chunk_lengths, dtype=np.float64)
+        g = np.asarray(bag_sizes, dtype=np.float64)
+        d = float(self.token_dim)
+        return self.scale * (24.0 * chunk * d * d + self.gamma * 4.0 * seq * seq * d / g) / 1e12
+
     @classmethod
     def calibrate(
         cls, lengths: ArrayLike, latencies: ArrayLike, token_dim: int
@@ -74,7 +102,7 @@ class WorkloadModel:
             raise KnapformerError("calibration needs at least 2 distinct positive lengths")
         linear, attention = cls(token_dim=int(token_dim)).terms(length)
         scale, gamma, error = fit_scale_gamma(linear, attention, latency)
-        return cls(token_dim=int(token_dim), gamma=gamma, scale=scale), error
+        return cls(token_dim=int(token_dim), gamma=gamma, scale=scale, unit="ms"), error
 
 
 def fit_scale_gamma(

@@ -7,7 +7,7 @@ import pytest
 
 from knapformer.plan import Measurements
 from knapformer.plan_io import read_plans
-from knapformer.stats import StepSummary, summarize
+from knapformer.stats import StepSummary, linear_share, summarize
 from visualization.figures import (
     bag_load_figure,
     predicted_vs_measured_figure,
@@ -41,10 +41,11 @@ def test_bag_load_bars_are_grouped_by_bag_in_bag_order(plan8):
     assert gpu_labels == [str(g) for m in plan8.bags for g in m]
     pos = {g: i for i, g in enumerate(plan8.gpus)}
     order = [pos[g] for m in plan8.bags for g in m]
-    st = plan8.stats
-    np.testing.assert_allclose(before.y, st.load_before[order])
-    np.testing.assert_allclose(after.y, st.load_after[order])
-    np.testing.assert_allclose(capacity.y, st.mean_load)
+    st = plan8.stats  # not calibrated: loads relative to the mean GPU
+    np.testing.assert_allclose(before.y, st.load_before[order] / st.mean_load)
+    np.testing.assert_allclose(after.y, st.load_after[order] / st.mean_load)
+    np.testing.assert_allclose(capacity.y, 1.0)
+    assert fig.layout.yaxis.title.text == "modelled load (mean GPU = 1.00)"
     assert "bag 2 · 2 GPUs" in bag_labels and "bag 3 · 4 GPUs" in bag_labels
 
 
@@ -57,8 +58,13 @@ def test_highlighted_sequence_marks_its_chunk_destinations(plan8):
     marks = fig.data[names.index(f"sequence {seq}")]
     dst = plan8.chunks.dst_gpu[plan8.chunks.seq == seq]
     assert sorted(marks.x[1]) == sorted(str(g) for g in dst)
-    bag = plan8.sequences.bag[seq]
-    np.testing.assert_allclose(marks.y, plan8.sequences.workload[seq] / len(plan8.bags[bag]))
+    # each mark is that chunk's own cost on its GPU, not the GPU's whole load
+    st = plan8.stats
+    assert sum(marks.y) * st.mean_load == pytest.approx(plan8.sequences.workload[seq])
+    linear = plan8.sequences.workload[seq] * linear_share(plan8)[seq]
+    chunk_tokens = plan8.chunks.length[plan8.chunks.seq == seq]
+    extra = (chunk_tokens - chunk_tokens.mean()) * linear / plan8.sequences.length[seq]
+    np.testing.assert_allclose(np.diff(marks.y) * st.mean_load, np.diff(extra), atol=1e-12)
     source = fig.data[names.index(f"sequence {seq} source")]
     assert list(source.x[1]) == [str(plan8.sequences.src_gpu[seq])]
     with pytest.raises(ValueError, match="sequence 999"):
@@ -142,7 +148,8 @@ def test_sequence_rows_list_chunk_destinations_in_offset_order(plan8):
         assert row["chunks"] == len(mine)
         assert row["length"] == plan8.sequences.length[row["id"]]
         assert row["bag"] == plan8.sequences.bag[row["id"]]
-        assert row["workload"] == pytest.approx(plan8.sequences.workload[row["id"]], rel=1e-3)
+        relative = plan8.sequences.workload[row["id"]] / plan8.stats.mean_load
+        assert row["workload"] == pytest.approx(relative, rel=5e-3)
 
 
 def test_unvalidated_fast_figures_are_valid_plotly(plan8, steps50):

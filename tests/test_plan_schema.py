@@ -46,7 +46,8 @@ def test_valid_plan_and_exact_json_round_trip():
     again = RoutingPlan.model_validate_json(text)
     assert again == plan
     assert again.model_dump_json() == text
-    assert json.loads(text) == {**small_plan_dict(), "planner_version": None, "solver_options": {}}
+    defaults = {"planner_version": None, "scale": None, "workload_unit": "model", "gpu_speed": None}
+    assert json.loads(text) == {**small_plan_dict(), **defaults, "solver_options": {}}
 
 
 def test_round_trip_of_planner_output_keeps_floats_bit_exact():

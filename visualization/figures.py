@@ -6,8 +6,6 @@ Per-GPU arrays come from ``plan.stats`` and are indexed by position in ``plan.gp
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import plotly.colors
 import plotly.graph_objects as go
@@ -15,7 +13,8 @@ import plotly.io as pio
 
 from knapformer.errors import KnapformerError
 from knapformer.plan import RoutingPlan
-from knapformer.stats import StepSummary
+from knapformer.stats import StepSummary, chunk_loads
+from knapformer.units import LoadUnit, round_significant
 
 BEFORE_COLOR = "#b0b7c3"
 AFTER_COLOR = "#2a6fdb"
@@ -70,20 +69,22 @@ def bag_load_figure(
     """
     seq = _check_seq(plan, highlight_seq)
     st = plan.stats
+    unit = LoadUnit.of(plan)
     bags, gpus, idx = _gpu_axis(plan)
     x = [bags, gpus]
     hover = [f"GPU {g} · {b}" for g, b in zip(gpus, bags, strict=True)]
+    value = f"%{{y:,.3r}}{unit.suffix}"  # d3 format: 3 significant figures, thousands commas
 
     def load_bars(when: str, load, tokens, color: str) -> dict:
         return {
             "type": "bar",
             "x": x,
-            "y": load[idx],
+            "y": load[idx] * unit.factor,
             "name": when,
             "marker": {"color": color},
             "customdata": tokens[idx],
             "hovertext": hover,
-            "hovertemplate": f"%{{hovertext}}<br>load {when} %{{y:.4g}}<br>%{{customdata:,}} "
+            "hovertemplate": f"%{{hovertext}}<br>load {when} {value}<br>%{{customdata:,}} "
             "tokens<extra></extra>",
         }
 
@@ -93,9 +94,9 @@ def bag_load_figure(
         {
             "type": "scatter",
             "x": x,
-            "y": np.full(len(idx), st.mean_load),
+            "y": np.full(len(idx), st.mean_load * unit.factor),
             "mode": "lines",
-            "name": f"capacity (mean {st.mean_load:.4g})",
+            "name": f"capacity (mean {unit.format(st.mean_load)})",
             "line": {"color": "#2f9e44", "dash": "dash", "width": 2},
             "hoverinfo": "skip",
         },
@@ -103,8 +104,7 @@ def bag_load_figure(
     if seq is not None:
         chunks = plan.chunks
         mine = np.flatnonzero(chunks.seq == seq)
-        bag = int(plan.sequences.bag[seq])
-        share = float(plan.sequences.workload[seq]) / len(plan.bags[bag])
+        share = chunk_loads(plan, mine) * unit.factor
         label_of = dict(zip(gpus, bags, strict=True))
         dst_labels = [str(int(g)) for g in chunks.dst_gpu[mine]]
         src = str(int(plan.sequences.src_gpu[seq]))
@@ -118,13 +118,13 @@ def bag_load_figure(
             {
                 "type": "bar",
                 "x": [[label_of[g] for g in dst_labels], dst_labels],
-                "y": np.full(len(mine), share),
+                "y": share,
                 "name": f"sequence {seq}",
                 "marker": {"color": HIGHLIGHT_COLOR},
                 "customdata": np.stack([chunks.offset[mine], chunks.length[mine]], axis=-1),
                 "hovertemplate": (
                     f"sequence {seq}: chunk at %{{customdata[0]}}, %{{customdata[1]}} tokens"
-                    "<br>share %{y:.4g}<extra></extra>"
+                    f"<br>load {value}<extra></extra>"
                 ),
                 "width": 0.25,
             },
@@ -142,7 +142,7 @@ def bag_load_figure(
         "title": {"text": _title(plan, "Load per GPU, grouped by bag")},
         "barmode": "group",
         "bargap": 0.15,
-        "yaxis": {"title": {"text": "modelled load"}},
+        "yaxis": {"title": {"text": f"modelled {unit.axis_title}"}},
         "xaxis": {"title": {"text": "GPU rank, grouped by bag"}},
         "legend": {"orientation": "h", "y": 1.02, "x": 1, "xanchor": "right", "yanchor": "bottom"},
         "margin": {"l": 60, "r": 20, "t": 70, "b": 60},
@@ -408,8 +408,10 @@ def predicted_vs_measured_figure(plan: RoutingPlan, validate: bool = True) -> go
 def sequence_rows(plan: RoutingPlan) -> list[dict]:
     """One row per sequence: id, src_gpu, length, workload, bag, chunks, destinations.
 
+    ``workload`` is in the plan's display unit (`LoadUnit`, 3 significant figures);
     ``destinations`` lists the destination GPU of each chunk in offset order, e.g. "4 5 6 7".
     """
+    unit = LoadUnit.of(plan)
     seqs, chunks = plan.sequences, plan.chunks
     n = len(seqs)
     order = np.lexsort((chunks.offset, chunks.seq))
@@ -427,17 +429,10 @@ def sequence_rows(plan: RoutingPlan) -> list[dict]:
             "id": i,
             "src_gpu": src[i],
             "length": length[i],
-            "workload": _round(workload[i]),
+            "workload": round_significant(workload[i] * unit.factor),
             "bag": bag[i],
             "chunks": int(counts[i]),
             "destinations": " ".join(str(g) for g in dst[starts[i] : starts[i + 1]]),
         }
         for i in range(n)
     ]
-
-
-def _round(value: float, digits: int = 4) -> float:
-    """Round to ``digits`` significant digits (the table is for reading, not arithmetic)."""
-    if value == 0 or not math.isfinite(value):
-        return value
-    return round(value, digits - 1 - math.floor(math.log10(abs(value))))

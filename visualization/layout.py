@@ -22,6 +22,7 @@ import numpy as np
 from knapformer.errors import KnapformerError
 from knapformer.plan import RoutingPlan, gpu_positions
 from knapformer.stats import before_after
+from knapformer.units import LoadUnit
 
 Measure = Literal["tokens", "workload"]
 
@@ -413,10 +414,11 @@ def _default_title(plan: RoutingPlan) -> str:
 
 
 def _stats_text(plan: RoutingPlan) -> str:
-    stats = plan.stats
+    stats, load = plan.stats, LoadUnit.of(plan)
     return (
         f"imbalance (max/mean) {before_after(stats.imbalance_before, stats.imbalance_after, '.2f')}"
-        f"   ·   makespan {before_after(stats.makespan_before, stats.makespan_after, '.3g')}"
+        f"   ·   makespan {load.format(stats.makespan_before)} → "
+        f"{load.format(stats.makespan_after)}"
         f" ({stats.speedup:.2f}x)   ·   moved {stats.moved_tokens:,} tokens"
         f" ({stats.moved_fraction:.0%})"
     )

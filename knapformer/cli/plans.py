@@ -13,6 +13,7 @@ from knapformer.cli.errors import UserError
 from knapformer.plan import RoutingPlan
 from knapformer.plan_io import PlanFormatError, PlanRecord, ReadResult, read_plans, select_step
 from knapformer.stats import before_after, share
+from knapformer.units import LoadUnit
 
 
 def register(app: typer.Typer) -> None:
@@ -79,11 +80,14 @@ def plan_table(record: PlanRecord) -> Table:
     st = plan.stats
     step = "" if plan.step is None else f" step {plan.step}"
     title = f"{plan.run or 'plan'}{step} · {plan.topology} · solver {plan.solver}"
+    unit = LoadUnit.of(plan)
     table = Table(title=title, title_justify="left")
     table.add_column("GPU", justify="right")
     table.add_column("bag", no_wrap=True)
-    for name in ("seqs", "tokens before", "tokens after", "load before", "load after"):
+    for name in ("seqs", "tokens before", "tokens after"):
         table.add_column(name, justify="right")
+    for when in ("before", "after"):
+        table.add_column(f"load {when}\n({unit.name})", justify="right")
     seqs_per_gpu = {g: 0 for g in plan.gpus}
     for g in plan.sequences.src_gpu.tolist():
         seqs_per_gpu[g] += 1
@@ -97,8 +101,8 @@ def plan_table(record: PlanRecord) -> Table:
                 str(seqs_per_gpu[g]),
                 f"{st.tokens_before[i]:,}",
                 f"{st.tokens_after[i]:,}",
-                f"{st.load_before[i]:.4g}",
-                f"{st.load_after[i]:.4g}",
+                unit.format(st.load_before[i]).removesuffix(unit.suffix),
+                unit.format(st.load_after[i]).removesuffix(unit.suffix),
                 end_section=k == len(members) - 1,
             )
     return table
@@ -106,15 +110,27 @@ def plan_table(record: PlanRecord) -> Table:
 
 def plan_summary(plan: RoutingPlan) -> str:
     st = plan.stats
+    unit = LoadUnit.of(plan)
     plan_ms = plan.measurements.plan_ms if plan.measurements else None
     lines = [
         f"imbalance max/mean: {before_after(st.imbalance_before, st.imbalance_after)}   "
         f"max/min: {before_after(st.max_min_before, st.max_min_after)}",
-        f"makespan: {before_after(st.makespan_before, st.makespan_after, '.4g')}   lower bound "
-        f"{st.lower_bound:.4g} (makespan/LB {st.makespan_over_lb:.4f})   modelled speedup "
-        f"{st.speedup:.2f}×",
+        f"makespan: {unit.format(st.makespan_before)} → {unit.format(st.makespan_after)}   "
+        f"lower bound {unit.format(st.lower_bound)} (makespan/LB {st.makespan_over_lb:.4f})   "
+        f"modelled speedup {st.speedup:.2f}×",
         f"moved tokens: {share(st.moved_tokens, st.total_tokens)}"
         f"   sequences {len(plan.sequences):,}   chunks {len(plan.chunks):,}"
         + (f"   planned in {plan_ms:.2f} ms" if plan_ms is not None else ""),
     ]
+    lines.append(_unit_note(plan, unit))
     return "\n".join(lines)
+
+
+def _unit_note(plan: RoutingPlan, unit: LoadUnit) -> str:
+    """Say what the load figures are: the model behind them and their unit."""
+    model = "Ulysses-exact modelled cost per GPU"
+    if plan.token_dim is not None and plan.gamma is not None:
+        model += f" (d={plan.token_dim}, γ={plan.gamma:g})"
+    if unit.relative:
+        return f"loads: {model}, relative to the mean GPU (1.00 = ideal)"
+    return f"loads: {model}, in calibrated ms"

@@ -6,11 +6,12 @@ Two sources:
   (tokens) and ``latency`` (ms; ``latency_ms`` is accepted too); other columns are
   ignored. Fit: ``latency ≈ k·(24·L·d² + γ·4·L²·d)/1e12``, linear in ``(k, k·γ)``.
 - recorded plans whose ``measurements.per_rank_ms[phase]`` carries a measured time per
-  GPU (the compute phase). After routing, GPU i computes 1/g of every sequence of its
-  bag of g GPUs, so its time ≈ ``k·Σ_s (24·L_s·d² + γ·4·L_s²·d)/(g·1e12)``. That is
-  linear in ``(a, b) = (k, k·γ)`` with features ``Σ 24·L·d²/(g·1e12)`` and
-  ``Σ 4·L²·d/(g·1e12)``: one least-squares fit over all (plan, GPU) rows, then
-  ``k = a`` and ``γ = b / a``.
+  GPU (the compute phase). After routing, GPU i of a bag of g GPUs runs the linear layers
+  on the c tokens of its chunks and attention on 1/g of the heads of every sequence of
+  its bag (Ulysses), so its time ≈ ``k·(Σ_chunks 24·c·d² + γ·Σ_s 4·L_s²·d/g)/1e12``.
+  That is linear in ``(a, b) = (k, k·γ)`` with features ``Σ 24·c·d²/1e12`` and
+  ``Σ 4·L²·d/(g·1e12)`` (`knapformer.stats.terms_after`): one least-squares fit over all
+  (plan, GPU) rows, then ``k = a`` and ``γ = b / a``.
 
 Both are the one relative least-squares fit of `knapformer.workload.fit_scale_gamma`
 (per sequence through `WorkloadModel.calibrate`; per GPU on summed `WorkloadModel.terms`).
@@ -31,7 +32,7 @@ import numpy as np
 from knapformer.errors import KnapformerError, OptionError, file_error
 from knapformer.plan import COMPUTE_PHASES, RoutingPlan, compute_phase
 from knapformer.plan_io import Problem, read_plans
-from knapformer.stats import bag_share
+from knapformer.stats import terms_after
 from knapformer.workload import WorkloadModel, fit_scale_gamma
 
 
@@ -134,8 +135,7 @@ def pick_phase(plans: Sequence[RoutingPlan], phase: str | None) -> str:
 
 def gpu_features(plan: RoutingPlan, token_dim: int) -> tuple[np.ndarray, np.ndarray]:
     """Per GPU of ``plan.gpus``: (linear, attention) workload terms it computes, each (n,)."""
-    seq_linear, seq_attention = WorkloadModel(int(token_dim)).terms(plan.sequences.length)
-    return bag_share(plan, seq_linear), bag_share(plan, seq_attention)
+    return terms_after(plan, *WorkloadModel(int(token_dim)).terms(plan.sequences.length))
 
 
 def calibrate_plans(
@@ -169,7 +169,7 @@ def calibrate_plans(
         token_dim = d
     linear, attention, y = np.concatenate(lin), np.concatenate(att), np.concatenate(measured)
     scale, gamma, error = fit_scale_gamma(linear, attention, y)
-    model = WorkloadModel(token_dim=int(token_dim), gamma=gamma, scale=scale)
+    model = WorkloadModel(token_dim=int(token_dim), gamma=gamma, scale=scale, unit="ms")
     predicted = model.scale * (linear + model.gamma * attention)
     return Calibration(model, error, y, predicted, labels, "plans", phase)
 
