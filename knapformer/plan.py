@@ -148,13 +148,24 @@ BALANCER_PHASES = ("plan", "route", "pre_attn", "post_attn", "reverse_route")
 #: phases with the recorder's own hook (``record``), what a training loop reports with
 #: ``balancer.add_timing`` (``forward_backward``, ``optimizer``) and the whole step
 #: (``step``, timed by the balancer from one plan to the next).
+#: Collectives timed on every rank (ms inside each, summed over the step's calls): the
+#: length all-gather, the routing all-to-alls, the Ulysses exchanges, and the gradient
+#: all-reduce when the training loop runs it through the balancer. Time inside a
+#: collective is waiting for the last rank to arrive plus the transfer itself; the rank
+#: that arrived last waited least, so its wait is taken as t_i - min_j t_j and the last
+#: arrival is argmin_j t_j (no clocks are compared across ranks). docs/concepts.md.
+COLLECTIVE_PHASES = ("gather", "route", "pre_attn", "post_attn", "reverse_route", "allreduce")
 RECORDED_PHASES = (
     "plan",
     "record",
     *BALANCER_PHASES[1:],
+    "gather",
+    "allreduce",
     "forward_backward",
     "optimizer",
     "step",
+    # step minus the time inside COLLECTIVE_PHASES: what the GPU itself took
+    "compute",
 )
 #: Which measured phase stands for a GPU's compute, best first: a true compute time, then
 #: the parts of a step that are mostly compute, and the whole step (routing and waiting
