@@ -1,35 +1,26 @@
 """The one module that starts worker processes: a local process group on this machine.
 
-The demo, replay, the tests and the benchmarks all run their workers with `launch`: it
-starts ``world`` processes, joins them in one process group, supervises them and returns
-what each rank's function returned. Inside a worker, `send`, `stop_requested` and
-`report_progress` talk back to the launcher.
+`launch` runs a function on ``world`` processes joined in one process group, supervises
+them and returns what each rank returned; in a worker, `send`, `stop_requested` and
+`report_progress` talk back. Workers fork from a server that imported torch once (a fresh
+interpreter importing it costs seconds; up to 64 workers share a few cores) and
+`knapformer.local.worker_sigint`, so they are born ignoring Ctrl-C; they meet through a
+file in a fresh folder, not a TCP port (no race for a free port).
 
-Start: workers fork from a server that imported torch once (a fresh interpreter importing
-torch costs seconds of CPU, and up to 64 workers share a few cores); the server also
-imports `knapformer.local.worker_sigint`, so workers are born with Ctrl-C ignored. They
-meet through a file in a fresh folder rather than a TCP port (no race for a free port
-between picking and binding it).
+The first worker to die or raise stops the rest (SIGTERM, grace, SIGKILL) and is named
+once: a rank that died without raising, else the one whose exception came first; its
+peers, failing in their next collective because of it, print nothing. When the world
+stops progressing, the rank whose heartbeat thread went quiet (stopped, or holding the
+GIL), or else the one behind in the steps workers report, is named, not a peer whose
+collective timed out. Ctrl-C or SIGTERM sets a stop flag, so that workers can leave
+together after the same step. Workers die with the launcher.
 
-Supervision: the first worker to die or raise stops the rest (SIGTERM, a grace period,
-SIGKILL) and is named once: a rank that died without raising (a signal, ``os._exit``),
-else the rank whose exception came first. Its peers, which fail in their next collective
-because of it, print nothing. A progress watchdog names the rank that stalls: workers
-report the step they are at and a thread in each shows that its process is alive; when
-the world stops progressing, the rank that shows no sign of life (stopped, or stuck
-holding the GIL) or the one behind the others is named, instead of a peer whose
-collective timed out. Ctrl-C or SIGTERM in the launcher sets a stop flag the workers can
-read, so they leave together after the same step; whatever still runs after the grace
-period is terminated. Workers also die with the launcher.
-
-From PyTorch: processes are created by `torch.multiprocessing.start_processes`, the call
-torchrun's `torch.distributed.elastic.multiprocessing.MultiprocessContext` makes itself.
-The elastic `PContext` around it does not serve for supervision: its ``wait`` names the
-first failed process in rank order among those it finds exited (often a peer that failed
-because another rank died), then waits up to 30 s for the others; ``start`` installs its
-own SIGINT/SIGTERM handlers over the command line's; its error files stamp failures to
-the second, too coarse to order a failure before its peers' follow-on errors; and it has
-no stop flag, progress watchdog or message stream. Those are written here, once.
+From PyTorch: `torch.multiprocessing.start_processes` creates the processes, as it does
+for torchrun's elastic `MultiprocessContext`. Elastic's `PContext` is not used around it:
+its ``wait`` blames the first exited process in rank order (often a peer of the real
+failure) and then waits up to 30 s for the rest, ``start`` replaces the command line's
+SIGINT/SIGTERM handlers, its error files stamp failures to the second (too coarse to
+order a failure before its peers'), and it has no stop flag, watchdog or messages.
 """
 
 from __future__ import annotations
@@ -60,36 +51,31 @@ from knapformer.local.signals import deferring_sigint, handling, ignoring_sigint
 
 #: What every worker has imported before it forks.
 PRELOAD = ("torch", "torch.distributed", "knapformer.balancer")
-#: For workers that train: torch's first backward() imports symbolic_shapes (and sympy),
-#: seconds per process.
+#: For workers that train: torch's first backward() imports sympy, seconds per process.
 TRAINING_PRELOAD = (*PRELOAD, "torch.fx.experimental.symbolic_shapes", "knapformer.local.models")
 _TICK_S = 0.1  # how often the launcher looks at its workers
-_HEARTBEAT_S = 1.0  # how often a worker's thread shows that its process is alive
-_SETTLE_S = 1.0  # after a failure: time for the peers' follow-on failures to show
+_HEARTBEAT_S = 1.0
+_SETTLE_S = 1.0  # after a failure, time for the peers' follow-on failures to show
 
 
 class WorkerFailed(RuntimeError):
-    """Workers died, raised or stalled. ``ranks``: the ones to blame (empty: none stands
-    out); ``rank``: the first of them or None; ``what``: what happened to them;
-    ``traceback``: the exception's, when the rank raised."""
+    """A worker died, raised or stalled: ``rank`` (None: no single one to blame), ``what``
+    happened to it, and ``traceback``, the exception's if it raised."""
 
-    def __init__(self, ranks: Sequence[int], what: str, traceback: str | None = None) -> None:
-        who = {0: "the workers", 1: "worker rank"}.get(len(ranks), "worker ranks")
-        names = ", ".join(map(str, ranks))
-        super().__init__(f"{who} {names} {what}" if ranks else f"{who} {what}")
-        self.ranks, self.what, self.traceback = list(ranks), what, traceback
-        self.rank = self.ranks[0] if ranks else None
+    def __init__(self, rank: int | None, what: str, traceback: str | None = None) -> None:
+        super().__init__(f"the workers {what}" if rank is None else f"worker rank {rank} {what}")
+        self.rank, self.what, self.traceback = rank, what, traceback
         if traceback:
-            self.add_note(f"traceback of worker rank {self.rank}:\n{traceback.rstrip()}")
+            self.add_note(f"traceback of worker rank {rank}:\n{traceback.rstrip()}")
 
 
 class _Stopped(SystemExit):
-    """SIGTERM in a worker: unwinds its `finally` blocks, then exits without a traceback."""
+    """SIGTERM in a worker: unwinds its `finally` blocks, exits without a traceback."""
 
 
 @dataclass
 class _Link:
-    """What the launcher shares with every worker (handed to each as it starts)."""
+    """What the launcher shares with every worker."""
 
     folder: str  # rendezvous file, per-rank results and failures
     world: int
@@ -119,48 +105,34 @@ def launch(
     preload: Sequence[str] = PRELOAD,
     backend: str = "gloo",
     group_timeout_s: float = 120.0,
-    workdir: Path | None = None,
+    workdir: Path | None = None,  # where the run's fresh folder goes (default: temp)
 ) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` in ``world`` worker processes joined in one process
-    group (``backend``); returns what each rank returned, by rank.
+    """``fn(rank, world, *args)`` (importable by name) on ``world`` processes in a
+    ``backend`` group; returns what each rank returned, by rank.
 
-    ``fn`` must be importable by name. ``on_message(rank, message)`` gets what workers
-    `send`, as it arrives; ``on_start()`` runs once every worker has started. Raises
-    `WorkerFailed` naming the rank when one dies or raises, when none progresses for
-    ``stall_s`` and one is to blame, or at ``deadline_s``; ``KeyboardInterrupt`` on
-    Ctrl-C or SIGTERM, after giving the workers ``grace_s`` to see `stop_requested` and
-    leave. Either way every worker is stopped first (SIGTERM, SIGKILL after ``grace_s``).
-
-    ``start_method``: ``"forkserver"`` forks workers from a server that imported
-    ``preload``, safe whatever this process has run; ``"fork"`` forks this process, which
-    imports ``preload`` now (workers inherit its state, patches included; unsafe once it
-    has run OpenMP threads); where the method is unavailable, ``"spawn"``. ``workdir``:
-    where the run's fresh folder goes (default: the system's temporary directory).
+    ``on_message(rank, message)`` gets what workers `send`; ``on_start()`` runs once all
+    have started. Raises `WorkerFailed` naming the rank that died or raised, or that is to
+    blame when none progressed for ``stall_s`` or at ``deadline_s``; ``KeyboardInterrupt``
+    on Ctrl-C or SIGTERM, after ``grace_s`` for the workers to see `stop_requested`. Either
+    way all are stopped (SIGTERM, SIGKILL after ``grace_s``). ``start_method``:
+    ``"forkserver"`` forks a server that imported ``preload``; ``"fork"`` forks this
+    process, patches included (unsafe once it ran OpenMP threads); else ``"spawn"``.
     """
     ctx = _context(start_method, preload)
+    method = ctx.get_start_method()
     folder = tempfile.mkdtemp(prefix="knapformer-", dir=workdir)
-    link = _Link(
-        folder,
-        world,
-        backend,
-        group_timeout_s,
-        ctx.Queue(),
-        ctx.Event(),
-        ctx.Array("q", [-1] * world, lock=False),
-        ctx.Array("d", [time.monotonic()] * world, lock=False),
-    )
+    step, alive = ctx.Array("q", [-1] * world, lock=False), ctx.Array("d", world, lock=False)
+    alive[:] = [time.monotonic()] * world
+    link = _Link(folder, world, backend, group_timeout_s, ctx.Queue(), ctx.Event(), step, alive)
     procs: list[Any] = []
     try:
         with handling(signal.SIGTERM, interrupt):
             try:
-                # Cut off half-way, a child still starting would find its resources gone.
+                # Ctrl-C waits until all have started: one cut off half-way would find
+                # the resources handed to it gone, and print a traceback.
                 with deferring_sigint():
                     procs = torch_mp.start_processes(
-                        _run_rank,
-                        (fn, tuple(args), link),
-                        world,
-                        join=False,
-                        start_method=ctx.get_start_method(),
+                        _run_rank, (fn, tuple(args), link), world, join=False, start_method=method
                     ).processes
                 if on_start is not None:
                     on_start()
@@ -196,30 +168,27 @@ def _context(start_method: str, preload: Sequence[str]) -> Any:
 def _supervise(procs, link: _Link, on_message, deadline_s, stall_s) -> None:
     """Relay messages until every worker has returned; raise `WorkerFailed` at the first
     failure, at a stall someone is to blame for, or at the deadline."""
-    started = time.monotonic()
-    steps, moved = list(link.step), started
+    started = moved = time.monotonic()
+    steps = list(link.step)
     while True:
         _relay(link, on_message, _TICK_S)
         codes = [p.exitcode for p in procs]
         if any(code not in (None, 0) for code in codes):
             raise _failure(procs, link, codes)
         if None not in codes:
-            _relay(link, on_message, 0)  # what they sent just before returning
-            return
+            return _relay(link, on_message, 0)  # what they sent just before returning
         now = time.monotonic()
         if list(link.step) != steps:
             steps, moved = list(link.step), now
-        if deadline_s is not None and now - started > deadline_s:
+        late = deadline_s is not None and now - started > deadline_s
+        if late or (stall_s is not None and now - moved > stall_s):
             blame = _stall(procs, link, now - moved)
-            if blame is None:
+            if late and blame is None:
+                raise WorkerFailed(None, f"did not finish in {deadline_s:g} s (all {_at(steps)})")
+            if late:
                 raise WorkerFailed(
-                    [], f"did not finish within {deadline_s:g} s (all {_where(min(steps))})"
+                    blame.rank, f"{blame.what}; stopped at the {deadline_s:g} s deadline"
                 )
-            raise WorkerFailed(
-                blame.ranks, f"{blame.what}; stopped at the {deadline_s:g} s deadline"
-            )
-        if stall_s is not None and now - moved > stall_s:
-            blame = _stall(procs, link, now - moved)
             if blame is not None:
                 raise blame
 
@@ -235,9 +204,9 @@ def _relay(link: _Link, on_message, wait_s: float) -> None:
 
 
 def _failure(procs, link: _Link, first_codes: list[int | None]) -> WorkerFailed:
-    """The failure to report. Peers of a failed rank fail in their next collective within
-    moments, so let them settle, then blame the first rank that died without raising (a
-    signal, ``os._exit``: its peers raise), else the rank whose exception came first."""
+    """Peers of a failed rank fail in their next collective within moments: let them
+    settle, then blame the first rank that died without raising (a signal, ``os._exit``;
+    its peers raise), else the rank whose exception came first."""
     until = time.monotonic() + _SETTLE_S
     while time.monotonic() < until and any(p.exitcode is None for p in procs):
         time.sleep(_TICK_S / 2)
@@ -246,47 +215,40 @@ def _failure(procs, link: _Link, first_codes: list[int | None]) -> WorkerFailed:
         r: _load(link.path("failure", r)) for r in failed if os.path.exists(link.path("failure", r))
     }
     died = sorted(set(failed) - set(raised), key=lambda r: (first_codes[r] is None, r))
-    if died:
-        code = procs[died[0]].exitcode
-        return WorkerFailed(
-            died[:1], f"died ({_signal_name(-code)})" if code < 0 else f"exited with code {code}"
-        )
-    rank = min(raised, key=lambda r: raised[r][0])
-    _, summary, trace = raised[rank]
-    return WorkerFailed([rank], f"raised {summary}", trace)
+    if not died:
+        rank = min(raised, key=lambda r: raised[r][0])
+        return WorkerFailed(rank, f"raised {raised[rank][1]}", raised[rank][2])
+    code = procs[died[0]].exitcode
+    if code > 0:
+        return WorkerFailed(died[0], f"exited with code {code}")
+    with contextlib.suppress(ValueError):  # a real-time signal has no name
+        return WorkerFailed(died[0], f"died ({signal.Signals(-code).name})")
+    return WorkerFailed(died[0], f"died (signal {-code})")
 
 
 def _stall(procs, link: _Link, quiet_s: float) -> WorkerFailed | None:
-    """Whom to blame for a world that stopped progressing: ranks that show no sign of
-    life, else the ranks behind the others; None when all are alive at the same step."""
+    """Whom to blame for a world that stopped progressing: a rank with no heartbeat, else
+    one behind the others; None while all are alive at the same step."""
     now = time.monotonic()
     running = [rank for rank, p in enumerate(procs) if p.exitcode is None]
-    silent = {r: now - link.alive[r] for r in running}
-    frozen = [r for r in running if silent[r] > max(3 * _HEARTBEAT_S, quiet_s / 2)]
-    if frozen:
-        where, quiet = _where(link.step[frozen[0]]), silent[frozen[0]]
-        return WorkerFailed(
-            frozen, f"stopped responding {where} (no sign of life for {quiet:.0f} s)"
-        )
-    steps = {r: link.step[r] for r in running}
-    low, high = min(steps.values(), default=0), max(steps.values(), default=0)
-    if low == high:
+    for rank in running:
+        silent = now - link.alive[rank]
+        if silent > max(3 * _HEARTBEAT_S, quiet_s / 2):
+            return WorkerFailed(
+                rank,
+                f"stopped responding {_at([link.step[rank]])} (no sign of life for {silent:.0f} s)",
+            )
+    steps = [link.step[rank] for rank in running]
+    if min(steps, default=0) == max(steps, default=0):
         return None
-    behind = [r for r in running if steps[r] == low]
+    rank = running[steps.index(min(steps))]
     return WorkerFailed(
-        behind, f"stalled {_where(low)} for {quiet_s:.0f} s while the others reached step {high}"
+        rank, f"stalled {_at(steps)} for {quiet_s:.0f} s while the others reached step {max(steps)}"
     )
 
 
-def _where(step: int) -> str:
-    return f"at step {step}" if step >= 0 else "before the first step"
-
-
-def _signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
+def _at(steps: Sequence[int]) -> str:
+    return "before the first step" if min(steps) < 0 else f"at step {min(steps)}"
 
 
 def _terminate(procs, grace_s: float) -> None:
@@ -299,7 +261,6 @@ def _terminate(procs, grace_s: float) -> None:
     until = time.monotonic() + grace_s
     for p in live:
         p.join(max(0.0, until - time.monotonic()))
-    for p in live:
         if p.exitcode is None:
             with contextlib.suppress(OSError):
                 p.kill()
@@ -319,8 +280,7 @@ def send(message: Any) -> None:
     """From a worker: hand ``message`` (small, picklable) to the launcher's ``on_message``."""
     if _current is None:
         raise RuntimeError("send() works only in a worker started by launch()")
-    rank, link = _current
-    link.messages.put((rank, message))
+    _current[1].messages.put((_current[0], message))
 
 
 def stop_requested() -> bool:
@@ -329,11 +289,10 @@ def stop_requested() -> bool:
 
 
 def report_progress(step: int) -> None:
-    """From a worker: this rank has reached ``step`` (>= 0, growing), so the watchdog can
-    name the rank that falls behind. Does nothing outside a launched worker."""
+    """From a worker: this rank reached ``step`` (>= 0, growing), so the watchdog can name
+    a rank that falls behind. Does nothing outside a launched worker."""
     if _current is not None:
-        rank, link = _current
-        link.step[rank] = step
+        _current[1].step[_current[0]] = step
 
 
 def _run_rank(rank: int, fn: Callable[..., Any], args: tuple, link: _Link) -> None:
@@ -343,14 +302,22 @@ def _run_rank(rank: int, fn: Callable[..., Any], args: tuple, link: _Link) -> No
     # gets it too) and let SIGTERM unwind `finally` blocks (a recorder's flush).
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with_parent()
-    parent = os.getppid()
-    _current = (rank, link)
+    if sys.platform.startswith("linux"):  # SIGTERM when the parent dies: no orphans
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    parent, _current = os.getppid(), (rank, link)
     threading.Thread(target=_heartbeat, args=(link.alive, rank), daemon=True).start()
     try:
+        import torch
         import torch.distributed as dist
 
-        _join(rank, link)
+        torch.set_num_threads(1)  # many workers share few cores
+        dist.init_process_group(
+            link.backend,
+            init_method=f"file://{link.folder}/rendezvous",
+            rank=rank,
+            world_size=link.world,
+            timeout=datetime.timedelta(seconds=link.group_timeout_s),  # a hang fails
+        )
         result = fn(rank, link.world, *args)
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -361,28 +328,11 @@ def _run_rank(rank: int, fn: Callable[..., Any], args: tuple, link: _Link) -> No
             # Being stopped: peers may be gone mid-collective; leave without a traceback
             # and without torch's teardown, which could wait for them.
             os._exit(143)
-        failed_at = time.time()
-        line = str(err).strip().splitlines()
-        summary = f"{type(err).__name__}: {line[0]}" if line else type(err).__name__
+        failed_at, line = time.time(), str(err).strip().partition("\n")[0]
         with open(link.path("failure", rank), "wb") as f:
+            summary = f"{type(err).__name__}: {line}" if line else type(err).__name__
             pickle.dump((failed_at, summary, traceback.format_exc()), f)
         sys.exit(1)  # quietly: the launcher names the rank that failed first
-
-
-def _join(rank: int, link: _Link) -> None:
-    """Join the group through the rendezvous file. One CPU thread each (many workers share
-    few cores); a hung collective fails after the group timeout instead of never."""
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        link.backend,
-        init_method=f"file://{link.folder}/rendezvous",
-        rank=rank,
-        world_size=link.world,
-        timeout=datetime.timedelta(seconds=link.group_timeout_s),
-    )
 
 
 def _heartbeat(alive: Any, rank: int) -> None:
@@ -393,10 +343,3 @@ def _heartbeat(alive: Any, rank: int) -> None:
 
 def _stop(signum: int, frame: Any) -> None:
     raise _Stopped(128 + signum)
-
-
-def _die_with_parent() -> None:
-    """Ask Linux to SIGTERM this process when its parent dies (no orphans)."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(Exception):
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG

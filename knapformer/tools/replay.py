@@ -373,7 +373,7 @@ def _check_pre_attn(c: _RankCheck, routed_ids):
 
 
 def _check_post_attn(c: _RankCheck, v, v2) -> None:
-    """ "Attention" = v itself, so ``post_attn`` must give back the chunks' v exactly."""
+    """Attention here is v itself, so ``post_attn`` must give back the chunks' v exactly."""
     import torch
 
     _chunk_lens, out = c.balancer.post_attn(v2)
