@@ -84,7 +84,7 @@ class _Link:
     messages: Any  # multiprocessing Queue of (rank, message)
     stop: Any  # multiprocessing Event: the launcher was asked to stop
     step: Any  # shared int64 per rank: the step it last reported (-1: none yet)
-    alive: Any  # shared float per rank: time.monotonic() of its last heartbeat
+    alive: Any  # shared float per rank: time.monotonic() of its last heartbeat (0: none)
 
     def path(self, kind: str, rank: int) -> str:
         return os.path.join(self.folder, f"{kind}{rank}.pkl")
@@ -122,7 +122,6 @@ def launch(
     method = ctx.get_start_method()
     folder = tempfile.mkdtemp(prefix="knapformer-", dir=workdir)
     step, alive = ctx.Array("q", [-1] * world, lock=False), ctx.Array("d", world, lock=False)
-    alive[:] = [time.monotonic()] * world
     link = _Link(folder, world, backend, group_timeout_s, ctx.Queue(), ctx.Event(), step, alive)
     procs: list[Any] = []
     try:
@@ -228,12 +227,13 @@ def _failure(procs, link: _Link, first_codes: list[int | None]) -> WorkerFailed:
 
 def _stall(procs, link: _Link, quiet_s: float) -> WorkerFailed | None:
     """Whom to blame for a world that stopped progressing: a rank with no heartbeat, else
-    one behind the others; None while all are alive at the same step."""
+    one behind the others; None while all are alive at the same step. (A rank that has
+    not started beating is still starting: it is behind, if anything.)"""
     now = time.monotonic()
     running = [rank for rank, p in enumerate(procs) if p.exitcode is None]
     for rank in running:
         silent = now - link.alive[rank]
-        if silent > max(3 * _HEARTBEAT_S, quiet_s / 2):
+        if link.alive[rank] > 0 and silent > max(3 * _HEARTBEAT_S, quiet_s / 2):
             return WorkerFailed(
                 rank,
                 f"stopped responding {_at([link.step[rank]])} (no sign of life for {silent:.0f} s)",
