@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 from pydantic import ValidationError
+from pydantic_core import to_json
 
 from knapformer.legacy import is_legacy, plan_from_legacy
 from knapformer.plan import READABLE_SCHEMA_VERSIONS, SCHEMA_VERSION, RoutingPlan
@@ -149,6 +151,52 @@ def write_jsonl(path: str | os.PathLike, plans: Iterable[RoutingPlan], append: b
             f.write(plan.model_dump_json() + "\n")
             count += 1
     return count
+
+
+#: Numbers per piece of `json_line_pieces`: converting this many to JSON holds the GIL
+#: for well under a millisecond.
+PIECE_NUMBERS = 8192
+
+
+def json_line_pieces(plan: RoutingPlan) -> Iterator[bytes]:
+    """The plan as one JSON line (UTF-8, no newline), in pieces of bounded work.
+
+    Joined, the pieces parse to what ``plan.model_dump_json()`` writes. That call is one
+    C call holding the GIL for the whole plan (~17 ms for a 2 MB plan); here every column
+    of ``sequences``, ``chunks`` and ``measurements.per_rank_ms`` is written at most
+    `PIECE_NUMBERS` numbers at a time, so a caller on a background thread can let other
+    threads run between pieces. Non-finite floats are written ``null``, as pydantic does.
+    """
+    head = plan.model_dump_json(exclude={"sequences", "chunks", "measurements"})
+    yield head[:-1].encode()  # without its closing brace: the tables follow
+    for name in ("sequences", "chunks"):
+        table = getattr(plan, name)
+        yield f',"{name}":{{'.encode()
+        for i, column in enumerate(type(table).model_fields):
+            yield f'{"," if i else ""}"{column}":['.encode()
+            yield from _number_pieces(getattr(table, column))
+            yield b"]"
+        yield b"}"
+    yield b',"measurements":'
+    measured = plan.measurements
+    if measured is None:
+        yield b"null}"
+        return
+    rest = measured.model_dump_json(exclude={"per_rank_ms"})
+    yield (rest[:-1] + ("," if rest != "{}" else "") + '"per_rank_ms":{').encode()
+    for i, (phase, values) in enumerate(measured.per_rank_ms.items()):
+        yield f"{',' if i else ''}{json.dumps(phase)}:[".encode()
+        yield from _number_pieces(values)
+        yield b"]"
+    yield b"}}}"
+
+
+def _number_pieces(values: Any) -> Iterator[bytes]:
+    """A column's numbers as comma-separated JSON, `PIECE_NUMBERS` at a time."""
+    arr = np.asarray(values)
+    for start in range(0, arr.size, PIECE_NUMBERS):
+        text = to_json(arr[start : start + PIECE_NUMBERS].tolist(), inf_nan_mode="null")
+        yield (b"," if start else b"") + text[1:-1]  # without the list's brackets
 
 
 def write_json(
