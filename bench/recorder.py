@@ -8,9 +8,11 @@
    synchronously (serialise + one write + flush on the training thread);
 2. plans written per second by the background writer, against the same synchronous loop;
 3. the latency tail while the writer serialises big plans (up to 32,768 sequences, ~2 MB
-   a line): the longest ``record()`` call and the longest stall of the training thread
-   (the widest gap between two clock reads of its busy loop: time it waited for the
-   GIL), piecewise serialisation against the one-call ``model_dump_json`` it replaced;
+   a line), piecewise serialisation against the one-call ``model_dump_json`` it replaced:
+   the longest stretch the writer holds the GIL per plan (what a training thread can
+   wait at most), then, with both threads running, the longest ``record()`` call and the
+   stalls of the training thread (the widest gap between two clock reads of its busy
+   loop per step: GIL waits, and the OS running other work — shown with recording off);
 4. the demo's median step time with and without the recorder, in the same run (runs
    alternate off/on to spread machine noise evenly; target <= 1 % slower), and the
    recorder hook's own time inside each step (its ``record`` phase), the direct figure.
@@ -60,8 +62,8 @@ class OneCallRecorder(PlanRecorder):
     """The baseline of the latency tail: serialises each plan in one ``model_dump_json``
     call, as the recorder did before it serialised piecewise."""
 
-    def _serialize(self, plan) -> bytes:
-        return plan.model_dump_json().encode()
+    def _serialize(self, plan) -> list[bytes]:
+        return [(plan.model_dump_json() + "\n").encode()]
 
 
 def time_record(
@@ -125,6 +127,73 @@ def throughput(plans: list, path: Path) -> tuple[float, float]:
             f.write(plan.model_dump_json() + "\n")
             f.flush()
     return bg, len(plans) / (time.perf_counter() - began)
+
+
+class _SleepMarks:
+    """Stands in for the recorder's ``time`` module: notes when the writer releases the
+    GIL (``time.sleep(0)``) without sleeping."""
+
+    def __init__(self):
+        self.marks: list[float] = []
+
+    def sleep(self, seconds: float) -> None:
+        self.marks.append(time.thread_time())
+
+    def __getattr__(self, name: str):
+        return getattr(time, name)
+
+
+def gil_holds(plans: list) -> tuple[list[float], list[float]]:
+    """Per plan, ms of the longest stretch without releasing the GIL: one-call serialising
+    (``model_dump_json``, one C call) and the piecewise writer's (between its releases).
+    CPU time of this thread, so other processes on a busy machine do not inflate it."""
+    import knapformer.recorder as recorder_module
+
+    one, piecewise = [], []
+    rec = PlanRecorder(Path(tempfile.gettempdir()) / "unused.jsonl", enabled=False)
+    marks = _SleepMarks()
+    real_time, recorder_module.time = recorder_module.time, marks
+    try:
+        for plan in plans:
+            began = time.thread_time()
+            plan.model_dump_json()
+            one.append((time.thread_time() - began) * 1e3)
+            marks.marks = [time.thread_time()]
+            rec._serialize(plan)
+            marks.marks.append(time.thread_time())
+            piecewise.append(max(np.diff(marks.marks)) * 1e3)
+    finally:
+        recorder_module.time = real_time
+    return one, piecewise
+
+
+def gil_table(sizes: tuple[int, ...], count: int = 20) -> Table:
+    table = Table(
+        title=f"longest stretch the writer holds the GIL, per plan ({count} plans; CPU time)"
+    )
+    for col in (
+        "sequences",
+        "JSON line",
+        "one call: median",
+        "max",
+        "piecewise: median",
+        "max",
+        "median ratio",
+    ):
+        table.add_column(col, justify="right")
+    for n in sizes:
+        plans = plans_of(n, count, seed=n)
+        one, piece = gil_holds(plans)
+        table.add_row(
+            str(n),
+            f"{(len(plans[0].model_dump_json()) + 1) / 1024:,.0f} KiB",
+            f"{statistics.median(one):.2f} ms",
+            f"{max(one):.2f} ms",
+            f"{statistics.median(piece):.2f} ms",
+            f"{max(piece):.2f} ms",
+            f"{statistics.median(one) / statistics.median(piece):.0f}x",
+        )
+    return table
 
 
 WRITERS = {
@@ -249,6 +318,7 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
         rates.add_row(str(n), f"{bg:,.0f}", f"{sy:,.0f}")
     console.print(table)
     console.print(rates)
+    console.print(gil_table((1024, 8192, 32768)))
     console.print(latency_tail(tmp))
 
     if args.quick:

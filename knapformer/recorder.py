@@ -8,11 +8,12 @@ Guarantees (each one tested in ``tests/test_recorder*.py``):
   plan, open a file or start a thread.
 - The training thread only enqueues the plan object. Serialisation and file I/O run on a
   background thread, which builds the JSON line piecewise (`json_line_pieces`) and lets
-  go of the GIL every ~64 KiB, so a multi-MB plan never holds the training thread up for
+  go of the GIL every ~16 KiB, so a multi-MB plan never holds the training thread up for
   more than a fraction of a millisecond at a time. The queue is bounded; when it is full
   the plan is dropped and counted (``dropped``), never waited for.
-- Append-only JSONL: each plan is one line handed to the kernel in one ``write`` call
-  (no user-space buffer), so a reader tailing the file sees whole lines, except possibly
+- Append-only JSONL: each plan is one line handed to the kernel in one ``writev`` call
+  (its pieces gathered by the kernel; no user-space buffer), so a reader tailing the
+  file sees whole lines, except possibly
   the last one while it is being written or after the process was killed.
 - Every written line is a plan every reader accepts: a non-finite measured time (inf,
   nan: JSON has neither) is left out of the written plan, with one warning per recorder
@@ -78,9 +79,13 @@ DEFAULT_PHASES = (
     "step",
 )
 _STOP = object()  # queue sentinel: the writer thread exits after draining what precedes it
-# JSON written between two releases of the GIL by the writer thread: ~0.3 ms of work.
+# JSON written between two releases of the GIL by the writer thread: ~0.2 ms of work.
 # (A release costs a system call, up to 0.1 ms on a busy machine: not after every piece.)
-_YIELD_BYTES = 64 << 10
+_YIELD_BYTES = 16 << 10
+try:
+    _IOV_MAX = os.sysconf("SC_IOV_MAX")
+except (AttributeError, ValueError, OSError):  # pragma: no cover — not POSIX
+    _IOV_MAX = 16
 _GROUP = "{group}"  # the one placeholder of a path
 _PLACEHOLDER = re.compile(r"\{[^{}]*\}")
 
@@ -399,7 +404,7 @@ class PlanRecorder:
             if self._disabled_reason is not None:
                 continue  # drain without writing
             try:
-                data = self._serialize(self._without_non_finite_times(item)) + b"\n"
+                data = self._serialize(self._without_non_finite_times(item))
             except Exception as err:  # a broken plan is skipped, the recorder stays on
                 self.failed += 1
                 log.warning("PlanRecorder skipped a plan it could not serialise: %s", err)
@@ -410,9 +415,10 @@ class PlanRecorder:
                 self._disable(err)
         self._close_file()
 
-    def _serialize(self, plan: RoutingPlan) -> bytes:
-        """The plan's JSON line, built piece by piece: serialising a multi-MB plan in one
-        call would hold the GIL, and so stall the training thread, for many milliseconds."""
+    def _serialize(self, plan: RoutingPlan) -> list[bytes]:
+        """The plan's JSON line with its newline, in pieces: serialising a multi-MB plan in
+        one call (or joining it into one buffer) would hold the GIL, and so stall the
+        training thread, for many milliseconds."""
         pieces, since_yield = [], 0
         for piece in json_line_pieces(plan):
             pieces.append(piece)
@@ -420,7 +426,8 @@ class PlanRecorder:
             if since_yield >= _YIELD_BYTES:
                 time.sleep(0)  # releases the GIL: a waiting training thread runs now
                 since_yield = 0
-        return b"".join(pieces)
+        pieces.append(b"\n")
+        return pieces
 
     def _without_non_finite_times(self, plan: RoutingPlan) -> RoutingPlan:
         """``plan``, or a copy without its non-finite measured times (JSON has no inf or
@@ -442,18 +449,27 @@ class PlanRecorder:
         self.dropped_times += len(dropped)
         return plan.model_copy(update={"measurements": kept})
 
-    def _write(self, data: bytes) -> None:
+    def _write(self, pieces: list[bytes]) -> None:
         if self._fd is not None and not self._follow_path():
             return
+        size = sum(map(len, pieces))
         if self._fd is None:
             self._open()
-        elif self.max_bytes is not None and self._size and self._size + len(data) > self.max_bytes:
+        elif self.max_bytes is not None and self._size and self._size + size > self.max_bytes:
             self._rotate()
-        view = memoryview(data)
-        while view:  # one call for a whole line; loop only if the kernel took part of it
-            n = os.write(self._fd, view)
-            view = view[n:]
-            self._size += n
+        if len(pieces) > _IOV_MAX:  # writev takes at most this many buffers
+            step = -(-len(pieces) // _IOV_MAX)
+            pieces = [b"".join(pieces[i : i + step]) for i in range(0, len(pieces), step)]
+        # One call for the whole line, gathered by the kernel (without the GIL) rather
+        # than joined here; loop only if the kernel took part of it.
+        n = os.writev(self._fd, pieces)
+        self._size += n
+        if n < size:
+            rest = memoryview(b"".join(pieces))[n:]
+            while rest:
+                n = os.write(self._fd, rest)
+                rest = rest[n:]
+                self._size += n
         self.written += 1
 
     def _open(self) -> None:
