@@ -173,8 +173,6 @@ def run_demo(
     return reports
 
 
-
-
 # -------------------------------------------------------------------------- worker
 def _worker(rank: int, world: int, cfg: DemoConfig) -> None:
     train(rank, cfg, send if rank == 0 else None, stop_requested)
