@@ -21,5 +21,6 @@ for i in range(len(seqs)):
 st = plan.stats
 print(
     f"imbalance {st.imbalance_before:.2f} -> {st.imbalance_after:.2f}, "
+    f"makespan/LB {st.makespan_over_lb:.3f}, "
     f"moved {st.moved_tokens:,} of {st.total_tokens:,} tokens"
 )
