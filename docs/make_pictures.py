@@ -21,7 +21,7 @@ from PIL import Image
 DOCS = Path(__file__).resolve().parent
 ROOT = DOCS.parent
 PLAN = ROOT / "sample_plans" / "mixed8_g1n2+g2n1+g4n1.json"
-LATENCIES = ROOT / "examples" / "latency.csv"
+LATENCIES = "examples/latency.csv"  # relative to ROOT
 KNAPFORMER = Path(sys.executable).parent / "knapformer"
 
 
@@ -61,14 +61,15 @@ def calibration_picture(tmp: Path) -> None:
     from visualization.browser import launch_chromium
 
     html = tmp / "calibration.html"
-    subprocess.run(
-        [str(KNAPFORMER), "calibrate", str(LATENCIES), "--token-dim", "256", "--plot", str(html)],
+    subprocess.run(  # the path as the page shows it: the plot's title names it
+        [str(KNAPFORMER), "calibrate", LATENCIES, "--token-dim", "256", "--plot", str(html)],
         check=True,
+        cwd=ROOT,
     )
     with sync_playwright() as pw:
         browser = launch_chromium(pw)
         try:
-            page = browser.new_page(viewport={"width": 900, "height": 560})
+            page = browser.new_page(viewport={"width": 1100, "height": 560})
             page.goto(html.as_uri())
             page.wait_for_selector(".plotly-graph-div .main-svg", timeout=60_000)
             page.locator(".plotly-graph-div").first.screenshot(path=str(DOCS / "calibration.png"))
