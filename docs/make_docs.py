@@ -37,6 +37,10 @@ Options of console markers (``key=value``, shell quoting):
 - ``timeout=S``: seconds a command may take (default 600);
 - ``needs=browser``: the test gets pytest's ``browser`` mark.
 
+A console block whose output changed only in what is masked keeps its recorded text, so
+``make docs`` changes a page only where a command's output changed; benchmark blocks are
+always rewritten.
+
 When comparing (``--check`` and tests/test_docs.py), timings (a number with ms, s, µs,
 min), dates, clock times, temporary paths, PIDs and local ports are masked, and runs of
 spaces and of table rules count as one, so a timing that widens a table column is not a
@@ -517,8 +521,8 @@ def update(files: Iterable[Path], bench: bool, log=None) -> list[Path]:
         if not blocks:
             continue
         lines = path.read_text(encoding="utf-8").splitlines()
+        new = {id(b): _kept_or_fresh(b, fresh_text(b, log)) for b in blocks}
         # Replace from the end so earlier blocks' line numbers stay valid.
-        new = {id(b): fresh_text(b, log) for b in blocks}
         for block in reversed(blocks):
             lines[block.start : block.end] = new[id(block)].split("\n") if new[id(block)] else []
         text = "\n".join(lines) + "\n"
@@ -526,6 +530,15 @@ def update(files: Iterable[Path], bench: bool, log=None) -> list[Path]:
             path.write_text(text, encoding="utf-8")
             changed.append(path)
     return changed
+
+
+def _kept_or_fresh(block: Block, fresh: str) -> str:
+    """The recorded text when it differs from ``fresh`` only in what is masked (a console
+    block, not a benchmark), so that regenerating changes a page only where a command's
+    output changed; else ``fresh``."""
+    if block.kind == "console" and same_output(block.recorded, fresh, block):
+        return block.recorded
+    return fresh
 
 
 def check(files: Iterable[Path], log=None) -> list[str]:
