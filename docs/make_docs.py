@@ -35,7 +35,8 @@ Options of console markers (``key=value``, shell quoting):
 - ``stop-after=REGEX``: the command is a server: it gets Ctrl-C (SIGINT) once a line
   matching REGEX is printed, and its output ends with that line;
 - ``timeout=S``: seconds a command may take (default 600);
-- ``needs=browser``: the test gets pytest's ``browser`` mark.
+- ``needs=browser``: what the commands need, as pytest marks of the test that re-runs
+  them (comma-separated; ``browser``: Chromium, skipped by ``-m "not browser"``).
 
 A console block whose output changed only in what is masked keeps its recorded text, so
 ``make docs`` changes a page only where a command's output changed; benchmark blocks are
@@ -318,6 +319,7 @@ def _run(command: str, block: Block) -> tuple[str, int]:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         start_new_session=True,  # so a timeout can stop every process the command started
+        preexec_fn=_default_ctrl_c,
     )
     try:
         out, _ = proc.communicate(timeout=block.timeout_s)
@@ -338,6 +340,7 @@ def _run_server(command: str, block: Block) -> str:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         start_new_session=True,
+        preexec_fn=_default_ctrl_c,
     )
     lines: queue.Queue[str | None] = queue.Queue()
 
@@ -367,6 +370,13 @@ def _run_server(command: str, block: Block) -> str:
                 return clean_output("".join(seen))
     finally:
         _stop_group(proc, first=signal.SIGINT)
+
+
+def _default_ctrl_c() -> None:
+    """In the child before exec: Ctrl-C as in a terminal, even when this script runs in
+    the background (a shell starts background jobs with SIGINT ignored, and an ignored
+    signal stays ignored across exec)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _stop_group(proc: subprocess.Popen, first: int = signal.SIGTERM) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import re
+import signal
 import sys
 from pathlib import Path
 
@@ -27,11 +28,15 @@ def _load_make_docs():
 make_docs = _load_make_docs()
 DOC_FILES = make_docs.doc_files()
 BLOCKS = [b for path in DOC_FILES for b in make_docs.find_blocks(path)]
-CONSOLE = [
-    pytest.param(b, id=b.where, marks=[pytest.mark.browser] if b.options.get("needs") else [])
-    for b in BLOCKS
-    if b.kind == "console"
-]
+
+
+def _param(block):
+    """The block as a test case, marked with what its commands need (``needs=browser``)."""
+    needs = [n for n in block.options.get("needs", "").split(",") if n]
+    return pytest.param(block, id=block.where, marks=[getattr(pytest.mark, n) for n in needs])
+
+
+CONSOLE = [_param(b) for b in BLOCKS if b.kind == "console"]
 STALE_HINT = "run `make docs` and commit the pages (docs/development.md)"
 
 
@@ -167,6 +172,17 @@ def test_commands_see_a_fixed_environment(tmp_path, monkeypatch):
     )
     output = make_docs.run_block(_only_block(page))
     assert output.splitlines()[1] == f"77 unset UTC {ROOT}"
+
+
+def test_commands_get_ctrl_c_even_when_the_generator_ignores_it(tmp_path):
+    probe = "import signal; print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)"
+    page = _page(tmp_path, _console([f'python -c "{probe}"']))
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as in a background job
+    try:
+        output = make_docs.run_block(_only_block(page))
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert output.splitlines()[1] == "True"
 
 
 def test_bench_blocks_run_only_with_bench(tmp_path):
