@@ -64,7 +64,7 @@ from knapformer.router import (
     flatten_features,
     unflatten_features,
 )
-from knapformer.timing import DERIVED_PHASES, MeasuredStep, StepTimer
+from knapformer.timing import DERIVED_PHASES, GatheredStep, StepTimer
 from knapformer.topology import Topology, as_topology
 from knapformer.workload import WorkloadModel
 
@@ -130,7 +130,7 @@ class _Planned:
 
     plan: RoutingPlan
     tables: RoutingTables
-    measured: MeasuredStep | None  # every rank's timings of an earlier step, if any
+    measured: GatheredStep | None  # every rank's timings of an earlier step, if any
     gather_ms: float  # time inside the gather collectives
 
 
@@ -266,7 +266,7 @@ class SequenceBalancer:
         self.last_plan: RoutingPlan | None = None
         self.tables: RoutingTables | None = None
         #: Every rank's timings of the latest step whose measurements arrived.
-        self.last_measured: MeasuredStep | None = None
+        self.last_gathered: GatheredStep | None = None
         self._timer = StepTimer(self.device, phases)
         self.phases: tuple[str, ...] = self._timer.phases
         self._held: dict[int, RoutingPlan] = {}  # plans waiting for their measurements
@@ -497,7 +497,7 @@ class SequenceBalancer:
             if work is not None and compute is not None:
                 self._history.observe(work, compute)
 
-    def _gather_the_rest(self, group: Group, device: torch.device) -> list[MeasuredStep]:
+    def _gather_the_rest(self, group: Group, device: torch.device) -> list[GatheredStep]:
         """`finish` on the planning thread: one head all-gather per ended step whose
         measurements have not travelled yet."""
         measured = []
@@ -545,7 +545,7 @@ class SequenceBalancer:
         request: _Request,
         measured_step: int,
         row: list[float],
-    ) -> tuple[list[np.ndarray], MeasuredStep | None]:
+    ) -> tuple[list[np.ndarray], GatheredStep | None]:
         """All ranks' lengths, and their measurements of ``measured_step`` (the ``row``s):
         one all-gather of the `GatherHead` with the rows, one of the padded lengths.
 
@@ -582,11 +582,11 @@ class SequenceBalancer:
         heads = [GatherHead.from_values(values) for values in table]
         return heads, table[:, GatherHead.size() :]
 
-    def _measured(self, heads: list[GatherHead], table: np.ndarray) -> MeasuredStep | None:
+    def _measured(self, heads: list[GatherHead], table: np.ndarray) -> GatheredStep | None:
         steps = {h.measured_step for h in heads}
         if len(steps) != 1 or min(steps) < 0:  # every rank sends the same step, or none
             return None
-        return MeasuredStep(steps.pop(), self.phases, table)
+        return GatheredStep(steps.pop(), self.phases, table)
 
     def _refuse_heads(self, heads: list[GatherHead]) -> None:
         """Raise, on every rank alike, when ranks are in different calls, a peer's own
@@ -646,13 +646,13 @@ class SequenceBalancer:
                 )
 
     # -------------------------------------------------------------- recording
-    def _deliver(self, measured: MeasuredStep | None) -> None:
+    def _deliver(self, measured: GatheredStep | None) -> None:
         """Every rank's measurements of a step arrived: keep them, attach them to that
         step's held plan and hand it to the recorder (earlier held plans, which will get
         none, go as they are)."""
         if measured is None:
             return
-        self.last_measured = measured
+        self.last_gathered = measured
         for step in sorted(self._held):
             if step > measured.step:
                 break

@@ -6,8 +6,8 @@ Each measured step gives every GPU a rate: the work its plan gave it
 (`knapformer.stats.PlanStats.work_after`, workload at nominal speed) over its measured
 ``compute`` (ms; `knapformer.timing`). Divided by the median GPU's rate, that is its
 speed in that step. A GPU's speed is the median of its last ``window`` per-step speeds
-(one slow step — a page fault, a checkpoint — moves nothing), clipped to ``bounds`` and
-rounded to two significant digits (steady plans; the same number in JSON and on every
+(one slow step — a page fault, a checkpoint — moves nothing), rounded to two
+significant digits and kept within ``bounds`` (steady plans; the same number in JSON and on every
 rank). During the first ``warmup`` measured steps nothing is learnt and the planner
 assumes nominal speeds.
 
@@ -96,8 +96,8 @@ class SpeedHistory:
         seen = ~np.isnan(recent).all(axis=0)
         speed = np.ones(self.num_gpus)
         speed[seen] = np.nanmedian(recent[:, seen], axis=0)
-        speed = np.clip(speed, *self.bounds)
-        rounded = [float(f"{s:.2g}") for s in speed]
+        low, high = self.bounds
+        rounded = [min(max(float(f"{s:.2g}"), low), high) for s in speed]
         return None if all(s == 1.0 for s in rounded) else rounded
 
 

@@ -82,7 +82,7 @@ class FinishedStep:
 
 
 @dataclass(frozen=True)
-class MeasuredStep:
+class GatheredStep:
     """Every rank's timings of one step, as gathered: ``table[i, j]`` is the ms of the
     i-th GPU of the balance group in ``phases[j]`` (NaN: not measured there)."""
 

@@ -238,7 +238,7 @@ def _worker(rank: int, world: int, topologies: list[str]) -> dict:
             for case in ("mixed", "single")
         }
         results[topo] = per_case
-        measured = bal.last_measured  # every rank's figures of the first step
+        measured = bal.last_gathered  # every rank's figures of the first step
         results[(topo, "rows")] = [
             [o, f]
             for o, f in zip(
