@@ -65,6 +65,7 @@ def _steps(rank: int, counter: _Count, measured: bool, out: str) -> dict:
             "recorder": PlanRecorder(f"{out}/plans.jsonl"),
             "cost_model": "history",
             "phases": ["data"],
+            "time_scale": 0.5,  # ms per workload unit, as `knapformer calibrate` fits
         }
     bal = SequenceBalancer(TOPOLOGY, **options)
     torch.manual_seed(0)
@@ -110,6 +111,16 @@ def test_measurements_add_no_collective(run):
         assert all(calls["all_reduce"] == 1 for calls in measured)  # the user's own
         # finish(): one small all-gather carries the last step's measurements.
         assert res["measured"]["finish"] == {"all_gather": 1}, res["measured"]["finish"]
+
+
+def test_a_time_scale_makes_workloads_milliseconds(run):
+    from knapformer.workload import WorkloadModel
+
+    plans, _ = run
+    for plan in plans:
+        assert plan.workload_unit == "ms" and plan.scale == 0.5
+        modelled = WorkloadModel(D).workload(plan.sequences.length)
+        np.testing.assert_allclose(plan.sequences.workload, 0.5 * modelled)
 
 
 def test_compute_is_the_step_without_the_time_inside_collectives(run):
