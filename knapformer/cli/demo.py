@@ -80,7 +80,7 @@ def demo(
         plan_ahead=plan_ahead,
     )
     topo, _ = check_config(cfg)  # bad options fail here, before anything starts
-    d_model, heads = model_shape(topo)
+    d_model, heads = model_shape(topo, cfg.head_dim)
     plans = plans_file(out)
     server = _start_dashboard(plans, port) if dashboard else None
     try:

@@ -8,9 +8,10 @@ to ``<out>/plans.jsonl``. Rank 0 sends one `StepReport` per step to the launcher
 prints it and, unless told not to, serves the dashboard on the same file.
 
 Fault injection: ``slow_rank`` sleeps ``(slow_factor - 1)`` times its measured compute
-every step (after its backward, before the gradient all-reduce), as a GPU that slow
-would take: its peers wait for it in the all-reduce, and the balancer's measurements
-show the slow rank as compute and its peers as waiting. ``cost_model="history"`` makes
+every step (`knapformer.local.slowdown`: the forward pass's before ``reverse_route``,
+the backward pass's before the gradient all-reduce), as a GPU that slow would take: its
+peers wait for it there, and the balancer's measurements show the slow rank as compute
+and its peers as waiting. ``cost_model="history"`` makes
 the balancer learn the speeds and give the slow rank less work; ``plan_ahead`` prefetches
 each next step's plan while the current one trains.
 
@@ -63,6 +64,7 @@ class DemoConfig:
     every: int = 1
     length_scale: float = 1 / 16  # the mix's lengths shrunk so a step takes well under 1 s
     n_layers: int = 2
+    head_dim: int = HEAD_DIM  # larger: more compute per token (d_model = heads x head_dim)
     lr: float = 2e-3
     seed: int = 0
     run: str = "demo"
@@ -107,7 +109,7 @@ def rank_codes(codes: list[DataCode], world_size: int) -> list[DataCode]:
     return [per_gpu[r * len(per_gpu) // world_size] for r in range(world_size)]
 
 
-def model_shape(topology: Topology) -> tuple[int, int]:
+def model_shape(topology: Topology, head_dim: int = HEAD_DIM) -> tuple[int, int]:
     """(d_model, n_heads): heads must split evenly across every bag size (Ulysses)."""
     heads = topology.heads_for(4)
     if heads > 64:
@@ -115,7 +117,7 @@ def model_shape(topology: Topology) -> tuple[int, int]:
             f"topology {topology} needs {heads} attention heads (a multiple of every bag "
             "size); use bag sizes with a smaller common multiple"
         )
-    return heads * HEAD_DIM, heads
+    return heads * head_dim, heads
 
 
 def check_config(cfg: DemoConfig) -> tuple[Topology, list[DataCode]]:
@@ -142,7 +144,9 @@ def check_config(cfg: DemoConfig) -> tuple[Topology, list[DataCode]]:
         )
     topo = Topology.parse(cfg.topology or default_topology(cfg.world_size))
     topo.num_replicas(cfg.world_size)  # raises when the world does not fit
-    model_shape(topo)
+    if cfg.head_dim < 2 or cfg.head_dim % 2:
+        raise KnapformerError(f"head dim must be even and >= 2 (RoPE), got {cfg.head_dim}")
+    model_shape(topo, cfg.head_dim)
     codes = rank_codes(parse_mix(cfg.data_codes), cfg.world_size)
     return topo, codes
 
@@ -219,21 +223,21 @@ def train(
     from knapformer.tools.datamix import sample_lengths
 
     topo, codes = check_config(cfg)
-    d_model, n_heads = model_shape(topo)
+    d_model, n_heads = model_shape(topo, cfg.head_dim)
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model = ToyDiT(d_model, n_heads, cfg.n_layers)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr)
     mixing = torch.randn(_LATENT_RANK, d_model) / math.sqrt(_LATENT_RANK)
     recorder = PlanRecorder(plans_file(cfg.out), every=cfg.every) if cfg.record else None
-    balancer = SequenceBalancer(
-        topo,
-        recorder=recorder,
-        run=cfg.run,
-        cost_model=cfg.cost_model,
-        plan_ahead=cfg.plan_ahead,
-    )
-    slowdown = cfg.slow_factor - 1 if cfg.slow_rank == rank else 0.0
+    options = {"recorder": recorder, "run": cfg.run, "cost_model": cfg.cost_model}
+    options["plan_ahead"] = cfg.plan_ahead
+    if cfg.slow_rank == rank:
+        from knapformer.local.slowdown import SlowBalancer
+
+        balancer = SlowBalancer(topo, slow_factor=cfg.slow_factor, **options)
+    else:
+        balancer = SequenceBalancer(topo, **options)
 
     def batch(step: int):
         rng = np.random.default_rng([cfg.seed, step, rank])
@@ -248,7 +252,6 @@ def train(
             lengths, seed = batch(step)
             noisy, target = _flow_batch(lengths, mixing, torch.Generator().manual_seed(seed))
             plan = balancer.plan_routing(lengths, token_dim=d_model)
-            planned = time.perf_counter()
             if cfg.steps == 0 or step + 1 < cfg.steps:
                 # The next batch is known now: with plan_ahead its plan is made while this
                 # step trains (otherwise this does nothing).
@@ -261,8 +264,8 @@ def train(
             # Each rank's share of its group's mean loss, averaged over the replicas, so
             # that summing gradients over all ranks gives the gradient of the mean.
             (sq_err / (group_elems * balancer.num_replicas)).backward()
-            if slowdown:
-                time.sleep(slowdown * _compute_ms(balancer, planned) / 1e3)
+            if cfg.slow_rank == rank:
+                balancer.lag()  # the backward pass's slowdown, before the all-reduce
             fb_done = time.perf_counter()
 
             stopping = float(stop is not None and stop())
@@ -307,16 +310,6 @@ def train(
         balancer.finish()  # collective: the last plans get their measured times too
     finally:
         balancer.close()
-
-
-def _compute_ms(balancer, since: float) -> float:
-    """This rank's compute since ``since`` (host clock): the time elapsed minus what the
-    step spent so far inside the balancer's collectives."""
-    from knapformer.plan import COLLECTIVE_PHASES
-
-    timings = balancer.timings
-    waited = sum(timings.get(p, 0.0) for p in COLLECTIVE_PHASES if p != "gather")
-    return max((time.perf_counter() - since) * 1e3 - waited, 0.0)
 
 
 def _flow_batch(lengths, mixing, gen):
