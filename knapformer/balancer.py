@@ -823,7 +823,8 @@ class SequenceBalancer:
         self._closed = True
         groups, self._own_groups = self._own_groups, []
         if self._ahead is not None:
-            self._timer.notify()  # a wait for the training thread gives up
+            self._ahead.stop.set()
+            self._timer.notify()  # a wait for a step the training thread never ends gives up
             if not self._ahead.close(_AHEAD_CLOSE_S):
                 # Stuck in a collective whose peers are gone: destroying its group under
                 # it could crash the process; the daemon thread goes with the process.

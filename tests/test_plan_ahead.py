@@ -212,7 +212,10 @@ def _ctrl_c_worker(rank: int, world: int) -> dict:
     plan = bal.plan_routing(mine, token_dim=D)  # the same call again: the same plan
     out["step"] = plan.step
     out["plan"] = json.loads(plan.model_dump_json(exclude={"time", "measurements"}))
-    bal.prefetch(mine, token_dim=D)  # never used: close() must not hang on it
+    # Never used: close() must not hang on them, though the second one waits for the
+    # measurements of a step that never ends (no plan_routing follows).
+    bal.prefetch(mine, token_dim=D)
+    bal.prefetch(mine, token_dim=D)
     thread = bal._ahead._thread
     bal.close()
     out["thread_alive"] = thread.is_alive()
