@@ -255,36 +255,66 @@ def test_deep_nesting_is_a_one_line_problem_and_later_files_are_checked(
 
 
 @pytest.mark.parametrize(
-    "where",
+    "where, value",
     [
-        lambda r: r["gpus"].__setitem__(0, 2**63),
-        lambda r: r["bags"][0].__setitem__(0, 2**64),
-        lambda r: r["sequences"]["src_gpu"].__setitem__(0, 2**63 + 200),
-        lambda r: r["sequences"]["bag"].__setitem__(0, -(2**63) - 1),
-        lambda r: r["chunks"]["length"].__setitem__(0, 2**63),
-        lambda r: r["chunks"]["offset"].__setitem__(3, 2**63 + 5),
+        (lambda r, v: r["gpus"].__setitem__(0, v), 2**63),
+        (lambda r, v: r["bags"][0].__setitem__(0, v), 2**64),
+        (lambda r, v: r["sequences"]["src_gpu"].__setitem__(0, v), 2**63 + 200),
+        (lambda r, v: r["sequences"]["bag"].__setitem__(0, v), -(2**63) - 1),
+        (lambda r, v: r["chunks"]["length"].__setitem__(0, v), 2**63),
+        (lambda r, v: r["chunks"]["offset"].__setitem__(3, v), 2**63 + 5),
     ],
 )
-def test_ints_beyond_int64_are_one_line_problems(tmp_path, plan8_path, capsys, where):
+def test_ints_beyond_int64_are_one_line_problems_naming_them(
+    tmp_path, plan8_path, capsys, where, value
+):
     record = sample(plan8_path)
-    where(record)
+    where(record, value)
     path = write(tmp_path, "big.json", record)
     code, out, _ = cli(capsys, "validate", str(path))
     assert code == 1 and out.startswith(f"{path}:1: ") and out.count("\n") == 1
-    assert "negative" not in out  # a wrapped-around int64 is not the user's value
+    assert f"{value:,}" in out, out  # the user's value, not a wrapped-around int64
 
 
-def test_legacy_ints_beyond_int64_are_problems(tmp_path, legacy_path, capsys):
-    for key, value in (
-        ("balance_gpu_ids", [2**63, 1]),
-        ("chunk_id2seq_id", {str(2**64): 0}),
-        ("balance_chunk_id2chunk_len", {"0": 2**63}),
+def legacy_renamed(record: dict, key: str, old: int, new: int) -> dict:
+    """The legacy summary with GPU (``key="gpu"``) or chunk id ``old`` renamed ``new``."""
+    out = json.loads(json.dumps(record))
+
+    def keys(mapping: dict) -> dict:
+        return {(str(new) if k == str(old) else k): v for k, v in mapping.items()}
+
+    if key == "gpu":
+        out["balance_gpu_ids"] = [new if g == old else g for g in out["balance_gpu_ids"]]
+        out["bag_id2gpu_ids"] = {
+            b: [new if g == old else g for g in m] for b, m in out["bag_id2gpu_ids"].items()
+        }
+        out["balance_chunk_id2gpu_id"] = {
+            c: new if g == old else g for c, g in out["balance_chunk_id2gpu_id"].items()
+        }
+        for name in [k for k in out if k.startswith("gpu_id2")]:
+            out[name] = keys(out[name])
+    else:
+        out["gpu_id2chunk_ids"] = {
+            g: [new if c == old else c for c in ids] for g, ids in out["gpu_id2chunk_ids"].items()
+        }
+        for name in ("balance_chunk_id2gpu_id", "balance_chunk_id2chunk_len", "chunk_id2seq_id"):
+            out[name] = keys(out[name])
+    return out
+
+
+def test_legacy_ints_beyond_int64_are_problems_naming_them(tmp_path, legacy_path, capsys):
+    record = json.loads(legacy_path.read_text())
+    long_chunk = json.loads(json.dumps(record))
+    long_chunk["balance_chunk_id2chunk_len"]["0"] = 2**63
+    for hostile, value in (
+        (legacy_renamed(record, "gpu", 0, 2**63), 2**63),
+        (legacy_renamed(record, "chunk", 0, 2**64), 2**64),
+        (long_chunk, 2**63),
     ):
-        record = json.loads(legacy_path.read_text())
-        record[key] = value
-        path = write(tmp_path, "legacy.json", record)
+        path = write(tmp_path, "legacy.json", hostile)
         code, out, _ = cli(capsys, "validate", str(path))
         assert code == 1 and out.startswith(f"{path}:1: legacy plan"), out
+        assert f"{value:,}" in out, out
 
 
 def test_over_long_integers_name_the_file_and_the_rest_is_checked(
