@@ -36,6 +36,14 @@ MAX_SIM_STEPS = 10_000
 MAX_RECORD_BYTES = 512 * 2**20
 
 
+def abbreviate(text: str, width: int = 48) -> str:
+    """``text`` cut to about ``width`` characters for a message (a hostile value may be
+    megabytes long; the message stays one short line)."""
+    if len(text) <= width:
+        return text
+    return f"{text[: width - 12]}…({len(text):,} chars)"
+
+
 def check_count(value: int, bound: int, what: str, low: int = 0) -> int:
     """``value`` if ``low <= value <= bound``, else a `KnapformerError` naming both.
 
@@ -54,10 +62,10 @@ def parse_count(digits: str, bound: int, what: str, low: int = 0) -> int:
     """The decimal ``digits`` as an int within ``low..bound``, never converting a
     string longer than the bound's (Python refuses more than 4,300 digits)."""
     if not (digits.isascii() and digits.isdigit()):
-        raise KnapformerError(f"{what} must be a whole number, got {digits[:20]!r}")
+        raise KnapformerError(f"{what} must be a whole number, got {abbreviate(repr(digits))}")
     if len(digits.lstrip("0")) > len(str(bound)):
-        shown = digits if len(digits) <= 20 else f"{digits[:8]}…({len(digits)} digits)"
         raise KnapformerError(
-            f"{what} is {shown}; at most {bound:,} is supported (knapformer.limits)"
+            f"{what} is {abbreviate(digits, 24)}; at most {bound:,} is supported "
+            "(knapformer.limits)"
         )
     return check_count(int(digits), bound, what, low)

@@ -48,6 +48,8 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from knapformer import __version__
+from knapformer.errors import KnapformerError
+from knapformer.limits import MAX_SEQ_LENGTH, MAX_SEQUENCES, check_count
 from knapformer.plan import Measurements, RoutingPlan
 from knapformer.topology import Topology, as_topology
 from knapformer.workload import WorkloadModel
@@ -102,7 +104,12 @@ def plan_routing(
     workload = model.workload(lengths)
     # Summed left to right (cumsum), as the published algorithm and its plain-Python
     # transcription do: pairwise summation differs in the last bits and flips near-ties.
-    mean = float(workload.cumsum()[-1]) / topo.num_gpus if workload.size else 0.0
+    with np.errstate(over="ignore"):
+        mean = float(workload.cumsum()[-1]) / topo.num_gpus if workload.size else 0.0
+    if not np.isfinite(mean):
+        raise KnapformerError(
+            f"the workloads of the step sum to {mean} under {model}: loads cannot be balanced"
+        )
     home_bag = shape.bag_of_pos[src_pos]
     if solver == "greedy":
         layout = _BagLayout(shape, mean, max_tokens_per_gpu)
@@ -195,13 +202,20 @@ def _flatten(
     ):
         bad = int(src_pos[np.flatnonzero(np.mod(lengths.astype(float), 1) != 0)[0]])
         raise ValueError(f"lengths on GPU position {bad} must be whole numbers of tokens")
-    lengths = lengths.astype(np.int64, copy=False)
+    check_count(lengths.size, MAX_SEQUENCES, "the sequences of a step")
+    # Bounded before the cast: a uint64 beyond int64 would wrap around to a negative.
+    if lengths.max() > MAX_SEQ_LENGTH:
+        bad = int(np.argmax(lengths))
+        raise KnapformerError(
+            f"lengths on GPU position {int(src_pos[bad])} include {lengths[bad]:,} tokens; a "
+            f"sequence holds at most {MAX_SEQ_LENGTH:,} (knapformer.limits)"
+        )
     if lengths.min() < 0:
         bad = int(np.argmin(lengths))
         raise ValueError(
             f"lengths on GPU position {int(src_pos[bad])} include a negative value {lengths[bad]}"
         )
-    return lengths, src_pos
+    return lengths.astype(np.int64, copy=False), src_pos
 
 
 class _BagLayout:

@@ -113,10 +113,10 @@ def test_commands_refuse_sizes_beyond_the_bounds(capsys, args):
 @pytest.mark.parametrize(
     "code, what",
     [
-        ("g20000b1i256f1s0", "GPUs"),
-        ("g1b99999999999i256f1s0", "samples"),
+        ("g20000b1i256f1s0", "GPU count"),
+        ("g1b99999999999i256f1s0", "samples per GPU"),
         ("g1b1i99999999f1s0", "tokens"),
-        ("g1b1i256f" + "9" * 5000 + "s0", "frames"),
+        ("g1b1i256f" + "9" * 5000 + "s0", "frame count"),
         ("g16384b128i256f1s0", "sequences"),
     ],
 )
@@ -352,7 +352,7 @@ def test_memory_error_while_reading_a_record_is_a_problem(
 
 
 def test_uint64_lengths_are_not_reported_as_negative():
-    with pytest.raises(KnapformerError, match=f"{2**63 + 200}") as err:
+    with pytest.raises(KnapformerError, match=f"{2**63 + 200:,}") as err:
         plan_routing([np.array([2**63 + 200], dtype=np.uint64)], "g1n1", MODEL)
     assert "negative" not in str(err.value)
     with pytest.raises(KnapformerError, match=f"{limits.MAX_SEQ_LENGTH:,}"):

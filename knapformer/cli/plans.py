@@ -11,7 +11,14 @@ from rich.table import Table
 
 from knapformer.cli.errors import UserError
 from knapformer.plan import RoutingPlan
-from knapformer.plan_io import PlanFormatError, PlanRecord, ReadResult, read_plans, select_step
+from knapformer.plan_io import (
+    PlanFormatError,
+    PlanRecord,
+    ReadResult,
+    iter_plan_file,
+    read_plans,
+    select_step,
+)
 
 
 def register(app: typer.Typer) -> None:
@@ -24,15 +31,18 @@ def validate(
     files: list[Path] = typer.Argument(..., help="plan files: JSON, JSONL or legacy JSON"),
 ) -> None:
     """Check plan files; print one line per problem as file:line: message (exit 1 if any)."""
-    console = Console(highlight=False)
     bad = 0
     for path in files:
-        result = read_plans(path, on_error="skip")
-        for problem in result.problems:
-            print(problem)
-        bad += len(result.problems)
-        if not result.problems:
-            console.print(f"{path}: {len(result.records)} plan(s) OK")
+        plans = problems = 0
+        for item in iter_plan_file(path):  # streamed: a long recording is not held
+            if isinstance(item, PlanRecord):
+                plans += 1
+            else:
+                print(item, flush=True)
+                problems += 1
+        bad += problems
+        if not problems:
+            print(f"{path}: {plans} plan(s) OK", flush=True)
     if bad:
         raise typer.Exit(1)
 

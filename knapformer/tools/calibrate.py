@@ -67,7 +67,8 @@ class Calibration:
 def read_measurements_csv(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
     """(lengths, latencies) from a CSV with a ``length,latency`` header."""
     path = Path(path)
-    with path.open(newline="") as handle:
+    # utf-8-sig: spreadsheet programs start their CSV exports with a byte order mark.
+    with path.open(newline="", encoding="utf-8-sig") as handle:
         reader = csv.DictReader(handle)
         fields = [f.strip().lower() for f in (reader.fieldnames or [])]
         names = {f.strip().lower(): f for f in (reader.fieldnames or [])}

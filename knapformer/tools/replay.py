@@ -343,9 +343,8 @@ def _replay_rank(report: RankReport, plan: RoutingPlan, gpus, dim, heads, replan
         fail(f"route: row {i} holds token {got[i]}, plan expects token {expected[i]}")
     elif not torch.equal(routed, _payload(feats["token_id"], dim)):
         fail("route: token values arrived changed")
-    traffic = plan.stats.traffic  # renumbered: GPU position = local rank
-    moved = traffic[rank].sum() - traffic[rank, rank]
-    arrived = traffic[:, rank].sum() - traffic[rank, rank]
+    stats = plan.stats  # renumbered: GPU position = local rank
+    moved, arrived = stats.tokens_sent[rank], stats.tokens_received[rank]
     per_token = dim * x.element_size() + _FEATURE_BYTES
     report.tokens_sent, report.tokens_received = int(moved), int(arrived)
     report.bytes_sent, report.bytes_received = int(moved) * per_token, int(arrived) * per_token
