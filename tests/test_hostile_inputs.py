@@ -208,6 +208,23 @@ def test_large_plan_figures_aggregate_and_say_so():
     # The largest bar is the makespan: aggregation keeps the maximum, not a mean.
     assert max(bars.data[1].y) == pytest.approx(plan.stats.makespan_after)
 
+    # A highlighted sequence marks the groups of its bag and of its source GPU.
+    seq = int(
+        np.flatnonzero(
+            plan.sequences.src_gpu
+            != plan.chunks.dst_gpu[np.searchsorted(plan.chunks.seq, np.arange(len(plan.sequences)))]
+        )[0]
+    )
+    groups = F.gpu_groups(plan)
+    bag_group = groups.labels[
+        int(plan.sequences.bag[seq]) // (len(plan.bags) // len(groups.labels))
+    ]
+    bars = F.bag_load_figure(plan, highlight_seq=seq, validate=False)
+    widths = bars.data[1].marker.line.width
+    assert [label for label, w in zip(groups.labels, widths, strict=True) if w] == [bag_group]
+    heat = F.traffic_figure(plan, highlight_seq=seq, validate=False)
+    assert set(heat.data[1].x) == {bag_group}
+
 
 def test_report_of_a_large_plan_stays_small(tmp_path, capsys):
     from knapformer.plan_io import write_jsonl
@@ -317,9 +334,7 @@ def test_legacy_ints_beyond_int64_are_problems_naming_them(tmp_path, legacy_path
         assert f"{value:,}" in out, out
 
 
-def test_over_long_integers_name_the_file_and_the_rest_is_checked(
-    tmp_path, plan8_path, capsys
-):
+def test_over_long_integers_name_the_file_and_the_rest_is_checked(tmp_path, plan8_path, capsys):
     text = plan8_path.read_text().replace('"step": 0', '"step": 1' + "0" * 5000, 1)
     assert text != plan8_path.read_text()
     long = write(tmp_path, "long.json", text)
@@ -330,9 +345,7 @@ def test_over_long_integers_name_the_file_and_the_rest_is_checked(
     assert lines[1] == f"{plan8_path}: 1 plan(s) OK"
 
 
-def test_memory_error_while_reading_a_record_is_a_problem(
-    tmp_path, steps50_path, monkeypatch
-):
+def test_memory_error_while_reading_a_record_is_a_problem(tmp_path, steps50_path, monkeypatch):
     """Fault injection: the third record's validation runs out of memory."""
     lines = steps50_path.read_text().splitlines()[:4]
     path = write(tmp_path, "four.jsonl", "\n".join(lines) + "\n")
