@@ -366,9 +366,10 @@ def _field_problem(plan: RoutingPlan) -> str | None:
 
 
 def _rank_problem(name: str, ranks: Iterable[int]) -> str | None:
-    """The first rank of ``ranks`` (Python ints, from a file) beyond `MAX_RANK`."""
+    """The first rank of ``ranks`` (Python ints, from a file) beyond ±`MAX_RANK` (small
+    negative ranks are left to the check that names their ids)."""
     for rank in ranks:
-        if rank > MAX_RANK:
+        if not -MAX_RANK <= rank <= MAX_RANK:
             return (
                 f"{name} holds rank {abbreviate(f'{rank:,}')}; ranks are 0..{MAX_RANK:,} "
                 "(knapformer.limits)"

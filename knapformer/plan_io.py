@@ -59,14 +59,19 @@ class ReadResult:
         return [r.plan for r in self.records]
 
 
+_ERRORS_IN_MESSAGE = 3
+
+
 def describe_validation_error(err: ValidationError) -> str:
-    """One line: each error as ``field.path: message``."""
+    """One short line: the first errors as ``field.path: message``, then how many more."""
+    errors = err.errors(include_url=False)
     parts = []
-    for e in err.errors(include_url=False):
-        loc = ".".join(str(x) for x in e["loc"])
-        msg = str(e["msg"]).removeprefix("Value error, ")
+    for e in errors[:_ERRORS_IN_MESSAGE]:
+        loc = abbreviate(".".join(str(x) for x in e["loc"]), 60)
+        msg = abbreviate(str(e["msg"]).removeprefix("Value error, "), 300)
         parts.append(f"{loc}: {msg}" if loc else msg)
-    return "; ".join(parts)
+    more = len(errors) - _ERRORS_IN_MESSAGE
+    return "; ".join(parts) + (f" (and {more} more)" if more > 0 else "")
 
 
 def parse_plan_record(record: Any) -> RoutingPlan:
