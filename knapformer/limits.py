@@ -3,10 +3,10 @@
 A 2 KB file or a short flag must not be able to make the toolkit allocate by the value it
 names (a topology ``g1n99999999999``, a GPU rank of 10⁹, a sequence of 2⁶² tokens). Every
 bound is far above what the product is built for — the planner targets balance groups of
-up to 4,096 GPUs, and a 1,024-GPU step holds ~30,000 sequences (DESIGN.md) — and low
-enough that whatever it admits fits a workstation's memory and no int64 sum of a plan can
-overflow (sequences × tokens ≤ 2⁵⁰). A value beyond a bound is refused with a
-`KnapformerError` naming the value, the bound and this module.
+up to 4,096 GPUs, and a 1,024-GPU step holds ~30,000 sequences — and low enough that
+whatever it admits fits a workstation's memory and no int64 sum of a plan can overflow
+(sequences × tokens ≤ 2⁵⁰). A value beyond a bound is refused with a `KnapformerError`
+naming the value, the bound and this module. docs/reliability.md lists them for users.
 """
 
 from __future__ import annotations
@@ -24,13 +24,19 @@ MAX_SEQUENCES = 2**20
 MAX_CHUNKS = 2**22
 #: Tokens of one sequence (a billion: activations of d = 3,072 in bf16 would be 6.6 TB).
 MAX_SEQ_LENGTH = 2**30
-#: Hidden size d of the workload model (today's largest DiTs use 3,072..8,192).
-MAX_TOKEN_DIM = 2**16
+#: Hidden size d of the workload model: far above any model (today's largest DiTs use
+#: 3,072..8,192), and the workload of the longest sequences stays finite.
+MAX_TOKEN_DIM = 2**24
 #: |step| of a plan: integers beyond 2⁵³ are not exact in a double, which the
 #: dashboard's plotly.js and most JSON readers use for numbers.
 MAX_STEP = 2**53 - 1
 #: Steps that ``simulate`` and ``suggest`` sample (each one plans every topology).
 MAX_SIM_STEPS = 10_000
+#: GPUs a replay re-executes: one local OS process each; beyond this a laptop thrashes.
+MAX_REPLAY_GPUS = 64
+#: Token values a replay holds (the plan's tokens × --dim): its rows are float32/float64
+#: copies on every rank, so 2²⁸ values stay within a few GiB.
+MAX_REPLAY_VALUES = 2**28
 #: Bytes of one JSON record: a line of a JSONL file, or a whole ``.json`` file. The
 #: largest plan the bounds above admit serialises to about 200 MB.
 MAX_RECORD_BYTES = 512 * 2**20

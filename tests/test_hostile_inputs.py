@@ -110,6 +110,17 @@ def test_commands_refuse_sizes_beyond_the_bounds(capsys, args):
     assert "│" not in out  # nothing was simulated
 
 
+def test_replay_refuses_plans_and_dims_too_large_to_hold(tmp_path, plan8_path, capsys):
+    from knapformer.plan_io import write_json
+
+    long = tmp_path / "long.json"
+    write_json(long, plan_routing([[2**29]], "g1n1", MODEL))  # a 2 KB file
+    for args in (["replay", str(long)], ["replay", str(plan8_path), "--dim", str(2**40)]):
+        code, out, err = cli(capsys, *args)
+        assert code == 1 and out == "" and err.count("\n") == 1
+        assert f"at most {limits.MAX_REPLAY_VALUES:,}" in err
+
+
 @pytest.mark.parametrize(
     "code, what",
     [

@@ -28,13 +28,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from knapformer import __version__
+from knapformer.errors import KnapformerError
+from knapformer.limits import MAX_REPLAY_GPUS, MAX_REPLAY_VALUES
 from knapformer.local.local_world import join, rendezvous, worker_context
 from knapformer.local.signals import deferring_sigint
 from knapformer.plan import RoutingPlan, gpu_positions
 from knapformer.planner import SOLVERS
 from knapformer.topology import Topology
 
-MAX_REPLAY_GPUS = 64  # one OS process each; beyond this a laptop thrashes
 PHASES = ("plan", "route", "pre_attn", "post_attn", "reverse_route")
 _FEATURE_BYTES = 8  # the int64 token id routed with every token
 
@@ -187,6 +188,13 @@ def check_options(
     dim = heads * 8 if dim is None else int(dim)
     if dim <= 0 or dim % heads:
         raise ValueError(f"--dim {dim} must be a positive multiple of --heads {heads}")
+    values = int(plan.sequences.length.sum()) * dim
+    if values > MAX_REPLAY_VALUES:
+        raise KnapformerError(
+            f"a replay of this plan holds {values:,} token values ({plan.sequences.length.sum():,} "
+            f"tokens × --dim {dim}); at most {MAX_REPLAY_VALUES:,} (knapformer.limits): replay "
+            "is for plans of test-sized runs, or give a smaller --dim"
+        )
     return dim, heads
 
 
