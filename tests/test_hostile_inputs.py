@@ -448,3 +448,45 @@ def test_animate_checks_the_output_before_rendering(tmp_path, plan8_path, capsys
     (tmp_path / "file").write_text("")
     code, _, err = cli(capsys, "animate", str(plan8_path), "-o", str(tmp_path / "file/x.mp4"))
     assert code == 1 and "not a directory" in err and "rendering" not in err
+
+
+def test_an_indented_file_that_is_not_json_is_one_problem_at_its_line(tmp_path, plan8_path):
+    text = plan8_path.read_text().replace('"solver": "knapformer"', '"solver": knapformer', 1)
+    path = write(tmp_path, "broken.json", text)
+    line = next(i for i, t in enumerate(text.splitlines(), 1) if '"solver"' in t)
+    problems = read_plans(path).problems
+    assert [p.line for p in problems] == [line]
+    assert problems[0].message.startswith("not valid JSON (Expecting value at column")
+
+
+def test_an_over_long_record_is_skipped_without_being_read(tmp_path, steps50_path, monkeypatch):
+    import knapformer.plan_io as plan_io
+
+    monkeypatch.setattr(plan_io, "MAX_RECORD_BYTES", 64 * 2**10)
+    good = steps50_path.read_text().splitlines()[:2]
+    assert all(len(line) < 64 * 2**10 for line in good)
+    path = write(tmp_path, "plans.jsonl", "\n".join([good[0], "[" * 300_000, good[1]]) + "\n")
+    result = read_plans(path)
+    assert [r.line for r in result.records] == [1, 3]
+    assert [str(p) for p in result.problems] == [
+        f"{path}:2: line of 300,001 bytes skipped: a record holds at most 65,536 "
+        "(knapformer.limits)"
+    ]
+
+
+def test_plan_files_are_streamed_one_record_at_a_time(tmp_path, steps50_path):
+    from knapformer.plan_io import iter_plan_file
+
+    path = write(tmp_path, "long.jsonl", steps50_path.read_text() * 4)  # 200 plans, 1.5 MB
+
+    def peak(read) -> int:
+        tracemalloc.start()
+        try:
+            read()
+            return tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+
+    streamed = peak(lambda: sum(1 for _ in iter_plan_file(path)))
+    held = peak(lambda: read_plans(path))
+    assert streamed * 10 < held, (streamed, held)
