@@ -183,6 +183,23 @@ def test_sparse_gpu_ranks_cost_memory_by_gpu_count_not_by_rank(tmp_path, plan8_p
     assert positions[ranks].tolist() == [5, -1, 0, -1]
 
 
+@pytest.mark.parametrize(
+    "gpus",
+    [
+        list(range(8)),  # a group of ranks 0..7: a table indexed by rank
+        list(range(70_000, 70_512))[::-1],  # one group of a large world: an offset table
+        [3, 2**31 - 1, 10**9, 0, 70_000],  # sparse: binary search
+    ],
+)
+def test_gpu_positions_agree_with_a_dictionary_in_every_layout(gpus):
+    expected = {g: i for i, g in enumerate(gpus)}
+    probe = np.array([*gpus, -1, 1, 2, 69_999, 70_512, 2**31 - 2, 2**40], dtype=np.int64)
+    positions = gpu_positions(gpus)
+    assert positions[probe].tolist() == [expected.get(int(r), -1) for r in probe]
+    assert positions[probe[: len(gpus)]].tolist() == list(range(len(gpus)))  # hot path
+    assert positions[probe.reshape(-1, 1)].shape == (len(probe), 1)
+
+
 def test_a_rank_beyond_the_bound_is_a_problem(tmp_path, plan8_path, capsys):
     path = write(tmp_path, "far.json", renamed(sample(plan8_path), {0: 4 * 10**9}))
     code, out, _ = cli(capsys, "validate", str(path))
