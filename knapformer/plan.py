@@ -55,8 +55,6 @@ _MAX_IDS_IN_MESSAGE = 5
 # (512 KB) or spanning at most _DENSE_SPAN_FACTOR times their count; else binary search.
 _DENSE_RANKS = 2**16
 _DENSE_SPAN_FACTOR = 4
-
-
 _INT64 = (-(2**63), 2**63 - 1)
 
 
@@ -88,9 +86,8 @@ def _as_column(kind: str):
 
 def _first_bad_value(values: Any, kind: str) -> str:
     """Why ``values`` is not a column of ``kind``, naming the first offending value."""
-    article = "an" if kind == "integer" else "a"
+    article, wanted = ("an", int) if kind == "integer" else ("a", int | float)
     for index, v in enumerate(values if isinstance(values, list | tuple) else []):
-        wanted = int if kind == "integer" else int | float
         if isinstance(v, bool) or not isinstance(v, wanted):
             return f"value {abbreviate(repr(v))} at index {index} is not {article} {kind}"
         if isinstance(v, int) and not _INT64[0] <= v <= _INT64[1]:

@@ -146,12 +146,12 @@ def read_plans(path: str | os.PathLike, on_error: Literal["skip", "raise"] = "sk
 
 def iter_plan_file(path: str | os.PathLike) -> Iterator[PlanRecord | Problem]:
     """Every plan of a file as a `PlanRecord` and every bad record as a `Problem`, in file
-    order, without holding the file (or its plans) in memory.
+    order; the caller decides what to keep.
 
-    A ``.jsonl`` file is read line by line; another file is first read as one JSON
-    document (a plan, a legacy summary or a list of plans) and else as JSONL. Only
-    regular files are read (a FIFO would block); a record over `MAX_RECORD_BYTES` is a
-    problem, skipped without being read into memory.
+    A ``.jsonl`` file is streamed (only the current line is held). Another file is read
+    whole, up to `MAX_RECORD_BYTES`, as one JSON document (a plan, a legacy summary or a
+    list of plans), and as JSONL when it is not one. Only regular files are read (a FIFO
+    would block); a record over `MAX_RECORD_BYTES` is a problem, skipped unread.
     """
     path = Path(path)
     try:

@@ -177,6 +177,11 @@ def test_sparse_gpu_ranks_cost_memory_by_gpu_count_not_by_rank(tmp_path, plan8_p
     dense = parse_plan_line(json.dumps(record))
     np.testing.assert_array_equal(stats.load_after, dense.stats.load_after)
     np.testing.assert_array_equal(stats.traffic, dense.stats.traffic)
+    # Tokens each GPU sends and receives in route: the traffic off its diagonal.
+    away = stats.traffic - np.diag(np.diag(stats.traffic))
+    np.testing.assert_array_equal(stats.tokens_sent, away.sum(axis=1))
+    np.testing.assert_array_equal(stats.tokens_received, away.sum(axis=0))
+    assert stats.tokens_sent.sum() == stats.moved_tokens > 0
 
     positions = gpu_positions(sparse["gpus"])
     ranks = np.array([sparse_ranks[5], 3, sparse_ranks[0], 2**31 - 1])
