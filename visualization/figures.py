@@ -6,13 +6,16 @@ Per-GPU arrays come from ``plan.stats`` and are indexed by position in ``plan.gp
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import numpy as np
 import plotly.colors
 import plotly.graph_objects as go
 import plotly.io as pio
 
 from knapformer.errors import KnapformerError
-from knapformer.plan import RoutingPlan
+from knapformer.plan import RoutingPlan, gpu_positions
 from knapformer.stats import StepSummary, chunk_loads
 from knapformer.units import LoadUnit, round_significant
 
@@ -24,6 +27,46 @@ _STRAGGLER_FACTOR = 1.15
 # Only the layout part of the template: its per-trace defaults would triple every figure.
 _TEMPLATE = {"layout": pio.templates["plotly_white"].layout.to_plotly_json()}
 _MARKERS_UP_TO = 400  # timeline points drawn with markers; beyond, lines only (fast SVG)
+#: Per-GPU views (load bars, traffic heatmap) of a plan with more GPUs than this show whole
+#: bags (or runs of bags) instead, and say so in their title: a 10,000-GPU heatmap would
+#: be 10⁸ cells (a 1 GB page), and bars thinner than a pixel show nothing.
+MAX_VIEW_GPUS = 128
+
+
+@dataclass(frozen=True)
+class GpuGroups:
+    """Columns of a per-GPU view of a plan too large to draw GPU by GPU: whole bags, or
+    runs of consecutive bags, so a group never splits a bag."""
+
+    of_position: np.ndarray  # (num_gpus,) group of each GPU position of plan.gpus
+    labels: list[str]  # (num_groups,) unique axis labels
+    sizes: np.ndarray  # (num_groups,) GPUs per group
+    note: str  # what the view shows instead of single GPUs
+
+
+def gpu_groups(plan: RoutingPlan) -> GpuGroups | None:
+    """How per-GPU views aggregate ``plan``; None when it is small enough to show per GPU."""
+    num_gpus, num_bags = len(plan.gpus), len(plan.bags)
+    if num_gpus <= MAX_VIEW_GPUS:
+        return None
+    per = math.ceil(num_bags / MAX_VIEW_GPUS)
+    of_bag = np.arange(num_bags) // per
+    count = int(of_bag[-1]) + 1
+    if per == 1:
+        labels = [plan.bag_label(b) for b in range(num_bags)]
+        note = f"aggregated by bag: {num_gpus:,} GPUs in {num_bags:,} bags"
+    else:
+        labels = [f"bags {i * per}–{min((i + 1) * per, num_bags) - 1}" for i in range(count)]
+        note = f"aggregated: {num_gpus:,} GPUs in {count:,} runs of {per} bags"
+    of_position = of_bag[plan.stats.gpu_bag]
+    return GpuGroups(of_position, labels, np.bincount(of_position, minlength=count), note)
+
+
+def _group_max(groups: GpuGroups, values: np.ndarray) -> np.ndarray:
+    """(num_groups,) largest of the per-GPU ``values`` in each group."""
+    out = np.full(len(groups.labels), -np.inf)
+    np.maximum.at(out, groups.of_position, values)
+    return out
 
 
 def _gpu_axis(plan: RoutingPlan) -> tuple[list[str], list[str], np.ndarray]:
@@ -68,6 +111,9 @@ def bag_load_figure(
     share of the workload) and the GPU it starts on.
     """
     seq = _check_seq(plan, highlight_seq)
+    groups = gpu_groups(plan)
+    if groups is not None:
+        return _grouped_load_figure(plan, groups, seq, validate)
     st = plan.stats
     unit = LoadUnit.of(plan)
     bags, gpus, idx = _gpu_axis(plan)
@@ -150,6 +196,76 @@ def bag_load_figure(
     return _figure(data, layout, validate)
 
 
+def _grouped_load_figure(
+    plan: RoutingPlan, groups: GpuGroups, seq: int | None, validate: bool
+) -> go.Figure:
+    """`bag_load_figure` of a large plan: per group, its most loaded GPU (the makespan is
+    the largest bar) and the tokens of all its GPUs."""
+    st = plan.stats
+    unit = LoadUnit.of(plan)
+    x = groups.labels
+    hover = [f"{label} ({size:,} GPUs)" for label, size in zip(x, groups.sizes, strict=True)]
+
+    def load_bars(when: str, load, tokens, color: str) -> dict:
+        return {
+            "type": "bar",
+            "x": x,
+            "y": _group_max(groups, load) * unit.factor,
+            "name": f"{when} (largest GPU)",
+            "marker": {"color": color},
+            "customdata": np.bincount(groups.of_position, weights=tokens, minlength=len(x)),
+            "hovertext": hover,
+            "hovertemplate": f"%{{hovertext}}<br>largest load {when} "
+            f"%{{y:,.3r}}{unit.suffix}<br>"
+            "%{customdata:,.0f} tokens in all<extra></extra>",
+        }
+
+    data = [
+        load_bars("before", st.load_before, st.tokens_before, BEFORE_COLOR),
+        load_bars("after", st.load_after, st.tokens_after, AFTER_COLOR),
+        {
+            "type": "scatter",
+            "x": x,
+            "y": np.full(len(x), st.mean_load * unit.factor),
+            "mode": "lines",
+            "name": f"capacity (mean {unit.format(st.mean_load)})",
+            "line": {"color": "#2f9e44", "dash": "dash", "width": 2},
+            "hoverinfo": "skip",
+        },
+    ]
+    if seq is not None:
+        pos = gpu_positions(plan.gpus)
+        home = x[int(groups.of_position[pos[int(plan.sequences.src_gpu[seq])]])]
+        receiving = {
+            x[int(g)] for g in groups.of_position[pos[plan.chunks.dst_gpu]][plan.chunks.seq == seq]
+        }
+        data[1]["marker"]["line"] = {
+            "color": HIGHLIGHT_COLOR,
+            "width": [3 if label in receiving else 0 for label in x],
+        }
+        data.append(
+            {
+                "type": "scatter",
+                "x": [home],
+                "y": [0],
+                "mode": "markers",
+                "name": f"sequence {seq} source",
+                "marker": {"symbol": "triangle-up", "size": 14, "color": HIGHLIGHT_COLOR},
+                "hovertemplate": f"sequence {seq} starts here<extra></extra>",
+            }
+        )
+    layout = {
+        "title": {"text": _title(plan, f"Largest GPU load of each group · {groups.note}")},
+        "barmode": "group",
+        "bargap": 0.15,
+        "yaxis": {"title": {"text": f"modelled {unit.axis_title}, most loaded GPU"}},
+        "xaxis": {"title": {"text": "bags, in order"}, "type": "category"},
+        "legend": {"orientation": "h", "y": 1.02, "x": 1, "xanchor": "right", "yanchor": "bottom"},
+        "margin": {"l": 60, "r": 20, "t": 70, "b": 60},
+    }
+    return _figure(data, layout, validate)
+
+
 def traffic_figure(
     plan: RoutingPlan, highlight_seq: int | None = None, validate: bool = True
 ) -> go.Figure:
@@ -159,8 +275,13 @@ def traffic_figure(
     hovering shows exact counts. ``highlight_seq`` outlines that sequence's chunk cells.
     """
     seq = _check_seq(plan, highlight_seq)
-    traffic = plan.stats.traffic
-    labels = [f"GPU {g}" for g in plan.gpus]
+    groups = gpu_groups(plan)
+    if groups is None:
+        traffic = plan.stats.traffic
+        labels = [f"GPU {g}" for g in plan.gpus]
+    else:  # never the GPU x GPU matrix of a large plan
+        labels = groups.labels
+        traffic = plan.stats.traffic_between(groups.of_position, len(labels))
     data = [
         {
             "type": "heatmap",
@@ -178,11 +299,18 @@ def traffic_figure(
     if seq is not None:
         chunks = plan.chunks
         mine = np.flatnonzero(chunks.seq == seq)
+
+        def cell(ranks: np.ndarray) -> list[str]:
+            if groups is None:
+                return [f"GPU {int(g)}" for g in ranks]
+            at = groups.of_position[gpu_positions(plan.gpus)[ranks]]
+            return [labels[int(g)] for g in at]
+
         data.append(
             {
                 "type": "scatter",
-                "x": [f"GPU {int(g)}" for g in chunks.dst_gpu[mine]],
-                "y": [f"GPU {int(g)}" for g in chunks.src_gpu[mine]],
+                "x": cell(chunks.dst_gpu[mine]),
+                "y": cell(chunks.src_gpu[mine]),
                 "mode": "markers",
                 "name": f"sequence {seq}",
                 "marker": {
@@ -195,8 +323,9 @@ def traffic_figure(
                 "hovertemplate": f"sequence {seq}: %{{customdata:,}} tokens<extra></extra>",
             }
         )
+    what = "GPU→GPU traffic (tokens)" + ("" if groups is None else f" · {groups.note}")
     layout = {
-        "title": {"text": _title(plan, "GPU→GPU traffic (tokens)")},
+        "title": {"text": _title(plan, what)},
         "xaxis": {"title": {"text": "destination"}, "type": "category"},
         "yaxis": {"title": {"text": "source"}, "type": "category", "autorange": "reversed"},
         "margin": {"l": 70, "r": 20, "t": 60, "b": 60},
