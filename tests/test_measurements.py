@@ -190,3 +190,46 @@ def test_plans_with_learnt_speeds_replay(history_demo, tmp_path):
     from knapformer.plan import RoutingPlan
 
     assert not replay(RoutingPlan.model_validate(nominal)).ok
+
+
+# ------------------------------------------------------------------ arguments
+def _argument_errors(rank: int, world: int) -> dict[str, str]:
+    from knapformer.balancer import SequenceBalancer
+
+    cases = {
+        "cost_model": {"cost_model": "oracle"},
+        "speeds_and_history": {"cost_model": "history", "gpu_speed": [1.0, 1.0]},
+        "speed_count": {"gpu_speed": [1.0, 0.5, 1.0]},
+        "speed_value": {"gpu_speed": [1.0, 0.0]},
+        "time_scale": {"time_scale": -2.0},
+        "derived_phase": {"phases": ["compute"]},
+    }
+    errors = {}
+    for name, options in cases.items():
+        try:
+            SequenceBalancer("g1n2", **options).close()
+        except ValueError as err:
+            errors[name] = str(err)
+    bal = SequenceBalancer("g1n2")
+    for name, call in {
+        "add_step": lambda: bal.add_timing("step", 1.0),
+        "collective": lambda: bal.collective("forward").__enter__(),
+    }.items():
+        try:
+            call()
+        except ValueError as err:
+            errors[name] = str(err)
+    bal.close()
+    return errors
+
+
+def test_bad_measurement_and_cost_model_arguments_name_the_value(tmp_path):
+    (errors,) = run_world(_argument_errors, 2, tmp_path)[:1]
+    assert "'oracle'" in errors["cost_model"] and "history" in errors["cost_model"]
+    assert "learnt by cost_model='history'" in errors["speeds_and_history"]
+    assert "2 finite positive speeds" in errors["speed_count"] and "0.5" in errors["speed_count"]
+    assert "[1.0, 0.0]" in errors["speed_value"]
+    assert "-2.0" in errors["time_scale"]
+    assert "'compute' is derived" in errors["derived_phase"]
+    assert "'step' is derived" in errors["add_step"]
+    assert "'forward' is not a collective phase" in errors["collective"]
