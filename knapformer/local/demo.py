@@ -8,12 +8,11 @@ to ``<out>/plans.jsonl``. Rank 0 sends one `StepReport` per step to the launcher
 prints it and, unless told not to, serves the dashboard on the same file.
 
 Fault injection: ``slow_rank`` sleeps ``(slow_factor - 1)`` times its measured compute
-every step (`knapformer.local.slowdown`: the forward pass's before ``reverse_route``,
-the backward pass's before the gradient all-reduce), as a GPU that slow would take: its
-peers wait for it there, and the balancer's measurements show the slow rank as compute
-and its peers as waiting. ``cost_model="history"`` makes
-the balancer learn the speeds and give the slow rank less work; ``plan_ahead`` prefetches
-each next step's plan while the current one trains.
+every step (`knapformer.local.slowdown`: before ``reverse_route`` and before the
+gradient all-reduce), as a GPU that slow would take: its peers wait for it there, and
+the balancer's measurements show the slow rank as compute and its peers as waiting.
+``cost_model="history"`` makes the balancer learn the speeds and give the slow rank less
+work; ``plan_ahead`` prefetches each next step's plan while the current one trains.
 
 Stopping: `knapformer.local.launcher` owns the workers. Ctrl-C (SIGINT) reaches the
 launcher, which sets the stop flag: the workers carry it in their gradient all-reduce, so
