@@ -15,7 +15,7 @@ session. For each run:
 The machine's few cores are shared by the 8 workers, so the model is sized for compute
 to outweigh per-step overheads (``--head-dim``): sleeping is the slowdown that shows.
 
-    .venv/bin/python bench/stragglers.py [--steps 24] [--head-dim 64] [--length-scale 0.03125]
+    .venv/bin/python bench/stragglers.py [--steps 32] [--head-dim 64] [--length-scale 0.03125]
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def run(cost_model: str, args, out: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--length-scale", type=float, default=1 / 32)
     args = parser.parse_args()
