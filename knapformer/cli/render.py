@@ -13,8 +13,12 @@ import typer
 from knapformer.cli.errors import UserError
 from knapformer.cli.extras import require
 from knapformer.cli.plans import read_plan_file
+from visualization.render import DEFAULT_QUALITY  # no manim import: that waits for a render
 
-QUALITY_HELP = "low (854x480, 15 fps), medium (1280x720, 30 fps), high (1080p60) or 4k"
+QUALITY_HELP = (
+    "low (854x480, 15 fps), medium (1280x720, 30 fps; labels at least 12 px tall), "
+    "high (1080p60) or 4k"
+)
 
 
 def register(app: typer.Typer) -> None:
@@ -34,7 +38,7 @@ def animate(
     steps: Annotated[
         str | None, typer.Option(help="Chain steps A:B (inclusive; A: or :B open) in one video.")
     ] = None,
-    quality: Annotated[str, typer.Option(help=QUALITY_HELP)] = "low",
+    quality: Annotated[str, typer.Option(help=QUALITY_HELP)] = DEFAULT_QUALITY,
     measure: Annotated[
         str, typer.Option(help="Block widths proportional to 'tokens' or 'workload'.")
     ] = "tokens",
