@@ -12,6 +12,7 @@ from rich.table import Table
 
 from knapformer.cli.errors import UserError
 from knapformer.cli.extras import require
+from knapformer.cli.plans import PLAN_ARGUMENT
 from knapformer.cli.progress import progress
 from knapformer.plan import COMPUTE_PHASES
 from knapformer.runfiles import run_file
@@ -44,7 +45,7 @@ def _bytes(n: float) -> str:
 
 # ---------------------------------------------------------------------- replay
 def replay(
-    file: Path = typer.Argument(..., help="plan file (JSON, JSONL or legacy JSON)"),
+    file: Path = typer.Argument(..., help=PLAN_ARGUMENT),
     step: int | None = typer.Option(None, help="step to replay (default: the last plan)"),
     dim: int | None = typer.Option(
         None, help="hidden size of the synthetic tokens (default 8/head)"

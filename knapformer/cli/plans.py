@@ -12,6 +12,7 @@ from rich.table import Table
 from knapformer.cli.errors import UserError
 from knapformer.plan import RoutingPlan
 from knapformer.plan_io import PlanFormatError, PlanRecord, ReadResult, read_plans, select_step
+from knapformer.runfiles import find_runs, single_run
 from knapformer.stats import before_after, share
 from knapformer.units import LoadUnit
 
@@ -22,13 +23,18 @@ def register(app: typer.Typer) -> None:
     app.command()(schema)
 
 
+PLAN_ARGUMENT = "plan file (JSON, JSONL or legacy JSON) or a run folder"
+
+
 def validate(
-    files: list[Path] = typer.Argument(..., help="plan files: JSON, JSONL or legacy JSON"),
+    files: list[Path] = typer.Argument(
+        ..., help="plan files (JSON, JSONL or legacy JSON) or run folders (every run checked)"
+    ),
 ) -> None:
     """Check plan files; print one line per problem as file:line: message (exit 1 if any)."""
     console = Console(highlight=False)
     bad = 0
-    for path in files:
+    for path in [run for given in files for run in _files_to_check(given)]:
         result = read_plans(path, on_error="skip")
         for problem in result.problems:
             print(problem)
@@ -39,8 +45,17 @@ def validate(
         raise typer.Exit(1)
 
 
+def _files_to_check(path: Path) -> list[Path]:
+    """``path``, or every run's file of the folder ``path`` (`find_runs`); a folder with
+    none is named by `single_run`'s error."""
+    runs = list(find_runs(path).values())
+    if not runs:
+        single_run(path)  # raises, saying what the folder lacks
+    return runs
+
+
 def show(
-    file: Path = typer.Argument(..., help="plan file (JSON, JSONL or legacy JSON)"),
+    file: Path = typer.Argument(..., help=PLAN_ARGUMENT),
     step: int | None = typer.Option(None, help="step to show (default: the last plan)"),
 ) -> None:
     """Print a plan as a table per GPU: bag, tokens and load before/after, and its figures."""
@@ -53,9 +68,10 @@ def show(
 
 
 def read_plan_file(path: Path) -> ReadResult:
-    """Every valid plan of ``path``; a one-line `UserError` naming the first problem when
-    there is none (commands that take a plan file start here)."""
-    result = read_plans(path, on_error="skip")
+    """Every valid plan of ``path`` (a plan file, or a run folder: `single_run`); a
+    one-line `UserError` naming the first problem when there is none (commands that take
+    a plan file start here)."""
+    result = read_plans(single_run(path), on_error="skip")
     if not result.records:
         raise UserError(str(result.problems[0]) if result.problems else f"{path}: no plan")
     return result

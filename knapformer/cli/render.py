@@ -12,7 +12,7 @@ import typer
 
 from knapformer.cli.errors import UserError
 from knapformer.cli.extras import require
-from knapformer.cli.plans import read_plan_file
+from knapformer.cli.plans import PLAN_ARGUMENT, read_plan_file
 from visualization.render import DEFAULT_QUALITY  # no manim import: that waits for a render
 
 QUALITY_HELP = (
@@ -28,7 +28,7 @@ def register(app: typer.Typer) -> None:
 
 
 def animate(
-    plan: Annotated[Path, typer.Argument(help="Plan file: JSON, JSONL or legacy JSON.")],
+    plan: Annotated[Path, typer.Argument(help=PLAN_ARGUMENT)],
     out: Annotated[Path, typer.Option("-o", "--out", help="Output video (.mp4).")] = Path(
         "routing.mp4"
     ),
@@ -73,7 +73,7 @@ def animate(
 
 
 def report(
-    plans: Annotated[Path, typer.Argument(help="Plan file: JSON, JSONL or legacy JSON.")],
+    plans: Annotated[Path, typer.Argument(help=PLAN_ARGUMENT)],
     out: Annotated[Path, typer.Option("-o", "--out", help="Output HTML file.")] = Path(
         "report.html"
     ),
