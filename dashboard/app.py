@@ -29,6 +29,16 @@ import flask
 from dash import Dash, Input, Output, Patch, State, ctx, dash_table, dcc, html, no_update
 from dash.exceptions import PreventUpdate
 
+from dashboard.guard import (
+    guard_callbacks,
+    is_int,
+    is_list,
+    is_number,
+    is_str,
+    list_of,
+    optional,
+    record,
+)
 from dashboard.store import RequestGate, Runs, Snapshot
 from knapformer.runfiles import RUNS_LAYOUT
 from knapformer.stats import before_after
@@ -61,6 +71,28 @@ _NOTICE = {
     "border": "1px solid #ffa94d",
     "borderRadius": "6px",
     "whiteSpace": "pre-wrap",
+}
+
+
+#: What each callback input and state may hold, by (component id, property): a request
+#: with anything else is answered 400 before a callback runs (see dashboard.guard).
+CALLBACK_SHAPES = {
+    ("tick", "n_intervals"): optional(is_int),
+    ("step-slider", "value"): optional(is_number),
+    ("timeline", "clickData"): optional(
+        record(points=list_of(record(customdata=is_number), nonempty=True))
+    ),
+    ("follow", "value"): optional(list_of(is_str)),
+    ("run-picker", "value"): optional(is_str),
+    ("run-picker", "options"): optional(is_list),
+    ("client", "data"): record(required=False, run=optional(is_str), count=is_int),
+    ("selection", "data"): optional(
+        record(run=optional(is_str), reset=optional(is_int), index=optional(is_int))
+    ),
+    ("view", "data"): optional(record(run=optional(is_str), notices=list_of(is_str))),
+    ("run-picker-box", "style"): optional(record()),
+    ("step-slider", "max"): optional(is_number),
+    ("seq-table", "selected_row_ids"): optional(list_of(is_int)),
 }
 
 
@@ -255,6 +287,8 @@ def create_app(path: str | Path) -> Dash:
         # updates (POST callbacks) are not.
         page_load = flask.request.method == "GET" and not flask.request.path.startswith("/api")
         gate.leave(PAGE_LOAD_LINGER_S if page_load else 0.0)
+
+    guard_callbacks(app, CALLBACK_SHAPES)  # after the gate's hooks: a refusal still leaves it
 
     @app.server.route("/api/status")
     def status():
