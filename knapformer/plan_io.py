@@ -22,6 +22,13 @@ from knapformer.errors import KnapformerError, OptionError, file_error
 from knapformer.legacy import is_legacy, plan_from_legacy
 from knapformer.plan import READABLE_SCHEMA_VERSIONS, SCHEMA_VERSION, RoutingPlan
 
+#: A file whose first lines are this many non-JSON-object lines is not read further.
+NOT_A_PLAN_FILE_AFTER = 3
+NOT_A_PLAN_FILE = (
+    f"this does not look like a plan file: its first {NOT_A_PLAN_FILE_AFTER} lines are not "
+    "JSON objects; stopped reading"
+)
+
 
 class PlanFormatError(KnapformerError):
     """A record that is not a valid plan; ``str()`` is a one-line reason."""
@@ -134,6 +141,7 @@ def read_plans(path: str | os.PathLike, on_error: Literal["skip", "raise"] = "sk
             except PlanFormatError as err:
                 fail(1, f"record {i}: {err}" if isinstance(whole, list) else str(err))
         return result
+    not_objects = 0  # leading lines that cannot be JSON objects, before any plan
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
@@ -141,6 +149,12 @@ def read_plans(path: str | os.PathLike, on_error: Literal["skip", "raise"] = "sk
             result.records.append(PlanRecord(parse_plan_line(line), number))
         except PlanFormatError as err:
             fail(number, str(err))
+            if not result.records and not line.lstrip().startswith("{"):
+                not_objects += 1
+                if not_objects == NOT_A_PLAN_FILE_AFTER:
+                    # README.md, a CSV, a log: say so once instead of once per line.
+                    fail(None, NOT_A_PLAN_FILE)
+                    return result
     return result
 
 

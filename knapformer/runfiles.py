@@ -138,8 +138,8 @@ def single_run(path: str | Path) -> Path:
         return next(iter(runs.values()))
     if not runs:
         raise KnapformerError(
-            f"{path} is a folder without plan files (a run folder holds {PLANS_FILE}, a "
-            f"folder of runs {RUNS_LAYOUT} or .json/.jsonl files)"
+            f"{path}: cannot read: a folder without plan files (a run folder holds "
+            f"{PLANS_FILE}, a folder of runs {RUNS_LAYOUT} or .json/.jsonl files)"
         )
     names = list(runs)
     shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")

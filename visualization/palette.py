@@ -19,6 +19,9 @@ CAPACITY_NAME = "green"
 MODEL_FIT = "#2f9e44"
 #: Measured points.
 MEASURED = "#1c7ed6"
+#: The workload model's two parts: linear layers and attention.
+LINEAR_PART = "#868e96"
+ATTENTION_PART = "#e8590c"
 #: A selected sequence, the selected step, stragglers.
 HIGHLIGHT = "#e8590c"
 #: Items too small to draw one by one, drawn as one block per GPU.

@@ -40,7 +40,7 @@ def validate(
             print(problem)
         bad += len(result.problems)
         if not result.problems:
-            console.print(f"{path}: {len(result.records)} plan(s) OK")
+            console.print(f"{path}: {len(result.records)} plan(s) OK", soft_wrap=True)
     if bad:
         raise typer.Exit(1)
 
@@ -73,7 +73,10 @@ def read_plan_file(path: Path) -> ReadResult:
     a plan file start here)."""
     result = read_plans(single_run(path), on_error="skip")
     if not result.records:
-        raise UserError(str(result.problems[0]) if result.problems else f"{path}: no plan")
+        # A problem with the whole file (unreadable, not a plan file) says most.
+        whole = [p for p in result.problems if p.line is None]
+        first = (whole or result.problems or [f"{path}: no plan"])[0]
+        raise UserError(str(first))
     return result
 
 
