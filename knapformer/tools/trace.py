@@ -179,6 +179,14 @@ def trace_events(runs: dict[str, Sequence[RoutingPlan]]) -> list[dict[str, Any]]
     return events
 
 
+def _span_us(start_ms: float, ms: float) -> dict[str, int]:
+    """``ts`` and ``dur`` in whole microseconds, both ends rounded on their own: a slice
+    that ends where the next begins shares its boundary exactly (viewers re-nest a slice
+    that starts a hair before its predecessor ends)."""
+    start = round(start_ms * US_PER_MS)
+    return {"ts": start, "dur": round((start_ms + ms) * US_PER_MS) - start}
+
+
 def _step_name(plan: RoutingPlan, index: int) -> str:
     return f"step {plan.step if plan.step is not None else index}"
 
@@ -206,8 +214,7 @@ def _rank_steps(plan: RoutingPlan, pid: int, at_ms: float, index: int) -> tuple[
                     "cat": "step" if s.depth == 0 else "phase",
                     "pid": pid,
                     "tid": rank,
-                    "ts": round((at_ms + s.start_ms) * US_PER_MS, 3),
-                    "dur": round(s.ms * US_PER_MS, 3),
+                    **_span_us(at_ms + s.start_ms, s.ms),
                     "args": args,
                 }
             )
@@ -232,7 +239,7 @@ def _step_events(plan: RoutingPlan, pid: int, at_ms: float, slot_ms: float, inde
     }
     if plan.measurements is None or not plan.measurements.per_rank_ms:
         figures["note"] = "no per-rank times recorded for this step"
-    ts = round(at_ms * US_PER_MS, 3)
+    span = _span_us(at_ms, slot_ms)
     events = [
         {
             "ph": "X",
@@ -240,13 +247,12 @@ def _step_events(plan: RoutingPlan, pid: int, at_ms: float, slot_ms: float, inde
             "cat": "step",
             "pid": pid,
             "tid": STEPS_TRACK,
-            "ts": ts,
-            "dur": round(slot_ms * US_PER_MS, 3),
+            **span,
             "args": figures,
         }
     ]
     events += [
-        {"ph": "C", "name": name, "pid": pid, "ts": ts, "args": series}
+        {"ph": "C", "name": name, "pid": pid, "ts": span["ts"], "args": series}
         for name, series in counters.items()
     ]
     return events
