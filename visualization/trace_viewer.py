@@ -1,6 +1,7 @@
 """Load a Chrome trace (``knapformer trace``) into the trace viewer every Chromium ships:
-the Performance panel of DevTools, opened headless as ``devtools://devtools/bundled/
-trace_app.html``, through Playwright. Nothing is fetched from the network.
+the Performance panel of DevTools, headless, through Playwright.
+
+The panel is opened as `TRACE_APP`; nothing is fetched from the network.
 
 Tests use it to check that a trace really loads (the panel shows its full time range);
 ``docs/make_pictures.py`` takes the screenshot for the docs with it.

@@ -12,7 +12,7 @@ from knapformer.cli.errors import UserError
 from knapformer.cli.extras import require
 from knapformer.plan import RoutingPlan
 from knapformer.plan_io import plans_in_range, read_plans
-from knapformer.runfiles import RUNS_LAYOUT, find_runs, single_run
+from knapformer.runfiles import RUNS_LAYOUT, every_run
 
 PLANS_HELP = f"plan file (JSON, JSONL or legacy JSON) or a folder of runs ({RUNS_LAYOUT})"
 STEPS_HELP = "steps A:B (inclusive; A: or :B open) to export (default: every plan)"
@@ -26,10 +26,8 @@ def register(app: typer.Typer) -> None:
 def read_runs(path: Path, steps: str | None) -> dict[str, list[RoutingPlan]]:
     """Run name -> its plans (in ``steps`` when given) for every run behind ``path``: a
     plan file is one run (named by its plans' ``run``, else its file name), a folder
-    holds the runs `find_runs` lists. Bad records are skipped with a line on stderr."""
-    runs = find_runs(path)
-    if not runs:
-        single_run(path)  # raises, saying what the folder lacks
+    holds the runs `every_run` lists. Bad records are skipped with a line on stderr."""
+    runs = every_run(path)
     out: dict[str, list[RoutingPlan]] = {}
     for name, file in runs.items():
         result = read_plans(file, on_error="skip")

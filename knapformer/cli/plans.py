@@ -12,7 +12,7 @@ from rich.table import Table
 from knapformer.cli.errors import UserError
 from knapformer.plan import RoutingPlan
 from knapformer.plan_io import PlanFormatError, PlanRecord, ReadResult, read_plans, select_step
-from knapformer.runfiles import find_runs, single_run
+from knapformer.runfiles import every_run, single_run
 from knapformer.stats import before_after, share
 from knapformer.units import LoadUnit
 
@@ -34,7 +34,7 @@ def validate(
     """Check plan files; print one line per problem as file:line: message (exit 1 if any)."""
     console = Console(highlight=False)
     bad = 0
-    for path in [run for given in files for run in _files_to_check(given)]:
+    for path in [run for given in files for run in every_run(given).values()]:
         result = read_plans(path, on_error="skip")
         for problem in result.problems:
             print(problem)
@@ -43,15 +43,6 @@ def validate(
             console.print(f"{path}: {len(result.records)} plan(s) OK", soft_wrap=True)
     if bad:
         raise typer.Exit(1)
-
-
-def _files_to_check(path: Path) -> list[Path]:
-    """``path``, or every run's file of the folder ``path`` (`find_runs`); a folder with
-    none is named by `single_run`'s error."""
-    runs = list(find_runs(path).values())
-    if not runs:
-        single_run(path)  # raises, saying what the folder lacks
-    return runs
 
 
 def show(
