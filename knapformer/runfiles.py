@@ -7,7 +7,9 @@
   template filled in, or else ``plans.group<k>.jsonl`` next to it (group 0 keeps the path)
   (`group_file`). Those rotate the same way (``plans.group1.2.jsonl``).
 - A folder of runs holds one ``<run>/plans.jsonl`` per run (`run_file`), and may hold plan
-  files directly; `find_runs` lists them the way the dashboard offers them.
+  files directly; `find_runs` lists them the way the dashboard offers them, `every_run`
+  the same for a command that reads them all, and `single_run` picks the one run a
+  command that reads one plan file is given.
 
 The recorder, the demo, the simulator and the dashboard all name files through here.
 """
@@ -16,6 +18,8 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+
+from knapformer.errors import KnapformerError
 
 PLANS_FILE = "plans.jsonl"
 #: How a folder of runs is laid out, for help texts and messages.
@@ -120,3 +124,33 @@ def find_runs(path: str | Path) -> dict[str, Path]:
         ):
             found[entry.name] = entry
     return found
+
+
+def every_run(path: str | Path) -> dict[str, Path]:
+    """`find_runs` of ``path``, refusing a folder without any (`KnapformerError`)."""
+    runs = find_runs(path)
+    if not runs:
+        raise KnapformerError(
+            f"{path}: cannot read: a folder without plan files (a run folder holds "
+            f"{PLANS_FILE}, a folder of runs {RUNS_LAYOUT} or .json/.jsonl files)"
+        )
+    return runs
+
+
+def single_run(path: str | Path) -> Path:
+    """The plan file behind ``path`` for a command that reads one: ``path`` itself unless it
+    is a folder; a recording's folder (``plans.jsonl`` inside) or a folder holding exactly
+    one run gives that run's file. A folder of several runs, or of none, is a
+    `KnapformerError` naming what it holds."""
+    path = Path(path)
+    if not path.is_dir():
+        return path
+    runs = every_run(path)
+    if len(runs) == 1:
+        return next(iter(runs.values()))
+    names = list(runs)
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    first = runs[names[0]]
+    raise KnapformerError(
+        f"{path} holds {len(runs)} runs ({shown}): give one of their files, e.g. {first}"
+    )

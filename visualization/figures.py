@@ -18,10 +18,11 @@ from knapformer.errors import KnapformerError
 from knapformer.plan import RoutingPlan, gpu_positions
 from knapformer.stats import StepSummary, chunk_loads
 from knapformer.units import LoadUnit, round_significant
+from visualization import palette
+from visualization.palette import AFTER as AFTER_COLOR
+from visualization.palette import BEFORE as BEFORE_COLOR
+from visualization.palette import HIGHLIGHT as HIGHLIGHT_COLOR
 
-BEFORE_COLOR = "#b0b7c3"
-AFTER_COLOR = "#2a6fdb"
-HIGHLIGHT_COLOR = "#e8590c"
 # A GPU whose measured/predicted ratio exceeds the median ratio by this much is flagged.
 _STRAGGLER_FACTOR = 1.15
 # Only the layout part of the template: its per-trace defaults would triple every figure.
@@ -143,7 +144,7 @@ def bag_load_figure(
             "y": np.full(len(idx), st.mean_load * unit.factor),
             "mode": "lines",
             "name": f"capacity (mean {unit.format(st.mean_load)})",
-            "line": {"color": "#2f9e44", "dash": "dash", "width": 2},
+            "line": {"color": palette.CAPACITY, "dash": "dash", "width": 2},
             "hoverinfo": "skip",
         },
     ]
@@ -338,8 +339,8 @@ def traffic_figure(
 _TIMELINE_TRACES = (
     ("before", BEFORE_COLOR, 1, ".3f"),
     ("after", AFTER_COLOR, 1, ".3f"),
-    ("moved", "#7048e8", 2, ".1%"),
-    ("plan ms", "#868e96", 3, ".2f"),
+    ("moved", palette.MOVED, 2, ".1%"),
+    ("plan ms", palette.PLAN_TIME, 3, ".2f"),
 )
 
 
@@ -521,7 +522,7 @@ def predicted_vs_measured_figure(plan: RoutingPlan, validate: bool = True) -> go
                 "y": [0, k * top],
                 "mode": "lines",
                 "name": f"model fit ({k:.3g} ms per unit)",
-                "line": {"dash": "dash", "color": "#2f9e44"},
+                "line": {"dash": "dash", "color": palette.MODEL_FIT},
                 "hoverinfo": "skip",
             }
         )
