@@ -29,6 +29,9 @@ Guarantees (each one tested in ``tests/test_recorder*.py``):
   ``{date}`` or ``{}`` is refused when the recorder is made, not at the first write.
 - ``close()`` flushes the queue; a recorder is a context manager and is closed at
   interpreter exit.
+- With ``tensorboard_dir``, the writer thread also writes each written plan's per-step
+  scalars (`knapformer.scalars`) to TensorBoard, live; never on the training thread. A
+  failure there logs one warning and stops the TensorBoard logging only.
 
 A plain sink: it never reads the balancer, runs no collective and times nothing. With a
 balancer (``SequenceBalancer(..., recorder=PlanRecorder(path))``) the balancer hands it
@@ -42,6 +45,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import importlib.util
 import logging
 import math
 import os
@@ -51,8 +55,9 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
-from knapformer.errors import KnapformerError
+from knapformer.errors import KnapformerError, MissingExtraError
 from knapformer.plan import Measurements, RoutingPlan
 from knapformer.plan_io import json_line_pieces
 from knapformer.runfiles import GROUP_TEMPLATE, group_file, rotated_copies, rotated_file
@@ -87,6 +92,9 @@ class PlanRecorder:
         max_bytes: rotate when the file would grow past this size (``None``: never).
         backups: rotated files kept (``plans.1.jsonl`` ... ``plans.<backups>.jsonl``).
         enabled: ``False`` makes every call a no-op.
+        tensorboard_dir: also log every written plan's scalars to TensorBoard there (a
+            folder; ``{group}`` and the ``.group<k>`` rule as for ``path``); needs the
+            ``tensorboard`` extra (`MissingExtraError` here when it is missing).
     """
 
     def __init__(
@@ -99,6 +107,7 @@ class PlanRecorder:
         max_bytes: int | None = 256 * 1024 * 1024,
         backups: int = 5,
         enabled: bool = True,
+        tensorboard_dir: str | os.PathLike | None = None,
     ):
         if int(every) < 1:
             raise KnapformerError(f"every must be a positive number of steps, got {every}")
@@ -111,7 +120,17 @@ class PlanRecorder:
         if int(backups) < 0:
             raise KnapformerError(f"backups must be >= 0, got {backups}")
         _check_placeholders(str(path))
+        if tensorboard_dir is not None:
+            _check_placeholders(str(tensorboard_dir))
+            if importlib.util.find_spec("tensorboard") is None:
+                what = "PlanRecorder(tensorboard_dir=...)"
+                raise MissingExtraError("tensorboard", what, "tensorboard")
         self.path = Path(path)
+        self.tensorboard_dir = None if tensorboard_dir is None else Path(tensorboard_dir)
+        #: plans whose scalars went to TensorBoard (updated by the writer thread)
+        self.tensorboard_written = 0
+        self._tensorboard_path: Path | None = None  # this process's TensorBoard folder
+        self._tensorboard: Any = None  # its writer, opened by the writer thread
         self.every = int(every)
         self.writer = int(writer)
         self.max_bytes = None if max_bytes is None else int(max_bytes)
@@ -176,7 +195,10 @@ class PlanRecorder:
             if not (due and self._writes(plan)):
                 return False
         if self.file_path is None and _dist_rank() is not None:
-            self.file_path = self._group_path(plan.gpus)
+            group = min(plan.gpus) // len(plan.gpus)  # groups are consecutive blocks of ranks
+            self.file_path = group_file(self.path, group)
+            if self.tensorboard_dir is not None:
+                self._tensorboard_path = group_file(self.tensorboard_dir, group)
         return self._enqueue(plan)
 
     def close(self, timeout: float | None = 30.0) -> None:
@@ -239,6 +261,8 @@ class PlanRecorder:
                 return
             if self.file_path is None:
                 self.file_path = self.path
+            if self._tensorboard_path is None:
+                self._tensorboard_path = self.tensorboard_dir
             self._pid = os.getpid()
             self._thread = threading.Thread(
                 target=self._run, name="knapformer-plan-recorder", daemon=True
@@ -254,10 +278,6 @@ class PlanRecorder:
         group, else the rank at position ``writer`` of ``plan.gpus``."""
         rank = _dist_rank()
         return rank is None or (self.writer < len(plan.gpus) and plan.gpus[self.writer] == rank)
-
-    def _group_path(self, group_ranks: list[int]) -> Path:
-        """This group's file: groups are consecutive blocks of ranks, index = first // size."""
-        return group_file(self.path, min(group_ranks) // len(group_ranks))
 
     # -------------------------------------------------------------- writer thread
     def _run(self) -> None:
@@ -277,7 +297,32 @@ class PlanRecorder:
                 self._write(data)
             except OSError as err:
                 self._disable(err)
+                continue
+            if self._tensorboard_path is not None:
+                self._log_scalars(item)
         self._close_file()
+        if self._tensorboard is not None:
+            with contextlib.suppress(Exception):  # what it could not flush is lost, no more
+                self._tensorboard.close()
+
+    def _log_scalars(self, plan: RoutingPlan) -> None:
+        """The plan's per-step scalars to TensorBoard (writer thread); on any failure one
+        warning and no more TensorBoard logging (the JSONL goes on)."""
+        from knapformer.scalars import open_writer, write_step
+
+        try:
+            if self._tensorboard is None:
+                self._tensorboard = open_writer(self._tensorboard_path)
+            write_step(self._tensorboard, plan)
+        except Exception as err:
+            log.warning(
+                "PlanRecorder stopped logging to TensorBoard at %s: %s",
+                self._tensorboard_path,
+                err,
+            )
+            self._tensorboard_path = None
+            return
+        self.tensorboard_written += 1
 
     def _serialize(self, plan: RoutingPlan) -> list[bytes]:
         """The plan's JSON line with its newline, in pieces: serialising a multi-MB plan in

@@ -13,7 +13,7 @@ from knapformer.local.launcher import launch
 from knapformer.plan_io import read_plans
 
 
-def worker(rank: int, world: int, out: str) -> dict:
+def worker(rank: int, world: int, out: str, tensorboard: str) -> dict:
     """One rank: 5 steps of a balancer (two replicas of g1n2) with known timings, every=2."""
     import logging
 
@@ -25,7 +25,7 @@ def worker(rank: int, world: int, out: str) -> dict:
     handler.emit = lambda record: warnings.append(record.getMessage())
     for name in ("knapformer.recorder", "knapformer.timing"):
         logging.getLogger(name).addHandler(handler)
-    rec = PlanRecorder(os.path.join(out, "plans.jsonl"), every=2)
+    rec = PlanRecorder(os.path.join(out, "plans.jsonl"), every=2, tensorboard_dir=tensorboard)
     bal = SequenceBalancer("g1n2", recorder=rec, phases=["custom", "marker", "partial"])
     for step in range(5):
         bal.plan_routing([100 * (rank + 1) + step, 7], token_dim=64)
@@ -42,20 +42,22 @@ def worker(rank: int, world: int, out: str) -> dict:
         "written": rec.written,
         "file": None if rec.file_path is None else str(rec.file_path),
         "warnings": warnings,
+        "tensorboard": rec.tensorboard_written,
     }
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("dist")
+    tensorboard = tmp_path_factory.mktemp("logs") / "tb"
     # Raises, naming the rank, unless all four workers returned.
-    results = launch(worker, 4, (str(out),), deadline_s=120)
+    results = launch(worker, 4, (str(out), str(tensorboard)), deadline_s=120)
     assert [r["rank"] for r in results] == [0, 1, 2, 3]
-    return out, dict(enumerate(results))
+    return out, dict(enumerate(results)), tensorboard
 
 
 def test_each_group_writer_writes_its_own_file(run):
-    out, reports = run
+    out, reports, _ = run
     assert sorted(f.name for f in out.iterdir()) == ["plans.group1.jsonl", "plans.jsonl"]
     assert reports[0]["file"] == str(out / "plans.jsonl")
     assert reports[2]["file"] == str(out / "plans.group1.jsonl")
@@ -63,15 +65,25 @@ def test_each_group_writer_writes_its_own_file(run):
 
 
 def test_non_writing_ranks_start_no_thread_and_open_no_file(run):
-    _, reports = run
+    _, reports, _ = run
     for rank in (1, 3):
         assert reports[rank]["thread"] is False
         assert reports[rank]["written"] == 0 and reports[rank]["file"] is None
+        assert reports[rank]["tensorboard"] == 0
     assert reports[0]["thread"] and reports[2]["thread"]
 
 
+def test_each_group_writer_logs_its_own_tensorboard_run(run):
+    _, reports, tensorboard = run
+    assert reports[0]["tensorboard"] == reports[2]["tensorboard"] == 3
+    logs = tensorboard.parent
+    assert sorted(p.name for p in logs.iterdir()) == ["tb", "tb.group1"]
+    for folder in logs.iterdir():
+        assert any(f.name.startswith("events.out.tfevents") for f in folder.iterdir()), folder
+
+
 def test_every_k_and_per_rank_times_of_the_right_step(run):
-    out, _ = run
+    out, _, _ = run
     for name, gpus in (("plans.jsonl", [0, 1]), ("plans.group1.jsonl", [2, 3])):
         plans = read_plans(out / name, on_error="raise").plans
         assert [p.step for p in plans] == [0, 2, 4]
@@ -98,6 +110,6 @@ def test_every_k_and_per_rank_times_of_the_right_step(run):
 
 
 def test_unlisted_phase_is_warned_about_once_per_rank(run):
-    _, reports = run
+    _, reports, _ = run
     for report in reports.values():
         assert len(report["warnings"]) == 1 and "unlisted" in report["warnings"][0]
