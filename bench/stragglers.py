@@ -2,20 +2,22 @@
 
 The live demo at world size 8 (topology g1n2+g2n1+g4n1) with ``--slow-rank 5
 --slow-factor 2`` (`knapformer.local.slowdown`: rank 5 sleeps as long again as it
-computes), once with the ``modelled`` cost model and once with ``history``, in the same
-session. For each run:
+computes), with the ``modelled`` and the ``history`` cost model, in the same session and
+in the order modelled, history, history, modelled (a machine whose load drifts during
+the session then weighs on both alike). For each cost model:
 
 - the step at which `knapformer stragglers` (`knapformer.stragglers.analyse` over the
-  plans recorded so far) first names rank 5, and the other ranks it names then or later;
+  plans recorded so far) first names rank 5, and the other ranks it names then or later
+  (its first run);
 - the median step time (the balancer's ``step``: from one ``plan_routing`` to the next,
-  the slowest rank) over the last half of the run, and the speed-up of history over
-  modelled (modelled's step time / history's);
-- rank 5's share of the tokens over the last half.
+  the slowest rank) over the last half of each run, pooled over its two runs, and the
+  speed-up of history over modelled (modelled's step time / history's);
+- rank 5's share of the tokens over the last half, and the speed history learnt for it.
 
 The machine's few cores are shared by the 8 workers, so the model is sized for compute
 to outweigh per-step overheads (``--head-dim``): sleeping is the slowdown that shows.
 
-    .venv/bin/python bench/stragglers.py [--steps 32] [--head-dim 64] [--length-scale 0.03125]
+    .venv/bin/python bench/stragglers.py [--steps 20] [--head-dim 64] [--length-scale 0.03125]
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ def run(cost_model: str, args, out: Path) -> dict:
     cfg = DemoConfig(
         steps=args.steps,
         world_size=WORLD,
-        out=out / cost_model,
+        out=out,
         slow_rank=SLOW_RANK,
         slow_factor=SLOW_FACTOR,
         cost_model=cost_model,
@@ -72,14 +74,13 @@ def run(cost_model: str, args, out: Path) -> dict:
     began = time.perf_counter()
     run_demo(cfg)
     seconds = time.perf_counter() - began
-    plans = read_plans(out / cost_model / "plans.jsonl", on_error="raise").plans
+    plans = read_plans(out / "plans.jsonl", on_error="raise").plans
     last_half = [p for p in plans[len(plans) // 2 :] if "step" in p.measurements.per_rank_ms]
-    step_ms = statistics.median(max(p.measurements.per_rank_ms["step"]) for p in last_half)
     tokens = np.array([p.stats.tokens_after for p in last_half], dtype=np.float64)
     share = (tokens / tokens.sum(axis=1, keepdims=True)).mean(axis=0)
     first, others = first_named(plans)
     return {
-        "step_ms": step_ms,
+        "step_ms": [max(p.measurements.per_rank_ms["step"]) for p in last_half],
         "first": first,
         "others": others,
         "share": share[SLOW_RANK] / share.mean(),
@@ -90,47 +91,56 @@ def run(cost_model: str, args, out: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=20, help="steps of each of the 4 runs")
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--length-scale", type=float, default=1 / 32)
     args = parser.parse_args()
+    order = ("modelled", "history", "history", "modelled")
+    runs: dict[str, list[dict]] = {"modelled": [], "history": []}
     with tempfile.TemporaryDirectory(prefix="knapformer-stragglers-") as tmp:
-        results = {cm: run(cm, args, Path(tmp)) for cm in ("modelled", "history")}
+        for i, cost_model in enumerate(order):
+            runs[cost_model].append(run(cost_model, args, Path(tmp) / f"{i}-{cost_model}"))
 
     from rich.console import Console
     from rich.table import Table
 
-    base = results["modelled"]["step_ms"]
+    median = {
+        name: statistics.median(ms for r in rs for ms in r["step_ms"]) for name, rs in runs.items()
+    }
     table = Table(
         title=(
             f"demo, world {WORLD}, --slow-rank {SLOW_RANK} --slow-factor {SLOW_FACTOR:g}, "
-            f"{args.steps} steps (head dim {args.head_dim}, lengths x{args.length_scale:g})"
+            f"runs of {args.steps} steps in the order {', '.join(order)} (head dim "
+            f"{args.head_dim}, lengths x{args.length_scale:g})"
         )
     )
     for col in (
         "cost model",
         "rank 5 first named at step",
         "other ranks named",
-        "median step ms (last half)",
+        "median step ms (last halves)",
+        "each run",
         "speed-up vs modelled",
         "rank 5 tokens / mean",
         "rank 5 speed learnt",
     ):
         table.add_column(col, justify="left" if col == "cost model" else "right")
-    for name, r in results.items():
-        speed = "-" if r["speed"] is None else f"{r['speed'][SLOW_RANK]:.2f}"
+    for name, rs in runs.items():
+        first = rs[0]
+        speed = "-" if first["speed"] is None else f"{first['speed'][SLOW_RANK]:.2f}"
         table.add_row(
             name,
-            "never" if r["first"] is None else str(r["first"]),
-            ", ".join(map(str, sorted(r["others"]))) or "none",
-            f"{r['step_ms']:,.0f}",
-            f"{base / r['step_ms']:.2f}x",
-            f"{r['share']:.2f}",
+            "never" if first["first"] is None else str(first["first"]),
+            ", ".join(map(str, sorted(first["others"]))) or "none",
+            f"{median[name]:,.0f}",
+            " / ".join(f"{statistics.median(r['step_ms']):,.0f}" for r in rs),
+            f"{median['modelled'] / median[name]:.2f}x",
+            f"{first['share']:.2f}",
             speed,
         )
-    Console(width=170).print(table)
-    took = ", ".join(f"{n} {r['seconds']:.0f} s" for n, r in results.items())
-    print(f"runs took {took}")
+    Console(width=190).print(table)
+    took = sum(r["seconds"] for rs in runs.values() for r in rs)
+    print(f"4 runs took {took:.0f} s")
 
 
 if __name__ == "__main__":
