@@ -17,6 +17,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from knapformer.errors import KnapformerError
+
 PLANS_FILE = "plans.jsonl"
 #: How a folder of runs is laid out, for help texts and messages.
 RUNS_LAYOUT = f"<run>/{PLANS_FILE}"
@@ -110,3 +112,18 @@ def find_runs(path: str | Path) -> dict[str, Path]:
         ):
             found[entry.name] = entry
     return found
+
+
+def single_run_file(path: str | Path) -> Path:
+    """The plan file a command reads for ``path``: a file as it is; for a folder, its one
+    run (`find_runs`). A folder with no run or several is a `KnapformerError` naming them."""
+    path = Path(path)
+    if not path.is_dir():
+        return path
+    runs = find_runs(path)
+    if len(runs) == 1:
+        return next(iter(runs.values()))
+    if not runs:
+        raise KnapformerError(f"{path}: no plans here (expected {PLANS_FILE} or {RUNS_LAYOUT})")
+    names = ", ".join(runs)
+    raise KnapformerError(f"{path} holds {len(runs)} runs ({names}): name one of their files")

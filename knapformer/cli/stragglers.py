@@ -1,0 +1,119 @@
+"""``knapformer stragglers PLANS``: which rank is slow, and whether the GPU or the data is."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from knapformer.cli.errors import UserError
+from knapformer.cli.plans import read_plan_file
+from knapformer.measured import measure
+from knapformer.runfiles import RUNS_LAYOUT, single_run_file
+from knapformer.stragglers import WINDOW, StragglerReport, analyse
+from knapformer.units import significant
+
+#: Up to this many ranks the table lists every rank; beyond, the named ones only.
+_ALL_RANKS_UP_TO = 64
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(stragglers)
+
+
+def stragglers(
+    plans: Path = typer.Argument(
+        ..., help=f"recorded plans with measurements: a .jsonl, or a run folder ({RUNS_LAYOUT})"
+    ),
+    window: int = typer.Option(
+        WINDOW, help="analyse the last N measured steps (0: every step in the file)"
+    ),
+    as_json: bool = typer.Option(
+        False, "--json", help="print a JSON list of per-rank objects (rank, verdict, ...)"
+    ),
+) -> None:
+    """Name slow ranks: per rank, predicted share vs measured compute, waiting, and a verdict
+    (slow_gpu, data_imbalance or ok)."""
+    if window < 0:
+        raise UserError(f"--window {window} must be 0 (every step) or more")
+    path = single_run_file(plans)
+    result = read_plan_file(path)
+    figures = [m.figures() for m in map(measure, result.plans) if m is not None]
+    if not figures:
+        raise UserError(
+            f"{path}: none of its {len(result.records)} plan(s) measured a compute phase "
+            "(record with a balancer and a PlanRecorder)"
+        )
+    report = analyse(figures, window or None)
+    if as_json:
+        print(json.dumps([r.as_dict() for r in report.ranks], indent=1))
+        return
+    console = Console(highlight=False, width=max(Console().width, 110))
+    console.print(_table(report), _summary(report, len(figures)))
+
+
+def _fmt(value: float, spec: str = "") -> str:
+    if value != value:  # NaN: the rank had no work (or no measurement) in the window
+        return "–"
+    return format(value, spec) if spec else significant(value)
+
+
+def _table(report: StragglerReport) -> Table:
+    steps = [s for s in report.steps if s is not None]
+    span = f"steps {min(steps)}..{max(steps)}" if steps else f"{len(report.steps)} plans"
+    table = Table(
+        title=f"stragglers over {span} ({len(report.steps)} measured; compute phase "
+        f"{', '.join(report.phases)})",
+        title_justify="left",
+    )
+    for name in ("rank", "verdict", "predicted\nshare", "predicted\nload (× ideal)"):
+        table.add_column(name, justify="right" if name != "verdict" else "left")
+    for name in ("compute\n(ms)", "measured ÷\npredicted", "wait\n(ms)", "times\nlast", "steps"):
+        table.add_column(name, justify="right")
+    shown = report.ranks if len(report.ranks) <= _ALL_RANKS_UP_TO else report.named
+    for r in shown:
+        style = {"slow_gpu": "bold red", "data_imbalance": "yellow"}.get(r.verdict)
+        table.add_row(
+            str(r.rank),
+            r.verdict,
+            _fmt(r.predicted_share, ".1%"),
+            _fmt(r.predicted_load, ".2f"),
+            _fmt(r.measured_ms),
+            _fmt(r.ratio, ".2f"),
+            _fmt(r.wait_ms),
+            str(r.last_arrivals),
+            str(r.steps),
+            style=style,
+        )
+    return table
+
+
+def _summary(report: StragglerReport, measured: int) -> str:
+    th = report.thresholds
+    lines = []
+    if len(report.ranks) > _ALL_RANKS_UP_TO:
+        ok = len(report.ranks) - len(report.named)
+        lines.append(f"{ok:,} of {len(report.ranks):,} ranks ok (not listed; --json lists all)")
+    if measured < th.min_steps:
+        lines.append(
+            f"only {measured} measured step(s): a verdict needs {th.min_steps} (all ranks ok)"
+        )
+    for r in report.named:
+        why = (
+            f"{r.ratio:.2f}× the compute the plan predicts, in {r.slow_steps} of {r.steps} steps"
+            if r.verdict == "slow_gpu"
+            else f"the plan gives it {r.predicted_load:.2f}× the ideal load, in "
+            f"{r.heavy_steps} of {r.steps} steps"
+        )
+        lines.append(f"{r.verdict}: rank {r.rank} — {why}")
+    if not report.named and measured >= th.min_steps:
+        lines.append("no straggler: every rank takes about the time the plan predicts")
+    lines.append(
+        f"verdicts: slow_gpu when measured ÷ predicted ≥ {th.slow_ratio:g} (median, and in "
+        f"≥ {th.persistence:.0%} of steps); data_imbalance when the predicted load is "
+        f"≥ {th.heavy_load:g}× the ideal (likewise)"
+    )
+    return "\n".join(lines)
