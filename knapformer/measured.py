@@ -76,7 +76,6 @@ class MeasuredStep:
             predicted_load=self.predicted_load.astype(np.float32),
             wait_ms=self.total_wait_ms.astype(np.float32),
             straggler=self.straggler,
-            step_ms=None if self.step_ms is None else float(np.max(self.step_ms)),
             shown_total=self.shown_total,
             load_axis=self.load_axis,
         )
@@ -95,7 +94,6 @@ class RankFigures:
     predicted_load: np.ndarray  # (n,) float32
     wait_ms: np.ndarray  # (n,) float32, summed over the collectives
     straggler: int | None
-    step_ms: float | None  # the step's wall time: the longest rank's ``step`` phase
     shown_total: float
     load_axis: str
 

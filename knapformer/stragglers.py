@@ -149,6 +149,21 @@ class StragglerReport:
         return named[0] if named else None
 
 
+def describe(r: RankVerdict) -> str:
+    """One line naming a rank's verdict and why: ``slow_gpu: rank 5 — 2.04× the compute the
+    plan predicts, in 15 of 15 steps``."""
+    if r.verdict == "slow_gpu":
+        why = f"{r.ratio:.2f}× the compute the plan predicts, in {r.slow_steps} of {r.steps} steps"
+    elif r.verdict == "data_imbalance":
+        why = (
+            f"the plan gives it {r.predicted_load:.2f}× the ideal load, in {r.heavy_steps} of "
+            f"{r.steps} steps"
+        )
+    else:
+        why = f"{r.ratio:.2f}× the compute the plan predicts (median of {r.steps} steps)"
+    return f"{r.verdict}: rank {r.rank} — {why}"
+
+
 def _severity(r: RankVerdict) -> float:
     value = r.ratio if r.verdict == "slow_gpu" else r.predicted_load
     return value if np.isfinite(value) else 0.0

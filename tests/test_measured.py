@@ -10,6 +10,7 @@ from knapformer.measured import compute_ratio, measure
 from knapformer.plan import BAG_COLLECTIVES, COLLECTIVE_PHASES, Measurements
 from knapformer.plan_io import read_plans
 from knapformer.planner import plan_routing
+from knapformer.stats import summarize
 from knapformer.workload import WorkloadModel
 
 
@@ -106,7 +107,7 @@ def test_figures_keep_what_the_views_need_in_float32(plan8):
     f = m.figures()
     assert f.compute_ms.dtype == np.float32 and f.wait_ms.dtype == np.float32
     np.testing.assert_allclose(f.wait_ms, m.total_wait_ms, rtol=1e-6)
-    assert f.step_ms == max(plan.measurements.per_rank_ms["step"])
+    assert summarize(plan).step_ms == max(plan.measurements.per_rank_ms["step"])
     np.testing.assert_allclose(f.compute_ratio, m.compute_ratio, rtol=1e-5)
     # predicted work shown in the plan's unit: relative to the mean GPU, summing to #GPUs
     assert f.predicted_shown.sum() == pytest.approx(len(plan.gpus), rel=1e-5)

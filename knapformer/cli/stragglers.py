@@ -13,7 +13,7 @@ from knapformer.cli.errors import UserError
 from knapformer.cli.plans import read_plan_file
 from knapformer.measured import measure
 from knapformer.runfiles import RUNS_LAYOUT, single_run_file
-from knapformer.stragglers import WINDOW, StragglerReport, analyse
+from knapformer.stragglers import WINDOW, StragglerReport, analyse, describe
 from knapformer.units import significant
 
 #: Up to this many ranks the table lists every rank; beyond, the named ones only.
@@ -101,14 +101,7 @@ def _summary(report: StragglerReport, measured: int) -> str:
         lines.append(
             f"only {measured} measured step(s): a verdict needs {th.min_steps} (all ranks ok)"
         )
-    for r in report.named:
-        why = (
-            f"{r.ratio:.2f}× the compute the plan predicts, in {r.slow_steps} of {r.steps} steps"
-            if r.verdict == "slow_gpu"
-            else f"the plan gives it {r.predicted_load:.2f}× the ideal load, in "
-            f"{r.heavy_steps} of {r.steps} steps"
-        )
-        lines.append(f"{r.verdict}: rank {r.rank} — {why}")
+    lines += [describe(r) for r in report.named]
     if not report.named and measured >= th.min_steps:
         lines.append("no straggler: every rank takes about the time the plan predicts")
     lines.append(
