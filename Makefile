@@ -13,8 +13,8 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 MANIM_DEBS := libcairo2-dev libpango1.0-dev pkg-config
 BROWSER_DEBS := chromium
 
-.PHONY: setup test demo lint format bench samples system-deps browser-deps clean \
-	gpu-check gpu-check-run
+.PHONY: setup test demo lint format bench samples docs docs-bench pictures system-deps \
+	browser-deps clean gpu-check gpu-check-run
 
 setup: system-deps $(VENV)/.installed
 
@@ -54,6 +54,18 @@ format: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PY) bench/planner.py
+
+# Every command output shown in README.md and docs/*.md is written by docs/make_docs.py
+# (tests/test_docs.py fails when one is stale). docs-bench re-runs the benchmarks behind
+# docs/performance.md (several minutes; run it on an idle machine).
+docs: system-deps browser-deps $(VENV)/.installed
+	$(PY) docs/make_docs.py
+
+docs-bench: system-deps browser-deps $(VENV)/.installed
+	$(PY) docs/make_docs.py --bench
+
+pictures: system-deps browser-deps $(VENV)/.installed
+	$(PY) docs/make_pictures.py
 
 # The GPU check, for one CUDA GPU (well under 10 minutes on an H100): the GPU-marked
 # tests, then bench/gpu.py (also when a test failed), whose figures (gpu-check.json,

@@ -7,7 +7,13 @@
    99th percentile; target <= 0.3 ms), against the baseline of writing the plan
    synchronously (serialise + one write + flush on the training thread);
 2. plans written per second by the background writer, against the same synchronous loop;
-3. the demo's median step time with and without the recorder, in the same run (runs
+3. the latency tail while the writer serialises big plans (up to 32,768 sequences, ~2 MB
+   a line), piecewise serialisation against the one-call ``model_dump_json`` it replaced:
+   the longest stretch the writer holds the GIL per plan (what a training thread can
+   wait at most), then, with both threads running, the longest ``record()`` call and the
+   stalls of the training thread (the widest gap between two clock reads of its busy
+   loop per step: GIL waits, and the OS running other work — shown with recording off);
+4. the demo's median step time with and without the recorder, in the same run (runs
    alternate off/on to spread machine noise evenly; target <= 1 % slower), and the
    recorder hook's own time inside each step (its ``record`` phase), the direct figure.
 """
@@ -52,17 +58,36 @@ def plans_of(num_seqs: int, count: int, seed: int = 0) -> list:
     return out
 
 
-def time_record(plans: list, path: Path, gap_s: float) -> list[float]:
-    """ms per record() call, one call per simulated step of ``gap_s`` seconds."""
-    times = []
-    with PlanRecorder(path, queue_size=len(plans)) as rec:
+class OneCallRecorder(PlanRecorder):
+    """The baseline of the latency tail: serialises each plan in one ``model_dump_json``
+    call, as the recorder did before it serialised piecewise."""
+
+    def _serialize(self, plan) -> list[bytes]:
+        return [(plan.model_dump_json() + "\n").encode()]
+
+
+def time_record(
+    plans: list, path: Path, gap_s: float, recorder: type[PlanRecorder] = PlanRecorder
+) -> tuple[list[float], float]:
+    """ms per record() call, one call per simulated step of ``gap_s`` seconds, and the
+    longest stall of the training thread in each step (ms)."""
+    times, stalls = [], []
+    with recorder(path, queue_size=len(plans)) as rec:
         for plan in plans:
             began = time.perf_counter()
             rec.record(plan)
             times.append((time.perf_counter() - began) * 1e3)
-            _busy(gap_s)  # the "training step": keeps the thread busy, as training would
-    assert rec.written == len(plans) and rec.dropped == 0
-    return times
+            # the "training step": keeps the thread busy, as training would
+            stalls.append(_busy(gap_s) * 1e3)
+    assert rec.written == (len(plans) if rec.enabled else 0) and rec.dropped == 0
+    return times, stalls
+
+
+class NoRecorder(PlanRecorder):
+    """The noise floor of the latency tail: the same loop with recording off."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, enabled=False, **kwargs)
 
 
 def time_sync(plans: list, path: Path, gap_s: float) -> list[float]:
@@ -78,10 +103,14 @@ def time_sync(plans: list, path: Path, gap_s: float) -> list[float]:
     return times
 
 
-def _busy(seconds: float) -> None:
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
+def _busy(seconds: float) -> float:
+    """Spin for ``seconds``; returns the widest gap between two clock reads (seconds)."""
+    now = time.perf_counter()
+    end, widest = now + seconds, 0.0
+    while now < end:
+        last, now = now, time.perf_counter()
+        widest = max(widest, now - last)
+    return widest
 
 
 def throughput(plans: list, path: Path) -> tuple[float, float]:
@@ -98,6 +127,131 @@ def throughput(plans: list, path: Path) -> tuple[float, float]:
             f.write(plan.model_dump_json() + "\n")
             f.flush()
     return bg, len(plans) / (time.perf_counter() - began)
+
+
+class _SleepMarks:
+    """Stands in for the recorder's ``time`` module: notes when the writer releases the
+    GIL (``time.sleep(0)``) without sleeping."""
+
+    def __init__(self):
+        self.marks: list[float] = []
+
+    def sleep(self, seconds: float) -> None:
+        self.marks.append(time.thread_time())
+
+    def __getattr__(self, name: str):
+        return getattr(time, name)
+
+
+def gil_holds(plans: list) -> tuple[list[float], list[float]]:
+    """Per plan, ms of the longest stretch without releasing the GIL: one-call serialising
+    (``model_dump_json``, one C call) and the piecewise writer's (between its releases).
+    CPU time of this thread, so other processes on a busy machine do not inflate it."""
+    import knapformer.recorder as recorder_module
+
+    one, piecewise = [], []
+    rec = PlanRecorder(Path(tempfile.gettempdir()) / "unused.jsonl", enabled=False)
+    marks = _SleepMarks()
+    real_time, recorder_module.time = recorder_module.time, marks
+    try:
+        for plan in plans:
+            began = time.thread_time()
+            plan.model_dump_json()
+            one.append((time.thread_time() - began) * 1e3)
+            marks.marks = [time.thread_time()]
+            rec._serialize(plan)
+            marks.marks.append(time.thread_time())
+            piecewise.append(max(np.diff(marks.marks)) * 1e3)
+    finally:
+        recorder_module.time = real_time
+    return one, piecewise
+
+
+def gil_table(sizes: tuple[int, ...], count: int = 20) -> Table:
+    table = Table(
+        title=f"longest stretch the writer holds the GIL, per plan ({count} plans; CPU time)"
+    )
+    for col in (
+        "sequences",
+        "JSON line",
+        "one call: median",
+        "max",
+        "piecewise: median",
+        "max",
+        "median ratio",
+    ):
+        table.add_column(col, justify="right")
+    for n in sizes:
+        plans = plans_of(n, count, seed=n)
+        one, piece = gil_holds(plans)
+        table.add_row(
+            str(n),
+            f"{(len(plans[0].model_dump_json()) + 1) / 1024:,.0f} KiB",
+            f"{statistics.median(one):.2f} ms",
+            f"{max(one):.2f} ms",
+            f"{statistics.median(piece):.2f} ms",
+            f"{max(piece):.2f} ms",
+            f"{statistics.median(one) / statistics.median(piece):.0f}x",
+        )
+    return table
+
+
+WRITERS = {
+    NoRecorder: "off (noise)",
+    OneCallRecorder: "one call (before)",
+    PlanRecorder: "piecewise",
+}
+
+
+def latency_tail(tmp: Path, count: int = 40, repeats: int = 3) -> Table:
+    """Longest record() call and training-thread stalls, one-call writer (the baseline)
+    against piecewise, runs alternating between the two ``repeats`` times.
+
+    The stall of a step is the widest gap in its busy loop: GIL waits, but also the OS
+    running something else on a busy machine (the row with recording off shows how much);
+    the median over steps is robust to the latter, the max is not."""
+    table = Table(
+        title=f"latency tail while the writer serialises ({count} plans x {repeats} runs "
+        "per writer, one per 20 ms step)"
+    )
+    for col in (
+        "sequences",
+        "JSON line",
+        "writer",
+        "max record()",
+        "stall per step: median",
+        "p90",
+        "max",
+        "median vs one call",
+    ):
+        table.add_column(col, justify="right")
+    for n in (1024, 8192, 32768):
+        plans = plans_of(n, count, seed=n)
+        size = len(plans[0].model_dump_json()) + 1
+        seen: dict[type, tuple[list[float], list[float]]] = {
+            NoRecorder: ([], []),
+            OneCallRecorder: ([], []),
+            PlanRecorder: ([], []),
+        }
+        for i in range(repeats):
+            for kind, (times, stalls) in seen.items():
+                t, st = time_record(plans, tmp / f"tail{n}-{i}.jsonl", gap_s=0.02, recorder=kind)
+                times += t
+                stalls += st
+        baseline = statistics.median(seen[OneCallRecorder][1])
+        for kind, (times, stalls) in seen.items():
+            median = statistics.median(stalls)
+            table.add_row(
+                str(n),
+                f"{size / 1024:,.0f} KiB",
+                WRITERS[kind],
+                f"{max(times):.2f} ms",
+                f"{median:.2f} ms",
+                f"{np.percentile(stalls, 90):.2f} ms",
+                f"{max(stalls):.2f} ms",
+                f"{median / baseline:.2f}",
+            )
+    return table
 
 
 def demo_steps(world: int, steps: int, record: bool, out: Path) -> tuple[list[float], list[float]]:
@@ -149,7 +303,7 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
     for n in (256, 1024):
         plans = plans_of(n, 100, seed=n)
         size = len(plans[0].model_dump_json()) + 1
-        rec = time_record(plans, tmp / f"rec{n}.jsonl", gap_s=0.005)
+        rec, _ = time_record(plans, tmp / f"rec{n}.jsonl", gap_s=0.005)
         sync = time_sync(plans, tmp / f"sync{n}.jsonl", gap_s=0.005)
         table.add_row(
             str(n),
@@ -164,6 +318,8 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
         rates.add_row(str(n), f"{bg:,.0f}", f"{sy:,.0f}")
     console.print(table)
     console.print(rates)
+    console.print(gil_table((1024, 8192, 32768)))
+    console.print(latency_tail(tmp))
 
     if args.quick:
         return

@@ -18,19 +18,18 @@ of the other ranks). Times are the slowest rank's, median over the timed iterati
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from knapformer.local.launcher import launch
 
 WORLD = 8
 GPUS_PER_RANK = 4  # the joint mix is defined on 32 GPUs; each rank takes four
@@ -62,10 +61,8 @@ def _allgather_rows(x: torch.Tensor, counts: list[int]) -> tuple[torch.Tensor, i
     return rows, (len(counts) - 1) * padded.numel() * padded.element_size()
 
 
-def _worker(rank: int, out_dir: str, args: argparse.Namespace) -> None:
-    from knapformer.local.local_world import join
-
-    join(rank, WORLD, f"file://{out_dir}/rendezvous", timeout_s=300)
+def _worker(rank: int, world: int, args: argparse.Namespace) -> dict | None:
+    """One rank of the benchmark; rank 0 returns the results, the others None."""
     from knapformer.balancer import SequenceBalancer
 
     lengths = _lengths(args.length_scale, args.seed)
@@ -153,19 +150,15 @@ def _worker(rank: int, out_dir: str, args: argparse.Namespace) -> None:
     ) * row_bytes
     sent = torch.tensor([kf_bytes, ag_bytes_route + ag_bytes_rev], dtype=torch.float64)
     dist.all_reduce(sent)
-    if rank == 0:
-        med = {k: statistics.median(v) for k, v in times.items()}
-        torch.save(
-            {
-                "ms": med,
-                "bytes": (sent / WORLD).tolist(),  # mean per rank
-                "tokens": sum(counts),
-                "moved": int(plan.stats.moved_tokens),
-                "imbalance": (plan.stats.imbalance_before, plan.stats.imbalance_after),
-            },
-            os.path.join(out_dir, "result.pt"),
-        )
-    dist.destroy_process_group()
+    if rank != 0:
+        return None
+    return {
+        "ms": {k: statistics.median(v) for k, v in times.items()},
+        "bytes": (sent / WORLD).tolist(),  # mean per rank
+        "tokens": sum(counts),
+        "moved": int(plan.stats.moved_tokens),
+        "imbalance": (plan.stats.imbalance_before, plan.stats.imbalance_after),
+    }
 
 
 def main() -> None:
@@ -177,9 +170,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_worker, args=(out_dir, args), nprocs=WORLD, start_method="spawn")
-        res = torch.load(Path(out_dir) / "result.pt")
+    res = launch(_worker, WORLD, (args,), group_timeout_s=300)[0]
 
     from rich.console import Console
     from rich.table import Table

@@ -35,6 +35,16 @@ import flask
 from dash import Dash, Input, Output, Patch, State, ctx, dash_table, dcc, html, no_update
 from dash.exceptions import PreventUpdate
 
+from dashboard.guard import (
+    guard_callbacks,
+    is_int,
+    is_list,
+    is_number,
+    is_str,
+    list_of,
+    optional,
+    record,
+)
 from dashboard.store import RequestGate, Runs, Snapshot
 from dashboard.table import query
 from knapformer.runfiles import RUNS_LAYOUT
@@ -80,6 +90,35 @@ _NOTICE = {
     "border": "1px solid #ffa94d",
     "borderRadius": "6px",
     "whiteSpace": "pre-wrap",
+}
+
+
+#: What each callback input and state may hold, by (component id, property): a request
+#: with anything else is answered 400 before a callback runs (see dashboard.guard).
+CALLBACK_SHAPES = {
+    ("tick", "n_intervals"): optional(is_int),
+    ("step-slider", "value"): optional(is_number),
+    ("timeline", "clickData"): optional(
+        record(points=list_of(record(customdata=is_number), nonempty=True))
+    ),
+    ("follow", "value"): optional(list_of(is_str)),
+    ("run-picker", "value"): optional(is_str),
+    ("run-picker", "options"): optional(is_list),
+    ("client", "data"): record(required=False, run=optional(is_str), count=is_int),
+    ("selection", "data"): optional(
+        record(run=optional(is_str), reset=optional(is_int), index=optional(is_int))
+    ),
+    ("view", "data"): optional(record(run=optional(is_str), notices=list_of(is_str))),
+    ("run-picker-box", "style"): optional(record()),
+    ("step-slider", "max"): optional(is_number),
+    ("step-input", "n_submit"): optional(is_int),
+    ("step-input", "value"): optional(is_number),
+    ("highlight", "data"): optional(record(key=optional(is_list), seq=is_int)),
+    ("seq-table", "page_current"): optional(is_int),
+    ("seq-table", "sort_by"): optional(list_of(record(column_id=is_str, direction=is_str))),
+    ("seq-table", "filter_query"): optional(is_str),
+    ("seq-table", "selected_rows"): optional(list_of(is_int)),
+    ("seq-table", "data"): optional(list_of(record(id=is_int))),
 }
 
 
@@ -318,6 +357,8 @@ def create_app(path: str | Path) -> Dash:
         # updates (POST callbacks) are not.
         page_load = flask.request.method == "GET" and not flask.request.path.startswith("/api")
         gate.leave(PAGE_LOAD_LINGER_S if page_load else 0.0)
+
+    guard_callbacks(app, CALLBACK_SHAPES)  # after the gate's hooks: a refusal still leaves it
 
     @app.server.route("/api/status")
     def status():
@@ -690,7 +731,7 @@ def _sequence_table(app: Dash, runs: Runs, timed: Callable) -> None:
 
 def _pick_sequence(app: Dash, timed: Callable) -> None:
     @app.callback(
-        output=Output("highlight", "data"),
+        output={"highlight": Output("highlight", "data")},
         inputs={"rows": Input("seq-table", "selected_rows")},
         state={
             "data": State("seq-table", "data"),
@@ -707,7 +748,7 @@ def _pick_sequence(app: Dash, timed: Callable) -> None:
         new = {"key": _key(selection), "seq": int(data[rows[0]]["id"])}
         if new == highlight:
             raise PreventUpdate
-        return new
+        return {"highlight": new}
 
 
 def _straggler_views(app: Dash, runs: Runs, timed: Callable) -> None:

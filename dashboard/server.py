@@ -67,6 +67,7 @@ def _make(path: str | Path, host: str, port: int):
     from werkzeug.serving import make_server
 
     from dashboard.app import create_app
+    from dashboard.guard import HostGuard, allowed_hosts
 
     if not 0 <= port <= 65535:
         raise KnapformerError(f"port {port} is not in 0..65535")
@@ -75,6 +76,7 @@ def _make(path: str | Path, host: str, port: int):
     logging.getLogger("werkzeug").setLevel(logging.WARNING)
     _check_free(host, port)
     app = create_app(path)
+    app.server.wsgi_app = HostGuard(app.server.wsgi_app, allowed_hosts(host))
     try:
         server = make_server(host, port, app.server, threaded=True)
     except SystemExit as err:  # werkzeug prints and exits when it cannot bind
@@ -100,7 +102,8 @@ def start_server(path: str | Path, host: str = "127.0.0.1", port: int = 8050) ->
 
 
 def serve(path: str | Path, host: str = "127.0.0.1", port: int = 8050) -> None:
-    """Serve the dashboard of PATH until Ctrl-C (Dash debug stays off)."""
+    """Serve the dashboard of PATH until Ctrl-C, which raises KeyboardInterrupt as usual
+    (the command line then exits 130). Dash debug stays off."""
     app, server = _make(path, host, port)
     shown = f"[{host}]" if ":" in host else host
     print(f"dashboard of {path} at http://{shown}:{server.server_port}/  (Ctrl-C stops)")
@@ -109,3 +112,5 @@ def serve(path: str | Path, host: str = "127.0.0.1", port: int = 8050) -> None:
     finally:
         server.server_close()
         app.server.config["KNAPFORMER_RUNS"].close()
+    # werkzeug's serve_forever swallows the KeyboardInterrupt, and nothing else ends it here.
+    raise KeyboardInterrupt

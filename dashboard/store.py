@@ -4,7 +4,11 @@ A `PlanStore` keeps one `StepSummary` plus a file location per step (a few hundr
 and, for a step with measurements, its per-rank `RankFigures` (a few float32 per rank),
 never the plans themselves: a full plan is re-read and validated only when the user
 selects its step, and the last few are cached. A background thread per store follows
-the file (`dashboard.tail.JsonlTail`) so Dash callbacks only read a snapshot.
+the file (`dashboard.tail.JsonlTail`) so Dash callbacks only read a snapshot. A line that
+cannot be read as a plan, for whatever reason, costs that line only: it becomes a
+`Problem` and the lines after it are read. `Runs` follows at most `KEEP_STORES` runs at a
+time (the ones viewed most recently), so browsing a folder of thousands of runs does not
+leave a thread and open files behind for each.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from dashboard.tail import JsonlTail
+from dashboard.tail import MAX_LINE_BYTES, JsonlTail, TailLine
 from knapformer.measured import RankFigures, measure
 from knapformer.plan import RoutingPlan
 from knapformer.plan_io import PlanFormatError, Problem, parse_plan_line, read_plans
@@ -29,6 +33,8 @@ _YIELD_S = 0.5
 _KEEP_PROBLEMS = 200
 _KEEP_EVENTS = 5
 _CACHE_PLANS = 8
+#: Runs followed at once (each: one thread, its file and up to 16 rotated ones open).
+KEEP_STORES = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,8 +140,13 @@ class PlanStore:
             )
             self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, wait: bool = True) -> None:
+        """Stop following and close the file(s). ``wait=False`` returns at once and leaves
+        the closing to the follower thread as it finishes its poll (a request evicting a
+        store must not wait for that)."""
         self._stop.set()
+        if self._thread is not None and not wait:
+            return
         if self._thread is not None:
             self._thread.join(timeout=5)
         if self._tail is not None:
@@ -154,6 +165,8 @@ class PlanStore:
             elif self._gate is not None:
                 # Yield to requests, but at most this long, so indexing never starves.
                 self._gate.wait_idle(_YIELD_S)
+        if self._tail is not None:
+            self._tail.close()
 
     def poll(self) -> bool:
         """Read what is new; True when more is waiting (call again right away)."""
@@ -165,12 +178,11 @@ class PlanStore:
         problems: list[Problem] = []
         for line in batch.lines:
             try:
-                plan = parse_plan_line(line.text)
-            except PlanFormatError as err:
-                problems.append(Problem(self.path.name, line.number, str(err)))
+                indexed = _index_line(line)
+            except Exception as err:  # whatever a line holds, it costs that line only
+                problems.append(Problem(self.path.name, line.number, _reason(err)))
                 continue
-            where = Location(line.generation, line.offset, line.length)
-            parsed.append(_index(plan, line.number, where))
+            parsed.append(indexed)
         with self._lock:
             for event in batch.events:
                 if event.kind == "missing":
@@ -306,6 +318,25 @@ class PlanStore:
             return plan
 
 
+def _index_line(line: TailLine) -> _Indexed:
+    if line.too_long:
+        raise PlanFormatError(
+            f"a line of {line.length:,} bytes is longer than the {MAX_LINE_BYTES:,} the "
+            "dashboard reads; skipped"
+        )
+    where = Location(line.generation, line.offset, line.length)
+    return _index(parse_plan_line(line.text), line.number, where)
+
+
+def _reason(err: Exception) -> str:
+    """One line on why a record was skipped (the parser's own words when it has them)."""
+    if isinstance(err, PlanFormatError):
+        return str(err)
+    if isinstance(err, RecursionError):
+        return "nested too deeply to read"
+    return f"unreadable record ({type(err).__name__}: {err})"
+
+
 class Runs:
     """The runs behind PATH (`knapformer.runfiles.find_runs`): one file, or a folder of
     ``<run>/plans.jsonl`` and plan files. Stores are created, and start following, when
@@ -314,7 +345,7 @@ class Runs:
     def __init__(self, path: str | os.PathLike, gate: RequestGate | None = None):
         self.path = Path(path)
         self.gate = gate
-        self._stores: dict[str, PlanStore] = {}
+        self._stores: OrderedDict[str, PlanStore] = OrderedDict()  # least recently viewed first
         self._lock = threading.Lock()
         self._names: dict[str, Path] = {}
         self._scanned = 0.0
@@ -351,6 +382,10 @@ class Runs:
             if store is None:
                 store = self._stores[name] = PlanStore(files[name], name, self.gate)
                 store.start()
+            self._stores.move_to_end(name)
+            while len(self._stores) > KEEP_STORES:
+                _, oldest = self._stores.popitem(last=False)
+                oldest.stop(wait=False)
             return store
 
     def close(self) -> None:

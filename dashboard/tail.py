@@ -11,7 +11,10 @@ It copes with what a recorder and the tools around it do to such a file:
   started): the rest of the old file is drained through the still-open handle, then the
   new file is read from its start; the old file stays open so earlier records remain
   readable by ``read_record``;
-- the file missing or removed while open: reported once, then picked up when it appears.
+- the file missing or removed while open: reported once, then picked up when it appears;
+- a last line that never ends (or a huge one): bytes after the last newline are scanned
+  once, not on every poll, and not kept in memory; a line longer than `MAX_LINE_BYTES`
+  is reported (``TailLine.too_long``) instead of read.
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 _CHUNK = 1 << 20
+#: Longest line read into memory. A plan of a 4096-GPU step is a few MB; anything much
+#: longer is not a plan the dashboard could draw.
+MAX_LINE_BYTES = 64 << 20
 _KEEP_GENERATIONS = 16  # rotated files kept open for re-reading records
 _HEAD_BYTES = 64  # compared on every poll to notice a file rewritten in place
 
@@ -32,7 +38,8 @@ class TailLine:
     offset: int  # byte offset of the line's start
     length: int  # bytes, without the newline
     generation: int  # which file (0 = the first one opened; +1 per rotation/truncation)
-    text: str
+    text: str  # "" when too_long
+    too_long: bool = False  # longer than MAX_LINE_BYTES: skipped, not read
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +64,7 @@ class JsonlTail:
         self.generation = 0
         self.offset = 0  # bytes consumed: end of the last complete line
         self.line = 0  # complete lines consumed in this generation
+        self._scanned = 0  # the bytes from offset to here hold no newline (a partial line)
         self._file = None  # binary handle of the current generation
         self._inode: int | None = None
         self._head = b""  # the file's first bytes as read (see `_unchanged`)
@@ -124,6 +132,8 @@ class JsonlTail:
                 f"{self.path.name} was rewritten since line {self.line} was read (its start "
                 "changed); reading it again from the start",
             )
+        if st is not None and st.st_size < self._scanned:
+            self._scanned = self.offset  # the partial line was cut short: scan it again
         self._read(batch, max_bytes)
         return batch
 
@@ -143,6 +153,7 @@ class JsonlTail:
         self.generation += 1
         self.offset = 0
         self.line = 0
+        self._scanned = 0
         self._head = b""
 
     def read_record(self, generation: int, offset: int, length: int) -> str:
@@ -180,6 +191,7 @@ class JsonlTail:
         self._inode = os.fstat(self._file.fileno()).st_ino
         self.offset = 0
         self.line = 0
+        self._scanned = 0
         self._head = b""
         return True
 
@@ -193,33 +205,56 @@ class JsonlTail:
         self.generation += 1
 
     def _read(self, batch: TailBatch, max_bytes: int | None) -> None:
+        """Complete lines after ``offset``, reading at most about ``max_bytes``; bytes of a
+        partial last line are scanned once (``_scanned``), then re-read whole only when
+        its newline arrives."""
         fd = self._file.fileno()
         budget = max_bytes if max_bytes is not None else float("inf")
-        pending = b""  # bytes after the last newline read so far
-        pos = self.offset
+        pos = max(self._scanned, self.offset)
         while budget > 0:
             data = os.pread(fd, int(min(_CHUNK, budget)), pos)
             if not data:
+                self._scanned = pos
                 return
-            pos += len(data)
-            buf = pending + data
-            cut = buf.rfind(b"\n")
-            if cut < 0:
-                pending = buf  # a line longer than one chunk, or a partial last line
+            budget -= len(data)
+            cut = data.rfind(b"\n")
+            before, pos = pos - self.offset, pos + len(data)
+            if cut < 0:  # a line longer than one read, or a partial last line
                 continue
-            start = self.offset
-            for raw in buf[:cut].split(b"\n"):
-                self.line += 1
-                text = raw.decode("utf-8", errors="replace").rstrip("\r")
-                if text.strip():
-                    batch.lines.append(TailLine(self.line, start, len(raw), self.generation, text))
-                start += len(raw) + 1
-            self.offset = start
+            # The bytes after the last newline stay scanned; the line they begin is read
+            # whole (`before`) when its newline comes.
+            self._take_lines(batch, fd, data[:cut], before)
             if len(self._head) < _HEAD_BYTES:
                 self._head = os.pread(fd, min(_HEAD_BYTES, self.offset), 0)
-            budget -= cut + 1
-            pending = buf[cut + 1 :]
+        self._scanned = pos
         batch.more = True
+
+    def _take_lines(self, batch: TailBatch, fd: int, data: bytes, before: int) -> None:
+        """The complete lines of ``data`` (read at ``offset + before``, ending just before
+        a newline); the first one began ``before`` bytes earlier, in an earlier read."""
+        first, _, rest = data.partition(b"\n")
+        length = before + len(first)
+        if before and length > MAX_LINE_BYTES:
+            self._line(batch, None, length)
+        else:
+            self._line(batch, os.pread(fd, before, self.offset) + first if before else first)
+        if len(first) < len(data):
+            for raw in rest.split(b"\n"):
+                self._line(batch, raw)
+
+    def _line(self, batch: TailBatch, raw: bytes | None, length: int | None = None) -> None:
+        """Record the line at ``offset`` (``raw`` None: too long to read) and move past it."""
+        self.line += 1
+        if raw is None:
+            batch.lines.append(
+                TailLine(self.line, self.offset, length, self.generation, "", too_long=True)
+            )
+        else:
+            length = len(raw)
+            text = raw.decode("utf-8", errors="replace").rstrip("\r")
+            if text.strip():
+                batch.lines.append(TailLine(self.line, self.offset, length, self.generation, text))
+        self.offset += length + 1
 
 
 def _rotated_name(path: Path, inode: int | None) -> Path | None:

@@ -1,8 +1,11 @@
-"""Regenerate the README's pictures from the sample plans.
+"""Regenerate the pictures of the docs from the sample plans and the example data.
 
-Run: ``.venv/bin/python docs/make_pictures.py``. Writes ``docs/animation.png`` (the last
-frame of the 8-GPU animation), ``docs/animation.gif`` (the whole animation, 10 fps, 640 px
-wide) and ``docs/dashboard.png`` (via ``dashboard.screenshot``).
+Run: ``make pictures`` (``.venv/bin/python docs/make_pictures.py``). Writes
+``docs/animation.png`` (the last frame of the 8-GPU animation), ``docs/animation.gif``
+(the whole animation, 10 fps, 640 px wide), ``docs/calibration.png`` (the plot of
+``knapformer calibrate examples/latency.csv``, as docs/debugging.md runs it) and
+``docs/dashboard.png`` (via ``dashboard.screenshot``). Needs the ``all`` extra, Playwright
+and a system Chromium.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from PIL import Image
 DOCS = Path(__file__).resolve().parent
 ROOT = DOCS.parent
 PLAN = ROOT / "sample_plans" / "mixed8_g1n2+g2n1+g4n1.json"
+LATENCIES = "examples/latency.csv"  # relative to ROOT
+KNAPFORMER = Path(sys.executable).parent / "knapformer"
 
 
 def decode_frames(video: Path) -> list[Image.Image]:
@@ -25,15 +30,14 @@ def decode_frames(video: Path) -> list[Image.Image]:
         return [frame.to_image() for frame in container.decode(video=0)]
 
 
-def main() -> None:
-    knapformer = Path(sys.executable).parent / "knapformer"
-    with tempfile.TemporaryDirectory() as tmp:
-        video = Path(tmp) / "routing.mp4"
-        subprocess.run(
-            [str(knapformer), "animate", str(PLAN), "-o", str(video), "--quality", "medium"],
-            check=True,
-        )
-        frames = decode_frames(video)
+def animation_pictures(tmp: Path) -> None:
+    """The last frame as PNG and the whole 8-GPU animation as a 10-fps GIF."""
+    video = tmp / "routing.mp4"
+    subprocess.run(
+        [str(KNAPFORMER), "animate", str(PLAN), "-o", str(video), "--quality", "medium"],
+        check=True,
+    )
+    frames = decode_frames(video)
     frames[-1].save(DOCS / "animation.png")
     step = max(1, round(30 / 10))  # 30 fps medium quality -> 10 fps GIF
     small = [
@@ -48,8 +52,38 @@ def main() -> None:
         loop=0,
         optimize=True,
     )
+
+
+def calibration_picture(tmp: Path) -> None:
+    """Screenshot of the plot `knapformer calibrate --plot` writes for the example CSV."""
+    from playwright.sync_api import sync_playwright
+
+    from visualization.browser import launch_chromium
+
+    html = tmp / "calibration.html"
+    subprocess.run(  # the path as the page shows it: the plot's title names it
+        [str(KNAPFORMER), "calibrate", LATENCIES, "--token-dim", "256", "--plot", str(html)],
+        check=True,
+        cwd=ROOT,
+    )
+    with sync_playwright() as pw:
+        browser = launch_chromium(pw)
+        try:
+            page = browser.new_page(viewport={"width": 1100, "height": 560})
+            page.goto(html.as_uri())
+            page.wait_for_selector(".plotly-graph-div .main-svg", timeout=60_000)
+            page.locator(".plotly-graph-div").first.screenshot(path=str(DOCS / "calibration.png"))
+        finally:
+            browser.close()
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        animation_pictures(Path(tmp))
+        calibration_picture(Path(tmp))
     subprocess.run([sys.executable, "-m", "dashboard.screenshot"], check=True, cwd=ROOT)
-    print(f"wrote {DOCS / 'animation.png'}, {DOCS / 'animation.gif'}, {DOCS / 'dashboard.png'}")
+    names = ("animation.png", "animation.gif", "calibration.png", "dashboard.png")
+    print("wrote " + ", ".join(str(DOCS / name) for name in names))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 Typical step (see ``knapformer/local/models.py`` for a model that does this)::
 
-    plan = balancer.plan_routing(local_seq_lens, token_dim=d)   # small all-gathers
+    plan = balancer.plan_routing(local_seq_lens, d, packed_seqs=packed)  # 2 all-gathers
     chunk_lens, x, feats = balancer.route(packed, {"pos": positions})   # 1 all-to-all
     ...  # per layer: q, k, v of the chunks (tokens, heads, head_dim)
     seq_lens, q, k, v = balancer.pre_attn(q, k, v)   # Ulysses inside the bag
@@ -12,15 +12,19 @@ Typical step (see ``knapformer/local/models.py`` for a model that does this)::
     seq_lens, y, _ = balancer.reverse_route(x)        # 1 all-to-all; rows as `packed`
 
 Works on the backend of the process group: NCCL with CUDA tensors, gloo with CPU
-tensors. Balance groups are consecutive ranks; a world of k x (topology GPUs) ranks
-holds k replicas, each balanced on its own.
+tensors. ``plan_routing`` checks its arguments collectively: a mistake on one rank (or
+ranks disagreeing on ``token_dim``) makes every rank raise in that call, never some wait
+in a collective for a peer that already left. Balance groups are consecutive ranks; a
+world of k x (topology GPUs) ranks holds k replicas, each balanced on its own.
 """
 
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
+from dataclasses import astuple, dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -41,6 +45,42 @@ from knapformer.router import (
 )
 from knapformer.topology import Topology, as_topology
 from knapformer.workload import WorkloadModel
+
+#: Most tokens one rank may hold before routing (its ``local_seq_lens`` summed): 2**24 is
+#: ~100 GB of bf16 activations at d = 3072 for the input alone, beyond any GPU. Bigger
+#: figures are mistakes, and would fail some ranks (allocating routing tables) and not
+#: others; checked on the gathered lengths, so every rank refuses them alike.
+GPU_TOKEN_LIMIT = 2**24
+#: Most sequences one rank may pass in one step (every rank allocates the gathered table).
+GPU_SEQUENCE_LIMIT = 2**20
+#: Largest ``token_dim`` accepted (far beyond any model's hidden size; exact in the head).
+TOKEN_DIM_LIMIT = 2**24
+
+#: The checks each rank runs on its own arguments before the gather; a failure travels in
+#: the head (`GatherHead.problem`) so that every rank raises, not only this one.
+LOCAL_CHECKS = ("local_seq_lens", "token_dim", "packed_seqs")
+
+
+@dataclass(frozen=True)
+class GatherHead:
+    """What every rank sends in the first all-gather of a step, as float64 (integers are
+    exact below 2**53), followed by the recorder's timing row. The one definition of the
+    head's layout: a new per-rank field joins by being declared here."""
+
+    problem: int  # 0: none; else 1 + index in LOCAL_CHECKS of the check that failed
+    count: int  # sequences of this rank (0 when its lengths are invalid)
+    token_dim: int  # as passed (0 when not a valid integer)
+
+    def values(self) -> list[float]:
+        return [float(v) for v in astuple(self)]
+
+    @classmethod
+    def size(cls) -> int:
+        return len(fields(cls))
+
+    @classmethod
+    def from_values(cls, values: list[float]) -> GatherHead:
+        return cls(*(int(v) for v in values[: cls.size()]))
 
 
 class SequenceBalancer:
@@ -175,20 +215,28 @@ class SequenceBalancer:
             self.add_timing(phase, (time.perf_counter() - began) * 1e3)
 
     # --------------------------------------------------------------- planning
-    def plan_routing(self, local_seq_lens: Any, token_dim: int) -> RoutingPlan:
+    def plan_routing(
+        self, local_seq_lens: Any, token_dim: int, packed_seqs: torch.Tensor | None = None
+    ) -> RoutingPlan:
         """Plan this step from every rank's sequence lengths; collective over the group.
 
         ``local_seq_lens``: this rank's sequence lengths (list, numpy array or tensor), in
-        the order the sequences are packed. Returns the plan (also ``self.last_plan``);
-        ``plan.measurements.plan_ms`` is this rank's time for the whole call.
+        the order the sequences are packed. ``token_dim``: the model's hidden size, the
+        same on every rank. ``packed_seqs`` (optional): the ``(T_local, ...)`` tensor this
+        rank will `route`; passing it checks its rows here, where a mismatch on one rank
+        makes every rank raise (in `route` the others would wait in the all-to-all).
+        Returns the plan (also ``self.last_plan``); ``plan.measurements.plan_ms`` is this
+        rank's time for the whole call.
+
+        Every check is collective: bad arguments on one rank (lengths, ``token_dim``,
+        ``packed_seqs``), ranks disagreeing on ``token_dim``, or lengths beyond
+        `GPU_TOKEN_LIMIT` / `GPU_SEQUENCE_LIMIT` make every rank of the group raise
+        `KnapformerError` in this call, and none plans the step.
         """
         self._require_open()
         started, wall = time.perf_counter(), time.time()
-        try:
-            lengths, problem = _as_lengths(local_seq_lens), None
-        except ValueError as err:  # raised after the gather, so no peer is left waiting
-            lengths, problem = np.zeros(0, dtype=np.int64), err
-        model = WorkloadModel(int(token_dim), self.gamma)
+        # Errors are raised after the gather, so no peer is left waiting in it.
+        lengths, dim, problem = _check_arguments(local_seq_lens, token_dim, packed_seqs)
         previous = dict(self.timings)
         if self._last_start is not None:
             previous["step"] = (started - self._last_start) * 1e3
@@ -196,11 +244,11 @@ class SequenceBalancer:
         # recording then adds no collective of its own.
         timing_row = getattr(self.recorder, "timing_row", None)
         row = [] if timing_row is None else timing_row(previous)
-        per_gpu, rows = self._gather_lengths(lengths, problem, row)
+        per_gpu, rows = self._gather_lengths(lengths, dim, problem, row)
         plan = plan_routing(
             per_gpu,
             self.topology,
-            model,
+            WorkloadModel(dim, self.gamma),
             solver=self.solver,
             max_tokens_per_gpu=self.max_tokens_per_gpu,
             gpus=self.group_ranks,
@@ -234,37 +282,84 @@ class SequenceBalancer:
         self.last_plan = plan
 
     def _gather_lengths(
-        self, lengths: np.ndarray, problem: ValueError | None, row: list[float]
+        self,
+        lengths: np.ndarray,
+        token_dim: int,
+        problem: tuple[str, KnapformerError] | None,
+        row: list[float],
     ) -> tuple[list[np.ndarray], list[list[float]]]:
         """All ranks' lengths and ``row`` (the recorder's timings, the same size on every
-        rank): one all-gather of the counts with the rows, one of the padded lengths.
+        rank): one all-gather of the `GatherHead` with the rows, one of the padded lengths.
 
-        A rank whose lengths are invalid sends count -1 instead: then every rank raises
-        (that one its own ``problem``, the others naming it) rather than some waiting
-        forever in the second all-gather.
+        Everything that can go wrong is decided from what every rank received, so every
+        rank raises in the same call (a rank with a ``problem`` its own error, the others
+        naming it) rather than some waiting in a collective for a peer that left.
         """
         n = len(self.group_ranks)
-        mine = -1.0 if problem is not None else float(len(lengths))  # exact below 2**53
-        head = torch.tensor([mine, *row], dtype=torch.float64, device=self.device)
-        heads = [torch.empty_like(head) for _ in range(n)]
-        dist.all_gather(heads, head, group=self.group)
-        table = torch.stack(heads).cpu()
-        sizes = table[:, 0].to(torch.int64).tolist()
-        rows = table[:, 1:].tolist()
-        bad = [rank for rank, size in zip(self.group_ranks, sizes, strict=True) if size < 0]
+        code = 0 if problem is None else 1 + LOCAL_CHECKS.index(problem[0])
+        head = GatherHead(code, len(lengths), token_dim)
+        mine = torch.tensor([*head.values(), *row], dtype=torch.float64, device=self.device)
+        received = [torch.empty_like(mine) for _ in range(n)]
+        dist.all_gather(received, mine, group=self.group)
+        table = torch.stack(received).cpu().tolist()
+        heads = [GatherHead.from_values(values) for values in table]
+        rows = [values[GatherHead.size() :] for values in table]
         if problem is not None:
-            raise problem
-        if bad:
-            raise KnapformerError(
-                f"invalid local_seq_lens on rank {', '.join(map(str, bad))} (its own error "
-                "says why); no rank of the balance group planned this step"
-            )
+            raise problem[1]
+        self._refuse_heads(heads)
+        sizes = [h.count for h in heads]
         padded = torch.zeros(max(sizes), dtype=torch.int64, device=self.device)
         padded[: len(lengths)] = torch.from_numpy(lengths)
         gathered = [torch.empty_like(padded) for _ in range(n)]
         dist.all_gather(gathered, padded, group=self.group)
         per_gpu = [g[:s].cpu().numpy() for g, s in zip(gathered, sizes, strict=True)]
+        self._refuse_lengths(per_gpu)
         return per_gpu, rows
+
+    def _refuse_heads(self, heads: list[GatherHead]) -> None:
+        """Raise, on every rank alike, when a peer's own check failed, the ranks disagree
+        on ``token_dim``, or one passes more sequences than `GPU_SEQUENCE_LIMIT`."""
+        failed = [
+            f"{LOCAL_CHECKS[h.problem - 1]} on rank {rank}"
+            for rank, h in zip(self.group_ranks, heads, strict=True)
+            if h.problem
+        ]
+        if failed:
+            whose = "its own error says" if len(failed) == 1 else "their own errors say"
+            raise KnapformerError(
+                f"invalid {'; '.join(failed)} ({whose} why); no rank of the balance group "
+                "planned this step"
+            )
+        dims: dict[int, list[int]] = {}
+        for rank, h in zip(self.group_ranks, heads, strict=True):
+            dims.setdefault(h.token_dim, []).append(rank)
+        if len(dims) > 1:
+            said = "; ".join(f"{dim} on {_ranks(ranks)}" for dim, ranks in dims.items())
+            raise KnapformerError(
+                f"token_dim differs across the balance group ({said}): every rank must "
+                "pass the same token_dim; no rank planned this step"
+            )
+        for rank, h in zip(self.group_ranks, heads, strict=True):
+            if h.count > GPU_SEQUENCE_LIMIT:
+                raise KnapformerError(
+                    f"rank {rank} passed {h.count} sequences, more than GPU_SEQUENCE_LIMIT "
+                    f"({GPU_SEQUENCE_LIMIT}) per rank and step; no rank planned this step"
+                )
+
+    def _refuse_lengths(self, per_gpu: list[np.ndarray]) -> None:
+        """Raise, on every rank alike, when a rank holds more than `GPU_TOKEN_LIMIT`
+        tokens (or one sequence longer than that)."""
+        for rank, lengths in zip(self.group_ranks, per_gpu, strict=True):
+            longest = int(lengths.max()) if lengths.size else 0
+            # Each length is checked first, so the sum cannot overflow int64.
+            total = longest if longest > GPU_TOKEN_LIMIT else int(lengths.sum())
+            if total > GPU_TOKEN_LIMIT:
+                raise KnapformerError(
+                    f"rank {rank} passed local_seq_lens of {total} tokens"
+                    f"{' in one sequence' if total == longest and lengths.size > 1 else ''}, "
+                    f"more than GPU_TOKEN_LIMIT ({GPU_TOKEN_LIMIT}) per rank; no rank "
+                    "planned this step"
+                )
 
     def _require_open(self) -> None:
         if self._closed:  # its sub-groups are destroyed
@@ -419,6 +514,60 @@ class SequenceBalancer:
         self.close()
 
 
+def _check_arguments(
+    local_seq_lens: Any, token_dim: Any, packed_seqs: torch.Tensor | None
+) -> tuple[np.ndarray, int, tuple[str, KnapformerError] | None]:
+    """This rank's lengths, its token_dim (0 if invalid) and the first check (a name of
+    `LOCAL_CHECKS`) that failed, with its error; nothing raised here."""
+    try:
+        lengths = _as_lengths(local_seq_lens)
+    except (TypeError, ValueError, OverflowError) as err:  # numpy's own errors too
+        return (
+            np.zeros(0, dtype=np.int64),
+            0,
+            ("local_seq_lens", _as_user_error(err, "local_seq_lens")),
+        )
+    try:
+        dim = _as_token_dim(token_dim)
+    except KnapformerError as err:
+        return lengths, 0, ("token_dim", err)
+    if packed_seqs is not None:
+        try:
+            check_rows("packed_seqs", packed_seqs, int(lengths.sum()), "the local_seq_lens")
+        except (TypeError, ValueError) as err:
+            return lengths, dim, ("packed_seqs", _as_user_error(err, "packed_seqs"))
+    return lengths, dim, None
+
+
+def _as_user_error(err: Exception, name: str) -> KnapformerError:
+    """``err`` as the library's user error; one from numpy or torch says what it was about."""
+    if isinstance(err, KnapformerError):
+        return err
+    text = str(err)
+    return KnapformerError(text if text.startswith(name) else f"{name}: {text}")
+
+
+def _as_token_dim(token_dim: Any) -> int:
+    """``token_dim`` as an int in 1..TOKEN_DIM_LIMIT (a whole float is accepted)."""
+    try:
+        dim = operator.index(token_dim)
+    except TypeError:
+        if not (isinstance(token_dim, float) and token_dim.is_integer()):
+            raise KnapformerError(
+                f"token_dim must be a positive integer (the model's hidden size), got {token_dim!r}"
+            ) from None
+        dim = int(token_dim)
+    if not 0 < dim <= TOKEN_DIM_LIMIT:
+        raise KnapformerError(
+            f"token_dim must be a positive integer up to {TOKEN_DIM_LIMIT}, got {dim}"
+        )
+    return dim
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+
 def _as_lengths(local_seq_lens: Any) -> np.ndarray:
     """This rank's lengths as a 1-D int64 array; a clear error for anything else."""
     if isinstance(local_seq_lens, torch.Tensor):
@@ -430,11 +579,23 @@ def _as_lengths(local_seq_lens: Any) -> np.ndarray:
         )
     if arr.size == 0:
         return np.zeros(0, dtype=np.int64)
-    if arr.dtype.kind not in "iu" and not (
-        arr.dtype.kind == "f" and np.all(np.isfinite(arr)) and np.all(np.mod(arr, 1) == 0)
-    ):
-        raise KnapformerError(f"local_seq_lens must be whole numbers of tokens, got {arr.tolist()}")
+    if arr.dtype.kind == "f":
+        bad = arr[~np.isfinite(arr) | (np.mod(arr, 1) != 0)]
+    else:
+        bad = None if arr.dtype.kind in "iu" else arr
+    if bad is not None and bad.size:
+        raise KnapformerError(
+            f"local_seq_lens must be whole numbers of tokens, got {_first(bad.tolist())}"
+        )
+    if arr.dtype.kind != "i" and arr.max() >= 2**63:  # would wrap around in int64
+        raise KnapformerError(f"local_seq_lens include a length {arr.max()} beyond int64")
     arr = arr.astype(np.int64)
     if arr.min() < 0:
         raise KnapformerError(f"local_seq_lens include a negative length {int(arr.min())}")
     return arr
+
+
+def _first(values: list, shown: int = 8) -> str:
+    """The first few of many values, for a message."""
+    more = len(values) - shown
+    return f"{values[:shown]}" + (f" (and {more} more)" if more > 0 else "")

@@ -7,7 +7,7 @@ index in ``chunks``; bag id = index in ``bags``.
 
 The training hot path builds plans with ``RoutingPlan.build`` (no validation); readers
 call ``RoutingPlan.model_validate`` / ``model_validate_json``, which check every
-invariant in DESIGN.md and name the offending ids when one is broken.
+invariant in docs/concepts.md (Invariants) and name the offending ids when one is broken.
 """
 
 from __future__ import annotations
@@ -201,7 +201,7 @@ class Measurements(BaseModel):
 
 
 class RoutingPlan(BaseModel):
-    """Where every token chunk of one training step goes. See DESIGN.md."""
+    """Where every token chunk of one training step goes. See docs/concepts.md."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
 

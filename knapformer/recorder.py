@@ -6,17 +6,29 @@ Guarantees (each one tested in ``tests/test_recorder*.py``):
   ranks keep a step number and send their measured times with the balancer's all-gather
   of lengths (a few floats more, no collective of its own); they never serialise a
   plan, open a file or start a thread.
-- The training thread only enqueues the plan object. Serialisation
-  (``plan.model_dump_json()``) and file I/O run on a background thread. The queue is
-  bounded; when it is full the plan is dropped and counted (``dropped``), never waited for.
-- Append-only JSONL: each plan is one line handed to the kernel in one ``write`` call
-  (no user-space buffer), so a reader tailing the file sees whole lines, except possibly
+- The training thread only enqueues the plan object. Serialisation and file I/O run on a
+  background thread, which builds the JSON line piecewise (`json_line_pieces`) and lets
+  go of the GIL every ~16 KiB, so a multi-MB plan never holds the training thread up for
+  more than a fraction of a millisecond at a time. The queue is bounded; when it is full
+  the plan is dropped and counted (``dropped``), never waited for.
+- Append-only JSONL: each plan is one line handed to the kernel in one ``writev`` call
+  (its pieces gathered by the kernel; no user-space buffer), so a reader tailing the
+  file sees whole lines, except possibly
   the last one while it is being written or after the process was killed.
+- Every written line is a plan every reader accepts: a non-finite measured time (inf,
+  nan: JSON has neither) is left out of the written plan, with one warning per recorder
+  (counted in ``dropped_times``).
 - Size-based rotation: when ``plans.jsonl`` would grow past ``max_bytes`` it is renamed
   to ``plans.1.jsonl`` (older files shift to ``.2``, ``.3``, ...; at most ``backups``
-  are kept) and a new ``plans.jsonl`` is started.
-- An I/O error (disk full, directory removed) logs one warning and disables the
-  recorder; training goes on.
+  are kept, and numbered files beyond that, e.g. left by a run that kept more, are
+  deleted) and a new ``plans.jsonl`` is started.
+- Before each write the open file is checked against the path (two ``stat`` calls). If
+  the file was removed, moved or replaced, one warning and a new file at the path; if
+  its directory was removed, one warning and the recorder turns itself off. Any other
+  I/O error (disk full, permissions) logs one warning and disables the recorder; training
+  goes on. Nothing is written into a deleted file.
+- The path may hold ``{group}`` (the balance group's index) and no other placeholder:
+  ``{date}`` or ``{}`` is refused when the recorder is made, not at the first write.
 - ``close()`` flushes the queue; a recorder is a context manager and is closed at
   interpreter exit.
 
@@ -39,6 +51,7 @@ import logging
 import math
 import os
 import queue
+import re
 import sys
 import threading
 import time
@@ -48,11 +61,21 @@ from typing import Any
 
 from knapformer.errors import KnapformerError
 from knapformer.plan import RECORDED_PHASES, Measurements, RoutingPlan
-from knapformer.runfiles import group_file, rotated_file
+from knapformer.plan_io import json_line_pieces
+from knapformer.runfiles import GROUP_TEMPLATE, group_file, rotated_copies, rotated_file
 
 log = logging.getLogger(__name__)
 
 _STOP = object()  # queue sentinel: the writer thread exits after draining what precedes it
+# JSON written between two releases of the GIL by the writer thread: ~0.2 ms of work.
+# (A release costs a system call, up to 0.1 ms on a busy machine: not after every piece.)
+_YIELD_BYTES = 16 << 10
+try:
+    _IOV_MAX = os.sysconf("SC_IOV_MAX")
+except (AttributeError, ValueError, OSError):  # pragma: no cover — not POSIX
+    _IOV_MAX = 16
+
+_PLACEHOLDER = re.compile(r"\{[^{}]*\}")
 
 
 class PlanRecorder:
@@ -62,7 +85,8 @@ class PlanRecorder:
         path: the JSONL file (its directory is created). With several balance groups in
             the world, each group's writer needs its own file: put ``{group}`` in the
             path (replaced by the group index), otherwise group k > 0 writes to
-            ``<stem>.group<k><suffix>`` next to it.
+            ``<stem>.group<k><suffix>`` next to it. Any other ``{...}`` placeholder is
+            refused (`KnapformerError`); a lone brace is taken literally.
         every: record the plans of steps divisible by ``every`` (by ``plan.step``; a
             plan without a step number counts the calls to `record`).
         writer: position, within the balance group, of the rank that writes (0 = first).
@@ -96,6 +120,7 @@ class PlanRecorder:
             raise KnapformerError(f"max_bytes must be positive or None, got {max_bytes}")
         if int(backups) < 0:
             raise KnapformerError(f"backups must be >= 0, got {backups}")
+        _check_placeholders(str(path))
         self.path = Path(path)
         self.every = int(every)
         self.writer = int(writer)
@@ -116,7 +141,10 @@ class PlanRecorder:
         self._closed = False
         self._disabled_reason: str | None = None
         self._fd: int | None = None
+        self._file_id: tuple[int, int] | None = None  # (device, inode) of the open file
         self._size = 0
+        #: non-finite measured times left out of written plans (see `_finite_measurements`)
+        self.dropped_times = 0
         self._calls = 0  # record() calls on plans without a step number
         # on_step state, identical on every rank of the group
         self._pending_step: int | None = None
@@ -359,7 +387,7 @@ class PlanRecorder:
             if self._disabled_reason is not None:
                 continue  # drain without writing
             try:
-                data = (self._serialize(item) + "\n").encode("utf-8")
+                data = self._serialize(self._without_non_finite_times(item))
             except Exception as err:  # a broken plan is skipped, the recorder stays on
                 self.failed += 1
                 log.warning("PlanRecorder skipped a plan it could not serialise: %s", err)
@@ -370,30 +398,108 @@ class PlanRecorder:
                 self._disable(err)
         self._close_file()
 
-    def _serialize(self, plan: RoutingPlan) -> str:
-        return plan.model_dump_json()
+    def _serialize(self, plan: RoutingPlan) -> list[bytes]:
+        """The plan's JSON line with its newline, in pieces: serialising a multi-MB plan in
+        one call (or joining it into one buffer) would hold the GIL, and so stall the
+        training thread, for many milliseconds."""
+        pieces, since_yield = [], 0
+        for piece in json_line_pieces(plan):
+            pieces.append(piece)
+            since_yield += len(piece)
+            if since_yield >= _YIELD_BYTES:
+                time.sleep(0)  # releases the GIL: a waiting training thread runs now
+                since_yield = 0
+        pieces.append(b"\n")
+        return pieces
 
-    def _write(self, data: bytes) -> None:
+    def _without_non_finite_times(self, plan: RoutingPlan) -> RoutingPlan:
+        """``plan``, or a copy without its non-finite measured times (JSON has no inf or
+        nan: they would be written null, which no reader accepts as a time). The first
+        plan that has some logs one warning; the caller's plan is left as it was."""
+        measured = plan.measurements
+        if measured is None:
+            return plan
+        kept, dropped = _finite_measurements(measured, plan.gpus)
+        if not dropped:
+            return plan
+        if not self.dropped_times:
+            log.warning(
+                "PlanRecorder left non-finite measured time(s) out of the plan of step %s: "
+                "%s (later ones are left out without a warning; count in dropped_times)",
+                plan.step,
+                "; ".join(dropped),
+            )
+        self.dropped_times += len(dropped)
+        return plan.model_copy(update={"measurements": kept})
+
+    def _write(self, pieces: list[bytes]) -> None:
+        if self._fd is not None and not self._follow_path():
+            return
+        size = sum(map(len, pieces))
         if self._fd is None:
             self._open()
-        elif self.max_bytes is not None and self._size and self._size + len(data) > self.max_bytes:
+        elif self.max_bytes is not None and self._size and self._size + size > self.max_bytes:
             self._rotate()
-        view = memoryview(data)
-        while view:  # one call for a whole line; loop only if the kernel took part of it
-            n = os.write(self._fd, view)
-            view = view[n:]
-            self._size += n
+        if len(pieces) > _IOV_MAX:  # writev takes at most this many buffers
+            step = -(-len(pieces) // _IOV_MAX)
+            pieces = [b"".join(pieces[i : i + step]) for i in range(0, len(pieces), step)]
+        # One call for the whole line, gathered by the kernel (without the GIL) rather
+        # than joined here; loop only if the kernel took part of it.
+        n = os.writev(self._fd, pieces)
+        self._size += n
+        if n < size:
+            rest = memoryview(b"".join(pieces))[n:]
+            while rest:
+                n = os.write(self._fd, rest)
+                rest = rest[n:]
+                self._size += n
         self.written += 1
 
     def _open(self) -> None:
         path = self.file_path or self.path
         path.parent.mkdir(parents=True, exist_ok=True)
+        self._open_plain(path)
+
+    def _open_plain(self, path: Path) -> None:
+        """Open ``path`` for appending without creating its directory: if that was removed,
+        it is an I/O error, not something to recreate behind the user's back."""
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        self._size = os.fstat(self._fd).st_size
+        st = os.fstat(self._fd)
+        self._file_id = (st.st_dev, st.st_ino)
+        self._size = st.st_size
+
+    def _follow_path(self) -> bool:
+        """Before each write (two stats: microseconds next to serialising a plan), check that
+        the open file is still the one at the path; returns whether to write. If its
+        directory was removed, the recorder turns itself off; if the file was removed,
+        moved or replaced, it warns once and starts a new file at the path, where the user
+        and the dashboard look."""
+        path = self.file_path or self.path
+        try:
+            st = os.stat(path)
+            here = (st.st_dev, st.st_ino)
+        except FileNotFoundError:
+            here = None
+        if here == self._file_id:
+            return True
+        linked = os.fstat(self._fd).st_nlink > 0
+        self._close_file()
+        if not path.parent.is_dir():
+            self._disable_because(f"{path} was removed while recording (its directory is gone)")
+            return False
+        what = "moved or replaced" if linked else "removed"
+        log.warning(
+            "PlanRecorder: %s was %s while recording; later plans go to a new file there",
+            path,
+            what,
+        )
+        self._open_plain(path)
+        return True
 
     def _rotate(self) -> None:
         self._close_file()
         path = self.file_path or self.path
+        _remove_backups_beyond(path, self.backups)  # e.g. left by a run that kept more
         if self.backups == 0:
             os.unlink(path)
         else:
@@ -405,20 +511,67 @@ class PlanRecorder:
                 if older.exists():
                     os.replace(older, rotated_file(path, k + 1))
             os.replace(path, rotated_file(path, 1))
-        # Opening plain (no mkdir): if the directory was removed, that is an I/O error.
-        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        self._size = 0
+        self._open_plain(path)
 
     def _close_file(self) -> None:
         if self._fd is not None:
             fd, self._fd = self._fd, None
+            self._file_id = None
             with contextlib.suppress(OSError):
                 os.close(fd)
 
     def _disable(self, err: OSError) -> None:
-        self._disabled_reason = f"I/O error on {self.file_path or self.path}: {err}"
-        log.warning("PlanRecorder disabled (training goes on): %s", self._disabled_reason)
+        self._disable_because(f"I/O error on {self.file_path or self.path}: {err}")
+
+    def _disable_because(self, reason: str) -> None:
+        self._disabled_reason = reason
+        log.warning("PlanRecorder disabled (training goes on): %s", reason)
         self._close_file()
+
+
+def _remove_backups_beyond(path: Path, keep: int) -> None:
+    """Delete ``plans.<k>.jsonl`` for every k > ``keep`` (rotation shifts only 1..keep)."""
+    for k, copy in rotated_copies(path).items():
+        if k > keep:
+            with contextlib.suppress(FileNotFoundError):
+                copy.unlink()
+
+
+def _check_placeholders(path: str) -> None:
+    """Refuse a path template with a placeholder other than ``{group}`` (it would be
+    written literally, or fail later on the training thread); lone braces are literal."""
+    unknown = [p for p in _PLACEHOLDER.findall(path) if p != GROUP_TEMPLATE]
+    if unknown:
+        raise KnapformerError(
+            f"PlanRecorder path {path!r} has placeholder(s) {', '.join(unknown)}: only "
+            f"{GROUP_TEMPLATE} is filled in (with the balance group's index); fill in the rest "
+            "before passing the path, e.g. with an f-string"
+        )
+
+
+def _finite_measurements(measured: Measurements, gpus: list[int]) -> tuple[Measurements, list[str]]:
+    """A copy of ``measured`` without non-finite times, and a description of each one
+    left out: a phase of ``per_rank_ms`` with any such value goes as a whole (it must hold
+    one value per GPU), ``plan_ms`` becomes ``None``."""
+    dropped: list[str] = []
+    plan_ms = measured.plan_ms
+    if plan_ms is not None and not math.isfinite(plan_ms):
+        dropped.append(f"plan_ms ({plan_ms})")
+        plan_ms = None
+    per_rank: dict[str, list[float]] = {}
+    for phase, values in measured.per_rank_ms.items():
+        bad = [i for i, v in enumerate(values) if not math.isfinite(v)]
+        if bad:
+            where = ", ".join(
+                f"GPU {gpus[i] if i < len(gpus) else i}: {values[i]}" for i in bad[:3]
+            )
+            dropped.append(f"per_rank_ms[{phase!r}] ({where}{', ...' if len(bad) > 3 else ''})")
+        else:
+            per_rank[phase] = values
+    if not dropped:
+        return measured, dropped
+    kept = measured.model_copy(update={"plan_ms": plan_ms, "per_rank_ms": per_rank})
+    return kept, dropped
 
 
 def _attach(

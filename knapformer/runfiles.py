@@ -58,6 +58,16 @@ def rotated_file(path: str | Path, k: int) -> Path:
     return path.with_name(f"{path.stem}.{k}{path.suffix}")
 
 
+def rotated_copies(path: str | Path) -> dict[int, Path]:
+    """The rotated copies of ``path`` that exist, by number k (``plans.<k>.jsonl``)."""
+    path = Path(path)
+    numbered = re.compile(rf"{re.escape(path.stem)}\.(\d+){re.escape(path.suffix)}")
+    if not path.parent.is_dir():
+        return {}
+    found = (numbered.fullmatch(p.name) for p in path.parent.iterdir())
+    return {int(m.group(1)): path.with_name(m.group(0)) for m in found if m}
+
+
 def is_rotated(path: str | Path) -> bool:
     """Whether ``path`` is named as a rotated copy (``<stem>.<k>.jsonl``)."""
     return _ROTATED.fullmatch(Path(path).name) is not None

@@ -167,7 +167,8 @@ def test_appended_lines_update_step_count_and_bars(page, live_file, lines50):
     pos = {g: i for i, g in enumerate(plan.gpus)}
     order = [pos[g] for m in plan.bags for g in m]
     after = _figure(page, "bag-load")["data"][1]["y"]
-    np.testing.assert_allclose(after, plan.stats.load_after[order], rtol=1e-9)
+    # not calibrated: loads are shown relative to the mean GPU
+    np.testing.assert_allclose(after, plan.stats.load_after[order] / plan.stats.mean_load)
     latest = f"{plan.stats.imbalance_before:.3f} → {plan.stats.imbalance_after:.3f}"
     assert page.inner_text("#stat-imbalance") == latest
 

@@ -143,3 +143,89 @@ def test_folder_of_runs(tmp_path, steps50_path, plan8_path):
         assert store is runs.store("single.json")
     finally:
         runs.close()
+
+
+def test_a_bad_line_costs_exactly_that_line(tmp_path, lines50):
+    path = tmp_path / "plans.jsonl"
+    hostile = [
+        "[" * 100_000,  # nested past the JSON parser's recursion limit
+        '{"step": ' + "7" * 5000 + "}",  # an integer too long for int()
+        "\x00\xff{",
+    ]
+    # One write: a good plan, the hostile lines, then 16 good plans.
+    path.write_text("\n".join([lines50[0], *hostile, *lines50[1:17]]) + "\n")
+    store = _store(path)
+    snap = store.snapshot()
+    assert [s.step for s in snap.summaries] == list(range(17))
+    assert [p.line for p in snap.problems] == [2, 3, 4]
+    assert snap.problem_count == 3
+    assert store.plan(16).step == 16
+    with open(path, "a") as f:  # and the file is still followed
+        f.write(lines50[17] + "\n")
+    store.poll()
+    assert len(store.snapshot().summaries) == 18
+
+
+def test_a_line_too_long_to_read_is_a_problem(tmp_path, lines50, monkeypatch):
+    import dashboard.tail as tail_module
+
+    monkeypatch.setattr(tail_module, "MAX_LINE_BYTES", 4 << 20)
+    path = tmp_path / "plans.jsonl"
+    path.write_text("\n".join([lines50[0], " " * (5 << 20) + lines50[1], lines50[2]]) + "\n")
+    snap = _store(path).snapshot()
+    assert [s.step for s in snap.summaries] == [0, 2]
+    assert [p.line for p in snap.problems] == [2]
+    assert "longer than" in snap.problems[0].message
+
+
+def _followers() -> int:
+    import threading
+
+    return sum(t.name.startswith("follow ") for t in threading.enumerate())
+
+
+def _open_files_under(folder) -> int:
+    fds = os.listdir("/proc/self/fd")
+    targets = []
+    for fd in fds:
+        try:
+            targets.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            continue
+    return sum(t.startswith(str(folder)) for t in targets)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open files in /proc")
+def test_viewing_many_runs_keeps_threads_and_open_files_bounded(tmp_path, lines50):
+    import time
+
+    from dashboard.store import KEEP_STORES
+
+    names = [f"run{i:03d}" for i in range(3 * KEEP_STORES)]
+    for i, name in enumerate(names):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "plans.jsonl").write_text(lines50[i % 50] + "\n")
+    before = _followers()
+    runs = Runs(tmp_path)
+    try:
+        for name in names:  # a user clicking through the run picker
+            store = runs.store(name)
+            deadline = time.monotonic() + 10
+            while not store.snapshot().summaries and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert store.snapshot().summaries, name
+        deadline = time.monotonic() + 10  # stopped followers finish their last poll
+        while _followers() - before > KEEP_STORES and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _followers() - before <= KEEP_STORES
+        assert _open_files_under(tmp_path) <= KEEP_STORES
+        # The runs viewed last are still followed; an earlier one starts again when asked.
+        assert runs.store(names[-1]) is store
+        again = runs.store(names[0])
+        deadline = time.monotonic() + 10
+        while not again.snapshot().summaries and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert again.snapshot().summaries[0].step == parse_plan_line(lines50[0]).step
+    finally:
+        runs.close()
+    assert _followers() == before and _open_files_under(tmp_path) == 0

@@ -206,6 +206,42 @@ def test_ctrl_c_stops_workers_and_dashboard_leaving_nothing_running(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_killed_worker_is_named_once_without_tracebacks(tmp_path):
+    proc = subprocess.Popen(
+        [
+            *(BIN / "knapformer", "demo", "--steps", "0", "--world-size", "2"),
+            *("--topology", "g2n1", "--no-dashboard", "--out", str(tmp_path / "demo")),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        seen = []
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            seen.append(proc.stdout.readline())
+            if STEP_LINE.search(seen[-1]) or not seen[-1]:
+                break
+        assert STEP_LINE.search(seen[-1]), "".join(seen) + proc.stderr.read()
+        # The workers are the fork server's children, started in rank order.
+        workers = [
+            p for p in psutil.Process(proc.pid).children(recursive=True) if p.ppid() != proc.pid
+        ]
+        rank1 = max(workers, key=lambda p: (p.create_time(), p.pid))
+        rank1.send_signal(signal.SIGKILL)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, stderr
+    # Rank 0 fails in its next collective because rank 1 is gone: only rank 1 is named.
+    assert stderr.strip() == "error: worker rank 1 died (SIGKILL)", stderr
+    assert "Traceback" not in stdout + stderr
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("torchrun", path=str(BIN)) is None, reason="needs torchrun")
 def test_torchrun_example_records_plans(tmp_path):
     out = tmp_path / "toy"

@@ -1,5 +1,6 @@
 import json
 
+import numpy as np
 import pytest
 
 from knapformer.plan_io import (
@@ -13,6 +14,8 @@ from knapformer.plan_io import (
 )
 from knapformer.planner import plan_routing
 from knapformer.workload import WorkloadModel
+
+_MODEL = WorkloadModel(3072, 0.4)
 
 
 def _plans(n):
@@ -124,3 +127,36 @@ def test_step_ranges_select_like_select_step(tmp_path):
     result = read_plans(path)
     assert plans_in_range(result, "1:2") == [result.plans[1], result.plans[2]]
     assert select_step(result, 1).plan == result.plans[1]
+
+
+@pytest.mark.parametrize(
+    "measurements",
+    [
+        None,
+        {},
+        {"plan_ms": 2.5, "per_rank_ms": {"route": [0.1, 1e-7, 3.0, 4.0], 'odd "phase"': [1] * 4}},
+        {"plan_ms": float("nan"), "per_rank_ms": {"step": [float("inf"), 1.0, 2.0, 3.0]}},
+        {"per_rank_ms": {}, "note": "extra fields travel too"},
+    ],
+)
+def test_json_line_pieces_parse_to_what_model_dump_json_writes(measurements, monkeypatch):
+    from knapformer import plan_io
+    from knapformer.plan import Measurements
+    from knapformer.tools.datamix import parse_mix, sample_lengths, scale_mix
+
+    rng = np.random.default_rng(3)
+    codes = scale_mix(parse_mix("joint"), 8)  # ~700 sequences on 256 GPUs
+    plan = plan_routing(sample_lengths(codes, rng), "g1n128+g2n32+g4n16", _MODEL, step=4)
+    plan.sequences.workload[5] = float("inf")  # non-finite floats are written null
+    if measurements is not None:
+        gpus = len(plan.gpus)
+        for values in measurements.get("per_rank_ms", {}).values():
+            values.extend(values[-1:] * (gpus - len(values)))
+        measurements = Measurements(**measurements)
+    plan.measurements = measurements
+    monkeypatch.setattr(plan_io, "PIECE_NUMBERS", 100)  # columns of ~700 split in pieces
+    pieces = list(plan_io.json_line_pieces(plan))
+    assert json.loads(b"".join(pieces)) == json.loads(plan.model_dump_json())
+    # The work is split: no piece holds more than PIECE_NUMBERS numbers of a column.
+    assert len(plan.chunks) > 700 and len(pieces) > 7 * 9
+    assert max(piece.count(b",") for piece in pieces[1:]) <= 100  # [0]: the scalar fields

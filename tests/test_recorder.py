@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -17,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from knapformer.errors import KnapformerError
 from knapformer.plan_io import parse_plan_line, read_plans
 from knapformer.planner import plan_routing
 from knapformer.recorder import PlanRecorder
@@ -371,3 +374,135 @@ def test_record_payload_is_json_object_per_line(tmp_path, plans):
     raw = path.read_bytes()
     assert raw.endswith(b"\n") and raw.count(b"\n") == 1
     assert json.loads(raw)["step"] == 0
+
+
+# ------------------------------------------------------------ hostile conditions
+def _wait_written(rec: PlanRecorder, count: int) -> None:
+    deadline = time.monotonic() + 10
+    while rec.written < count and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert rec.written == count
+
+
+def test_directory_removed_between_rotations_is_noticed_at_the_next_write(tmp_path, plans, caplog):
+    out = tmp_path / "run"
+    with caplog.at_level(logging.WARNING, logger="knapformer.recorder"):
+        rec = PlanRecorder(out / "plans.jsonl")  # rotation 256 MiB away: never reached here
+        for p in plans[:5]:
+            rec.record(p)
+        _wait_written(rec, 5)
+        shutil.rmtree(out)
+        for i in range(40):  # the training loop goes on
+            p = plans[i % len(plans)].model_copy()
+            p.step = 5 + i
+            rec.record(p)
+        deadline = time.monotonic() + 10
+        while rec.disabled_reason is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        after = rec.record(plans[0])  # once noticed, the recorder is off
+        rec.close()
+    # Nothing went into the deleted file: the first write after the removal saw it.
+    assert rec.written == 5
+    assert rec.disabled_reason is not None and "removed" in rec.disabled_reason
+    warnings = recorder_warnings(caplog)
+    assert len(warnings) == 1 and str(out / "plans.jsonl") in warnings[0], warnings
+    assert not out.exists()  # nothing was recreated behind the user's back
+    assert after is False
+
+
+def test_file_replaced_under_the_recorder_starts_a_new_file_at_the_path(tmp_path, plans, caplog):
+    path = tmp_path / "plans.jsonl"
+    with caplog.at_level(logging.WARNING, logger="knapformer.recorder"):
+        rec = PlanRecorder(path)
+        for p in plans[:3]:
+            rec.record(p)
+        _wait_written(rec, 3)
+        path.unlink()  # e.g. a user clearing old plans while the job runs
+        for p in plans[3:8]:
+            rec.record(p)
+        _wait_written(rec, 8)
+        os.replace(path, tmp_path / "moved.jsonl")  # and an outside tool rotating it
+        for p in plans[8:]:
+            rec.record(p)
+        rec.close()
+    # Plans after each change go to the path the user (and the dashboard) reads.
+    assert steps_in(tmp_path / "moved.jsonl") == [3, 4, 5, 6, 7]
+    assert steps_in(path) == [8, 9, 10, 11]
+    assert rec.active is False and rec.disabled_reason is None
+    warnings = recorder_warnings(caplog)
+    assert len(warnings) == 2, warnings
+    assert "removed" in warnings[0] and "replaced" in warnings[1]
+
+
+def test_non_finite_measured_times_are_dropped_with_one_warning(tmp_path, plans, caplog):
+    from knapformer.plan import Measurements
+
+    path = tmp_path / "plans.jsonl"
+    n = len(plans[0].gpus)
+    bad = []
+    for i, value in enumerate([math.inf, math.nan, -math.inf]):
+        p = plans[i].model_copy()
+        p.measurements = Measurements(
+            plan_ms=value if i == 0 else 1.5,
+            per_rank_ms={
+                "route": [1.0] * n,
+                "forward_backward": [2.0] * (n - 1) + [value],
+            },
+        )
+        bad.append(p)
+    with (
+        caplog.at_level(logging.WARNING, logger="knapformer.recorder"),
+        PlanRecorder(path) as rec,
+    ):
+        for p in bad:
+            rec.record(p)
+    result = read_plans(path)  # every reader goes through this parser
+    assert result.problems == [] and [p.step for p in result.plans] == [0, 1, 2]
+    for back in result.plans:
+        assert back.measurements.per_rank_ms == {"route": [1.0] * n}  # the good figure kept
+    assert result.plans[0].measurements.plan_ms is None
+    assert result.plans[1].measurements.plan_ms == 1.5
+    assert rec.written == 3
+    warnings = recorder_warnings(caplog)
+    assert len(warnings) == 1, warnings
+    assert "forward_backward" in warnings[0] and "inf" in warnings[0]
+    # The caller's plan object is left as it was.
+    assert math.isinf(bad[0].measurements.per_rank_ms["forward_backward"][-1])
+
+
+@pytest.mark.parametrize("template", ["runs/{group}-{date}/plans.jsonl", "runs/{}/plans.jsonl"])
+def test_path_template_with_unknown_placeholder_is_refused_at_construction(tmp_path, template):
+    with pytest.raises(KnapformerError, match=re.escape(template)):
+        PlanRecorder(tmp_path / template)
+
+
+def test_path_braces_other_than_placeholders_are_taken_literally(tmp_path, plans):
+    template = tmp_path / "odd{" / "run{group}" / "plans}.jsonl"
+    rec = PlanRecorder(template)
+    assert rec._group_path([4, 5, 6, 7]) == tmp_path / "odd{" / "run1" / "plans}.jsonl"
+    with rec:
+        rec.record(plans[0])
+    assert steps_in(template) == [0]  # no process group: the path as given
+
+
+def test_rotation_removes_backups_beyond_retention_left_by_earlier_runs(tmp_path, plans):
+    path = tmp_path / "plans.jsonl"
+    for k in range(1, 8):  # an earlier run kept 7 backups
+        (tmp_path / f"plans.{k}.jsonl").write_text(plans[0].model_dump_json() + "\n")
+    (tmp_path / "plans.group1.3.jsonl").write_text("another group's backup\n")
+    (tmp_path / "plans.x.jsonl").write_text("not a backup\n")
+    line = len(plans[0].model_dump_json()) + 1
+    with PlanRecorder(path, max_bytes=int(1.5 * line), backups=2) as rec:
+        for p in plans[:4]:
+            rec.record(p)
+    names = sorted(f.name for f in tmp_path.iterdir())
+    assert names == [
+        "plans.1.jsonl",
+        "plans.2.jsonl",
+        "plans.group1.3.jsonl",
+        "plans.jsonl",
+        "plans.x.jsonl",
+    ]
+    assert steps_in(path) == [3]
+    assert steps_in(tmp_path / "plans.1.jsonl") == [2]
+    assert steps_in(tmp_path / "plans.2.jsonl") == [1]

@@ -4,16 +4,15 @@ per group, non-writing ranks do no I/O. A stand-in balancer sets exactly known t
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
 
-from knapformer.local.local_world import rendezvous, worker_context
+from knapformer.local.launcher import launch
 from knapformer.plan_io import read_plans
 
 
-def worker(rank: int, world: int, init_method: str, out: str) -> None:
+def worker(rank: int, world: int, out: str) -> dict:
     """One rank: 5 steps of a stand-in balancer with known timings, every=2."""
     import logging
     from types import SimpleNamespace
@@ -21,7 +20,6 @@ def worker(rank: int, world: int, init_method: str, out: str) -> None:
     import numpy as np
     import torch.distributed as dist
 
-    from knapformer.local.local_world import join
     from knapformer.planner import plan_routing
     from knapformer.recorder import PlanRecorder
     from knapformer.workload import WorkloadModel
@@ -30,7 +28,6 @@ def worker(rank: int, world: int, init_method: str, out: str) -> None:
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: warnings.append(record.getMessage())
     logging.getLogger("knapformer.recorder").addHandler(handler)
-    join(rank, world, init_method)
     groups = [[0, 1], [2, 3]]
     handles = [dist.new_group(g) for g in groups]  # every rank creates every group
     mine = next(i for i, g in enumerate(groups) if rank in g)
@@ -63,37 +60,22 @@ def worker(rank: int, world: int, init_method: str, out: str) -> None:
         rec.on_step(fake, plan)
     rec.finish(fake)
     rec.close()
-    report = {
+    return {
         "rank": rank,
         "thread": rec._thread is not None,
         "written": rec.written,
         "file": None if rec.file_path is None else str(rec.file_path),
         "warnings": warnings,
     }
-    with open(os.path.join(out, f"report{rank}.json"), "w") as f:
-        json.dump(report, f)
-    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("dist")
-    ctx = worker_context(["torch.distributed", "knapformer.planner", "knapformer.recorder"])
-    with rendezvous() as init_method:
-        procs = [ctx.Process(target=worker, args=(r, 4, init_method, str(out))) for r in range(4)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(120)
-        for p in procs:
-            if p.exitcode is None:
-                p.kill()
-    assert [p.exitcode for p in procs] == [0] * 4
-    reports = {}
-    for r in range(4):
-        reports[r] = json.loads((out / f"report{r}.json").read_text())
-        (out / f"report{r}.json").unlink()
-    return out, reports
+    # Raises, naming the rank, unless all four workers returned.
+    results = launch(worker, 4, (str(out),), deadline_s=120)
+    assert [r["rank"] for r in results] == [0, 1, 2, 3]
+    return out, dict(enumerate(results))
 
 
 def test_each_group_writer_writes_its_own_file(run):

@@ -165,3 +165,45 @@ def test_line_longer_than_one_read(tmp_path, tail):
     assert tail.poll().lines == []  # no newline yet
     _append(path, "\nsmall\n")
     assert [len(ln.text) for ln in tail.poll().lines] == [len(big), 5]
+
+
+def test_an_unterminated_last_line_is_scanned_once_not_on_every_poll(tmp_path, tail, monkeypatch):
+    path = tmp_path / "plans.jsonl"
+    _append(path, "ok\n" + "x" * (3 * tail_module._CHUNK + 7))
+    read = []
+    real_pread = os.pread
+
+    def counting(fd, n, offset):
+        data = real_pread(fd, n, offset)
+        read.append(len(data))
+        return data
+
+    monkeypatch.setattr(tail_module.os, "pread", counting)
+    assert [ln.text for ln in tail.poll().lines] == ["ok"]
+    first = sum(read)
+    for _ in range(20):  # the dashboard polls 4 times a second
+        assert tail.poll().lines == []
+    assert first < 3.1 * tail_module._CHUNK + 100
+    assert sum(read) - first < 1000  # later polls only looked for new bytes
+    read.clear()
+    _append(path, "y" * 10)
+    assert tail.poll().lines == []
+    assert sum(read) < 1000  # the 10 new bytes (and the rewrite check), not the line again
+    _append(path, "\nnext\n")
+    lines = tail.poll().lines
+    assert [len(ln.text) for ln in lines] == [3 * tail_module._CHUNK + 17, 4]
+    assert lines[0].offset == 3 and not lines[0].too_long
+
+
+def test_a_line_too_long_to_read_is_reported_not_read(tmp_path, tail, monkeypatch):
+    monkeypatch.setattr(tail_module, "MAX_LINE_BYTES", 2 * tail_module._CHUNK)
+    path = tmp_path / "plans.jsonl"
+    huge = 3 * tail_module._CHUNK
+    _append(path, "a\n" + "z" * huge + "\nb\n")
+    batch = tail.poll()
+    assert [(ln.number, ln.too_long, ln.length, ln.text) for ln in batch.lines] == [
+        (1, False, 1, "a"),
+        (2, True, huge, ""),
+        (3, False, 1, "b"),
+    ]
+    assert tail.offset == 2 + huge + 1 + 2

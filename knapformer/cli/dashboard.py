@@ -32,5 +32,7 @@ def dashboard(
     if not path.exists():
         # Not an error: a training job may create the file in a moment; the page says so.
         print(f"note: {path} does not exist yet; the dashboard will show it when it appears")
-    serve(path, host=host, port=port)  # returns on Ctrl-C (werkzeug handles the interrupt)
-    print("dashboard stopped")
+    try:
+        serve(path, host=host, port=port)  # until Ctrl-C: KeyboardInterrupt, exit code 130
+    finally:
+        print("dashboard stopped")

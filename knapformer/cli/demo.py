@@ -49,6 +49,7 @@ def demo(
         model_shape,
         run_demo,
     )
+    from knapformer.local.launcher import WorkerFailed
     from knapformer.local.signals import ignoring_sigint
 
     cfg = DemoConfig(
@@ -79,7 +80,9 @@ def demo(
                 on_report=lambda r: print(format_report(r), flush=True),
                 on_start=lambda: print(f"started {world_size} workers", flush=True),
             )
-        except RuntimeError as err:
+        except WorkerFailed as err:
+            if err.traceback:  # the failing rank's only; its peers print nothing
+                print(err.traceback, file=sys.stderr, end="", flush=True)
             raise UserError(str(err)) from err
         except KeyboardInterrupt:
             print("workers stopped", file=sys.stderr, flush=True)

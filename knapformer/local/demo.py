@@ -7,28 +7,29 @@ to learn), take an optimizer step every step and record every plan with a `PlanR
 to ``<out>/plans.jsonl``. Rank 0 sends one `StepReport` per step to the launcher, which
 prints it and, unless told not to, serves the dashboard on the same file.
 
-Stopping: the launcher owns the workers. Ctrl-C (SIGINT) reaches the launcher; workers
-ignore SIGINT and are stopped with SIGTERM (they close the recorder, so every queued plan
-is written), then SIGKILL after a grace period. Workers also die with the launcher.
+Stopping: `knapformer.local.launcher` owns the workers. Ctrl-C (SIGINT) reaches the
+launcher, which sets the stop flag: the workers carry it in their gradient all-reduce, so
+all of them leave after the same step and close their recorders (every queued plan is
+written). Whatever still runs after a grace period gets SIGTERM (which also flushes the
+recorder), then SIGKILL. A worker that dies, raises or stalls is named, once.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import math
-import os
-import signal
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from knapformer.errors import KnapformerError, file_error
-from knapformer.local.local_world import join, rendezvous, worker_context
-from knapformer.local.signals import deferring_sigint, handling, ignoring_sigint, interrupt
+from knapformer.local.launcher import (
+    TRAINING_PRELOAD,
+    launch,
+    report_progress,
+    send,
+    stop_requested,
+)
 from knapformer.runfiles import plans_file, remove_recording
 from knapformer.stats import summary_line
 from knapformer.tools.datamix import MIXED8, DataCode, parse_mix
@@ -37,7 +38,8 @@ from knapformer.topology import Topology
 DEMO_CODES = MIXED8  # the joint mix's data types on 8 GPUs, as in the 8-GPU samples
 HEAD_DIM = 16
 _LATENT_RANK = 8  # tokens of a sequence are noisy views of one latent of this size
-_GRACE_S = 5.0  # SIGTERM -> SIGKILL
+_GRACE_S = 5.0  # Ctrl-C -> SIGTERM -> SIGKILL
+_STALL_S = 30.0  # no rank starts a step for this long: name the one to blame
 
 
 @dataclass
@@ -139,8 +141,9 @@ def run_demo(
 ) -> list[StepReport]:
     """Train with ``cfg.world_size`` worker processes; returns rank 0's reports.
 
-    ``on_report`` sees each step as it finishes. Raises ``RuntimeError`` if a worker
-    fails, ``KeyboardInterrupt`` on Ctrl-C; either way every worker is stopped first.
+    ``on_report`` sees each step as it finishes. Raises `WorkerFailed` naming the rank
+    when a worker dies, raises or stalls, ``KeyboardInterrupt`` on Ctrl-C (the workers
+    finish the same step first); either way every worker is stopped first.
     """
     check_config(cfg)
     out = Path(cfg.out)
@@ -150,151 +153,40 @@ def run_demo(
         raise file_error(out, err, "cannot create the folder") from err
     if cfg.record:
         remove_recording(plans_file(out))  # its steps restart at 0: start a fresh file
-
-    with rendezvous("knapformer-demo-") as init_method:
-        return _run_workers(cfg, init_method, on_report, on_start)
-
-
-def _run_workers(
-    cfg: DemoConfig,
-    init_method: str,
-    on_report: Callable[[StepReport], None] | None,
-    on_start: Callable[[], None] | None,
-) -> list[StepReport]:
-    ctx = worker_context()
-    receive, send = ctx.Pipe(duplex=False)
-    stop = ctx.Event()  # asks the workers to finish the current step and exit together
-    procs = [
-        ctx.Process(
-            target=_worker,
-            args=(rank, cfg, init_method, send if rank == 0 else None, stop),
-            name=f"knapformer-demo-rank{rank}",
-        )
-        for rank in range(cfg.world_size)
-    ]
     reports: list[StepReport] = []
-    try:
-        with handling(signal.SIGTERM, interrupt):
-            with deferring_sigint():
-                for p in procs:
-                    p.start()
-            send.close()  # only the workers write; EOF once rank 0 is gone
-            if on_start is not None:
-                on_start()
-            _supervise(procs, receive, reports, on_report)
-    except KeyboardInterrupt:
-        # Let the workers stop after the same step (the recorder flushes, nothing is cut
-        # mid-collective); whatever has not exited by the deadline is terminated below.
-        stop.set()
-        started = [p for p in procs if p.pid is not None]
-        with ignoring_sigint():
-            _supervise(started, receive, reports, on_report, time.monotonic() + _GRACE_S)
-        raise
-    finally:
-        with ignoring_sigint():  # a second Ctrl-C must not cut the clean-up short
-            _stop(procs)
-        receive.close()
+
+    def relay(rank: int, report: StepReport) -> None:
+        reports.append(report)
+        if on_report is not None:
+            on_report(report)
+
+    launch(
+        _worker,
+        cfg.world_size,
+        (cfg,),
+        on_message=relay,
+        on_start=on_start,
+        stall_s=_STALL_S,
+        grace_s=_GRACE_S,
+        preload=TRAINING_PRELOAD,
+    )
     return reports
 
 
-def _supervise(procs, receive, reports, on_report, deadline: float | None = None) -> None:
-    """Relay rank 0's reports until every worker has exited.
-
-    Without a deadline a worker that fails raises ``RuntimeError`` at once; with one
-    (while stopping) exit codes do not matter and waiting ends at the deadline.
-    """
-    open_pipe = True
-    while deadline is None or time.monotonic() < deadline:
-        if open_pipe and receive.poll(0.1):
-            try:
-                report = receive.recv()
-            except EOFError:  # rank 0 is done (or gone): only exit codes are left to see
-                open_pipe = False
-                continue
-            reports.append(report)
-            if on_report is not None:
-                on_report(report)
-            continue
-        if not open_pipe:
-            time.sleep(0.05)
-        failed = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
-        if failed and deadline is None:
-            rank, code = failed[0]
-            how = f"signal {-code}" if code < 0 else f"exit code {code}"
-            raise RuntimeError(f"demo worker rank {rank} stopped with {how} (see its output above)")
-        if all(p.exitcode is not None for p in procs):
-            while open_pipe and receive.poll():  # reports sent just before exiting
-                try:
-                    report = receive.recv()
-                except EOFError:
-                    break
-                reports.append(report)
-                if on_report is not None:
-                    on_report(report)
-            return
-
-
-def _stop(procs) -> None:
-    """SIGTERM every live worker, SIGKILL after the grace period; reap them all."""
-    for p in procs:
-        if p.pid is not None and p.exitcode is None:
-            with contextlib.suppress(OSError):
-                p.terminate()
-    deadline = time.monotonic() + _GRACE_S
-    for p in procs:
-        if p.pid is not None:
-            p.join(max(0.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.pid is not None and p.exitcode is None:
-            with contextlib.suppress(OSError):
-                p.kill()
-            p.join(5)
-
-
 # -------------------------------------------------------------------------- worker
-def _worker(rank: int, cfg: DemoConfig, init_method: str, conn: Any, stop: Any) -> None:
-    # The launcher decides when to stop: ignore the terminal's Ctrl-C (the launcher gets
-    # it too), turn SIGTERM into SystemExit so `finally` blocks (the recorder's flush) run.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    _die_with_parent()
-    parent = os.getppid()
-    import torch.distributed as dist
-
-    try:
-        join(rank, cfg.world_size, init_method)
-        train(rank, cfg, None if conn is None else conn.send, stop)
-        if conn is not None:
-            conn.close()
-        dist.destroy_process_group()
-    except BaseException:
-        if stop.is_set() or os.getppid() != parent:
-            # Being stopped: peers may be gone mid-collective; exit without a traceback
-            # and without torch's teardown, which could wait for them.
-            os._exit(143)
-        raise
-
-
-def _exit_on_sigterm(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)
-
-
-def _die_with_parent() -> None:
-    """Ask Linux to SIGTERM this process when its parent dies (no orphans)."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(Exception):
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+def _worker(rank: int, world: int, cfg: DemoConfig) -> None:
+    train(rank, cfg, send if rank == 0 else None, stop_requested)
 
 
 def train(
     rank: int,
     cfg: DemoConfig,
     report: Callable[[StepReport], None] | None = None,
-    stop: Any = None,
+    stop: Callable[[], bool] | None = None,
 ) -> None:
     """The training loop of one rank (process group already initialised).
 
-    ``stop`` (an event): once any rank sees it set, all ranks finish that step and return.
+    ``stop()``: once it is true on any rank, all ranks finish that step and return.
     """
     import numpy as np
     import torch
@@ -317,6 +209,7 @@ def train(
     try:
         step = 0
         while cfg.steps == 0 or step < cfg.steps:
+            report_progress(step)  # the launcher's watchdog names a rank that stalls
             started = time.perf_counter()
             rng = np.random.default_rng([cfg.seed, step, rank])
             lengths = sample_lengths([codes[rank]], rng, cfg.length_scale)[0]
@@ -334,7 +227,7 @@ def train(
             (sq_err / (group_elems * balancer.num_replicas)).backward()
             opt_start = time.perf_counter()
 
-            stopping = float(stop is not None and stop.is_set())
+            stopping = float(stop is not None and stop())
             flat = torch.cat(
                 [p.grad.reshape(-1) for p in params]
                 + [sq_err.detach().reshape(1), torch.tensor([stopping])]

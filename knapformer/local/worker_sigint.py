@@ -1,4 +1,4 @@
-"""Imported by the workers' fork server only (``local_world.worker_context`` preloads it;
+"""Imported by the workers' fork server only (`knapformer.local.launcher` preloads it;
 nothing else imports it): every worker then starts with Ctrl-C ignored.
 
 A terminal's Ctrl-C reaches the whole process group, workers included, and the parent

@@ -1,4 +1,4 @@
-"""Synthetic data mixes (DESIGN.md): data codes ``gGbBiIfFsS`` and the named mixes.
+"""Synthetic data mixes (docs/concepts.md): data codes ``gGbBiIfFsS`` and the named mixes.
 
 ``gGbBiIfFsS``: G GPUs, each holding B samples of I px with F frames; S=0 keeps F
 latent frames, S=1 (video) compresses to max(int(F / 3.4), 1). A latent frame has

@@ -18,25 +18,22 @@ name the recorded GPU ranks.
 
 from __future__ import annotations
 
-import os
-import queue
-import signal
-import time
-import traceback
 from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
 
 import numpy as np
 
 from knapformer import __version__
 from knapformer.errors import KnapformerError, OptionError
-from knapformer.local.local_world import join, rendezvous, worker_context
-from knapformer.local.signals import deferring_sigint
+from knapformer.local.launcher import WorkerFailed, launch
 from knapformer.plan import RoutingPlan, gpu_positions
 from knapformer.planner import SOLVERS
 from knapformer.topology import Topology
 
 MAX_REPLAY_GPUS = 64  # one OS process each; beyond this a laptop thrashes
 _FEATURE_BYTES = 8  # the int64 token id routed with every token
+_GRACE_S = 1.0  # replay workers do not watch the stop flag: stop them soon after Ctrl-C
 
 
 @dataclass
@@ -203,208 +200,207 @@ def replay(
 
     ``start_method``: workers fork from a server that imported torch once
     (``"forkserver"``, safe whatever this process has run), or from this process
-    (``"fork"``: they inherit its state, including patches — for tests).
+    (``"fork"``: they inherit its state, including patches — for tests). Raises
+    ``RuntimeError`` naming the GPU whose process died, raised or hung.
     """
     dim, heads = check_options(plan, dim, heads)
     skip = replan_skip_reason(plan)
-    local = renumber(plan)
-    reports = _run_workers(
-        local, list(plan.gpus), dim, heads, skip is None, timeout_s, start_method
-    )
+    gpus = list(plan.gpus)
+    try:
+        reports = launch(
+            _worker,
+            len(gpus),
+            (renumber(plan), gpus, dim, heads, skip is None),
+            deadline_s=timeout_s,
+            grace_s=_GRACE_S,
+            start_method=start_method,
+        )
+    except WorkerFailed as err:
+        who = "replay processes" if err.rank is None else f"replay process of GPU {gpus[err.rank]}"
+        raise RuntimeError(f"{who} {err.what}") from err
     difference = next((r.plan_difference for r in reports if r.plan_difference), None)
     return ReplayResult(plan, skip is None, skip, difference, reports, dim, heads)
 
 
-def _run_workers(
-    plan: RoutingPlan,
-    gpus: list[int],
-    dim: int,
-    heads: int,
-    replan: bool,
-    timeout_s: float,
-    start_method: str = "forkserver",
-) -> list[RankReport]:
-    with rendezvous("knapformer-replay-") as init_method:
-        return _supervise(plan, gpus, dim, heads, replan, timeout_s, start_method, init_method)
-
-
-def _supervise(plan, gpus, dim, heads, replan, timeout_s, start_method, init_method):
-    n = len(gpus)
-    ctx = worker_context(start_method=start_method)
-    results = ctx.Queue()
-    procs = [
-        ctx.Process(
-            target=_worker,
-            args=(rank, n, init_method, plan, gpus, dim, heads, replan, results),
-            daemon=True,
-        )
-        for rank in range(n)
-    ]
-    reports: dict[int, RankReport] = {}
-    deadline = time.monotonic() + timeout_s
-    try:
-        with deferring_sigint():
-            for p in procs:
-                p.start()
-        while len(reports) < n:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise RuntimeError(f"replay timed out after {timeout_s:.0f} s")
-            try:
-                report = results.get(timeout=min(left, 1.0))
-            except queue.Empty:
-                dead = [p for p in procs if p.exitcode not in (None, 0)]
-                if dead:
-                    rank = procs.index(dead[0])
-                    raise RuntimeError(
-                        f"replay process of GPU {gpus[rank]} died (exit code {dead[0].exitcode})"
-                    ) from None
-                continue
-            reports[report.rank] = report
-            if report.error and report.error.startswith("crashed:"):
-                break  # the others would wait for it in a collective
-    finally:
-        started = [p for p in procs if p.pid is not None]
-        # One deadline for all: after a crash or Ctrl-C the rest are killed, not awaited.
-        until = time.monotonic() + (5.0 if len(reports) == n else 0.5)
-        for p in started:
-            p.join(timeout=max(0.0, until - time.monotonic()))
-        for p in started:
-            if p.is_alive():
-                p.kill()
-                p.join()
-    crashed = [r for r in reports.values() if r.error and r.error.startswith("crashed:")]
-    if crashed:
-        raise RuntimeError(f"replay process of GPU {gpus[crashed[0].rank]} {crashed[0].error}")
-    return [reports[r] for r in range(n)]
-
-
-def _worker(rank, world, init_method, plan, gpus, dim, heads, replan, results) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when workers stop
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+def _worker(rank, world, plan, gpus, dim, heads, replan) -> RankReport:
+    """Both checks on one local rank (launched by `replay`)."""
     report = RankReport(rank)
-    try:
-        import torch.distributed as dist
-
-        join(rank, world, init_method)
-        try:
-            _replay_rank(report, plan, gpus, dim, heads, replan)
-        finally:
-            dist.destroy_process_group()
-    except Exception as err:  # reported to the parent, which names the rank
-        last = traceback.extract_tb(err.__traceback__)[-1]
-        report.error = f"crashed: {type(err).__name__}: {err} ({last.filename}:{last.lineno})"
-    results.put(report)
+    balancer = _replan(report, plan, gpus, dim, replan)
+    check = _RankCheck(report, plan, gpus, dim, heads, balancer)
+    x, routed, routed_ids = _check_route(check)
+    v, v2 = _check_pre_attn(check, routed_ids)
+    _check_post_attn(check, v, v2)
+    _check_reverse_route(check, x, routed, routed_ids)
+    report.timings_ms = {p: float(t) for p, t in balancer.timings.items()}
+    return report
 
 
-def _replay_rank(report: RankReport, plan: RoutingPlan, gpus, dim, heads, replan) -> None:
-    import torch
+@dataclass
+class _RankCheck:
+    """What the routing checks of one rank share; the first difference goes to ``report``."""
 
+    report: RankReport
+    plan: RoutingPlan  # renumbered: GPU i is local rank i
+    gpus: list[int]  # recorded GPU ranks, for messages
+    dim: int
+    heads: int
+    balancer: Any  # a SequenceBalancer executing ``plan``
+
+    @property
+    def rank(self) -> int:
+        return self.report.rank
+
+    @cached_property
+    def seq_start(self) -> np.ndarray:
+        """Global id of each sequence's first token: sequence s owns ids seq_start[s] ..
+        seq_start[s] + length - 1."""
+        lengths = self.plan.sequences.length
+        return np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+
+    @cached_property
+    def mine(self) -> np.ndarray:
+        """Ids of the sequences that start on this rank."""
+        return np.flatnonzero(self.plan.sequences.src_gpu == self.rank)
+
+    @cached_property
+    def own_ids(self) -> np.ndarray:
+        """(T,) global ids of the tokens this rank starts with, in order."""
+        from knapformer.router import token_ranges
+
+        return token_ranges(self.seq_start[self.mine], self.plan.sequences.length[self.mine])
+
+    def fail(self, message: str) -> None:
+        if self.report.error is None:
+            self.report.error = f"GPU {self.gpus[self.rank]}: {message}"
+
+
+def _replan(report: RankReport, plan: RoutingPlan, gpus, dim: int, replan: bool):
+    """A balancer that re-planned from this rank's recorded lengths (rank 0 compares the
+    result with the recording) and then executes the *recorded* routing."""
     from knapformer.balancer import SequenceBalancer
-    from knapformer.router import token_ranges
 
-    rank = report.rank
-    seqs, chunks = plan.sequences, plan.chunks
     solver = plan.solver if replan else "knapformer"
     gamma = plan.gamma if replan else 0.4
     cap = plan.solver_options.get("max_tokens_per_gpu") if replan else None
     balancer = SequenceBalancer(plan.topology, gamma=gamma, solver=solver, max_tokens_per_gpu=cap)
-
-    mine = np.flatnonzero(seqs.src_gpu == rank)
-    local_lens = seqs.length[mine]
+    local_lens = plan.sequences.length[plan.sequences.src_gpu == report.rank]
     if replan:
         fresh = balancer.plan_routing(local_lens, token_dim=plan.token_dim)
-        if rank == 0:
+        if report.rank == 0:
             report.plan_difference = first_difference(plan, fresh, gpus)
     else:
         # Nothing to re-plan with: still time the all-gather of lengths, as training does.
         balancer.plan_routing(local_lens, token_dim=plan.token_dim or dim)
-    balancer.use_plan(plan)  # execute the *recorded* routing, whatever the planner made
+    balancer.use_plan(plan)
+    return balancer
 
-    # Global token ids: sequence s owns ids seq_start[s] .. seq_start[s] + length - 1.
-    seq_start = np.concatenate([[0], np.cumsum(seqs.length)[:-1]]).astype(np.int64)
-    ids = token_ranges(seq_start[mine], local_lens)
-    token_id = torch.from_numpy(ids)
-    x = _payload(token_id, dim)
+
+def _check_route(c: _RankCheck):
+    """``route`` delivers exactly the chunks the plan sends to this rank, values intact.
+    Returns (this rank's tokens (T, dim), routed chunks (T', dim), their token ids (T',))."""
+    import torch
+
+    from knapformer.router import token_ranges
+
+    chunks, rank = c.plan.chunks, c.rank
+    token_id = torch.from_numpy(c.own_ids)
+    x = _payload(token_id, c.dim)
     for_me = np.flatnonzero(chunks.dst_gpu == rank)  # chunk-id order
     expected = token_ranges(
-        seq_start[chunks.seq[for_me]] + chunks.offset[for_me], chunks.length[for_me]
+        c.seq_start[chunks.seq[for_me]] + chunks.offset[for_me], chunks.length[for_me]
     )
-
-    def fail(message: str) -> None:
-        if report.error is None:
-            report.error = f"GPU {gpus[rank]}: {message}"
-
-    chunk_lens, routed, feats = balancer.route(x, {"token_id": token_id})
+    chunk_lens, routed, feats = c.balancer.route(x, {"token_id": token_id})
     got = feats["token_id"].numpy()
     if list(chunk_lens) != chunks.length[for_me].tolist():
-        fail(f"route gave chunk lengths {chunk_lens[:8]}, plan says {chunks.length[for_me][:8]}")
+        c.fail(f"route gave chunk lengths {chunk_lens[:8]}, plan says {chunks.length[for_me][:8]}")
     elif not np.array_equal(got, expected):
         i = int(np.flatnonzero(got != expected)[0])
-        fail(f"route: row {i} holds token {got[i]}, plan expects token {expected[i]}")
-    elif not torch.equal(routed, _payload(feats["token_id"], dim)):
-        fail("route: token values arrived changed")
-    traffic = plan.stats.traffic  # renumbered: GPU position = local rank
-    moved = traffic[rank].sum() - traffic[rank, rank]
-    arrived = traffic[:, rank].sum() - traffic[rank, rank]
-    per_token = dim * x.element_size() + _FEATURE_BYTES
-    report.tokens_sent, report.tokens_received = int(moved), int(arrived)
-    report.bytes_sent, report.bytes_received = int(moved) * per_token, int(arrived) * per_token
+        c.fail(f"route: row {i} holds token {got[i]}, plan expects token {expected[i]}")
+    elif not torch.equal(routed, _payload(feats["token_id"], c.dim)):
+        c.fail("route: token values arrived changed")
+    traffic = c.plan.stats.traffic  # renumbered: GPU position = local rank
+    c.report.tokens_sent = int(traffic[rank].sum() - traffic[rank, rank])
+    c.report.tokens_received = int(traffic[:, rank].sum() - traffic[rank, rank])
+    per_token = c.dim * x.element_size() + _FEATURE_BYTES
+    c.report.bytes_sent += c.report.tokens_sent * per_token
+    c.report.bytes_received += c.report.tokens_received * per_token
+    return x, routed, feats["token_id"]
 
-    # q/k/v: (T_chunks, H, D) float64 holding token_id*H + head exactly (< 2^53).
-    head_dim = dim // heads
-    tid = feats["token_id"].to(torch.float64)
+
+def _check_pre_attn(c: _RankCheck, routed_ids):
+    """``pre_attn`` gives a multi-GPU bag's ranks the bag's whole sequences with their
+    share of the heads. q/k/v: (T', H, D) float64 holding token_id*H + head exactly
+    (< 2^53), k and v offset by 0.25 and 0.5. Returns (v, v after pre_attn)."""
+    import torch
+
+    from knapformer.router import token_ranges
+
+    seqs, rank, heads = c.plan.sequences, c.rank, c.heads
+    head_dim = c.dim // heads
+    tid = routed_ids.to(torch.float64)
     head = torch.arange(heads, dtype=torch.float64)
     base = (tid[:, None] * heads + head[None, :])[:, :, None].expand(-1, -1, head_dim)
     q, k, v = base.contiguous(), (base + 0.25).contiguous(), (base + 0.5).contiguous()
-    seq_lens, q2, k2, v2 = balancer.pre_attn(q, k, v)
-    bag = next(b for b in plan.bags if rank in b)
+    seq_lens, q2, k2, v2 = c.balancer.pre_attn(q, k, v)
+    bag_id, bag = next((i, b) for i, b in enumerate(c.plan.bags) if rank in b)
     g = len(bag)
-    bag_id = plan.bags.index(bag)
+    if g == 1:
+        return v, v2
     bag_seqs = np.flatnonzero((seqs.bag == bag_id) & (seqs.length > 0))
-    if g > 1:
-        want_ids = token_ranges(seq_start[bag_seqs], seqs.length[bag_seqs])
-        share = heads // g
-        r = bag.index(rank)
-        want_heads = torch.arange(r * share, (r + 1) * share, dtype=torch.float64)
-        want = torch.from_numpy(want_ids).to(torch.float64)[:, None] * heads + want_heads[None, :]
-        got_q = q2[:, :, 0]
-        if list(seq_lens) != seqs.length[bag_seqs].tolist():
-            fail(
-                f"pre_attn gave sequence lengths {list(seq_lens)[:8]}, bag {bag_id} has "
-                f"{seqs.length[bag_seqs][:8].tolist()}"
-            )
-        elif got_q.shape != want.shape or not torch.equal(got_q, want):
-            fail(f"pre_attn: bag {bag_id} sequences or heads arrived out of place")
-        elif not (torch.equal(k2, q2 + 0.25) and torch.equal(v2, q2 + 0.5)):
-            fail("pre_attn: k or v do not line up with q")
-        # Ulysses: pre_attn sends q, k, v of (g-1)/g of this rank's chunk rows with the
-        # other ranks' heads and receives its heads of the others' rows; post_attn (the
-        # output only) reverses it.
-        row = q.element_size() * heads * head_dim  # all heads of one token
-        others = sum(balancer.tables.bag.tokens_per_gpu) - q.shape[0]
-        out_rows = q.shape[0] * (g - 1) // g
-        report.bytes_sent += 3 * out_rows * row + others * row // g
-        report.bytes_received += 3 * others * row // g + out_rows * row
-    # "Attention" = v itself, so post_attn must give back the chunks' v exactly.
-    _chunk_lens2, out = balancer.post_attn(v2)
-    if report.error is None and not torch.equal(out, v):
-        fail("post_attn: the attention output did not come back to its chunk rows")
+    want_ids = token_ranges(c.seq_start[bag_seqs], seqs.length[bag_seqs])
+    share = heads // g
+    r = bag.index(rank)
+    want_heads = torch.arange(r * share, (r + 1) * share, dtype=torch.float64)
+    want = torch.from_numpy(want_ids).to(torch.float64)[:, None] * heads + want_heads[None, :]
+    got_q = q2[:, :, 0]
+    if list(seq_lens) != seqs.length[bag_seqs].tolist():
+        c.fail(
+            f"pre_attn gave sequence lengths {list(seq_lens)[:8]}, bag {bag_id} has "
+            f"{seqs.length[bag_seqs][:8].tolist()}"
+        )
+    elif got_q.shape != want.shape or not torch.equal(got_q, want):
+        c.fail(f"pre_attn: bag {bag_id} sequences or heads arrived out of place")
+    elif not (torch.equal(k2, q2 + 0.25) and torch.equal(v2, q2 + 0.5)):
+        c.fail("pre_attn: k or v do not line up with q")
+    # Ulysses: pre_attn sends q, k, v of (g-1)/g of this rank's chunk rows with the other
+    # ranks' heads and receives its heads of the others' rows; post_attn (the output
+    # only) reverses it.
+    row = q.element_size() * heads * head_dim  # all heads of one token
+    others = sum(c.balancer.tables.bag.tokens_per_gpu) - q.shape[0]
+    out_rows = q.shape[0] * (g - 1) // g
+    c.report.bytes_sent += 3 * out_rows * row + others * row // g
+    c.report.bytes_received += 3 * others * row // g + out_rows * row
+    return v, v2
 
-    seq_lens_back, back, back_feats = balancer.reverse_route(
-        routed, {"token_id": feats["token_id"]}
-    )
+
+def _check_post_attn(c: _RankCheck, v, v2) -> None:
+    """Attention here is v itself, so ``post_attn`` must give back the chunks' v exactly."""
+    import torch
+
+    _chunk_lens, out = c.balancer.post_attn(v2)
+    if c.report.error is None and not torch.equal(out, v):
+        c.fail("post_attn: the attention output did not come back to its chunk rows")
+
+
+def _check_reverse_route(c: _RankCheck, x, routed, routed_ids) -> None:
+    """``reverse_route`` brings every token back to where it started, values intact."""
+    import torch
+
+    local_lens = c.plan.sequences.length[c.mine]
+    ids = c.own_ids
+    seq_lens_back, back, back_feats = c.balancer.reverse_route(routed, {"token_id": routed_ids})
     back_ids = back_feats["token_id"].numpy()
     if list(seq_lens_back) != local_lens.tolist():
-        fail(f"reverse_route gave lengths {list(seq_lens_back)[:8]}, expected {local_lens[:8]}")
+        c.fail(f"reverse_route gave lengths {list(seq_lens_back)[:8]}, expected {local_lens[:8]}")
     elif not np.array_equal(back_ids, ids):
         i = int(np.flatnonzero(back_ids != ids)[0])
-        fail(f"reverse_route: row {i} got token {back_ids[i]}, it started with token {ids[i]}")
+        c.fail(f"reverse_route: row {i} got token {back_ids[i]}, it started with token {ids[i]}")
     elif not torch.equal(back, x):
-        fail("reverse_route: token values came back changed")
-    report.bytes_sent += int(moved) * per_token  # reverse_route sends what it received
-    report.bytes_received += int(arrived) * per_token
-    report.timings_ms = {p: float(t) for p, t in balancer.timings.items()}
+        c.fail("reverse_route: token values came back changed")
+    # It sends back the chunks that arrived here and receives this rank's own.
+    per_token = c.dim * x.element_size() + _FEATURE_BYTES
+    c.report.bytes_sent += c.report.tokens_received * per_token
+    c.report.bytes_received += c.report.tokens_sent * per_token
 
 
 def _payload(token_id, dim: int):
