@@ -62,6 +62,8 @@ from visualization.figures import (
     traffic_figure,
 )
 from visualization.straggler_figures import (
+    HEATMAP_STEPS,
+    heatmap_steps,
     predicted_vs_measured_figure,
     ratio_heatmap,
     wait_heatmap,
@@ -69,8 +71,6 @@ from visualization.straggler_figures import (
 
 TICK_MS = 500
 PAGE_LOAD_LINGER_S = 1.5
-#: Measured steps the straggler heatmaps show, ending at the shown step.
-HEATMAP_STEPS = 64
 PAGE_SIZE = 15
 _SHOWN_PROBLEMS = 8
 _HIDDEN = {"display": "none"}
@@ -769,8 +769,8 @@ def _straggler_views(app: Dash, runs: Runs, timed: Callable) -> None:
             window = store.measured(selection["index"], HEATMAP_STEPS, selection["reset"])
         if not window:
             return {"ratio": no_update, "wait": no_update, "pvm": no_update, "style": _HIDDEN}
-        heat = rank_steps(window)
         recent = window[-WINDOW:]
+        heat = rank_steps(window[-heatmap_steps(len(window[-1].gpus)) :])
         return {
             "ratio": ratio_heatmap(heat, validate=False),
             "wait": wait_heatmap(heat, validate=False),

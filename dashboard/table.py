@@ -115,4 +115,4 @@ def query(
     pages = max(-(-len(ids) // size), 1)
     page = min(max(int(page), 0), pages - 1)
     shown = ids[page * size : (page + 1) * size]
-    return sequence_rows(plan, shown), pages, ids
+    return sequence_rows(plan, shown, cache["numeric"]), pages, ids

@@ -21,6 +21,7 @@ collection, a late kernel launch) name nobody. Every threshold is in `THRESHOLDS
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Literal
@@ -179,48 +180,43 @@ def analyse(
         figures = list(figures)[-window:]
     m = rank_steps(figures)
     th = thresholds
-    verdicts = []
-    for i, rank in enumerate(m.ranks.tolist()):
-        ratio, load = m.ratio[i], m.predicted_load[i]
-        took_part = np.isfinite(m.compute_ms[i])
-        steps = int(took_part.sum())
-        rated = np.isfinite(ratio)
-        slow_steps = int((ratio[rated] >= th.slow_ratio).sum())
-        heavy_steps = int((load[took_part] >= th.heavy_load).sum())
-        median_ratio = float(np.median(ratio[rated])) if rated.any() else float("nan")
-        median_load = float(np.median(load[took_part])) if steps else float("nan")
-        rated_steps = int(rated.sum())
-        verdict: Verdict = "ok"
-        if (
-            rated_steps >= th.min_steps
-            and median_ratio >= th.slow_ratio
-            and slow_steps >= th.persistence * rated_steps
-        ):
-            verdict = "slow_gpu"
-        elif (
-            steps >= th.min_steps
-            and median_load >= th.heavy_load
-            and heavy_steps >= th.persistence * steps
-        ):
-            verdict = "data_imbalance"
-        verdicts.append(
-            RankVerdict(
-                rank=rank,
-                verdict=verdict,
-                predicted_share=_median(m.predicted_share[i]),
-                predicted_load=median_load,
-                measured_ms=_median(m.compute_ms[i]),
-                ratio=median_ratio,
-                wait_ms=_median(m.wait_ms[i]),
-                last_arrivals=sum(1 for s in m.straggler if s == rank),
-                slow_steps=slow_steps,
-                heavy_steps=heavy_steps,
-                steps=steps,
-            )
+    took_part = np.isfinite(m.compute_ms)  # (r, s); NaN marks a rank absent from a step
+    rated = np.isfinite(m.ratio)
+    steps, rated_steps = took_part.sum(axis=1), rated.sum(axis=1)
+    with np.errstate(invalid="ignore"):  # NaN compares False: absent steps never count
+        slow_steps = (m.ratio >= th.slow_ratio).sum(axis=1)
+        heavy_steps = (m.predicted_load >= th.heavy_load).sum(axis=1)
+    ratio, load = row_medians(m.ratio), row_medians(m.predicted_load)
+    slow = (rated_steps >= th.min_steps) & (ratio >= th.slow_ratio)
+    slow &= slow_steps >= th.persistence * rated_steps
+    heavy = (steps >= th.min_steps) & (load >= th.heavy_load)
+    heavy &= heavy_steps >= th.persistence * steps
+    named = [s for s in m.straggler if s is not None]
+    last = np.bincount(np.searchsorted(m.ranks, named), minlength=len(m.ranks))
+    columns = {
+        "predicted_share": row_medians(m.predicted_share).tolist(),
+        "predicted_load": load.tolist(),
+        "measured_ms": row_medians(m.compute_ms).tolist(),
+        "ratio": ratio.tolist(),
+        "wait_ms": row_medians(m.wait_ms).tolist(),
+        "last_arrivals": last.tolist(),
+        "slow_steps": slow_steps.tolist(),
+        "heavy_steps": heavy_steps.tolist(),
+        "steps": steps.tolist(),
+    }
+    verdicts = [
+        RankVerdict(
+            rank=rank,
+            verdict="slow_gpu" if slow[i] else "data_imbalance" if heavy[i] else "ok",
+            **{name: values[i] for name, values in columns.items()},
         )
+        for i, rank in enumerate(m.ranks.tolist())
+    ]
     return StragglerReport(verdicts, m.steps, m.phases, th)
 
 
-def _median(row: np.ndarray) -> float:
-    finite = row[np.isfinite(row)]
-    return float(np.median(finite)) if finite.size else float("nan")
+def row_medians(matrix: np.ndarray) -> np.ndarray:
+    """(r,) the median of each row's finite values (NaN for a row with none)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN rows: NaN, said here
+        return np.nanmedian(matrix, axis=1) if matrix.size else np.full(len(matrix), np.nan)

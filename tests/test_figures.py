@@ -105,7 +105,8 @@ def test_traffic_heatmap_holds_the_token_matrix_in_bag_order(plan8):
     heat = fig.data[0]
     order = _bag_order(plan8)
     traffic = plan8.stats.traffic[np.ix_(order, order)]
-    np.testing.assert_array_equal(np.asarray(heat.customdata)[..., 0], traffic)
+    np.testing.assert_array_equal(np.asarray(heat.customdata), traffic)
+    assert list(heat.x) == list(heat.y) == [f"GPU {g}" for g in np.asarray(plan8.gpus)[order]]
     np.testing.assert_allclose(np.asarray(heat.z), np.log10(1 + traffic), atol=1e-4)
     # the colour bar speaks tokens: 0, 1, 10, ... up to the largest cell
     ticks = list(heat.colorbar.ticktext)
@@ -117,9 +118,8 @@ def test_traffic_heatmap_holds_the_token_matrix_in_bag_order(plan8):
     assert {x for x, _ in lines} == {0.5, 1.5, 3.5}
     cells = fig.data[1]
     mine = plan8.chunks.seq == seq
-    ranks = [g for m in plan8.bags for g in m]
-    assert [ranks[x] for x in cells.x] == plan8.chunks.dst_gpu[mine].tolist()
-    assert [ranks[y] for y in cells.y] == plan8.chunks.src_gpu[mine].tolist()
+    assert list(cells.x) == [f"GPU {g}" for g in plan8.chunks.dst_gpu[mine]]
+    assert list(cells.y) == [f"GPU {g}" for g in plan8.chunks.src_gpu[mine]]
     assert len(traffic_figure(plan8).data) == 1
 
 

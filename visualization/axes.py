@@ -79,16 +79,22 @@ def stride(count: int, label_px: float, length_px: float) -> int:
     return k
 
 
-def rank_ticks(ranks: np.ndarray, length_px: float = PLOT_PX, vertical: bool = False) -> dict:
+def rank_ticks(
+    ranks: np.ndarray,
+    length_px: float = PLOT_PX,
+    vertical: bool = False,
+    categories: list[str] | None = None,
+) -> dict:
     """Axis ticks naming ``ranks`` (one per slot) by the rule above: ``tickvals``,
-    ``ticktext`` and the font. Along a vertical axis a label needs a line's height."""
+    ``ticktext`` and the font. Along a vertical axis a label needs a line's height. On a
+    category axis the ticks sit at the slots' ``categories``."""
     widest = max((len(str(r)) for r in ranks.tolist()), default=1)
     need = LINE_PX if vertical else widest * CHAR_PX + PAD_PX
     k = stride(len(ranks), need, length_px)
     shown = np.arange(0, len(ranks), k)
     return {
         "tickmode": "array",
-        "tickvals": shown.tolist(),
+        "tickvals": [categories[i] for i in shown] if categories else shown.tolist(),
         "ticktext": [str(r) for r in ranks[shown].tolist()],
         "tickangle": 0,
         "tickfont": {"size": FONT_PX},

@@ -15,7 +15,7 @@ import plotly.io as pio
 from knapformer.errors import KnapformerError
 from knapformer.plan import RoutingPlan, gpu_positions
 from knapformer.stats import StepSummary, chunk_loads
-from knapformer.units import LoadUnit, round_significant
+from knapformer.units import LoadUnit, round_significant_array
 from visualization.axes import bag_bands, boundary_lines, gpu_axis, rank_ticks
 
 BEFORE_COLOR = "#b0b7c3"
@@ -240,21 +240,18 @@ def traffic_figure(
     cells = len(matrix)
     first = axis.ranks[::k]
     last = axis.ranks[np.minimum(np.arange(cells) * k + k - 1, len(axis.ranks) - 1)]
+    # Category axes named after the GPUs, so hovering names them without a per-cell copy.
+    names = [f"GPU {a}" if k == 1 else f"GPUs {a}–{b}" for a, b in zip(first, last, strict=True)]
     tickvals, ticktext = _token_ticks(int(matrix.max()))
-    # per cell: tokens, first rank of the source and destination block, last ranks
-    src, dst = np.meshgrid(np.arange(cells), np.arange(cells), indexing="ij")
-    info = np.stack([matrix, first[src], first[dst], last[src], last[dst]], axis=-1)
-    if k == 1:
-        where = "GPU %{customdata[1]} → GPU %{customdata[2]}"
-    else:
-        where = "GPUs %{customdata[1]}–%{customdata[3]} → %{customdata[2]}–%{customdata[4]}"
     data = [
         {
             "type": "heatmap",
-            "z": np.round(np.log10(1.0 + matrix), 4),
+            "z": np.log10(1.0 + matrix).astype(np.float32),
+            "x": names,
+            "y": names,
             "zmin": 0.0,
             "zmax": max(tickvals[-1], float(np.log10(1.0 + matrix.max()))),
-            "customdata": info,
+            "customdata": matrix.astype(np.int32),
             # An explicit list: plotly.js's own "Blues" runs dark to light.
             "colorscale": [[i / 8, c] for i, c in enumerate(plotly.colors.sequential.Blues)],
             "colorbar": {
@@ -262,7 +259,7 @@ def traffic_figure(
                 "tickvals": tickvals,
                 "ticktext": ticktext,
             },
-            "hovertemplate": f"{where}<br>%{{customdata[0]:,}} tokens<extra></extra>",
+            "hovertemplate": "%{y} → %{x}<br>%{customdata:,} tokens<extra></extra>",
             "name": "traffic",
         }
     ]
@@ -274,8 +271,8 @@ def traffic_figure(
         data.append(
             {
                 "type": "scatter",
-                "x": slot[pos[chunks.dst_gpu[mine]]] // k,
-                "y": slot[pos[chunks.src_gpu[mine]]] // k,
+                "x": [names[c] for c in (slot[pos[chunks.dst_gpu[mine]]] // k).tolist()],
+                "y": [names[c] for c in (slot[pos[chunks.src_gpu[mine]]] // k).tolist()],
                 "mode": "markers",
                 "name": f"sequence {seq}",
                 "marker": {
@@ -284,26 +281,28 @@ def traffic_figure(
                     "color": HIGHLIGHT_COLOR,
                     "line": {"width": 3},
                 },
-                "customdata": np.stack([chunks.length[mine], chunks.dst_gpu[mine]], axis=-1),
-                "hovertemplate": f"sequence {seq}: %{{customdata[0]:,}} tokens to GPU "
-                "%{customdata[1]}<extra></extra>",
+                "customdata": chunks.length[mine],
+                "hovertemplate": f"sequence {seq}: %{{customdata:,}} tokens, %{{y}} → %{{x}}"
+                "<extra></extra>",
             }
         )
     x_px, y_px = TRAFFIC_PLOT_PX
     what = "GPU" if k == 1 else f"block of {k} GPUs"
+    category = {"type": "category", "categoryorder": "array", "categoryarray": names}
     layout = {
         "title": {"text": _title(plan, "GPU→GPU traffic (tokens)")},
         "xaxis": {
             "title": {"text": f"destination {what} (bag order)"},
-            "range": [-0.5, cells - 0.5],
             "showgrid": False,
-            **rank_ticks(first, x_px),
+            **category,
+            **rank_ticks(first, x_px, categories=names),
         },
         "yaxis": {
             "title": {"text": f"source {what}"},
-            "range": [cells - 0.5, -0.5],
+            "autorange": "reversed",
             "showgrid": False,
-            **rank_ticks(first, y_px, vertical=True),
+            **category,
+            **rank_ticks(first, y_px, vertical=True, categories=names),
         },
         "shapes": boundary_lines(axis, 1.0 / k),
         "margin": {"l": 70, "r": 20, "t": 60, "b": 60},
@@ -467,7 +466,7 @@ def sequence_columns(plan: RoutingPlan) -> dict[str, np.ndarray]:
         "id": np.arange(n),
         "src_gpu": seqs.src_gpu,
         "length": seqs.length,
-        "workload": np.array([round_significant(w) for w in workload.tolist()]),
+        "workload": round_significant_array(workload),
         "bag": seqs.bag,
         "chunks": np.bincount(plan.chunks.seq, minlength=n),
     }
@@ -485,13 +484,16 @@ def chunk_destinations(plan: RoutingPlan, ids: np.ndarray | None = None) -> list
     return [" ".join(map(str, dst[starts[i] : starts[i + 1]])) for i in ids.tolist()]
 
 
-def sequence_rows(plan: RoutingPlan, ids: np.ndarray | None = None) -> list[dict]:
-    """One row per sequence of ``ids`` (default: all), keyed by `SEQUENCE_COLUMNS`.
+def sequence_rows(
+    plan: RoutingPlan, ids: np.ndarray | None = None, columns: dict | None = None
+) -> list[dict]:
+    """One row per sequence of ``ids`` (default: all), keyed by `SEQUENCE_COLUMNS`
+    (``columns``: the plan's `sequence_columns`, when the caller has them already).
 
     ``workload`` is in the plan's display unit (`LoadUnit`, 3 significant figures);
     ``destinations`` lists the destination GPU of each chunk in offset order, e.g. "4 5 6 7".
     """
-    columns = sequence_columns(plan)
+    columns = sequence_columns(plan) if columns is None else columns
     ids = columns["id"] if ids is None else np.asarray(ids, dtype=np.int64)
     values = {name: column[ids].tolist() for name, column in columns.items()}
     values["destinations"] = chunk_destinations(plan, ids)

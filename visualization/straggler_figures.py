@@ -11,7 +11,7 @@ import numpy as np
 import plotly.colors
 import plotly.graph_objects as go
 
-from knapformer.stragglers import RankSteps, StragglerReport
+from knapformer.stragglers import RankSteps, StragglerReport, row_medians
 from visualization.axes import rank_ticks
 from visualization.figures import AFTER_COLOR, HIGHLIGHT_COLOR, build_figure
 
@@ -22,6 +22,9 @@ _DIVERGING = [[0.0, "#1c7ed6"], [0.5, "#f8f9fa"], [1.0, "#e03131"]]
 _SEQUENTIAL = [[i / 8, c] for i, c in enumerate(plotly.colors.sequential.Oranges)]
 #: Nominal height of a heatmap's plot area (px), for its rank-label rule.
 HEATMAP_PLOT_PX = 260
+#: Measured steps a rank × step heatmap shows at most, and its most cells (`heatmap_steps`).
+HEATMAP_STEPS = 64
+HEATMAP_CELLS = 32_768
 #: Up to this many ranks every point of predicted vs measured carries its rank as text;
 #: beyond, only ranks with a verdict other than ok do (every point names it on hover).
 LABEL_EVERY_RANK_UP_TO = 64
@@ -42,22 +45,24 @@ def _span(m: RankSteps) -> str:
     return f"step {x[0]}" if len(x) == 1 else f"steps {x[0]}–{x[-1]}"
 
 
+def heatmap_steps(ranks: int) -> int:
+    """How many measured steps a rank × step heatmap shows: `HEATMAP_STEPS`, fewer when
+    that would pass `HEATMAP_CELLS` cells (32 steps at 1,024 ranks), never under 8."""
+    return max(8, min(HEATMAP_STEPS, HEATMAP_CELLS // max(ranks, 1)))
+
+
 def _rank_step_heatmap(
-    m: RankSteps, z: np.ndarray, title: str, colorbar: str, hover: str, style: dict, validate
+    m: RankSteps, z: np.ndarray, title: str, hover: str, style: dict, validate: bool
 ) -> go.Figure:
-    rows = np.arange(len(m.ranks))
+    # Rows are categories named after their rank: hovering names it without a per-cell copy.
+    names = [f"rank {r}" for r in m.ranks.tolist()]
     data = [
         {
             "type": "heatmap",
-            "z": z,
+            "z": z.astype(np.float32),
             "x": _steps_x(m),
-            "y": rows,
-            # per cell: compute ms, wait ms, rank, compute ratio
-            "customdata": np.stack(
-                [m.compute_ms, m.wait_ms, np.repeat(m.ranks[:, None], z.shape[1], 1), m.ratio], -1
-            ),
-            "colorbar": {"title": {"text": colorbar}},
-            "hovertemplate": "rank %{customdata[2]} · step %{x}<br>" + hover + "<extra></extra>",
+            "y": names,
+            "hovertemplate": "%{y} · step %{x}<br>" + hover + "<extra></extra>",
             "hoverongaps": False,
             **style,
         }
@@ -67,9 +72,12 @@ def _rank_step_heatmap(
         "xaxis": {"title": {"text": "step"}, "showgrid": False},
         "yaxis": {
             "title": {"text": "rank"},
-            "range": [len(rows) - 0.5, -0.5],
+            "type": "category",
+            "categoryorder": "array",
+            "categoryarray": names,
+            "autorange": "reversed",
             "showgrid": False,
-            **rank_ticks(m.ranks, HEATMAP_PLOT_PX, vertical=True),
+            **rank_ticks(m.ranks, HEATMAP_PLOT_PX, vertical=True, categories=names),
         },
         "height": 380,
         "margin": {"l": 60, "r": 20, "t": 60, "b": 50},
@@ -87,9 +95,9 @@ def ratio_heatmap(m: RankSteps, validate: bool = True) -> go.Figure:
         m,
         z,
         f"Measured compute ÷ predicted ({', '.join(m.phases)})",
-        "measured ÷<br>predicted",
-        "measured ÷ predicted %{customdata[3]:.2f}<br>compute %{customdata[0]:,.3r} ms",
+        "measured ÷ predicted %{customdata[0]:.2f}<br>compute %{customdata[1]:,.3r} ms",
         {
+            "customdata": np.stack([m.ratio, m.compute_ms], axis=-1).astype(np.float32),
             "zmin": -RATIO_OCTAVES,
             "zmax": RATIO_OCTAVES,
             "colorscale": _DIVERGING,
@@ -111,20 +119,15 @@ def wait_heatmap(m: RankSteps, validate: bool = True) -> go.Figure:
         m,
         m.wait_ms,
         "Waiting in collectives (ms)",
-        "wait (ms)",
-        "waited %{customdata[1]:,.3r} ms",
-        {"zmin": 0.0, "zmax": max(top, 1e-9), "colorscale": _SEQUENTIAL},
+        "waited %{z:,.3r} ms",
+        {
+            "zmin": 0.0,
+            "zmax": max(top, 1e-9),
+            "colorscale": _SEQUENTIAL,
+            "colorbar": {"title": {"text": "wait (ms)"}},
+        },
         validate,
     )
-
-
-def _row_medians(matrix: np.ndarray) -> np.ndarray:
-    out = np.full(len(matrix), np.nan)
-    for i, row in enumerate(matrix):
-        finite = row[np.isfinite(row)]
-        if finite.size:
-            out[i] = np.median(finite)
-    return out
 
 
 def predicted_vs_measured_figure(
@@ -136,8 +139,8 @@ def predicted_vs_measured_figure(
     typical rank": measured = k · predicted with k the median ratio, drawn over the
     predicted range only, so the axes zoom in on the ranks instead of on zero. Above the
     line: slower than predicted; to the right: given more work."""
-    x = _row_medians(m.predicted_shown)
-    y = _row_medians(m.compute_ms)
+    x = row_medians(m.predicted_shown)
+    y = row_medians(m.compute_ms)
     verdict = {r.rank: r.verdict for r in report.ranks}
     ranks = m.ranks.tolist()
     label_all = len(ranks) <= LABEL_EVERY_RANK_UP_TO
