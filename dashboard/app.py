@@ -714,9 +714,10 @@ def _sequence_table(app: Dash, runs: Runs, timed: Callable) -> None:
         plan, _problem = _plan(runs, selection)
         if plan is None:
             raise PreventUpdate  # the step views say why
-        new_step = ctx.triggered_id == "selection"
+        # A new step, order or filter starts on the first page; paging keeps them.
+        restart = bool(set(ctx.triggered_prop_ids) - {"seq-table.page_current"})
         rows, pages, _ids = query(
-            plan, 0 if new_step else page or 0, PAGE_SIZE, sort_by, filter_query
+            plan, 0 if restart else page or 0, PAGE_SIZE, sort_by, filter_query
         )
         mine = highlight and highlight.get("key") == _key(selection)
         picked = highlight.get("seq") if mine else None
@@ -724,7 +725,7 @@ def _sequence_table(app: Dash, runs: Runs, timed: Callable) -> None:
         return {
             "rows": rows,
             "pages": pages,
-            "page": 0 if new_step else no_update,
+            "page": 0 if restart and page else no_update,
             "selected": selected,
         }
 

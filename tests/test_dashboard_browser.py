@@ -277,10 +277,59 @@ def test_selecting_a_sequence_highlights_its_chunks(page):
     assert sorted(str(int(c[0])) for c in marks["customdata"]) == sorted(dests.split())
 
 
+def test_the_table_filters_sorts_and_pages_on_the_server(page):
+    highlighted = [t["name"] for t in _figure(page, "bag-load")["data"] if "sequence" in t["name"]]
+    chunks = page.locator("#seq-table th[data-dash-column=chunks] input[type=text]")
+    chunks.fill("> 1")
+    chunks.press("Enter")
+
+    def filtered():
+        """every row shown has more than one chunk"""
+        cells = page.locator("#seq-table td[data-dash-column=chunks]").all_inner_texts()
+        return cells and all(int(c) > 1 for c in cells)
+
+    _wait_for(filtered)
+    sort = page.locator("#seq-table th[data-dash-column=length] .column-header--sort")
+
+    def lengths() -> list[int]:
+        return [
+            int(t) for t in page.locator("#seq-table td[data-dash-column=length]").all_inner_texts()
+        ]
+
+    sort.click()  # ascending
+    _wait_for(lambda: lengths() == sorted(lengths()) and len(set(lengths())) > 1)
+    sort.click()  # descending
+    _wait_for(lambda: lengths() == sorted(lengths(), reverse=True) and len(set(lengths())) > 1)
+    first_page = lengths()
+    page.locator("#seq-table button.next-page").click()
+    _wait_for(lambda: lengths() and max(lengths()) <= min(first_page))
+    assert filtered()
+    # paging did not drop the highlighted sequence
+    shown = [t["name"] for t in _figure(page, "bag-load")["data"] if "sequence" in t["name"]]
+    assert shown == highlighted and highlighted
+    # a new filter starts again on the first page
+    chunks.fill("> 2")
+    chunks.press("Enter")
+    _wait_for(lambda: lengths() and max(lengths()) > min(first_page))
+    assert page.inner_text("#seq-table .current-page-shadow") == "1"
+    chunks.fill("")
+    chunks.press("Enter")
+    _wait_for(
+        lambda: "1" in page.locator("#seq-table td[data-dash-column=chunks]").all_inner_texts()
+    )
+
+
 def test_a_short_sequence_highlights_only_its_chunks(page, lines50):
-    lengths = [
-        int(t) for t in page.locator("#seq-table td[data-dash-column=length]").all_inner_texts()
-    ]
+    short = page.locator("#seq-table th[data-dash-column=length] input[type=text]")
+    short.fill("< 1000")
+    short.press("Enter")
+
+    def lengths_shown() -> list[int]:
+        cells = page.locator("#seq-table td[data-dash-column=length]").all_inner_texts()
+        return [int(t) for t in cells]
+
+    _wait_for(lambda: lengths_shown() and max(lengths_shown()) < 1000)
+    lengths = lengths_shown()
     ids = page.locator("#seq-table td[data-dash-column=id]").all_inner_texts()
     row = int(np.argmin(lengths))
     seq = int(ids[row])
@@ -301,8 +350,11 @@ def test_a_short_sequence_highlights_only_its_chunks(page, lines50):
     assert sum(state["y"]) == pytest.approx(workload, rel=1e-6)
     tops = [state["after"][x] for x in state["x"]]
     np.testing.assert_allclose(np.add(state["base"], state["y"]), tops)
-    assert max(state["y"]) < 0.5 * min(tops)  # a short sequence is a sliver, not a bar
+    assert max(state["y"]) < 0.1 * min(tops)  # a short sequence is a sliver, not a bar
     assert not state["outline"]  # no GPU's whole bar is outlined
+    short.fill("")
+    short.press("Enter")
+    _wait_for(lambda: max(lengths_shown()) >= 1000)
 
 
 def test_traffic_legend_counts_tokens_and_bags_are_marked(page, lines50):
