@@ -144,6 +144,12 @@ def predicted_vs_measured_figure(
     verdict = {r.rank: r.verdict for r in report.ranks}
     ranks = m.ranks.tolist()
     label_all = len(ranks) <= LABEL_EVERY_RANK_UP_TO
+    # Neighbours along x take turns above and below their points, so that the labels of
+    # ranks that measured alike do not print over each other.
+    turn = np.empty(len(ranks), dtype=object)
+    turn[np.argsort(np.nan_to_num(x), kind="stable")] = [
+        "top center" if i % 2 == 0 else "bottom center" for i in range(len(ranks))
+    ]
     data = []
     for key, (name, color, symbol) in VERDICT_STYLE.items():
         mask = np.array([verdict.get(r) == key for r in ranks], dtype=bool)
@@ -158,7 +164,7 @@ def predicted_vs_measured_figure(
                 "text": text,
                 "customdata": m.ranks[mask],
                 "mode": "markers+text",
-                "textposition": "top center",
+                "textposition": turn[mask].tolist(),
                 "textfont": {"size": 12, "color": color},
                 "name": name,
                 "marker": {"color": color, "size": 10 if key != "ok" else 8, "symbol": symbol},
