@@ -50,6 +50,7 @@ from dashboard.table import query
 from knapformer.runfiles import RUNS_LAYOUT
 from knapformer.stats import before_after
 from knapformer.stragglers import WINDOW, analyse, describe, rank_steps
+from knapformer.units import LoadUnit
 from visualization.figures import (
     SEQUENCE_COLUMNS,
     bag_load_figure,
@@ -238,14 +239,7 @@ def _layout(runs: Runs) -> html.Div:
             html.H4("Sequences of the step (select one to highlight its chunks)"),
             dash_table.DataTable(
                 id="seq-table",
-                columns=[
-                    {
-                        "name": _COLUMN_NAMES.get(name, name),
-                        "id": name,
-                        "type": "text" if name == "destinations" else "numeric",
-                    }
-                    for name in SEQUENCE_COLUMNS
-                ],
+                columns=_table_columns(None),
                 data=[],
                 page_action="custom",
                 page_current=0,
@@ -263,6 +257,19 @@ def _layout(runs: Runs) -> html.Div:
         ],
         style={"fontFamily": "system-ui, sans-serif", "margin": "8px 16px"},
     )
+
+
+def _table_columns(unit: LoadUnit | None) -> list[dict]:
+    """The sequence table's columns; the workload's names its unit (`LoadUnit`)."""
+    names = {**_COLUMN_NAMES, "workload": f"workload ({unit.name})" if unit else "workload"}
+    return [
+        {
+            "name": names.get(name, name),
+            "id": name,
+            "type": "text" if name == "destinations" else "numeric",
+        }
+        for name in SEQUENCE_COLUMNS
+    ]
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -695,6 +702,7 @@ def _sequence_table(app: Dash, runs: Runs, timed: Callable) -> None:
     @app.callback(
         output={
             "rows": Output("seq-table", "data"),
+            "columns": Output("seq-table", "columns"),
             "pages": Output("seq-table", "page_count"),
             "page": Output("seq-table", "page_current"),
             "selected": Output("seq-table", "selected_rows"),
@@ -710,7 +718,7 @@ def _sequence_table(app: Dash, runs: Runs, timed: Callable) -> None:
     @timed
     def sequence_table(selection, page, sort_by, filter_query, highlight):
         if _key(selection) is None:
-            return {"rows": [], "pages": 1, "page": 0, "selected": []}
+            return {"rows": [], "columns": no_update, "pages": 1, "page": 0, "selected": []}
         plan, _problem = _plan(runs, selection)
         if plan is None:
             raise PreventUpdate  # the step views say why
@@ -724,6 +732,7 @@ def _sequence_table(app: Dash, runs: Runs, timed: Callable) -> None:
         selected = [i for i, row in enumerate(rows) if row["id"] == picked]
         return {
             "rows": rows,
+            "columns": _table_columns(LoadUnit.of(plan)),
             "pages": pages,
             "page": 0 if restart and page else no_update,
             "selected": selected,
