@@ -19,7 +19,7 @@
   up to the shown one; the header names the run's current straggler (`_header_cards`).
 
 Every callback names its outputs (dicts of `Output`), and figures are built by
-`visualization.figures`.
+`visualization.figures` and `visualization.straggler_figures`.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from dashboard.guard import (
     optional,
     record,
 )
-from dashboard.store import RequestGate, Runs, Snapshot
+from dashboard.store import PlanStore, RequestGate, Runs, Snapshot
 from dashboard.table import query
 from knapformer.runfiles import RUNS_LAYOUT
 from knapformer.stats import before_after
@@ -449,13 +449,8 @@ def _header_cards(app: Dash, runs: Runs, timed: Callable) -> None:
         run = view["run"] if view else None
         n = len(snap.summaries) if snap else 0
         latest = snap.summaries[-1] if n else None
-        straggler = "– (no measured steps)"
-        if snap is not None and snap.measured_steps:
-            window = runs.store(run).measured(n - 1, WINDOW, snap.reset)
-            named = analyse(window).straggler if window else None
-            straggler = describe(named) if named else "none: every rank as predicted"
         return {
-            "straggler": straggler,
+            "straggler": _straggler(runs.store(run), snap),
             "run": (latest.run if latest else None) or run or "–",
             "steps": f"{n:,}" + (" (indexing…)" if snap and snap.indexing else ""),
             "imbalance": (
@@ -464,6 +459,15 @@ def _header_cards(app: Dash, runs: Runs, timed: Callable) -> None:
             "speedup": _fmt(snap.mean_speedup if snap else None, ".2f") + ("×" if n else ""),
             "skipped": str(snap.problem_count if snap else 0),
         }
+
+
+def _straggler(store: PlanStore | None, snap: Snapshot | None) -> str:
+    """The run's current straggler: the verdict over its last `WINDOW` measured steps."""
+    if store is None or snap is None or not snap.measured_steps:
+        return "– (no measured steps)"
+    window = store.measured(len(snap.summaries) - 1, WINDOW, snap.reset)
+    named = analyse(window).straggler if window else None
+    return describe(named) if named else "none: every rank as predicted"
 
 
 def _notices(app: Dash, timed: Callable) -> None:
