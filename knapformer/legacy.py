@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from knapformer.errors import KnapformerError
+from knapformer.limits import MAX_RANK, MAX_SEQ_LENGTH, abbreviate
 from knapformer.plan import RoutingPlan
 from knapformer.topology import Topology
 
@@ -50,13 +51,31 @@ def is_legacy(record: Any) -> bool:
     return isinstance(record, dict) and "balance_gpu_ids" in record and "topology" not in record
 
 
+def _bounded(value: Any, what: str, bound: int = MAX_RANK) -> int:
+    """``value`` (an int, a whole float or a decimal string) as an int in ``0..bound``.
+
+    Legacy ids and lengths are bounded before numpy sees them: an int beyond int64 would
+    overflow (or wrap around) there."""
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        raise KnapformerError(f"legacy plan: {what} {abbreviate(repr(value))} is not an integer")
+    try:
+        number = int(value)
+    except (TypeError, ValueError, OverflowError):
+        raise KnapformerError(
+            f"legacy plan: {what} {abbreviate(repr(value))} is not an integer"
+        ) from None
+    if not 0 <= number <= bound:
+        raise KnapformerError(
+            f"legacy plan: {what} {abbreviate(f'{number:,}')} is outside 0..{bound:,} "
+            "(knapformer.limits)"
+        )
+    return number
+
+
 def _int_keyed(mapping: dict, name: str) -> dict[int, Any]:
     if not isinstance(mapping, dict):
         raise KnapformerError(f"legacy plan: {name} must be an object keyed by id")
-    try:
-        return {int(k): v for k, v in mapping.items()}
-    except (TypeError, ValueError) as err:
-        raise KnapformerError(f"legacy plan: {name} has a key that is not an integer id") from err
+    return {_bounded(k, f"{name} has a key"): v for k, v in mapping.items()}
 
 
 def plan_from_legacy(summary: dict) -> RoutingPlan:
@@ -71,7 +90,7 @@ def plan_from_legacy(summary: dict) -> RoutingPlan:
         raise KnapformerError(
             f"legacy plan: id {err.args[0]!r} is referenced but not described"
         ) from err
-    except (TypeError, AttributeError, IndexError) as err:
+    except (TypeError, AttributeError, IndexError, OverflowError) as err:
         raise KnapformerError(f"legacy plan: a field has the wrong shape ({err})") from err
 
 
@@ -79,9 +98,9 @@ def _plan_from_legacy(summary: dict) -> RoutingPlan:
     missing = [k for k in _REQUIRED if k not in summary]
     if missing:
         raise KnapformerError(f"legacy plan is missing key(s): {', '.join(missing)}")
-    gpus = [int(g) for g in summary["balance_gpu_ids"]]
+    gpus = [_bounded(g, "GPU id") for g in summary["balance_gpu_ids"]]
     bag_map = _int_keyed(summary["bag_id2gpu_ids"], "bag_id2gpu_ids")
-    bags = [[int(g) for g in bag_map[b]] for b in sorted(bag_map)]
+    bags = [[_bounded(g, "GPU id") for g in bag_map[b]] for b in sorted(bag_map)]
     seq_len = _int_keyed(summary["seq_id2seq_len"], "seq_id2seq_len")
     seq_work = _int_keyed(summary.get("seq_id2seq_workload", {}), "seq_id2seq_workload")
     gpu_seqs = _int_keyed(summary["gpu_id2seq_ids"], "gpu_id2seq_ids")
@@ -94,7 +113,7 @@ def _plan_from_legacy(summary: dict) -> RoutingPlan:
     old_seq_ids, seq_src = [], []
     for gpu in gpus:
         for sid in gpu_seqs.get(gpu, []):
-            old_seq_ids.append(int(sid))
+            old_seq_ids.append(_bounded(sid, "sequence id"))
             seq_src.append(gpu)
     seq_index = {sid: i for i, sid in enumerate(old_seq_ids)}
     for sid in seq_len:
@@ -104,12 +123,12 @@ def _plan_from_legacy(summary: dict) -> RoutingPlan:
     old_chunk_ids, chunk_src = [], []
     for gpu in gpus:
         for cid in gpu_chunks.get(gpu, []):
-            old_chunk_ids.append(int(cid))
+            old_chunk_ids.append(_bounded(cid, "chunk id"))
             chunk_src.append(gpu)
     try:
-        c_seq = [seq_index[int(chunk_seq[c])] for c in old_chunk_ids]
-        c_len = [int(chunk_len[c]) for c in old_chunk_ids]
-        c_dst = [int(chunk_dst[c]) for c in old_chunk_ids]
+        c_seq = [seq_index[_bounded(chunk_seq[c], "sequence id")] for c in old_chunk_ids]
+        c_len = [_bounded(chunk_len[c], "chunk length", MAX_SEQ_LENGTH) for c in old_chunk_ids]
+        c_dst = [_bounded(chunk_dst[c], "GPU id") for c in old_chunk_ids]
     except KeyError as err:
         raise KnapformerError(
             f"legacy plan: chunk or sequence id {err.args[0]} is not described"
@@ -149,7 +168,9 @@ def _plan_from_legacy(summary: dict) -> RoutingPlan:
             "solver": "unknown",
             "sequences": {
                 "src_gpu": seq_src,
-                "length": [int(seq_len[s]) for s in old_seq_ids],
+                "length": [
+                    _bounded(seq_len[s], "sequence length", MAX_SEQ_LENGTH) for s in old_seq_ids
+                ],
                 "workload": [float(seq_work.get(s, 0.0)) for s in old_seq_ids],
                 "bag": seq_bag,
             },

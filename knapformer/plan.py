@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Iterable
+import math
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import numpy as np
@@ -30,6 +31,19 @@ from pydantic import (
     model_validator,
 )
 
+from knapformer.errors import KnapformerError
+from knapformer.limits import (
+    MAX_CHUNKS,
+    MAX_GPUS,
+    MAX_RANK,
+    MAX_SEQ_LENGTH,
+    MAX_SEQUENCES,
+    MAX_STEP,
+    MAX_TOKEN_DIM,
+    abbreviate,
+)
+from knapformer.topology import Topology
+
 if TYPE_CHECKING:
     from knapformer.stats import PlanStats
 
@@ -37,11 +51,19 @@ SCHEMA_VERSION = 2
 #: Versions this reader understands: 1 had no ``planner_version``.
 READABLE_SCHEMA_VERSIONS = (1, 2)
 _MAX_IDS_IN_MESSAGE = 5
+# GpuPositions keeps a dense table (one gather per lookup) of ranks below _DENSE_RANKS
+# (512 KB) or spanning at most _DENSE_SPAN_FACTOR times their count; else binary search.
+_DENSE_RANKS = 2**16
+_DENSE_SPAN_FACTOR = 4
+_INT64 = (-(2**63), 2**63 - 1)
 
 
 def _as_column(kind: str):
     def convert(value: Any) -> np.ndarray:
-        arr = np.asarray(value)
+        try:
+            arr = np.asarray(value)
+        except (TypeError, OverflowError, RecursionError) as err:
+            raise ValueError(f"expected a flat array of {kind}s ({err})") from None
         if arr.ndim != 1:
             if arr.size == 0:
                 arr = arr.reshape(0)
@@ -50,14 +72,29 @@ def _as_column(kind: str):
         if arr.size == 0:
             return np.zeros(0, dtype=np.int64 if kind == "integer" else np.float64)
         if kind == "integer":
-            if arr.dtype.kind not in "iu":
-                raise ValueError(f"expected an array of integers, got {arr.dtype} values")
+            # numpy turns ints beyond int64 into uint64, float64 or objects: name the value
+            # rather than report a wrapped-around or "float" one.
+            if arr.dtype.kind not in "iu" or (arr.dtype.kind == "u" and arr.max() > _INT64[1]):
+                raise ValueError(_first_bad_value(value, kind))
             return arr.astype(np.int64, copy=False)
         if arr.dtype.kind not in "iuf":
-            raise ValueError(f"expected an array of numbers, got {arr.dtype} values")
+            raise ValueError(_first_bad_value(value, kind))
         return arr.astype(np.float64, copy=False)
 
     return convert
+
+
+def _first_bad_value(values: Any, kind: str) -> str:
+    """Why ``values`` is not a column of ``kind``, naming the first offending value."""
+    article, wanted = ("an", int) if kind == "integer" else ("a", int | float)
+    for index, v in enumerate(values if isinstance(values, list | tuple) else []):
+        if isinstance(v, bool) or not isinstance(v, wanted):
+            return f"value {abbreviate(repr(v))} at index {index} is not {article} {kind}"
+        if isinstance(v, int) and not _INT64[0] <= v <= _INT64[1]:
+            return (
+                f"value {abbreviate(f'{v:,}')} at index {index} is outside the 64-bit integer range"
+            )
+    return f"expected an array of {kind}s"
 
 
 def _to_list(arr: np.ndarray) -> list:
@@ -78,13 +115,60 @@ FloatColumn = Annotated[
 ]
 
 
-def gpu_positions(gpus: ArrayLike) -> np.ndarray:
-    """Lookup array from a rank (0..max(gpus)) to its index in ``gpus``; -1 for a rank that
-    is not one of them. ``gpus`` must be non-negative and distinct."""
-    gpus = np.asarray(gpus, dtype=np.int64)
-    lookup = np.full(int(gpus.max()) + 1, -1, dtype=np.int64)
-    lookup[gpus] = np.arange(len(gpus))
-    return lookup
+class GpuPositions:
+    """Where each GPU rank sits in a plan's ``gpus``: ``positions[ranks]`` is an int64 array
+    of ``ranks``' shape holding each rank's index in ``gpus``, -1 for a rank not in it.
+
+    Memory and time grow with the number of GPUs, never with the ranks' values (a plan
+    naming rank 10⁹ must not allocate 8 GB). The router looks up every chunk of every
+    step here, so the usual case is one gather into a dense table indexed by rank: ranks
+    below 2¹⁶ or 4× the GPU count (every balance group of a job of that size). Ranks
+    that span little more than their count (one group of a larger world) use a table
+    offset by the smallest rank; sparse ranks are binary-searched.
+    """
+
+    def __init__(self, gpus: ArrayLike):
+        gpus = np.asarray(gpus, dtype=np.int64).reshape(-1)
+        self.num_gpus = n = len(gpus)
+        low, high = (int(gpus.min()), int(gpus.max())) if n else (0, -1)
+        self._table: np.ndarray | None = None
+        if low >= 0 and high < max(_DENSE_SPAN_FACTOR * n, _DENSE_RANKS):
+            self._low = 0
+        elif high - low < _DENSE_SPAN_FACTOR * n:
+            self._low = low
+        else:
+            order = np.argsort(gpus, kind="stable")
+            self._order, self._sorted = order, gpus[order]
+            return
+        self._table = np.full(high - self._low + 1, -1, dtype=np.int64)
+        self._table[gpus - self._low] = np.arange(n)
+
+    def __getitem__(self, ranks: ArrayLike) -> np.ndarray:
+        ranks = np.asarray(ranks, dtype=np.int64)
+        table = self._table
+        if table is None:
+            if not self.num_gpus:
+                return np.full(ranks.shape, -1, dtype=np.int64)
+            at = np.minimum(np.searchsorted(self._sorted, ranks), self.num_gpus - 1)
+            return np.where(self._sorted[at] == ranks, self._order[at], -1)
+        # Hot path: bounds by two reductions, then one gather (no temporary arrays: at
+        # router sizes, fresh temporaries cost more in page faults than the gather).
+        if ranks.size == 0 or (ranks.min() >= self._low and ranks.max() < self._low + len(table)):
+            return table[ranks - self._low] if self._low else table[ranks]
+        index = ranks - self._low
+        inside = (index >= 0) & (index < len(table))
+        out = np.full(ranks.shape, -1, dtype=np.int64)
+        out[inside] = table[index[inside]]
+        return out
+
+    def contains(self, ranks: ArrayLike) -> np.ndarray:
+        """Boolean mask of ``ranks``' shape: which of them are GPUs of the plan."""
+        return self[ranks] >= 0
+
+
+def gpu_positions(gpus: ArrayLike) -> GpuPositions:
+    """`GpuPositions` of ``gpus`` (distinct ranks; ``positions[ranks]``, -1 for strangers)."""
+    return GpuPositions(gpus)
 
 
 def _ids(mask_or_ids: np.ndarray) -> str:
@@ -307,117 +391,202 @@ class RoutingPlan(BaseModel):
         return self
 
 
-def _invariant_problems(plan: RoutingPlan):
-    """Yield the first broken invariant as a message naming the ids (checked in order)."""
+def _invariant_problems(plan: RoutingPlan) -> Iterator[str]:
+    """Yield the first broken invariant as a message naming the ids (checked in order).
+
+    Values and sizes are bounded (`knapformer.limits`) before any array is built from
+    them, so no check below allocates by a value or overflows int64.
+    """
+    problem = _field_problem(plan) or _group_problem(plan)
+    if problem is None:
+        positions = gpu_positions(plan.gpus)
+        problem = (
+            _sequence_problem(plan, positions)
+            or _chunk_problem(plan, positions)
+            or _speed_problem(plan)
+            or _measurement_problem(plan)
+        )
+    if problem is not None:
+        yield problem
+
+
+def _field_problem(plan: RoutingPlan) -> str | None:
+    """Scalars and table sizes within the bounds of `knapformer.limits`."""
+    if plan.step is not None and abs(plan.step) > MAX_STEP:
+        return f"step {abbreviate(f'{plan.step:,}')} is beyond ±{MAX_STEP:,} (knapformer.limits)"
+    if plan.token_dim is not None and not 1 <= plan.token_dim <= MAX_TOKEN_DIM:
+        return (
+            f"token_dim {abbreviate(f'{plan.token_dim:,}')} is outside 1..{MAX_TOKEN_DIM:,} "
+            "(knapformer.limits)"
+        )
+    for name in ("gamma", "time"):
+        value = getattr(plan, name)
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            return f"{name} {value!r} must be a finite number >= 0"
+    if plan.scale is not None and not (math.isfinite(plan.scale) and plan.scale > 0):
+        return f"scale {plan.scale!r} must be a finite number > 0"
+    for name, count, bound in (
+        ("gpus", len(plan.gpus), MAX_GPUS),
+        ("sequences", len(plan.sequences), MAX_SEQUENCES),
+        ("chunks", len(plan.chunks), MAX_CHUNKS),
+    ):
+        if count > bound:
+            return f"{name}: {count:,} {name}; a plan holds at most {bound:,} (knapformer.limits)"
+    return None
+
+
+def _rank_problem(name: str, ranks: Iterable[int]) -> str | None:
+    """The first rank of ``ranks`` (Python ints, from a file) beyond ±`MAX_RANK` (small
+    negative ranks are left to the check that names their ids)."""
+    for rank in ranks:
+        if not -MAX_RANK <= rank <= MAX_RANK:
+            return (
+                f"{name} holds rank {abbreviate(f'{rank:,}')}; ranks are 0..{MAX_RANK:,} "
+                "(knapformer.limits)"
+            )
+    return None
+
+
+def _group_problem(plan: RoutingPlan) -> str | None:
+    """The GPUs, the bags and the topology agree."""
+    if not plan.gpus:
+        return "gpus is empty: a plan needs at least one GPU"
+    members = sum(map(len, plan.bags))
+    problem = _rank_problem("gpus", plan.gpus) or _rank_problem(
+        "bags", itertools.chain.from_iterable(plan.bags)
+    )
+    if problem is not None:
+        return problem
     gpus = np.asarray(plan.gpus, dtype=np.int64)
-    if len(gpus) == 0:
-        yield "gpus is empty: a plan needs at least one GPU"
-        return
     if (gpus < 0).any():
-        yield f"gpus holds negative rank(s) {_ids(gpus[gpus < 0])}"
-        return
+        return f"gpus holds negative rank(s) {_ids(gpus[gpus < 0])}"
     uniq, counts = np.unique(gpus, return_counts=True)
     if (counts > 1).any():
-        yield f"gpus lists GPU(s) {_ids(uniq[counts > 1])} more than once"
-        return
+        return f"gpus lists GPU(s) {_ids(uniq[counts > 1])} more than once"
     bag_sizes = np.fromiter(map(len, plan.bags), dtype=np.int64, count=len(plan.bags))
     bag_members = np.fromiter(
-        itertools.chain.from_iterable(plan.bags), dtype=np.int64, count=int(bag_sizes.sum())
+        itertools.chain.from_iterable(plan.bags), dtype=np.int64, count=members
     )
     if (bag_sizes == 0).any():
-        yield f"bag(s) {_ids(bag_sizes == 0)} have no GPUs"
-        return
-    position = gpu_positions(gpus)  # for the membership tests below
-
-    def in_gpus(ranks: np.ndarray) -> np.ndarray:
-        inside = (ranks >= 0) & (ranks < position.size)
-        inside[inside] = position[ranks[inside]] >= 0
-        return inside
-
-    foreign = ~in_gpus(bag_members)
+        return f"bag(s) {_ids(bag_sizes == 0)} have no GPUs"
+    positions = gpu_positions(gpus)
+    foreign = ~positions.contains(bag_members)
     if foreign.any():
-        yield f"bags hold GPU(s) {_ids(bag_members[foreign])} that are not in gpus"
-        return
-    members, member_counts = np.unique(bag_members, return_counts=True)
+        return f"bags hold GPU(s) {_ids(bag_members[foreign])} that are not in gpus"
+    member_ranks, member_counts = np.unique(bag_members, return_counts=True)
     if (member_counts > 1).any():
-        yield f"GPU(s) {_ids(members[member_counts > 1])} belong to more than one bag"
-        return
+        return f"GPU(s) {_ids(member_ranks[member_counts > 1])} belong to more than one bag"
     if len(bag_members) < len(gpus):  # members are distinct GPUs of the plan
         in_a_bag = np.zeros(len(gpus), dtype=bool)
-        in_a_bag[position[bag_members]] = True
-        yield f"GPU(s) {_ids(gpus[~in_a_bag])} belong to no bag"
-        return
+        in_a_bag[positions[bag_members]] = True
+        return f"GPU(s) {_ids(gpus[~in_a_bag])} belong to no bag"
+    return _topology_problem(plan.topology, bag_sizes)
 
-    seqs, chunks = plan.sequences, plan.chunks
-    n_seq, n_bags = len(seqs), len(plan.bags)
-    bad = ~in_gpus(seqs.src_gpu)
+
+def _topology_problem(topology: str, bag_sizes: np.ndarray) -> str | None:
+    """The topology string describes the bags (replay and the planner rebuild from it)."""
+    try:
+        topo = Topology.parse(topology)
+    except KnapformerError as err:
+        return str(err)
+    if topo.bag_sizes != tuple(sorted(bag_sizes.tolist())):
+        actual = Topology.from_bag_sizes(bag_sizes.tolist())
+        return (
+            f"topology {abbreviate(repr(topology))} does not match the bags, which make "
+            f"{actual} ({actual.num_gpus:,} GPUs in {actual.num_bags:,} bags)"
+        )
+    return None
+
+
+def _sequence_problem(plan: RoutingPlan, positions: GpuPositions) -> str | None:
+    seqs, n_bags = plan.sequences, len(plan.bags)
+    src_position = positions[seqs.src_gpu]
+    bad = src_position < 0
     if bad.any():
-        yield f"sequence(s) {_ids(bad)} have a source GPU outside gpus"
-        return
+        return f"sequence(s) {_ids(bad)} have a source GPU outside gpus"
     # Canonical order (the router relies on it): sequences grouped by source GPU in the
     # order of `gpus`, chunks by sequence then offset.
-    src_position = position[seqs.src_gpu]
     bad = np.flatnonzero(np.diff(src_position) < 0) + 1
     if bad.size:
-        yield (
+        return (
             f"sequence(s) {_ids(bad)} are out of order: sequences must be grouped by source "
             "GPU in the order of gpus"
         )
-        return
     if (seqs.length < 0).any():
-        yield f"sequence(s) {_ids(seqs.length < 0)} have a negative length"
-        return
+        return f"sequence(s) {_ids(seqs.length < 0)} have a negative length"
+    bad = seqs.length > MAX_SEQ_LENGTH
+    if bad.any():
+        return (
+            f"sequence(s) {_ids(bad)} are longer than {MAX_SEQ_LENGTH:,} tokens "
+            f"(knapformer.limits): {int(seqs.length[bad][0]):,}"
+        )
     bad = ~np.isfinite(seqs.workload) | (seqs.workload < 0)
     if bad.any():
-        yield f"sequence(s) {_ids(bad)} have a workload that is negative or not finite"
-        return
+        return f"sequence(s) {_ids(bad)} have a workload that is negative or not finite"
+    with np.errstate(over="ignore"):
+        total = float(np.sum(seqs.workload))
+    if not math.isfinite(total):
+        return "sequence workloads sum to infinity: loads and imbalance cannot be computed"
     bad = (seqs.bag < 0) | (seqs.bag >= n_bags)
     if bad.any():
-        yield f"sequence(s) {_ids(bad)} are assigned to a bag id outside 0..{n_bags - 1}"
-        return
+        return f"sequence(s) {_ids(bad)} are assigned to a bag id outside 0..{n_bags - 1}"
+    return None
 
+
+def _chunk_problem(plan: RoutingPlan, positions: GpuPositions) -> str | None:
+    seqs, chunks = plan.sequences, plan.chunks
+    n_seq = len(seqs)
     bad = (chunks.seq < 0) | (chunks.seq >= n_seq)
     if bad.any():
-        yield f"chunk(s) {_ids(bad)} name a sequence id outside 0..{n_seq - 1}"
-        return
+        return f"chunk(s) {_ids(bad)} name a sequence id outside 0..{n_seq - 1}"
     bad = (chunks.length < 0) | (chunks.offset < 0)
     if bad.any():
-        yield f"chunk(s) {_ids(bad)} have a negative length or offset"
-        return
-    bad = ~in_gpus(chunks.src_gpu) | ~in_gpus(chunks.dst_gpu)
+        return f"chunk(s) {_ids(bad)} have a negative length or offset"
+    bad = (chunks.length > MAX_SEQ_LENGTH) | (chunks.offset > MAX_SEQ_LENGTH)
     if bad.any():
-        yield f"chunk(s) {_ids(bad)} have a source or destination GPU outside gpus"
-        return
+        return (
+            f"chunk(s) {_ids(bad)} have a length or offset beyond {MAX_SEQ_LENGTH:,} tokens "
+            "(knapformer.limits)"
+        )
+    src_position, dst_position = positions[chunks.src_gpu], positions[chunks.dst_gpu]
+    bad = (src_position < 0) | (dst_position < 0)
+    if bad.any():
+        return f"chunk(s) {_ids(bad)} have a source or destination GPU outside gpus"
     bad = chunks.src_gpu != seqs.src_gpu[chunks.seq]
     if bad.any():
-        yield f"chunk(s) {_ids(bad)} start on a GPU other than their sequence's source GPU"
-        return
+        return f"chunk(s) {_ids(bad)} start on a GPU other than their sequence's source GPU"
 
-    bag_of_gpu = np.full(position.size, -1, dtype=np.int64)  # members are GPUs of the plan
-    bag_of_gpu[bag_members] = np.repeat(np.arange(n_bags), bag_sizes)
-    bad = bag_of_gpu[chunks.dst_gpu] != seqs.bag[chunks.seq]
+    n = len(plan.gpus)
+    bag_sizes = np.fromiter(map(len, plan.bags), dtype=np.int64, count=len(plan.bags))
+    bag_of_position = np.empty(n, dtype=np.int64)  # every GPU is in exactly one bag
+    bag_of_position[positions[list(itertools.chain.from_iterable(plan.bags))]] = np.repeat(
+        np.arange(len(plan.bags)), bag_sizes
+    )
+    bad = bag_of_position[dst_position] != seqs.bag[chunks.seq]
     if bad.any():
-        yield (
+        return (
             f"chunk(s) {_ids(bad)} go to a GPU outside their sequence's bag "
             f"(sequence(s) {_ids(chunks.seq[bad])})"
         )
-        return
-    pair = chunks.seq * (int(bag_of_gpu.size) + 1) + chunks.dst_gpu
+    pair = chunks.seq * (n + 1) + dst_position  # < 2**20 * 2**14: no overflow
     _, first, pair_counts = np.unique(pair, return_index=True, return_counts=True)
     if (pair_counts > 1).any():
         dup_seq = chunks.seq[first[pair_counts > 1]]
-        yield f"sequence(s) {_ids(dup_seq)} send more than one chunk to the same GPU"
-        return
+        return f"sequence(s) {_ids(dup_seq)} send more than one chunk to the same GPU"
+    return _tiling_problem(plan)
 
+
+def _tiling_problem(plan: RoutingPlan) -> str | None:
+    """Chunks in canonical order, each sequence covered exactly by its chunks."""
+    seqs, chunks = plan.sequences, plan.chunks
     step_back = (np.diff(chunks.seq) < 0) | (
         (np.diff(chunks.seq) == 0) & (np.diff(chunks.offset) < 0)
     )
     if step_back.any():
-        yield (
+        return (
             f"chunk(s) {_ids(np.flatnonzero(step_back) + 1)} are out of order: chunks must be "
             "ordered by sequence id, then offset"
         )
-        return
     # Tiling: sorted by (seq, offset), each chunk starts where the previous one ended.
     order = np.lexsort((chunks.offset, chunks.seq))
     s, off, ln = chunks.seq[order], chunks.offset[order], chunks.length[order]
@@ -426,35 +595,40 @@ def _invariant_problems(plan: RoutingPlan):
     expected = np.where(first_of_seq, 0, np.concatenate([[0], off[:-1] + ln[:-1]]))
     bad = off != expected
     if bad.any():
-        yield (
+        return (
             f"sequence(s) {_ids(s[bad])} have chunks that do not tile them: chunk(s) "
             f"{_ids(order[bad])} leave a gap or overlap"
         )
-        return
-    covered = np.bincount(chunks.seq, weights=chunks.length, minlength=n_seq)
+    covered = np.bincount(chunks.seq, weights=chunks.length, minlength=len(seqs))
     bad = covered.astype(np.int64) != seqs.length
     if bad.any():
-        yield (
+        return (
             f"sequence(s) {_ids(bad)} are not covered exactly by their chunks "
             "(chunk lengths do not sum to the sequence length)"
         )
-        return
+    return None
 
-    if plan.gpu_speed is not None:
-        speed = np.asarray(plan.gpu_speed, dtype=np.float64)
-        if speed.shape != (len(gpus),):
-            yield f"gpu_speed has {speed.size} values for {len(gpus)} GPUs"
-            return
-        bad = ~np.isfinite(speed) | (speed <= 0)
-        if bad.any():
-            yield f"gpu_speed of GPU(s) {_ids(gpus[bad])} is not a finite positive number"
-            return
 
-    if plan.measurements is not None:
-        for phase, values in plan.measurements.per_rank_ms.items():
-            if len(values) != len(gpus):
-                yield (
-                    f"measurements.per_rank_ms[{phase!r}] has {len(values)} values for "
-                    f"{len(gpus)} GPUs"
-                )
-                return
+def _measurement_problem(plan: RoutingPlan) -> str | None:
+    if plan.measurements is None:
+        return None
+    for phase, values in plan.measurements.per_rank_ms.items():
+        if len(values) != len(plan.gpus):
+            return (
+                f"measurements.per_rank_ms[{phase!r}] has {len(values)} values for "
+                f"{len(plan.gpus)} GPUs"
+            )
+    return None
+
+
+def _speed_problem(plan: RoutingPlan) -> str | None:
+    if plan.gpu_speed is None:
+        return None
+    speed = np.asarray(plan.gpu_speed, dtype=np.float64)
+    if speed.shape != (len(plan.gpus),):
+        return f"gpu_speed has {speed.size} values for {len(plan.gpus)} GPUs"
+    bad = ~np.isfinite(speed) | (speed <= 0)
+    if bad.any():
+        gpus = np.asarray(plan.gpus)
+        return f"gpu_speed of GPU(s) {_ids(gpus[bad])} is not a finite positive number"
+    return None

@@ -1,18 +1,21 @@
 """Reading and writing plan files: JSON (one plan, ours or legacy, or a list) and JSONL.
 
 Readers report problems as ``path:line: message`` and either skip the bad record or
-raise, as the caller chooses. Nothing here knows about files growing live; the
-dashboard's tailer builds on ``parse_plan_line``.
+raise, as the caller chooses. No input makes them raise anything else: too deep, too long
+or too large records, FIFOs and undecodable bytes are problems like any other. Nothing
+here knows about files growing live; the dashboard's tailer builds on ``parse_plan_line``.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import stat
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TextIO
+from typing import Any, BinaryIO, Literal, TextIO
 
 import numpy as np
 from pydantic import ValidationError
@@ -20,11 +23,15 @@ from pydantic_core import to_json
 
 from knapformer.errors import KnapformerError, OptionError, file_error
 from knapformer.legacy import is_legacy, plan_from_legacy
+from knapformer.limits import MAX_RECORD_BYTES, abbreviate
 from knapformer.plan import READABLE_SCHEMA_VERSIONS, SCHEMA_VERSION, RoutingPlan
 
 
 class PlanFormatError(KnapformerError):
-    """A record that is not a valid plan; ``str()`` is a one-line reason."""
+    """A record that is not a valid plan; ``str()`` is a one-line reason. ``line`` is the
+    line of the file the reason points at, when known."""
+
+    line: int | None = None
 
 
 @dataclass(frozen=True)
@@ -54,14 +61,19 @@ class ReadResult:
         return [r.plan for r in self.records]
 
 
+_ERRORS_IN_MESSAGE = 3
+
+
 def describe_validation_error(err: ValidationError) -> str:
-    """One line: each error as ``field.path: message``."""
+    """One short line: the first errors as ``field.path: message``, then how many more."""
+    errors = err.errors(include_url=False)
     parts = []
-    for e in err.errors(include_url=False):
-        loc = ".".join(str(x) for x in e["loc"])
-        msg = str(e["msg"]).removeprefix("Value error, ")
+    for e in errors[:_ERRORS_IN_MESSAGE]:
+        loc = abbreviate(".".join(str(x) for x in e["loc"]), 60)
+        msg = abbreviate(str(e["msg"]).removeprefix("Value error, "), 300)
         parts.append(f"{loc}: {msg}" if loc else msg)
-    return "; ".join(parts)
+    more = len(errors) - _ERRORS_IN_MESSAGE
+    return "; ".join(parts) + (f" (and {more} more)" if more > 0 else "")
 
 
 def parse_plan_record(record: Any) -> RoutingPlan:
@@ -74,8 +86,8 @@ def parse_plan_record(record: Any) -> RoutingPlan:
         version = record.get("schema_version", SCHEMA_VERSION)
         if version not in READABLE_SCHEMA_VERSIONS:
             raise PlanFormatError(
-                f"schema_version {version!r} is not supported (this reader understands "
-                f"{', '.join(map(str, READABLE_SCHEMA_VERSIONS))})"
+                f"schema_version {abbreviate(repr(version))} is not supported (this reader "
+                f"understands {', '.join(map(str, READABLE_SCHEMA_VERSIONS))})"
             )
         return RoutingPlan.model_validate(record)
     except ValidationError as err:
@@ -86,62 +98,166 @@ def parse_plan_record(record: Any) -> RoutingPlan:
         raise PlanFormatError(str(err)) from err
     except (KeyError, TypeError, IndexError, AttributeError) as err:  # malformed structure
         raise PlanFormatError(f"malformed record ({type(err).__name__}: {err})") from err
+    except RecursionError:
+        raise PlanFormatError(_TOO_DEEP) from None
+    except MemoryError:
+        raise PlanFormatError(_TOO_LARGE) from None
+
+
+_TOO_DEEP = "nested too deeply to read (a plan is a few levels deep)"
+_TOO_LARGE = "too large to hold in memory"
+
+
+def _decode(text: str) -> Any:
+    """``json.loads``; its failures as `PlanFormatError` (``line`` set when known)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        # Some messages end in "starting at": the column completes them.
+        reason = err.msg.removesuffix(" at")
+        problem = PlanFormatError(f"not valid JSON ({reason} at column {err.colno})")
+        problem.line = err.lineno
+        raise problem from None
+    except RecursionError:
+        raise PlanFormatError(_TOO_DEEP) from None
+    except ValueError as err:  # Python refuses to convert ints of more than 4,300 digits
+        reason = str(err).split(";")[0]
+        raise PlanFormatError(f"holds a number too long to read ({reason})") from None
+    except MemoryError:
+        raise PlanFormatError(_TOO_LARGE) from None
 
 
 def parse_plan_line(text: str) -> RoutingPlan:
     """Parse one JSONL line."""
-    try:
-        record = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise PlanFormatError(f"not valid JSON ({err.msg} at column {err.colno})") from err
-    return parse_plan_record(record)
+    return parse_plan_record(_decode(text))
 
 
 def read_plans(path: str | os.PathLike, on_error: Literal["skip", "raise"] = "skip") -> ReadResult:
     """Read every plan of a file. ``on_error="raise"`` raises `PlanFormatError` on the first
     bad record (message ``path:line: reason``); ``"skip"`` collects it in ``problems``."""
-    path = Path(path)
     result = ReadResult()
+    for item in iter_plan_file(path):
+        if isinstance(item, PlanRecord):
+            result.records.append(item)
+        elif on_error == "raise":
+            raise PlanFormatError(str(item))
+        else:
+            result.problems.append(item)
+    return result
+
+
+def iter_plan_file(path: str | os.PathLike) -> Iterator[PlanRecord | Problem]:
+    """Every plan of a file as a `PlanRecord` and every bad record as a `Problem`, in file
+    order; the caller decides what to keep.
+
+    A ``.jsonl`` file is streamed (only the current line is held). Another file is read
+    whole, up to `MAX_RECORD_BYTES`, as one JSON document (a plan, a legacy summary or a
+    list of plans), and as JSONL when it is not one. Only regular files are read (a FIFO
+    would block); a record over `MAX_RECORD_BYTES` is a problem, skipped unread.
+    """
+    path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
-        problem = Problem(str(path), None, f"cannot read: {getattr(err, 'strerror', None) or err}")
-        if on_error == "raise":
-            raise PlanFormatError(str(problem)) from err
-        result.problems.append(problem)
-        return result
+        handle = _open_regular_file(path)
+    except PlanFormatError as err:
+        yield Problem(str(path), None, str(err))
+        return
+    with handle:
+        size = os.fstat(handle.fileno()).st_size
+        if path.suffix != ".jsonl" and size <= MAX_RECORD_BYTES:
+            yield from _document_or_lines(path, handle.read())
+        else:
+            yield from _lines(path, handle)
 
-    def fail(line: int | None, message: str) -> None:
-        problem = Problem(str(path), line, message)
-        if on_error == "raise":
-            raise PlanFormatError(str(problem))
-        result.problems.append(problem)
 
-    if not text.strip():
-        fail(None, "file is empty")
-        return result
-    whole = None
-    if path.suffix != ".jsonl":
+_FILE_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
+
+
+def _open_regular_file(path: Path) -> BinaryIO:
+    """``path`` opened for binary reading; `PlanFormatError` when it cannot be read or is
+    not a regular file. Opened non-blocking, so a FIFO is recognised, not waited on."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as err:
+        raise PlanFormatError(f"cannot read: {err.strerror or err}") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = next((name for test, name in _FILE_KINDS if test(mode)), "not a file")
+        raise PlanFormatError(f"not a regular file ({kind})")
+    return os.fdopen(fd, "rb")
+
+
+def _document_or_lines(path: Path, data: bytes) -> Iterator[PlanRecord | Problem]:
+    """The records of a whole-file JSON document; if it is not one, of its lines."""
+    where = str(path)
+    try:
+        whole = _decode(data.decode("utf-8-sig"))
+    except UnicodeDecodeError as err:
+        yield Problem(where, None, f"cannot read: not UTF-8 text (byte {err.start:,})")
+        return
+    except PlanFormatError as err:
+        # Maybe JSONL under another name. If no line holds a plan either, the document's
+        # own error is the one to report (once, not once per line of an indented file).
+        items = list(_lines(path, io.BytesIO(data)))
+        if any(isinstance(i, PlanRecord) for i in items) or len(items) <= 1:
+            yield from items
+        else:
+            yield Problem(where, getattr(err, "line", None) or 1, str(err))
+        return
+    records = whole if isinstance(whole, list) else [whole]
+    for i, record in enumerate(records):
         try:
-            whole = json.loads(text)
-        except json.JSONDecodeError:
-            whole = None
-    if whole is not None:
-        records = whole if isinstance(whole, list) else [whole]
-        for i, record in enumerate(records):
-            try:
-                result.records.append(PlanRecord(parse_plan_record(record), 1))
-            except PlanFormatError as err:
-                fail(1, f"record {i}: {err}" if isinstance(whole, list) else str(err))
-        return result
-    for number, line in enumerate(text.splitlines(), start=1):
+            yield PlanRecord(parse_plan_record(record), 1)
+        except PlanFormatError as err:
+            yield Problem(where, 1, f"record {i}: {err}" if isinstance(whole, list) else str(err))
+
+
+def _lines(path: Path, handle: BinaryIO) -> Iterator[PlanRecord | Problem]:
+    """The records of a JSONL stream, one per non-blank line (lines end at ``\\n`` only)."""
+    where = str(path)
+    number, blank = 0, True
+    while line := handle.readline(MAX_RECORD_BYTES + 1):
+        number += 1
+        if len(line) > MAX_RECORD_BYTES and not line.endswith(b"\n"):
+            length = len(line) + _skip_line(handle)
+            blank = False
+            yield Problem(
+                where,
+                number,
+                f"line of {length:,} bytes skipped: a record holds at most "
+                f"{MAX_RECORD_BYTES:,} (knapformer.limits)",
+            )
+            continue
         if not line.strip():
             continue
+        blank = False
         try:
-            result.records.append(PlanRecord(parse_plan_line(line), number))
+            text = line.decode("utf-8-sig" if number == 1 else "utf-8")
+        except UnicodeDecodeError as err:
+            yield Problem(where, number, f"not UTF-8 text (byte {err.start + 1:,} of the line)")
+            continue
+        try:
+            yield PlanRecord(parse_plan_line(text), number)
         except PlanFormatError as err:
-            fail(number, str(err))
-    return result
+            yield Problem(where, number, str(err))
+    if blank:
+        yield Problem(where, None, "file is empty")
+
+
+def _skip_line(handle: BinaryIO, chunk: int = 2**20) -> int:
+    """Read past the rest of the current line in chunks; returns the bytes skipped."""
+    skipped = 0
+    while part := handle.readline(chunk):
+        skipped += len(part)
+        if part.endswith(b"\n"):
+            break
+    return skipped
 
 
 def write_jsonl(path: str | os.PathLike, plans: Iterable[RoutingPlan], append: bool = False) -> int:

@@ -59,6 +59,7 @@ from numpy.typing import ArrayLike
 
 from knapformer import __version__
 from knapformer.errors import KnapformerError
+from knapformer.limits import MAX_SEQ_LENGTH, MAX_SEQUENCES, check_count
 from knapformer.plan import Measurements, RoutingPlan
 from knapformer.stats import lower_bound
 from knapformer.topology import Topology, as_topology
@@ -116,6 +117,12 @@ def plan_routing(
     shape = _bag_shape(topo.bag_sizes)
     lengths, src_pos = _flatten(lengths_per_gpu, shape)
     workload = model.workload(lengths)
+    with np.errstate(over="ignore"):
+        total = float(workload.sum())
+    if not np.isfinite(total):
+        raise KnapformerError(
+            f"the workloads of the step sum to {total} under {model}: loads cannot be balanced"
+        )
     if solver == "greedy":
         step_state = _solve_greedy(shape, lengths, workload, src_pos, speed, max_tokens_per_gpu)
     else:
@@ -224,13 +231,20 @@ def _flatten(
     ):
         bad = int(src_pos[np.flatnonzero(np.mod(lengths.astype(float), 1) != 0)[0]])
         raise KnapformerError(f"lengths on GPU position {bad} must be whole numbers of tokens")
-    lengths = lengths.astype(np.int64, copy=False)
+    check_count(lengths.size, MAX_SEQUENCES, "the sequences of a step")
+    # Bounded before the cast: a uint64 beyond int64 would wrap around to a negative.
+    if lengths.max() > MAX_SEQ_LENGTH:
+        bad = int(np.argmax(lengths))
+        raise KnapformerError(
+            f"lengths on GPU position {int(src_pos[bad])} include {lengths[bad]:,} tokens; a "
+            f"sequence holds at most {MAX_SEQ_LENGTH:,} (knapformer.limits)"
+        )
     if lengths.min() < 0:
         bad = int(np.argmin(lengths))
         raise KnapformerError(
             f"lengths on GPU position {int(src_pos[bad])} include a negative value {lengths[bad]}"
         )
-    return lengths, src_pos
+    return lengths.astype(np.int64, copy=False), src_pos
 
 
 class _BagLayout:

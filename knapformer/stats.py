@@ -16,7 +16,8 @@ at ``gpu_speed`` s takes work/s.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -36,7 +37,8 @@ class PlanStats:
     tokens_after: np.ndarray  # (num_gpus,) int
     bag_load_before: np.ndarray  # (num_bags,) sum of load_before over the bag's GPUs
     bag_load_after: np.ndarray  # (num_bags,) workload assigned to the bag
-    traffic: np.ndarray  # (num_gpus, num_gpus) tokens sent from gpus[i] to gpus[j]
+    tokens_sent: np.ndarray  # (num_gpus,) int, tokens route moves from the GPU to others
+    tokens_received: np.ndarray  # (num_gpus,) int, tokens route brings to it from others
     gpu_bag: np.ndarray  # (num_gpus,) bag id of each GPU
     speed: np.ndarray  # (num_gpus,) relative speed the plan assumed (1 = nominal)
     bag_capacity: np.ndarray  # (num_bags,) GPUs x speed of the bag's slowest GPU
@@ -44,6 +46,28 @@ class PlanStats:
     total_tokens: int
     moved_tokens: int  # tokens in chunks whose destination differs from their source
     lower_bound: float  # see `lower_bound`
+    # (num_chunks,) positions of each chunk's source and destination GPU, and its tokens:
+    # what `traffic` is built from, on demand.
+    chunk_src: np.ndarray = field(repr=False)
+    chunk_dst: np.ndarray = field(repr=False)
+    chunk_len: np.ndarray = field(repr=False)
+
+    @cached_property
+    def traffic(self) -> np.ndarray:
+        """(num_gpus, num_gpus) int, tokens sent from ``gpus[i]`` to ``gpus[j]``.
+
+        Built on first use: it takes num_gpus² memory (2 GiB at 16,384 GPUs), so views of
+        large plans aggregate with `traffic_between` instead."""
+        n = len(self.load_before)
+        return self.traffic_between(np.arange(n), n)
+
+    def traffic_between(self, group: np.ndarray, num_groups: int) -> np.ndarray:
+        """(num_groups, num_groups) int, tokens sent from group i to group j, where
+        ``group`` (num_gpus,) gives the group of each GPU position."""
+        group = np.asarray(group, dtype=np.int64)
+        pair = group[self.chunk_src] * num_groups + group[self.chunk_dst]
+        flat = np.bincount(pair, weights=self.chunk_len, minlength=num_groups * num_groups)
+        return flat.astype(np.int64).reshape(num_groups, num_groups)
 
     @property
     def mean_load(self) -> float:
@@ -224,9 +248,10 @@ def compute_stats(plan: RoutingPlan) -> PlanStats:
 
     csrc, cdst = pos[chunks.src_gpu], pos[chunks.dst_gpu]
     tokens_after = np.bincount(cdst, weights=chunks.length, minlength=n).astype(np.int64)
-    traffic = np.bincount(csrc * n + cdst, weights=chunks.length, minlength=n * n)
-    traffic = traffic.astype(np.int64).reshape(n, n)
-    moved = int(chunks.length[chunks.src_gpu != chunks.dst_gpu].sum())
+    away = csrc != cdst
+    moving = chunks.length[away]
+    sent = np.bincount(csrc[away], weights=moving, minlength=n).astype(np.int64)
+    received = np.bincount(cdst[away], weights=moving, minlength=n).astype(np.int64)
 
     return PlanStats(
         load_before=load_before,
@@ -236,14 +261,18 @@ def compute_stats(plan: RoutingPlan) -> PlanStats:
         tokens_after=tokens_after,
         bag_load_before=bag_load_before,
         bag_load_after=bag_load_after,
-        traffic=traffic,
+        tokens_sent=sent,
+        tokens_received=received,
         gpu_bag=gpu_bag,
         speed=speed,
         bag_capacity=capacity,
         total_load=float(workload.sum()),
         total_tokens=int(seqs.length.sum()),
-        moved_tokens=moved,
+        moved_tokens=int(moving.sum()),
         lower_bound=lower_bound(workload, capacity),
+        chunk_src=csrc,
+        chunk_dst=cdst,
+        chunk_len=np.asarray(chunks.length, dtype=np.int64),
     )
 
 

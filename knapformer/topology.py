@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from knapformer.errors import KnapformerError
+from knapformer.limits import MAX_GPUS, abbreviate, check_count, parse_count
 
-_TERM = re.compile(r"g(\d+)n(\d+)")
+_TERM = re.compile(r"g([0-9]+)n([0-9]+)")
 
 
 @dataclass(frozen=True)
@@ -24,32 +25,50 @@ class Topology:
 
     bag_sizes: tuple[int, ...]
 
+    def __post_init__(self) -> None:
+        sizes = self.bag_sizes
+        if not sizes or any(not isinstance(s, int) or s <= 0 for s in sizes):
+            shown = abbreviate(str(list(sizes)))
+            raise KnapformerError(f"bag sizes {shown} must be a non-empty list of positive ints")
+        check_count(sum(sizes), MAX_GPUS, "the GPU count of a topology")
+
     @classmethod
     def parse(cls, text: str) -> Topology:
         """Parse ``gXnY[+gXnY...]``; a bag size given twice is merged (``g1n2+g1n3`` = ``g1n5``)."""
         if not isinstance(text, str) or not text.strip():
-            raise KnapformerError(f"topology {text!r} is empty; expected e.g. 'g1n2+g2n1+g4n1'")
+            raise KnapformerError(
+                f"topology {abbreviate(repr(text))} is empty; expected e.g. 'g1n2+g2n1+g4n1'"
+            )
+        shown = abbreviate(repr(text))
         counts: dict[int, int] = {}
-        for term in text.strip().split("+"):
+        total = 0
+        terms = text.strip().split("+")
+        for term in terms:
+            where = f"topology {shown}" + (
+                f": term {abbreviate(repr(term))}" if len(terms) > 1 else ""
+            )
             match = _TERM.fullmatch(term.strip())
             if match is None:
                 raise KnapformerError(
-                    f"topology {text!r}: term {term!r} is not of the form gXnY "
+                    f"topology {shown}: term {abbreviate(repr(term))} is not of the form gXnY "
                     "(X GPUs per bag, Y bags), e.g. 'g2n4'"
                 )
-            size, count = int(match.group(1)), int(match.group(2))
+            # Counted before anything is built: 'g1n99999999999' must not make a tuple.
+            size = parse_count(match.group(1), MAX_GPUS, f"{where}: the bag size")
+            count = parse_count(match.group(2), MAX_GPUS, f"{where}: the bag count")
             if size == 0 or count == 0:
-                raise KnapformerError(f"topology {text!r}: term {term!r} has a zero size or count")
+                raise KnapformerError(
+                    f"topology {shown}: term {abbreviate(repr(term))} has a zero size or count"
+                )
+            total = check_count(
+                total + size * count, MAX_GPUS, f"the GPU count of topology {shown}"
+            )
             counts[size] = counts.get(size, 0) + count
         sizes = tuple(size for size in sorted(counts) for _ in range(counts[size]))
         return cls(sizes)
 
     @classmethod
     def from_bag_sizes(cls, sizes: list[int] | tuple[int, ...]) -> Topology:
-        if not sizes or any(int(s) <= 0 for s in sizes):
-            raise KnapformerError(
-                f"bag sizes {list(sizes)} must be a non-empty list of positive ints"
-            )
         return cls(tuple(sorted(int(s) for s in sizes)))
 
     @cached_property

@@ -22,6 +22,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from knapformer.errors import KnapformerError
+from knapformer.limits import MAX_TOKEN_DIM, check_count
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class WorkloadModel:
     def __post_init__(self) -> None:
         if int(self.token_dim) <= 0:
             raise KnapformerError(f"token_dim must be positive, got {self.token_dim}")
+        check_count(int(self.token_dim), MAX_TOKEN_DIM, "token_dim")
         if not np.isfinite(self.gamma) or self.gamma < 0:
             raise KnapformerError(f"gamma must be finite and >= 0, got {self.gamma}")
         if not np.isfinite(self.scale) or self.scale <= 0:

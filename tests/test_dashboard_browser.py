@@ -26,7 +26,8 @@ pytestmark = pytest.mark.browser
 CHROMIUM = find_chromium()
 LIVE_WITHIN_S = 5.0
 WIDE64 = "g1n16+g2n8+g4n4+g8n2"  # 64 GPUs in 30 bags
-WIDE256 = "g1n64+g2n32+g4n16+g8n8"  # 256 GPUs in 120 bags
+WIDE128 = "g1n32+g2n16+g4n8+g8n4"  # 128 GPUs in 60 bags: the most shown GPU by GPU
+WIDE256 = "g1n64+g2n32+g4n16+g8n8"  # 256 GPUs in 120 bags: shown bag by bag
 
 if CHROMIUM is None:
     pytest.skip("no Chromium on this machine (make browser-deps)", allow_module_level=True)
@@ -64,6 +65,7 @@ def runs_dir(tmp_path_factory, lines50):
     for name, plans in (
         ("measured", measured_run(30, slow_rank=5, slow_factor=2.0, seed=1)),
         ("wide64", _wide_plans(WIDE64, "g32b8i256f1s0,g16b4i512f1s0,g16b2i1024f1s0", 2)),
+        ("wide128", _wide_plans(WIDE128, "g64b8i256f1s0,g32b4i512f1s0,g32b2i1024f1s0", 1)),
         ("wide256", _wide_plans(WIDE256, "g128b8i256f1s0,g64b4i512f1s0,g64b2i1024f1s0", 1)),
         ("empty", []),
     ):
@@ -490,8 +492,8 @@ def test_bags_stay_legible_at_64_gpus(page, runs_dir):
 
 
 def test_beyond_64_gpus_labels_thin_out_by_the_rule(page, runs_dir):
-    plan = parse_plan_line((runs_dir / "wide256" / "plans.jsonl").read_text().splitlines()[-1])
-    _switch_to(page, "wide256", lambda: len(_figure(page, "bag-load")["data"][0]["y"]) == 256)
+    plan = parse_plan_line((runs_dir / "wide128" / "plans.jsonl").read_text().splitlines()[-1])
+    _switch_to(page, "wide128", lambda: len(_figure(page, "bag-load")["data"][0]["y"]) == 128)
     labels = _labels(page, "bag-load")
     ticks = [int(lb["text"]) for lb in labels if "annotation" not in lb["cls"]]
     ranks = [g for m in plan.bags for g in m]
@@ -499,14 +501,25 @@ def test_beyond_64_gpus_labels_thin_out_by_the_rule(page, runs_dir):
     assert k > 1 and k & (k - 1) == 0
     assert ticks == ranks[::k]
     notes = {lb["text"] for lb in labels if "annotation" in lb["cls"]}
-    assert {"64 bags × 1 GPU", "32 bags × 2 GPUs", "16 bags × 4 GPUs"} <= notes
+    assert {"32 bags × 1 GPU", "16 bags × 2 GPUs"} <= notes
     assert _overlaps(labels) == []
-    # the traffic heatmap of 256 GPUs: one cell per GPU, ranks thinned the same way
+    # the traffic heatmap of 128 GPUs: one cell per GPU
     heat = page.evaluate(
         """() => { const t = document.querySelector('#traffic .js-plotly-plot')._fullData[0];
             return [t.z.length, t.z[0].length]; }"""
     )
-    assert heat == [256, 256]
+    assert heat == [128, 128]
+
+
+def test_beyond_128_gpus_the_views_show_bags_and_say_so(page, runs_dir):
+    plan = parse_plan_line((runs_dir / "wide256" / "plans.jsonl").read_text().splitlines()[-1])
+    _switch_to(page, "wide256", lambda: "aggregated" in _figure(page, "bag-load")["title"])
+    assert len(_figure(page, "bag-load")["data"][0]["y"]) == len(plan.bags)
+    labels = _labels(page, "bag-load")
+    ticks = [lb["text"] for lb in labels if "annotation" not in lb["cls"]]
+    assert ticks[0] == "0" and len(ticks) > 8  # bag ids, thinned by the same rule
+    assert _overlaps(labels) == []
+    assert "aggregated" in _figure(page, "traffic")["title"]
 
 
 def test_straggler_views_name_the_slow_rank(page):

@@ -10,13 +10,14 @@ from knapformer.measured import measure
 from knapformer.plan_io import read_plans
 from knapformer.stats import StepSummary, linear_share, summarize
 from knapformer.stragglers import analyse, rank_steps
+from visualization.axes import LINE_PX
 from visualization.figures import (
+    TRAFFIC_PLOT_PX,
     bag_load_figure,
     empty_figure,
     sequence_rows,
     timeline_columns,
     timeline_figure,
-    traffic_blocks,
     traffic_figure,
 )
 from visualization.straggler_figures import (
@@ -123,20 +124,24 @@ def test_traffic_heatmap_holds_the_token_matrix_in_bag_order(plan8):
     assert len(traffic_figure(plan8).data) == 1
 
 
-def test_traffic_of_many_gpus_sums_blocks_of_gpus():
+def test_up_to_128_gpus_every_gpu_is_a_cell_and_ticks_thin_by_the_rule():
     from knapformer.planner import plan_routing
     from knapformer.workload import WorkloadModel
+    from visualization.axes import MAX_VIEW_GPUS, stride
 
-    lengths = [np.array([64 + (g * 37) % 900]) for g in range(600)]
-    plan = plan_routing(lengths, "g2n100+g4n100", WorkloadModel(64, 0.4))
-    matrix, k = traffic_blocks(plan)
-    assert k == 3 and matrix.shape == (200, 200)
-    assert matrix.sum() == plan.stats.total_tokens
-    order = _bag_order(plan)
-    full = plan.stats.traffic[np.ix_(order, order)]
-    assert matrix[1, 2] == full[3:6, 6:9].sum()
+    lengths = [np.array([64 + (g * 37) % 900]) for g in range(MAX_VIEW_GPUS)]
+    plan = plan_routing(lengths, "g1n32+g2n16+g4n8+g8n4", WorkloadModel(64, 0.4))
     fig = traffic_figure(plan, validate=False)
-    assert "block of 3 GPUs" in fig.layout.xaxis.title.text
+    heat = fig.data[0]
+    assert np.asarray(heat.customdata).shape == (128, 128)
+    assert np.asarray(heat.customdata).sum() == plan.stats.total_tokens
+    ranks = [g for m in plan.bags for g in m]
+    k = stride(128, LINE_PX, TRAFFIC_PLOT_PX[1])  # rows: a line's height each
+    assert k > 1 and list(fig.layout.yaxis.ticktext) == [str(r) for r in ranks[::k]]
+    bars = bag_load_figure(plan, validate=False)
+    ticks = [int(t) for t in bars.layout.xaxis.ticktext]
+    assert ticks == ranks[:: ranks.index(ticks[1])] and ticks[1] != ranks[1]
+    assert "aggregated" not in bars.layout.title.text
 
 
 def test_summarize_matches_plan_stats(steps50):

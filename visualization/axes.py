@@ -15,10 +15,15 @@ PAD_PX`` pixels at `FONT_PX`, and is drawn only where that much room is left.
   is named once ("8 bags × 1 GPU"), so the size of narrow bags stays readable.
 - Bag boundaries (`boundaries`): drawn between every two bags up to `MAX_BOUNDARIES`
   bags, beyond that only where the bag size changes.
+- Beyond `MAX_VIEW_GPUS` GPUs a per-GPU view shows groups instead (`gpu_groups`): whole
+  bags, or runs of consecutive bags, at most `MAX_VIEW_GPUS` of them, and says so in its
+  title (a 10,000-GPU heatmap would be 10⁸ cells, and bars thinner than a pixel show
+  nothing). Their labels thin out by the same rule as ranks (`thinned_ticks`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,6 +36,8 @@ CHAR_PX = 6.6  # an average character at FONT_PX (0.55 em)
 PAD_PX = 3.0
 LINE_PX = 16.0  # height one line of labels needs
 MAX_BOUNDARIES = 64
+#: Per-GPU views of a plan with more GPUs than this show groups of whole bags instead.
+MAX_VIEW_GPUS = 128
 
 
 @dataclass(frozen=True)
@@ -49,6 +56,39 @@ class GpuAxis:
         slots = np.empty(len(self.position), dtype=np.int64)
         slots[self.position] = np.arange(len(self.position))
         return slots
+
+
+@dataclass(frozen=True)
+class GpuGroups:
+    """Columns of a per-GPU view of a plan too large to draw GPU by GPU: whole bags, or
+    runs of consecutive bags, so a group never splits a bag."""
+
+    of_position: np.ndarray  # (num_gpus,) group of each GPU position of plan.gpus
+    labels: list[str]  # (num_groups,) unique axis labels
+    sizes: np.ndarray  # (num_groups,) GPUs per group
+    note: str  # what the view shows instead of single GPUs
+    short: list[str]  # (num_groups,) the bag ids of each group, for tick labels
+
+
+def gpu_groups(plan: RoutingPlan) -> GpuGroups | None:
+    """How per-GPU views aggregate ``plan``; None when it is small enough to show per GPU."""
+    num_gpus, num_bags = len(plan.gpus), len(plan.bags)
+    if num_gpus <= MAX_VIEW_GPUS:
+        return None
+    per = math.ceil(num_bags / MAX_VIEW_GPUS)
+    of_bag = np.arange(num_bags) // per
+    count = int(of_bag[-1]) + 1
+    if per == 1:
+        labels = [plan.bag_label(b) for b in range(num_bags)]
+        short = [str(b) for b in range(num_bags)]
+        note = f"aggregated by bag: {num_gpus:,} GPUs in {num_bags:,} bags"
+    else:
+        short = [f"{i * per}–{min((i + 1) * per, num_bags) - 1}" for i in range(count)]
+        labels = [f"bags {text}" for text in short]
+        note = f"aggregated: {num_gpus:,} GPUs in {count:,} runs of {per} bags"
+    of_position = of_bag[plan.stats.gpu_bag]
+    sizes = np.bincount(of_position, minlength=count)
+    return GpuGroups(of_position, labels, sizes, note, short)
 
 
 def gpu_axis(plan: RoutingPlan) -> GpuAxis:
@@ -79,26 +119,35 @@ def stride(count: int, label_px: float, length_px: float) -> int:
     return k
 
 
+def thinned_ticks(
+    texts: list[str],
+    length_px: float = PLOT_PX,
+    vertical: bool = False,
+    categories: list[str] | None = None,
+) -> dict:
+    """Axis ticks naming each slot by ``texts`` by the rule above: ``tickvals``,
+    ``ticktext`` and the font. Along a vertical axis a label needs a line's height. On a
+    category axis the ticks sit at the slots' ``categories``."""
+    widest = max(map(len, texts), default=1)
+    need = LINE_PX if vertical else widest * CHAR_PX + PAD_PX
+    shown = range(0, len(texts), stride(len(texts), need, length_px))
+    return {
+        "tickmode": "array",
+        "tickvals": [categories[i] for i in shown] if categories else list(shown),
+        "ticktext": [texts[i] for i in shown],
+        "tickangle": 0,
+        "tickfont": {"size": FONT_PX},
+    }
+
+
 def rank_ticks(
     ranks: np.ndarray,
     length_px: float = PLOT_PX,
     vertical: bool = False,
     categories: list[str] | None = None,
 ) -> dict:
-    """Axis ticks naming ``ranks`` (one per slot) by the rule above: ``tickvals``,
-    ``ticktext`` and the font. Along a vertical axis a label needs a line's height. On a
-    category axis the ticks sit at the slots' ``categories``."""
-    widest = max((len(str(r)) for r in ranks.tolist()), default=1)
-    need = LINE_PX if vertical else widest * CHAR_PX + PAD_PX
-    k = stride(len(ranks), need, length_px)
-    shown = np.arange(0, len(ranks), k)
-    return {
-        "tickmode": "array",
-        "tickvals": [categories[i] for i in shown] if categories else shown.tolist(),
-        "ticktext": [str(r) for r in ranks[shown].tolist()],
-        "tickangle": 0,
-        "tickfont": {"size": FONT_PX},
-    }
+    """`thinned_ticks` naming each slot by its GPU rank."""
+    return thinned_ticks([str(r) for r in ranks.tolist()], length_px, vertical, categories)
 
 
 def bag_text(plan: RoutingPlan, bag_id: int, room_px: float) -> str:
@@ -204,11 +253,9 @@ def _boundary(at: float, axis: str, strong: bool = False) -> dict:
             "y0": at, "y1": at, "line": line}  # fmt: skip
 
 
-def boundary_lines(axis: GpuAxis, scale: float = 1.0) -> list[dict]:
-    """Bag boundaries as lines across both axes of a GPU × GPU matrix whose cells each hold
-    ``1/scale`` slots (blocks of slots when the matrix is aggregated)."""
+def boundary_lines(axis: GpuAxis) -> list[dict]:
+    """Bag boundaries as lines across both axes of a GPU × GPU matrix in bag order."""
     lines = []
     for at in boundaries(axis):
-        pos = (at + 0.5) * scale - 0.5
-        lines += [_boundary(pos, "x"), _boundary(pos, "y")]
+        lines += [_boundary(at, "x"), _boundary(at, "y")]
     return lines

@@ -2,7 +2,8 @@
 
 Pure functions of plans (or of `knapformer.stats.StepSummary` lists): no Dash, no I/O.
 Per-GPU arrays come from ``plan.stats`` and are indexed by position in ``plan.gpus``;
-per-GPU axes lay GPUs out bag by bag by the label rule of `visualization.axes`.
+per-GPU axes lay GPUs out bag by bag by the label rule of `visualization.axes`, and
+beyond `MAX_VIEW_GPUS` GPUs show groups of whole bags instead (`gpu_groups`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,18 @@ from knapformer.errors import KnapformerError
 from knapformer.plan import RoutingPlan, gpu_positions
 from knapformer.stats import StepSummary, chunk_loads
 from knapformer.units import LoadUnit, round_significant_array
-from visualization.axes import bag_bands, boundary_lines, gpu_axis, rank_ticks
+from visualization.axes import (
+    MAX_VIEW_GPUS,
+    GpuGroups,
+    bag_bands,
+    boundary_lines,
+    gpu_axis,
+    gpu_groups,
+    rank_ticks,
+    thinned_ticks,
+)
+
+__all__ = ["MAX_VIEW_GPUS", "gpu_groups"]  # re-exported: the figures' size rule lives in axes
 
 BEFORE_COLOR = "#b0b7c3"
 AFTER_COLOR = "#2a6fdb"
@@ -28,8 +40,6 @@ _MARKERS_UP_TO = 400  # timeline points drawn with markers; beyond, lines only (
 _BARGAP = 0.15
 # Where the "after" bar of a slot is drawn: right of centre by half its width.
 _AFTER_OFFSET = (1 - _BARGAP) / 4
-#: GPUs per traffic axis up to which each cell is one GPU; beyond, blocks of GPUs.
-MAX_TRAFFIC_CELLS = 256
 #: Nominal plot area (width, height, px) of the traffic heatmap, for its label rule.
 TRAFFIC_PLOT_PX = (520, 300)
 
@@ -88,6 +98,9 @@ def bag_load_figure(
     is still found), and the GPU it starts on.
     """
     seq = _check_seq(plan, highlight_seq)
+    groups = gpu_groups(plan)
+    if groups is not None:
+        return _grouped_load_figure(plan, groups, seq, validate)
     st = plan.stats
     unit = LoadUnit.of(plan)
     axis = gpu_axis(plan)
@@ -201,20 +214,85 @@ def _chunk_marks(plan: RoutingPlan, seq: int, axis, unit: LoadUnit, value: str) 
     ]
 
 
-def traffic_blocks(plan: RoutingPlan) -> tuple[np.ndarray, int]:
-    """The GPU→GPU token matrix in bag order (rows: source, columns: destination) and the
-    number of GPUs per cell: 1 up to `MAX_TRAFFIC_CELLS` GPUs, beyond that blocks of k
-    consecutive GPUs (k = ceil(#GPUs / MAX_TRAFFIC_CELLS)) summed into one cell."""
-    axis = gpu_axis(plan)
-    matrix = plan.stats.traffic[np.ix_(axis.position, axis.position)]
-    n = len(axis.ranks)
-    k = -(-n // MAX_TRAFFIC_CELLS)
-    if k == 1:
-        return matrix, 1
-    cells = -(-n // k)
-    padded = np.zeros((cells * k, cells * k), dtype=matrix.dtype)
-    padded[:n, :n] = matrix
-    return padded.reshape(cells, k, cells, k).sum(axis=(1, 3)), k
+def _group_max(groups: GpuGroups, values: np.ndarray) -> np.ndarray:
+    """(num_groups,) largest of the per-GPU ``values`` in each group."""
+    out = np.full(len(groups.labels), -np.inf)
+    np.maximum.at(out, groups.of_position, values)
+    return out
+
+
+def _grouped_load_figure(
+    plan: RoutingPlan, groups: GpuGroups, seq: int | None, validate: bool
+) -> go.Figure:
+    """`bag_load_figure` of a large plan: per group, its most loaded GPU (the makespan is
+    the largest bar) and the tokens of all its GPUs."""
+    st = plan.stats
+    unit = LoadUnit.of(plan)
+    x = groups.labels
+    hover = [f"{label} ({size:,} GPUs)" for label, size in zip(x, groups.sizes, strict=True)]
+
+    def load_bars(when: str, load, tokens, color: str) -> dict:
+        return {
+            "type": "bar",
+            "x": x,
+            "y": _group_max(groups, load) * unit.factor,
+            "name": f"{when} (largest GPU)",
+            "marker": {"color": color},
+            "customdata": np.bincount(groups.of_position, weights=tokens, minlength=len(x)),
+            "hovertext": hover,
+            "hovertemplate": f"%{{hovertext}}<br>largest load {when} "
+            f"%{{y:,.3r}}{unit.suffix}<br>"
+            "%{customdata:,.0f} tokens in all<extra></extra>",
+        }
+
+    data = [
+        load_bars("before", st.load_before, st.tokens_before, BEFORE_COLOR),
+        load_bars("after", st.load_after, st.tokens_after, AFTER_COLOR),
+        {
+            "type": "scatter",
+            "x": x,
+            "y": np.full(len(x), st.mean_load * unit.factor),
+            "mode": "lines",
+            "name": f"capacity (mean {unit.format(st.mean_load)})",
+            "line": {"color": CAPACITY_COLOR, "dash": "dash", "width": 2},
+            "hoverinfo": "skip",
+        },
+    ]
+    if seq is not None:
+        pos = gpu_positions(plan.gpus)
+        home = x[int(groups.of_position[pos[int(plan.sequences.src_gpu[seq])]])]
+        receiving = {
+            x[int(g)] for g in groups.of_position[pos[plan.chunks.dst_gpu]][plan.chunks.seq == seq]
+        }
+        data[1]["marker"]["line"] = {
+            "color": HIGHLIGHT_COLOR,
+            "width": [3 if label in receiving else 0 for label in x],
+        }
+        data.append(
+            {
+                "type": "scatter",
+                "x": [home],
+                "y": [0],
+                "mode": "markers",
+                "name": f"sequence {seq} source",
+                "marker": {"symbol": "triangle-up", "size": 14, "color": HIGHLIGHT_COLOR},
+                "hovertemplate": f"sequence {seq} starts here<extra></extra>",
+            }
+        )
+    layout = {
+        "title": {"text": _title(plan, f"Largest GPU load of each group · {groups.note}")},
+        "barmode": "group",
+        "bargap": 0.15,
+        "yaxis": {"title": {"text": f"modelled {unit.axis_title}, most loaded GPU"}},
+        "xaxis": {
+            "title": {"text": "bags, in order (ids)"},
+            "type": "category",
+            **thinned_ticks(groups.short, categories=x),
+        },
+        "legend": {"orientation": "h", "y": 1.02, "x": 1, "xanchor": "right", "yanchor": "bottom"},
+        "margin": {"l": 60, "r": 20, "t": 70, "b": 60},
+    }
+    return build_figure(data, layout, validate)
 
 
 def _token_ticks(largest: int) -> tuple[list[float], list[str]]:
@@ -227,21 +305,26 @@ def traffic_figure(
     plan: RoutingPlan, highlight_seq: int | None = None, validate: bool = True
 ) -> go.Figure:
     """Heatmap of tokens sent from each source GPU (rows) to each destination (columns),
-    GPUs in bag order with lines at bag boundaries.
+    GPUs in bag order with lines at bag boundaries; beyond `MAX_VIEW_GPUS` GPUs, between
+    groups of whole bags (`gpu_groups`, said in the title).
 
     Colour is log10(1 + tokens) because the diagonal (tokens that stay) dwarfs the rest;
-    the colour bar is labelled in tokens and hovering shows exact counts. Beyond
-    `MAX_TRAFFIC_CELLS` GPUs a cell sums a block of GPUs (`traffic_blocks`).
+    the colour bar is labelled in tokens and hovering shows exact counts.
     ``highlight_seq`` outlines the cells of that sequence's chunks.
     """
     seq = _check_seq(plan, highlight_seq)
-    axis = gpu_axis(plan)
-    matrix, k = traffic_blocks(plan)
-    cells = len(matrix)
-    first = axis.ranks[::k]
-    last = axis.ranks[np.minimum(np.arange(cells) * k + k - 1, len(axis.ranks) - 1)]
-    # Category axes named after the GPUs, so hovering names them without a per-cell copy.
-    names = [f"GPU {a}" if k == 1 else f"GPUs {a}–{b}" for a, b in zip(first, last, strict=True)]
+    groups = gpu_groups(plan)
+    if groups is None:
+        axis = gpu_axis(plan)
+        cell_of = axis.slot_of_position  # GPUs in bag order
+        names = [f"GPU {g}" for g in axis.ranks.tolist()]
+        ticks = [str(g) for g in axis.ranks.tolist()]
+        shapes, what, note = boundary_lines(axis), "GPU", ""
+    else:  # never the GPU x GPU matrix of a large plan
+        cell_of, names, ticks = groups.of_position, groups.labels, groups.short
+        shapes, what, note = [], "bags", f" · {groups.note}"
+    # Category axes named after the cells, so hovering names them without a per-cell copy.
+    matrix = plan.stats.traffic_between(cell_of, len(names))
     tickvals, ticktext = _token_ticks(int(matrix.max()))
     data = [
         {
@@ -267,12 +350,11 @@ def traffic_figure(
         chunks = plan.chunks
         mine = np.flatnonzero(chunks.seq == seq)
         pos = gpu_positions(plan.gpus)
-        slot = axis.slot_of_position
         data.append(
             {
                 "type": "scatter",
-                "x": [names[c] for c in (slot[pos[chunks.dst_gpu[mine]]] // k).tolist()],
-                "y": [names[c] for c in (slot[pos[chunks.src_gpu[mine]]] // k).tolist()],
+                "x": [names[c] for c in cell_of[pos[chunks.dst_gpu[mine]]].tolist()],
+                "y": [names[c] for c in cell_of[pos[chunks.src_gpu[mine]]].tolist()],
                 "mode": "markers",
                 "name": f"sequence {seq}",
                 "marker": {
@@ -287,24 +369,23 @@ def traffic_figure(
             }
         )
     x_px, y_px = TRAFFIC_PLOT_PX
-    what = "GPU" if k == 1 else f"block of {k} GPUs"
     category = {"type": "category", "categoryorder": "array", "categoryarray": names}
     layout = {
-        "title": {"text": _title(plan, "GPU→GPU traffic (tokens)")},
+        "title": {"text": _title(plan, "GPU→GPU traffic (tokens)" + note)},
         "xaxis": {
             "title": {"text": f"destination {what} (bag order)"},
             "showgrid": False,
             **category,
-            **rank_ticks(first, x_px, categories=names),
+            **thinned_ticks(ticks, x_px, categories=names),
         },
         "yaxis": {
             "title": {"text": f"source {what}"},
             "autorange": "reversed",
             "showgrid": False,
             **category,
-            **rank_ticks(first, y_px, vertical=True, categories=names),
+            **thinned_ticks(ticks, y_px, vertical=True, categories=names),
         },
-        "shapes": boundary_lines(axis, 1.0 / k),
+        "shapes": shapes,
         "margin": {"l": 70, "r": 20, "t": 60, "b": 60},
         "showlegend": seq is not None,
         "legend": {"orientation": "h", "y": -0.25},

@@ -16,6 +16,7 @@ from pathlib import Path
 from knapformer.errors import KnapformerError
 from knapformer.plan import RoutingPlan
 from visualization.layout import Measure, layout_plan
+from visualization.output import check_output_file
 
 QUALITIES = {
     "low": "low_quality",  # 854x480, 15 fps
@@ -38,11 +39,7 @@ def render_video(
         raise KnapformerError(f"quality must be one of {', '.join(QUALITIES)}, not {quality!r}")
     if not plans:
         raise KnapformerError("no plan to render")
-    out = Path(out)
-    if out.suffix.lower() != ".mp4":
-        raise KnapformerError(f"output must be an .mp4 file, not {str(out)!r}")
-    if not out.parent.exists():
-        raise KnapformerError(f"output directory {str(out.parent)!r} does not exist")
+    out = check_output_file(out, ".mp4")
     layouts = [layout_plan(p, measure=measure, title=title) for p in plans]
 
     from manim import tempconfig  # heavy import, only when rendering

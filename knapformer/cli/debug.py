@@ -13,6 +13,7 @@ from rich.table import Table
 from knapformer.cli.errors import UserError
 from knapformer.cli.extras import require
 from knapformer.cli.progress import progress
+from knapformer.errors import KnapformerError
 from knapformer.plan import COMPUTE_PHASES
 from knapformer.runfiles import run_file
 from knapformer.stats import before_after
@@ -165,7 +166,7 @@ def simulate(
     codes = parse_mix(data_codes)
     topologies = [t for arg in [*topology, *(more or [])] for t in arg.replace(",", " ").split()]
     # Everything that can be wrong is checked before simulating, the --out folder included.
-    topos = check_options(codes, topologies, steps, solver, dtype_bytes)
+    topos = check_options(codes, topologies, steps, solver, dtype_bytes, seed)
     files = None
     if out is not None:
         files = run_files(out, list(dict.fromkeys(run_name(t, s) for t in topos for s in solver)))
@@ -253,9 +254,12 @@ def suggest(
     routing, so bigger bags are not free (model: knapformer/tools/suggest.py).
     """
     from knapformer.tools.datamix import parse_mix
-    from knapformer.tools.suggest import CostModel, enumerate_topologies, fit_mix
+    from knapformer.tools.suggest import CostModel, check_options, enumerate_topologies, fit_mix
     from knapformer.tools.suggest import suggest as run_suggest
 
+    check_options(gpus, max_bag, steps, seed)
+    if top < 1:
+        raise KnapformerError(f"--top must be at least 1 (rows to print), got {top}")
     codes = fit_mix(parse_mix(data_codes), gpus)
     cost = CostModel(d_model, dtype_bytes, tflops, bandwidth, layers)
     candidates = enumerate_topologies(gpus, max_bag)

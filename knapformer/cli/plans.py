@@ -5,13 +5,21 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from knapformer.cli.errors import UserError
 from knapformer.plan import RoutingPlan
-from knapformer.plan_io import PlanFormatError, PlanRecord, ReadResult, read_plans, select_step
+from knapformer.plan_io import (
+    PlanFormatError,
+    PlanRecord,
+    ReadResult,
+    iter_plan_file,
+    read_plans,
+    select_step,
+)
 from knapformer.stats import before_after, share
 from knapformer.units import LoadUnit
 
@@ -26,15 +34,18 @@ def validate(
     files: list[Path] = typer.Argument(..., help="plan files: JSON, JSONL or legacy JSON"),
 ) -> None:
     """Check plan files; print one line per problem as file:line: message (exit 1 if any)."""
-    console = Console(highlight=False)
     bad = 0
     for path in files:
-        result = read_plans(path, on_error="skip")
-        for problem in result.problems:
-            print(problem)
-        bad += len(result.problems)
-        if not result.problems:
-            console.print(f"{path}: {len(result.records)} plan(s) OK")
+        plans = problems = 0
+        for item in iter_plan_file(path):  # streamed: a long recording is not held
+            if isinstance(item, PlanRecord):
+                plans += 1
+            else:
+                print(item, flush=True)
+                problems += 1
+        bad += problems
+        if not problems:
+            print(f"{path}: {plans} plan(s) OK", flush=True)
     if bad:
         raise typer.Exit(1)
 
@@ -45,9 +56,14 @@ def show(
 ) -> None:
     """Print a plan as a table per GPU: bag, tokens and load before/after, and its figures."""
     record, result = read_step(file, step)
-    Console(highlight=False, width=max(Console().width, 110)).print(
-        plan_table(record), plan_summary(record.plan)
-    )
+    console = Console(highlight=False, width=max(Console().width, 110))
+    console.print(plan_table(record))
+    if shown_positions(record.plan) is not None:
+        console.print(
+            f"showing {MAX_SHOWN_GPUS} of {len(record.plan.gpus):,} GPUs, the most loaded after "
+            "balancing; the figures below cover all of them"
+        )
+    console.print(plan_summary(record.plan))
     for problem in result.problems:
         print(f"skipped {problem}")
 
@@ -75,9 +91,23 @@ def schema() -> None:
     print(json.dumps(RoutingPlan.model_json_schema(), indent=2))
 
 
+#: ``show`` prints one row per GPU up to this many GPUs; beyond, the rows of the most
+#: loaded ones (after balancing) and a note: 10,000 rows help nobody find rank 17.
+MAX_SHOWN_GPUS = 64
+
+
+def shown_positions(plan: RoutingPlan) -> np.ndarray | None:
+    """Positions in ``plan.gpus`` of the rows ``show`` prints; None for all of them."""
+    if len(plan.gpus) <= MAX_SHOWN_GPUS:
+        return None
+    return np.argsort(-plan.stats.load_after, kind="stable")[:MAX_SHOWN_GPUS]
+
+
 def plan_table(record: PlanRecord) -> Table:
     plan = record.plan
     st = plan.stats
+    shown = shown_positions(plan)
+    wanted = None if shown is None else {plan.gpus[i] for i in shown.tolist()}
     step = "" if plan.step is None else f" step {plan.step}"
     title = f"{plan.run or 'plan'}{step} · {plan.topology} · solver {plan.solver}"
     unit = LoadUnit.of(plan)
@@ -92,7 +122,8 @@ def plan_table(record: PlanRecord) -> Table:
     for g in plan.sequences.src_gpu.tolist():
         seqs_per_gpu[g] += 1
     pos = {g: i for i, g in enumerate(plan.gpus)}
-    for bag_id, members in enumerate(plan.bags):
+    for bag_id, bag in enumerate(plan.bags):
+        members = bag if wanted is None else [g for g in bag if g in wanted]
         for k, g in enumerate(members):
             i = pos[g]
             table.add_row(

@@ -46,6 +46,7 @@ def animate(
 
     from knapformer.cli.progress import progress
     from knapformer.plan_io import plans_in_range, select_step
+    from visualization.output import check_output_file
     from visualization.render import QUALITIES, render_video
 
     if step is not None and steps is not None:
@@ -54,8 +55,7 @@ def animate(
         raise UserError(f"--quality must be one of {', '.join(QUALITIES)}, not {quality!r}")
     if measure not in ("tokens", "workload"):
         raise UserError(f"--measure must be 'tokens' or 'workload', not {measure!r}")
-    if out.suffix.lower() != ".mp4":
-        raise UserError(f"output must be an .mp4 file, not {str(out)!r}")
+    check_output_file(out, ".mp4")  # before reading plans and rendering for minutes
     result = read_plan_file(plan)
     plans = plans_in_range(result, steps) if steps else [select_step(result, step).plan]
 

@@ -68,7 +68,8 @@ def read_measurements_csv(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
     """(lengths, latencies) from a CSV with a ``length,latency`` header."""
     path = Path(path)
     try:
-        handle = path.open(newline="")
+        # utf-8-sig: spreadsheet programs start their CSV exports with a byte order mark.
+        handle = path.open(newline="", encoding="utf-8-sig")
     except OSError as err:
         raise file_error(path, err) from err
     with handle:

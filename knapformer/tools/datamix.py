@@ -15,6 +15,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from knapformer.errors import KnapformerError
+from knapformer.limits import (
+    MAX_GPUS,
+    MAX_SEQ_LENGTH,
+    MAX_SEQUENCES,
+    abbreviate,
+    check_count,
+    parse_count,
+)
 
 MIXES = {
     "lowres": "g32b32i256f1s0",
@@ -30,7 +38,7 @@ MIXED8 = (
     "g2b4i256f1s0,g1b5i512f1s0,g1b5i1024f1s0,g1b1i2048f1s0,g1b10i256f4s0,g1b1i512f4s0,g1b2i256f85s1"
 )
 MAX_TEXT_TOKENS = 392
-_CODE = re.compile(r"g(\d+)b(\d+)i(\d+)f(\d+)s([01])")
+_CODE = re.compile(r"g([0-9]+)b([0-9]+)i([0-9]+)f([0-9]+)s([01])")
 
 
 @dataclass(frozen=True)
@@ -41,19 +49,38 @@ class DataCode:
     frames: int
     video: bool
 
+    def __post_init__(self) -> None:
+        if min(self.gpus, self.batch, self.resolution, self.frames) <= 0:
+            raise KnapformerError(
+                f"data code {self} has a zero GPU, batch, resolution or frame count"
+            )
+        check_count(self.gpus, MAX_GPUS, f"data code {self}: the GPU count")
+        check_count(self.gpus * self.batch, MAX_SEQUENCES, f"data code {self}: its sequences")
+        check_count(
+            self.visual_tokens + MAX_TEXT_TOKENS,
+            MAX_SEQ_LENGTH,
+            f"data code {self}: the tokens of a sample",
+        )
+
     @classmethod
     def parse(cls, text: str) -> DataCode:
+        shown = abbreviate(repr(text))
         match = _CODE.fullmatch(text.strip())
         if match is None:
             raise KnapformerError(
-                f"data code {text!r} is not of the form gGbBiIfFsS (e.g. 'g8b4i256f1s0')"
+                f"data code {shown} is not of the form gGbBiIfFsS (e.g. 'g8b4i256f1s0')"
             )
-        g, b, i, f, s = (int(x) for x in match.groups())
-        if min(g, b, i, f) <= 0:
-            raise KnapformerError(
-                f"data code {text!r} has a zero GPU, batch, resolution or frame count"
+        # Digits are bounded before they become ints (a code may hold 5,000 of them).
+        g, b, i, f = (
+            parse_count(digits, bound, f"data code {shown}: the {what}")
+            for digits, bound, what in zip(
+                match.groups()[:4],
+                (MAX_GPUS, MAX_SEQUENCES, MAX_SEQ_LENGTH, MAX_SEQ_LENGTH),
+                ("GPU count", "samples per GPU", "resolution", "frame count"),
+                strict=True,
             )
-        return cls(g, b, i, f, bool(s))
+        )
+        return cls(g, b, i, f, match.group(5) == "1")
 
     @property
     def latent_frames(self) -> int:
@@ -72,7 +99,12 @@ def parse_mix(text: str) -> list[DataCode]:
     text = MIXES.get(text.strip(), text)
     codes = [DataCode.parse(part) for part in text.split(",") if part.strip()]
     if not codes:
-        raise KnapformerError(f"data mix {text!r} holds no data codes")
+        raise KnapformerError(f"data mix {abbreviate(repr(text))} holds no data codes")
+    shown = abbreviate(repr(text))
+    check_count(mix_gpus(codes), MAX_GPUS, f"the GPU count of data mix {shown}")
+    check_count(
+        sum(c.gpus * c.batch for c in codes), MAX_SEQUENCES, f"the sequences of data mix {shown}"
+    )
     return codes
 
 

@@ -26,12 +26,12 @@ import numpy as np
 
 from knapformer import __version__
 from knapformer.errors import KnapformerError, OptionError
+from knapformer.limits import MAX_REPLAY_GPUS, MAX_REPLAY_VALUES
 from knapformer.local.launcher import WorkerFailed, launch
 from knapformer.plan import RoutingPlan, gpu_positions
 from knapformer.planner import SOLVERS
 from knapformer.topology import Topology
 
-MAX_REPLAY_GPUS = 64  # one OS process each; beyond this a laptop thrashes
 _FEATURE_BYTES = 8  # the int64 token id routed with every token
 _GRACE_S = 1.0  # replay workers do not watch the stop flag: stop them soon after Ctrl-C
 
@@ -185,6 +185,13 @@ def check_options(
     dim = heads * 8 if dim is None else int(dim)
     if dim <= 0 or dim % heads:
         raise OptionError(f"`dim` {dim} must be a positive multiple of `heads` {heads}")
+    values = int(plan.sequences.length.sum()) * dim
+    if values > MAX_REPLAY_VALUES:
+        raise KnapformerError(
+            f"a replay of this plan holds {values:,} token values ({plan.sequences.length.sum():,} "
+            f"tokens × dim {dim}); at most {MAX_REPLAY_VALUES:,} (knapformer.limits): replay "
+            "is for plans of test-sized runs, or give a smaller dim"
+        )
     return dim, heads
 
 
@@ -318,9 +325,9 @@ def _check_route(c: _RankCheck):
         c.fail(f"route: row {i} holds token {got[i]}, plan expects token {expected[i]}")
     elif not torch.equal(routed, _payload(feats["token_id"], c.dim)):
         c.fail("route: token values arrived changed")
-    traffic = c.plan.stats.traffic  # renumbered: GPU position = local rank
-    c.report.tokens_sent = int(traffic[rank].sum() - traffic[rank, rank])
-    c.report.tokens_received = int(traffic[:, rank].sum() - traffic[rank, rank])
+    stats = c.plan.stats  # renumbered: GPU position = local rank
+    c.report.tokens_sent = int(stats.tokens_sent[rank])
+    c.report.tokens_received = int(stats.tokens_received[rank])
     per_token = c.dim * x.element_size() + _FEATURE_BYTES
     c.report.bytes_sent += c.report.tokens_sent * per_token
     c.report.bytes_received += c.report.tokens_received * per_token

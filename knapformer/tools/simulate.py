@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from knapformer.errors import KnapformerError, OptionError
+from knapformer.limits import MAX_SIM_STEPS, check_count
 from knapformer.plan import RoutingPlan
 from knapformer.planner import DEFAULT_SOLVER, SOLVERS, plan_routing
 from knapformer.runfiles import RUNS_LAYOUT, run_file
@@ -53,11 +54,15 @@ def check_options(
     steps: int,
     solvers: Sequence[str],
     dtype_bytes: int = 2,
+    seed: int = 0,
 ) -> list[Topology]:
     """The parsed topologies, once all options are valid; else a `KnapformerError` naming
     the value."""
     if steps <= 0:
         raise OptionError(f"`steps` must be positive, got {steps}")
+    check_count(steps, MAX_SIM_STEPS, "`steps`")
+    if seed < 0:
+        raise OptionError(f"`seed` must be >= 0 (a seed of numpy's generator), got {seed}")
     if dtype_bytes <= 0:
         raise OptionError(f"`dtype_bytes` must be positive, got {dtype_bytes}")
     for solver in solvers:
@@ -225,7 +230,7 @@ def simulate(
     ``on_plan`` receives every plan (e.g. to record it; ``run`` is `run_name` of its
     topology and solver, ``step`` the simulated step); ``on_step(i)`` is called after step i.
     """
-    topos = check_options(codes, topologies, steps, solvers, dtype_bytes)
+    topos = check_options(codes, topologies, steps, solvers, dtype_bytes, seed)
     model = WorkloadModel(token_dim=token_dim, gamma=gamma)
     summaries = {
         (str(t), s): TopologySummary(str(t), s, bytes_per_token=token_dim * dtype_bytes)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from knapformer.errors import KnapformerError, OptionError
+from knapformer.limits import MAX_GPUS, MAX_SIM_STEPS, check_count
 from knapformer.plan import RoutingPlan
 from knapformer.planner import DEFAULT_SOLVER, plan_routing
 from knapformer.tools.datamix import DataCode, mix_gpus, sample_lengths, scale_mix
@@ -67,9 +68,7 @@ class CostModel:
         ulysses = self.bytes_ms(4.0 * (sizes - 1) / sizes * stats.tokens_after * token_bytes)
         layer = float(np.max(compute + ulysses))
         slowest = int(np.argmax(compute + ulysses))
-        traffic = stats.traffic.copy()
-        np.fill_diagonal(traffic, 0)
-        busiest = float(np.maximum(traffic.sum(axis=1), traffic.sum(axis=0)).max())
+        busiest = float(np.maximum(stats.tokens_sent, stats.tokens_received).max())
         balancing = float(self.bytes_ms(2.0 * busiest * token_bytes))
         return StepCost(
             step_ms=self.layers * layer + balancing,
@@ -167,10 +166,7 @@ def enumerate_topologies(
     sizes where each size gets a whole number of ``num_gpus / parts`` GPU slices (coarse,
     so the count stays small: ~130 for 32 GPUs). Ordered by bag sizes, deduplicated.
     """
-    if num_gpus <= 0:
-        raise OptionError(f"`gpus` must be positive, got {num_gpus}")
-    if max_bag <= 0 or max_bag & (max_bag - 1):
-        raise OptionError(f"`max_bag` must be a power of two, got {max_bag}")
+    check_options(num_gpus, max_bag, steps=1)
     sizes = [1 << k for k in range(max_bag.bit_length()) if (1 << k) <= min(max_bag, num_gpus)]
     # Coarse slices: the largest divisor of num_gpus that is <= parts.
     parts = max(p for p in range(1, parts + 1) if num_gpus % p == 0)
@@ -197,6 +193,16 @@ def _compositions(total: int, k: int):
     for cuts in itertools.combinations(range(1, total), k - 1):
         bounds = (0, *cuts, total)
         yield tuple(bounds[i + 1] - bounds[i] for i in range(k))
+
+
+def check_options(num_gpus: int, max_bag: int, steps: int, seed: int = 0) -> None:
+    """Raise a `KnapformerError` naming the first option out of range."""
+    check_count(num_gpus, MAX_GPUS, "`gpus`", low=1)
+    if max_bag <= 0 or max_bag & (max_bag - 1):
+        raise OptionError(f"`max_bag` must be a power of two, got {max_bag}")
+    check_count(steps, MAX_SIM_STEPS, "`steps`", low=1)
+    if seed < 0:
+        raise OptionError(f"`seed` must be >= 0 (a seed of numpy's generator), got {seed}")
 
 
 def fit_mix(codes: Sequence[DataCode], num_gpus: int) -> list[DataCode]:
@@ -228,8 +234,7 @@ def suggest(
     Every topology is planned on the same ``steps`` sampled steps. ``on_topology(i, n)``
     reports progress.
     """
-    if steps <= 0:
-        raise OptionError(f"`steps` must be positive, got {steps}")
+    check_options(num_gpus, max_bag, steps, seed)
     cost = cost or CostModel()
     codes = fit_mix(codes, num_gpus)
     candidates = list(topologies) if topologies else enumerate_topologies(num_gpus, max_bag)
