@@ -6,7 +6,8 @@ Run: ``python bench/dashboard_wide.py [--steps 24] [--switches 6]``.
    g1n256+g2n128+g4n64+g8n32, ~28,000 sequences and ~65,000 chunks a step, 2.3 MB a
    line) and, as the baseline, 32 GPUs (g1n8+g2n4+g4n2+g8n1, the joint mix: ~90
    sequences), ``--steps`` steps each, with per-rank measurements synthesised as the
-   tests do (rank 5 computes twice as long) so every straggler view is drawn too.
+   tests do (rank 5 computes twice as long) so every straggler view is drawn too. (At
+   1,024 GPUs the per-GPU views show groups of whole bags: `visualization.axes`.)
 2. For each run, starts ``knapformer dashboard`` in its own process and measures in
    headless Chromium: time from process start to the first page with its bars drawn,
    and to every view drawn (timeline, traffic, straggler heatmaps, sequence table); then

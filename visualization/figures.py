@@ -57,6 +57,11 @@ def _title(plan: RoutingPlan, what: str) -> str:
     return f"{what}{step} · {plan.topology}"
 
 
+def _note(groups: GpuGroups) -> str:
+    """What an aggregated view shows instead of single GPUs, as a second title line."""
+    return f"<br><sup>{groups.note}</sup>"
+
+
 def build_figure(data: list[dict], layout: dict, validate: bool) -> go.Figure:
     """A figure from trace and layout dicts. ``validate=False`` skips plotly's per-property
     validation (10x faster; the live dashboard uses it, tests check the specs validate)."""
@@ -280,7 +285,7 @@ def _grouped_load_figure(
             }
         )
     layout = {
-        "title": {"text": _title(plan, f"Largest GPU load of each group · {groups.note}")},
+        "title": {"text": _title(plan, "Largest GPU load of each group") + _note(groups)},
         "barmode": "group",
         "bargap": 0.15,
         "yaxis": {"title": {"text": f"modelled {unit.axis_title}, most loaded GPU"}},
@@ -322,7 +327,7 @@ def traffic_figure(
         shapes, what, note = boundary_lines(axis), "GPU", ""
     else:  # never the GPU x GPU matrix of a large plan
         cell_of, names, ticks = groups.of_position, groups.labels, groups.short
-        shapes, what, note = [], "bags", f" · {groups.note}"
+        shapes, what, note = [], "bags", _note(groups)
     # Category axes named after the cells, so hovering names them without a per-cell copy.
     matrix = plan.stats.traffic_between(cell_of, len(names))
     tickvals, ticktext = _token_ticks(int(matrix.max()))
@@ -371,7 +376,7 @@ def traffic_figure(
     x_px, y_px = TRAFFIC_PLOT_PX
     category = {"type": "category", "categoryorder": "array", "categoryarray": names}
     layout = {
-        "title": {"text": _title(plan, "GPU→GPU traffic (tokens)" + note)},
+        "title": {"text": _title(plan, "GPU→GPU traffic (tokens)") + note},
         "xaxis": {
             "title": {"text": f"destination {what} (bag order)"},
             "showgrid": False,
@@ -398,7 +403,7 @@ def traffic_figure(
 _TIMELINE_TRACES = (
     ("before", BEFORE_COLOR, 1, ".3f"),
     ("after", AFTER_COLOR, 1, ".3f"),
-    ("moved", "#7048e8", 2, ".1%"),
+    ("moved", "#7048e8", 2, ".1f"),  # in percent, so the axis picks its own precision
     ("plan ms", "#868e96", 3, ".2f"),
     ("step ms", "#c2255c", 4, ",.3r"),
 )
@@ -429,7 +434,7 @@ def timeline_columns(
     columns = [
         (x, [s.imbalance_before for s in tail], index),
         (x, [s.imbalance_after for s in tail], index),
-        (x, [s.moved_fraction for s in tail], index),
+        (x, [100.0 * s.moved_fraction for s in tail], index),
         (x, [s.plan_ms for s in tail], index),
     ]
     if measured:
@@ -470,7 +475,9 @@ def timeline_figure(
                 "name": name,
                 "line": {"color": color, "width": 1.5},
                 "marker": {"size": 5},
-                "hovertemplate": f"step %{{x}}<br>{name} %{{y:{fmt}}}<extra></extra>",
+                "hovertemplate": f"step %{{x}}<br>{name} %{{y:{fmt}}}"
+                + ("%" if name == "moved" else "")
+                + "<extra></extra>",
                 "xaxis": "x",
                 "yaxis": "y" if row == 1 else f"y{row}",
             }
@@ -507,7 +514,7 @@ def timeline_figure(
     }
     for row in range(1, panels + 1):
         layout["yaxis" if row == 1 else f"yaxis{row}"] = {"domain": domains[row], "anchor": "x"}
-    layout["yaxis2"]["tickformat"] = ".1%"
+    layout["yaxis2"]["ticksuffix"] = "%"
     return build_figure(data, layout, validate)
 
 
