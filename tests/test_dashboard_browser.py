@@ -525,7 +525,14 @@ def test_beyond_128_gpus_the_views_show_bags_and_say_so(page, runs_dir):
 def test_straggler_views_name_the_slow_rank(page):
     _switch_to(page, "measured", lambda: "rank 5" in page.inner_text("#stat-straggler"))
     assert page.inner_text("#stat-straggler").startswith("slow_gpu: rank 5")
-    assert page.locator("#straggler-box").is_visible()
+
+    def drawn():
+        """the straggler views of the measured run's 30 steps"""
+        return page.locator("#straggler-box").is_visible() and _figure(page, "ratio-heatmap")[
+            "title"
+        ].endswith("steps 0–29")
+
+    _wait_for(drawn)
     ratio = page.evaluate(
         """() => { const t = document.querySelector('#ratio-heatmap .js-plotly-plot')._fullData[0];
             return Array.from(t.z, row => Array.from(row)); }"""
@@ -541,7 +548,7 @@ def test_straggler_views_name_the_slow_rank(page):
     slow = next(t for t in _figure(page, "pvm")["data"] if t["name"] == "slow GPU")
     assert slow["customdata"] == [5]
     # the timeline gains the measured step time
-    assert "step ms" in [t["name"] for t in _figure(page, "timeline")["data"]]
+    _wait_for(lambda: "step ms" in [t["name"] for t in _figure(page, "timeline")["data"]])
 
 
 def test_an_empty_run_shows_no_axes(page):
