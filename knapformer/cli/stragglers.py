@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import deque
 from pathlib import Path
 
 import typer
@@ -10,8 +11,8 @@ from rich.console import Console
 from rich.table import Table
 
 from knapformer.cli.errors import UserError
-from knapformer.cli.plans import read_plan_file
-from knapformer.measured import measure
+from knapformer.measured import RankFigures, measure
+from knapformer.plan_io import Problem, iter_plan_file
 from knapformer.runfiles import RUNS_LAYOUT, single_run_file
 from knapformer.stragglers import WINDOW, StragglerReport, analyse, describe
 from knapformer.units import significant
@@ -40,11 +41,10 @@ def stragglers(
     if window < 0:
         raise UserError(f"--window {window} must be 0 (every step) or more")
     path = single_run_file(plans)
-    result = read_plan_file(path)
-    figures = [m.figures() for m in map(measure, result.plans) if m is not None]
+    figures, count = _measured_figures(path, window or None)
     if not figures:
         raise UserError(
-            f"{path}: none of its {len(result.records)} plan(s) measured a compute phase "
+            f"{path}: none of its {count} plan(s) measured a compute phase "
             "(record with a balancer and a PlanRecorder)"
         )
     report = analyse(figures, window or None)
@@ -53,6 +53,25 @@ def stragglers(
         return
     console = Console(highlight=False, width=max(Console().width, 110))
     console.print(_table(report), _summary(report, len(figures)))
+
+
+def _measured_figures(path: Path, window: int | None) -> tuple[list[RankFigures], int]:
+    """The per-rank figures of the last ``window`` measured plans of ``path`` (all: None)
+    and how many plans it holds; the file is streamed, so a long run is never held whole.
+    A file with no plan at all is a one-line `UserError` naming its first problem."""
+    kept: deque[RankFigures] = deque(maxlen=window)
+    count, first_problem = 0, None
+    for item in iter_plan_file(path):
+        if isinstance(item, Problem):
+            first_problem = first_problem or item
+            continue
+        count += 1
+        measured = measure(item.plan)
+        if measured is not None:
+            kept.append(measured.figures())
+    if not count:
+        raise UserError(str(first_problem) if first_problem else f"{path}: no plan")
+    return list(kept), count
 
 
 def _fmt(value: float, spec: str = "") -> str:
