@@ -1,18 +1,25 @@
 """Regenerate the pictures of the docs from the sample plans and the example data.
 
-Run: ``make pictures`` (``.venv/bin/python docs/make_pictures.py``). Writes
-``docs/animation.png`` (the last frame of the 8-GPU animation), ``docs/animation.gif``
+Run: ``make pictures`` (``.venv/bin/python docs/make_pictures.py [--only NAME ...]``).
+Writes ``docs/animation.png`` (the last frame of the 8-GPU animation), ``docs/animation.gif``
 (the whole animation, 10 fps, 640 px wide), ``docs/calibration.png`` (the plot of
-``knapformer calibrate examples/latency.csv``, as docs/debugging.md runs it) and
-``docs/dashboard.png`` (via ``dashboard.screenshot``). Needs the ``all`` extra, Playwright
-and a system Chromium.
+``knapformer calibrate examples/latency.csv``, as docs/debugging.md runs it),
+``docs/trace.png`` (``knapformer trace sample_plans/demo.jsonl --steps 3:5`` in the trace
+viewer Chromium ships, DevTools' Performance panel), ``docs/tensorboard.png``
+(``knapformer tensorboard sample_plans/demo.jsonl``, served by TensorBoard on 127.0.0.1)
+and ``docs/dashboard.png`` (via ``dashboard.screenshot``). Needs the ``all`` extra,
+Playwright and a system Chromium.
 """
 
 from __future__ import annotations
 
+import argparse
+import socket
 import subprocess
 import sys
 import tempfile
+import time
+import urllib.request
 from pathlib import Path
 
 import av
@@ -22,6 +29,7 @@ DOCS = Path(__file__).resolve().parent
 ROOT = DOCS.parent
 PLAN = ROOT / "sample_plans" / "mixed8_g1n2+g2n1+g4n1.json"
 LATENCIES = "examples/latency.csv"  # relative to ROOT
+DEMO = "sample_plans/demo.jsonl"  # relative to ROOT: a recorded run with per-rank times
 KNAPFORMER = Path(sys.executable).parent / "knapformer"
 
 
@@ -77,13 +85,112 @@ def calibration_picture(tmp: Path) -> None:
             browser.close()
 
 
+def trace_picture(tmp: Path) -> None:
+    """Three steps of the recorded demo in DevTools' Performance panel, every GPU's track
+    expanded (the panel draws on a canvas: tracks are opened by clicking their headers)."""
+    from playwright.sync_api import sync_playwright
+
+    from visualization.browser import launch_chromium
+    from visualization.trace_viewer import load_trace
+
+    trace = tmp / "trace.json"
+    subprocess.run(
+        [str(KNAPFORMER), "trace", DEMO, "--steps", "3:5", "-o", str(trace)], check=True, cwd=ROOT
+    )
+    with sync_playwright() as pw:
+        browser = launch_chromium(pw)
+        try:
+            page = browser.new_page(viewport={"width": 1600, "height": 1000})
+            load_trace(page, trace)
+            page.get_by_role("button", name="Close").first.click()  # the shortcuts pop-up
+            page.get_by_role("button", name="Hide sidebar").click()
+            page.wait_for_timeout(500)
+            page.mouse.click(60, 129)  # the run's process track
+            page.wait_for_timeout(500)
+            for k in reversed(range(8)):  # GPU 7 .. GPU 0, bottom up: headers do not move
+                page.mouse.click(60, 146 + 20.8 * k)
+                page.wait_for_timeout(300)
+            page.mouse.move(1500, 990)
+            page.wait_for_timeout(500)
+            page.screenshot(
+                path=str(DOCS / "trace.png"), clip={"x": 0, "y": 0, "width": 1600, "height": 780}
+            )
+        finally:
+            browser.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tensorboard_picture(tmp: Path) -> None:
+    """TensorBoard's time series of the recorded demo's scalars, served on 127.0.0.1."""
+    from playwright.sync_api import sync_playwright
+
+    from visualization.browser import launch_chromium
+
+    logdir = tmp / "tb"
+    subprocess.run(
+        [str(KNAPFORMER), "tensorboard", DEMO, "--logdir", str(logdir)], check=True, cwd=ROOT
+    )
+    port = _free_port()
+    command = [sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir)]
+    server = subprocess.Popen(
+        [*command, "--host", "127.0.0.1", "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        for _ in range(240):
+            try:
+                urllib.request.urlopen(url, timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.5)
+        with sync_playwright() as pw:
+            browser = launch_chromium(pw)
+            try:
+                page = browser.new_page(viewport={"width": 1500, "height": 980})
+                page.goto(url + "#timeseries", timeout=60_000)
+                tags = page.locator("input[placeholder='Filter tags (regex)']")
+                tags.wait_for(timeout=60_000)
+                tags.fill("imbalance|moved|speedup|compute_max_over")
+                tags.press("Escape")  # close the tag suggestions
+                page.locator("button:has-text('Settings')").first.click()  # hide the pane
+                page.wait_for_selector("canvas", timeout=60_000)
+                page.wait_for_timeout(4000)  # let the charts draw
+                page.screenshot(path=str(DOCS / "tensorboard.png"))
+            finally:
+                browser.close()
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
+PICTURES = {
+    "animation": animation_pictures,
+    "calibration": calibration_picture,
+    "trace": trace_picture,
+    "tensorboard": tensorboard_picture,
+}
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--only", nargs="+", choices=[*PICTURES, "dashboard"], help="pictures to make"
+    )
+    chosen = parser.parse_args().only or [*PICTURES, "dashboard"]
     with tempfile.TemporaryDirectory() as tmp:
-        animation_pictures(Path(tmp))
-        calibration_picture(Path(tmp))
-    subprocess.run([sys.executable, "-m", "dashboard.screenshot"], check=True, cwd=ROOT)
-    names = ("animation.png", "animation.gif", "calibration.png", "dashboard.png")
-    print("wrote " + ", ".join(str(DOCS / name) for name in names))
+        for name in chosen:
+            if name in PICTURES:
+                PICTURES[name](Path(tmp))
+    if "dashboard" in chosen:
+        subprocess.run([sys.executable, "-m", "dashboard.screenshot"], check=True, cwd=ROOT)
+    print(f"wrote {', '.join(chosen)} pictures to {DOCS}")
 
 
 if __name__ == "__main__":

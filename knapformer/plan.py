@@ -610,13 +610,24 @@ def _tiling_problem(plan: RoutingPlan) -> str | None:
 
 
 def _measurement_problem(plan: RoutingPlan) -> str | None:
-    if plan.measurements is None:
+    """One finite time per GPU for every phase (JSON has no infinities: a plan that held
+    one would not read back what it wrote; the recorder drops such a figure)."""
+    measured = plan.measurements
+    if measured is None:
         return None
-    for phase, values in plan.measurements.per_rank_ms.items():
+    if measured.plan_ms is not None and not math.isfinite(measured.plan_ms):
+        return f"measurements.plan_ms is {measured.plan_ms}; times must be finite"
+    for phase, values in measured.per_rank_ms.items():
         if len(values) != len(plan.gpus):
             return (
                 f"measurements.per_rank_ms[{phase!r}] has {len(values)} values for "
                 f"{len(plan.gpus)} GPUs"
+            )
+        bad = [i for i, v in enumerate(values) if not math.isfinite(v)]
+        if bad:
+            return (
+                f"measurements.per_rank_ms[{phase!r}] of GPU(s) "
+                f"{_ids(np.asarray(plan.gpus)[bad])} is not finite; times must be finite"
             )
     return None
 

@@ -26,6 +26,13 @@ from knapformer.legacy import is_legacy, plan_from_legacy
 from knapformer.limits import MAX_RECORD_BYTES, abbreviate
 from knapformer.plan import READABLE_SCHEMA_VERSIONS, SCHEMA_VERSION, RoutingPlan
 
+#: A file whose first lines are this many non-JSON-object lines is not read further.
+NOT_A_PLAN_FILE_AFTER = 3
+NOT_A_PLAN_FILE = (
+    f"this does not look like a plan file: its first {NOT_A_PLAN_FILE_AFTER} lines are not "
+    "JSON objects; stopped reading"
+)
+
 
 class PlanFormatError(KnapformerError):
     """A record that is not a valid plan; ``str()`` is a one-line reason. ``line`` is the
@@ -205,7 +212,8 @@ def _document_or_lines(path: Path, data: bytes) -> Iterator[PlanRecord | Problem
         # Maybe JSONL under another name. If no line holds a plan either, the document's
         # own error is the one to report (once, not once per line of an indented file).
         items = list(_lines(path, io.BytesIO(data)))
-        if any(isinstance(i, PlanRecord) for i in items) or len(items) <= 1:
+        document = data.lstrip()[:1] in (b"{", b"[")  # else: README.md, a CSV, a log
+        if any(isinstance(i, PlanRecord) for i in items) or len(items) <= 1 or not document:
             yield from items
         else:
             yield Problem(where, getattr(err, "line", None) or 1, str(err))
@@ -221,7 +229,9 @@ def _document_or_lines(path: Path, data: bytes) -> Iterator[PlanRecord | Problem
 def _lines(path: Path, handle: BinaryIO) -> Iterator[PlanRecord | Problem]:
     """The records of a JSONL stream, one per non-blank line (lines end at ``\\n`` only)."""
     where = str(path)
-    number, blank = 0, True
+    # A file whose first NOT_A_PLAN_FILE_AFTER lines cannot be JSON objects (README.md, a
+    # CSV, a log) is not read further: one problem says so instead of one per line.
+    number, blank, plans, not_objects = 0, True, 0, 0
     while line := handle.readline(MAX_RECORD_BYTES + 1):
         number += 1
         if len(line) > MAX_RECORD_BYTES and not line.endswith(b"\n"):
@@ -244,8 +254,14 @@ def _lines(path: Path, handle: BinaryIO) -> Iterator[PlanRecord | Problem]:
             continue
         try:
             yield PlanRecord(parse_plan_line(text), number)
+            plans += 1
         except PlanFormatError as err:
             yield Problem(where, number, str(err))
+            if not plans and not text.lstrip().startswith("{"):
+                not_objects += 1
+                if not_objects == NOT_A_PLAN_FILE_AFTER:
+                    yield Problem(where, None, NOT_A_PLAN_FILE)
+                    return
     if blank:
         yield Problem(where, None, "file is empty")
 

@@ -7,7 +7,9 @@
   template filled in, or else ``plans.group<k>.jsonl`` next to it (group 0 keeps the path)
   (`group_file`). Those rotate the same way (``plans.group1.2.jsonl``).
 - A folder of runs holds one ``<run>/plans.jsonl`` per run (`run_file`), and may hold plan
-  files directly; `find_runs` lists them the way the dashboard offers them.
+  files directly; `find_runs` lists them the way the dashboard offers them, `every_run`
+  the same for a command that reads them all, and `single_run` picks the one run a
+  command that reads one plan file is given.
 
 The recorder, the demo, the simulator and the dashboard all name files through here.
 """
@@ -124,16 +126,31 @@ def find_runs(path: str | Path) -> dict[str, Path]:
     return found
 
 
-def single_run_file(path: str | Path) -> Path:
-    """The plan file a command reads for ``path``: a file as it is; for a folder, its one
-    run (`find_runs`). A folder with no run or several is a `KnapformerError` naming them."""
+def every_run(path: str | Path) -> dict[str, Path]:
+    """`find_runs` of ``path``, refusing a folder without any (`KnapformerError`)."""
+    runs = find_runs(path)
+    if not runs:
+        raise KnapformerError(
+            f"{path}: cannot read: a folder without plan files (a run folder holds "
+            f"{PLANS_FILE}, a folder of runs {RUNS_LAYOUT} or .json/.jsonl files)"
+        )
+    return runs
+
+
+def single_run(path: str | Path) -> Path:
+    """The plan file behind ``path`` for a command that reads one: ``path`` itself unless it
+    is a folder; a recording's folder (``plans.jsonl`` inside) or a folder holding exactly
+    one run gives that run's file. A folder of several runs, or of none, is a
+    `KnapformerError` naming what it holds."""
     path = Path(path)
     if not path.is_dir():
         return path
-    runs = find_runs(path)
+    runs = every_run(path)
     if len(runs) == 1:
         return next(iter(runs.values()))
-    if not runs:
-        raise KnapformerError(f"{path}: no plans here (expected {PLANS_FILE} or {RUNS_LAYOUT})")
-    names = ", ".join(runs)
-    raise KnapformerError(f"{path} holds {len(runs)} runs ({names}): name one of their files")
+    names = list(runs)
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    first = runs[names[0]]
+    raise KnapformerError(
+        f"{path} holds {len(runs)} runs ({shown}): give one of their files, e.g. {first}"
+    )

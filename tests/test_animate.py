@@ -11,9 +11,11 @@ import numpy as np
 import pytest
 
 from knapformer.cli import main
-from knapformer.plan_io import read_plans, write_jsonl
+from knapformer.plan_io import read_plans, write_json, write_jsonl
 from knapformer.planner import plan_routing
 from knapformer.workload import WorkloadModel
+from visualization import layout as L
+from visualization import palette
 from visualization.layout import BACKGROUND, layout_plan, to_pixels
 from visualization.scene import STEP_SECONDS, video_duration
 
@@ -39,6 +41,47 @@ def _decode(path: Path) -> tuple[list[np.ndarray], float, float]:
 
 def _rgb(hex_colour: str) -> np.ndarray:
     return np.array([int(hex_colour[i : i + 2], 16) for i in (1, 3, 5)], dtype=float)
+
+
+@pytest.fixture(scope="module")
+def plan32():
+    """32 GPUs in 8 bags of 4; GPU 0, in the top row, holds a long sequence whose chunks
+    fly far (on the old upward arcs they crossed the "load" header)."""
+    rng = np.random.default_rng(1)
+    lengths = [[24000, 900], *(list(rng.integers(500, 6000, 2)) for _ in range(31))]
+    return plan_routing(lengths, "g4n8", WorkloadModel(3072), step=7)
+
+
+@pytest.fixture(scope="module")
+def video32(tmp_path_factory, plan32) -> Path:
+    """``plan32`` rendered at the default quality (no --quality)."""
+    folder = tmp_path_factory.mktemp("video32")
+    source, out = folder / "plan32.json", folder / "routing.mp4"
+    write_json(source, plan32)
+    done = _run(str(source), "-o", str(out), timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "medium" in done.stderr
+    return out
+
+
+def _frames(path: Path):
+    """Decoded frames one at a time, as (H, W, 3) uint8 RGB arrays."""
+    with av.open(str(path)) as container:
+        for frame in container.decode(video=0):
+            yield frame.to_ndarray(format="rgb24")
+
+
+def _text_runs(patch: np.ndarray, background: np.ndarray) -> list[int]:
+    """Heights (px) of the runs of pixel rows of ``patch`` (h, w, 3) that hold text."""
+    inked = (np.abs(patch.astype(float) - background).max(axis=2) > 80).any(axis=1)
+    runs, length = [], 0
+    for row in inked:
+        if row:
+            length += 1
+        elif length:
+            runs.append(length)
+            length = 0
+    return [*runs, length] if length else runs
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +139,82 @@ def test_last_frame_shows_chunks_where_the_plan_sends_them(video8, plan8_path):
 
 
 @pytest.mark.slow
+def test_first_frame_shows_the_before_state(video8, plan8_path):
+    first = next(_frames(video8)).astype(float)
+    h, w = first.shape[:2]
+    lay = layout_plan(read_plans(plan8_path, on_error="raise").plans[0])
+    checked = 0
+    for b in lay.seq_blocks:
+        if b.box.width * w / L.FRAME_WIDTH < 8:
+            continue
+        col, row = to_pixels(b.box.x, b.box.y, w, h)
+        assert np.abs(first[row, col] - _rgb(b.color)).max() < 48, (b.seq, first[row, col])
+        checked += 1
+    assert checked >= len(lay.seq_blocks) // 2
+    for bar in lay.load_before:  # the before load bars are there too
+        col, row = to_pixels(bar.x, bar.y, w, h)
+        assert np.abs(first[row, col] - _rgb(L.LOAD_BEFORE_COLOR)).max() < 48
+
+
+@pytest.mark.slow
+def test_labels_are_at_least_12_px_tall_at_32_gpus_at_the_default_quality(video32, plan32):
+    first = next(_frames(video32))
+    h, w = first.shape[:2]
+    assert (w, h) == (1280, 720)
+    lay = layout_plan(plan32)
+    background = _rgb(BACKGROUND)
+
+    def runs(right: float, width: float, y: float, lines: int) -> list[int]:
+        half = L.label_extent(lines, lay.label_font) / 2
+        left_px, top_px = to_pixels(right - width, y + half, w, h)
+        right_px, bottom_px = to_pixels(right, y - half, w, h)
+        return _text_runs(first[top_px:bottom_px, left_px:right_px], background)
+
+    gpu_labels = [r for r in lay.rows if r.label]
+    assert len(gpu_labels) >= 16  # at least every 2nd GPU of 32 is named
+    for row in gpu_labels:
+        got = runs(L.GPU_LABEL_RIGHT, L.GPU_LABEL_WIDTH, row.y, 1)
+        assert len(got) == 1 and got[0] >= 12, (row.label, got)
+    bag_labels = [b for b in lay.brackets if b.label]
+    assert len(bag_labels) == len(lay.brackets) == 8
+    for br in bag_labels:
+        lines = br.label.count("\n") + 1
+        got = runs(L.BAG_LABEL_RIGHT, L.BAG_LABEL_WIDTH, (br.top + br.bottom) / 2, lines)
+        assert len(got) == lines and min(got) >= 12, (br.label, got)
+
+
+@pytest.mark.slow
+def test_chunks_in_flight_never_cross_the_headers(video32):
+    # The header line ("before", "load", "after routing", "load") is grey text on the dark
+    # background; a chunk flying over it would put a sequence's saturated colour there.
+    frames = 0
+    for frame in _frames(video32):
+        h, w = frame.shape[:2]
+        _, top = to_pixels(0, L.HEADER_Y + 0.15, w, h)
+        _, bottom = to_pixels(0, L.HEADER_Y - 0.15, w, h)
+        band = frame[top:bottom].astype(int)
+        saturation = band.max(axis=2) - band.min(axis=2)
+        assert saturation.max() < 40, frames
+        frames += 1
+    assert frames == pytest.approx(video_duration(1) * 30, abs=1)
+
+
+@pytest.mark.slow
+def test_capacity_line_is_drawn_in_the_dashboards_green(video32, plan32):
+    *_, last = _frames(video32)
+    h, w = last.shape[:2]
+    lay = layout_plan(plan32)
+    col, _ = to_pixels(lay.capacity_x[0], 0, w, h)
+    _, top = to_pixels(0, lay.rows[0].y, w, h)
+    _, bottom = to_pixels(0, lay.rows[-1].y, w, h)
+    column = last[top:bottom, col - 2 : col + 3].astype(float).reshape(-1, 3)
+    green = np.abs(column - _rgb(palette.CAPACITY)).max(axis=1) < 40
+    assert green.sum() >= 20
+    yellow = np.abs(column - _rgb("#ffd43b")).max(axis=1) < 60
+    assert not yellow.any()
+
+
+@pytest.mark.slow
 def test_steps_chain_several_plans_into_one_video(tmp_path):
     # Small, different plans keep this render short; steps 10..12 in the file, 11:12 chosen.
     model = WorkloadModel(3072)
@@ -108,7 +227,9 @@ def test_steps_chain_several_plans_into_one_video(tmp_path):
     source = tmp_path / "three.jsonl"
     write_jsonl(source, plans)
     out = tmp_path / "two.mp4"
-    done = _run(str(source), "--steps", "11:12", "-o", str(out), "--measure", "workload")
+    done = _run(
+        str(source), "--steps", "11:12", "-o", str(out), "--measure", "workload", "--quality", "low"
+    )
     assert done.returncode == 0, done.stderr
     frames, duration, rate = _decode(out)
     assert duration == pytest.approx(video_duration(2), abs=1.5 / rate)

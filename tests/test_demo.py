@@ -24,6 +24,7 @@ from knapformer.local.demo import (
     default_topology,
     model_shape,
     rank_codes,
+    topology_note,
 )
 from knapformer.plan_io import read_plans
 from knapformer.runfiles import remove_recording
@@ -42,9 +43,17 @@ def test_default_topology_has_mixed_bags_on_powers_of_two():
     assert default_topology(8) == "g1n2+g2n1+g4n1"
     assert default_topology(4) == "g1n2+g2n1"
     assert default_topology(16) == "g1n2+g2n1+g4n1+g8n1"
-    assert default_topology(6) == "g1n6"
+    # Any other world gets the same shape: the largest bag below the world size first.
+    assert default_topology(6) == "g1n2+g4n1"
+    assert default_topology(12) == "g1n2+g2n1+g8n1"
     for world in (1, 2, 4, 8, 16, 32, 6, 12):
         assert Topology.parse(default_topology(world)).num_gpus == world
+    for world in range(3, 65):  # a multi-GPU bag from 3 ranks on, heads within the limit
+        topo = Topology.parse(default_topology(world))
+        assert topo.num_gpus == world and topo.max_bag_size > 1 and topology_note(topo) is None
+        model_shape(topo)
+    assert "nothing to balance" in topology_note(Topology.parse(default_topology(1)))
+    assert "cannot split" in topology_note(Topology.parse(default_topology(2)))
 
 
 def test_rank_codes_spread_the_mix_over_the_world():
@@ -159,6 +168,29 @@ def test_demo_three_steps_world4_headless_records_measured_plans(tmp_path):
         assert int(m.group(5).replace(",", "")) == stats.moved_tokens
         assert math.isfinite(float(m.group(2)))
     assert "done: 3 steps" in proc.stdout
+
+
+@pytest.mark.slow
+def test_six_workers_get_a_default_topology_that_balances(tmp_path):
+    out = tmp_path / "demo"
+    proc = subprocess.run(
+        [
+            *(BIN / "knapformer", "demo", "--steps", "2", "--world-size", "6"),
+            *("--no-dashboard", "--out", str(out)),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "topology g1n2+g4n1" in proc.stdout and "note:" not in proc.stdout
+    plans = read_plans(out / "plans.jsonl", on_error="raise").plans
+    assert len(plans) == 2
+    for plan in plans:
+        # The video sequence no longer sets the step alone: balancing pays off.
+        assert plan.topology == "g1n2+g4n1"
+        assert plan.stats.imbalance_after < 0.8 * plan.stats.imbalance_before
 
 
 @pytest.mark.slow

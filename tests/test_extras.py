@@ -63,6 +63,7 @@ def _cli(blocked: tuple[str, ...], *args: str) -> subprocess.CompletedProcess:
             ["calibrate", "{demo}", "--plot", "{tmp}/fit.html"],
             "dashboard",
         ),
+        (("tensorboard",), ["tensorboard", "{demo}", "--logdir", "{tmp}/tb"], "tensorboard"),
     ],
 )
 def test_a_reader_command_without_its_extra_names_it(tmp_path, sample_dir, blocked, command, extra):

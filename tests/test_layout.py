@@ -147,7 +147,7 @@ def test_sixty_four_gpus_two_thousand_sequences_stay_readable(plan64, plan8):
     assert lay.grouped_sequences > 0
     assert len(lay.seq_blocks) + lay.grouped_sequences == nonempty
     assert sum(g.count for g in lay.groups_before) == lay.grouped_sequences
-    assert str(lay.grouped_sequences) in lay.note
+    assert f"{lay.grouped_sequences:,}" in lay.note  # counts carry thousands separators
     assert len({g.row for g in lay.groups_before}) == len(lay.groups_before)  # one per GPU
     drawn_chunks = len(lay.chunk_blocks) + sum(g.count for g in lay.groups_after)
     assert drawn_chunks == int((plan64.chunks.length > 0).sum())
@@ -212,3 +212,108 @@ def test_plan_with_only_empty_sequences_has_nothing_to_draw():
     assert not lay.seq_blocks and not lay.chunk_blocks and not lay.groups_before
     assert all(b.width == 0 for b in [*lay.load_before, *lay.load_after])
     assert "moved 0 tokens" in lay.stats_text
+
+
+def _plan_on(topology: str, per_gpu: list[list[int]]):
+    return plan_routing(per_gpu, topology, WorkloadModel(3072), step=0)
+
+
+@pytest.fixture(scope="module")
+def lowres_g4n8():
+    """The issue's case: 1,024 similar sequences (lowres) on g4n8, 4,096 chunks."""
+    rng = np.random.default_rng(0)
+    return _plan_on("g4n8", [list(rng.integers(1024, 1417, 32)) for _ in range(32)])
+
+
+def test_footer_counts_and_names_what_is_grouped_before_and_after(lowres_g4n8, plan8):
+    lay = layout_plan(lowres_g4n8)
+    # Every sequence is drawn before routing, but most chunks are grouped after it: the
+    # footer says so (it used to say "0 small sequences" next to mostly grey rows).
+    assert lay.grouped_sequences == 0 and lay.grouped_chunks > len(lowres_g4n8.chunks) // 2
+    assert sum(g.count for g in lay.groups_after) == lay.grouped_chunks
+    assert f"{lay.grouped_chunks:,} small chunks after routing" in lay.note
+    assert "sequence" not in lay.note
+    # Singular when one item is grouped; both sides named when both are grouped.
+    assert L._note(1, 0, 1) == "grey: 1 small sequence before routing, grouped per GPU"
+    assert L._note(0, 1, 1) == "grey: 1 small chunk after routing, grouped per GPU"
+    assert L._note(2, 3, 1) == (
+        "grey: 2 small sequences before routing and 3 small chunks after routing, grouped per GPU"
+    )
+    assert layout_plan(plan8).note is None
+
+
+@pytest.mark.parametrize("gpus", [8, 16, 32, 64, 128, 1024])
+def test_labels_keep_their_size_and_thin_out_by_the_stated_rule(gpus):
+    per_gpu = [[300 + 7 * g] for g in range(gpus)]
+    topology = "g1n2+g2n1+g4n1" if gpus == 8 else f"g4n{gpus // 4}"
+    lay = layout_plan(_plan_on(topology, per_gpu))
+    assert lay.label_font >= L.MIN_LABEL_FONT
+    pitch = lay.rows[0].y - lay.rows[1].y  # rows of one bag
+    gap = L.label_gap(lay.label_font)
+    k = lay.label_every
+    # The rule: every k-th row, k the smallest that keeps labels `gap` apart.
+    assert [r.label is not None for r in lay.rows] == [i % k == 0 for i in range(gpus)]
+    assert k * pitch >= gap - 1e-9 and (k == 1 or (k - 1) * pitch < gap)
+    assert (k > 1) == (lay.note is not None and f"every {L._ordinal(k)} GPU" in lay.note)
+    shown = [r for r in lay.brackets if r.label]
+    assert shown
+    for a, b in itertools.pairwise(shown):
+        extent = [L.label_extent(br.label.count("\n") + 1, lay.label_font) for br in (a, b)]
+        mid = [(br.top + br.bottom) / 2 for br in (a, b)]
+        assert mid[0] - mid[1] >= sum(extent) / 2 - 1e-9
+    if gpus <= 32:
+        assert k <= 2  # 32 GPUs: every 2nd GPU named, at full size
+
+
+def test_ordinals():
+    assert [L._ordinal(k) for k in (1, 2, 3, 4, 11, 12, 13, 21, 22, 102)] == [
+        "1st", "2nd", "3rd", "4th", "11th", "12th", "13th", "21st", "22nd", "102nd",
+    ]  # fmt: skip
+
+
+def test_flights_stay_inside_the_rows_band(plan64, lowres_g4n8, plan8):
+    paths = pytest.importorskip("manim.utils.paths")
+    for plan in (plan64, lowres_g4n8, plan8):
+        lay = layout_plan(plan)
+        assert any(c.path_arc != 0 for c in lay.chunk_blocks)
+        for c in lay.chunk_blocks:
+            path = paths.path_along_arc(c.path_arc)
+            start, end = np.array([[c.src.x, c.src.y, 0.0]]), np.array([[c.dst.x, c.dst.y, 0.0]])
+            ys = [path(start, end, a)[0][1] for a in np.linspace(0, 1, 41)]
+            # The block (centre ± half its height) never leaves the band: never over the
+            # headers above it or the figures below it.
+            assert max(ys) + c.src.height / 2 <= L.ROWS_TOP + 1e-6, c
+            assert min(ys) - c.src.height / 2 >= L.ROWS_BOTTOM - 1e-6, c
+            if not c.moves:
+                assert c.path_arc == 0  # staying chunks slide straight along their row
+
+
+def test_flight_arc_bulges_toward_the_middle_and_flattens_at_the_edges():
+    mid = (L.ROWS_TOP + L.ROWS_BOTTOM) / 2
+    h = 0.1
+    # A long flight along the top row bulges down, along the bottom row up, at full arc.
+    assert L.flight_arc(-4, L.ROWS_TOP - h, 4, L.ROWS_TOP - h, h) == pytest.approx(L.FLIGHT_ARC)
+    assert L.flight_arc(-4, L.ROWS_BOTTOM + h, 4, L.ROWS_BOTTOM + h, h) == pytest.approx(
+        -L.FLIGHT_ARC
+    )
+    # Through the middle there is room either way: the full arc.
+    assert abs(L.flight_arc(-4, mid, 4, mid, h)) == pytest.approx(L.FLIGHT_ARC)
+    # Corner to corner, any bulge would leave the band: the flight is straight.
+    corner = L.flight_arc(-4, L.ROWS_TOP - h / 2, 4, L.ROWS_BOTTOM + h / 2, h)
+    assert corner == pytest.approx(0.0, abs=1e-9)
+    # Half-way there, it is flattened but still curved.
+    half = L.flight_arc(-4, L.ROWS_TOP - h / 2, 4, L.ROWS_BOTTOM + 0.2 + h / 2, h)
+    assert 0 < abs(half) < L.FLIGHT_ARC
+
+
+def test_animation_and_dashboard_draw_capacity_in_one_colour(plan8):
+    from visualization import palette
+    from visualization.figures import bag_load_figure
+
+    fig = bag_load_figure(plan8)
+    capacity = next(t for t in fig.data if t.name.startswith("capacity"))
+    assert capacity.line.color == L.CAPACITY_COLOR == palette.CAPACITY
+    assert [t.marker.color for t in fig.data[:2]] == [L.LOAD_BEFORE_COLOR, L.LOAD_AFTER_COLOR]
+    lay = layout_plan(plan8)
+    assert f"{palette.CAPACITY_NAME} line: capacity" in lay.legend_text
+    assert "yellow" not in lay.legend_text

@@ -125,6 +125,11 @@ BROKEN = [
         _break(["measurements", "per_rank_ms", "step"], [1.0]),
         ["per_rank_ms['step']"],
     ),
+    (
+        "a time that is not finite",
+        _break(["measurements", "per_rank_ms", "step"], [1.0, float("inf"), 1.0, 1.0]),
+        ["per_rank_ms['step'] of GPU(s) 1 is not finite"],
+    ),
     ("unknown field", _break(["extra"], 1), ["extra"]),
 ]
 

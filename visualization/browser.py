@@ -35,10 +35,16 @@ def find_chromium() -> str | None:
 
 
 def missing_chromium() -> str:
-    """Why no Chromium was found, and how to get one (one line)."""
-    where = os.environ.get(CHROMIUM_ENV) or DEFAULT_CHROMIUM
+    """Why no Chromium was found, and how to get one (one line). With $KNAPFORMER_CHROMIUM
+    set, only that path was tried, and the message says so."""
+    override = os.environ.get(CHROMIUM_ENV)
+    if override:
+        return (
+            f"{CHROMIUM_ENV}={override}: that path was not found (point it at a Chromium "
+            f"executable, or unset it to use {DEFAULT_CHROMIUM} or chromium on PATH)"
+        )
     return (
-        f"none was found at {where} or on PATH (install chromium, "
+        f"none was found at {DEFAULT_CHROMIUM} or on PATH (install chromium, "
         f"or set {CHROMIUM_ENV}=/path/to/chromium)"
     )
 

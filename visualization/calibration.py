@@ -9,13 +9,17 @@ from typing import TYPE_CHECKING
 import numpy as np
 import plotly.graph_objects as go
 
+from visualization import palette
+
 if TYPE_CHECKING:
     from knapformer.tools.calibrate import Calibration
     from knapformer.workload import WorkloadModel
 
 
 def calibration_figure(cal: Calibration, title: str | None = None) -> go.Figure:
-    """Scatter of predicted (x) vs measured (y) ms with the y = x line."""
+    """Scatter of predicted (x) vs measured (y) ms with the y = x line, on log axes: equal
+    distances from the line are equal relative errors, at 1 ms as at 1 s. The title says
+    when the fit is not usable (`Calibration.unusable_reason`)."""
     measured = np.asarray(cal.measured, dtype=np.float64)
     predicted = np.asarray(cal.predicted, dtype=np.float64)
     fig = go.Figure()
@@ -25,27 +29,31 @@ def calibration_figure(cal: Calibration, title: str | None = None) -> go.Figure:
         text=list(cal.labels),
         mode="markers",
         name="measurement",
-        marker={"size": 7, "color": "#1c7ed6", "opacity": 0.8},
+        marker={"size": 7, "color": palette.MEASURED, "opacity": 0.8},
         hovertemplate="%{text}<br>predicted %{x:.3f} ms<br>measured %{y:.3f} ms<extra></extra>",
     )
-    top = float(max(measured.max(initial=0.0), predicted.max(initial=0.0)))
+    both = np.concatenate([measured, predicted])
+    positive = both[both > 0]
+    low, top = (float(positive.min()), float(positive.max())) if positive.size else (1.0, 1.0)
     fig.add_scatter(
-        x=[0.0, top],
-        y=[0.0, top],
+        x=[low, top],
+        y=[low, top],
         mode="lines",
         name="perfect model (y = x)",
-        line={"dash": "dash", "color": "#2f9e44"},
+        line={"dash": "dash", "color": palette.MODEL_FIT},
         hoverinfo="skip",
     )
     what = "per sequence" if cal.source == "csv" else f"per GPU, phase {cal.phase}"
     heading = (
         f"Calibration ({what}): k = {cal.scale:.4g} ms/unit, γ = {cal.gamma:.3g}, "
-        f"rel. RMS error {cal.rel_rms_error:.1%}"
+        f"rel. RMS error {cal.rel_rms_error:.1%}, R² = {cal.r2:.2f}"
     )
+    if cal.unusable_reason is not None:
+        heading += " — NOT USABLE"
     fig.update_layout(
         title=heading if title is None else f"{title} — {heading}",
-        xaxis_title="predicted (ms)",
-        yaxis_title="measured (ms)",
+        xaxis={"title": "predicted (ms)", "type": "log"},
+        yaxis={"title": "measured (ms)", "type": "log"},
         template="plotly_white",
         margin={"l": 60, "r": 20, "t": 60, "b": 50},
     )
@@ -68,13 +76,17 @@ def length_fit_figure(
         y=measured,
         mode="markers",
         name="measured",
-        marker={"size": 9, "color": "#1c7ed6"},
+        marker={"size": 9, "color": palette.MEASURED},
         hovertemplate="L = %{x:.0f}<br>%{y:.4g} ms<extra></extra>",
     )
     parts = (
-        ("fit", model.workload(grid), {"color": "#2f9e44", "width": 2}),
-        ("linear layers", model.scale * linear, {"color": "#868e96", "dash": "dot"}),
-        ("attention", model.scale * model.gamma * attention, {"color": "#e8590c", "dash": "dash"}),
+        ("fit", model.workload(grid), {"color": palette.MODEL_FIT, "width": 2}),
+        ("linear layers", model.scale * linear, {"color": palette.LINEAR_PART, "dash": "dot"}),
+        (
+            "attention",
+            model.scale * model.gamma * attention,
+            {"color": palette.ATTENTION_PART, "dash": "dash"},
+        ),
     )
     for name, values, line in parts:
         fig.add_scatter(x=grid, y=values, mode="lines", name=name, line=line, hoverinfo="skip")

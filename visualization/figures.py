@@ -17,6 +17,7 @@ from knapformer.errors import KnapformerError
 from knapformer.plan import RoutingPlan, gpu_positions
 from knapformer.stats import StepSummary, chunk_loads
 from knapformer.units import LoadUnit, round_significant_array
+from visualization import palette
 from visualization.axes import (
     MAX_VIEW_GPUS,
     GpuGroups,
@@ -27,13 +28,12 @@ from visualization.axes import (
     rank_ticks,
     thinned_ticks,
 )
+from visualization.palette import AFTER as AFTER_COLOR
+from visualization.palette import BEFORE as BEFORE_COLOR
+from visualization.palette import HIGHLIGHT as HIGHLIGHT_COLOR
 
 __all__ = ["MAX_VIEW_GPUS", "gpu_groups"]  # re-exported: the figures' size rule lives in axes
 
-BEFORE_COLOR = "#b0b7c3"
-AFTER_COLOR = "#2a6fdb"
-HIGHLIGHT_COLOR = "#e8590c"
-CAPACITY_COLOR = "#2f9e44"
 # Only the layout part of the template: its per-trace defaults would triple every figure.
 _TEMPLATE = {"layout": pio.templates["plotly_white"].layout.to_plotly_json()}
 _MARKERS_UP_TO = 400  # timeline points drawn with markers; beyond, lines only (fast SVG)
@@ -140,7 +140,7 @@ def bag_load_figure(
             "y": [st.mean_load * unit.factor] * 2,
             "mode": "lines",
             "name": f"capacity (mean {unit.format(st.mean_load)})",
-            "line": {"color": CAPACITY_COLOR, "dash": "dash", "width": 2},
+            "line": {"color": palette.CAPACITY, "dash": "dash", "width": 2},
             "hoverinfo": "skip",
         },
     ]
@@ -259,7 +259,7 @@ def _grouped_load_figure(
             "y": np.full(len(x), st.mean_load * unit.factor),
             "mode": "lines",
             "name": f"capacity (mean {unit.format(st.mean_load)})",
-            "line": {"color": CAPACITY_COLOR, "dash": "dash", "width": 2},
+            "line": {"color": palette.CAPACITY, "dash": "dash", "width": 2},
             "hoverinfo": "skip",
         },
     ]
@@ -403,9 +403,9 @@ def traffic_figure(
 _TIMELINE_TRACES = (
     ("before", BEFORE_COLOR, 1, ".3f"),
     ("after", AFTER_COLOR, 1, ".3f"),
-    ("moved", "#7048e8", 2, ".1f"),  # in percent, so the axis picks its own precision
-    ("plan ms", "#868e96", 3, ".2f"),
-    ("step ms", "#c2255c", 4, ",.3r"),
+    ("moved", palette.MOVED, 2, ".1f"),  # in percent, so the axis picks its own precision
+    ("plan ms", palette.PLAN_TIME, 3, ".2f"),
+    ("step ms", palette.STEP_TIME, 4, ",.3r"),
 )
 _PANEL_TITLES = (
     "imbalance (max / mean load)",

@@ -8,6 +8,12 @@ draws what this module decides, so tests check the picture without rendering a v
 Screen plan (left to right): bag brackets and labels, GPU labels, the "before" region (each
 GPU's sequences as blocks), the before load bars, the "after" region (chunks at their
 destination GPU), the after load bars. Rows go bag by bag so a bracket spans contiguous rows.
+
+Labels stay legible at any GPU count: GPU and bag labels never shrink below
+`MIN_LABEL_FONT` (text about 13 px tall at the default 1280x720), and are thinned instead
+by one rule: every k-th GPU row is labelled, k the smallest number that keeps labels
+`MIN_LABEL_GAP` apart (all GPUs up to ~30 GPUs, every 2nd at 32-60, every 3rd at 64,
+...); a bag is labelled when its label fits below the previous one. The footer states k.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from knapformer.errors import KnapformerError
 from knapformer.plan import RoutingPlan, gpu_positions
 from knapformer.stats import before_after
 from knapformer.units import LoadUnit
+from visualization import palette
 
 Measure = Literal["tokens", "workload"]
 
@@ -30,10 +37,12 @@ FRAME_WIDTH = 128 / 9  # manim's default 16:9 frame (14.22 x 8 units)
 FRAME_HEIGHT = 8.0
 
 # Horizontal bands (scene units).
-BAG_LABEL_RIGHT = -6.2
-BRACKET_X = -6.08
-GPU_LABEL_RIGHT = -5.35
-BEFORE_X = (-5.25, -0.65)
+BAG_LABEL_RIGHT = -6.28
+BAG_LABEL_WIDTH = 0.8  # from the frame's left margin to BAG_LABEL_RIGHT
+BRACKET_X = -6.18
+GPU_LABEL_RIGHT = -5.15
+GPU_LABEL_WIDTH = 0.95
+BEFORE_X = (-5.05, -0.65)
 LOAD_BEFORE_X = (-0.5, 0.4)
 AFTER_X = (0.9, 5.5)
 LOAD_AFTER_X = (5.65, 6.55)
@@ -41,22 +50,29 @@ LOAD_AFTER_X = (5.65, 6.55)
 TITLE_Y = 3.62
 HEADER_Y = 3.08
 ROWS_TOP, ROWS_BOTTOM = 2.8, -2.95
-STATS_Y = -3.3
-LEGEND_Y = -3.72
+STATS_Y = -3.25
+LEGEND_Y = -3.56
+NOTE_Y = -3.84
 
-BACKGROUND = "#101318"
-GROUP_COLOR = "#7d838c"  # tiny sequences grouped into one block per GPU
-LOAD_BEFORE_COLOR = "#b0b7c3"
-LOAD_AFTER_COLOR = "#2a6fdb"
-CAPACITY_COLOR = "#ffd43b"
+BACKGROUND = palette.ANIMATION_BACKGROUND
+GROUP_COLOR = palette.GROUPED  # tiny sequences grouped into one block per GPU
+LOAD_BEFORE_COLOR = palette.BEFORE
+LOAD_AFTER_COLOR = palette.AFTER
+CAPACITY_COLOR = palette.CAPACITY
 MOVING_OPACITY = 1.0
 STAYING_OPACITY = 0.42  # staying chunks are drawn faded and without outline
 BAG_GAP = 0.45  # gap between bags, in row heights
 MAX_ROW_HEIGHT = 0.55
 MAX_GPU_LABELS = 32
-MIN_LABEL_GAP = 0.26  # scene units between two bag labels; closer ones are skipped
+# Label text: manim font size -> cap height in scene units (DejaVu Sans, measured).
+CAP_HEIGHT_PER_FONT_SIZE = 0.0105
+MIN_LABEL_FONT = 14.0  # caps of 0.147 units: 13 px at 720p (the default), 9 px at 480p
+MAX_LABEL_FONT = 16.0
+MIN_LABEL_GAP = 0.19  # scene units between the centres of two one-line labels
+LABEL_LINE_SPACING = 1.2  # lines of a two-line label, in `MIN_LABEL_GAP`s
 MIN_BLOCK_WIDTH = 0.03  # narrower sequences/chunks are grouped (about 2 px at 480p)
 MAX_BLOCKS = 1200  # cap on drawn sequence blocks and on drawn chunk blocks
+FLIGHT_ARC = 0.6  # radians of a chunk's flight arc, when it fits inside the rows band
 
 
 @dataclass(frozen=True)
@@ -127,6 +143,7 @@ class ChunkBlock:
     dst: Box
     color: str
     moves: bool
+    path_arc: float = 0.0  # radians of the flight arc (manim's ``path_arc``); 0 = straight
 
     @property
     def opacity(self) -> float:
@@ -139,7 +156,7 @@ class SceneLayout:
     title: str
     stats_text: str
     legend_text: str
-    note: str | None  # e.g. how many tiny sequences were grouped
+    note: str | None  # what is grouped into grey blocks and how labels are thinned
     rows: list[Row]
     brackets: list[Bracket]
     seq_blocks: list[SeqBlock]  # drawn sequences (not grouped)
@@ -152,6 +169,7 @@ class SceneLayout:
     label_font: float  # font size of GPU / bag labels
     grouped_sequences: int = 0
     grouped_chunks: int = 0
+    label_every: int = 1  # every k-th GPU row carries a label
 
 
 def sequence_color(i: int) -> str:
@@ -179,16 +197,41 @@ def _threshold(widths: np.ndarray, cap: int) -> float:
     return max(MIN_BLOCK_WIDTH, float(np.nextafter(kth, np.inf)))
 
 
-def _rows(plan: RoutingPlan) -> tuple[list[Row], list[Bracket], float]:
+def label_font(row_pitch: float) -> float:
+    """Font size of GPU and bag labels for rows ``row_pitch`` apart: larger while rows are
+    tall, never below `MIN_LABEL_FONT`."""
+    return float(min(MAX_LABEL_FONT, max(MIN_LABEL_FONT, row_pitch * 34)))
+
+
+def label_gap(font: float) -> float:
+    """Distance between the centres of two one-line labels of ``font`` (scene units)."""
+    return MIN_LABEL_GAP * font / MIN_LABEL_FONT
+
+
+def label_line_pitch(font: float) -> float:
+    """Distance between the lines of a two-line bag label (a little more than between two
+    labels, so a descender never touches the next line's capitals)."""
+    return LABEL_LINE_SPACING * label_gap(font)
+
+
+def label_extent(lines: int, font: float) -> float:
+    """Height a label of ``lines`` lines claims in the label column (scene units)."""
+    return label_gap(font) + (lines - 1) * label_line_pitch(font)
+
+
+def _rows(plan: RoutingPlan) -> tuple[list[Row], list[Bracket], float, int]:
+    """Rows (bag by bag), bag brackets, the row pitch and k (every k-th GPU labelled)."""
     pos = {g: i for i, g in enumerate(plan.gpus)}
     n, nb = len(plan.gpus), len(plan.bags)
     unit = min(MAX_ROW_HEIGHT, (ROWS_TOP - ROWS_BOTTOM) / (n + BAG_GAP * (nb - 1)))
     used = unit * (n + BAG_GAP * (nb - 1))
     top = (ROWS_TOP + ROWS_BOTTOM) / 2 + used / 2  # centre the rows vertically
-    label_every = math.ceil(n / MAX_GPU_LABELS)
+    font = label_font(unit)
+    gap = label_gap(font)
+    label_every = max(math.ceil(n / MAX_GPU_LABELS), math.ceil(gap / unit - 1e-9))
     rows, brackets = [], []
     y = top
-    last_label_y = math.inf
+    last_bottom = math.inf  # lower edge of the last bag label shown
     for bag_id, members in enumerate(plan.bags):
         if bag_id:
             y -= unit * BAG_GAP
@@ -199,15 +242,41 @@ def _rows(plan: RoutingPlan) -> tuple[list[Row], list[Bracket], float]:
             rows.append(Row(gpu=g, pos=pos[g], y=y - unit / 2, height=unit * 0.8, label=label))
             y -= unit
         mid = (bag_top + y) / 2
+        # Two lines where the bracket is tall enough, else the short form, else none.
+        lines = 2 if bag_top - y >= label_extent(2, font) else 1
+        extent = label_extent(lines, font)
         label = None
-        if last_label_y - mid >= MIN_LABEL_GAP:
-            # Two lines where the bracket is tall enough, else the short form.
-            label = plan.bag_label(bag_id, "\n") if bag_top - y >= 0.5 else f"bag {bag_id}"
-            last_label_y = mid
+        if mid + extent / 2 <= last_bottom:
+            label = plan.bag_label(bag_id, "\n") if lines == 2 else f"bag {bag_id}"
+            last_bottom = mid - extent / 2
         brackets.append(
             Bracket(bag=bag_id, top=bag_top - unit * 0.05, bottom=y + unit * 0.05, label=label)
         )
-    return rows, brackets, unit
+    return rows, brackets, unit, label_every
+
+
+def flight_arc(x0: float, y0: float, x1: float, y1: float, height: float) -> float:
+    """Signed arc (radians, manim's ``path_arc``) of a block of ``height`` flying from
+    (x0, y0) to (x1, y1): `FLIGHT_ARC`, bulging toward the middle of the rows band, and
+    flatter where that bulge would leave the band (over the headers or the figures).
+
+    A positive arc bulges to the right of the direction of travel. The arc lies between
+    its chord and the parallel line through its apex, the sagitta ``chord/2·tan(arc/4)``
+    away, so bounding that keeps the whole flight inside the band.
+    """
+    dx, dy = x1 - x0, y1 - y0
+    chord = math.hypot(dx, dy)
+    if chord == 0.0:
+        return 0.0
+    lo, hi = ROWS_BOTTOM + height / 2, ROWS_TOP - height / 2
+    right_y = -dx / chord  # y of the unit normal on the right of travel
+    sign = 1.0 if right_y * ((lo + hi) / 2 - (y0 + y1) / 2) >= 0 else -1.0
+    bulge_y = sign * right_y
+    sagitta = chord / 2 * math.tan(FLIGHT_ARC / 4)
+    room = hi - max(y0, y1) if bulge_y > 0 else min(y0, y1) - lo
+    if abs(bulge_y) * sagitta > room:
+        sagitta = max(room, 0.0) / abs(bulge_y)
+    return sign * 4 * math.atan(2 * sagitta / chord)
 
 
 @dataclass(frozen=True)
@@ -238,7 +307,7 @@ def layout_plan(
     """
     if measure not in ("tokens", "workload"):
         raise KnapformerError(f"measure must be 'tokens' or 'workload', not {measure!r}")
-    rows, brackets, unit = _rows(plan)
+    rows, brackets, unit, label_every = _rows(plan)
     widths = _widths(plan, measure, rows, unit)
     seq_blocks, groups_before, seq_left, seq_drawn = _sequence_blocks(plan, widths, rows)
     chunk_blocks, groups_after, grouped_chunks = _chunk_blocks(
@@ -246,15 +315,12 @@ def layout_plan(
     )
     load_before, load_after, capacity_x = _load_bars(plan, rows, widths.block_height)
     grouped_seqs = int((~seq_drawn & (plan.sequences.length > 0)).sum())
-    note = None
-    if grouped_seqs or groups_after:
-        note = f"grey: {grouped_seqs} small sequences grouped per GPU"
     return SceneLayout(
         measure=measure,
         title=title or _default_title(plan),
         stats_text=_stats_text(plan),
         legend_text=LEGEND,
-        note=note,
+        note=_note(grouped_seqs, grouped_chunks, label_every),
         rows=rows,
         brackets=brackets,
         seq_blocks=seq_blocks,
@@ -264,9 +330,10 @@ def layout_plan(
         load_before=load_before,
         load_after=load_after,
         capacity_x=capacity_x,
-        label_font=float(min(16.0, max(6.0, unit * 34))),
+        label_font=label_font(unit),
         grouped_sequences=grouped_seqs,
         grouped_chunks=grouped_chunks,
+        label_every=label_every,
     )
 
 
@@ -373,9 +440,10 @@ def _chunk_blocks(
         dst = Box(cursor[d] + width / 2, rows[d].y, width, w.block_height)
         cursor[d] += width
         moves = bool(chunks.src_gpu[c] != chunks.dst_gpu[c])
+        arc = flight_arc(src.x, src.y, dst.x, dst.y, w.block_height) if moves else 0.0
         blocks.append(
             ChunkBlock(
-                int(c), int(s), int(w.chunk_src_row[c]), int(d), src, dst, w.colors[s], moves
+                int(c), int(s), int(w.chunk_src_row[c]), int(d), src, dst, w.colors[s], moves, arc
             )
         )
     groups = _group_blocks(cursor, group_w, group_count, rows, w.block_height)
@@ -403,8 +471,35 @@ def _load_bars(
 
 
 LEGEND = (
-    "bright, outlined: chunk moves   ·   faded: chunk stays   ·   yellow line: capacity (mean load)"
+    "bright, outlined: chunk moves   ·   faded: chunk stays   ·   "
+    f"{palette.CAPACITY_NAME} line: capacity (mean load)"
 )
+
+
+def _counted(count: int, noun: str) -> str:
+    """``1 small chunk``, ``1,024 small chunks``."""
+    return f"{count:,} {noun}{'' if count == 1 else 's'}"
+
+
+def _ordinal(k: int) -> str:
+    suffix = "th" if 10 <= k % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(k % 10, "th")
+    return f"{k}{suffix}"
+
+
+def _note(grouped_sequences: int, grouped_chunks: int, label_every: int) -> str | None:
+    """The footer's second line: what the grey blocks hold (before and after routing
+    separately: small chunks of large sequences are grouped too) and the label rule."""
+    parts = []
+    grouped = []
+    if grouped_sequences:
+        grouped.append(f"{_counted(grouped_sequences, 'small sequence')} before routing")
+    if grouped_chunks:
+        grouped.append(f"{_counted(grouped_chunks, 'small chunk')} after routing")
+    if grouped:
+        parts.append(f"{palette.GROUPED_NAME}: " + " and ".join(grouped) + ", grouped per GPU")
+    if label_every > 1:
+        parts.append(f"GPU labels: every {_ordinal(label_every)} GPU")
+    return "   ·   ".join(parts) or None
 
 
 def _default_title(plan: RoutingPlan) -> str:

@@ -20,16 +20,18 @@ from visualization.output import check_output_file
 
 QUALITIES = {
     "low": "low_quality",  # 854x480, 15 fps
-    "medium": "medium_quality",  # 1280x720, 30 fps
+    "medium": "medium_quality",  # 1280x720, 30 fps: the default, labels >= 12 px tall
     "high": "high_quality",  # 1920x1080, 60 fps
     "4k": "fourk_quality",  # 3840x2160, 60 fps
 }
+#: The quality at which every text of the animation is at least 12 px tall.
+DEFAULT_QUALITY = "medium"
 
 
 def render_video(
     plans: list[RoutingPlan],
     out: str | Path,
-    quality: str = "low",
+    quality: str = DEFAULT_QUALITY,
     measure: Measure = "tokens",
     title: str | None = None,
     on_progress: Callable[[int, int], None] | None = None,

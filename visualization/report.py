@@ -1,4 +1,5 @@
-"""A self-contained static HTML report of recorded plans, and PNG export of its figures.
+"""A self-contained static HTML report of recorded plans, printed to PDF or its figures
+exported as PNG on request (both with headless Chromium).
 
 The figures are the dashboard's (`visualization.figures`); plotly.js is embedded inline once,
 so the file opens offline. Every figure sits in ``<div class="figure" data-view=...
@@ -18,10 +19,13 @@ from knapformer.plan import RoutingPlan
 from knapformer.plan_io import ReadResult, plans_in_range
 from knapformer.stats import summarize
 from knapformer.stragglers import WINDOW, analyse, rank_steps
+from knapformer.units import LoadUnit
 from visualization import figures as F
 from visualization.browser import find_chromium, launch_chromium, missing_chromium
 from visualization.straggler_figures import predicted_vs_measured_figure
 
+#: What `knapformer report -o` writes, by the output's suffix.
+REPORT_FORMATS = {".html": "html", ".htm": "html", ".pdf": "pdf"}
 MAX_STEPS = 20  # per report: each step adds several figures and a table
 MAX_TABLE_ROWS = 500  # sequence table rows per step; the rest is summarised
 
@@ -60,6 +64,7 @@ h1 { font-size: 1.5em; } h2 { margin-top: 2em; border-bottom: 1px solid #dee2e6;
 .sequences tr:nth-child(even) { background: #f1f3f5; }
 details { margin: 1em 0; } .note { color: #868e96; }
 .figure { margin: 1em 0; }
+@media print { .figure, table.summary { break-inside: avoid; } h2 { break-after: avoid; } }
 """
 
 
@@ -109,12 +114,17 @@ def build_report(
         st = plan.stats
         label = "plan" if plan.step is None else f"Step {plan.step}"
         parts.append(f"<h2>{html.escape(label)}</h2>")
+        unit = LoadUnit.of(plan)
+        makespan = f"{unit.format(st.makespan_before)} → {unit.format(st.makespan_after)}"
         parts.append(
             "<table class='summary'><tr><th>GPUs</th><th>sequences</th><th>chunks</th>"
-            "<th>imbalance before</th><th>after</th><th>speedup</th><th>moved</th></tr>"
+            "<th>imbalance before</th><th>after</th>"
+            f"<th>makespan {html.escape(unit.axis_title.removeprefix('load '))}</th>"
+            "<th>speedup</th><th>moved</th></tr>"
             f"<tr><td>{len(plan.gpus)}</td><td>{len(plan.sequences)}</td>"
             f"<td>{len(plan.chunks)}</td><td>{st.imbalance_before:.3f}</td>"
-            f"<td>{st.imbalance_after:.3f}</td><td>{st.speedup:.2f}x</td>"
+            f"<td>{st.imbalance_after:.3f}</td><td>{html.escape(makespan)}</td>"
+            f"<td>{st.speedup:.2f}x</td>"
             f"<td>{st.moved_tokens:,} tokens ({st.moved_fraction:.0%})</td></tr></table>"
         )
         add(F.bag_load_figure(plan), "bag-load", plan)
@@ -164,20 +174,72 @@ def write_report(
     return out, figures
 
 
+def report_format(out: str | Path) -> str:
+    """``"html"`` or ``"pdf"``, from the suffix of ``out``; other suffixes are refused."""
+    suffix = Path(out).suffix.lower()
+    if suffix not in REPORT_FORMATS:
+        raise KnapformerError(
+            f"output must be an .html or .pdf file, not {str(out)!r} (the suffix says which)"
+        )
+    return REPORT_FORMATS[suffix]
+
+
+def browser_problem(what: str) -> str | None:
+    """Why ``what`` (e.g. "a PDF report") cannot drive Chromium here, or None."""
+    if find_chromium() is None:
+        return f"{what} needs Chromium: {missing_chromium()}"
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return f"{what} needs the Python package playwright (pip install playwright)"
+    return None
+
+
+def _open_report(browser, report: Path, timeout_s: float, width: int = 1200):
+    """A page showing the report file ``report`` once every figure is drawn."""
+    page = browser.new_page(viewport={"width": width, "height": 900})
+    page.goto(Path(report).resolve().as_uri(), timeout=timeout_s * 1000)
+    page.wait_for_function(
+        "[...document.querySelectorAll('div.figure')].every(d => d.querySelector('.main-svg'))",
+        timeout=timeout_s * 1000,
+    )
+    return page
+
+
+def print_pdf(report: str | Path, pdf: str | Path, timeout_s: float = 60) -> Path:
+    """Print the report file ``report`` (HTML) to the PDF ``pdf`` with headless Chromium:
+    A4 landscape, backgrounds kept, every figure drawn first. Raises RuntimeError when
+    Chromium or Playwright is missing (`browser_problem`)."""
+    problem = browser_problem("a PDF report")
+    if problem is not None:
+        raise RuntimeError(problem)
+    from playwright.sync_api import sync_playwright
+
+    pdf = Path(pdf)
+    with sync_playwright() as pw:
+        browser = launch_chromium(pw)
+        try:
+            # The width of an A4 landscape page at 96 dpi, so figures are laid out to fit.
+            page = _open_report(browser, Path(report), timeout_s, width=1123)
+            page.emulate_media(media="print")
+            try:
+                page.pdf(path=str(pdf), format="A4", landscape=True, print_background=True)
+            except Exception as err:  # Playwright wraps the OSError of an unwritable path
+                raise file_error(pdf, OSError(str(err)), "cannot write") from err
+        finally:
+            browser.close()
+    return pdf
+
+
 def export_pngs(report: str | Path, png_dir: str | Path, timeout_s: float = 60) -> list[Path]:
     """Screenshot every figure of the report file ``report`` into ``png_dir`` (one PNG per
     figure, named after it) with headless Chromium. Raises RuntimeError when Chromium or
     Playwright is missing."""
-    if find_chromium() is None:
-        raise RuntimeError(
-            f"PNG export needs Chromium: {missing_chromium()}; the HTML report was written"
-        )
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        raise RuntimeError(
-            "PNG export needs the Python package playwright (pip install playwright)"
-        ) from None
+    problem = browser_problem("PNG export")
+    if problem is not None:
+        raise RuntimeError(f"{problem}; the report was written")
+    from playwright.sync_api import sync_playwright
+
     png_dir = Path(png_dir)
     try:
         png_dir.mkdir(parents=True, exist_ok=True)
@@ -187,13 +249,7 @@ def export_pngs(report: str | Path, png_dir: str | Path, timeout_s: float = 60) 
     with sync_playwright() as pw:
         browser = launch_chromium(pw)
         try:
-            page = browser.new_page(viewport={"width": 1200, "height": 900})
-            page.goto(Path(report).resolve().as_uri(), timeout=timeout_s * 1000)
-            page.wait_for_function(
-                "[...document.querySelectorAll('div.figure')].every("
-                "d => d.querySelector('.main-svg'))",
-                timeout=timeout_s * 1000,
-            )
+            page = _open_report(browser, Path(report), timeout_s)
             for element in page.query_selector_all("div.figure"):
                 name = re.sub(r"[^A-Za-z0-9_.-]", "_", element.get_attribute("data-name") or "")
                 path = png_dir / f"{name}.png"

@@ -1,8 +1,10 @@
 """The manim scene of one or more routing decisions (draws what `layout.py` decided).
 
 Text uses manim's `Text` (Pango), never LaTeX. Few mobjects and no updaters keep the Cairo
-renderer fast: sequences grow in, split into chunks, chunks fly to their destination in one
-`LaggedStart`, then the after load bars and the figures appear.
+renderer fast. Each step opens on its "before" state (sequences on their GPUs and the
+before load bars, so a video's first frame, its thumbnail, shows the problem), holds it,
+splits sequences into chunks, flies the chunks to their destination in one `LaggedStart`
+(along arcs that stay inside the rows band), then shows the after load bars and figures.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ from collections.abc import Callable
 
 from manim import (
     LEFT,
-    RIGHT,
     DashedLine,
     FadeIn,
     FadeOut,
@@ -28,31 +29,38 @@ from visualization.layout import (
     AFTER_X,
     BACKGROUND,
     BAG_LABEL_RIGHT,
+    BAG_LABEL_WIDTH,
     BEFORE_X,
     BRACKET_X,
     CAPACITY_COLOR,
     GPU_LABEL_RIGHT,
+    GPU_LABEL_WIDTH,
     HEADER_Y,
     LEGEND_Y,
     LOAD_AFTER_COLOR,
     LOAD_AFTER_X,
     LOAD_BEFORE_COLOR,
     LOAD_BEFORE_X,
+    NOTE_Y,
     STATS_Y,
     TITLE_Y,
     Box,
     SceneLayout,
+    label_line_pitch,
 )
+from visualization.palette import ANIMATION_MUTED_TEXT, ANIMATION_TEXT
 
 # Seconds of each phase of one step; `step_duration` is what the video length follows.
 # Multiples of 0.2 s give whole frames at 15, 30 and 60 fps, so durations add up exactly.
-T_INTRO, T_LOAD, T_PAUSE, T_SPLIT, T_FLY, T_AFTER, T_HOLD, T_CLEAR = (
-    1.0, 0.6, 0.4, 0.6, 2.0, 0.8, 1.4, 0.6,
-)  # fmt: skip
+T_BEFORE, T_SPLIT, T_FLY, T_AFTER, T_HOLD, T_CLEAR = 2.0, 0.6, 2.0, 0.8, 1.4, 0.6
 GHOST_OPACITY = 0.2  # sequences left behind on their source GPU once split
-STEP_SECONDS = T_INTRO + T_LOAD + T_PAUSE + T_SPLIT + T_FLY + T_AFTER + T_HOLD
-CALLS_PER_STEP = 7  # play/wait calls per step (progress reporting)
+STEP_SECONDS = T_BEFORE + T_SPLIT + T_FLY + T_AFTER + T_HOLD
+CALLS_PER_STEP = 5  # play/wait calls per step (progress reporting)
 FONT = "DejaVu Sans"
+LABEL_COLOR = "#ced4da"
+# Font sizes of the texts other than the GPU / bag labels (`SceneLayout.label_font`): all
+# at least 12 px tall at the default 1280x720 (cap height ~0.95 px per unit of size).
+TITLE_FONT, HEADER_FONT, STATS_FONT, FOOTER_FONT = 20, 15, 14, 13
 
 
 def video_duration(num_steps: int) -> float:
@@ -70,7 +78,7 @@ def _rect(box: Box, color: str, opacity: float = 1.0, stroke: float = 0.0) -> Re
     return rect.move_to([box.x, box.y, 0])
 
 
-def _text(s: str, size: float, color: str = "#e9ecef", max_width: float | None = None) -> Text:
+def _text(s: str, size: float, color: str = ANIMATION_TEXT, max_width: float | None = None) -> Text:
     t = Text(s, font=FONT, font_size=size, color=color)
     if max_width is not None and t.width > max_width:
         t.scale_to_fit_width(max_width)
@@ -119,7 +127,7 @@ class RoutingScene(Scene):
     def _frame(self, lay: SceneLayout) -> VGroup:
         """Title, headers, GPU labels, bag brackets, capacity lines (static during a step)."""
         parts = VGroup()
-        parts.add(_text(lay.title, 20, max_width=13.4).move_to([0, TITLE_Y, 0]))
+        parts.add(_text(lay.title, TITLE_FONT, max_width=13.4).move_to([0, TITLE_Y, 0]))
         unit = "tokens" if lay.measure == "tokens" else "workload"
         for label, band in (
             (f"before · {unit} per GPU", BEFORE_X),
@@ -127,11 +135,11 @@ class RoutingScene(Scene):
             ("after routing", AFTER_X),
             ("load", LOAD_AFTER_X),
         ):
-            head = _text(label, 15, "#adb5bd", max_width=band[1] - band[0])
+            head = _text(label, HEADER_FONT, ANIMATION_MUTED_TEXT, max_width=band[1] - band[0])
             parts.add(head.move_to([(band[0] + band[1]) / 2, HEADER_Y, 0]))
         for row in lay.rows:
             if row.label:
-                t = _text(row.label, lay.label_font, "#ced4da", max_width=0.7)
+                t = _text(row.label, lay.label_font, LABEL_COLOR, max_width=GPU_LABEL_WIDTH)
                 parts.add(t.move_to([GPU_LABEL_RIGHT - t.width / 2, row.y, 0]))
         for br in lay.brackets:
             tick = 0.07
@@ -141,33 +149,35 @@ class RoutingScene(Scene):
                 Line([BRACKET_X, br.bottom, 0], [BRACKET_X + tick, br.bottom, 0]),
             )
             if br.label:
-                t = _text(br.label, lay.label_font, "#ced4da", max_width=0.85)
-                mid = (br.top + br.bottom) / 2
-                parts.add(t.move_to([BAG_LABEL_RIGHT - t.width / 2, mid, 0]))
+                # One Text per line, `label_line_pitch` apart, as the layout reserved.
+                lines = br.label.split("\n")
+                pitch = label_line_pitch(lay.label_font)
+                top = (br.top + br.bottom) / 2 + (len(lines) - 1) * pitch / 2
+                for i, line in enumerate(lines):
+                    t = _text(line, lay.label_font, LABEL_COLOR, max_width=BAG_LABEL_WIDTH)
+                    parts.add(t.move_to([BAG_LABEL_RIGHT - t.width / 2, top - i * pitch, 0]))
         top, bottom = lay.rows[0].y + lay.rows[0].height, lay.rows[-1].y - lay.rows[-1].height
         for x in lay.capacity_x:
             parts.add(
                 DashedLine([x, top, 0], [x, bottom, 0], dash_length=0.08).set_stroke(
-                    CAPACITY_COLOR, width=2
+                    CAPACITY_COLOR, width=3
                 )
             )
-        legend = lay.legend_text + (f"   ·   {lay.note}" if lay.note else "")
-        parts.add(_text(legend, 12, "#adb5bd", max_width=13.4).move_to([0, LEGEND_Y, 0]))
+        for text, y in ((lay.legend_text, LEGEND_Y), (lay.note, NOTE_Y)):
+            if text:
+                line = _text(text, FOOTER_FONT, ANIMATION_MUTED_TEXT, max_width=13.4)
+                parts.add(line.move_to([0, y, 0]))
         return parts
 
     def _step(self, lay: SceneLayout) -> None:
         seqs = {b.seq: _rect(b.box, b.color) for b in lay.seq_blocks}
         groups_before = [_rect(b.box, b.color, 0.8) for b in lay.groups_before]
         blocks = VGroup(*seqs.values(), *groups_before)
-        # The frame (mostly text) appears at once: animating it would deep-copy every glyph.
-        self.add(self._frame(lay))
-        # One animation per group, staggered over its members (lag_ratio): manim's per-
-        # animation bookkeeping scans the whole scene, so hundreds of small ones are slow.
-        intro = [FadeIn(blocks, shift=0.25 * RIGHT, lag_ratio=0.03)] if len(blocks) else []
-        self._play_or_wait(intro, T_INTRO)
         loads_before = [_rect(b, LOAD_BEFORE_COLOR, 0.9) for b in lay.load_before if b.width > 0]
-        self._play_or_wait([GrowFromEdge(m, LEFT) for m in loads_before], T_LOAD)
-        self.wait(T_PAUSE)
+        # The "before" state is there from the step's first frame (the video's thumbnail);
+        # added at once: animating text in would deep-copy every glyph.
+        self.add(self._frame(lay), blocks, *loads_before)
+        self.wait(T_BEFORE)
 
         # Split: chunk pieces appear over their sequence, which stays behind as a faint ghost
         # so the final frame still shows the "before" state.
@@ -183,7 +193,7 @@ class RoutingScene(Scene):
 
         groups_after = [_rect(b.box, b.color, 0.8) for b in lay.groups_after]
         moves = [
-            piece.animate(path_arc=-0.6 if c.moves else 0.0).move_to([c.dst.x, c.dst.y, 0])
+            piece.animate(path_arc=c.path_arc).move_to([c.dst.x, c.dst.y, 0])
             for piece, c in targets
         ]
         fly = [LaggedStart(*moves, lag_ratio=0.6 / max(len(moves), 1))] if moves else []
@@ -191,7 +201,7 @@ class RoutingScene(Scene):
         self._play_or_wait(fly, T_FLY)
 
         loads_after = [_rect(b, LOAD_AFTER_COLOR, 0.9) for b in lay.load_after if b.width > 0]
-        stats = _text(lay.stats_text, 14, max_width=13.4).move_to([0, STATS_Y, 0])
+        stats = _text(lay.stats_text, STATS_FONT, max_width=13.4).move_to([0, STATS_Y, 0])
         self.add(stats)
         self._play_or_wait([GrowFromEdge(m, LEFT) for m in loads_after], T_AFTER)
         self.wait(T_HOLD)

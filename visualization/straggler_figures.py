@@ -12,13 +12,14 @@ import plotly.colors
 import plotly.graph_objects as go
 
 from knapformer.stragglers import RankSteps, StragglerReport, row_medians
+from visualization import palette
 from visualization.axes import rank_ticks
-from visualization.figures import AFTER_COLOR, HIGHLIGHT_COLOR, build_figure
+from visualization.figures import build_figure
 
 #: The compute-ratio heatmap's colour runs over log2(ratio) in ±RATIO_OCTAVES: blue =
 #: faster than predicted, white = as predicted, red = slower (2x and beyond: full red).
 RATIO_OCTAVES = 1.0
-_DIVERGING = [[0.0, "#1c7ed6"], [0.5, "#f8f9fa"], [1.0, "#e03131"]]
+_DIVERGING = [[0.0, palette.FASTER], [0.5, palette.AS_PREDICTED], [1.0, palette.SLOWER]]
 _SEQUENTIAL = [[i / 8, c] for i, c in enumerate(plotly.colors.sequential.Oranges)]
 #: Nominal height of a heatmap's plot area (px), for its rank-label rule.
 HEATMAP_PLOT_PX = 260
@@ -29,9 +30,9 @@ HEATMAP_CELLS = 32_768
 #: beyond, only ranks with a verdict other than ok do (every point names it on hover).
 LABEL_EVERY_RANK_UP_TO = 64
 VERDICT_STYLE = {  # name shown, colour, marker
-    "ok": ("ok", AFTER_COLOR, "circle"),
-    "data_imbalance": ("data imbalance", "#f08c00", "diamond"),
-    "slow_gpu": ("slow GPU", HIGHLIGHT_COLOR, "x"),
+    "ok": ("ok", palette.AFTER, "circle"),
+    "data_imbalance": ("data imbalance", palette.DATA_IMBALANCE, "diamond"),
+    "slow_gpu": ("slow GPU", palette.HIGHLIGHT, "x"),
 }
 
 
@@ -185,7 +186,7 @@ def predicted_vs_measured_figure(
                 "y": [k * lo, k * hi],
                 "mode": "lines",
                 "name": "as predicted (median rank)",
-                "line": {"dash": "dash", "color": "#495057"},
+                "line": {"dash": "dash", "color": palette.MODEL_FIT},
                 "hoverinfo": "skip",
             }
         )

@@ -12,6 +12,7 @@ from rich.table import Table
 
 from knapformer.cli.errors import UserError
 from knapformer.cli.extras import require
+from knapformer.cli.plans import PLAN_ARGUMENT
 from knapformer.cli.progress import progress
 from knapformer.errors import KnapformerError
 from knapformer.plan import COMPUTE_PHASES
@@ -45,7 +46,7 @@ def _bytes(n: float) -> str:
 
 # ---------------------------------------------------------------------- replay
 def replay(
-    file: Path = typer.Argument(..., help="plan file (JSON, JSONL or legacy JSON)"),
+    file: Path = typer.Argument(..., help=PLAN_ARGUMENT),
     step: int | None = typer.Option(None, help="step to replay (default: the last plan)"),
     dim: int | None = typer.Option(
         None, help="hidden size of the synthetic tokens (default 8/head)"
@@ -301,6 +302,17 @@ def suggest(
 
 
 # ------------------------------------------------------------------- calibrate
+def _remedy(cal) -> str:
+    """What to measure instead when a fit is not usable."""
+    if cal.source == "csv":
+        return "time each length several times and over a wider range of lengths."
+    return (
+        f"phase {cal.phase!r} includes more than compute (waiting, collectives, host "
+        "overhead): record a `compute` phase on GPUs, or time single sequences (a CSV of "
+        "length,latency)."
+    )
+
+
 def calibrate(
     file: Path = typer.Argument(
         ..., help="CSV with header length,latency (ms per sequence) or plans JSON/JSONL"
@@ -334,10 +346,14 @@ def calibrate(
     console.print(f"  k (ms per workload unit) = {cal.scale:.6g}")
     console.print(f"  γ (attention weight)     = {cal.gamma:.4g}")
     console.print(f"  relative RMS error       = {cal.rel_rms_error:.2%}   R² = {cal.r2:.4f}")
-    console.print(
-        f"use: WorkloadModel(token_dim={cal.model.token_dim}, gamma={cal.gamma:.4g}, "
-        f"scale={cal.scale:.6g}) predicts ms; the balancer only needs gamma={cal.gamma:.4g}"
-    )
+    reason = cal.unusable_reason
+    if reason is None:
+        console.print(
+            f"use: WorkloadModel(token_dim={cal.model.token_dim}, gamma={cal.gamma:.4g}, "
+            f"scale={cal.scale:.6g}) predicts ms; the balancer only needs gamma={cal.gamma:.4g}"
+        )
+    else:
+        console.print(f"[bold]not usable[/bold]: {reason}. Keep your γ; {_remedy(cal)}")
     if plot is not None:
         from visualization.calibration import calibration_figure
 

@@ -25,7 +25,9 @@ def demo(
     steps: int = typer.Option(200, help="training steps; 0 trains until Ctrl-C"),
     world_size: int = typer.Option(8, "--world-size", help="worker processes (CPU, gloo)"),
     topology: str | None = typer.Option(
-        None, help="compute bags, e.g. g1n2+g2n1+g4n1 (default: bags of 1,1,2,4,.. GPUs)"
+        None,
+        help="compute bags, e.g. g1n2+g2n1+g4n1 (default: bags of 1, 1, 2, 4, ... GPUs, the "
+        "largest the largest power of two below --world-size: 6 gives g1n2+g4n1)",
     ),
     data_codes: str | None = typer.Option(
         None,
@@ -48,6 +50,7 @@ def demo(
         format_report,
         model_shape,
         run_demo,
+        topology_note,
     )
     from knapformer.local.launcher import WorkerFailed
     from knapformer.local.signals import ignoring_sigint
@@ -71,6 +74,9 @@ def demo(
             f"{'until Ctrl-C' if steps == 0 else f'{steps} steps'}; recording to {plans}",
             flush=True,
         )
+        note = topology_note(topo)
+        if note is not None:
+            print(f"note: topology {topo}: {note}", flush=True)
         if server is not None:
             print(f"dashboard: {server.url}  (Ctrl-C stops everything)", flush=True)
         started = time.perf_counter()

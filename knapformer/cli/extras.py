@@ -16,6 +16,7 @@ from knapformer.errors import MissingExtraError
 EXTRA_MODULES = {
     "dashboard": ("dash", "plotly"),
     "animate": ("manim", "av"),
+    "tensorboard": ("tensorboard",),
 }
 
 

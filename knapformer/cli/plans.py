@@ -20,6 +20,7 @@ from knapformer.plan_io import (
     read_plans,
     select_step,
 )
+from knapformer.runfiles import every_run, single_run
 from knapformer.stats import before_after, share
 from knapformer.units import LoadUnit
 
@@ -30,12 +31,18 @@ def register(app: typer.Typer) -> None:
     app.command()(schema)
 
 
+PLAN_ARGUMENT = "plan file (JSON, JSONL or legacy JSON) or a run folder"
+
+
 def validate(
-    files: list[Path] = typer.Argument(..., help="plan files: JSON, JSONL or legacy JSON"),
+    files: list[Path] = typer.Argument(
+        ..., help="plan files (JSON, JSONL or legacy JSON) or run folders (every run checked)"
+    ),
 ) -> None:
     """Check plan files; print one line per problem as file:line: message (exit 1 if any)."""
+    console = Console(highlight=False)
     bad = 0
-    for path in files:
+    for path in [run for given in files for run in every_run(given).values()]:
         plans = problems = 0
         for item in iter_plan_file(path):  # streamed: a long recording is not held
             if isinstance(item, PlanRecord):
@@ -45,13 +52,13 @@ def validate(
                 problems += 1
         bad += problems
         if not problems:
-            print(f"{path}: {plans} plan(s) OK", flush=True)
+            console.print(f"{path}: {plans} plan(s) OK", soft_wrap=True)
     if bad:
         raise typer.Exit(1)
 
 
 def show(
-    file: Path = typer.Argument(..., help="plan file (JSON, JSONL or legacy JSON)"),
+    file: Path = typer.Argument(..., help=PLAN_ARGUMENT),
     step: int | None = typer.Option(None, help="step to show (default: the last plan)"),
 ) -> None:
     """Print a plan as a table per GPU: bag, tokens and load before/after, and its figures."""
@@ -69,11 +76,15 @@ def show(
 
 
 def read_plan_file(path: Path) -> ReadResult:
-    """Every valid plan of ``path``; a one-line `UserError` naming the first problem when
-    there is none (commands that take a plan file start here)."""
-    result = read_plans(path, on_error="skip")
+    """Every valid plan of ``path`` (a plan file, or a run folder: `single_run`); a
+    one-line `UserError` naming the first problem when there is none (commands that take
+    a plan file start here)."""
+    result = read_plans(single_run(path), on_error="skip")
     if not result.records:
-        raise UserError(str(result.problems[0]) if result.problems else f"{path}: no plan")
+        # A problem with the whole file (unreadable, not a plan file) says most.
+        whole = [p for p in result.problems if p.line is None]
+        first = (whole or result.problems or [f"{path}: no plan"])[0]
+        raise UserError(str(first))
     return result
 
 

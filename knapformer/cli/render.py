@@ -1,9 +1,10 @@
 """``knapformer animate`` (manim video of routing decisions) and ``knapformer report``
-(self-contained HTML with the dashboard's plotly figures). manim, plotly and Playwright are
-imported inside the commands so ``import knapformer`` stays light."""
+(self-contained HTML with the dashboard's plotly figures, or a PDF of it). manim, plotly
+and Playwright are imported inside the commands so ``import knapformer`` stays light."""
 
 from __future__ import annotations
 
+import tempfile
 import time
 from pathlib import Path
 from typing import Annotated
@@ -12,9 +13,13 @@ import typer
 
 from knapformer.cli.errors import UserError
 from knapformer.cli.extras import require
-from knapformer.cli.plans import read_plan_file
+from knapformer.cli.plans import PLAN_ARGUMENT, read_plan_file
+from visualization.render import DEFAULT_QUALITY  # no manim import: that waits for a render
 
-QUALITY_HELP = "low (854x480, 15 fps), medium (1280x720, 30 fps), high (1080p60) or 4k"
+QUALITY_HELP = (
+    "low (854x480, 15 fps), medium (1280x720, 30 fps; labels at least 12 px tall), "
+    "high (1080p60) or 4k"
+)
 
 
 def register(app: typer.Typer) -> None:
@@ -24,7 +29,7 @@ def register(app: typer.Typer) -> None:
 
 
 def animate(
-    plan: Annotated[Path, typer.Argument(help="Plan file: JSON, JSONL or legacy JSON.")],
+    plan: Annotated[Path, typer.Argument(help=PLAN_ARGUMENT)],
     out: Annotated[Path, typer.Option("-o", "--out", help="Output video (.mp4).")] = Path(
         "routing.mp4"
     ),
@@ -34,7 +39,7 @@ def animate(
     steps: Annotated[
         str | None, typer.Option(help="Chain steps A:B (inclusive; A: or :B open) in one video.")
     ] = None,
-    quality: Annotated[str, typer.Option(help=QUALITY_HELP)] = "low",
+    quality: Annotated[str, typer.Option(help=QUALITY_HELP)] = DEFAULT_QUALITY,
     measure: Annotated[
         str, typer.Option(help="Block widths proportional to 'tokens' or 'workload'.")
     ] = "tokens",
@@ -69,10 +74,13 @@ def animate(
 
 
 def report(
-    plans: Annotated[Path, typer.Argument(help="Plan file: JSON, JSONL or legacy JSON.")],
-    out: Annotated[Path, typer.Option("-o", "--out", help="Output HTML file.")] = Path(
-        "report.html"
-    ),
+    plans: Annotated[Path, typer.Argument(help=PLAN_ARGUMENT)],
+    out: Annotated[
+        Path,
+        typer.Option(
+            "-o", "--out", help="Output file: .html (self-contained) or .pdf (needs Chromium)."
+        ),
+    ] = Path("report.html"),
     steps: Annotated[
         str | None,
         typer.Option(help="Steps A:B (inclusive) to include (default: the last plan)."),
@@ -82,16 +90,37 @@ def report(
         typer.Option(help="Also export every figure as PNG into this directory (Chromium)."),
     ] = None,
 ) -> None:
-    """Write a self-contained HTML report with the dashboard's plotly figures."""
+    """Write a report with the dashboard's plotly figures: self-contained HTML, or a PDF
+    printed by headless Chromium."""
     require("dashboard", "knapformer report", "plotly")
-    from visualization.report import export_pngs, write_report
+    from visualization.report import (
+        browser_problem,
+        export_pngs,
+        print_pdf,
+        report_format,
+        write_report,
+    )
 
+    pdf = report_format(out) == "pdf"
+    if pdf:  # refuse before reading anything: a .pdf must not receive HTML
+        problem = browser_problem("a PDF report")
+        if problem is not None:
+            raise UserError(f"{problem}; or write HTML: -o {out.with_suffix('.html')}")
+        if not out.parent.exists():
+            raise UserError(f"output directory {str(out.parent)!r} does not exist")
     result = read_plan_file(plans)
-    written, figures = write_report(result, out, steps=steps, source=str(plans))
-    print(f"wrote {written} ({len(figures)} figures)")
-    if png is not None:
-        try:
-            files = export_pngs(written, png)
-        except RuntimeError as err:
-            raise UserError(str(err)) from None
-        print(f"wrote {len(files)} PNG files to {png}")
+    with tempfile.TemporaryDirectory(prefix="knapformer-report-") as scratch:
+        html = Path(scratch) / "report.html" if pdf else out
+        written, figures = write_report(result, html, steps=steps, source=str(plans))
+        if pdf:
+            try:
+                written = print_pdf(written, out)
+            except RuntimeError as err:
+                raise UserError(str(err)) from None
+        print(f"wrote {out} ({len(figures)} figures{', PDF' if pdf else ''})")
+        if png is not None:
+            try:
+                files = export_pngs(html, png)
+            except RuntimeError as err:
+                raise UserError(str(err)) from None
+            print(f"wrote {len(files)} PNG files to {png}")

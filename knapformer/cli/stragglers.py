@@ -13,7 +13,7 @@ from rich.table import Table
 from knapformer.cli.errors import UserError
 from knapformer.measured import RankFigures, measure
 from knapformer.plan_io import Problem, iter_plan_file
-from knapformer.runfiles import RUNS_LAYOUT, single_run_file
+from knapformer.runfiles import RUNS_LAYOUT, single_run
 from knapformer.stragglers import WINDOW, StragglerReport, analyse, describe
 from knapformer.units import significant
 
@@ -40,7 +40,7 @@ def stragglers(
     (slow_gpu, data_imbalance or ok)."""
     if window < 0:
         raise UserError(f"--window {window} must be 0 (every step) or more")
-    path = single_run_file(plans)
+    path = single_run(plans)
     figures, count = _measured_figures(path, window or None)
     if not figures:
         raise UserError(

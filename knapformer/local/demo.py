@@ -75,15 +75,31 @@ class StepReport:
 
 
 def default_topology(world_size: int) -> str:
-    """``g1n2+g2n1+g4n1`` on 8 ranks; bags of 1, 1, 2, 4, ... on any power of two;
-    otherwise one GPU per bag."""
-    if world_size >= 2 and world_size & (world_size - 1) == 0:
-        sizes, size = [1], 1
-        while sum(sizes) < world_size:
-            sizes.append(size)
-            size *= 2
-        return str(Topology.from_bag_sizes(sizes))
-    return f"g1n{world_size}"
+    """Bags of 1, 1, 2, 4, ... GPUs: the largest bag is the largest power of two below the
+    world size, the rest of the ranks are split the same way (8 ranks: ``g1n2+g2n1+g4n1``,
+    6: ``g1n2+g4n1``, 12: ``g1n2+g2n1+g8n1``). Every world of 3 or more ranks gets a
+    multi-GPU bag, so a long video sequence can be split instead of setting the step time
+    on its own; `topology_note` says what a smaller world cannot do."""
+    sizes, rest = [], max(int(world_size), 1)
+    while rest > 1:
+        biggest = 1 << ((rest - 1).bit_length() - 1)  # the largest power of two below rest
+        sizes.append(biggest)
+        rest -= biggest
+    sizes += [1] * rest
+    return str(Topology.from_bag_sizes(sizes))
+
+
+def topology_note(topology: Topology) -> str | None:
+    """Why ``topology`` cannot balance the demo's data well, or None when it can."""
+    if topology.num_gpus == 1:
+        return "one GPU: there is nothing to balance (use --world-size 3 or more)"
+    if topology.max_bag_size == 1:
+        return (
+            "every bag is one GPU: the balancer moves whole sequences but cannot split a "
+            "long one, which then sets the step time alone (a multi-GPU bag needs "
+            f"--world-size 3 or more, or a --topology with one, e.g. {default_topology(4)})"
+        )
+    return None
 
 
 def rank_codes(codes: list[DataCode], world_size: int) -> list[DataCode]:

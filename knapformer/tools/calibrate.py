@@ -32,8 +32,13 @@ import numpy as np
 from knapformer.errors import KnapformerError, OptionError, file_error
 from knapformer.plan import COMPUTE_PHASES, RoutingPlan, compute_phase
 from knapformer.plan_io import Problem, read_plans
+from knapformer.runfiles import single_run
 from knapformer.stats import terms_after
 from knapformer.workload import WorkloadModel, fit_scale_gamma
+
+#: A fit that explains less of the variation between the measured times than this is not
+#: a model of them: its γ would steer the balancer by noise.
+MIN_USABLE_R2 = 0.5
 
 
 @dataclass
@@ -62,6 +67,21 @@ class Calibration:
         resid = self.measured - self.predicted
         total = float(np.sum((self.measured - self.measured.mean()) ** 2))
         return 1.0 - float(np.sum(resid**2)) / total if total > 0 else 1.0
+
+    @property
+    def unusable_reason(self) -> str | None:
+        """Why the fit must not be used (None when it may): it explains less than
+        `MIN_USABLE_R2` of the variation between the measured times."""
+        r2 = self.r2
+        if r2 >= MIN_USABLE_R2:
+            return None
+        explained = "none" if r2 <= 0 else f"only {r2:.0%}"
+        what = "per-sequence latencies" if self.source == "csv" else "per-GPU times"
+        return (
+            f"R² = {r2:.2f} < {MIN_USABLE_R2}: the model explains {explained} of the "
+            f"variation between the measured {what} (relative RMS error "
+            f"{self.rel_rms_error:.0%})"
+        )
 
 
 def read_measurements_csv(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
@@ -178,7 +198,8 @@ def calibrate_plans(
 def calibrate_file(
     path: str | Path, token_dim: int | None = None, phase: str | None = None
 ) -> Calibration:
-    """Calibrate from a ``.csv`` of (length, latency) or a plan file (JSON/JSONL).
+    """Calibrate from a ``.csv`` of (length, latency), a plan file (JSON/JSONL) or a run
+    folder (`single_run`).
 
     Bad records of a plan file are skipped and listed in ``Calibration.skipped``."""
     path = Path(path)
@@ -188,7 +209,7 @@ def calibrate_file(
         lengths, latencies = read_measurements_csv(path)
         return calibrate_lengths(lengths, latencies, token_dim)
     # A recording cut by a crash may end in a partial line: skip bad records, say which.
-    result = read_plans(path, on_error="skip")
+    result = read_plans(single_run(path), on_error="skip")
     if not result.plans:
         unreadable = [p for p in result.problems if p.line is None]
         if unreadable:  # a missing file, a folder, an empty file: say that, not "no plan"

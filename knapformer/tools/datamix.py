@@ -8,6 +8,7 @@ multiplier drawn from [0.96, 1.04]; each sample adds a text prompt of 0..392 tok
 
 from __future__ import annotations
 
+import difflib
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -95,8 +96,17 @@ class DataCode:
 
 
 def parse_mix(text: str) -> list[DataCode]:
-    """A mix name (``joint``) or comma-separated data codes."""
-    text = MIXES.get(text.strip(), text)
+    """A mix name (``joint``) or comma-separated data codes. A word that is neither is
+    refused with the closest mix name, if one is close (``jiont`` -> ``joint``)."""
+    name = text.strip()
+    if name in MIXES:
+        text = MIXES[name]
+    elif "," not in name and _CODE.fullmatch(name) is None and not name.startswith("g"):
+        close = difflib.get_close_matches(name, MIXES, n=1, cutoff=0.6)
+        raise KnapformerError(
+            f"data mix {name!r} is not a mix name ({', '.join(MIXES)}) nor data codes "
+            "gGbBiIfFsS (e.g. 'g8b4i256f1s0')" + (f"; did you mean {close[0]!r}?" if close else "")
+        )
     codes = [DataCode.parse(part) for part in text.split(",") if part.strip()]
     if not codes:
         raise KnapformerError(f"data mix {abbreviate(repr(text))} holds no data codes")

@@ -1,0 +1,287 @@
+"""Recorded plans as a Chrome Trace Event Format file, for the trace viewers users already
+have: Perfetto (ui.perfetto.dev, trace_processor), chrome://tracing and the Performance
+panel of Chromium's DevTools.
+
+The format is the JSON object form of the Trace Event Format (``{"traceEvents": [...]}``;
+times in microseconds): complete events (``"ph": "X"``) for slices, counter events
+(``"C"``) for numbers over time and metadata events (``"M"``) naming processes and
+threads. What goes where:
+
+- one process per run (a run folder may hold several), named after the run;
+- in it, one track (thread) per GPU rank, named ``GPU 5 · bag 1 · 4 GPUs``, in rank
+  order, and above them a ``steps`` track;
+- steps one after another from `ORIGIN_MS` (each run starts there, so runs line up): step
+  k's slot starts where step k-1's ended and is as long as its slowest rank. A rank's step
+  is one slice ``step N`` (its measured ``step`` time, or the sum of its phases when that
+  is longer or ``step`` was not measured), holding the rank's measured phases as slices
+  in the order a step runs them (`knapformer.plan` names the phases). The recorder keeps
+  one sum per phase and step, not timestamps, so where a phase sits inside its step is a
+  layout, not a measurement: ``plan`` (holding ``gather``), ``record``,
+  ``forward_backward`` (holding ``route``, ``pre_attn``, ``post_attn`` and
+  ``reverse_route`` when they fit inside it, as in a training loop that times the model
+  call; otherwise they go before and after it), ``allreduce``, ``optimizer``, then any
+  other phase a training loop added. ``step`` and ``compute`` (derived) are arguments of
+  the step slice;
+- the ``steps`` track holds one slice per step with the plan's figures as arguments, and
+  counters carry them over time (`COUNTERS`: imbalance before/after, moved fraction,
+  planning time, modelled speedup, measured max/mean compute).
+
+A plan without per-rank times gets a slot of `UNMEASURED_SLOT_MS` (its figures, no rank
+slices).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from knapformer.errors import KnapformerError, file_error
+from knapformer.plan import RoutingPlan
+from knapformer.scalars import step_figures
+from knapformer.stats import gpu_bags
+
+#: Phases that hold others when those fit inside them (see the module docstring).
+NESTED_PHASES = {
+    "plan": ("gather",),
+    "forward_backward": ("route", "pre_attn", "post_attn", "reverse_route"),
+}
+#: The order phases run in a step, outermost phases only.
+STEP_ORDER = ("plan", "record", "forward_backward", "allreduce", "optimizer")
+#: Not slices: ``step`` is the length of a rank's step, ``compute`` is derived from it.
+SPAN_PHASES = ("step", "compute")
+UNMEASURED_SLOT_MS = 1.0
+#: Where every run's first step starts. Not 0: DevTools' Performance panel leaves events
+#: at timestamp 0 out of the trace's bounds.
+ORIGIN_MS = 1.0
+STEPS_TRACK = 1_000_000  # tid of the steps track (ranks use their own rank as tid)
+US_PER_MS = 1000.0
+
+
+@dataclass(frozen=True)
+class Slice:
+    """A phase laid out inside a rank's step: offset from the step's start and length, ms."""
+
+    name: str
+    start_ms: float
+    ms: float
+    depth: int  # 0: the step itself, 1: a phase, 2: a phase inside another
+
+
+def layout_rank_step(times: dict[str, float]) -> tuple[float, list[Slice]]:
+    """(span ms, slices) of one rank's step from its measured ``times`` (phase -> ms).
+
+    The span is the measured ``step`` time, or the sum of the outermost phases when that
+    is longer or ``step`` is missing. Slices start with the step itself (depth 0)."""
+    times = {p: float(ms) for p, ms in times.items() if np.isfinite(ms) and ms >= 0}
+    inner: dict[str, list[str]] = {}
+    outer: list[str] = []
+    for parent, children in NESTED_PHASES.items():
+        measured = [c for c in children if c in times]
+        if parent in times and sum(times[c] for c in measured) <= times[parent]:
+            inner[parent] = measured
+    nested = {c for children in inner.values() for c in children}
+    for phase in STEP_ORDER:
+        if phase == "forward_backward" and "forward_backward" not in inner:
+            # Not nested: route and the attention exchanges before the model call, the
+            # way back after it.
+            outer += [p for p in ("route", "pre_attn", "post_attn") if p in times]
+            outer += ["forward_backward"] if "forward_backward" in times else []
+            outer += ["reverse_route"] if "reverse_route" in times else []
+        elif phase == "plan" and "plan" not in inner:
+            outer += [p for p in ("gather", "plan") if p in times]
+        elif phase in times:
+            outer.append(phase)
+    placed = set(outer) | nested | set(SPAN_PHASES)
+    outer += [p for p in times if p not in placed]  # phases a training loop added
+    total = sum(times[p] for p in outer)
+    span = max(times.get("step", 0.0), total)
+    slices = [Slice("step", 0.0, span, 0)]
+    at = 0.0
+    for phase in outer:
+        slices.append(Slice(phase, at, times[phase], 1))
+        children = inner.get(phase, [])
+        if phase == "forward_backward" and "reverse_route" in children:
+            # route first, reverse_route last, the attention exchanges in between.
+            first = [c for c in children if c != "reverse_route"]
+            inner_at = at
+            for child in first:
+                slices.append(Slice(child, inner_at, times[child], 2))
+                inner_at += times[child]
+            back = times["reverse_route"]
+            slices.append(Slice("reverse_route", at + times[phase] - back, back, 2))
+        else:
+            inner_at = at
+            for child in children:
+                slices.append(Slice(child, inner_at, times[child], 2))
+                inner_at += times[child]
+        at += times[phase]
+    return span, slices
+
+
+#: Counter track -> series -> figure of `knapformer.scalars.step_figures` (one home for
+#: what a step is summed up by; TensorBoard gets the same figures).
+COUNTERS = {
+    "imbalance (max/mean load)": {"before": "imbalance_before", "after": "imbalance_after"},
+    "moved tokens (fraction)": {"moved": "moved_fraction"},
+    "modelled speedup": {"speedup": "modelled_speedup"},
+    "planning time (ms)": {"plan": "plan_ms"},
+    "measured compute (max/mean)": {"max/mean": "compute_max_over_mean"},
+}
+
+
+def plan_counters(plan: RoutingPlan) -> dict[str, dict[str, float]]:
+    """Counter name -> series -> value: the figures of one plan shown over time (a counter
+    whose figures the plan lacks, e.g. measured compute, is left out)."""
+    figures = step_figures(plan)
+    counters = {
+        name: {label: figures[key] for label, key in series.items() if key in figures}
+        for name, series in COUNTERS.items()
+    }
+    return {name: series for name, series in counters.items() if series}
+
+
+def _metadata(kind: str, pid: int, tid: int | None, args: dict[str, Any]) -> dict[str, Any]:
+    event: dict[str, Any] = {"ph": "M", "name": kind, "pid": pid, "args": args}
+    if tid is not None:
+        event["tid"] = tid
+    return event
+
+
+def trace_events(runs: dict[str, Sequence[RoutingPlan]]) -> list[dict[str, Any]]:
+    """Every event of the trace of ``runs`` (run name -> its plans in step order)."""
+    events: list[dict[str, Any]] = []
+    for index, (run, plans) in enumerate(runs.items()):
+        pid = index + 1
+        events.append(_metadata("process_name", pid, None, {"name": f"knapformer · {run}"}))
+        events.append(_metadata("process_sort_index", pid, None, {"sort_index": index}))
+        events.append(_metadata("thread_name", pid, STEPS_TRACK, {"name": "steps"}))
+        events.append(_metadata("thread_sort_index", pid, STEPS_TRACK, {"sort_index": -1}))
+        named: set[int] = set()
+        at_ms = ORIGIN_MS
+        for i, plan in enumerate(plans):
+            for position, rank in enumerate(plan.gpus):
+                if rank not in named:
+                    named.add(rank)
+                    bag = int(gpu_bags(plan)[position])
+                    label = f"GPU {rank} · {plan.bag_label(bag)}"
+                    events.append(_metadata("thread_name", pid, rank, {"name": label}))
+                    events.append(_metadata("thread_sort_index", pid, rank, {"sort_index": rank}))
+            slot_ms, rank_events = _rank_steps(plan, pid, at_ms, i)
+            events += rank_events
+            events += _step_events(plan, pid, at_ms, slot_ms, i)
+            at_ms += slot_ms
+    return events
+
+
+def _span_us(start_ms: float, ms: float) -> dict[str, int]:
+    """``ts`` and ``dur`` in whole microseconds, both ends rounded on their own: a slice
+    that ends where the next begins shares its boundary exactly (viewers re-nest a slice
+    that starts a hair before its predecessor ends)."""
+    start = round(start_ms * US_PER_MS)
+    return {"ts": start, "dur": round((start_ms + ms) * US_PER_MS) - start}
+
+
+def _step_name(plan: RoutingPlan, index: int) -> str:
+    return f"step {plan.step if plan.step is not None else index}"
+
+
+def _rank_steps(plan: RoutingPlan, pid: int, at_ms: float, index: int) -> tuple[float, list[dict]]:
+    """The slot length (ms) of ``plan``'s step and the slices of every rank in it."""
+    m = plan.measurements
+    if m is None or not m.per_rank_ms:
+        return UNMEASURED_SLOT_MS, []
+    events, slot = [], 0.0
+    name = _step_name(plan, index)
+    for position, rank in enumerate(plan.gpus):
+        times = {phase: values[position] for phase, values in m.per_rank_ms.items()}
+        span, slices = layout_rank_step(times)
+        slot = max(slot, span)
+        for s in slices:
+            args: dict[str, Any] = {"ms": round(s.ms, 6)}
+            if s.depth == 0:
+                args = {p: round(float(times[p]), 6) for p in SPAN_PHASES if p in times}
+                args["phases_ms"] = round(sum(x.ms for x in slices if x.depth == 1), 6)
+            events.append(
+                {
+                    "ph": "X",
+                    "name": name if s.depth == 0 else s.name,
+                    "cat": "step" if s.depth == 0 else "phase",
+                    "pid": pid,
+                    "tid": rank,
+                    **_span_us(at_ms + s.start_ms, s.ms),
+                    "args": args,
+                }
+            )
+    return (slot if slot > 0 else UNMEASURED_SLOT_MS), events
+
+
+def _step_events(plan: RoutingPlan, pid: int, at_ms: float, slot_ms: float, index: int):
+    """The step's slice on the steps track and its counters."""
+    st = plan.stats
+    counters = plan_counters(plan)
+    figures: dict[str, Any] = {
+        "topology": plan.topology,
+        "sequences": len(plan.sequences),
+        "chunks": len(plan.chunks),
+        "moved_tokens": st.moved_tokens,
+        "total_tokens": st.total_tokens,
+        **{
+            f"{name}: {k}": round(v, 6)
+            for name, series in counters.items()
+            for k, v in series.items()
+        },
+    }
+    if plan.measurements is None or not plan.measurements.per_rank_ms:
+        figures["note"] = "no per-rank times recorded for this step"
+    span = _span_us(at_ms, slot_ms)
+    events = [
+        {
+            "ph": "X",
+            "name": _step_name(plan, index),
+            "cat": "step",
+            "pid": pid,
+            "tid": STEPS_TRACK,
+            **span,
+            "args": figures,
+        }
+    ]
+    events += [
+        {"ph": "C", "name": name, "pid": pid, "ts": span["ts"], "args": series}
+        for name, series in counters.items()
+    ]
+    return events
+
+
+def build_trace(runs: dict[str, Sequence[RoutingPlan]], source: str = "") -> dict[str, Any]:
+    """The trace of ``runs`` (run name -> plans) as a JSON-ready dict."""
+    from knapformer import __version__
+
+    if not any(runs.values()):
+        raise KnapformerError("no plan to trace")
+    return {
+        "traceEvents": trace_events(runs),
+        "displayTimeUnit": "ms",
+        "otherData": {
+            "generator": f"knapformer {__version__} trace",
+            "source": source,
+            "layout": "steps one after another; phases laid out inside each step in the "
+            "order a step runs them (the recorder keeps per-phase sums, not timestamps)",
+        },
+    }
+
+
+def write_trace(path: str | os.PathLike, trace: dict[str, Any]) -> Path:
+    """Write ``trace`` as JSON to ``path`` (strict JSON: no NaN or infinity)."""
+    path = Path(path)
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(trace, f, allow_nan=False, separators=(",", ":"))
+    except OSError as err:
+        raise file_error(path, err, "cannot write") from err
+    return path
