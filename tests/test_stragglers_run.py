@@ -11,8 +11,6 @@ import pytest
 from knapformer.cli import main
 from knapformer.local.demo import DemoConfig, run_demo
 
-pytest.importorskip("knapformer.stragglers")  # the straggler tools
-
 WORLD = 4
 SLOW_RANK = 3  # in the 2-GPU bag of g1n2+g2n1: its bag mate waits for it, and is not slow
 EVEN = "g4b4i512f1s0"  # every rank the same kind of data: any imbalance is the slow GPU's
