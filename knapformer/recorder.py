@@ -195,10 +195,9 @@ class PlanRecorder:
             if not (due and self._writes(plan)):
                 return False
         if self.file_path is None and _dist_rank() is not None:
-            group = min(plan.gpus) // len(plan.gpus)  # groups are consecutive blocks of ranks
-            self.file_path = group_file(self.path, group)
+            self.file_path = self._group_path(plan.gpus)
             if self.tensorboard_dir is not None:
-                self._tensorboard_path = group_file(self.tensorboard_dir, group)
+                self._tensorboard_path = self._group_path(plan.gpus, self.tensorboard_dir)
         return self._enqueue(plan)
 
     def close(self, timeout: float | None = 30.0) -> None:
@@ -278,6 +277,11 @@ class PlanRecorder:
         group, else the rank at position ``writer`` of ``plan.gpus``."""
         rank = _dist_rank()
         return rank is None or (self.writer < len(plan.gpus) and plan.gpus[self.writer] == rank)
+
+    def _group_path(self, group_ranks: list[int], path: Path | None = None) -> Path:
+        """This group's file (or TensorBoard folder) for ``path`` (default: the plans
+        file): groups are consecutive blocks of ranks, index = first // size."""
+        return group_file(path or self.path, min(group_ranks) // len(group_ranks))
 
     # -------------------------------------------------------------- writer thread
     def _run(self) -> None:
