@@ -397,15 +397,17 @@ class SequenceBalancer:
         self.last_plan = plan
 
     def finish(self) -> None:
-        """Collective end of training (every rank of the group, after the last step, before
-        `close`): gathers the measurements not sent yet, so that the last plans are
-        recorded with them. No `plan_routing` may follow. Without it, `close` records
-        those plans without their measurements (it may not run a collective: other ranks
-        may be gone)."""
+        """Collective end of training (every rank of the group, right after the last step,
+        before `close`): ends the last step and gathers the measurements not sent yet, so
+        that the last plans are recorded with them. No `plan_routing` may follow. Without
+        it, `close` records those plans without their measurements (it may not run a
+        collective: other ranks may be gone)."""
         self._require_open()
         if self._finished:
             return
-        self._timer.close(None)  # the last step: it has no wall time (no next step)
+        # The last step ends here (call finish right after it): it gets its wall time,
+        # and with it its compute, like every other step.
+        self._timer.close(time.perf_counter(), self._timer.boundary())
         if self._ahead is None:
             measured = self._gather_the_rest(self.group, self.device)
         else:

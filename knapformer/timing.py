@@ -48,9 +48,9 @@ class FinishedStep:
     host: dict[str, float]
     events: list[tuple[str, Any, Any]]  # (phase, start event, end event)
     started: float  # host clock at the step's start
-    ended: float | None  # host clock at the next step's start (None: the last step)
+    ended: float  # host clock at the step's end (the next step's start, or finish())
     begin: Any = None  # CUDA event at the step's start
-    end: Any = None  # CUDA event at the next step's start
+    end: Any = None  # CUDA event at the step's end
     _values: dict[str, float] | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -65,14 +65,13 @@ class FinishedStep:
         for phase, start, end in self.events:
             end.synchronize()  # a no-op once the stream passed it
             values[phase] = values.get(phase, 0.0) + start.elapsed_time(end)
-        if self.begin is not None and self.end is not None:
+        if self.begin is not None:
             self.end.synchronize()
             values["step"] = self.begin.elapsed_time(self.end)
-        elif self.begin is None and self.ended is not None:
+        else:
             values["step"] = (self.ended - self.started) * 1e3
-        if "step" in values:
-            waited = sum(values.get(p, 0.0) for p in COLLECTIVE_PHASES)
-            values["compute"] = max(values["step"] - waited, 0.0)
+        waited = sum(values.get(p, 0.0) for p in COLLECTIVE_PHASES)
+        values["compute"] = max(values["step"] - waited, 0.0)
         return values
 
     def row(self, phases: Iterable[str]) -> list[float]:
@@ -155,9 +154,9 @@ class StepTimer:
         """Start timing ``step``, begun at host time ``started`` (CUDA event ``begin``)."""
         self._open = _OpenStep(step, started, begin)
 
-    def close(self, now: float | None, end: Any = None) -> FinishedStep | None:
-        """End the open step (``now``: host time the next one starts; None when no step
-        follows, so the step has no wall time). Returns it; None when none was open."""
+    def close(self, now: float, end: Any = None) -> FinishedStep | None:
+        """End the open step at host time ``now`` (CUDA event ``end``): the next step's
+        start, or the end of training. Returns it; None when none was open."""
         step, self._open = self._open, None
         if step is None:
             return None
@@ -168,7 +167,7 @@ class StepTimer:
             step.started,
             now,
             step.begin,
-            end if now is not None else None,
+            end,
         )
         with self._changed:
             self._finished[step.step] = done

@@ -138,9 +138,9 @@ def test_recordings_hold_the_same_plans_with_the_same_measured_phases(trained):
         assert a.sequences == s.sequences and a.chunks == s.chunks and a.bags == s.bags
         assert sorted(a.measurements.per_rank_ms) == sorted(s.measurements.per_rank_ms), a.step
         assert all(len(v) == WORLD for v in a.measurements.per_rank_ms.values())
-    # finish() gave the last two plans their measurements; the last has no whole step.
+    # finish() gave the last two plans their measurements; the last step ends at finish().
     assert "allreduce" in ahead[-1].measurements.per_rank_ms
-    assert "step" not in ahead[-1].measurements.per_rank_ms
+    assert "compute" in ahead[-1].measurements.per_rank_ms
     assert "compute" in ahead[-2].measurements.per_rank_ms
 
 
