@@ -19,17 +19,11 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +33,16 @@ from rich.table import Table
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from dashboard_server import (  # noqa: E402
+    PeakRss,
+    free_port,
+    print_log_tail,
+    start_server,
+    status,
+    stop_server,
+    wait_until,
+)
 
 from knapformer.plan_io import read_plans  # noqa: E402
 from knapformer.planner import plan_routing  # noqa: E402
@@ -71,54 +75,6 @@ def make_file(path: Path, steps: int, distinct: int) -> list:
     return plans
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def status(url: str) -> dict:
-    with urllib.request.urlopen(url + "api/status", timeout=30) as resp:
-        return json.loads(resp.read())
-
-
-class PeakRss:
-    """Samples a process's RSS every 20 ms in a thread; ``peak`` in bytes."""
-
-    def __init__(self, pid: int):
-        self.proc = psutil.Process(pid)
-        self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self):
-        while not self._stop.is_set():
-            try:
-                self.peak = max(self.peak, self.proc.memory_info().rss)
-            except psutil.Error:
-                return
-            self._stop.wait(0.02)
-
-    def stop(self) -> int:
-        self._stop.set()
-        self._thread.join()
-        return self.peak
-
-
-def wait_until(check, timeout: float, what: str) -> float:
-    start = time.perf_counter()
-    while True:
-        try:
-            if check():
-                return time.perf_counter() - start
-        except Exception:
-            pass
-        if time.perf_counter() - start > timeout:
-            raise TimeoutError(f"{what} did not happen within {timeout} s")
-        time.sleep(0.02)
-
-
 def bench_dashboard(path: Path, plans: list, steps: int, updates: int) -> dict:
     from playwright.sync_api import sync_playwright
 
@@ -128,12 +84,8 @@ def bench_dashboard(path: Path, plans: list, steps: int, updates: int) -> dict:
     with sync_playwright() as pw:
         browser = launch_chromium(pw)
         page = browser.new_page(viewport={"width": 1400, "height": 1600})
-        code = f"from dashboard.server import serve; serve({str(path)!r}, '127.0.0.1', {port})"
         started = time.perf_counter()
-        log = open(path.parent / "server.log", "w+")  # noqa: SIM115 — a file, not a pipe that fills
-        server = subprocess.Popen(
-            [sys.executable, "-c", code], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT
-        )
+        server, log = start_server(path, port, path.parent / "server.log")
         rss = PeakRss(server.pid)
         try:
             wait_until(lambda: status(url) is not None, 60, "server start")
@@ -196,18 +148,11 @@ def bench_dashboard(path: Path, plans: list, steps: int, updates: int) -> dict:
                 ),
                 file=sys.stderr,
             )
-            log.seek(0)
-            print("server log (last lines):\n" + "".join(log.readlines()[-30:]), file=sys.stderr)
+            print_log_tail(log)
             raise
         finally:
             out["rss_mib"] = rss.stop() / 2**20
-            server.send_signal(signal.SIGINT)
-            try:
-                server.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait()
-            log.close()
+            stop_server(server, log)
             browser.close()
     return out
 

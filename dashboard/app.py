@@ -5,15 +5,21 @@
   problems, notices). It sends nothing when nothing changed, so an idle tick costs one
   request; the callbacks below follow the view, not the tick.
 - header cards (`_header_cards`) and notices (`_notices`): drawn from the view.
-- step selection (`_step_selection`): slider, "follow live" and timeline clicks decide
-  which step is shown (the ``selection`` store).
+- step selection (`_step_selection`): slider, "go to step" (typed, Enter), "follow live"
+  and timeline clicks decide which step is shown (the ``selection`` store).
 - timeline (`_timeline`): appends new steps with a `Patch` instead of resending the
   whole figure, and marks the selected step.
-- per-step views (`_step_views`): run only when the shown step or the selected sequence
-  changes; they re-read that one plan and draw it.
+- per-step views (`_step_views`): run only when the shown step or the highlighted
+  sequence changes; they re-read that one plan and draw it. The step label comes with
+  the figures, so it always names the step they show.
+- sequence table (`_sequence_table`, `_pick_sequence`): one page at a time, sorted and
+  filtered on the server (`dashboard.table`); picking a row sets the ``highlight`` store.
+- straggler views (`_straggler_views`): rank × step heatmaps of measured compute ÷
+  predicted and of waiting, and predicted vs measured per rank, over the measured steps
+  up to the shown one; the header names the run's current straggler (`_header_cards`).
 
 Every callback names its outputs (dicts of `Output`), and figures are built by
-`visualization.figures`.
+`visualization.figures` and `visualization.straggler_figures`.
 """
 
 from __future__ import annotations
@@ -39,22 +45,34 @@ from dashboard.guard import (
     optional,
     record,
 )
-from dashboard.store import RequestGate, Runs, Snapshot
+from dashboard.store import PlanStore, RequestGate, Runs, Snapshot
+from dashboard.table import query
 from knapformer.runfiles import RUNS_LAYOUT
 from knapformer.stats import before_after
+from knapformer.stragglers import WINDOW, analyse, describe, rank_steps
+from knapformer.units import LoadUnit
 from visualization.figures import (
+    SEQUENCE_COLUMNS,
     bag_load_figure,
-    predicted_vs_measured_figure,
+    empty_figure,
     selection_shapes,
-    sequence_rows,
     timeline_columns,
     timeline_figure,
+    timeline_measured,
     timeline_mode,
     traffic_figure,
+)
+from visualization.straggler_figures import (
+    HEATMAP_STEPS,
+    heatmap_steps,
+    predicted_vs_measured_figure,
+    ratio_heatmap,
+    wait_heatmap,
 )
 
 TICK_MS = 500
 PAGE_LOAD_LINGER_S = 1.5
+PAGE_SIZE = 15
 _SHOWN_PROBLEMS = 8
 _HIDDEN = {"display": "none"}
 _CARD = {
@@ -64,6 +82,8 @@ _CARD = {
     "minWidth": "150px",
 }
 _PICKER = {"display": "flex", "alignItems": "center", "margin": "6px 0"}
+_HALF = {"flex": "1", "minWidth": "420px"}
+_COLUMN_NAMES = {"src_gpu": "source GPU"}  # else the column id
 _NOTICE = {
     "padding": "8px 12px",
     "margin": "8px 0",
@@ -92,7 +112,14 @@ CALLBACK_SHAPES = {
     ("view", "data"): optional(record(run=optional(is_str), notices=list_of(is_str))),
     ("run-picker-box", "style"): optional(record()),
     ("step-slider", "max"): optional(is_number),
-    ("seq-table", "selected_row_ids"): optional(list_of(is_int)),
+    ("step-input", "n_submit"): optional(is_int),
+    ("step-input", "value"): optional(is_number),
+    ("highlight", "data"): optional(record(key=optional(is_list), seq=is_int)),
+    ("seq-table", "page_current"): optional(is_int),
+    ("seq-table", "sort_by"): optional(list_of(record(column_id=is_str, direction=is_str))),
+    ("seq-table", "filter_query"): optional(is_str),
+    ("seq-table", "selected_rows"): optional(list_of(is_int)),
+    ("seq-table", "data"): optional(list_of(record(id=is_int))),
 }
 
 
@@ -121,6 +148,8 @@ def _layout(runs: Runs) -> html.Div:
             dcc.Store(id="client", data={"run": None, "reset": None, "count": 0}),
             # The step the per-step views show: run, reset counter, index.
             dcc.Store(id="selection", data=initial),
+            # The sequence whose chunks are highlighted: the step it belongs to, and its id.
+            dcc.Store(id="highlight"),
             html.H2("KnapFormer routing plans", style={"margin": "4px 0"}),
             html.Div(
                 [
@@ -136,6 +165,7 @@ def _layout(runs: Runs) -> html.Div:
                     _card("steps seen", "stat-steps"),
                     _card("latest imbalance before → after", "stat-imbalance"),
                     _card("mean modelled speedup", "stat-speedup"),
+                    _card(f"straggler (last {WINDOW} measured steps)", "stat-straggler"),
                     _card("malformed records skipped", "stat-skipped"),
                 ],
                 style={"display": "flex", "gap": "10px", "flexWrap": "wrap"},
@@ -144,8 +174,24 @@ def _layout(runs: Runs) -> html.Div:
             html.Div(
                 [
                     html.Div(
-                        dcc.Slider(id="step-slider", min=0, max=0, step=1, value=0, marks={}),
+                        dcc.Slider(
+                            id="step-slider",
+                            min=0,
+                            max=0,
+                            step=1,
+                            value=0,
+                            marks={},
+                            # its box would take an index, not a step: "go to step" does
+                            allow_direct_input=False,
+                        ),
                         style={"flex": "1"},
+                    ),
+                    dcc.Input(
+                        id="step-input",
+                        type="number",
+                        placeholder="go to step",
+                        debounce=True,  # the value is sent with Enter (n_submit)
+                        style={"width": "170px"},
                     ),
                     dcc.Checklist(
                         id="follow",
@@ -156,9 +202,15 @@ def _layout(runs: Runs) -> html.Div:
                 ],
                 style={"display": "flex", "gap": "16px", "alignItems": "center", "margin": "8px"},
             ),
-            html.Div(id="step-label", style={"margin": "0 8px", "fontWeight": "bold"}),
+            html.Div(
+                [
+                    html.Span(id="step-label", style={"fontWeight": "bold"}),
+                    html.Span(id="follow-note", style={"color": "#868e96", "marginLeft": "8px"}),
+                ],
+                style={"margin": "0 8px"},
+            ),
             html.Div(id="detail-notice", role="alert", style=_HIDDEN),
-            dcc.Graph(id="bag-load", style={"height": "420px"}),
+            dcc.Graph(id="bag-load", style={"height": "440px"}),
             html.Div(
                 [
                     html.Div(dcc.Graph(id="timeline"), style={"flex": "1", "minWidth": "420px"}),
@@ -169,30 +221,55 @@ def _layout(runs: Runs) -> html.Div:
                 ],
                 style={"display": "flex", "gap": "10px", "flexWrap": "wrap"},
             ),
-            html.Div(dcc.Graph(id="pvm"), id="pvm-box", style=_HIDDEN),
+            html.Div(
+                [
+                    html.H4("Stragglers: measured compute apart from waiting"),
+                    html.Div(
+                        [
+                            html.Div(dcc.Graph(id="ratio-heatmap"), style=_HALF),
+                            html.Div(dcc.Graph(id="wait-heatmap"), style=_HALF),
+                        ],
+                        style={"display": "flex", "gap": "10px", "flexWrap": "wrap"},
+                    ),
+                    dcc.Graph(id="pvm"),
+                ],
+                id="straggler-box",
+                style=_HIDDEN,
+            ),
             html.H4("Sequences of the step (select one to highlight its chunks)"),
             dash_table.DataTable(
                 id="seq-table",
-                columns=[
-                    {"name": "id", "id": "id", "type": "numeric"},
-                    {"name": "source GPU", "id": "src_gpu", "type": "numeric"},
-                    {"name": "length", "id": "length", "type": "numeric"},
-                    {"name": "workload", "id": "workload", "type": "numeric"},
-                    {"name": "bag", "id": "bag", "type": "numeric"},
-                    {"name": "chunks", "id": "chunks", "type": "numeric"},
-                    {"name": "destinations", "id": "destinations", "type": "text"},
-                ],
+                columns=_table_columns(None),
                 data=[],
-                sort_action="native",
-                filter_action="native",
+                page_action="custom",
+                page_current=0,
+                page_size=PAGE_SIZE,
+                page_count=1,
+                sort_action="custom",
+                sort_mode="single",
+                sort_by=[],
+                filter_action="custom",
+                filter_query="",
                 row_selectable="single",
                 selected_rows=[],
-                page_size=15,
                 style_cell={"fontFamily": "monospace", "padding": "2px 8px"},
             ),
         ],
         style={"fontFamily": "system-ui, sans-serif", "margin": "8px 16px"},
     )
+
+
+def _table_columns(unit: LoadUnit | None) -> list[dict]:
+    """The sequence table's columns; the workload's names its unit (`LoadUnit`)."""
+    names = {**_COLUMN_NAMES, "workload": f"workload ({unit.name})" if unit else "workload"}
+    return [
+        {
+            "name": names.get(name, name),
+            "id": name,
+            "type": "text" if name == "destinations" else "numeric",
+        }
+        for name in SEQUENCE_COLUMNS
+    ]
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -313,6 +390,9 @@ def create_app(path: str | Path) -> Dash:
     _step_selection(app, runs, timed)
     _timeline(app, runs, timed)
     _step_views(app, runs, timed)
+    _sequence_table(app, runs, timed)
+    _pick_sequence(app, timed)
+    _straggler_views(app, runs, timed)
     return app
 
 
@@ -359,6 +439,7 @@ def _header_cards(app: Dash, runs: Runs, timed: Callable) -> None:
             "imbalance": Output("stat-imbalance", "children"),
             "speedup": Output("stat-speedup", "children"),
             "skipped": Output("stat-skipped", "children"),
+            "straggler": Output("stat-straggler", "children"),
         },
         inputs={"view": Input("view", "data")},
     )
@@ -369,6 +450,7 @@ def _header_cards(app: Dash, runs: Runs, timed: Callable) -> None:
         n = len(snap.summaries) if snap else 0
         latest = snap.summaries[-1] if n else None
         return {
+            "straggler": _straggler(runs.store(run), snap),
             "run": (latest.run if latest else None) or run or "–",
             "steps": f"{n:,}" + (" (indexing…)" if snap and snap.indexing else ""),
             "imbalance": (
@@ -377,6 +459,15 @@ def _header_cards(app: Dash, runs: Runs, timed: Callable) -> None:
             "speedup": _fmt(snap.mean_speedup if snap else None, ".2f") + ("×" if n else ""),
             "skipped": str(snap.problem_count if snap else 0),
         }
+
+
+def _straggler(store: PlanStore | None, snap: Snapshot | None) -> str:
+    """The run's current straggler: the verdict over its last `WINDOW` measured steps."""
+    if store is None or snap is None or not snap.measured_steps:
+        return "– (no measured steps)"
+    window = store.measured(len(snap.summaries) - 1, WINDOW, snap.reset)
+    named = analyse(window).straggler if window else None
+    return describe(named) if named else "none: every rank as predicted"
 
 
 def _notices(app: Dash, timed: Callable) -> None:
@@ -401,18 +492,23 @@ def _step_selection(app: Dash, runs: Runs, timed: Callable) -> None:
             "value": Output("step-slider", "value"),
             "follow": Output("follow", "value"),
             "selection": Output("selection", "data"),
-            "label": Output("step-label", "children"),
+            "note": Output("follow-note", "children"),
         },
         inputs={
             "view": Input("view", "data"),
             "value": Input("step-slider", "value"),
             "click": Input("timeline", "clickData"),
             "follow": Input("follow", "value"),
+            "entered": Input("step-input", "n_submit"),
         },
-        state={"selection": State("selection", "data"), "shown_last": State("step-slider", "max")},
+        state={
+            "typed": State("step-input", "value"),
+            "selection": State("selection", "data"),
+            "shown_last": State("step-slider", "max"),
+        },
     )
     @timed
-    def step_selection(view, value, click, follow, selection, shown_last):
+    def step_selection(view, value, click, follow, entered, typed, selection, shown_last):
         trigger = ctx.triggered_id
         snap = _snapshot(runs, view)
         run = view["run"] if view else None
@@ -428,11 +524,17 @@ def _step_selection(app: Dash, runs: Runs, timed: Callable) -> None:
 
         following = "on" in (follow or [])
         index = value if isinstance(value, int) else last
+        note = ""
         if run_changed:
             following, index = True, last
         elif trigger == "timeline" and click:
             index = int(click["points"][0]["customdata"])
             following = index >= last
+        elif trigger == "step-input":
+            if typed is None or not n:
+                raise PreventUpdate
+            index, note = _typed_step(snap, typed)
+            following = following and index >= last
         elif trigger == "step-slider":
             following = following and index >= last  # scrubbing back stops following
         elif following:  # includes switching "follow live" back on
@@ -444,15 +546,12 @@ def _step_selection(app: Dash, runs: Runs, timed: Callable) -> None:
             "reset": snap.reset if snap else None,
             "index": index if n else None,
         }
-        if n:
-            s = snap.summaries[index]
-            label = (
-                f"step {_step_of(snap, index)} · {index + 1} of {n}"
-                + (f" · line {s.line}" if s.line is not None else "")
-                + ("" if following else " · not following live")
+        if n and not note:
+            note = (
+                f"· following live ({n:,} steps)"
+                if following
+                else f"· not following live (newest: step {_step_of(snap, last)})"
             )
-        else:
-            label = "no steps yet"
         return {
             "last": last,
             "marks": _marks(snap) if snap else {},
@@ -463,8 +562,19 @@ def _step_selection(app: Dash, runs: Runs, timed: Callable) -> None:
                 else no_update
             ),
             "selection": new_selection if new_selection != selection else no_update,
-            "label": label,
+            "note": note,
         }
+
+
+def _typed_step(snap: Snapshot, typed: float) -> tuple[int, str]:
+    """The index of the step a user typed, and a note when it is not in the run (then the
+    nearest step is chosen)."""
+    steps = [_step_of(snap, i) for i in range(len(snap.summaries))]
+    wanted = int(typed)
+    if wanted in steps:
+        return steps.index(wanted), ""
+    index = min(range(len(steps)), key=lambda i: abs(steps[i] - wanted))
+    return index, f"· step {wanted} is not in this run; showing the nearest, step {steps[index]}"
 
 
 def _timeline(app: Dash, runs: Runs, timed: Callable) -> None:
@@ -482,7 +592,8 @@ def _timeline(app: Dash, runs: Runs, timed: Callable) -> None:
         index = None
         if selection and (selection.get("run"), selection.get("reset")) == (run, reset):
             index = selection.get("index")
-        new_client = {"run": run, "reset": reset, "count": n, "index": index}
+        measured = bool(n) and timeline_measured(snap.summaries)
+        new_client = {"run": run, "reset": reset, "count": n, "index": index, "measured": measured}
         if new_client == client:
             raise PreventUpdate  # the browser already draws exactly this
 
@@ -492,6 +603,8 @@ def _timeline(app: Dash, runs: Runs, timed: Callable) -> None:
             client.get("run") != run
             or client.get("reset") != reset
             or client.get("count", 0) > n
+            or client.get("count", 0) == 0
+            or client.get("measured") != measured  # the step-time panel comes or goes
             or ctx.triggered_id is None
         ):
             figure = timeline_figure(snap.summaries, index, validate=False)
@@ -501,7 +614,8 @@ def _timeline(app: Dash, runs: Runs, timed: Callable) -> None:
             count = client.get("count", 0)
             if count < n:
                 switch = timeline_mode(n) != timeline_mode(count)
-                for i, (x, y, c) in enumerate(timeline_columns(snap.summaries, count)):
+                columns = timeline_columns(snap.summaries, count, measured)
+                for i, (x, y, c) in enumerate(columns):
                     figure["data"][i]["x"].extend(x)
                     figure["data"][i]["y"].extend(y)
                     figure["data"][i]["customdata"].extend(c)
@@ -511,67 +625,171 @@ def _timeline(app: Dash, runs: Runs, timed: Callable) -> None:
         return {"figure": figure, "client": new_client}
 
 
+def _plan(runs: Runs, selection: dict) -> tuple[Any, str | None]:
+    """The plan of the selected step, or None and why it cannot be shown."""
+    store = runs.store(selection["run"])
+    try:
+        if store is None:
+            raise LookupError(f"run {selection['run']!r} is gone")
+        return store.plan(selection["index"], selection["reset"]), None
+    except LookupError as err:
+        return None, f"cannot show this step: {err}"
+
+
+def _key(selection: dict | None) -> list | None:
+    """Which step a highlight belongs to."""
+    if not selection or selection.get("index") is None:
+        return None
+    return [selection.get("run"), selection.get("reset"), selection.get("index")]
+
+
 def _step_views(app: Dash, runs: Runs, timed: Callable) -> None:
     @app.callback(
         output={
             "bag_load": Output("bag-load", "figure"),
             "traffic": Output("traffic", "figure"),
-            "pvm": Output("pvm", "figure"),
-            "pvm_style": Output("pvm-box", "style"),
-            "rows": Output("seq-table", "data"),
-            "selected_rows": Output("seq-table", "selected_rows"),
+            "label": Output("step-label", "children"),
             "notice": Output("detail-notice", "children"),
             "notice_style": Output("detail-notice", "style"),
         },
-        inputs={
-            "selection": Input("selection", "data"),
-            "selected_ids": Input("seq-table", "selected_row_ids"),
-        },
+        inputs={"selection": Input("selection", "data"), "highlight": Input("highlight", "data")},
     )
     @timed
-    def step_views(selection, selected_ids):
-        if not selection or selection.get("index") is None:
-            empty = {"data": [], "layout": {"template": "plotly_white"}}
+    def step_views(selection, highlight):
+        if _key(selection) is None:
+            empty = empty_figure("no steps yet", validate=False)
             return {
                 "bag_load": empty,
                 "traffic": empty,
-                "pvm": empty,
-                "pvm_style": _HIDDEN,
-                "rows": [],
-                "selected_rows": [],
+                "label": "no steps yet",
                 "notice": "",
                 "notice_style": _HIDDEN,
             }
-        store = runs.store(selection["run"])
-        try:
-            if store is None:
-                raise LookupError(f"run {selection['run']!r} is gone")
-            plan = store.plan(selection["index"], selection["reset"])
-        except LookupError as err:
+        plan, problem = _plan(runs, selection)
+        if plan is None:
             return {
                 "bag_load": no_update,
                 "traffic": no_update,
-                "pvm": no_update,
-                "pvm_style": no_update,
-                "rows": no_update,
-                "selected_rows": no_update,
-                "notice": f"cannot show this step: {err}",
+                "label": no_update,
+                "notice": problem,
                 "notice_style": _NOTICE,
             }
-        new_step = ctx.triggered_id != "seq-table"
         seq = None
-        if not new_step and selected_ids:  # ids from before a step change are stale
-            seq = int(selected_ids[0])
-            if not 0 <= seq < len(plan.sequences):
+        if highlight and highlight.get("key") == _key(selection):
+            seq = highlight.get("seq")
+            if not isinstance(seq, int) or not 0 <= seq < len(plan.sequences):
                 seq = None
-        pvm = predicted_vs_measured_figure(plan, validate=False)
         return {
             "bag_load": bag_load_figure(plan, seq, validate=False),
             "traffic": traffic_figure(plan, seq, validate=False),
-            "pvm": pvm if pvm is not None else no_update,
-            "pvm_style": {"display": "block"} if pvm is not None else _HIDDEN,
-            "rows": sequence_rows(plan) if new_step else no_update,
-            "selected_rows": [] if new_step else no_update,
+            "label": _label(runs, selection, plan),
             "notice": "",
             "notice_style": _HIDDEN,
+        }
+
+
+def _label(runs: Runs, selection: dict, plan: Any) -> str:
+    """What the per-step views show: ``step 7 · 8 of 50 · line 8``."""
+    store = runs.store(selection["run"])
+    snap = store.snapshot() if store else None
+    index = selection["index"]
+    step = index if plan.step is None else plan.step
+    label = f"step {step}"
+    if snap is not None and snap.reset == selection["reset"] and index < len(snap.summaries):
+        line = snap.summaries[index].line
+        label += f" · {index + 1:,} of {len(snap.summaries):,}"
+        label += f" · line {line:,}" if line is not None else ""
+    return label
+
+
+def _sequence_table(app: Dash, runs: Runs, timed: Callable) -> None:
+    @app.callback(
+        output={
+            "rows": Output("seq-table", "data"),
+            "columns": Output("seq-table", "columns"),
+            "pages": Output("seq-table", "page_count"),
+            "page": Output("seq-table", "page_current"),
+            "selected": Output("seq-table", "selected_rows"),
+        },
+        inputs={
+            "selection": Input("selection", "data"),
+            "page": Input("seq-table", "page_current"),
+            "sort_by": Input("seq-table", "sort_by"),
+            "filter_query": Input("seq-table", "filter_query"),
+        },
+        state={"highlight": State("highlight", "data")},
+    )
+    @timed
+    def sequence_table(selection, page, sort_by, filter_query, highlight):
+        if _key(selection) is None:
+            return {"rows": [], "columns": no_update, "pages": 1, "page": 0, "selected": []}
+        plan, _problem = _plan(runs, selection)
+        if plan is None:
+            raise PreventUpdate  # the step views say why
+        # A new step, order or filter starts on the first page; paging keeps them.
+        restart = bool(set(ctx.triggered_prop_ids) - {"seq-table.page_current"})
+        rows, pages, _ids = query(
+            plan, 0 if restart else page or 0, PAGE_SIZE, sort_by, filter_query
+        )
+        mine = highlight and highlight.get("key") == _key(selection)
+        picked = highlight.get("seq") if mine else None
+        selected = [i for i, row in enumerate(rows) if row["id"] == picked]
+        return {
+            "rows": rows,
+            "columns": _table_columns(LoadUnit.of(plan)),
+            "pages": pages,
+            "page": 0 if restart and page else no_update,
+            "selected": selected,
+        }
+
+
+def _pick_sequence(app: Dash, timed: Callable) -> None:
+    @app.callback(
+        output={"highlight": Output("highlight", "data")},
+        inputs={"rows": Input("seq-table", "selected_rows")},
+        state={
+            "data": State("seq-table", "data"),
+            "selection": State("selection", "data"),
+            "highlight": State("highlight", "data"),
+        },
+    )
+    @timed
+    def pick_sequence(rows, data, selection, highlight):
+        # A single-choice radio cannot be unchecked: an empty selection only means the
+        # table moved to a page (or step) without the row, so the highlight stays.
+        if not rows or not data or not 0 <= rows[0] < len(data):
+            raise PreventUpdate
+        new = {"key": _key(selection), "seq": int(data[rows[0]]["id"])}
+        if new == highlight:
+            raise PreventUpdate
+        return {"highlight": new}
+
+
+def _straggler_views(app: Dash, runs: Runs, timed: Callable) -> None:
+    @app.callback(
+        output={
+            "ratio": Output("ratio-heatmap", "figure"),
+            "wait": Output("wait-heatmap", "figure"),
+            "pvm": Output("pvm", "figure"),
+            "style": Output("straggler-box", "style"),
+        },
+        inputs={"selection": Input("selection", "data")},
+    )
+    @timed
+    def straggler_views(selection):
+        store = runs.store(selection["run"]) if _key(selection) else None
+        window = []
+        if store is not None:
+            window = store.measured(selection["index"], HEATMAP_STEPS, selection["reset"])
+        if not window:
+            return {"ratio": no_update, "wait": no_update, "pvm": no_update, "style": _HIDDEN}
+        recent = window[-WINDOW:]
+        heat = rank_steps(window[-heatmap_steps(len(window[-1].gpus)) :])
+        return {
+            "ratio": ratio_heatmap(heat, validate=False),
+            "wait": wait_heatmap(heat, validate=False),
+            "pvm": predicted_vs_measured_figure(
+                analyse(recent), rank_steps(recent), validate=False
+            ),
+            "style": {"display": "block"},
         }

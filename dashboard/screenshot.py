@@ -1,8 +1,10 @@
 """Save a screenshot of the dashboard (used in the README).
 
-Run: ``python -m dashboard.screenshot [PLANS] [--out docs/dashboard.png]`` (default: the
-50-step sample). Starts the server on a free port, opens headless Chromium, selects a
-sequence split over a multi-GPU bag so the highlight shows, and saves the page.
+Run: ``python -m dashboard.screenshot [PLANS] [--out docs/dashboard.png] [--element CSS]``
+(default: the 50-step sample). Starts the server on a free port, opens headless Chromium,
+selects a sequence split over a multi-GPU bag so the highlight shows, and saves the page
+(or only the element ``CSS`` selects, e.g. ``#straggler-box`` for the straggler views of a
+measured run).
 """
 
 from __future__ import annotations
@@ -16,8 +18,11 @@ from visualization.browser import launch_chromium
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def screenshot(plans: Path, out: Path, width: int = 1400, height: int = 1250) -> Path:
-    """Write a PNG of the dashboard of ``plans`` to ``out``; returns ``out``."""
+def screenshot(
+    plans: Path, out: Path, width: int = 1400, height: int = 1250, element: str | None = None
+) -> Path:
+    """Write a PNG of the dashboard of ``plans`` (or of its ``element``) to ``out``;
+    returns ``out``."""
     from playwright.sync_api import sync_playwright
 
     with start_server(plans, port=0) as handle, sync_playwright() as pw:
@@ -45,7 +50,12 @@ def screenshot(plans: Path, out: Path, width: int = 1400, height: int = 1250) ->
             page.evaluate("window.scrollTo(0, 0)")  # checking the row scrolled the table in
             page.wait_for_timeout(200)
             out.parent.mkdir(parents=True, exist_ok=True)
-            page.screenshot(path=str(out), full_page=False)
+            if element is None:
+                page.screenshot(path=str(out), full_page=False)
+            else:
+                page.locator(element).wait_for(state="visible", timeout=30_000)
+                page.wait_for_timeout(800)
+                page.locator(element).screenshot(path=str(out))
         finally:
             browser.close()
     return out
@@ -57,8 +67,9 @@ def main() -> None:
         "plans", nargs="?", type=Path, default=ROOT / "sample_plans" / "joint32_50steps.jsonl"
     )
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "dashboard.png")
+    parser.add_argument("--element", help="CSS selector of the part to save (default: the page)")
     args = parser.parse_args()
-    print(screenshot(args.plans, args.out))
+    print(screenshot(args.plans, args.out, element=args.element))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """What the dashboard knows about one run, and the folder of runs it may choose from.
 
-A `PlanStore` keeps one `StepSummary` plus a file location per step (a few hundred bytes),
+A `PlanStore` keeps one `StepSummary` plus a file location per step (a few hundred bytes)
+and, for a step with measurements, its per-rank `RankFigures` (a few float32 per rank),
 never the plans themselves: a full plan is re-read and validated only when the user
 selects its step, and the last few are cached. A background thread per store follows
 the file (`dashboard.tail.JsonlTail`) so Dash callbacks only read a snapshot. A line that
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dashboard.tail import MAX_LINE_BYTES, JsonlTail, TailLine
+from knapformer.measured import RankFigures, measure
 from knapformer.plan import RoutingPlan
 from knapformer.plan_io import PlanFormatError, Problem, parse_plan_line, read_plans
 from knapformer.runfiles import find_runs
@@ -42,6 +44,15 @@ class Location:
     length: int
 
 
+#: What indexing keeps of one plan: its summary, where it is, its measured figures.
+_Indexed = tuple[StepSummary, "Location", RankFigures | None]
+
+
+def _index(plan: RoutingPlan, line: int, where: Location) -> _Indexed:
+    measured = measure(plan)
+    return summarize(plan, line), where, None if measured is None else measured.figures()
+
+
 @dataclass(frozen=True)
 class Snapshot:
     """A consistent view for one callback. ``reset`` changes when earlier steps vanished
@@ -54,6 +65,7 @@ class Snapshot:
     notices: list[str]
     indexing: bool
     mean_speedup: float | None
+    measured_steps: int  # steps whose measurements name a compute phase
 
 
 class RequestGate:
@@ -102,6 +114,8 @@ class PlanStore:
         self._lock = threading.Lock()
         self._summaries: list[StepSummary] = []
         self._where: list[Location] = []
+        self._figures: list[RankFigures | None] = []
+        self._measured = 0
         self._problems: deque[Problem] = deque(maxlen=_KEEP_PROBLEMS)
         self._problem_count = 0
         self._events: deque[str] = deque(maxlen=_KEEP_EVENTS)
@@ -160,15 +174,15 @@ class PlanStore:
             self._poll_json()
             return False
         batch = self._tail.poll(_POLL_BYTES)
-        parsed: list[tuple[StepSummary, Location]] = []
+        parsed: list[_Indexed] = []
         problems: list[Problem] = []
         for line in batch.lines:
             try:
-                summary = _summary_of(line)
+                indexed = _index_line(line)
             except Exception as err:  # whatever a line holds, it costs that line only
                 problems.append(Problem(self.path.name, line.number, _reason(err)))
                 continue
-            parsed.append((summary, Location(line.generation, line.offset, line.length)))
+            parsed.append(indexed)
         with self._lock:
             for event in batch.events:
                 if event.kind == "missing":
@@ -207,8 +221,7 @@ class PlanStore:
             self._problem_count = 0
             self._json_plans = result.plans
             parsed = [
-                (summarize(r.plan, r.line), Location(-1, i, 0))
-                for i, r in enumerate(result.records)
+                _index(r.plan, r.line, Location(-1, i, 0)) for i, r in enumerate(result.records)
             ]
             self._add(parsed, result.problems)
             self._indexing = False
@@ -216,6 +229,8 @@ class PlanStore:
     def _clear(self) -> None:
         self._summaries = []
         self._where = []
+        self._figures = []
+        self._measured = 0
         self._speedup_sum = 0.0
         self._speedup_count = 0
         self._problems.clear()
@@ -223,10 +238,12 @@ class PlanStore:
         self._cache.clear()
         self._reset += 1
 
-    def _add(self, parsed: list[tuple[StepSummary, Location]], problems: list[Problem]) -> None:
-        for summary, where in parsed:
+    def _add(self, parsed: list[_Indexed], problems: list[Problem]) -> None:
+        for summary, where, figures in parsed:
             self._summaries.append(summary)
             self._where.append(where)
+            self._figures.append(figures)
+            self._measured += figures is not None
             if summary.speedup != float("inf"):  # a step with nothing to do after
                 self._speedup_sum += summary.speedup
                 self._speedup_count += 1
@@ -252,7 +269,22 @@ class PlanStore:
                 mean_speedup=(
                     self._speedup_sum / self._speedup_count if self._speedup_count else None
                 ),
+                measured_steps=self._measured,
             )
+
+    def measured(self, index: int, count: int, reset: int | None = None) -> list[RankFigures]:
+        """The figures of up to ``count`` measured steps ending at step ``index`` (oldest
+        first; empty when the file was reset since ``reset``)."""
+        with self._lock:
+            if reset is not None and reset != self._reset:
+                return []
+            out: list[RankFigures] = []
+            i = min(index, len(self._figures) - 1)
+            while i >= 0 and len(out) < count:
+                if self._figures[i] is not None:
+                    out.append(self._figures[i])
+                i -= 1
+            return out[::-1]
 
     def plan(self, index: int, reset: int | None = None) -> RoutingPlan:
         """The full plan of step ``index`` (re-read and validated; a few are cached).
@@ -286,13 +318,14 @@ class PlanStore:
             return plan
 
 
-def _summary_of(line: TailLine) -> StepSummary:
+def _index_line(line: TailLine) -> _Indexed:
     if line.too_long:
         raise PlanFormatError(
             f"a line of {line.length:,} bytes is longer than the {MAX_LINE_BYTES:,} the "
             "dashboard reads; skipped"
         )
-    return summarize(parse_plan_line(line.text), line.number)
+    where = Location(line.generation, line.offset, line.length)
+    return _index(parse_plan_line(line.text), line.number, where)
 
 
 def _reason(err: Exception) -> str:

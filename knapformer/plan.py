@@ -239,6 +239,10 @@ BALANCER_PHASES = ("plan", "route", "pre_attn", "post_attn", "reverse_route")
 #: that arrived last waited least, so its wait is taken as t_i - min_j t_j and the last
 #: arrival is argmin_j t_j (no clocks are compared across ranks). docs/concepts.md.
 COLLECTIVE_PHASES = ("gather", "route", "pre_attn", "post_attn", "reverse_route", "allreduce")
+#: The collectives of `COLLECTIVE_PHASES` that run among the GPUs of one bag (the Ulysses
+#: exchanges); the others span the whole balance group. A rank of a 1-GPU bag exchanges
+#: with nobody, so it waits for nobody there either.
+BAG_COLLECTIVES = ("pre_attn", "post_attn")
 RECORDED_PHASES = (
     "plan",
     "record",

@@ -25,7 +25,7 @@ import numpy as np
 from knapformer.plan import gpu_positions
 
 if TYPE_CHECKING:
-    from knapformer.plan import RoutingPlan
+    from knapformer.plan import Measurements, RoutingPlan
 
 
 @dataclass(frozen=True)
@@ -297,6 +297,7 @@ class StepSummary:
     speedup: float  # makespan before / after (modelled)
     makespan_over_lb: float
     has_measurements: bool
+    step_ms: float | None = None  # measured wall time of the step: the longest rank's "step"
 
 
 def summarize(plan: RoutingPlan, line: int | None = None) -> StepSummary:
@@ -320,7 +321,15 @@ def summarize(plan: RoutingPlan, line: int | None = None) -> StepSummary:
         speedup=st.speedup,
         makespan_over_lb=st.makespan_over_lb,
         has_measurements=bool(m is not None and m.per_rank_ms),
+        step_ms=measured_step_ms(m),
     )
+
+
+def measured_step_ms(m: Measurements | None) -> float | None:
+    """The measured wall time of a step: its longest rank's ``step`` phase (ranks end a
+    step together at the gradient all-reduce, so this is what the job waited)."""
+    times = None if m is None else m.per_rank_ms.get("step")
+    return float(max(times)) if times else None
 
 
 # ------------------------------------------------------------ how figures are written

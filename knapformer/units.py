@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 if TYPE_CHECKING:
     from knapformer.plan import RoutingPlan
 
@@ -48,6 +50,17 @@ def round_significant(value: float, digits: int = 3) -> float:
     if value == 0 or not math.isfinite(value):
         return value
     return round(value, digits - 1 - math.floor(math.log10(abs(value))))
+
+
+def round_significant_array(values: np.ndarray, digits: int = 3) -> np.ndarray:
+    """`round_significant` of every element (zeros and non-finite values unchanged)."""
+    values = np.asarray(values, dtype=np.float64)
+    fine = np.isfinite(values) & (values != 0)
+    out = values.copy()
+    decimals = digits - 1 - np.floor(np.log10(np.abs(values[fine])))
+    scale = 10.0**decimals
+    out[fine] = np.round(values[fine] * scale) / scale
+    return out
 
 
 def significant(value: float, digits: int = 3) -> str:

@@ -12,7 +12,7 @@ from knapformer.plan import RoutingPlan
 from knapformer.planner import plan_routing
 from knapformer.tools.datamix import parse_mix, sample_lengths
 from knapformer.topology import Topology
-from knapformer.units import LoadUnit, significant
+from knapformer.units import LoadUnit, round_significant, round_significant_array, significant
 from knapformer.workload import WorkloadModel
 
 MODEL = WorkloadModel(token_dim=3072, gamma=0.4)
@@ -176,3 +176,14 @@ def test_calibrated_model_says_its_unit():
     latency = 2e3 * MODEL.workload(lengths)
     model, error = WorkloadModel.calibrate(lengths, latency, 3072)
     assert model.unit == "ms" and error < 1e-9
+
+
+def test_rounding_a_column_agrees_with_rounding_each_value():
+    rng = np.random.default_rng(3)
+    values = np.concatenate(
+        [rng.lognormal(0, 4, 500), -rng.lognormal(0, 2, 50), [0.0, np.inf, np.nan, 9.996]]
+    )
+    rounded = round_significant_array(values)
+    expected = [round_significant(v) for v in values.tolist()]
+    np.testing.assert_allclose(rounded, expected, rtol=1e-12, equal_nan=True)
+    assert rounded[-1] == 10.0

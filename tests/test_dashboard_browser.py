@@ -13,14 +13,21 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from measured_plans import measured_run
 
-from knapformer.plan_io import parse_plan_line
+from knapformer.plan_io import parse_plan_line, write_jsonl
+from knapformer.planner import plan_routing
+from knapformer.tools.datamix import parse_mix, sample_lengths
+from knapformer.workload import WorkloadModel
 from visualization.browser import find_chromium, launch_chromium
 
 pytestmark = pytest.mark.browser
 
 CHROMIUM = find_chromium()
 LIVE_WITHIN_S = 5.0
+WIDE64 = "g1n16+g2n8+g4n4+g8n2"  # 64 GPUs in 30 bags
+WIDE128 = "g1n32+g2n16+g4n8+g8n4"  # 128 GPUs in 60 bags: the most shown GPU by GPU
+WIDE256 = "g1n64+g2n32+g4n16+g8n8"  # 256 GPUs in 120 bags: shown bag by bag
 
 if CHROMIUM is None:
     pytest.skip("no Chromium on this machine (make browser-deps)", allow_module_level=True)
@@ -36,6 +43,17 @@ def lines50():
     )
 
 
+def _wide_plans(topology: str, codes: str, steps: int) -> list:
+    """Plans of a wide group (64 or 256 GPUs) of the given data mix."""
+    rng = np.random.default_rng(0)
+    mix = parse_mix(codes)
+    model = WorkloadModel(3072, 0.4)
+    return [
+        plan_routing(sample_lengths(mix, rng), topology, model, step=s, run="wide")
+        for s in range(steps)
+    ]
+
+
 @pytest.fixture(scope="module")
 def runs_dir(tmp_path_factory, lines50):
     root = tmp_path_factory.mktemp("runs")
@@ -44,6 +62,16 @@ def runs_dir(tmp_path_factory, lines50):
         root / "mixed8.json",
     )
     os.utime(root / "mixed8.json", (1e9, 1e9))  # older: the live run is the default
+    for name, plans in (
+        ("measured", measured_run(30, slow_rank=5, slow_factor=2.0, seed=1)),
+        ("wide64", _wide_plans(WIDE64, "g32b8i256f1s0,g16b4i512f1s0,g16b2i1024f1s0", 2)),
+        ("wide128", _wide_plans(WIDE128, "g64b8i256f1s0,g32b4i512f1s0,g32b2i1024f1s0", 1)),
+        ("wide256", _wide_plans(WIDE256, "g128b8i256f1s0,g64b4i512f1s0,g64b2i1024f1s0", 1)),
+        ("empty", []),
+    ):
+        (root / name).mkdir()
+        write_jsonl(root / name / "plans.jsonl", plans)
+        os.utime(root / name / "plans.jsonl", (1e9, 1e9))
     (root / "live").mkdir()
     (root / "live" / "plans.jsonl").write_text("\n".join(lines50[:5]) + "\n")
     return root
@@ -78,14 +106,21 @@ def _append(path: Path, *lines: str) -> None:
 
 
 def _figure(page, graph_id: str):
-    """Name, x and y of each drawn trace (``_fullData``: typed arrays already decoded)."""
+    """Name, x, y, hover text and custom data of each drawn trace (``_fullData``: typed
+    arrays already decoded), and the title."""
     return page.evaluate(
         f"""() => {{ const gd = document.querySelector('#{graph_id} .js-plotly-plot');
         const list = v => v === undefined ? [] : Array.from(v, e =>
             (e !== null && typeof e === 'object') ? Array.from(e) : e);
-        return {{data: gd._fullData.map(t => ({{name: t.name, x: list(t.x), y: list(t.y)}})),
+        return {{data: gd._fullData.map(t => ({{name: t.name, x: list(t.x), y: list(t.y),
+                    hovertext: list(t.hovertext), customdata: list(t.customdata)}})),
                  title: gd._fullLayout.title.text}}; }}"""
     )
+
+
+def _bag_groups(page) -> list[str]:
+    """The bag of each bar, in drawing order, from the bars' hover text."""
+    return [h.split(" · ", 1)[1] for h in _figure(page, "bag-load")["data"][0]["hovertext"]]
 
 
 def _wait_for(check, timeout=LIVE_WITHIN_S):
@@ -105,14 +140,16 @@ def _wait_for(check, timeout=LIVE_WITHIN_S):
 def test_page_shows_one_bar_group_per_bag(page, lines50):
     plan = parse_plan_line(lines50[4])
     fig = _figure(page, "bag-load")
-    groups = list(dict.fromkeys(fig["data"][0]["x"][0]))
+    groups = list(dict.fromkeys(_bag_groups(page)))
     assert groups == [
         f"bag {b} · {len(m)} GPU{'s' if len(m) > 1 else ''}" for b, m in enumerate(plan.bags)
     ]
     assert len(groups) == 15
-    # The group labels are drawn on the page, not only present in the data.
+    # The bags are named on the page, not only present in the data: in full where the band
+    # has room, by id (under a line naming the run of same-size bags) where it has not.
     drawn = page.locator("#bag-load text").all_text_contents()
-    assert "bag 14 · 8 GPUs" in drawn and "bag 0 · 1 GPU" in drawn
+    assert "bag 14 · 8 GPUs" in drawn and "8 bags × 1 GPU" in drawn
+    assert {str(b) for b in range(8)} <= set(drawn)
     assert page.inner_text("#stat-steps") == "5"
     assert page.inner_text("#stat-run") == "joint32-mixed"
     assert "step 4" in fig["title"]
@@ -200,6 +237,28 @@ def test_clicking_the_timeline_selects_that_step(page):
     page.locator("#follow input").check()
 
 
+def test_typing_a_step_and_enter_selects_it(page):
+    box = page.locator("#step-input")
+    box.fill("2")
+    box.press("Enter")
+
+    def at_step2():
+        """step 2 shown"""
+        return "step 2" in _figure(page, "bag-load")["title"]
+
+    _wait_for(at_step2)
+    assert page.inner_text("#step-label").startswith("step 2 ·")
+    assert not page.locator("#follow input").is_checked()
+    # a step the run does not hold: the nearest one, and the page says so
+    box.fill("999")
+    box.press("Enter")
+    _wait_for(lambda: "step 8" in _figure(page, "bag-load")["title"])
+    assert "step 999 is not in this run; showing the nearest, step 8" in page.inner_text(
+        "#follow-note"
+    )
+    page.locator("#follow input").check()
+
+
 def test_selecting_a_sequence_highlights_its_chunks(page):
     # The table's first page lists sequences 0..; pick one in a multi-GPU bag.
     ids = page.locator("#seq-table td[data-dash-column=id]").all_inner_texts()
@@ -217,7 +276,100 @@ def test_selecting_a_sequence_highlights_its_chunks(page):
     _wait_for(highlighted)
     marks = next(t for t in _figure(page, "bag-load")["data"] if t["name"] == f"sequence {seq}")
     dests = page.locator("#seq-table td[data-dash-column=destinations]").nth(row).inner_text()
-    assert sorted(marks["x"][1]) == sorted(dests.split())
+    assert sorted(str(int(c[0])) for c in marks["customdata"]) == sorted(dests.split())
+
+
+def test_the_table_filters_sorts_and_pages_on_the_server(page):
+    highlighted = [t["name"] for t in _figure(page, "bag-load")["data"] if "sequence" in t["name"]]
+    chunks = page.locator("#seq-table th[data-dash-column=chunks] input[type=text]")
+    chunks.fill("> 1")
+    chunks.press("Enter")
+
+    def filtered():
+        """every row shown has more than one chunk"""
+        cells = page.locator("#seq-table td[data-dash-column=chunks]").all_inner_texts()
+        return cells and all(int(c) > 1 for c in cells)
+
+    _wait_for(filtered)
+    sort = page.locator("#seq-table th[data-dash-column=length] .column-header--sort")
+
+    def lengths() -> list[int]:
+        return [
+            int(t) for t in page.locator("#seq-table td[data-dash-column=length]").all_inner_texts()
+        ]
+
+    sort.click()  # ascending
+    _wait_for(lambda: lengths() == sorted(lengths()) and len(set(lengths())) > 1)
+    sort.click()  # descending
+    _wait_for(lambda: lengths() == sorted(lengths(), reverse=True) and len(set(lengths())) > 1)
+    first_page = lengths()
+    page.locator("#seq-table button.next-page").click()
+    _wait_for(lambda: lengths() and max(lengths()) <= min(first_page))
+    assert filtered()
+    # paging did not drop the highlighted sequence
+    shown = [t["name"] for t in _figure(page, "bag-load")["data"] if "sequence" in t["name"]]
+    assert shown == highlighted and highlighted
+    # a new filter starts again on the first page
+    chunks.fill("> 2")
+    chunks.press("Enter")
+    _wait_for(lambda: lengths() and max(lengths()) > min(first_page))
+    assert page.inner_text("#seq-table .current-page-shadow") == "1"
+    chunks.fill("")
+    chunks.press("Enter")
+    _wait_for(
+        lambda: "1" in page.locator("#seq-table td[data-dash-column=chunks]").all_inner_texts()
+    )
+
+
+def test_a_short_sequence_highlights_only_its_chunks(page, lines50):
+    short = page.locator("#seq-table th[data-dash-column=length] input[type=text]")
+    short.fill("< 1000")
+    short.press("Enter")
+
+    def lengths_shown() -> list[int]:
+        cells = page.locator("#seq-table td[data-dash-column=length]").all_inner_texts()
+        return [int(t) for t in cells]
+
+    _wait_for(lambda: lengths_shown() and max(lengths_shown()) < 1000)
+    lengths = lengths_shown()
+    ids = page.locator("#seq-table td[data-dash-column=id]").all_inner_texts()
+    row = int(np.argmin(lengths))
+    seq = int(ids[row])
+    page.locator("#seq-table input[type=radio]").nth(row).check()
+    _wait_for(lambda: f"sequence {seq}" in [t["name"] for t in _figure(page, "bag-load")["data"]])
+    step = int(page.inner_text("#step-label").split()[1])
+    plan = parse_plan_line(lines50[step])
+    state = page.evaluate(
+        f"""() => {{ const gd = document.querySelector('#bag-load .js-plotly-plot');
+        const t = gd._fullData.find(t => t.name === 'sequence {seq}');
+        const after = gd._fullData.find(t => t.name === 'after');
+        return {{y: Array.from(t.y), base: Array.from(t.base), x: Array.from(t.x),
+                 after: Array.from(after.y), outline: after.marker.line.width}}; }}"""
+    )
+    # only the chunks: segments the size of each chunk's cost, at the top of the GPUs' bars
+    st = plan.stats
+    workload = plan.sequences.workload[seq] / st.mean_load
+    assert sum(state["y"]) == pytest.approx(workload, rel=1e-6)
+    tops = [state["after"][x] for x in state["x"]]
+    np.testing.assert_allclose(np.add(state["base"], state["y"]), tops)
+    assert max(state["y"]) < 0.1 * min(tops)  # a short sequence is a sliver, not a bar
+    assert not state["outline"]  # no GPU's whole bar is outlined
+    short.fill("")
+    short.press("Enter")
+    _wait_for(lambda: max(lengths_shown()) >= 1000)
+
+
+def test_traffic_legend_counts_tokens_and_bags_are_marked(page, lines50):
+    colorbar = page.locator("#traffic .colorbar text").all_text_contents()
+    assert "1,000" in colorbar and "10" in colorbar
+    assert not any("log10" in t for t in colorbar)
+    plan = parse_plan_line(lines50[int(page.inner_text("#step-label").split()[1])])
+    lines = page.evaluate(
+        """() => document.querySelector('#traffic .js-plotly-plot')._fullLayout.shapes
+            .filter(s => s.type === 'line').length"""
+    )
+    assert lines == 2 * (len(plan.bags) - 1)  # each boundary across both axes
+    assert page.locator("#traffic .shapelayer path").count() >= lines
 
 
 def test_malformed_line_shows_a_notice_and_the_page_keeps_working(page, live_file, lines50):
@@ -238,13 +390,35 @@ def test_malformed_line_shows_a_notice_and_the_page_keeps_working(page, live_fil
     _wait_for(lambda: "step 9" in _figure(page, "bag-load")["title"])
 
 
+def test_the_step_label_names_the_step_the_figures_show(page, live_file, lines50):
+    """While following live, each time the label changes the figures it describes are
+    already on the page (checked right after the update that changed the label)."""
+    page.evaluate(
+        """() => { window.__shown = [];
+        const label = document.querySelector('#step-label');
+        new MutationObserver(() => setTimeout(() => {
+            const gd = document.querySelector('#bag-load .js-plotly-plot');
+            window.__shown.push([label.textContent, gd.layout.title.text]);
+        }, 0)).observe(label, {childList: true, subtree: true, characterData: true}); }"""
+    )
+    for line in lines50[10:14]:
+        _append(live_file, line)
+        time.sleep(0.7)
+    _wait_for(lambda: "step 13" in _figure(page, "bag-load")["title"])
+    shown = page.evaluate("window.__shown")
+    assert len(shown) >= 2
+    for label, title in shown:
+        step = label.split(" · ")[0]
+        assert f"{step} · " in title, (label, title)
+
+
 def test_run_picker_switches_to_another_run(page):
     page.locator("#run-picker").click()
     page.get_by_text("mixed8.json", exact=True).last.click()
 
     def switched():
         """the 8-GPU plan with 4 bags is shown"""
-        groups = set(_figure(page, "bag-load")["data"][0]["x"][0])
+        groups = set(_bag_groups(page))
         return groups == {"bag 0 · 1 GPU", "bag 1 · 1 GPU", "bag 2 · 2 GPUs", "bag 3 · 4 GPUs"}
 
     _wait_for(switched)
@@ -272,3 +446,116 @@ def test_idle_ticks_complete_no_callback(page):
     page.wait_for_timeout(2 * 1000)  # four ticks
     assert callbacks() == before
     assert page.inner_text("#stat-steps") == "1"  # still the page of the previous test
+
+
+def _switch_to(page, run: str, ready) -> None:
+    page.locator("#run-picker").click()
+    page.get_by_text(run, exact=True).last.click()
+    _wait_for(ready, timeout=15)
+
+
+def _labels(page, graph_id: str) -> list[dict]:
+    """Every rank tick and annotation drawn in a graph: text, box and font size."""
+    return page.evaluate(
+        f"""() => Array.from(document.querySelectorAll(
+            '#{graph_id} .xtick text, #{graph_id} .annotation-text')).map(e => {{
+            const b = e.getBoundingClientRect();
+            return {{text: e.textContent, cls: e.getAttribute('class') || '',
+                     box: [b.left, b.top, b.right, b.bottom],
+                     size: parseFloat(getComputedStyle(e).fontSize)}}; }})"""
+    )
+
+
+def _overlaps(labels: list[dict]) -> list[tuple[str, str]]:
+    out = []
+    for i, a in enumerate(labels):
+        for b in labels[i + 1 :]:
+            (l1, t1, r1, b1), (l2, t2, r2, b2) = a["box"], b["box"]
+            if min(r1, r2) - max(l1, l2) > 0.5 and min(b1, b2) - max(t1, t2) > 0.5:
+                out.append((a["text"], b["text"]))
+    return out
+
+
+def test_bags_stay_legible_at_64_gpus(page, runs_dir):
+    plan = parse_plan_line((runs_dir / "wide64" / "plans.jsonl").read_text().splitlines()[-1])
+    _switch_to(page, "wide64", lambda: len(_figure(page, "bag-load")["data"][0]["y"]) == 64)
+    labels = _labels(page, "bag-load")
+    ticks = [lb["text"] for lb in labels if "annotation" not in lb["cls"]]
+    assert ticks == [str(g) for m in plan.bags for g in m]  # every rank, in bag order
+    notes = {lb["text"] for lb in labels if "annotation" in lb["cls"]}
+    for b in range(len(plan.bags)):  # every bag named, in full where it has room
+        assert notes & {plan.bag_label(b), f"bag {b}", str(b)}, b
+    assert {"16 bags × 1 GPU", "8 bags × 2 GPUs"} <= notes
+    assert "bag 28 · 8 GPUs" in notes
+    assert _overlaps(labels) == []
+    assert min(lb["size"] for lb in labels) >= 12
+
+
+def test_beyond_64_gpus_labels_thin_out_by_the_rule(page, runs_dir):
+    plan = parse_plan_line((runs_dir / "wide128" / "plans.jsonl").read_text().splitlines()[-1])
+    _switch_to(page, "wide128", lambda: len(_figure(page, "bag-load")["data"][0]["y"]) == 128)
+    labels = _labels(page, "bag-load")
+    ticks = [int(lb["text"]) for lb in labels if "annotation" not in lb["cls"]]
+    ranks = [g for m in plan.bags for g in m]
+    k = ranks.index(ticks[1])  # every k-th slot, k a power of two
+    assert k > 1 and k & (k - 1) == 0
+    assert ticks == ranks[::k]
+    notes = {lb["text"] for lb in labels if "annotation" in lb["cls"]}
+    assert {"32 bags × 1 GPU", "16 bags × 2 GPUs"} <= notes
+    assert _overlaps(labels) == []
+    # the traffic heatmap of 128 GPUs: one cell per GPU
+    heat = page.evaluate(
+        """() => { const t = document.querySelector('#traffic .js-plotly-plot')._fullData[0];
+            return [t.z.length, t.z[0].length]; }"""
+    )
+    assert heat == [128, 128]
+
+
+def test_beyond_128_gpus_the_views_show_bags_and_say_so(page, runs_dir):
+    plan = parse_plan_line((runs_dir / "wide256" / "plans.jsonl").read_text().splitlines()[-1])
+    _switch_to(page, "wide256", lambda: "aggregated" in _figure(page, "bag-load")["title"])
+    assert len(_figure(page, "bag-load")["data"][0]["y"]) == len(plan.bags)
+    labels = _labels(page, "bag-load")
+    ticks = [lb["text"] for lb in labels if "annotation" not in lb["cls"]]
+    assert ticks[0] == "0" and len(ticks) > 8  # bag ids, thinned by the same rule
+    assert _overlaps(labels) == []
+    assert "aggregated" in _figure(page, "traffic")["title"]
+
+
+def test_straggler_views_name_the_slow_rank(page):
+    _switch_to(page, "measured", lambda: "rank 5" in page.inner_text("#stat-straggler"))
+    assert page.inner_text("#stat-straggler").startswith("slow_gpu: rank 5")
+
+    def drawn():
+        """the straggler views of the measured run's 30 steps"""
+        return page.locator("#straggler-box").is_visible() and _figure(page, "ratio-heatmap")[
+            "title"
+        ].endswith("steps 0–29")
+
+    _wait_for(drawn)
+    ratio = page.evaluate(
+        """() => { const t = document.querySelector('#ratio-heatmap .js-plotly-plot')._fullData[0];
+            return Array.from(t.z, row => Array.from(row)); }"""
+    )
+    rows = np.nanmedian(np.exp2(np.array(ratio, dtype=float)), axis=1)
+    assert int(np.argmax(rows)) == 5 and rows[5] > 1.8
+    assert np.all(np.delete(rows, 5) < 1.2)
+    wait = _figure(page, "wait-heatmap")
+    assert len(wait["data"][0]["y"]) == 8
+    # every point of predicted vs measured carries its rank, drawn on the page
+    drawn = page.locator("#pvm .textpoint text").all_text_contents()
+    assert sorted(drawn, key=int) == [str(r) for r in range(8)]
+    slow = next(t for t in _figure(page, "pvm")["data"] if t["name"] == "slow GPU")
+    assert slow["customdata"] == [5]
+    # the timeline gains the measured step time
+    _wait_for(lambda: "step ms" in [t["name"] for t in _figure(page, "timeline")["data"]])
+
+
+def test_an_empty_run_shows_no_axes(page):
+    _switch_to(page, "empty", lambda: page.inner_text("#stat-steps") == "0")
+    _wait_for(lambda: page.inner_text("#step-label") == "no steps yet")
+    for graph in ("timeline", "bag-load", "traffic"):
+        _wait_for(lambda graph=graph: page.locator(f"#{graph} .xtick").count() == 0)
+        assert page.locator(f"#{graph} .ytick").count() == 0
+        assert "no steps yet" in page.locator(f"#{graph} text").all_text_contents()
+    assert "%" not in " ".join(page.locator("#timeline text").all_text_contents())

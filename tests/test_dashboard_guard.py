@@ -144,7 +144,7 @@ def test_well_formed_callbacks_are_answered(server, callbacks):
         assert _post(server, payload)[0] in (200, 204), payload["output"]
     selection = {"run": "plans", "reset": 0, "index": 1}
     details = _payload(
-        callbacks, "seq-table.selected_row_ids", None, also={"selection.data": selection}
+        callbacks, "seq-table.page_current", None, also={"selection.data": selection}
     )
     details["changedPropIds"] = ["selection.data"]
     status, text = _post(server, details)
@@ -183,19 +183,19 @@ def _malformed(callbacks) -> dict[str, object]:
             "Infinity",
         ),
         "selection a list": _payload(
-            callbacks, "seq-table.selected_row_ids", also={"selection.data": [1]}
+            callbacks, "seq-table.page_current", also={"selection.data": [1]}
         ),
         "selection index text": _payload(
             callbacks,
-            "seq-table.selected_row_ids",
+            "seq-table.page_current",
             also={"selection.data": {"run": "plans", "reset": 0, "index": "y"}},
         ),
         "selection run a list": _payload(
             callbacks,
-            "seq-table.selected_row_ids",
+            "seq-table.page_current",
             also={"selection.data": {"run": ["plans"], "reset": 0, "index": 0}},
         ),
-        "row ids text": _payload(callbacks, "seq-table.selected_row_ids", ["zz"]),
+        "row ids text": _payload(callbacks, "seq-table.selected_rows", ["zz"]),
     }
 
 

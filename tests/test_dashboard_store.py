@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 
+import numpy as np
 import pytest
 
 from dashboard.store import PlanStore, Runs
@@ -229,3 +230,27 @@ def test_viewing_many_runs_keeps_threads_and_open_files_bounded(tmp_path, lines5
     finally:
         runs.close()
     assert _followers() == before and _open_files_under(tmp_path) == 0
+
+
+def test_measured_steps_keep_their_per_rank_figures(tmp_path, lines50):
+    from measured_plans import measured_run
+
+    from knapformer.plan_io import write_jsonl
+
+    path = tmp_path / "plans.jsonl"
+    plans = measured_run(6, slow_rank=3, slow_factor=2.0)
+    write_jsonl(path, plans[:2])
+    with open(path, "a") as f:  # an unmeasured step between measured ones
+        f.write(lines50[0] + "\n")
+    write_jsonl(path, plans[2:], append=True)
+    store = _store(path)
+    snap = store.snapshot()
+    assert len(snap.summaries) == 7 and snap.measured_steps == 6
+    window = store.measured(6, 4)
+    assert [f.step for f in window] == [2, 3, 4, 5]
+    assert [f.step for f in store.measured(3, 10)] == [0, 1, 2]  # the unmeasured one skipped
+    np.testing.assert_allclose(
+        window[-1].compute_ms, plans[-1].measurements.per_rank_ms["compute"], rtol=1e-6
+    )
+    assert store.measured(6, 4, reset=snap.reset + 1) == []  # the file was reset since
+    assert _store(tmp_path / "none.jsonl").snapshot().measured_steps == 0

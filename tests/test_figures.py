@@ -4,18 +4,26 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from measured_plans import with_measurements
 
-from knapformer.plan import Measurements
+from knapformer.measured import measure
 from knapformer.plan_io import read_plans
 from knapformer.stats import StepSummary, linear_share, summarize
+from knapformer.stragglers import analyse, rank_steps
+from visualization.axes import LINE_PX
 from visualization.figures import (
+    TRAFFIC_PLOT_PX,
     bag_load_figure,
-    predicted_vs_measured_figure,
+    empty_figure,
     sequence_rows,
-    stragglers,
     timeline_columns,
     timeline_figure,
     traffic_figure,
+)
+from visualization.straggler_figures import (
+    predicted_vs_measured_figure,
+    ratio_heatmap,
+    wait_heatmap,
 )
 
 
@@ -29,27 +37,40 @@ def steps50(steps50_path):
     return read_plans(steps50_path, on_error="raise").records
 
 
+def _bag_order(plan):
+    pos = {g: i for i, g in enumerate(plan.gpus)}
+    return [pos[g] for m in plan.bags for g in m]
+
+
 def test_bag_load_bars_are_grouped_by_bag_in_bag_order(plan8):
     fig = bag_load_figure(plan8)
     before, after, capacity = fig.data[:3]
-    bag_labels, gpu_labels = (list(v) for v in before.x)
+    hover = list(before.hovertext)
+    bag_labels = [h.split(" · ", 1)[1] for h in hover]
+    gpu_labels = [h.split(" · ", 1)[0].removeprefix("GPU ") for h in hover]
     # One group per bag, labelled with its size; GPUs listed bag by bag.
     expected_groups = [
         f"bag {b} · {len(m)} GPU{'s' if len(m) > 1 else ''}" for b, m in enumerate(plan8.bags)
     ]
     assert list(dict.fromkeys(bag_labels)) == expected_groups
     assert gpu_labels == [str(g) for m in plan8.bags for g in m]
-    pos = {g: i for i, g in enumerate(plan8.gpus)}
-    order = [pos[g] for m in plan8.bags for g in m]
+    order = _bag_order(plan8)
     st = plan8.stats  # not calibrated: loads relative to the mean GPU
     np.testing.assert_allclose(before.y, st.load_before[order] / st.mean_load)
     np.testing.assert_allclose(after.y, st.load_after[order] / st.mean_load)
     np.testing.assert_allclose(capacity.y, 1.0)
     assert fig.layout.yaxis.title.text == "modelled load (mean GPU = 1.00)"
     assert "bag 2 · 2 GPUs" in bag_labels and "bag 3 · 4 GPUs" in bag_labels
+    # each bag is one shaded band over its GPUs' slots, named above it
+    bands = [s for s in fig.layout.shapes if s.type == "rect"]
+    assert [(b.x0 + 0.5, b.x1 - 0.5) for b in bands] == [(0, 0), (1, 1), (2, 3), (4, 7)]
+    names = {a.text for a in fig.layout.annotations}
+    assert set(expected_groups) <= names
+    assert list(fig.layout.xaxis.ticktext) == gpu_labels  # every rank, horizontal
+    assert fig.layout.xaxis.tickangle == 0
 
 
-def test_highlighted_sequence_marks_its_chunk_destinations(plan8):
+def test_highlighted_sequence_marks_only_its_chunks(plan8):
     # A sequence split over a multi-GPU bag, so there is more than one destination.
     seq = int(np.flatnonzero(np.bincount(plan8.chunks.seq) > 1)[0])
     fig = bag_load_figure(plan8, highlight_seq=seq)
@@ -57,7 +78,9 @@ def test_highlighted_sequence_marks_its_chunk_destinations(plan8):
     assert f"sequence {seq}" in names
     marks = fig.data[names.index(f"sequence {seq}")]
     dst = plan8.chunks.dst_gpu[plan8.chunks.seq == seq]
-    assert sorted(marks.x[1]) == sorted(str(g) for g in dst)
+    ranks = [g for m in plan8.bags for g in m]
+    assert sorted(ranks[x] for x in marks.x) == sorted(dst.tolist())
+    assert sorted(np.asarray(marks.customdata)[:, 0].astype(int)) == sorted(dst.tolist())
     # each mark is that chunk's own cost on its GPU, not the GPU's whole load
     st = plan8.stats
     assert sum(marks.y) * st.mean_load == pytest.approx(plan8.sequences.workload[seq])
@@ -65,23 +88,60 @@ def test_highlighted_sequence_marks_its_chunk_destinations(plan8):
     chunk_tokens = plan8.chunks.length[plan8.chunks.seq == seq]
     extra = (chunk_tokens - chunk_tokens.mean()) * linear / plan8.sequences.length[seq]
     np.testing.assert_allclose(np.diff(marks.y) * st.mean_load, np.diff(extra), atol=1e-12)
+    # drawn as the top segment of the GPU's "after" bar, in the same bar position
+    after = fig.data[1]
+    tops = np.asarray(after.y)[np.asarray(marks.x)]
+    np.testing.assert_allclose(np.asarray(marks.base, float) + np.asarray(marks.y), tops)
+    assert marks.offsetgroup == after.offsetgroup == "after"
+    assert after.marker.line.width is None  # no GPU's whole bar is outlined
     source = fig.data[names.index(f"sequence {seq} source")]
-    assert list(source.x[1]) == [str(plan8.sequences.src_gpu[seq])]
+    assert [ranks[x] for x in source.x] == [plan8.sequences.src_gpu[seq]]
     with pytest.raises(ValueError, match="sequence 999"):
         bag_load_figure(plan8, highlight_seq=999)
 
 
-def test_traffic_heatmap_holds_the_token_matrix(plan8):
+def test_traffic_heatmap_holds_the_token_matrix_in_bag_order(plan8):
     seq = int(np.flatnonzero(np.bincount(plan8.chunks.seq) > 1)[0])
     fig = traffic_figure(plan8, highlight_seq=seq)
     heat = fig.data[0]
-    np.testing.assert_array_equal(np.asarray(heat.customdata), plan8.stats.traffic)
-    np.testing.assert_allclose(np.asarray(heat.z), np.log10(1 + plan8.stats.traffic))
+    order = _bag_order(plan8)
+    traffic = plan8.stats.traffic[np.ix_(order, order)]
+    np.testing.assert_array_equal(np.asarray(heat.customdata), traffic)
+    assert list(heat.x) == list(heat.y) == [f"GPU {g}" for g in np.asarray(plan8.gpus)[order]]
+    np.testing.assert_allclose(np.asarray(heat.z), np.log10(1 + traffic), atol=1e-4)
+    # the colour bar speaks tokens: 0, 1, 10, ... up to the largest cell
+    ticks = list(heat.colorbar.ticktext)
+    assert ticks[:3] == ["0", "1", "10"] and int(ticks[-1].replace(",", "")) <= traffic.max()
+    counts = [int(t.replace(",", "")) for t in ticks]
+    np.testing.assert_allclose(heat.colorbar.tickvals, np.log10(1 + np.array(counts)))
+    # lines at the bag boundaries, across both axes
+    lines = {(s.x0, s.y0) for s in fig.layout.shapes if s.xref == "x"}
+    assert {x for x, _ in lines} == {0.5, 1.5, 3.5}
     cells = fig.data[1]
     mine = plan8.chunks.seq == seq
     assert list(cells.x) == [f"GPU {g}" for g in plan8.chunks.dst_gpu[mine]]
     assert list(cells.y) == [f"GPU {g}" for g in plan8.chunks.src_gpu[mine]]
     assert len(traffic_figure(plan8).data) == 1
+
+
+def test_up_to_128_gpus_every_gpu_is_a_cell_and_ticks_thin_by_the_rule():
+    from knapformer.planner import plan_routing
+    from knapformer.workload import WorkloadModel
+    from visualization.axes import MAX_VIEW_GPUS, stride
+
+    lengths = [np.array([64 + (g * 37) % 900]) for g in range(MAX_VIEW_GPUS)]
+    plan = plan_routing(lengths, "g1n32+g2n16+g4n8+g8n4", WorkloadModel(64, 0.4))
+    fig = traffic_figure(plan, validate=False)
+    heat = fig.data[0]
+    assert np.asarray(heat.customdata).shape == (128, 128)
+    assert np.asarray(heat.customdata).sum() == plan.stats.total_tokens
+    ranks = [g for m in plan.bags for g in m]
+    k = stride(128, LINE_PX, TRAFFIC_PLOT_PX[1])  # rows: a line's height each
+    assert k > 1 and list(fig.layout.yaxis.ticktext) == [str(r) for r in ranks[::k]]
+    bars = bag_load_figure(plan, validate=False)
+    ticks = [int(t) for t in bars.layout.xaxis.ticktext]
+    assert ticks == ranks[:: ranks.index(ticks[1])] and ticks[1] != ranks[1]
+    assert "aggregated" not in bars.layout.title.text
 
 
 def test_summarize_matches_plan_stats(steps50):
@@ -119,22 +179,23 @@ def test_timeline_uses_the_index_when_plans_have_no_step(steps50):
     assert list(timeline_figure(summaries).data[0].x) == [0, 1, 2]
 
 
-def test_predicted_vs_measured_flags_a_straggler(plan8):
-    assert predicted_vs_measured_figure(plan8) is None
-    # Measured time proportional to predicted load, except GPU 5 which takes twice as long.
-    ms = plan8.stats.load_after * 10.0
-    slow = plan8.gpus.index(5)
-    ms[slow] *= 2
-    measured = plan8.model_copy(
-        update={"measurements": Measurements(plan_ms=1.0, per_rank_ms={"step": ms.tolist()})}
-    )
-    assert stragglers(measured) == [5]
-    fig = predicted_vs_measured_figure(measured)
+def test_predicted_vs_measured_labels_every_rank_and_flags_the_slow_one(plan8):
+    rng = np.random.default_rng(0)
+    plans = [with_measurements(plan8, rng, slow_rank=5, slow_factor=2.0) for _ in range(5)]
+    window = [measure(p).figures() for p in plans]
+    m = rank_steps(window)
+    fig = predicted_vs_measured_figure(analyse(window), m)
     by_name = {t.name: t for t in fig.data}
-    assert list(by_name["straggler"].y) == [pytest.approx(ms[slow])]
-    assert len(by_name["GPU"].x) == len(plan8.gpus) - 1
-    fit = next(t for t in fig.data if t.name.startswith("model fit"))
-    assert fit.y[1] / fit.x[1] == pytest.approx(10.0)
+    assert list(by_name["slow GPU"].text) == ["5"]
+    assert sorted(by_name["ok"].text, key=int) == [str(g) for g in plan8.gpus if g != 5]
+    slow_y = by_name["slow GPU"].y[0]
+    assert slow_y == pytest.approx(np.median(m.compute_ms[5]))
+    assert slow_y > 1.8 * np.median(by_name["ok"].y)
+    fit = next(t for t in fig.data if t.name.startswith("as predicted"))
+    per_work = np.median(m.compute_ms / m.predicted_shown)
+    assert fit.y[1] / fit.x[1] == pytest.approx(per_work, rel=0.05)
+    assert fit.x[0] > 0  # drawn over the predicted range, not from zero
+    assert fig.layout.yaxis.title.text == "measured compute (ms)"
 
 
 def test_sequence_rows_list_chunk_destinations_in_offset_order(plan8):
@@ -156,16 +217,20 @@ def test_unvalidated_fast_figures_are_valid_plotly(plan8, steps50):
     """The dashboard skips plotly's validation for speed; the specs must still be valid."""
     import plotly.graph_objects as go
 
-    ms = (plan8.stats.load_after * 3).tolist()
-    measured = plan8.model_copy(
-        update={"measurements": Measurements(plan_ms=1.0, per_rank_ms={"route": ms})}
-    )
+    rng = np.random.default_rng(1)
+    window = [measure(with_measurements(plan8, rng)).figures() for _ in range(3)]
+    m = rank_steps(window)
     summaries = [summarize(r.plan) for r in steps50]
+    measured_summaries = [summarize(with_measurements(plan8, rng)) for _ in range(3)]
     figures = [
         bag_load_figure(plan8, 1, validate=False),
         traffic_figure(plan8, 1, validate=False),
         timeline_figure(summaries, 3, validate=False),
-        predicted_vs_measured_figure(measured, validate=False),
+        timeline_figure(measured_summaries, 1, validate=False),
+        predicted_vs_measured_figure(analyse(window), m, validate=False),
+        ratio_heatmap(m, validate=False),
+        wait_heatmap(m, validate=False),
+        empty_figure("no steps yet", validate=False),
     ]
     for fig in figures:
         checked = go.Figure(fig.to_plotly_json())  # raises ValueError on any bad property
@@ -179,3 +244,20 @@ def test_long_timelines_drop_markers(steps50):
     long = timeline_figure(summaries * 10, validate=False)  # 500 steps
     assert {t.mode for t in long.data} == {"lines"}
     assert len(long.data[0].x) == 500
+
+
+def test_measured_runs_gain_a_step_time_panel(plan8):
+    rng = np.random.default_rng(2)
+    plans = [with_measurements(plan8, rng) for _ in range(4)]
+    summaries = [summarize(p) for p in plans]
+    fig = timeline_figure(summaries)
+    assert [t.name for t in fig.data][-1] == "step ms"
+    assert list(fig.data[-1].y) == [max(p.measurements.per_rank_ms["step"]) for p in plans]
+    assert fig.data[-1].yaxis == "y4"
+    assert len(timeline_columns(summaries, 2)) == 5
+
+
+def test_nothing_to_show_has_no_axes():
+    for fig in (timeline_figure([]), empty_figure("no steps yet")):
+        assert fig.layout.xaxis.visible is False and fig.layout.yaxis.visible is False
+        assert [a.text for a in fig.layout.annotations] == ["no steps yet"]

@@ -1,15 +1,22 @@
-"""One rule for which measured phase stands for a GPU's compute, used by calibration and by
-the dashboard's predicted-vs-measured view alike."""
+"""One rule for which measured phase stands for a GPU's compute, used by calibration, the
+straggler tools and the dashboard's predicted-vs-measured view alike."""
 
 from __future__ import annotations
 
 import pytest
 
+from knapformer.measured import measure
 from knapformer.plan import COMPUTE_PHASES, RECORDED_PHASES, Measurements
 from knapformer.plan_io import read_plans, write_jsonl
 from knapformer.recorder import PlanRecorder
+from knapformer.stragglers import analyse, rank_steps
 from knapformer.tools.calibrate import calibrate_file
-from visualization.figures import measured_phase, predicted_vs_measured_figure
+from visualization.straggler_figures import predicted_vs_measured_figure
+
+
+def measured_phase(plan):
+    """The phase the straggler tools and their figures compare with the model."""
+    return measure(plan).phase
 
 
 @pytest.fixture
@@ -54,7 +61,8 @@ def test_dashboard_and_calibrate_pick_the_same_phase_of_a_recorded_demo(sample_d
     fitted = calibrate_file(path).phase
     shown = {measured_phase(p) for p in plans}
     assert shown == {fitted}
-    figure = predicted_vs_measured_figure(plans[-1])
+    window = [measure(p).figures() for p in plans]
+    figure = predicted_vs_measured_figure(analyse(window), rank_steps(window))
     assert figure.layout.yaxis.title.text == f"measured {fitted} (ms)"
 
 

@@ -1,13 +1,12 @@
 """Plotly figures of routing plans, shared by the live dashboard and the static report.
 
 Pure functions of plans (or of `knapformer.stats.StepSummary` lists): no Dash, no I/O.
-Per-GPU arrays come from ``plan.stats`` and are indexed by position in ``plan.gpus``.
+Per-GPU arrays come from ``plan.stats`` and are indexed by position in ``plan.gpus``;
+per-GPU axes lay GPUs out bag by bag by the label rule of `visualization.axes`, and
+beyond `MAX_VIEW_GPUS` GPUs show groups of whole bags instead (`gpu_groups`).
 """
 
 from __future__ import annotations
-
-import math
-from dataclasses import dataclass
 
 import numpy as np
 import plotly.colors
@@ -17,70 +16,32 @@ import plotly.io as pio
 from knapformer.errors import KnapformerError
 from knapformer.plan import RoutingPlan, gpu_positions
 from knapformer.stats import StepSummary, chunk_loads
-from knapformer.units import LoadUnit, round_significant
+from knapformer.units import LoadUnit, round_significant_array
 from visualization import palette
+from visualization.axes import (
+    MAX_VIEW_GPUS,
+    GpuGroups,
+    bag_bands,
+    boundary_lines,
+    gpu_axis,
+    gpu_groups,
+    rank_ticks,
+    thinned_ticks,
+)
 from visualization.palette import AFTER as AFTER_COLOR
 from visualization.palette import BEFORE as BEFORE_COLOR
 from visualization.palette import HIGHLIGHT as HIGHLIGHT_COLOR
 
-# A GPU whose measured/predicted ratio exceeds the median ratio by this much is flagged.
-_STRAGGLER_FACTOR = 1.15
+__all__ = ["MAX_VIEW_GPUS", "gpu_groups"]  # re-exported: the figures' size rule lives in axes
+
 # Only the layout part of the template: its per-trace defaults would triple every figure.
 _TEMPLATE = {"layout": pio.templates["plotly_white"].layout.to_plotly_json()}
 _MARKERS_UP_TO = 400  # timeline points drawn with markers; beyond, lines only (fast SVG)
-#: Per-GPU views (load bars, traffic heatmap) of a plan with more GPUs than this show whole
-#: bags (or runs of bags) instead, and say so in their title: a 10,000-GPU heatmap would
-#: be 10⁸ cells (a 1 GB page), and bars thinner than a pixel show nothing.
-MAX_VIEW_GPUS = 128
-
-
-@dataclass(frozen=True)
-class GpuGroups:
-    """Columns of a per-GPU view of a plan too large to draw GPU by GPU: whole bags, or
-    runs of consecutive bags, so a group never splits a bag."""
-
-    of_position: np.ndarray  # (num_gpus,) group of each GPU position of plan.gpus
-    labels: list[str]  # (num_groups,) unique axis labels
-    sizes: np.ndarray  # (num_groups,) GPUs per group
-    note: str  # what the view shows instead of single GPUs
-
-
-def gpu_groups(plan: RoutingPlan) -> GpuGroups | None:
-    """How per-GPU views aggregate ``plan``; None when it is small enough to show per GPU."""
-    num_gpus, num_bags = len(plan.gpus), len(plan.bags)
-    if num_gpus <= MAX_VIEW_GPUS:
-        return None
-    per = math.ceil(num_bags / MAX_VIEW_GPUS)
-    of_bag = np.arange(num_bags) // per
-    count = int(of_bag[-1]) + 1
-    if per == 1:
-        labels = [plan.bag_label(b) for b in range(num_bags)]
-        note = f"aggregated by bag: {num_gpus:,} GPUs in {num_bags:,} bags"
-    else:
-        labels = [f"bags {i * per}–{min((i + 1) * per, num_bags) - 1}" for i in range(count)]
-        note = f"aggregated: {num_gpus:,} GPUs in {count:,} runs of {per} bags"
-    of_position = of_bag[plan.stats.gpu_bag]
-    return GpuGroups(of_position, labels, np.bincount(of_position, minlength=count), note)
-
-
-def _group_max(groups: GpuGroups, values: np.ndarray) -> np.ndarray:
-    """(num_groups,) largest of the per-GPU ``values`` in each group."""
-    out = np.full(len(groups.labels), -np.inf)
-    np.maximum.at(out, groups.of_position, values)
-    return out
-
-
-def _gpu_axis(plan: RoutingPlan) -> tuple[list[str], list[str], np.ndarray]:
-    """Multicategory x (bag label, GPU label) in bag order and, per bar, the GPU's position
-    in ``plan.gpus`` (bars are drawn bag by bag so each bag is one labelled group)."""
-    pos = {g: i for i, g in enumerate(plan.gpus)}
-    bags, gpus, index = [], [], []
-    for bag_id, members in enumerate(plan.bags):
-        for g in members:
-            bags.append(plan.bag_label(bag_id))
-            gpus.append(str(g))
-            index.append(pos[g])
-    return bags, gpus, np.asarray(index, dtype=np.int64)
+_BARGAP = 0.15
+# Where the "after" bar of a slot is drawn: right of centre by half its width.
+_AFTER_OFFSET = (1 - _BARGAP) / 4
+#: Nominal plot area (width, height, px) of the traffic heatmap, for its label rule.
+TRAFFIC_PLOT_PX = (520, 300)
 
 
 def _check_seq(plan: RoutingPlan, seq: int | None) -> int | None:
@@ -96,20 +57,50 @@ def _title(plan: RoutingPlan, what: str) -> str:
     return f"{what}{step} · {plan.topology}"
 
 
-def _figure(data: list[dict], layout: dict, validate: bool) -> go.Figure:
+def _note(groups: GpuGroups) -> str:
+    """What an aggregated view shows instead of single GPUs, as a second title line."""
+    return f"<br><sup>{groups.note}</sup>"
+
+
+def build_figure(data: list[dict], layout: dict, validate: bool) -> go.Figure:
     """A figure from trace and layout dicts. ``validate=False`` skips plotly's per-property
     validation (10x faster; the live dashboard uses it, tests check the specs validate)."""
     layout = {"template": _TEMPLATE, **layout}
     return go.Figure({"data": data, "layout": layout}, _validate=validate)
 
 
+def empty_figure(message: str, validate: bool = True) -> go.Figure:
+    """A figure with nothing to show: no axes (which would only show made-up ranges), the
+    reason in the middle."""
+    hidden = {"visible": False}
+    layout = {
+        "xaxis": hidden,
+        "yaxis": hidden,
+        "annotations": [
+            {
+                "text": message,
+                "showarrow": False,
+                "xref": "paper",
+                "yref": "paper",
+                "x": 0.5,
+                "y": 0.5,
+                "font": {"size": 14, "color": "#868e96"},
+            }
+        ],
+        "margin": {"l": 20, "r": 20, "t": 20, "b": 20},
+    }
+    return build_figure([], layout, validate)
+
+
 def bag_load_figure(
     plan: RoutingPlan, highlight_seq: int | None = None, validate: bool = True
 ) -> go.Figure:
-    """Per-GPU load before and after balancing, grouped by bag, with the mean as capacity.
+    """Per-GPU load before and after balancing, GPUs bag by bag on shaded bag bands
+    (`visualization.axes`), with the mean as capacity.
 
-    ``highlight_seq`` marks the GPUs that receive that sequence's chunks (with each chunk's
-    share of the workload) and the GPU it starts on.
+    ``highlight_seq`` draws that sequence's chunks only: each chunk's own cost as a segment
+    at the top of its GPU's "after" bar (with a marker above it, so a chunk of a few tokens
+    is still found), and the GPU it starts on.
     """
     seq = _check_seq(plan, highlight_seq)
     groups = gpu_groups(plan)
@@ -117,19 +108,24 @@ def bag_load_figure(
         return _grouped_load_figure(plan, groups, seq, validate)
     st = plan.stats
     unit = LoadUnit.of(plan)
-    bags, gpus, idx = _gpu_axis(plan)
-    x = [bags, gpus]
-    hover = [f"GPU {g} · {b}" for g, b in zip(gpus, bags, strict=True)]
+    axis = gpu_axis(plan)
+    n = len(axis.ranks)
+    slots = np.arange(n)
+    hover = [
+        f"GPU {g} · {plan.bag_label(b)}"
+        for g, b in zip(axis.ranks.tolist(), axis.bag.tolist(), strict=True)
+    ]
     value = f"%{{y:,.3r}}{unit.suffix}"  # d3 format: 3 significant figures, thousands commas
 
     def load_bars(when: str, load, tokens, color: str) -> dict:
         return {
             "type": "bar",
-            "x": x,
-            "y": load[idx] * unit.factor,
+            "x": slots,
+            "y": load[axis.position] * unit.factor,
             "name": when,
+            "offsetgroup": when,
             "marker": {"color": color},
-            "customdata": tokens[idx],
+            "customdata": tokens[axis.position],
             "hovertext": hover,
             "hovertemplate": f"%{{hovertext}}<br>load {when} {value}<br>%{{customdata:,}} "
             "tokens<extra></extra>",
@@ -140,8 +136,8 @@ def bag_load_figure(
         load_bars("after", st.load_after, st.tokens_after, AFTER_COLOR),
         {
             "type": "scatter",
-            "x": x,
-            "y": np.full(len(idx), st.mean_load * unit.factor),
+            "x": [-0.5, n - 0.5],
+            "y": [st.mean_load * unit.factor] * 2,
             "mode": "lines",
             "name": f"capacity (mean {unit.format(st.mean_load)})",
             "line": {"color": palette.CAPACITY, "dash": "dash", "width": 2},
@@ -149,52 +145,85 @@ def bag_load_figure(
         },
     ]
     if seq is not None:
-        chunks = plan.chunks
-        mine = np.flatnonzero(chunks.seq == seq)
-        share = chunk_loads(plan, mine) * unit.factor
-        label_of = dict(zip(gpus, bags, strict=True))
-        dst_labels = [str(int(g)) for g in chunks.dst_gpu[mine]]
-        src = str(int(plan.sequences.src_gpu[seq]))
-        # Outline the "after" bars of the GPUs that receive a chunk.
-        receiving = set(dst_labels)
-        data[1]["marker"]["line"] = {
-            "color": HIGHLIGHT_COLOR,
-            "width": [3 if g in receiving else 0 for g in gpus],
-        }
-        data += [
-            {
-                "type": "bar",
-                "x": [[label_of[g] for g in dst_labels], dst_labels],
-                "y": share,
-                "name": f"sequence {seq}",
-                "marker": {"color": HIGHLIGHT_COLOR},
-                "customdata": np.stack([chunks.offset[mine], chunks.length[mine]], axis=-1),
-                "hovertemplate": (
-                    f"sequence {seq}: chunk at %{{customdata[0]}}, %{{customdata[1]}} tokens"
-                    f"<br>load {value}<extra></extra>"
-                ),
-                "width": 0.25,
-            },
-            {
-                "type": "scatter",
-                "x": [[label_of[src]], [src]],
-                "y": [0],
-                "mode": "markers",
-                "name": f"sequence {seq} source",
-                "marker": {"symbol": "triangle-up", "size": 14, "color": HIGHLIGHT_COLOR},
-                "hovertemplate": f"sequence {seq} starts here<extra></extra>",
-            },
-        ]
+        data += _chunk_marks(plan, seq, axis, unit, value)
+    bands = bag_bands(plan, axis)
     layout = {
-        "title": {"text": _title(plan, "Load per GPU, grouped by bag")},
+        "title": {"text": _title(plan, "Load per GPU, bags as bands")},
         "barmode": "group",
-        "bargap": 0.15,
+        "bargap": _BARGAP,
         "yaxis": {"title": {"text": f"modelled {unit.axis_title}"}},
-        "xaxis": {"title": {"text": "GPU rank, grouped by bag"}},
-        "legend": {"orientation": "h", "y": 1.02, "x": 1, "xanchor": "right", "yanchor": "bottom"},
-        "margin": {"l": 60, "r": 20, "t": 70, "b": 60},
+        "xaxis": {
+            "title": {"text": "GPU rank (bags as shaded bands, named above)"},
+            "range": [-0.5, n - 0.5],
+            "showgrid": False,
+            "zeroline": False,
+            **rank_ticks(axis.ranks),
+        },
+        "legend": {"orientation": "h", "y": 1.16, "x": 1, "xanchor": "right", "yanchor": "bottom"},
+        "margin": {"l": 60, "r": 20, "t": 100, "b": 50},
+        **bands,
     }
-    return _figure(data, layout, validate)
+    return build_figure(data, layout, validate)
+
+
+def _chunk_marks(plan: RoutingPlan, seq: int, axis, unit: LoadUnit, value: str) -> list[dict]:
+    """Traces drawing sequence ``seq``'s chunks inside the "after" bars, and its source."""
+    chunks = plan.chunks
+    mine = np.flatnonzero(chunks.seq == seq)
+    pos = gpu_positions(plan.gpus)
+    where = axis.slot_of_position[pos[chunks.dst_gpu[mine]]]
+    cost = chunk_loads(plan, mine) * unit.factor
+    top = plan.stats.load_after[pos[chunks.dst_gpu[mine]]] * unit.factor
+    src_slot = int(axis.slot_of_position[pos[plan.sequences.src_gpu[seq]]])
+    info = np.stack([chunks.dst_gpu[mine], chunks.offset[mine], chunks.length[mine], cost], 1)
+    name = f"sequence {seq}"
+    chunk_hover = (
+        f"{name}: chunk at %{{customdata[1]:,}}, %{{customdata[2]:,}} tokens on GPU "
+        f"%{{customdata[0]}}<br>its load %{{customdata[3]:,.3r}}{unit.suffix}<extra></extra>"
+    )
+    return [
+        {
+            "type": "bar",
+            "x": where,
+            "y": cost,
+            "base": top - cost,
+            "name": name,
+            "offsetgroup": "after",
+            "marker": {"color": HIGHLIGHT_COLOR},
+            "customdata": info,
+            "hovertemplate": chunk_hover,
+        },
+        {
+            "type": "scatter",
+            "x": where + _AFTER_OFFSET,
+            "y": top,
+            "mode": "markers",
+            "name": f"{name} chunks",
+            "showlegend": False,
+            "marker": {"symbol": "triangle-down", "size": 10, "color": HIGHLIGHT_COLOR},
+            "cliponaxis": False,
+            "customdata": info,
+            "hovertemplate": chunk_hover,
+        },
+        {
+            "type": "scatter",
+            "x": [src_slot],
+            "y": [0],
+            "mode": "markers",
+            "name": f"{name} source",
+            "marker": {"symbol": "triangle-up", "size": 14, "color": HIGHLIGHT_COLOR},
+            "cliponaxis": False,
+            "hovertemplate": f"{name} starts on GPU {int(plan.sequences.src_gpu[seq])}"
+            "<extra></extra>",
+        },
+    ]
+
+
+def _group_max(groups: GpuGroups, values: np.ndarray) -> np.ndarray:
+    """(num_groups,) largest of the per-GPU ``values`` in each group."""
+    out = np.full(len(groups.labels), -np.inf)
+    np.maximum.at(out, groups.of_position, values)
+    return out
 
 
 def _grouped_load_figure(
@@ -230,7 +259,7 @@ def _grouped_load_figure(
             "y": np.full(len(x), st.mean_load * unit.factor),
             "mode": "lines",
             "name": f"capacity (mean {unit.format(st.mean_load)})",
-            "line": {"color": "#2f9e44", "dash": "dash", "width": 2},
+            "line": {"color": palette.CAPACITY, "dash": "dash", "width": 2},
             "hoverinfo": "skip",
         },
     ]
@@ -256,43 +285,68 @@ def _grouped_load_figure(
             }
         )
     layout = {
-        "title": {"text": _title(plan, f"Largest GPU load of each group · {groups.note}")},
+        "title": {"text": _title(plan, "Largest GPU load of each group") + _note(groups)},
         "barmode": "group",
         "bargap": 0.15,
         "yaxis": {"title": {"text": f"modelled {unit.axis_title}, most loaded GPU"}},
-        "xaxis": {"title": {"text": "bags, in order"}, "type": "category"},
+        "xaxis": {
+            "title": {"text": "bags, in order (ids)"},
+            "type": "category",
+            **thinned_ticks(groups.short, categories=x),
+        },
         "legend": {"orientation": "h", "y": 1.02, "x": 1, "xanchor": "right", "yanchor": "bottom"},
         "margin": {"l": 60, "r": 20, "t": 70, "b": 60},
     }
-    return _figure(data, layout, validate)
+    return build_figure(data, layout, validate)
+
+
+def _token_ticks(largest: int) -> tuple[list[float], list[str]]:
+    """Colour-bar ticks of a log10(1 + tokens) scale, labelled in tokens."""
+    values = [0] + [10**e for e in range(int(np.log10(max(largest, 1))) + 1)]
+    return [float(np.log10(1 + v)) for v in values], [f"{v:,}" for v in values]
 
 
 def traffic_figure(
     plan: RoutingPlan, highlight_seq: int | None = None, validate: bool = True
 ) -> go.Figure:
-    """Heatmap of tokens sent from each source GPU (rows) to each destination (columns).
+    """Heatmap of tokens sent from each source GPU (rows) to each destination (columns),
+    GPUs in bag order with lines at bag boundaries; beyond `MAX_VIEW_GPUS` GPUs, between
+    groups of whole bags (`gpu_groups`, said in the title).
 
     Colour is log10(1 + tokens) because the diagonal (tokens that stay) dwarfs the rest;
-    hovering shows exact counts. ``highlight_seq`` outlines that sequence's chunk cells.
+    the colour bar is labelled in tokens and hovering shows exact counts.
+    ``highlight_seq`` outlines the cells of that sequence's chunks.
     """
     seq = _check_seq(plan, highlight_seq)
     groups = gpu_groups(plan)
     if groups is None:
-        traffic = plan.stats.traffic
-        labels = [f"GPU {g}" for g in plan.gpus]
+        axis = gpu_axis(plan)
+        cell_of = axis.slot_of_position  # GPUs in bag order
+        names = [f"GPU {g}" for g in axis.ranks.tolist()]
+        ticks = [str(g) for g in axis.ranks.tolist()]
+        shapes, what, note = boundary_lines(axis), "GPU", ""
     else:  # never the GPU x GPU matrix of a large plan
-        labels = groups.labels
-        traffic = plan.stats.traffic_between(groups.of_position, len(labels))
+        cell_of, names, ticks = groups.of_position, groups.labels, groups.short
+        shapes, what, note = [], "bags", _note(groups)
+    # Category axes named after the cells, so hovering names them without a per-cell copy.
+    matrix = plan.stats.traffic_between(cell_of, len(names))
+    tickvals, ticktext = _token_ticks(int(matrix.max()))
     data = [
         {
             "type": "heatmap",
-            "z": np.log10(1.0 + traffic),
-            "x": labels,
-            "y": labels,
-            "customdata": traffic,
+            "z": np.log10(1.0 + matrix).astype(np.float32),
+            "x": names,
+            "y": names,
+            "zmin": 0.0,
+            "zmax": max(tickvals[-1], float(np.log10(1.0 + matrix.max()))),
+            "customdata": matrix.astype(np.int32),
             # An explicit list: plotly.js's own "Blues" runs dark to light.
             "colorscale": [[i / 8, c] for i, c in enumerate(plotly.colors.sequential.Blues)],
-            "colorbar": {"title": {"text": "log10(1+tokens)"}},
+            "colorbar": {
+                "title": {"text": "tokens<br>(log scale)"},
+                "tickvals": tickvals,
+                "ticktext": ticktext,
+            },
             "hovertemplate": "%{y} → %{x}<br>%{customdata:,} tokens<extra></extra>",
             "name": "traffic",
         }
@@ -300,18 +354,12 @@ def traffic_figure(
     if seq is not None:
         chunks = plan.chunks
         mine = np.flatnonzero(chunks.seq == seq)
-
-        def cell(ranks: np.ndarray) -> list[str]:
-            if groups is None:
-                return [f"GPU {int(g)}" for g in ranks]
-            at = groups.of_position[gpu_positions(plan.gpus)[ranks]]
-            return [labels[int(g)] for g in at]
-
+        pos = gpu_positions(plan.gpus)
         data.append(
             {
                 "type": "scatter",
-                "x": cell(chunks.dst_gpu[mine]),
-                "y": cell(chunks.src_gpu[mine]),
+                "x": [names[c] for c in cell_of[pos[chunks.dst_gpu[mine]]].tolist()],
+                "y": [names[c] for c in cell_of[pos[chunks.src_gpu[mine]]].tolist()],
                 "mode": "markers",
                 "name": f"sequence {seq}",
                 "marker": {
@@ -321,43 +369,77 @@ def traffic_figure(
                     "line": {"width": 3},
                 },
                 "customdata": chunks.length[mine],
-                "hovertemplate": f"sequence {seq}: %{{customdata:,}} tokens<extra></extra>",
+                "hovertemplate": f"sequence {seq}: %{{customdata:,}} tokens, %{{y}} → %{{x}}"
+                "<extra></extra>",
             }
         )
-    what = "GPU→GPU traffic (tokens)" + ("" if groups is None else f" · {groups.note}")
+    x_px, y_px = TRAFFIC_PLOT_PX
+    category = {"type": "category", "categoryorder": "array", "categoryarray": names}
     layout = {
-        "title": {"text": _title(plan, what)},
-        "xaxis": {"title": {"text": "destination"}, "type": "category"},
-        "yaxis": {"title": {"text": "source"}, "type": "category", "autorange": "reversed"},
+        "title": {"text": _title(plan, "GPU→GPU traffic (tokens)") + note},
+        "xaxis": {
+            "title": {"text": f"destination {what} (bag order)"},
+            "showgrid": False,
+            **category,
+            **thinned_ticks(ticks, x_px, categories=names),
+        },
+        "yaxis": {
+            "title": {"text": f"source {what}"},
+            "autorange": "reversed",
+            "showgrid": False,
+            **category,
+            **thinned_ticks(ticks, y_px, vertical=True, categories=names),
+        },
+        "shapes": shapes,
         "margin": {"l": 70, "r": 20, "t": 60, "b": 60},
         "showlegend": seq is not None,
+        "legend": {"orientation": "h", "y": -0.25},
     }
-    return _figure(data, layout, validate)
+    return build_figure(data, layout, validate)
 
 
-# (name, colour, subplot row, hover format) of each timeline trace, in trace order.
+# (name, colour, panel, hover format) of each timeline trace, in trace order; the last
+# one only when the run measured its steps.
 _TIMELINE_TRACES = (
     ("before", BEFORE_COLOR, 1, ".3f"),
     ("after", AFTER_COLOR, 1, ".3f"),
-    ("moved", palette.MOVED, 2, ".1%"),
+    ("moved", palette.MOVED, 2, ".1f"),  # in percent, so the axis picks its own precision
     ("plan ms", palette.PLAN_TIME, 3, ".2f"),
+    ("step ms", palette.STEP_TIME, 4, ",.3r"),
+)
+_PANEL_TITLES = (
+    "imbalance (max / mean load)",
+    "moved tokens",
+    "planning time (ms)",
+    "measured step time (ms, slowest rank)",
 )
 
 
+def timeline_measured(summaries: list[StepSummary]) -> bool:
+    """Whether a timeline of ``summaries`` has the measured step-time panel."""
+    return any(s.step_ms is not None for s in summaries)
+
+
 def timeline_columns(
-    summaries: list[StepSummary], start: int = 0
+    summaries: list[StepSummary], start: int = 0, measured: bool | None = None
 ) -> list[tuple[list, list, list[int]]]:
     """(x, y, customdata) of each timeline trace for ``summaries[start:]``, in trace order,
-    so a live view can append new steps to a figure it already shows."""
+    so a live view can append new steps to a figure it already shows. ``measured``: with
+    the step-time trace (default: when any summary has a step time)."""
+    if measured is None:
+        measured = timeline_measured(summaries)
     tail = summaries[start:]
     x = [start + i if s.step is None else s.step for i, s in enumerate(tail)]
     index = list(range(start, start + len(tail)))
-    return [
+    columns = [
         (x, [s.imbalance_before for s in tail], index),
         (x, [s.imbalance_after for s in tail], index),
-        (x, [s.moved_fraction for s in tail], index),
+        (x, [100.0 * s.moved_fraction for s in tail], index),
         (x, [s.plan_ms for s in tail], index),
     ]
+    if measured:
+        columns.append((x, [s.step_ms for s in tail], index))
+    return columns
 
 
 def timeline_mode(count: int) -> str:
@@ -369,17 +451,20 @@ def timeline_mode(count: int) -> str:
 def timeline_figure(
     summaries: list[StepSummary], selected_step: int | None = None, validate: bool = True
 ) -> go.Figure:
-    """Imbalance before/after, moved-token fraction and planning time over steps.
+    """Imbalance before/after, moved-token fraction, planning time and, when measured, the
+    step's wall time over steps.
 
-    Three stacked panels sharing one x axis (step). Every point's ``customdata`` is its
-    index in ``summaries`` (click → select). ``selected_step`` is an index into
-    ``summaries``; it is marked with a vertical line across the panels.
+    Stacked panels sharing one x axis (step). Every point's ``customdata`` is its index in
+    ``summaries`` (click → select). ``selected_step`` is an index into ``summaries``; it
+    is marked with a vertical line across the panels. No steps: no axes, a message.
     """
+    if not summaries:
+        return empty_figure("no steps yet", validate)
     mode = timeline_mode(len(summaries))
+    columns = timeline_columns(summaries)
+    panels = 4 if len(columns) == len(_TIMELINE_TRACES) else 3
     data = []
-    for (name, color, row, fmt), (x, y, index) in zip(
-        _TIMELINE_TRACES, timeline_columns(summaries), strict=True
-    ):
+    for (name, color, row, fmt), (x, y, index) in zip(_TIMELINE_TRACES, columns, strict=False):
         data.append(
             {
                 "type": "scatter",
@@ -390,26 +475,30 @@ def timeline_figure(
                 "name": name,
                 "line": {"color": color, "width": 1.5},
                 "marker": {"size": 5},
-                "hovertemplate": f"step %{{x}}<br>{name} %{{y:{fmt}}}<extra></extra>",
+                "hovertemplate": f"step %{{x}}<br>{name} %{{y:{fmt}}}"
+                + ("%" if name == "moved" else "")
+                + "<extra></extra>",
                 "xaxis": "x",
                 "yaxis": "y" if row == 1 else f"y{row}",
             }
         )
-    domains = {1: [0.70, 1.0], 2: [0.37, 0.63], 3: [0.0, 0.30]}
-    titles = ("imbalance (max / mean load)", "moved tokens", "planning time (ms)")
+    gap = 0.07
+    height = (1 - gap * (panels - 1)) / panels
+    domains = {
+        row: [1 - row * height - (row - 1) * gap, 1 - (row - 1) * (height + gap)]
+        for row in range(1, panels + 1)
+    }
+    domains[panels][0] = 0.0
     layout = {
-        "height": 430,
+        "height": 430 if panels == 3 else 520,
         "margin": {"l": 60, "r": 20, "t": 60, "b": 40},
         "hovermode": "x",
         "clickmode": "event",
         "legend": {"orientation": "h", "y": 1.06, "yanchor": "bottom", "x": 1, "xanchor": "right"},
-        "xaxis": {"anchor": "y3", "title": {"text": "step"}},
-        "yaxis": {"domain": domains[1], "anchor": "x"},
-        "yaxis2": {"domain": domains[2], "anchor": "x", "tickformat": ".1%"},
-        "yaxis3": {"domain": domains[3], "anchor": "x"},
+        "xaxis": {"anchor": f"y{panels}", "title": {"text": "step"}},
         "annotations": [
             {
-                "text": title,
+                "text": _PANEL_TITLES[row - 1],
                 "showarrow": False,
                 "xref": "paper",
                 "yref": "paper",
@@ -419,11 +508,14 @@ def timeline_figure(
                 "yanchor": "bottom",
                 "font": {"size": 13},
             }
-            for row, title in enumerate(titles, start=1)
+            for row in range(1, panels + 1)
         ],
         "shapes": selection_shapes(summaries, selected_step),
     }
-    return _figure(data, layout, validate)
+    for row in range(1, panels + 1):
+        layout["yaxis" if row == 1 else f"yaxis{row}"] = {"domain": domains[row], "anchor": "x"}
+    layout["yaxis2"]["ticksuffix"] = "%"
+    return build_figure(data, layout, validate)
 
 
 def selection_shapes(summaries: list[StepSummary], selected: int | None) -> list[dict]:
@@ -446,123 +538,51 @@ def selection_shapes(summaries: list[StepSummary], selected: int | None) -> list
     ]
 
 
-def measured_phase(plan: RoutingPlan) -> str | None:
-    """The phase of ``measurements.per_rank_ms`` compared with the model (None: none).
-
-    The phase that stands for compute (`Measurements.compute_phase`, as calibration
-    picks it); a plan that measured none of those shows its first measured phase.
-    """
-    if plan.measurements is None or not plan.measurements.per_rank_ms:
-        return None
-    return plan.measurements.compute_phase() or next(iter(plan.measurements.per_rank_ms))
+#: The sequence table's columns, in order (the dashboard's and the report's).
+SEQUENCE_COLUMNS = ("id", "src_gpu", "length", "workload", "bag", "chunks", "destinations")
 
 
-def stragglers(plan: RoutingPlan) -> list[int]:
-    """GPU ranks whose measured time per unit of predicted load exceeds the median by 15%."""
-    phase = measured_phase(plan)
-    if phase is None:
-        return []
-    measured = np.asarray(plan.measurements.per_rank_ms[phase], dtype=np.float64)
-    predicted = plan.stats.load_after
-    ok = predicted > 0
-    if not ok.any():
-        return []
-    ratio = np.where(ok, measured / np.where(ok, predicted, 1.0), np.nan)
-    median = float(np.nanmedian(ratio))
-    slow = ok & (ratio > median * _STRAGGLER_FACTOR)
-    return [int(plan.gpus[i]) for i in np.flatnonzero(slow)]
-
-
-def predicted_vs_measured_figure(plan: RoutingPlan, validate: bool = True) -> go.Figure | None:
-    """Predicted load after balancing vs measured time per GPU (None without measurements).
-
-    The dashed line is measured = k · predicted with k the median ratio; GPUs above it by
-    more than 15% are drawn as stragglers — slow for a reason the model does not explain.
-    """
-    phase = measured_phase(plan)
-    if phase is None:
-        return None
-    st = plan.stats
-    measured = np.asarray(plan.measurements.per_rank_ms[phase], dtype=np.float64)
-    predicted = st.load_after
-    slow = set(stragglers(plan))
-    labels = [
-        f"GPU {g} ({plan.bag_label(b)})"
-        for g, b in zip(plan.gpus, st.gpu_bag.tolist(), strict=True)
-    ]
-    is_slow = np.array([g in slow for g in plan.gpus], dtype=bool)
-    data = []
-    for name, mask, color, symbol in (
-        ("GPU", ~is_slow, AFTER_COLOR, "circle"),
-        ("straggler", is_slow, HIGHLIGHT_COLOR, "x"),
-    ):
-        if mask.any():
-            data.append(
-                {
-                    "type": "scatter",
-                    "x": predicted[mask],
-                    "y": measured[mask],
-                    "text": [lbl for lbl, m in zip(labels, mask, strict=True) if m],
-                    "mode": "markers",
-                    "name": name,
-                    "marker": {"color": color, "size": 9, "symbol": symbol},
-                    "hovertemplate": (
-                        "%{text}<br>predicted %{x:.4g}<br>measured %{y:.2f} ms<extra></extra>"
-                    ),
-                }
-            )
-    ok = predicted > 0
-    if ok.any():
-        k = float(np.median(measured[ok] / predicted[ok]))
-        top = float(predicted.max())
-        data.append(
-            {
-                "type": "scatter",
-                "x": [0, top],
-                "y": [0, k * top],
-                "mode": "lines",
-                "name": f"model fit ({k:.3g} ms per unit)",
-                "line": {"dash": "dash", "color": palette.MODEL_FIT},
-                "hoverinfo": "skip",
-            }
-        )
-    layout = {
-        "title": {"text": _title(plan, f"Predicted load vs measured {phase} time")},
-        "xaxis": {"title": {"text": "predicted load after balancing"}},
-        "yaxis": {"title": {"text": f"measured {phase} (ms)"}},
-        "margin": {"l": 60, "r": 20, "t": 60, "b": 50},
+def sequence_columns(plan: RoutingPlan) -> dict[str, np.ndarray]:
+    """The numeric columns of the sequence table, one value per sequence (n_seq,): id,
+    src_gpu, length, workload (in the plan's `LoadUnit`, 3 significant figures), bag and
+    the number of chunks."""
+    unit = LoadUnit.of(plan)
+    seqs = plan.sequences
+    n = len(seqs)
+    workload = seqs.workload * unit.factor
+    return {
+        "id": np.arange(n),
+        "src_gpu": seqs.src_gpu,
+        "length": seqs.length,
+        "workload": round_significant_array(workload),
+        "bag": seqs.bag,
+        "chunks": np.bincount(plan.chunks.seq, minlength=n),
     }
-    return _figure(data, layout, validate)
 
 
-def sequence_rows(plan: RoutingPlan) -> list[dict]:
-    """One row per sequence: id, src_gpu, length, workload, bag, chunks, destinations.
+def chunk_destinations(plan: RoutingPlan, ids: np.ndarray | None = None) -> list[str]:
+    """For each sequence of ``ids`` (default: all), the destination GPU of each of its
+    chunks in offset order, e.g. "4 5 6 7"."""
+    chunks = plan.chunks
+    n = len(plan.sequences)
+    order = np.lexsort((chunks.offset, chunks.seq))
+    starts = np.concatenate([[0], np.cumsum(np.bincount(chunks.seq, minlength=n))])
+    dst = chunks.dst_gpu[order].tolist()
+    ids = np.arange(n) if ids is None else np.asarray(ids, dtype=np.int64)
+    return [" ".join(map(str, dst[starts[i] : starts[i + 1]])) for i in ids.tolist()]
+
+
+def sequence_rows(
+    plan: RoutingPlan, ids: np.ndarray | None = None, columns: dict | None = None
+) -> list[dict]:
+    """One row per sequence of ``ids`` (default: all), keyed by `SEQUENCE_COLUMNS`
+    (``columns``: the plan's `sequence_columns`, when the caller has them already).
 
     ``workload`` is in the plan's display unit (`LoadUnit`, 3 significant figures);
     ``destinations`` lists the destination GPU of each chunk in offset order, e.g. "4 5 6 7".
     """
-    unit = LoadUnit.of(plan)
-    seqs, chunks = plan.sequences, plan.chunks
-    n = len(seqs)
-    order = np.lexsort((chunks.offset, chunks.seq))
-    counts = np.bincount(chunks.seq, minlength=n)
-    starts = np.concatenate([[0], np.cumsum(counts)])
-    dst = chunks.dst_gpu[order].tolist()
-    src, length, workload, bag = (
-        seqs.src_gpu.tolist(),
-        seqs.length.tolist(),
-        seqs.workload.tolist(),
-        seqs.bag.tolist(),
-    )
-    return [
-        {
-            "id": i,
-            "src_gpu": src[i],
-            "length": length[i],
-            "workload": round_significant(workload[i] * unit.factor),
-            "bag": bag[i],
-            "chunks": int(counts[i]),
-            "destinations": " ".join(str(g) for g in dst[starts[i] : starts[i + 1]]),
-        }
-        for i in range(n)
-    ]
+    columns = sequence_columns(plan) if columns is None else columns
+    ids = columns["id"] if ids is None else np.asarray(ids, dtype=np.int64)
+    values = {name: column[ids].tolist() for name, column in columns.items()}
+    values["destinations"] = chunk_destinations(plan, ids)
+    return [{name: values[name][k] for name in SEQUENCE_COLUMNS} for k in range(len(ids))]

@@ -27,9 +27,16 @@ HIGHLIGHT = "#e8590c"
 #: Items too small to draw one by one, drawn as one block per GPU.
 GROUPED = "#7d838c"
 GROUPED_NAME = "grey"
-#: The moved-token fraction and the planning time on the timeline.
+#: The moved-token fraction, the planning time and the measured step time on the timeline.
 MOVED = "#7048e8"
 PLAN_TIME = "#868e96"
+STEP_TIME = "#c2255c"
+#: Straggler views: a rank the plan overloads (a slow GPU is drawn in HIGHLIGHT), and the
+#: compute-ratio scale from faster than predicted through as predicted to slower.
+DATA_IMBALANCE = "#f08c00"
+FASTER = "#1c7ed6"
+AS_PREDICTED = "#f8f9fa"
+SLOWER = "#e03131"
 #: The animation's background (a dark slide), and its text.
 ANIMATION_BACKGROUND = "#101318"
 ANIMATION_TEXT = "#e9ecef"

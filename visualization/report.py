@@ -14,12 +14,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from knapformer.errors import KnapformerError, OptionError, file_error
+from knapformer.measured import MeasuredStep, RankFigures, measure
 from knapformer.plan import RoutingPlan
 from knapformer.plan_io import ReadResult, plans_in_range
 from knapformer.stats import summarize
+from knapformer.stragglers import WINDOW, analyse, rank_steps
 from knapformer.units import LoadUnit
 from visualization import figures as F
 from visualization.browser import find_chromium, launch_chromium, missing_chromium
+from visualization.straggler_figures import predicted_vs_measured_figure
 
 #: What `knapformer report -o` writes, by the output's suffix.
 REPORT_FORMATS = {".html": "html", ".htm": "html", ".pdf": "pdf"}
@@ -65,6 +68,15 @@ details { margin: 1em 0; } .note { color: #868e96; }
 """
 
 
+def measured_window(measured: list[MeasuredStep | None], index: int) -> list[RankFigures]:
+    """The figures of the last `WINDOW` measured steps up to ``index`` (empty when that
+    step itself was not measured)."""
+    if measured[index] is None:
+        return []
+    steps = [m for m in measured[: index + 1] if m is not None][-WINDOW:]
+    return [m.figures() for m in steps]
+
+
 def build_report(
     result: ReadResult, steps: str | None = None, source: str = ""
 ) -> tuple[str, list[ReportFigure]]:
@@ -75,6 +87,8 @@ def build_report(
             f"`steps` {steps!r} selects {len(chosen)} plans; a report holds at most {MAX_STEPS}"
         )
     summaries = [summarize(r.plan, r.line) for r in result.records]
+    measured = [measure(r.plan) for r in result.records]
+    position = {id(r.plan): i for i, r in enumerate(result.records)}
     figures: list[ReportFigure] = []
     parts: list[str] = []
     plotly_js: list[bool] = [True]  # inline plotly.js with the first figure only
@@ -115,9 +129,13 @@ def build_report(
         )
         add(F.bag_load_figure(plan), "bag-load", plan)
         add(F.traffic_figure(plan), "traffic", plan)
-        measured = F.predicted_vs_measured_figure(plan)
-        if measured is not None:
-            add(measured, "predicted-vs-measured", plan)
+        window = measured_window(measured, position[id(plan)])
+        if window:
+            add(
+                predicted_vs_measured_figure(analyse(window, None), rank_steps(window)),
+                "predicted-vs-measured",
+                plan,
+            )
         parts.append(f"<details><summary>Sequences ({len(plan.sequences)})</summary>")
         parts.append(_table(plan) + "</details>")
 

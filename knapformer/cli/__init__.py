@@ -19,7 +19,7 @@ try:  # recent typer bundles its own click; older ones use the click package
 except ImportError:  # pragma: no cover
     from click import ClickException
 
-from knapformer.cli import dashboard, debug, demo, export, plans, render
+from knapformer.cli import dashboard, debug, demo, export, plans, render, stragglers
 from knapformer.cli.errors import UserError
 from knapformer.errors import KnapformerError, OptionError
 from knapformer.local.signals import handling, interrupt
@@ -31,7 +31,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-for _module in (plans, demo, dashboard, render, debug, export):
+for _module in (plans, demo, dashboard, render, debug, export, stragglers):
     _module.register(app)
 
 

@@ -1,0 +1,131 @@
+"""``knapformer stragglers PLANS``: which rank is slow, and whether the GPU or the data is."""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from knapformer.cli.errors import UserError
+from knapformer.measured import RankFigures, measure
+from knapformer.plan_io import Problem, iter_plan_file
+from knapformer.runfiles import RUNS_LAYOUT, single_run
+from knapformer.stragglers import WINDOW, StragglerReport, analyse, describe
+from knapformer.units import significant
+
+#: Up to this many ranks the table lists every rank; beyond, the named ones only.
+_ALL_RANKS_UP_TO = 64
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(stragglers)
+
+
+def stragglers(
+    plans: Path = typer.Argument(
+        ..., help=f"recorded plans with measurements: a .jsonl, or a run folder ({RUNS_LAYOUT})"
+    ),
+    window: int = typer.Option(
+        WINDOW, help="analyse the last N measured steps (0: every step in the file)"
+    ),
+    as_json: bool = typer.Option(
+        False, "--json", help="print a JSON list of per-rank objects (rank, verdict, ...)"
+    ),
+) -> None:
+    """Name slow ranks: per rank, predicted share vs measured compute, waiting, and a verdict
+    (slow_gpu, data_imbalance or ok)."""
+    if window < 0:
+        raise UserError(f"--window {window} must be 0 (every step) or more")
+    path = single_run(plans)
+    figures, count = _measured_figures(path, window or None)
+    if not figures:
+        raise UserError(
+            f"{path}: none of its {count} plan(s) measured a compute phase "
+            "(record with a balancer and a PlanRecorder)"
+        )
+    report = analyse(figures, window or None)
+    if as_json:
+        print(json.dumps([r.as_dict() for r in report.ranks], indent=1))
+        return
+    console = Console(highlight=False, width=max(Console().width, 110))
+    console.print(_table(report), _summary(report, len(figures)))
+
+
+def _measured_figures(path: Path, window: int | None) -> tuple[list[RankFigures], int]:
+    """The per-rank figures of the last ``window`` measured plans of ``path`` (all: None)
+    and how many plans it holds; the file is streamed, so a long run is never held whole.
+    A file with no plan at all is a one-line `UserError` naming its first problem."""
+    kept: deque[RankFigures] = deque(maxlen=window)
+    count, first_problem = 0, None
+    for item in iter_plan_file(path):
+        if isinstance(item, Problem):
+            first_problem = first_problem or item
+            continue
+        count += 1
+        measured = measure(item.plan)
+        if measured is not None:
+            kept.append(measured.figures())
+    if not count:
+        raise UserError(str(first_problem) if first_problem else f"{path}: no plan")
+    return list(kept), count
+
+
+def _fmt(value: float, spec: str = "") -> str:
+    if value != value:  # NaN: the rank had no work (or no measurement) in the window
+        return "–"
+    return format(value, spec) if spec else significant(value)
+
+
+def _table(report: StragglerReport) -> Table:
+    steps = [s for s in report.steps if s is not None]
+    span = f"steps {min(steps)}..{max(steps)}" if steps else f"{len(report.steps)} plans"
+    table = Table(
+        title=f"stragglers over {span} ({len(report.steps)} measured; compute phase "
+        f"{', '.join(report.phases)})",
+        title_justify="left",
+    )
+    for name in ("rank", "verdict", "predicted\nshare", "predicted\nload (× ideal)"):
+        table.add_column(name, justify="right" if name != "verdict" else "left")
+    for name in ("compute\n(ms)", "measured ÷\npredicted", "wait\n(ms)", "times\nlast", "steps"):
+        table.add_column(name, justify="right")
+    shown = report.ranks if len(report.ranks) <= _ALL_RANKS_UP_TO else report.named
+    for r in shown:
+        style = {"slow_gpu": "bold red", "data_imbalance": "yellow"}.get(r.verdict)
+        table.add_row(
+            str(r.rank),
+            r.verdict,
+            _fmt(r.predicted_share, ".1%"),
+            _fmt(r.predicted_load, ".2f"),
+            _fmt(r.measured_ms),
+            _fmt(r.ratio, ".2f"),
+            _fmt(r.wait_ms),
+            str(r.last_arrivals),
+            str(r.steps),
+            style=style,
+        )
+    return table
+
+
+def _summary(report: StragglerReport, measured: int) -> str:
+    th = report.thresholds
+    lines = []
+    if len(report.ranks) > _ALL_RANKS_UP_TO:
+        ok = len(report.ranks) - len(report.named)
+        lines.append(f"{ok:,} of {len(report.ranks):,} ranks ok (not listed; --json lists all)")
+    if measured < th.min_steps:
+        lines.append(
+            f"only {measured} measured step(s): a verdict needs {th.min_steps} (all ranks ok)"
+        )
+    lines += [describe(r) for r in report.named]
+    if not report.named and measured >= th.min_steps:
+        lines.append("no straggler: every rank takes about the time the plan predicts")
+    lines.append(
+        f"verdicts: slow_gpu when measured ÷ predicted ≥ {th.slow_ratio:g} (median, and in "
+        f"≥ {th.persistence:.0%} of steps); data_imbalance when the predicted load is "
+        f"≥ {th.heavy_load:g}× the ideal (likewise)"
+    )
+    return "\n".join(lines)

@@ -1,0 +1,186 @@
+"""What a recorded step's measurements say about each rank: compute apart from waiting.
+
+The definitions every straggler view uses (the CLI, the dashboard, the report):
+
+- **measured compute** of a rank: its time in the phase that stands for compute —
+  ``compute`` (the step minus the time inside `COLLECTIVE_PHASES`) when it was recorded,
+  else the next of `COMPUTE_PHASES` that was (`knapformer.plan.compute_phase`).
+- **time in a collective**: ``per_rank_ms[phase]`` for each of `COLLECTIVE_PHASES`.
+  Time inside a collective is waiting for the last rank to arrive plus the transfer, so
+  the rank that arrived last waited least: its **wait** is ``t_i - min_j t_j`` and the
+  **last arrival** is ``argmin_j t_j``, over the ranks taking part (the whole group; only
+  the bag's GPUs for the Ulysses exchanges of `BAG_COLLECTIVES`). No clocks are compared
+  across ranks.
+- **predicted share**: ``plan.stats.work_after / total`` — the work the plan gave each
+  GPU at nominal speed (not ``load_after``, which is divided by any speed the planner
+  assumed), so a GPU that is slower than the plan assumed shows up however it was fed.
+- **predicted load**: ``load_after / mean_load`` — the plan's own predicted time for the
+  GPU relative to the ideal (1.00): above 1 the plan put more there than its share.
+- **compute ratio**: ``(compute_i / share_i) / median_j (compute_j / share_j)``: 1 = the
+  rank took the time the plan predicted for it, as the typical rank did; 2 = twice that.
+  Undefined (NaN) for a rank given no work.
+- **straggler of a step**: the rank that waited least in all its collectives together —
+  the one the others waited for (in a bag, its peers wait for it in the Ulysses
+  exchanges and the group then waits for the whole bag); none when nobody waited.
+
+Pure numpy, no readers: the dashboard and the CLI both import it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from knapformer.plan import BAG_COLLECTIVES, COLLECTIVE_PHASES, RoutingPlan
+from knapformer.units import LoadUnit
+
+
+@dataclass(frozen=True)
+class MeasuredStep:
+    """Per rank of one plan (arrays indexed by position in ``gpus``), from its
+    ``measurements.per_rank_ms``. Build with `measure`."""
+
+    step: int | None
+    gpus: np.ndarray  # (n,) ranks
+    phase: str  # the measured phase standing for compute
+    compute_ms: np.ndarray  # (n,)
+    collective_ms: dict[str, np.ndarray]  # phase -> (n,), the measured collectives
+    wait_ms: dict[str, np.ndarray]  # phase -> (n,) t_i - min_j t_j among its peers
+    last_arrival: dict[str, np.ndarray]  # phase -> (n,) bool: arrived last among its peers
+    predicted_share: np.ndarray  # (n,) work_after / total work, sums to 1
+    predicted_load: np.ndarray  # (n,) load_after / mean_load
+    step_ms: np.ndarray | None  # (n,) the whole step, when measured
+    straggler: int | None  # rank the others waited for (see the module doc)
+    shown_total: float  # total work of the step in the plan's `LoadUnit`
+    load_axis: str  # what that unit is called on an axis
+
+    @property
+    def total_wait_ms(self) -> np.ndarray:
+        """(n,) time each rank waited in all its collectives together."""
+        return sum(self.wait_ms.values(), np.zeros(len(self.gpus)))
+
+    @property
+    def compute_ratio(self) -> np.ndarray:
+        """(n,) measured compute relative to the plan's prediction (see the module doc)."""
+        return compute_ratio(self.compute_ms, self.predicted_share)
+
+    def figures(self) -> RankFigures:
+        """The compact per-rank figures the straggler analysis keeps for every step."""
+        return RankFigures(
+            step=self.step,
+            gpus=self.gpus.astype(np.int32),
+            phase=self.phase,
+            compute_ms=self.compute_ms.astype(np.float32),
+            predicted_share=self.predicted_share.astype(np.float32),
+            predicted_load=self.predicted_load.astype(np.float32),
+            wait_ms=self.total_wait_ms.astype(np.float32),
+            straggler=self.straggler,
+            shown_total=self.shown_total,
+            load_axis=self.load_axis,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class RankFigures:
+    """What the straggler views keep of one measured step: a few float32 numbers per rank
+    (cheap to hold for every step of a long run). Arrays are indexed like ``gpus``."""
+
+    step: int | None
+    gpus: np.ndarray  # (n,) int32 ranks
+    phase: str
+    compute_ms: np.ndarray  # (n,) float32
+    predicted_share: np.ndarray  # (n,) float32
+    predicted_load: np.ndarray  # (n,) float32
+    wait_ms: np.ndarray  # (n,) float32, summed over the collectives
+    straggler: int | None
+    shown_total: float
+    load_axis: str
+
+    @property
+    def compute_ratio(self) -> np.ndarray:
+        return compute_ratio(self.compute_ms, self.predicted_share)
+
+    @property
+    def predicted_shown(self) -> np.ndarray:
+        """(n,) the predicted work of each rank in the plan's `LoadUnit` (nominal speed)."""
+        return self.predicted_share.astype(np.float64) * self.shown_total
+
+
+def compute_ratio(compute_ms: np.ndarray, share: np.ndarray) -> np.ndarray:
+    """(n,) ``(compute_i / share_i) / median_j (compute_j / share_j)``; NaN where a rank
+    has no predicted work or nothing is comparable."""
+    compute = np.asarray(compute_ms, dtype=np.float64)
+    share = np.asarray(share, dtype=np.float64)
+    per_work = np.full(len(compute), np.nan)
+    given = (share > 0) & np.isfinite(compute)
+    per_work[given] = compute[given] / share[given]
+    if not given.any():
+        return per_work
+    typical = float(np.median(per_work[given]))
+    if typical <= 0:
+        return np.full(len(compute), np.nan)
+    return per_work / typical
+
+
+def measure(plan: RoutingPlan) -> MeasuredStep | None:
+    """The per-rank measured figures of ``plan``; None when it measured no compute phase."""
+    m = plan.measurements
+    phase = None if m is None else m.compute_phase()
+    if phase is None:
+        return None
+    n = len(plan.gpus)
+    per_rank = m.per_rank_ms
+    st = plan.stats
+    total_work = float(st.work_after.sum())
+    share = st.work_after / total_work if total_work > 0 else np.zeros(n)
+    predicted_load = st.load_after / st.mean_load if st.mean_load > 0 else np.zeros(n)
+    collective_ms, wait_ms, last = {}, {}, {}
+    for name in COLLECTIVE_PHASES:
+        if name not in per_rank:
+            continue
+        t = np.asarray(per_rank[name], dtype=np.float64)
+        group = st.gpu_bag if name in BAG_COLLECTIVES else np.zeros(n, dtype=np.int64)
+        wait, last_of_group = _waits(t, group)
+        is_last = np.zeros(n, dtype=bool)
+        is_last[last_of_group[last_of_group >= 0]] = True
+        collective_ms[name], wait_ms[name], last[name] = t, wait, is_last
+    total_wait = sum(wait_ms.values(), np.zeros(n))
+    straggler = int(plan.gpus[int(np.argmin(total_wait))]) if total_wait.sum() > 0 else None
+    step_ms = per_rank.get("step")
+    unit = LoadUnit.of(plan)
+    return MeasuredStep(
+        step=plan.step,
+        gpus=np.asarray(plan.gpus, dtype=np.int64),
+        phase=phase,
+        compute_ms=np.asarray(per_rank[phase], dtype=np.float64),
+        collective_ms=collective_ms,
+        wait_ms=wait_ms,
+        last_arrival=last,
+        predicted_share=share,
+        predicted_load=predicted_load,
+        step_ms=None if step_ms is None else np.asarray(step_ms, dtype=np.float64),
+        straggler=straggler,
+        shown_total=st.total_load * unit.factor,
+        load_axis=unit.axis_title,
+    )
+
+
+def _waits(t: np.ndarray, group: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For times ``t`` (n,) in a collective whose peers share a ``group`` id (n,): each
+    rank's wait (n,) and the position of each group's last arrival (num_groups,; -1 for a
+    group of one rank or with no measured time). A rank alone in its group neither waits
+    nor arrives last; unmeasured (NaN) times count as no wait."""
+    groups = int(group.max()) + 1 if len(group) else 0
+    size = np.bincount(group, minlength=groups)
+    earliest = np.where(np.isnan(t), np.inf, t)
+    order = np.lexsort((earliest, group))  # by group, earliest time first
+    starts = np.searchsorted(group[order], np.arange(groups))
+    last = np.full(groups, -1, dtype=np.int64)
+    has = size >= 2
+    has[has] = np.isfinite(earliest[order[starts[has]]])
+    last[has] = order[starts[has]]
+    first = np.full(groups, np.inf)
+    first[has] = t[last[has]]
+    wait = np.nan_to_num(np.where(has[group], t - first[group], 0.0), nan=0.0)
+    return wait, last

@@ -1,0 +1,135 @@
+"""Per-rank verdicts over a window of measured steps (knapformer.stragglers)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from measured_plans import measured_run, with_measurements
+
+from knapformer.measured import measure
+from knapformer.planner import plan_routing
+from knapformer.stragglers import THRESHOLDS, WINDOW, Thresholds, analyse, rank_steps
+from knapformer.tools.datamix import parse_mix, sample_lengths
+from knapformer.workload import WorkloadModel
+
+
+def _figures(plans):
+    return [measure(p).figures() for p in plans]
+
+
+def _named(report) -> dict[int, str]:
+    return {r.rank: r.verdict for r in report.ranks if r.verdict != "ok"}
+
+
+@pytest.mark.parametrize(
+    ("slow_rank", "factor", "noise", "seed"),
+    [(5, 2.0, 0.05, 0), (1, 2.0, 0.10, 1), (3, 1.5, 0.10, 2), (6, 1.5, 0.15, 3)],
+)
+def test_an_injected_slow_rank_is_named_within_10_steps_and_nobody_else(
+    slow_rank, factor, noise, seed
+):
+    plans = measured_run(30, slow_rank=slow_rank, slow_factor=factor, noise=noise, seed=seed)
+    figures = _figures(plans)
+    first = None
+    for k in range(1, len(figures) + 1):
+        named = _named(analyse(figures[:k]))
+        assert set(named) <= {slow_rank}, f"after {k} steps: {named}"
+        if named and first is None:
+            first = k
+            assert named == {slow_rank: "slow_gpu"}
+        if first is not None:
+            assert named == {slow_rank: "slow_gpu"}, f"rank dropped after {k} steps"
+    assert first is not None and first <= 10
+    verdict = next(r for r in analyse(figures).ranks if r.rank == slow_rank)
+    assert verdict.ratio == pytest.approx(factor, rel=0.15)
+    assert verdict.last_arrivals >= 0.8 * verdict.steps  # the others waited for it
+    others = [r for r in analyse(figures).ranks if r.rank != slow_rank]
+    assert all(r.wait_ms > 10 * verdict.wait_ms for r in others)
+
+
+def test_one_bad_step_names_nobody():
+    plans = measured_run(12, noise=0.05, seed=4)
+    rng = np.random.default_rng(9)
+    plans[6] = with_measurements(plans[6], rng, slow_rank=2, slow_factor=3.0)
+    report = analyse(_figures(plans))
+    assert _named(report) == {}
+    assert next(r for r in report.ranks if r.rank == 2).slow_steps == 1
+
+
+def test_too_few_steps_for_a_verdict():
+    figures = _figures(measured_run(THRESHOLDS.min_steps, slow_rank=4, slow_factor=3.0))
+    assert _named(analyse(figures[:-1])) == {}
+    assert _named(analyse(figures)) == {4: "slow_gpu"}
+
+
+def test_the_plan_putting_too_much_on_a_rank_is_data_imbalance_not_a_slow_gpu():
+    # One video per step on GPU 0 of g1n4: no bag can split it, so GPU 0 stays heavy.
+    plans = measured_run(6, topology="g1n4", codes="g1b1i1024f17s1,g3b4i256f1s0", seed=5)
+    assert min(p.stats.imbalance_after for p in plans) > 2
+    report = analyse(_figures(plans))
+    assert _named(report) == {0: "data_imbalance"}
+    heavy = report.ranks[0]
+    assert heavy.predicted_load >= THRESHOLDS.heavy_load
+    assert heavy.ratio == pytest.approx(1.0, abs=0.15)  # it took what the plan predicted
+    assert report.straggler.rank == 0
+
+
+def test_a_slow_gpu_the_planner_already_unloads_is_still_a_slow_gpu():
+    """With learned speeds the slow GPU gets less work; its compute per unit of work
+    (predicted share at nominal speed) still shows it is slow, and the plan does not
+    overload it (so: not data_imbalance)."""
+    model = WorkloadModel(3072, 0.4)
+    rng = np.random.default_rng(6)
+    mix = parse_mix("g8b4i512f1s0")
+    speed = [1.0] * 8
+    speed[3] = 0.5
+    plans = [
+        with_measurements(
+            plan_routing(sample_lengths(mix, rng), "g1n8", model, step=s, gpu_speed=speed),
+            rng,
+            speeds={3: 0.5},
+        )
+        for s in range(8)
+    ]
+    report = analyse(_figures(plans))
+    assert _named(report) == {3: "slow_gpu"}
+    slow = report.ranks[3]
+    assert slow.predicted_share < 0.75 / 8  # fed less
+    assert slow.ratio == pytest.approx(2.0, rel=0.15)
+    assert slow.predicted_load < THRESHOLDS.heavy_load
+
+
+def test_the_window_describes_the_run_now():
+    slow = measured_run(10, slow_rank=2, slow_factor=2.0, seed=7)
+    healthy = measured_run(WINDOW, seed=8)
+    figures = _figures(slow + healthy)
+    assert _named(analyse(figures)) == {}  # the last WINDOW steps: recovered
+    # the whole run: slow in 10 of 30 steps is not persistent; in 10 of 15 it is
+    assert _named(analyse(figures, window=None)) == {}
+    assert _named(analyse(figures[:15], window=None)) == {2: "slow_gpu"}
+    assert _named(analyse(figures[:15], window=None, thresholds=Thresholds(persistence=0.7))) == {}
+
+
+def test_rank_steps_lines_up_ranks_across_plans_of_other_groups():
+    a = _figures(measured_run(2, seed=10))
+    b = _figures(measured_run(1, topology="g1n4", codes="g4b4i256f1s0", seed=11))
+    m = rank_steps(a + b)
+    assert m.ranks.tolist() == list(range(8))
+    assert m.ratio.shape == (8, 3)
+    assert np.isnan(m.ratio[4:, 2]).all() and np.isfinite(m.ratio[:4, 2]).all()
+    np.testing.assert_allclose(m.wait_ms[:, 0], a[0].wait_ms)
+    report = analyse(a + b)
+    assert [r.steps for r in report.ranks] == [3] * 4 + [2] * 4
+
+
+def test_as_dict_is_plain_json_with_missing_figures_as_null():
+    import json
+
+    report = analyse(_figures(measured_run(3, seed=12)))
+    rows = json.loads(json.dumps([r.as_dict() for r in report.ranks], allow_nan=False))
+    assert [row["rank"] for row in rows] == list(range(8))
+    assert {"rank", "verdict", "predicted_share", "measured_ms", "ratio", "wait_ms"} <= set(rows[0])
+    idle = dataclasses.replace(report.ranks[0], ratio=float("nan"))
+    assert idle.as_dict()["ratio"] is None
