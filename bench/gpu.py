@@ -327,7 +327,7 @@ def train_with_recorder(device: torch.device, sizes: Sizes, path: Path) -> dict:
             model.zero_grad()
             reference.zero_grad()
         bal.add_timing("forward_backward", watch.ms())
-        bal.recorder.finish(bal)
+        bal.finish()
     finally:
         bal.close()
     plans = read_plans(path, on_error="raise").plans

@@ -78,7 +78,7 @@ def main() -> None:
         balancer.add_timing("forward_backward", (time.perf_counter() - began) * 1e3)
         grads = [p.grad for p in model.parameters()]
         flat = torch.cat([g.reshape(-1) for g in grads] + [sq_err.detach().reshape(1)])
-        dist.all_reduce(flat)  # data parallel (DDP would do the same)
+        balancer.all_reduce(flat)  # data parallel (DDP would do the same), timed as waiting
         offset = 0
         for g in grads:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
@@ -92,7 +92,7 @@ def main() -> None:
                 f"moved {stats.moved_tokens} tokens",
                 flush=True,
             )
-    recorder.finish(balancer)  # optional: the last step's measured times too
+    balancer.finish()  # optional: the last steps' measured times too
     balancer.close()  # (3) flushes the recorder
     dist.destroy_process_group()
     if rank == 0:

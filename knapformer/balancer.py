@@ -10,21 +10,40 @@ Typical step (see ``knapformer/local/models.py`` for a model that does this)::
     chunk_lens, out = balancer.post_attn(out)
     ...
     seq_lens, y, _ = balancer.reverse_route(x)        # 1 all-to-all; rows as `packed`
+    loss.backward()
+    balancer.all_reduce(flat_grads)                   # data parallel, timed
+    ...
+    balancer.finish()  # after the last step: its measurements reach the recorder too
 
 Works on the backend of the process group: NCCL with CUDA tensors, gloo with CPU
 tensors. ``plan_routing`` checks its arguments collectively: a mistake on one rank (or
 ranks disagreeing on ``token_dim``) makes every rank raise in that call, never some wait
 in a collective for a peer that already left. Balance groups are consecutive ranks; a
 world of k x (topology GPUs) ranks holds k replicas, each balanced on its own.
+
+Measurements (`knapformer.timing`): every rank times the collectives it runs here and
+its compute apart from them; the few floats of step s travel to every rank in the
+length all-gather of step s+1 (s+2 when planning ahead): no collective of their own. The
+balancer attaches them to the plan of step s and hands that plan to the recorder, a
+plain sink. With ``cost_model="history"`` every rank learns each GPU's speed from them
+(`knapformer.history`), identically, and plans with it.
+
+Planning ahead (``plan_ahead=True``): ``prefetch(next_lengths, d)`` as soon as the next
+batch is known; a background thread gathers the lengths over a gloo group of its own
+and plans while this step computes, and the next ``plan_routing`` with the same lengths
+takes the plan. No collective of the training group is involved (no ordering hazard
+with NCCL); plans, step numbers and recordings are those of the synchronous path.
 """
 
 from __future__ import annotations
 
+import math
 import operator
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import astuple, dataclass, fields
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -32,7 +51,9 @@ import torch
 import torch.distributed as dist
 
 from knapformer.errors import KnapformerError
-from knapformer.plan import RoutingPlan
+from knapformer.history import COST_MODELS, LAG_STEPS, SpeedHistory, step_work
+from knapformer.plan import COLLECTIVE_PHASES, RoutingPlan
+from knapformer.plan_ahead import PlanAhead, Ticket
 from knapformer.planner import SOLVERS, plan_routing
 from knapformer.router import (
     Features,
@@ -43,6 +64,7 @@ from knapformer.router import (
     flatten_features,
     unflatten_features,
 )
+from knapformer.timing import DERIVED_PHASES, GatheredStep, StepTimer
 from knapformer.topology import Topology, as_topology
 from knapformer.workload import WorkloadModel
 
@@ -59,17 +81,24 @@ TOKEN_DIM_LIMIT = 2**24
 #: The checks each rank runs on its own arguments before the gather; a failure travels in
 #: the head (`GatherHead.problem`) so that every rank raises, not only this one.
 LOCAL_CHECKS = ("local_seq_lens", "token_dim", "packed_seqs")
+#: The calls that gather a head (`GatherHead.call`): ranks in different ones all raise.
+GATHERING_CALLS = ("plan_routing", "finish")
+#: How long `close` waits for the plan-ahead thread to finish what it runs.
+_AHEAD_CLOSE_S = 30.0
 
 
 @dataclass(frozen=True)
 class GatherHead:
     """What every rank sends in the first all-gather of a step, as float64 (integers are
-    exact below 2**53), followed by the recorder's timing row. The one definition of the
-    head's layout: a new per-rank field joins by being declared here."""
+    exact below 2**53), followed by the measurement row of step ``measured_step`` (one
+    float per phase of `SequenceBalancer.phases`). The one definition of the head's
+    layout: a new per-rank field joins by being declared here."""
 
+    call: int  # index in GATHERING_CALLS
     problem: int  # 0: none; else 1 + index in LOCAL_CHECKS of the check that failed
     count: int  # sequences of this rank (0 when its lengths are invalid)
     token_dim: int  # as passed (0 when not a valid integer)
+    measured_step: int  # the step whose measurements follow (-1: none)
 
     def values(self) -> list[float]:
         return [float(v) for v in astuple(self)]
@@ -79,8 +108,30 @@ class GatherHead:
         return len(fields(cls))
 
     @classmethod
-    def from_values(cls, values: list[float]) -> GatherHead:
+    def from_values(cls, values: Sequence[float]) -> GatherHead:
         return cls(*(int(v) for v in values[: cls.size()]))
+
+
+@dataclass(frozen=True)
+class _Request:
+    """One step's arguments, checked locally (``problem``: the failed check and its error)."""
+
+    lengths: np.ndarray
+    token_dim: int
+    problem: tuple[str, KnapformerError] | None
+
+
+_FINISH = object()  # the plan-ahead request of `finish`
+
+
+@dataclass
+class _Planned:
+    """What planning a step gives the training thread."""
+
+    plan: RoutingPlan
+    tables: RoutingTables
+    measured: GatheredStep | None  # every rank's timings of an earlier step, if any
+    gather_ms: float  # time inside the gather collectives
 
 
 class SequenceBalancer:
@@ -92,14 +143,24 @@ class SequenceBalancer:
         solver: ``"knapformer"`` (default) or ``"greedy"``.
         process_group: the group to balance (default: WORLD). Sub-groups are created with
             ``torch.distributed.new_group``, so every rank of the default group must
-            construct the balancer at the same point.
+            construct the balancer at the same point, with the same options.
         max_tokens_per_gpu: optional hard cap on tokens per GPU after routing.
-        recorder: optional object with ``on_step(balancer, plan)`` and ``close()``
-            (e.g. ``knapformer.PlanRecorder``), called on every rank of the group. If it
-            has ``timing_row(timings) -> list[float]`` (the same length on every rank),
-            each rank's row of the previous step's timings is sent with the length
-            all-gather and every rank's row is in ``previous_timing_rows``.
+        recorder: optional sink for finished plans (e.g. ``knapformer.PlanRecorder``):
+            ``record(plan)`` gets each plan once every rank's measurements of its step
+            are attached, ``close()`` is called by `close`; if it has ``wants(plan)``, only
+            plans it wants are held back for their measurements.
         run: run name stored in every plan.
+        cost_model: ``"modelled"`` (default): the workload model, with ``gpu_speed`` if
+            given; ``"history"``: every GPU's speed learnt from its measured compute
+            (`knapformer.history`), recorded in each plan's ``gpu_speed``.
+        gpu_speed: fixed relative speed of each GPU of the balance group (replay uses the
+            recorded ones); not with ``"history"``.
+        time_scale: ms per workload unit (from ``knapformer calibrate``): workloads, and
+            every view of the plans, are then milliseconds.
+        plan_ahead: gather and plan on a background thread over a gloo group of its own
+            (see `prefetch`).
+        phases: timing phases to gather besides `knapformer.plan.RECORDED_PHASES` (what
+            you add with `add_timing`); the same on every rank.
     """
 
     def __init__(
@@ -111,6 +172,12 @@ class SequenceBalancer:
         max_tokens_per_gpu: int | None = None,
         recorder: Any = None,
         run: str | None = None,
+        *,
+        cost_model: str = "modelled",
+        gpu_speed: Sequence[float] | None = None,
+        time_scale: float | None = None,
+        plan_ahead: bool = False,
+        phases: Sequence[str] = (),
     ) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
@@ -120,16 +187,28 @@ class SequenceBalancer:
         self.topology = as_topology(topology)
         if solver not in SOLVERS:
             raise KnapformerError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
-        WorkloadModel(1, gamma)  # validates gamma now rather than at the first step
         if max_tokens_per_gpu is not None and max_tokens_per_gpu <= 0:
             raise KnapformerError(f"max_tokens_per_gpu must be positive, got {max_tokens_per_gpu}")
+        if cost_model not in COST_MODELS:
+            raise KnapformerError(
+                f"unknown cost_model {cost_model!r}; choose one of {', '.join(COST_MODELS)}"
+            )
+        if time_scale is not None and not (math.isfinite(time_scale) and time_scale > 0):
+            raise KnapformerError(f"time_scale must be a positive number of ms, got {time_scale}")
+        WorkloadModel(1, gamma)  # validates gamma now rather than at the first step
         self.gamma = float(gamma)
+        self.time_scale = None if time_scale is None else float(time_scale)
         self.solver = solver
         self.max_tokens_per_gpu = max_tokens_per_gpu
         self.recorder = recorder
         self.run = run
+        self.cost_model = cost_model
+        for phase in phases:
+            if phase in DERIVED_PHASES:
+                raise KnapformerError(f"phase {phase!r} is derived when a step ends; pick another")
 
         self.rank: int = dist.get_rank()
+        self._parent_group: Group = process_group
         if process_group is None or process_group == dist.group.WORLD:
             parent_ranks = list(range(dist.get_world_size()))
         else:
@@ -142,6 +221,7 @@ class SequenceBalancer:
         balance_groups = [parent_ranks[i * n : (i + 1) * n] for i in range(replicas)]
         self.group_ranks: list[int] = next(g for g in balance_groups if self.rank in g)
         self.num_replicas = replicas
+        self._fixed_speed = _as_speeds(gpu_speed, n, cost_model)
 
         # torch.distributed requires every rank to create every sub-group, in one order.
         # The groups this rank belongs to that we created; close() destroys them (new_group
@@ -162,6 +242,15 @@ class SequenceBalancer:
                     if self.rank in bag:
                         self._bag_group = created
                         self._own_groups.append(created)
+        self._side_group: Group = None
+        if plan_ahead:
+            # The background thread's own group: gloo on the host, never the training
+            # group, so its collectives cannot interleave with the training thread's.
+            for ranks in balance_groups:
+                created = dist.new_group(ranks, backend="gloo")
+                if self.rank in ranks:
+                    self._side_group = created
+                    self._own_groups.append(created)
         self.my_bag: list[int] = next(
             b for b in self.topology.bags(self.group_ranks) if self.rank in b
         )
@@ -176,43 +265,66 @@ class SequenceBalancer:
         self.step: int = -1  # -1 until the first plan_routing
         self.last_plan: RoutingPlan | None = None
         self.tables: RoutingTables | None = None
-        self.previous_timings: dict[str, float] = {}
-        # Every rank's recorder row of the previous step (group order), when recording.
-        self.previous_timing_rows: list[list[float]] | None = None
-        self._timings: dict[str, float] = {}
-        self._pending: list[tuple[str, Any, Any]] = []  # CUDA events, resolved lazily
-        self._last_start: float | None = None
+        #: Every rank's timings of the latest step whose measurements arrived.
+        self.last_gathered: GatheredStep | None = None
+        self._timer = StepTimer(self.device, phases)
+        self.phases: tuple[str, ...] = self._timer.phases
+        self._held: dict[int, RoutingPlan] = {}  # plans waiting for their measurements
+        # The planning thread's state (the training thread's, or the plan-ahead thread's).
+        self._next_step = 0
+        self._sent_upto = -1  # the latest step whose measurements were gathered
+        self._history = SpeedHistory(n) if cost_model == "history" else None
+        self._work: dict[int, np.ndarray] = {}  # history: each planned step's work per GPU
+        self._compute: dict[int, np.ndarray] = {}  # history: each measured step's compute
+        self._learnt_upto = -1
+        self._ahead = PlanAhead(self._plan_ahead_job) if plan_ahead else None
+        self._finished = False
         self._closed = False
 
     # ---------------------------------------------------------------- timings
     @property
     def timings(self) -> dict[str, float]:
-        """This rank's ms per phase for the current step (summed over calls)."""
-        for phase, start, end in self._pending:
-            end.synchronize()
-            self._timings[phase] = self._timings.get(phase, 0.0) + start.elapsed_time(end)
-        self._pending.clear()
-        return self._timings
+        """This rank's ms per phase for the current step so far (summed over calls; on
+        CUDA reading them waits for the step's events)."""
+        return self._timer.current()
+
+    @property
+    def previous_timings(self) -> dict[str, float]:
+        """This rank's ms per phase of the previous step, with ``step`` (its wall time,
+        from one `plan_routing` to the next) and ``compute`` (step minus the time inside
+        collectives); on CUDA reading them waits for that step's events."""
+        finished = self._timer.last_finished
+        return {} if finished is None else dict(finished.values())
 
     def add_timing(self, phase: str, ms: float) -> None:
         """Add a user-measured phase (e.g. ``"forward_backward"``; `knapformer.plan` names
-        the phases recorded by default) to this step's timings."""
-        self._timings[phase] = self._timings.get(phase, 0.0) + float(ms)
+        the phases recorded by default, ``phases=`` adds more) to this step's timings."""
+        if phase in DERIVED_PHASES:
+            raise KnapformerError(f"phase {phase!r} is derived when a step ends; pick another")
+        self._timer.add(phase, ms)
 
     @contextmanager
-    def _timed(self, phase: str) -> Iterator[None]:
-        # On CUDA the work is asynchronous: time it with events, read them later.
-        if self.device.type == "cuda":
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
+    def collective(self, phase: str = "allreduce") -> Iterator[None]:
+        """Time a collective the training loop runs itself as ``phase`` (one of
+        `knapformer.plan.COLLECTIVE_PHASES`), so that it counts as waiting, not compute::
+
+            with balancer.collective():  # e.g. around DDP's gradient synchronisation
+                ...
+        """
+        if phase not in COLLECTIVE_PHASES:
+            raise KnapformerError(
+                f"{phase!r} is not a collective phase; choose one of {', '.join(COLLECTIVE_PHASES)}"
+            )
+        with self._timer.timed(phase):
             yield
-            end.record()
-            self._pending.append((phase, start, end))
-        else:
-            began = time.perf_counter()
-            yield
-            self.add_timing(phase, (time.perf_counter() - began) * 1e3)
+
+    def all_reduce(self, tensor: torch.Tensor, op: Any = None, group: Group = None) -> None:
+        """``torch.distributed.all_reduce`` (in place; default: sum over the process group
+        the balancer was given, i.e. the data-parallel gradient all-reduce), timed as the
+        ``allreduce`` collective."""
+        op = dist.ReduceOp.SUM if op is None else op
+        with self._timer.timed("allreduce"):
+            dist.all_reduce(tensor, op=op, group=self._parent_group if group is None else group)
 
     # --------------------------------------------------------------- planning
     def plan_routing(
@@ -232,46 +344,58 @@ class SequenceBalancer:
         ``packed_seqs``), ranks disagreeing on ``token_dim``, or lengths beyond
         `GPU_TOKEN_LIMIT` / `GPU_SEQUENCE_LIMIT` make every rank of the group raise
         `KnapformerError` in this call, and none plans the step.
+
+        Planning ahead, the plan `prefetch` made for these lengths is taken (made now if
+        none was prefetched); lengths other than the prefetched ones raise
+        `KnapformerError` and keep that plan for a call with the right ones.
         """
         self._require_open()
+        if self._finished:
+            raise RuntimeError("finish() ended training on this SequenceBalancer; create a new one")
         started, wall = time.perf_counter(), time.time()
-        # Errors are raised after the gather, so no peer is left waiting in it.
-        lengths, dim, problem = _check_arguments(local_seq_lens, token_dim, packed_seqs)
-        previous = dict(self.timings)
-        if self._last_start is not None:
-            previous["step"] = (started - self._last_start) * 1e3
-        # The recorder's per-rank times of the previous step ride along with the lengths:
-        # recording then adds no collective of its own.
-        timing_row = getattr(self.recorder, "timing_row", None)
-        row = [] if timing_row is None else timing_row(previous)
-        per_gpu, rows = self._gather_lengths(lengths, dim, problem, row)
-        plan = plan_routing(
-            per_gpu,
-            self.topology,
-            WorkloadModel(dim, self.gamma),
-            solver=self.solver,
-            max_tokens_per_gpu=self.max_tokens_per_gpu,
-            gpus=self.group_ranks,
-            step=self.step + 1,
-            run=self.run,
-        )
-        self.use_plan(plan)
-        elapsed = (time.perf_counter() - started) * 1e3
+        begin = self._timer.boundary()
+        self._timer.close(started, begin)  # the previous step ends here
+        if self._ahead is None:
+            # On CUDA the gather would wait for the previous step's GPU work anyway: wait
+            # for it here, apart, so that it counts in that step and not in planning.
+            waited = self._wait_for(begin)
+            request = _request(local_seq_lens, token_dim, packed_seqs)
+            planned = self._plan_step(request, self.group, self.device, lag=1)
+        else:
+            waited = 0.0
+            planned = self._take_prefetched(local_seq_lens, token_dim, packed_seqs)
+        plan = planned.plan
+        self.tables, self.last_plan = planned.tables, plan
+        elapsed = (time.perf_counter() - started) * 1e3 - waited
         plan.time = wall
-        plan.measurements.plan_ms = elapsed  # the planner's own time plus the gather
-
-        self.previous_timings = previous
-        self.previous_timing_rows = rows if row else None
-        self._timings = {"plan": elapsed}
-        self._last_start = started
-        self.step += 1
+        plan.measurements.plan_ms = elapsed  # what training paid: planning plus the gather
+        self.step = plan.step
+        self._timer.open(plan.step, started, begin)
+        self._timer.add("plan", elapsed)
+        self._timer.add("gather", planned.gather_ms)
         if self.recorder is not None:
-            # Timed on the host whatever the device: the hook's cost is what training
-            # pays for recording, and it is recorded with the step like any phase.
+            # Timed on the host whatever the device: what training pays for recording,
+            # recorded with the step like any phase.
             began = time.perf_counter()
-            self.recorder.on_step(self, plan)
-            self.add_timing("record", (time.perf_counter() - began) * 1e3)
+            self._deliver(planned.measured)
+            self._hold(plan)
+            self._timer.add("record", (time.perf_counter() - began) * 1e3)
+        else:
+            self._deliver(planned.measured)
         return plan
+
+    def prefetch(self, local_seq_lens: Any, token_dim: int, packed_seqs: Any = None) -> None:
+        """Planning ahead: start gathering and planning the step with these arguments (the
+        next `plan_routing` call's) in the background; returns at once. Collective over
+        the group in the same way as `plan_routing`, which takes the result; several
+        steps may be prefetched, and are taken in order. Does nothing without
+        ``plan_ahead=True``."""
+        self._require_open()
+        if self._ahead is None:
+            return
+        if self._finished:
+            raise RuntimeError("finish() ended training on this SequenceBalancer; create a new one")
+        self._ahead.submit(_request(local_seq_lens, token_dim, packed_seqs))
 
     def use_plan(self, plan: RoutingPlan) -> None:
         """Route the following calls by ``plan`` (what `plan_routing` does with the plan it
@@ -281,44 +405,204 @@ class SequenceBalancer:
         self.tables = RoutingTables.build(plan, self.rank, self.device, self._bag_group)
         self.last_plan = plan
 
-    def _gather_lengths(
+    def finish(self) -> None:
+        """Collective end of training (every rank of the group, after the last step, before
+        `close`): gathers the measurements not sent yet, so that the last plans are
+        recorded with them. No `plan_routing` may follow. Without it, `close` records
+        those plans without their measurements (it may not run a collective: other ranks
+        may be gone)."""
+        self._require_open()
+        if self._finished:
+            return
+        self._timer.close(None)  # the last step: it has no wall time (no next step)
+        if self._ahead is None:
+            measured = self._gather_the_rest(self.group, self.device)
+        else:
+            ticket = self._ahead.submit(_FINISH)
+            self._ahead.wait(ticket)
+            measured = []
+            for earlier in self._ahead.outstanding():
+                self._ahead.take()
+                if earlier is ticket:
+                    measured += earlier.outcome()
+                elif earlier.error is None:  # prefetched, never used: its measurements
+                    measured.append(earlier.result.measured)
+        for step in measured:
+            self._deliver(step)
+        self._finished = True
+
+    # ------------------------------------------------------ planning: internals
+    def _model(self, token_dim: int) -> WorkloadModel:
+        if self.time_scale is None:
+            return WorkloadModel(token_dim, self.gamma)
+        return WorkloadModel(token_dim, self.gamma, self.time_scale, "ms")
+
+    def _wait_for(self, event: Any) -> float:
+        """Ms the host waited for the GPU to reach ``event`` (0 on the CPU)."""
+        if event is None:
+            return 0.0
+        began = time.perf_counter()
+        event.synchronize()
+        return (time.perf_counter() - began) * 1e3
+
+    def _plan_step(self, request: _Request, group: Group, device: torch.device, lag: int):
+        """Gather and plan the next step (on the planning thread); ``lag``: the gather
+        carries the measurements of the step this many steps back."""
+        step = self._next_step
+        measured_step = step - lag
+        finished = None
+        if measured_step >= 0 and self._ahead is None:
+            finished = self._timer.get(measured_step)  # it ended as this call began
+        elif measured_step >= 0:
+            # Planning ahead, the training thread may still be in that step: wait for it.
+            finished = self._timer.finished(measured_step, self._ahead.stop)
+            if self._ahead.stop.is_set():
+                raise RuntimeError("the balancer was closed while planning ahead")
+        row = finished.row(self.phases) if finished is not None else [math.nan] * len(self.phases)
+        head_step = measured_step if finished is not None else -1
+        began = time.perf_counter()
+        per_gpu, measured = self._gather(group, device, request, head_step, row)
+        gather_ms = (time.perf_counter() - began) * 1e3
+        if self._history is not None:
+            if measured is not None:
+                self._compute[measured.step] = measured.column("compute")
+            self._learn_upto(step - LAG_STEPS)
+        speed = self._history.speeds() if self._history is not None else self._fixed_speed
+        plan = plan_routing(
+            per_gpu,
+            self.topology,
+            self._model(request.token_dim),
+            solver=self.solver,
+            max_tokens_per_gpu=self.max_tokens_per_gpu,
+            gpus=self.group_ranks,
+            step=step,
+            run=self.run,
+            gpu_speed=speed,
+        )
+        tables = RoutingTables.build(plan, self.rank, self.device, self._bag_group)
+        if self._history is not None:
+            self._work[step] = step_work(plan)
+        if measured is not None:
+            self._sent_upto = measured.step
+            self._timer.forget_upto(measured.step)
+        self._next_step = step + 1
+        return _Planned(plan, tables, measured, gather_ms)
+
+    def _learn_upto(self, last: int) -> None:
+        """Feed the speed history every step up to ``last``, in order (idempotent)."""
+        while self._learnt_upto < last:
+            self._learnt_upto += 1
+            work = self._work.pop(self._learnt_upto, None)
+            compute = self._compute.pop(self._learnt_upto, None)
+            if work is not None and compute is not None:
+                self._history.observe(work, compute)
+
+    def _gather_the_rest(self, group: Group, device: torch.device) -> list[GatheredStep]:
+        """`finish` on the planning thread: one head all-gather per ended step whose
+        measurements have not travelled yet."""
+        measured = []
+        for step in range(self._sent_upto + 1, self._timer.closed_upto + 1):
+            finished = self._timer.get(step)
+            row = finished.row(self.phases) if finished is not None else None
+            head = GatherHead(GATHERING_CALLS.index("finish"), 0, 0, 0, step if row else -1)
+            heads, table = self._exchange_head(group, device, head, row)
+            self._refuse_heads(heads)
+            got = self._measured(heads, table)
+            if got is not None:
+                measured.append(got)
+            self._sent_upto = step
+        self._timer.forget_upto(self._sent_upto)
+        return measured
+
+    def _plan_ahead_job(self, request: Any) -> Any:
+        """What the plan-ahead thread runs for one request, on the side group (host)."""
+        cpu = torch.device("cpu")
+        if request is _FINISH:
+            return self._gather_the_rest(self._side_group, cpu)
+        return self._plan_step(request, self._side_group, cpu, lag=LAG_STEPS)
+
+    def _take_prefetched(self, local_seq_lens, token_dim, packed_seqs) -> _Planned:
+        """The oldest prefetched plan (prefetched now if there is none), once it is made;
+        its wait counts as time inside the gather."""
+        ahead = self._ahead
+        ticket = ahead.oldest()
+        request = _request(local_seq_lens, token_dim, packed_seqs)
+        if ticket is None:
+            ticket = ahead.submit(request)
+        _check_prefetched(ticket, request, self.rank)
+        began = time.perf_counter()
+        ahead.wait(ticket)  # Ctrl-C: KeyboardInterrupt here, the ticket stays for a retry
+        waited = (time.perf_counter() - began) * 1e3
+        ahead.take()
+        planned = ticket.outcome()
+        planned.gather_ms = waited
+        return planned
+
+    def _gather(
         self,
-        lengths: np.ndarray,
-        token_dim: int,
-        problem: tuple[str, KnapformerError] | None,
+        group: Group,
+        device: torch.device,
+        request: _Request,
+        measured_step: int,
         row: list[float],
-    ) -> tuple[list[np.ndarray], list[list[float]]]:
-        """All ranks' lengths and ``row`` (the recorder's timings, the same size on every
-        rank): one all-gather of the `GatherHead` with the rows, one of the padded lengths.
+    ) -> tuple[list[np.ndarray], GatheredStep | None]:
+        """All ranks' lengths, and their measurements of ``measured_step`` (the ``row``s):
+        one all-gather of the `GatherHead` with the rows, one of the padded lengths.
 
         Everything that can go wrong is decided from what every rank received, so every
         rank raises in the same call (a rank with a ``problem`` its own error, the others
         naming it) rather than some waiting in a collective for a peer that left.
         """
-        n = len(self.group_ranks)
+        lengths, problem = request.lengths, request.problem
         code = 0 if problem is None else 1 + LOCAL_CHECKS.index(problem[0])
-        head = GatherHead(code, len(lengths), token_dim)
-        mine = torch.tensor([*head.values(), *row], dtype=torch.float64, device=self.device)
-        received = [torch.empty_like(mine) for _ in range(n)]
-        dist.all_gather(received, mine, group=self.group)
-        table = torch.stack(received).cpu().tolist()
-        heads = [GatherHead.from_values(values) for values in table]
-        rows = [values[GatherHead.size() :] for values in table]
+        call = GATHERING_CALLS.index("plan_routing")
+        head = GatherHead(call, code, len(lengths), request.token_dim, measured_step)
+        heads, table = self._exchange_head(group, device, head, row)
         if problem is not None:
             raise problem[1]
         self._refuse_heads(heads)
         sizes = [h.count for h in heads]
-        padded = torch.zeros(max(sizes), dtype=torch.int64, device=self.device)
+        padded = torch.zeros(max(sizes), dtype=torch.int64, device=device)
         padded[: len(lengths)] = torch.from_numpy(lengths)
-        gathered = [torch.empty_like(padded) for _ in range(n)]
-        dist.all_gather(gathered, padded, group=self.group)
+        gathered = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(gathered, padded, group=group)
         per_gpu = [g[:s].cpu().numpy() for g, s in zip(gathered, sizes, strict=True)]
         self._refuse_lengths(per_gpu)
-        return per_gpu, rows
+        return per_gpu, self._measured(heads, table)
+
+    def _exchange_head(
+        self, group: Group, device: torch.device, head: GatherHead, row: list[float] | None
+    ) -> tuple[list[GatherHead], np.ndarray]:
+        """The head all-gather: every rank's head and measurement row, in group order."""
+        row = [math.nan] * len(self.phases) if row is None else row
+        mine = torch.tensor([*head.values(), *row], dtype=torch.float64, device=device)
+        received = [torch.empty_like(mine) for _ in self.group_ranks]
+        dist.all_gather(received, mine, group=group)
+        table = torch.stack(received).cpu().numpy()
+        heads = [GatherHead.from_values(values) for values in table]
+        return heads, table[:, GatherHead.size() :]
+
+    def _measured(self, heads: list[GatherHead], table: np.ndarray) -> GatheredStep | None:
+        steps = {h.measured_step for h in heads}
+        if len(steps) != 1 or min(steps) < 0:  # every rank sends the same step, or none
+            return None
+        return GatheredStep(steps.pop(), self.phases, table)
 
     def _refuse_heads(self, heads: list[GatherHead]) -> None:
-        """Raise, on every rank alike, when a peer's own check failed, the ranks disagree
-        on ``token_dim``, or one passes more sequences than `GPU_SEQUENCE_LIMIT`."""
+        """Raise, on every rank alike, when ranks are in different calls, a peer's own
+        check failed, the ranks disagree on ``token_dim``, or one passes more sequences
+        than `GPU_SEQUENCE_LIMIT`."""
+        calls: dict[int, list[int]] = {}
+        for rank, h in zip(self.group_ranks, heads, strict=True):
+            calls.setdefault(h.call, []).append(rank)
+        if len(calls) > 1:
+            said = "; ".join(
+                f"{GATHERING_CALLS[call]}() on {_ranks(ranks)}" for call, ranks in calls.items()
+            )
+            raise KnapformerError(
+                f"the balance group's ranks are in different calls ({said}); every rank must "
+                "call finish() after the same step"
+            )
         failed = [
             f"{LOCAL_CHECKS[h.problem - 1]} on rank {rank}"
             for rank, h in zip(self.group_ranks, heads, strict=True)
@@ -361,6 +645,28 @@ class SequenceBalancer:
                     "planned this step"
                 )
 
+    # -------------------------------------------------------------- recording
+    def _deliver(self, measured: GatheredStep | None) -> None:
+        """Every rank's measurements of a step arrived: keep them, attach them to that
+        step's held plan and hand it to the recorder (earlier held plans, which will get
+        none, go as they are)."""
+        if measured is None:
+            return
+        self.last_gathered = measured
+        for step in sorted(self._held):
+            if step > measured.step:
+                break
+            plan = self._held.pop(step)
+            if step == measured.step:
+                measured.attach(plan)
+            self.recorder.record(plan)
+
+    def _hold(self, plan: RoutingPlan) -> None:
+        """Keep ``plan`` until its step's measurements arrive, if the recorder wants it."""
+        wants = getattr(self.recorder, "wants", None)
+        if wants is None or wants(plan):
+            self._held[plan.step] = plan
+
     def _require_open(self) -> None:
         if self._closed:  # its sub-groups are destroyed
             raise RuntimeError("this SequenceBalancer is closed; create a new one")
@@ -384,9 +690,15 @@ class SequenceBalancer:
         holds, ordered by sequence id then chunk index.
         """
         t = self._require_tables()
-        with self._timed("route"):
-            tensors = self._inputs(packed_seqs, features, t.num_local, "packed_seqs", "local")
-            outs = exchange(tensors, t.send_splits, t.recv_splits, self.group, t.send_index)
+        tensors = self._inputs(packed_seqs, features, t.num_local, "packed_seqs", "local")
+        outs = exchange(
+            tensors,
+            t.send_splits,
+            t.recv_splits,
+            self.group,
+            t.send_index,
+            timer=partial(self._timer.timed, "route"),
+        )
         return list(t.chunk_lens), outs[0], unflatten_features(features, outs[1:])
 
     def reverse_route(
@@ -398,11 +710,15 @@ class SequenceBalancer:
         features)``.
         """
         t = self._require_tables()
-        with self._timed("reverse_route"):
-            tensors = self._inputs(seqs, features, t.num_chunk_tokens, "seqs", "chunks")
-            outs = exchange(
-                tensors, t.recv_splits, t.send_splits, self.group, post_index=t.restore_index
-            )
+        tensors = self._inputs(seqs, features, t.num_chunk_tokens, "seqs", "chunks")
+        outs = exchange(
+            tensors,
+            t.recv_splits,
+            t.send_splits,
+            self.group,
+            post_index=t.restore_index,
+            timer=partial(self._timer.timed, "reverse_route"),
+        )
         return list(t.local_lens), outs[0], unflatten_features(features, outs[1:])
 
     def _inputs(self, x, features, rows: int, name: str, where: str) -> list[torch.Tensor]:
@@ -454,14 +770,18 @@ class SequenceBalancer:
         bag = t.bag
         if bag is None:
             return list(t.chunk_lens), q, k, v
-        with self._timed("pre_attn"):
-            rows, g, dh = q.shape[0], bag.size, q.shape[2]
-            x = torch.stack([q, k, v], dim=1).reshape(rows, 3, g, heads // g, dh)
-            x = x.permute(2, 0, 1, 3, 4).reshape(g * rows, 3, heads // g, dh)
-            (y,) = exchange(
-                [x], [rows] * g, bag.tokens_per_gpu, bag.group, post_index=bag.to_sequences
-            )
-            q2, k2, v2 = y.unbind(dim=1)
+        rows, g, dh = q.shape[0], bag.size, q.shape[2]
+        x = torch.stack([q, k, v], dim=1).reshape(rows, 3, g, heads // g, dh)
+        x = x.permute(2, 0, 1, 3, 4).reshape(g * rows, 3, heads // g, dh)
+        (y,) = exchange(
+            [x],
+            [rows] * g,
+            bag.tokens_per_gpu,
+            bag.group,
+            post_index=bag.to_sequences,
+            timer=partial(self._timer.timed, "pre_attn"),
+        )
+        q2, k2, v2 = y.unbind(dim=1)
         return list(bag.seq_lens), q2, k2, v2
 
     def post_attn(self, out: torch.Tensor) -> tuple[list[int], torch.Tensor]:
@@ -479,26 +799,40 @@ class SequenceBalancer:
             check_rows("out", out, t.num_chunk_tokens, "the chunks routed to this rank")
             return list(t.chunk_lens), out
         check_rows("out", out, sum(bag.seq_lens), "the bag sequences from pre_attn")
-        with self._timed("post_attn"):
-            rows, g = t.num_chunk_tokens, bag.size
-            (y,) = exchange(
-                [out], bag.tokens_per_gpu, [rows] * g, bag.group, pre_index=bag.from_sequences
-            )
-            y = y.reshape(g, rows, *out.shape[1:]).permute(1, 0, 2, 3)
-            y = y.reshape(rows, g * out.shape[1], out.shape[2])
+        rows, g = t.num_chunk_tokens, bag.size
+        (y,) = exchange(
+            [out],
+            bag.tokens_per_gpu,
+            [rows] * g,
+            bag.group,
+            pre_index=bag.from_sequences,
+            timer=partial(self._timer.timed, "post_attn"),
+        )
+        y = y.reshape(g, rows, *out.shape[1:]).permute(1, 0, 2, 3)
+        y = y.reshape(rows, g * out.shape[1], out.shape[2])
         return list(t.chunk_lens), y
 
     # -------------------------------------------------------------- lifecycle
     def close(self) -> None:
-        """Close the recorder, if any, then destroy the sub-groups this balancer created
-        (idempotent). The balancer cannot route after this; the parent group is untouched.
-        """
+        """Stop the plan-ahead thread, hand the recorder the plans still waiting for
+        measurements (without them: see `finish`) and close it, then destroy the
+        sub-groups this balancer created (idempotent). The balancer cannot route after
+        this; the parent group is untouched."""
         if self._closed:
             return
         self._closed = True
-        if self.recorder is not None:
-            self.recorder.close()  # first: closing may still talk over the balance group
         groups, self._own_groups = self._own_groups, []
+        if self._ahead is not None:
+            self._ahead.stop.set()
+            self._timer.notify()  # a wait for a step the training thread never ends gives up
+            if not self._ahead.close(_AHEAD_CLOSE_S):
+                # Stuck in a collective whose peers are gone: destroying its group under
+                # it could crash the process; the daemon thread goes with the process.
+                groups = [g for g in groups if g is not self._side_group]
+        if self.recorder is not None:
+            for step in sorted(self._held):
+                self.recorder.record(self._held.pop(step))
+            self.recorder.close()
         for group in groups:
             # Skip what is already gone: destroying WORLD (e.g. at shutdown, before close)
             # destroys every group, and destroying one twice raises.
@@ -599,3 +933,45 @@ def _first(values: list, shown: int = 8) -> str:
     """The first few of many values, for a message."""
     more = len(values) - shown
     return f"{values[:shown]}" + (f" (and {more} more)" if more > 0 else "")
+
+
+def _request(local_seq_lens: Any, token_dim: Any, packed_seqs: Any) -> _Request:
+    return _Request(*_check_arguments(local_seq_lens, token_dim, packed_seqs))
+
+
+def _check_prefetched(ticket: Ticket, given: _Request, rank: int) -> None:
+    """Refuse arguments other than the prefetched ones (the ticket is kept for a call
+    with the right ones): routing by a plan made for other lengths would be wrong."""
+    wanted: _Request = ticket.request
+    if given.problem is not None and (
+        wanted.problem is None or wanted.problem[0] != given.problem[0]
+    ):
+        raise given.problem[1]  # e.g. packed_seqs given here only, with the wrong rows
+    if given.token_dim != wanted.token_dim:
+        raise KnapformerError(
+            f"plan_routing on rank {rank} got token_dim {given.token_dim}, but "
+            f"{wanted.token_dim} was prefetched for this step; pass what prefetch got "
+            "(the prefetched plan is kept for that call)"
+        )
+    if not np.array_equal(given.lengths, wanted.lengths):
+        raise KnapformerError(
+            f"plan_routing on rank {rank} got local_seq_lens {_first(given.lengths.tolist())} "
+            f"({len(given.lengths)} sequences), but {_first(wanted.lengths.tolist())} "
+            f"({len(wanted.lengths)}) were prefetched for this step: pass the lengths given "
+            "to prefetch, in the same order (the prefetched plan is kept for that call)"
+        )
+
+
+def _as_speeds(gpu_speed: Sequence[float] | None, num_gpus: int, cost_model: str):
+    """Fixed per-GPU speeds as floats (None: nominal); a clear error for bad ones."""
+    if gpu_speed is None:
+        return None
+    if cost_model == "history":
+        raise KnapformerError("gpu_speed is learnt by cost_model='history'; pass one or the other")
+    speed = np.asarray(gpu_speed, dtype=np.float64).reshape(-1)
+    if speed.size != num_gpus or not (np.isfinite(speed).all() and (speed > 0).all()):
+        raise KnapformerError(
+            f"gpu_speed must hold {num_gpus} finite positive speeds (one per GPU of the "
+            f"balance group), got {list(gpu_speed)}"
+        )
+    return speed.tolist()

@@ -228,9 +228,9 @@ class Chunks(_Columns):
 # calibration and the figures all take them from here.
 #: What `SequenceBalancer` times itself, in the order a step runs them.
 BALANCER_PHASES = ("plan", "route", "pre_attn", "post_attn", "reverse_route")
-#: What `PlanRecorder` gathers from every rank by default, in row order: the balancer's
-#: phases with the recorder's own hook (``record``), what a training loop reports with
-#: ``balancer.add_timing`` (``forward_backward``, ``optimizer``) and the whole step
+#: What `SequenceBalancer` gathers from every rank by default, in row order: its own
+#: phases with handing plans to the recorder (``record``), what a training loop reports
+#: with ``balancer.add_timing`` (``forward_backward``, ``optimizer``) and the whole step
 #: (``step``, timed by the balancer from one plan to the next).
 #: Collectives timed on every rank (ms inside each, summed over the step's calls): the
 #: length all-gather, the routing all-to-alls, the Ulysses exchanges, and the gradient

@@ -3,9 +3,7 @@
 Guarantees (each one tested in ``tests/test_recorder*.py``):
 
 - Only the writing rank writes: by default the first rank of each balance group. Other
-  ranks keep a step number and send their measured times with the balancer's all-gather
-  of lengths (a few floats more, no collective of its own); they never serialise a
-  plan, open a file or start a thread.
+  ranks never serialise a plan, open a file or start a thread.
 - The training thread only enqueues the plan object. Serialisation and file I/O run on a
   background thread, which builds the JSON line piecewise (`json_line_pieces`) and lets
   go of the GIL every ~16 KiB, so a multi-MB plan never holds the training thread up for
@@ -31,22 +29,23 @@ Guarantees (each one tested in ``tests/test_recorder*.py``):
   ``{date}`` or ``{}`` is refused when the recorder is made, not at the first write.
 - ``close()`` flushes the queue; a recorder is a context manager and is closed at
   interpreter exit.
+- With ``tensorboard_dir``, the writer thread also writes each written plan's per-step
+  scalars (`knapformer.scalars`) to TensorBoard, live; never on the training thread. A
+  failure there logs one warning and stops the TensorBoard logging only.
 
-With a balancer (``SequenceBalancer(..., recorder=PlanRecorder(path))``) the balancer
-calls `on_step` on every rank of the balance group after each plan. The plan of step s
-is held back one step: at step s+1 every rank's measured times of step s
-(``balancer.previous_timings``: plan, route, attention re-sharding, the recorder's own
-hook, whole step, and phases added with ``balancer.add_timing``) have reached the
-writing rank with that step's lengths (`timing_row`; a stand-in balancer without that is
-gathered by the recorder itself), and are stored
-in the plan's ``measurements.per_rank_ms[phase]`` (one value per GPU of ``plan.gpus``)
-before it is queued. Without a balancer, ``record(plan)`` queues a plan as it is.
+A plain sink: it never reads the balancer, runs no collective and times nothing. With a
+balancer (``SequenceBalancer(..., recorder=PlanRecorder(path))``) the balancer hands it
+each plan it `wants` once every rank's measured times of that step are attached
+(`knapformer.balancer`: they travel with the lengths of a later step, and
+``balancer.finish()`` gathers the last ones); without one, ``record(plan)`` queues any
+plan as it is.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import importlib.util
 import logging
 import math
 import os
@@ -55,12 +54,11 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from knapformer.errors import KnapformerError
-from knapformer.plan import RECORDED_PHASES, Measurements, RoutingPlan
+from knapformer.errors import KnapformerError, MissingExtraError
+from knapformer.plan import Measurements, RoutingPlan
 from knapformer.plan_io import json_line_pieces
 from knapformer.runfiles import GROUP_TEMPLATE, group_file, rotated_copies, rotated_file
 
@@ -93,9 +91,10 @@ class PlanRecorder:
         queue_size: plans waiting for the writer thread before new ones are dropped.
         max_bytes: rotate when the file would grow past this size (``None``: never).
         backups: rotated files kept (``plans.1.jsonl`` ... ``plans.<backups>.jsonl``).
-        phases: extra timing phases to gather besides `knapformer.plan.RECORDED_PHASES`
-            (all ranks must send the same row, so the list is fixed up front).
         enabled: ``False`` makes every call a no-op.
+        tensorboard_dir: also log every written plan's scalars to TensorBoard there (a
+            folder; ``{group}`` and the ``.group<k>`` rule as for ``path``); needs the
+            ``tensorboard`` extra (`MissingExtraError` here when it is missing).
     """
 
     def __init__(
@@ -107,8 +106,8 @@ class PlanRecorder:
         queue_size: int = 64,
         max_bytes: int | None = 256 * 1024 * 1024,
         backups: int = 5,
-        phases: Iterable[str] = (),
         enabled: bool = True,
+        tensorboard_dir: str | os.PathLike | None = None,
     ):
         if int(every) < 1:
             raise KnapformerError(f"every must be a positive number of steps, got {every}")
@@ -121,12 +120,21 @@ class PlanRecorder:
         if int(backups) < 0:
             raise KnapformerError(f"backups must be >= 0, got {backups}")
         _check_placeholders(str(path))
+        if tensorboard_dir is not None:
+            _check_placeholders(str(tensorboard_dir))
+            if importlib.util.find_spec("tensorboard") is None:
+                what = "PlanRecorder(tensorboard_dir=...)"
+                raise MissingExtraError("tensorboard", what, "tensorboard")
         self.path = Path(path)
+        self.tensorboard_dir = None if tensorboard_dir is None else Path(tensorboard_dir)
+        #: plans whose scalars went to TensorBoard (updated by the writer thread)
+        self.tensorboard_written = 0
+        self._tensorboard_path: Path | None = None  # this process's TensorBoard folder
+        self._tensorboard: Any = None  # its writer, opened by the writer thread
         self.every = int(every)
         self.writer = int(writer)
         self.max_bytes = None if max_bytes is None else int(max_bytes)
         self.backups = int(backups)
-        self.phases: tuple[str, ...] = tuple(dict.fromkeys([*RECORDED_PHASES, *phases]))
         self.enabled = bool(enabled)
         #: plans queued and then dropped because the queue was full
         self.dropped = 0
@@ -146,10 +154,6 @@ class PlanRecorder:
         #: non-finite measured times left out of written plans (see `_finite_measurements`)
         self.dropped_times = 0
         self._calls = 0  # record() calls on plans without a step number
-        # on_step state, identical on every rank of the group
-        self._pending_step: int | None = None
-        self._pending: RoutingPlan | None = None  # writer rank only
-        self._warned_phases: set[str] = set()
         self._pid = os.getpid()  # the writer thread exists only in this process
 
     # ----------------------------------------------------------------- public API
@@ -163,89 +167,46 @@ class PlanRecorder:
         """Why the recorder switched itself off after an I/O error (``None`` if it did not)."""
         return self._disabled_reason
 
+    def wants(self, plan: RoutingPlan) -> bool:
+        """Whether `record` would queue ``plan`` (with a step number): recording, its step
+        due (``plan.step % every == 0``) and this process the writing rank of the plan's
+        group. A balancer holds back for their measurements only the plans it wants."""
+        if not self.active or self._pid != os.getpid():
+            return False
+        if plan.step is not None and plan.step % self.every:
+            return False
+        return self._writes(plan)
+
     def record(self, plan: RoutingPlan) -> bool:
         """Queue ``plan`` for writing; returns whether it was queued.
 
         Never blocks: a full queue drops the plan (counted in ``dropped``). In a process
         group, only the writing rank of the plan's group (``plan.gpus[writer]``) records.
+        Plans without a step number count the calls for ``every``.
         """
-        if not self.active or self._pid != os.getpid():
+        if plan.step is not None:
+            if not self.wants(plan):
+                return False
+        elif not self.active or self._pid != os.getpid():
             return False
-        if plan.step is None:
+        else:
             due = self._calls % self.every == 0
             self._calls += 1
-        else:
-            due = plan.step % self.every == 0
-        if not due:
-            return False
-        rank = _dist_rank()
-        if rank is not None:
-            gpus = plan.gpus
-            if self.writer >= len(gpus) or gpus[self.writer] != rank:
+            if not (due and self._writes(plan)):
                 return False
-            if self.file_path is None:
-                self.file_path = self._group_path(gpus)
+        if self.file_path is None and _dist_rank() is not None:
+            self.file_path = self._group_path(plan.gpus)
+            if self.tensorboard_dir is not None:
+                self._tensorboard_path = self._group_path(plan.gpus, self.tensorboard_dir)
         return self._enqueue(plan)
 
-    def on_step(self, balancer: Any, plan: RoutingPlan) -> None:
-        """Hook the balancer calls on EVERY rank of the balance group after planning.
-
-        Gathers the previous recorded step's per-rank timings to the writing rank (one
-        fixed-size gather, only after a recorded step), attaches them to that step's
-        plan and queues it; keeps ``plan`` pending if its step is due.
-        """
-        if not self.enabled or self._closed:
-            return
-        step = plan.step if plan.step is not None else getattr(balancer, "step", None)
-        is_writer = self._is_writer(balancer)
-        if step is None:  # no step number to agree on: record as it comes, no times
-            if is_writer:
-                self.record(plan)
-            return
-        if self._pending_step is not None:
-            if step == self._pending_step + 1:
-                # Gathered with the balancer's lengths (see `timing_row`); a balancer
-                # that does not carry them (a stand-in) is gathered from here.
-                rows = getattr(balancer, "previous_timing_rows", None)
-                if rows is None:
-                    rows = self._gather(balancer, dict(getattr(balancer, "previous_timings", {})))
-                if rows is not None and self._pending is not None:
-                    _attach(self._pending, _group_ranks(balancer), rows, self.phases)
-            # A gap in step numbers (e.g. a restarted counter): the timings we hold are
-            # not the pending step's, so it is written without them.
-            self._flush_pending(is_writer)
-        if step % self.every == 0:
-            self._pending_step = step
-            if is_writer and self._disabled_reason is None:
-                self._pending = plan
-
-    def finish(self, balancer: Any) -> None:
-        """Collective end of training (call on every rank of the group, before ``close``).
-
-        Gathers the current step's timings (``balancer.timings``) into the last pending
-        plan and queues it, so the last step also has measured times. ``close()`` alone
-        writes that plan without them (it may not run a collective: other ranks may be gone).
-        """
-        if not self.enabled or self._closed or self._pending_step is None:
-            return
-        is_writer = self._is_writer(balancer)
-        rows = self._gather(balancer, dict(getattr(balancer, "timings", {})))
-        if rows is not None and self._pending is not None:
-            _attach(self._pending, _group_ranks(balancer), rows, self.phases)
-        self._flush_pending(is_writer)
-
     def close(self, timeout: float | None = 30.0) -> None:
-        """Queue the pending plan, write everything queued, close the file. Idempotent."""
+        """Write everything queued, close the file. Idempotent."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
         atexit.unregister(self._at_exit)
-        pending, self._pending = self._pending, None
-        self._pending_step = None
-        if pending is not None and self._disabled_reason is None:
-            self._start_thread()
-            self._put(pending)
         if self._thread is not None and self._pid == os.getpid():
             # Bounded: a writer stuck on a hung file system must not hang the job's exit.
             began = time.monotonic()
@@ -299,6 +260,8 @@ class PlanRecorder:
                 return
             if self.file_path is None:
                 self.file_path = self.path
+            if self._tensorboard_path is None:
+                self._tensorboard_path = self.tensorboard_dir
             self._pid = os.getpid()
             self._thread = threading.Thread(
                 target=self._run, name="knapformer-plan-recorder", daemon=True
@@ -309,74 +272,16 @@ class PlanRecorder:
     def _at_exit(self) -> None:
         self.close(timeout=10.0)
 
-    def _is_writer(self, balancer: Any) -> bool:
-        ranks = _group_ranks(balancer)
-        rank = getattr(balancer, "rank", None)
-        if rank is None:
-            return True  # no process group: this process is the whole group
-        if self.writer >= len(ranks):
-            raise KnapformerError(
-                f"PlanRecorder writer position {self.writer} is outside the balance group "
-                f"of {len(ranks)} ranks"
-            )
-        writer = ranks[self.writer] == rank
-        if writer and self.file_path is None:
-            self.file_path = self._group_path(ranks)
-        return writer
+    def _writes(self, plan: RoutingPlan) -> bool:
+        """Whether this process writes ``plan``'s group: any process outside a process
+        group, else the rank at position ``writer`` of ``plan.gpus``."""
+        rank = _dist_rank()
+        return rank is None or (self.writer < len(plan.gpus) and plan.gpus[self.writer] == rank)
 
-    def _group_path(self, group_ranks: list[int]) -> Path:
-        """This group's file: groups are consecutive blocks of ranks, index = first // size."""
-        return group_file(self.path, min(group_ranks) // len(group_ranks))
-
-    def _flush_pending(self, is_writer: bool) -> None:
-        self._pending_step = None
-        if is_writer and self._pending is not None:
-            plan, self._pending = self._pending, None
-            if self.active:
-                self._enqueue(plan)
-
-    def timing_row(self, timings: dict[str, float]) -> list[float]:
-        """This rank's ``timings`` as one row in `phases` order (NaN: not measured).
-
-        `SequenceBalancer` sends the previous step's row with its length all-gather, so
-        recording costs no collective of its own; every rank's row then has the same size.
-        """
-        unknown = set(timings) - set(self.phases) - self._warned_phases
-        if unknown:
-            self._warned_phases |= unknown
-            log.warning(
-                "PlanRecorder ignores timing phase(s) %s; pass PlanRecorder(phases=[...]) "
-                "to record them",
-                ", ".join(sorted(unknown)),
-            )
-        return [float(timings.get(p, math.nan)) for p in self.phases]
-
-    def _gather(self, balancer: Any, timings: dict[str, float]) -> list[list[float]] | None:
-        """Gather one row of timings per rank to the writing rank (others get ``None``):
-        for `finish` and for balancers that do not gather them (see `timing_row`).
-
-        Rows follow the group's rank order; a phase a rank did not measure is NaN.
-        """
-        row = self.timing_row(timings)
-        ranks = _group_ranks(balancer)
-        if len(ranks) == 1:
-            return [row]
-        dist = _dist()
-        if dist is None:
-            return None  # a group without a process group (a stand-in): nothing to gather
-        import torch
-
-        group = getattr(balancer, "group", None)
-        # The balancer's device suits its group's backend (CUDA for NCCL, else CPU).
-        device = getattr(balancer, "device", None) or torch.device("cpu")
-        mine = torch.tensor(row, dtype=torch.float64, device=device)
-        dst = ranks[self.writer]
-        if balancer.rank == dst:
-            rows = [torch.empty_like(mine) for _ in ranks]
-            dist.gather(mine, rows, dst=dst, group=group)
-            return [r.cpu().tolist() for r in rows]
-        dist.gather(mine, None, dst=dst, group=group)
-        return None
+    def _group_path(self, group_ranks: list[int], path: Path | None = None) -> Path:
+        """This group's file (or TensorBoard folder) for ``path`` (default: the plans
+        file): groups are consecutive blocks of ranks, index = first // size."""
+        return group_file(path or self.path, min(group_ranks) // len(group_ranks))
 
     # -------------------------------------------------------------- writer thread
     def _run(self) -> None:
@@ -396,7 +301,32 @@ class PlanRecorder:
                 self._write(data)
             except OSError as err:
                 self._disable(err)
+                continue
+            if self._tensorboard_path is not None:
+                self._log_scalars(item)
         self._close_file()
+        if self._tensorboard is not None:
+            with contextlib.suppress(Exception):  # what it could not flush is lost, no more
+                self._tensorboard.close()
+
+    def _log_scalars(self, plan: RoutingPlan) -> None:
+        """The plan's per-step scalars to TensorBoard (writer thread); on any failure one
+        warning and no more TensorBoard logging (the JSONL goes on)."""
+        from knapformer.scalars import open_writer, write_step
+
+        try:
+            if self._tensorboard is None:
+                self._tensorboard = open_writer(self._tensorboard_path)
+            write_step(self._tensorboard, plan)
+        except Exception as err:
+            log.warning(
+                "PlanRecorder stopped logging to TensorBoard at %s: %s",
+                self._tensorboard_path,
+                err,
+            )
+            self._tensorboard_path = None
+            return
+        self.tensorboard_written += 1
 
     def _serialize(self, plan: RoutingPlan) -> list[bytes]:
         """The plan's JSON line with its newline, in pieces: serialising a multi-MB plan in
@@ -572,32 +502,6 @@ def _finite_measurements(measured: Measurements, gpus: list[int]) -> tuple[Measu
         return measured, dropped
     kept = measured.model_copy(update={"plan_ms": plan_ms, "per_rank_ms": per_rank})
     return kept, dropped
-
-
-def _attach(
-    plan: RoutingPlan, ranks: list[int], rows: list[list[float]], phases: tuple[str, ...]
-) -> None:
-    """Store gathered rows in ``plan.measurements.per_rank_ms[phase]`` (ms per GPU of
-    ``plan.gpus``). A phase no rank measured is left out; where only some ranks measured
-    it, the others spent no time in it (e.g. attention re-sharding in a 1-GPU bag): 0."""
-    row_of = {rank: i for i, rank in enumerate(ranks)}
-    if any(gpu not in row_of for gpu in plan.gpus):
-        return  # the plan is not this group's (e.g. planned offline): nothing to attach
-    if plan.measurements is None:
-        plan.measurements = Measurements()
-    for j, phase in enumerate(phases):
-        values = [rows[row_of[gpu]][j] for gpu in plan.gpus]
-        if all(math.isnan(v) for v in values):
-            continue
-        plan.measurements.per_rank_ms[phase] = [0.0 if math.isnan(v) else v for v in values]
-
-
-def _group_ranks(balancer: Any) -> list[int]:
-    ranks = getattr(balancer, "group_ranks", None)
-    if ranks:
-        return [int(r) for r in ranks]
-    rank = getattr(balancer, "rank", None)
-    return [int(rank)] if rank is not None else [0]
 
 
 def _dist():

@@ -20,7 +20,8 @@ several tensors share one exchange.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,6 +32,8 @@ from knapformer.errors import KnapformerError
 from knapformer.plan import RoutingPlan, gpu_positions
 
 Group = dist.ProcessGroup | None
+#: Makes a context manager that times one all-to-all (the balancer's, per phase).
+Timer = Callable[[], AbstractContextManager]
 
 
 # --------------------------------------------------------------------------- tables
@@ -206,16 +209,18 @@ class _Exchange(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, pre_index, post_index, send_splits, recv_splits, group, *tensors):
+    def forward(ctx, pre_index, post_index, send_splits, recv_splits, group, timer, *tensors):
         ctx.pre_index, ctx.post_index = pre_index, post_index
         ctx.send_splits, ctx.recv_splits, ctx.group = send_splits, recv_splits, group
+        ctx.timer = timer
         ctx.specs = [(t.dtype, t.shape[1:]) for t in tensors]
         ctx.device = tensors[0].device
         rows = tensors[0].shape[0]
         buf = _to_bytes(tensors, rows)
         if pre_index is not None:
             buf = buf.index_select(0, pre_index)
-        buf = all_to_all_rows(buf, send_splits, recv_splits, group)
+        with timer():
+            buf = all_to_all_rows(buf, send_splits, recv_splits, group)
         if post_index is not None:
             buf = buf.index_select(0, post_index)
         outs = _from_bytes(buf, ctx.specs)
@@ -224,7 +229,7 @@ class _Exchange(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        need = [i for i, flag in enumerate(ctx.needs_input_grad[5:]) if flag]
+        need = [i for i, flag in enumerate(ctx.needs_input_grad[6:]) if flag]
         rows = sum(ctx.recv_splits)
         grads_in = [
             grads[i]
@@ -235,14 +240,15 @@ class _Exchange(torch.autograd.Function):
         buf = _to_bytes(grads_in, rows)
         if ctx.post_index is not None:
             buf = torch.empty_like(buf).index_copy_(0, ctx.post_index, buf)
-        buf = all_to_all_rows(buf, ctx.recv_splits, ctx.send_splits, ctx.group)
+        with ctx.timer():  # the backward exchange is time inside the same collective
+            buf = all_to_all_rows(buf, ctx.recv_splits, ctx.send_splits, ctx.group)
         if ctx.pre_index is not None:
             buf = torch.empty_like(buf).index_copy_(0, ctx.pre_index, buf)
         back = _from_bytes(buf, [ctx.specs[i] for i in need])
         out: list[torch.Tensor | None] = [None] * len(ctx.specs)
         for i, g in zip(need, back, strict=True):
             out[i] = g
-        return (None, None, None, None, None, *out)
+        return (None, None, None, None, None, None, *out)
 
 
 def exchange(
@@ -252,9 +258,12 @@ def exchange(
     group: Group,
     pre_index: torch.Tensor | None = None,
     post_index: torch.Tensor | None = None,
+    timer: Timer = nullcontext,
 ) -> list[torch.Tensor]:
-    """Exchange the rows of several tensors (same first dim) in one all-to-all."""
-    return list(_Exchange.apply(pre_index, post_index, send_splits, recv_splits, group, *tensors))
+    """Exchange the rows of several tensors (same first dim) in one all-to-all; ``timer``
+    times the all-to-all itself, forward and backward."""
+    args = (pre_index, post_index, send_splits, recv_splits, group, timer)
+    return list(_Exchange.apply(*args, *tensors))
 
 
 # ------------------------------------------------------------- features (pytrees)

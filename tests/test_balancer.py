@@ -176,6 +176,9 @@ def _check_step(bal, lengths, counter, rank) -> dict:
     res["multi_bag"] = bal.tables.bag is not None
     res["timings"] = dict(bal.timings)
     res["previous_timings"] = dict(bal.previous_timings)
+    # Known figures that travel to every rank with the next step's lengths.
+    bal.add_timing("optimizer", float(rank))
+    bal.add_timing("forward_backward", 100.0)
     return res
 
 
@@ -214,15 +217,12 @@ def _worker(rank: int, world: int, topologies: list[str]) -> dict:
     results: dict = {}
     for topo in topologies:
 
-        class Recorder:  # the hook a PlanRecorder uses
+        class Recorder:  # a sink, as a PlanRecorder is
             closed = 0
             steps: list[int] = []  # noqa: RUF012
 
-            def on_step(self, balancer, plan):
+            def record(self, plan):
                 self.steps.append(plan.step)
-
-            def timing_row(self, timings):  # sent with the balancer's length all-gather
-                return [float(rank), 100.0 * len(self.steps)]
 
             def close(self):
                 Recorder.closed += 1
@@ -238,7 +238,15 @@ def _worker(rank: int, world: int, topologies: list[str]) -> dict:
             for case in ("mixed", "single")
         }
         results[topo] = per_case
-        results[(topo, "rows")] = bal.previous_timing_rows
+        measured = bal.last_gathered  # every rank's figures of the first step
+        results[(topo, "rows")] = [
+            [o, f]
+            for o, f in zip(
+                measured.column("optimizer").tolist(),
+                measured.column("forward_backward").tolist(),
+                strict=True,
+            )
+        ]
         results[(topo, "group")] = (bal.group_ranks, bal.my_bag)
         results[(topo, "errors")] = _errors(bal, world)
         own = list(bal._own_groups)
@@ -333,9 +341,13 @@ def test_balancer_on_gloo(world, tmp_path):
                 assert r["reverse_bytes"] == r["moved_in"] * r["row_bytes"], where
                 assert r["step"] == (0 if case == "mixed" else 1), where
                 assert r["plan_ms"] > 0
-                assert set(r["timings"]) == {"plan", "record", "route", "reverse_route"} | (
-                    {"pre_attn", "post_attn"} if r["multi_bag"] else set()
-                ), where
+                assert set(r["timings"]) == {
+                    "plan",
+                    "gather",
+                    "record",
+                    "route",
+                    "reverse_route",
+                } | ({"pre_attn", "post_attn"} if r["multi_bag"] else set()), where
                 # The balancer times only phases named in the plan schema's one list.
                 assert set(r["timings"]) | set(r["previous_timings"]) <= set(RECORDED_PHASES)
                 if case == "single":
@@ -352,7 +364,7 @@ def test_balancer_on_gloo(world, tmp_path):
             # (the plan's two all-gathers, checked above, are all it took).
             assert res[(topo, "rows")] == [[float(r), 100.0] for r in group], res[(topo, "rows")]
             recorded, closed = res[(topo, "recorder")]
-            assert recorded == [0, 1, 2], "recorder.on_step once per plan, on every rank"
+            assert recorded == [0, 1, 2], "recorder.record once per plan, on every rank"
             assert closed == 1, "close() is idempotent"
             own, alive = res[(topo, "destroyed")]
             replicas = world // t.num_gpus

@@ -3,7 +3,8 @@
 Every case must end the same way on every rank of the balance group: all raise in the
 same call (so none waits in a collective for a peer that already left), and the next
 valid step plans and routes as usual. A rank that hung would fail the whole world at the
-process group's timeout instead.
+process group's timeout instead. Every case runs on the synchronous path and planning
+ahead, where the errors are raised on the plan-ahead thread and handed to plan_routing.
 """
 
 from __future__ import annotations
@@ -25,14 +26,16 @@ def _try(fn) -> str | None:
     return None
 
 
-def _worker(rank: int, world: int) -> dict:
+def _worker(rank: int, world: int, ahead: bool) -> dict:
     from knapformer.balancer import SequenceBalancer
 
-    bal = SequenceBalancer("g1n2+g2n1")
+    bal = SequenceBalancer("g1n2+g2n1", plan_ahead=ahead)
     mine = [5 + rank, 3]
     out: dict[str, str | None] = {}
 
     def case(name: str, lengths, token_dim, **kwargs) -> None:
+        if ahead and name == "two":  # prefetched (and checked) before plan_routing
+            bal.prefetch(lengths, token_dim=token_dim)
         out[name] = _try(lambda: bal.plan_routing(lengths, token_dim=token_dim, **kwargs))
 
     # 10: a bad token_dim on one rank only (its own check fails before any collective).
@@ -59,9 +62,9 @@ def _worker(rank: int, world: int) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory) -> list[dict]:
-    return run_world(_worker, WORLD, tmp_path_factory.mktemp("faults"))
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "ahead"])
+def results(request, tmp_path_factory) -> list[dict]:
+    return run_world(_worker, WORLD, tmp_path_factory.mktemp("faults"), request.param)
 
 
 def _peers(results, name: str, bad: set[int]) -> list[str]:

@@ -53,7 +53,7 @@ def test_cuda_nccl_world1(tmp_path):
     assert res["identity"]
     assert res["chunk_lens"] == [7, 130, 1, 64]  # the zero-length sequence has no chunk
     assert res["model_close"] and res["grads"]
-    assert res["timings"] == ["plan", "reverse_route", "route"]
+    assert res["timings"] == ["gather", "plan", "reverse_route", "route"]
 
 
 def _worker(rank: int, world: int) -> dict:
@@ -157,7 +157,7 @@ def test_round_trip_is_bit_exact_with_autograd_and_never_syncs(tmp_path, backend
         assert torch.equal(got, sent[name].reshape(-1, HEADS, DIM // HEADS))
     for name in "qkv":  # the reverse all-to-alls carry the gradients back unchanged
         assert torch.equal(res["grads"][name], res["weights"][name])
-    assert res["timings"] == ["plan", "reverse_route", "route"]
+    assert res["timings"] == ["gather", "plan", "reverse_route", "route"]
 
 
 # --------------------------------------------------------------------- recorder
@@ -184,7 +184,7 @@ def _recorder_worker(rank: int, world: int, backend: str, path: str) -> dict:
             _, q, k, v = bal.pre_attn(qkv, qkv, qkv)
             _, out = bal.post_attn(q + k + v)
             bal.reverse_route(out.reshape(-1, DIM))
-    bal.recorder.finish(bal)
+    bal.finish()
     bal.close()
     return {"sync_errors": syncs.errors, "device": str(bal.device)}
 

@@ -92,6 +92,9 @@ def test_model_heads_split_across_every_bag():
         (["--steps", "-1"], "steps must be >= 0"),
         (["--data-codes", "g2b4x"], "g2b4x"),
         (["--topology", "g2x1"], "g2x1"),
+        (["--world-size", "4", "--slow-rank", "4"], "slow rank 4 is not a rank of the world"),
+        (["--slow-rank", "1", "--slow-factor", "0.5"], "slow factor must be a number >= 1"),
+        (["--cost-model", "oracle"], "unknown cost model 'oracle'"),
     ],
 )
 def test_bad_options_give_one_line_errors_before_starting(tmp_path, capsys, args, message):
@@ -194,12 +197,13 @@ def test_six_workers_get_a_default_topology_that_balances(tmp_path):
 
 
 @pytest.mark.slow
-def test_ctrl_c_stops_workers_and_dashboard_leaving_nothing_running(tmp_path):
+@pytest.mark.parametrize("options", [[], ["--plan-ahead", "--cost-model", "history"]])
+def test_ctrl_c_stops_workers_and_dashboard_leaving_nothing_running(tmp_path, options):
     out = tmp_path / "demo"
     proc = subprocess.Popen(
         [
             *(BIN / "knapformer", "demo", "--steps", "0", "--world-size", "2", "--port", "0"),
-            *("--topology", "g2n1", "--out", str(out)),
+            *("--topology", "g2n1", "--out", str(out), *options),
         ],
         cwd=ROOT,
         stdout=subprocess.PIPE,

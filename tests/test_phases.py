@@ -4,12 +4,13 @@ straggler tools and the dashboard's predicted-vs-measured view alike."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from knapformer.measured import measure
 from knapformer.plan import COMPUTE_PHASES, RECORDED_PHASES, Measurements
 from knapformer.plan_io import read_plans, write_jsonl
-from knapformer.recorder import PlanRecorder
 from knapformer.stragglers import analyse, rank_steps
+from knapformer.timing import StepTimer
 from knapformer.tools.calibrate import calibrate_file
 from visualization.straggler_figures import predicted_vs_measured_figure
 
@@ -46,11 +47,12 @@ def test_compute_phase_prefers_a_true_compute_time_and_takes_the_whole_step_last
     assert Measurements(per_rank_ms=per_rank).compute_phase() == expected
 
 
-def test_compute_comes_first_and_the_whole_step_last(tmp_path):
+def test_compute_comes_first_and_the_whole_step_last():
     assert COMPUTE_PHASES[0] == "compute" and COMPUTE_PHASES[-1] == "step"
-    # A recorder gathers by default the phases of a training loop the rule picks from.
-    with PlanRecorder(tmp_path / "plans.jsonl", phases=["forward"]) as recorder:
-        assert recorder.phases == (*RECORDED_PHASES, "forward")
+    # The balancer gathers by default the phases of a training loop the rule picks from
+    # (its timer holds the list; SequenceBalancer(phases=...) adds to it).
+    timer = StepTimer(torch.device("cpu"), phases=["forward"])
+    assert timer.phases == (*RECORDED_PHASES, "forward")
     assert {"compute", "forward_backward", "step"} <= set(RECORDED_PHASES)
 
 

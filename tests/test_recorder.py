@@ -506,3 +506,65 @@ def test_rotation_removes_backups_beyond_retention_left_by_earlier_runs(tmp_path
     assert steps_in(path) == [3]
     assert steps_in(tmp_path / "plans.1.jsonl") == [2]
     assert steps_in(tmp_path / "plans.2.jsonl") == [1]
+
+
+# ---------------------------------------------------------------- TensorBoard, live
+def _scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Tag -> [(step, value)] of the TensorBoard event files in ``logdir``."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_tensorboard_scalars_are_written_live_by_the_writer_thread(tmp_path, plans, monkeypatch):
+    pytest.importorskip("tensorboard")
+    import knapformer.scalars as scalars
+
+    threads: list[str] = []
+    write_step = scalars.write_step
+
+    def spy(writer, plan, step=None):
+        threads.append(threading.current_thread().name)
+        return write_step(writer, plan, step)
+
+    monkeypatch.setattr(scalars, "write_step", spy)
+    with PlanRecorder(tmp_path / "plans.jsonl", every=2, tensorboard_dir=tmp_path / "tb") as rec:
+        for plan in plans[:6]:
+            rec.record(plan)
+    assert threads == ["knapformer-plan-recorder"] * 3  # never the training thread
+    assert rec.tensorboard_written == 3
+    got = _scalars(tmp_path / "tb")
+    assert got, "no scalars were written"
+    for name, value in scalars.step_figures(plans[4]).items():
+        series = dict(got[scalars.TAG_PREFIX + name])
+        assert sorted(series) == [0, 2, 4]  # the recorded steps, and only them
+        assert series[4] == pytest.approx(value, rel=1e-6)  # event files hold float32
+
+
+def test_a_tensorboard_failure_stops_only_the_tensorboard_logging(tmp_path, plans, caplog):
+    pytest.importorskip("tensorboard")
+    (tmp_path / "tb").write_text("a file where the log folder should be")
+    with PlanRecorder(tmp_path / "plans.jsonl", tensorboard_dir=tmp_path / "tb") as rec:
+        for plan in plans[:3]:
+            rec.record(plan)
+    assert steps_in(tmp_path / "plans.jsonl") == [0, 1, 2]  # the JSONL goes on
+    assert rec.tensorboard_written == 0
+    warned = [w for w in recorder_warnings(caplog) if "TensorBoard" in w]
+    assert len(warned) == 1 and str(tmp_path / "tb") in warned[0]
+
+
+def test_tensorboard_without_its_extra_is_refused_when_the_recorder_is_made(tmp_path, monkeypatch):
+    import importlib.util
+
+    from knapformer.errors import MissingExtraError
+
+    real = importlib.util.find_spec
+
+    def find_spec(name, *args):
+        return None if name == "tensorboard" else real(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    with pytest.raises(MissingExtraError, match=r"knapformer\[tensorboard\]"):
+        PlanRecorder(tmp_path / "plans.jsonl", tensorboard_dir=tmp_path / "tb")

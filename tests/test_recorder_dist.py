@@ -1,6 +1,7 @@
-"""PlanRecorder in a real gloo process group (4 processes, 2 balance groups of 2 ranks):
-per-rank times gathered to each group's writer, `every` honoured on all ranks, one file
-per group, non-writing ranks do no I/O. A stand-in balancer sets exactly known timings."""
+"""PlanRecorder under a SequenceBalancer in a real gloo process group (4 processes, 2
+balance groups of 2 ranks): every rank's times reach each group's writer with the right
+step, `every` honoured, one file per group, non-writing ranks do no I/O. The training
+loop adds phases with exactly known values."""
 
 from __future__ import annotations
 
@@ -12,74 +13,51 @@ from knapformer.local.launcher import launch
 from knapformer.plan_io import read_plans
 
 
-def worker(rank: int, world: int, out: str) -> dict:
-    """One rank: 5 steps of a stand-in balancer with known timings, every=2."""
+def worker(rank: int, world: int, out: str, tensorboard: str) -> dict:
+    """One rank: 5 steps of a balancer (two replicas of g1n2) with known timings, every=2."""
     import logging
-    from types import SimpleNamespace
 
-    import numpy as np
-    import torch.distributed as dist
-
-    from knapformer.planner import plan_routing
+    from knapformer.balancer import SequenceBalancer
     from knapformer.recorder import PlanRecorder
-    from knapformer.workload import WorkloadModel
 
     warnings: list[str] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: warnings.append(record.getMessage())
-    logging.getLogger("knapformer.recorder").addHandler(handler)
-    groups = [[0, 1], [2, 3]]
-    handles = [dist.new_group(g) for g in groups]  # every rank creates every group
-    mine = next(i for i, g in enumerate(groups) if rank in g)
-    fake = SimpleNamespace(
-        rank=rank,
-        group_ranks=groups[mine],
-        group=handles[mine],
-        step=-1,
-        timings={},
-        previous_timings={},
-    )
-    rec = PlanRecorder(os.path.join(out, "plans.jsonl"), every=2, phases=["custom"])
-    model = WorkloadModel(64)
+    for name in ("knapformer.recorder", "knapformer.timing"):
+        logging.getLogger(name).addHandler(handler)
+    rec = PlanRecorder(os.path.join(out, "plans.jsonl"), every=2, tensorboard_dir=tensorboard)
+    bal = SequenceBalancer("g1n2", recorder=rec, phases=["custom", "marker", "partial"])
     for step in range(5):
-        lengths = [np.array([100 * (g + 1) + step, 7]) for g in groups[mine]]
-        plan = plan_routing(lengths, "g1n2", model, gpus=groups[mine], step=step)
-        fake.step = step
-        fake.previous_timings, fake.timings = (
-            fake.timings,
-            {
-                "route": 1000.0 * rank + step,
-                "custom": 0.5 * rank,
-                "unlisted": 1.0,
-            },
-        )
-        if step > 0:
-            fake.previous_timings["step"] = 10.0 * step
+        bal.plan_routing([100 * (rank + 1) + step, 7], token_dim=64)
+        bal.add_timing("marker", 1000.0 * rank + step)
+        bal.add_timing("custom", 0.5 * rank)
+        bal.add_timing("unlisted", 1.0)
         if rank == 3:  # a phase only some ranks measured
-            fake.timings["pre_attn"] = 2.0
-        rec.on_step(fake, plan)
-    rec.finish(fake)
-    rec.close()
+            bal.add_timing("partial", 2.0)
+    bal.finish()
+    bal.close()
     return {
         "rank": rank,
         "thread": rec._thread is not None,
         "written": rec.written,
         "file": None if rec.file_path is None else str(rec.file_path),
         "warnings": warnings,
+        "tensorboard": rec.tensorboard_written,
     }
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("dist")
+    tensorboard = tmp_path_factory.mktemp("logs") / "tb"
     # Raises, naming the rank, unless all four workers returned.
-    results = launch(worker, 4, (str(out),), deadline_s=120)
+    results = launch(worker, 4, (str(out), str(tensorboard)), deadline_s=120)
     assert [r["rank"] for r in results] == [0, 1, 2, 3]
-    return out, dict(enumerate(results))
+    return out, dict(enumerate(results)), tensorboard
 
 
 def test_each_group_writer_writes_its_own_file(run):
-    out, reports = run
+    out, reports, _ = run
     assert sorted(f.name for f in out.iterdir()) == ["plans.group1.jsonl", "plans.jsonl"]
     assert reports[0]["file"] == str(out / "plans.jsonl")
     assert reports[2]["file"] == str(out / "plans.group1.jsonl")
@@ -87,15 +65,25 @@ def test_each_group_writer_writes_its_own_file(run):
 
 
 def test_non_writing_ranks_start_no_thread_and_open_no_file(run):
-    _, reports = run
+    _, reports, _ = run
     for rank in (1, 3):
         assert reports[rank]["thread"] is False
         assert reports[rank]["written"] == 0 and reports[rank]["file"] is None
+        assert reports[rank]["tensorboard"] == 0
     assert reports[0]["thread"] and reports[2]["thread"]
 
 
+def test_each_group_writer_logs_its_own_tensorboard_run(run):
+    _, reports, tensorboard = run
+    assert reports[0]["tensorboard"] == reports[2]["tensorboard"] == 3
+    logs = tensorboard.parent
+    assert sorted(p.name for p in logs.iterdir()) == ["tb", "tb.group1"]
+    for folder in logs.iterdir():
+        assert any(f.name.startswith("events.out.tfevents") for f in folder.iterdir()), folder
+
+
 def test_every_k_and_per_rank_times_of_the_right_step(run):
-    out, _ = run
+    out, _, _ = run
     for name, gpus in (("plans.jsonl", [0, 1]), ("plans.group1.jsonl", [2, 3])):
         plans = read_plans(out / name, on_error="raise").plans
         assert [p.step for p in plans] == [0, 2, 4]
@@ -103,21 +91,25 @@ def test_every_k_and_per_rank_times_of_the_right_step(run):
             assert plan.gpus == gpus
             ms = plan.measurements.per_rank_ms
             # Times of the plan's own step, one value per GPU in the order of plan.gpus.
-            assert ms["route"] == [1000.0 * g + plan.step for g in gpus]
+            assert ms["marker"] == [1000.0 * g + plan.step for g in gpus]
             assert ms["custom"] == [0.5 * g for g in gpus]
             assert "unlisted" not in ms
             if plan.step < 4:
-                assert ms["step"] == [10.0 * (plan.step + 1)] * 2
+                assert len(ms["step"]) == 2 and min(ms["step"]) > 0
+                # compute: the step without the time inside collectives (the gather only)
+                assert ms["compute"] == pytest.approx(
+                    [s - g for s, g in zip(ms["step"], ms["gather"], strict=True)]
+                )
             else:  # the last step's times come from finish(): no whole-step time yet
-                assert "step" not in ms
+                assert "step" not in ms and "compute" not in ms
             assert plan.measurements.plan_ms is not None
         if gpus == [2, 3]:
-            assert all(p.measurements.per_rank_ms["pre_attn"] == [0.0, 2.0] for p in plans)
+            assert all(p.measurements.per_rank_ms["partial"] == [0.0, 2.0] for p in plans)
         else:
-            assert all("pre_attn" not in p.measurements.per_rank_ms for p in plans)
+            assert all("partial" not in p.measurements.per_rank_ms for p in plans)
 
 
 def test_unlisted_phase_is_warned_about_once_per_rank(run):
-    _, reports = run
+    _, reports, _ = run
     for report in reports.values():
         assert len(report["warnings"]) == 1 and "unlisted" in report["warnings"][0]

@@ -60,6 +60,27 @@ def test_fresh_plan_replays_ok(tmp_path):
         ), f"no row for GPU {gpu} with {tokens} tokens sent"
 
 
+def test_plans_with_speeds_and_a_time_scale_replay(tmp_path):
+    """Re-planning uses the recorded GPU speeds (e.g. learnt by the history cost model)
+    and the calibrated time scale: such a plan replays as identical."""
+    lengths = sample_lengths(parse_mix(MIX8), np.random.default_rng(5), length_scale=0.25)
+    speeds = [1.0, 0.5, 1.0, 1.1, 0.8, 1.0, 1.0, 1.0]
+    model = WorkloadModel(3072, 0.4, scale=2.5e-3, unit="ms")
+    plan = plan_routing(lengths, "g1n2+g2n1+g4n1", model, step=3, gpu_speed=speeds)
+    nominal = plan_routing(lengths, "g1n2+g2n1+g4n1", model, step=3)
+    assert not np.array_equal(plan.sequences.bag, nominal.sequences.bag)  # speeds matter
+    path = tmp_path / "plan.json"
+    write_json(path, plan)
+    result = replay(read_plans(path).plans[0])
+    assert result.replanned and result.ok, result.first_problem
+    # The recorded speeds are compared too: a plan claiming others is named.
+    record = json.loads(path.read_text())
+    record["gpu_speed"][1] = 0.9
+    path.write_text(json.dumps(record))
+    proc = run_cli("replay", str(path))
+    assert proc.returncode == 1 and "verdict: MISMATCH" in proc.stdout
+
+
 def test_wrong_destination_is_named(tmp_path):
     path = tmp_path / "plan.json"
     record = fresh_plan(path)

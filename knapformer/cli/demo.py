@@ -41,6 +41,21 @@ def demo(
     ),
     port: int = typer.Option(8050, help="dashboard port on 127.0.0.1"),
     every: int = typer.Option(1, help="record every k-th step's plan"),
+    slow_rank: int | None = typer.Option(
+        None, "--slow-rank", help="make this rank's compute --slow-factor times slower"
+    ),
+    slow_factor: float = typer.Option(
+        2.0, "--slow-factor", help="how much slower --slow-rank computes (it sleeps F-1 times)"
+    ),
+    cost_model: str = typer.Option(
+        "modelled",
+        "--cost-model",
+        help="modelled: the workload model; history: also learn each GPU's speed from its "
+        "measured compute",
+    ),
+    plan_ahead: bool = typer.Option(
+        False, "--plan-ahead", help="gather and plan each next step on a side channel"
+    ),
 ) -> None:
     """Train a small DiT on CPU workers with the balancer, record every plan, show it live."""
     from knapformer.local.demo import (
@@ -62,9 +77,13 @@ def demo(
         data_codes=data_codes or DEMO_CODES,
         out=out,
         every=every,
+        slow_rank=slow_rank,
+        slow_factor=slow_factor if slow_rank is not None else 1.0,
+        cost_model=cost_model,
+        plan_ahead=plan_ahead,
     )
     topo, _ = check_config(cfg)  # bad options fail here, before anything starts
-    d_model, heads = model_shape(topo)
+    d_model, heads = model_shape(topo, cfg.head_dim)
     plans = plans_file(out)
     server = _start_dashboard(plans, port) if dashboard else None
     try:
@@ -77,6 +96,8 @@ def demo(
         note = topology_note(topo)
         if note is not None:
             print(f"note: topology {topo}: {note}", flush=True)
+        if slow_rank is not None or cost_model != "modelled" or plan_ahead:
+            print(_options_line(cfg), flush=True)
         if server is not None:
             print(f"dashboard: {server.url}  (Ctrl-C stops everything)", flush=True)
         started = time.perf_counter()
@@ -107,6 +128,18 @@ def demo(
         if server is not None:
             with ignoring_sigint():
                 server.stop()
+
+
+def _options_line(cfg) -> str:
+    """What the run does beyond the defaults, in one line."""
+    parts = []
+    if cfg.slow_rank is not None:
+        parts.append(f"rank {cfg.slow_rank} computes {cfg.slow_factor:g}x slower")
+    if cfg.cost_model != "modelled":
+        parts.append(f"cost model {cfg.cost_model}")
+    if cfg.plan_ahead:
+        parts.append("planning ahead")
+    return "; ".join(parts)
 
 
 def _start_dashboard(plans: Path, port: int):

@@ -7,6 +7,13 @@ to learn), take an optimizer step every step and record every plan with a `PlanR
 to ``<out>/plans.jsonl``. Rank 0 sends one `StepReport` per step to the launcher, which
 prints it and, unless told not to, serves the dashboard on the same file.
 
+Fault injection: ``slow_rank`` sleeps ``(slow_factor - 1)`` times its measured compute
+every step (`knapformer.local.slowdown`: before ``reverse_route`` and before the
+gradient all-reduce), as a GPU that slow would take: its peers wait for it there, and
+the balancer's measurements show the slow rank as compute and its peers as waiting.
+``cost_model="history"`` makes the balancer learn the speeds and give the slow rank less
+work; ``plan_ahead`` prefetches each next step's plan while the current one trains.
+
 Stopping: `knapformer.local.launcher` owns the workers. Ctrl-C (SIGINT) reaches the
 launcher, which sets the stop flag: the workers carry it in their gradient all-reduce, so
 all of them leave after the same step and close their recorders (every queued plan is
@@ -23,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from knapformer.errors import KnapformerError, file_error
+from knapformer.history import COST_MODELS
 from knapformer.local.launcher import (
     TRAINING_PRELOAD,
     launch,
@@ -55,9 +63,14 @@ class DemoConfig:
     every: int = 1
     length_scale: float = 1 / 16  # the mix's lengths shrunk so a step takes well under 1 s
     n_layers: int = 2
+    head_dim: int = HEAD_DIM  # larger: more compute per token (d_model = heads x head_dim)
     lr: float = 2e-3
     seed: int = 0
     run: str = "demo"
+    slow_rank: int | None = None  # this rank's compute is made slow_factor times slower
+    slow_factor: float = 1.0
+    cost_model: str = "modelled"  # or "history": learn each GPU's speed
+    plan_ahead: bool = False  # prefetch the next step's plan on a side channel
 
 
 @dataclass
@@ -111,7 +124,7 @@ def rank_codes(codes: list[DataCode], world_size: int) -> list[DataCode]:
     return [per_gpu[r * len(per_gpu) // world_size] for r in range(world_size)]
 
 
-def model_shape(topology: Topology) -> tuple[int, int]:
+def model_shape(topology: Topology, head_dim: int = HEAD_DIM) -> tuple[int, int]:
     """(d_model, n_heads): heads must split evenly across every bag size (Ulysses)."""
     heads = topology.heads_for(4)
     if heads > 64:
@@ -119,7 +132,7 @@ def model_shape(topology: Topology) -> tuple[int, int]:
             f"topology {topology} needs {heads} attention heads (a multiple of every bag "
             "size); use bag sizes with a smaller common multiple"
         )
-    return heads * HEAD_DIM, heads
+    return heads * head_dim, heads
 
 
 def check_config(cfg: DemoConfig) -> tuple[Topology, list[DataCode]]:
@@ -134,9 +147,21 @@ def check_config(cfg: DemoConfig) -> tuple[Topology, list[DataCode]]:
         raise KnapformerError(f"every must be >= 1, got {cfg.every}")
     if not cfg.length_scale > 0:
         raise KnapformerError(f"length scale must be positive, got {cfg.length_scale}")
+    if cfg.slow_rank is not None and not 0 <= cfg.slow_rank < cfg.world_size:
+        raise KnapformerError(
+            f"slow rank {cfg.slow_rank} is not a rank of the world (0..{cfg.world_size - 1})"
+        )
+    if not (math.isfinite(cfg.slow_factor) and cfg.slow_factor >= 1):
+        raise KnapformerError(f"slow factor must be a number >= 1, got {cfg.slow_factor}")
+    if cfg.cost_model not in COST_MODELS:
+        raise KnapformerError(
+            f"unknown cost model {cfg.cost_model!r}; choose one of {', '.join(COST_MODELS)}"
+        )
     topo = Topology.parse(cfg.topology or default_topology(cfg.world_size))
     topo.num_replicas(cfg.world_size)  # raises when the world does not fit
-    model_shape(topo)
+    if cfg.head_dim < 2 or cfg.head_dim % 2:
+        raise KnapformerError(f"head dim must be even and >= 2 (RoPE), got {cfg.head_dim}")
+    model_shape(topo, cfg.head_dim)
     codes = rank_codes(parse_mix(cfg.data_codes), cfg.world_size)
     return topo, codes
 
@@ -206,7 +231,6 @@ def train(
     """
     import numpy as np
     import torch
-    import torch.distributed as dist
 
     from knapformer.balancer import SequenceBalancer
     from knapformer.local.models import ToyDiT
@@ -214,25 +238,39 @@ def train(
     from knapformer.tools.datamix import sample_lengths
 
     topo, codes = check_config(cfg)
-    d_model, n_heads = model_shape(topo)
+    d_model, n_heads = model_shape(topo, cfg.head_dim)
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model = ToyDiT(d_model, n_heads, cfg.n_layers)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr)
     mixing = torch.randn(_LATENT_RANK, d_model) / math.sqrt(_LATENT_RANK)
     recorder = PlanRecorder(plans_file(cfg.out), every=cfg.every) if cfg.record else None
-    balancer = SequenceBalancer(topo, recorder=recorder, run=cfg.run)
+    options = {"recorder": recorder, "run": cfg.run, "cost_model": cfg.cost_model}
+    options["plan_ahead"] = cfg.plan_ahead
+    if cfg.slow_rank == rank:
+        from knapformer.local.slowdown import SlowBalancer
+
+        balancer = SlowBalancer(topo, slow_factor=cfg.slow_factor, **options)
+    else:
+        balancer = SequenceBalancer(topo, **options)
+
+    def batch(step: int):
+        rng = np.random.default_rng([cfg.seed, step, rank])
+        lengths = sample_lengths([codes[rank]], rng, cfg.length_scale)[0]
+        return lengths, int(rng.integers(2**62))
+
     try:
         step = 0
         while cfg.steps == 0 or step < cfg.steps:
             report_progress(step)  # the launcher's watchdog names a rank that stalls
             started = time.perf_counter()
-            rng = np.random.default_rng([cfg.seed, step, rank])
-            lengths = sample_lengths([codes[rank]], rng, cfg.length_scale)[0]
-            noisy, target = _flow_batch(
-                lengths, mixing, torch.Generator().manual_seed(int(rng.integers(2**62)))
-            )
+            lengths, seed = batch(step)
+            noisy, target = _flow_batch(lengths, mixing, torch.Generator().manual_seed(seed))
             plan = balancer.plan_routing(lengths, token_dim=d_model)
+            if cfg.steps == 0 or step + 1 < cfg.steps:
+                # The next batch is known now: with plan_ahead its plan is made while this
+                # step trains (otherwise this does nothing).
+                balancer.prefetch(batch(step + 1)[0], token_dim=d_model)
             group_elems = float(plan.sequences.length.sum()) * d_model
 
             fb_start = time.perf_counter()
@@ -241,7 +279,9 @@ def train(
             # Each rank's share of its group's mean loss, averaged over the replicas, so
             # that summing gradients over all ranks gives the gradient of the mean.
             (sq_err / (group_elems * balancer.num_replicas)).backward()
-            opt_start = time.perf_counter()
+            if cfg.slow_rank == rank:
+                balancer.lag()  # the backward pass's slowdown, before the all-reduce
+            fb_done = time.perf_counter()
 
             stopping = float(stop is not None and stop())
             flat = torch.cat(
@@ -249,17 +289,19 @@ def train(
                 + [sq_err.detach().reshape(1), torch.tensor([stopping])]
             )
             # Data parallel: one all-reduce of the gradients, the loss and the stop flag,
-            # so every rank leaves the loop after the same step.
-            dist.all_reduce(flat)
+            # so every rank leaves the loop after the same step. Through the balancer, so
+            # that the time waiting in it is measured as waiting, not compute.
+            balancer.all_reduce(flat)
             offset = 0
             for p in params:
                 n = p.numel()
                 p.grad.copy_(flat[offset : offset + n].view_as(p))
                 offset += n
+            opt_start = time.perf_counter()
             optimizer.step()
             optimizer.zero_grad(set_to_none=False)
             done = time.perf_counter()
-            balancer.add_timing("forward_backward", (opt_start - fb_start) * 1e3)
+            balancer.add_timing("forward_backward", (fb_done - fb_start) * 1e3)
             balancer.add_timing("optimizer", (done - opt_start) * 1e3)
 
             if report is not None:
@@ -280,8 +322,7 @@ def train(
             step += 1
             if flat[-1] > 0:
                 break
-        if recorder is not None:
-            recorder.finish(balancer)  # collective: the last plan gets its times too
+        balancer.finish()  # collective: the last plans get their measured times too
     finally:
         balancer.close()
 

@@ -3,10 +3,12 @@
 Two checks, both must pass:
 
 1. *Planning*: every rank gives the recorded lengths to `SequenceBalancer.plan_routing`
-   (the real all-gather + planner path); the plan it makes must equal the recorded one
-   (same bags, sequences, workloads, chunks). Skipped, and said so, when the recorded
-   plan cannot be re-planned: a legacy plan (solver / token_dim unknown) or a solver this
-   version does not know.
+   (the real all-gather + planner path) with the recorded model: gamma, the time scale
+   of a calibrated plan, and the GPU speeds it assumed (``gpu_speed``, e.g. learnt by the
+   history cost model); the plan it makes must equal the recorded one (same bags,
+   sequences, workloads, chunks). Skipped, and said so, when the recorded plan cannot be
+   re-planned: a legacy plan (solver / token_dim unknown) or a solver this version does
+   not know.
 2. *Routing*: the recorded plan's own routing is executed with synthetic tensors whose
    rows carry their global token id: ``route`` must deliver exactly the chunks the plan
    sends to each rank, ``pre_attn`` the bag's whole sequences with this rank's heads,
@@ -97,7 +99,7 @@ def renumber(plan: RoutingPlan) -> RoutingPlan:
     return RoutingPlan.build(
         **{
             **{k: getattr(plan, k) for k in ("step", "time", "run", "topology", "token_dim")},
-            "gamma": plan.gamma,
+            **{k: getattr(plan, k) for k in ("gamma", "scale", "workload_unit", "gpu_speed")},
             "solver": plan.solver,
             "solver_options": dict(plan.solver_options),
             "gpus": list(range(len(gpus))),
@@ -125,10 +127,13 @@ def first_difference(recorded: RoutingPlan, planned: RoutingPlan, gpus: list[int
 
     GPU values are named by their recorded ranks ``gpus[i]``.
     """
-    for name in ("topology", "bags", "solver", "token_dim", "gamma"):
+    for name in ("topology", "bags", "solver", "token_dim", "gamma", "workload_unit", "gpu_speed"):
         a, b = getattr(recorded, name), getattr(planned, name)
         if a != b:
             return f"{name}: recorded {a!r}, planned {b!r}"
+    a, b = recorded.scale or 1.0, planned.scale or 1.0  # None: an unscaled model
+    if a != b:
+        return f"scale: recorded {a!r}, planned {b!r}"
     gpu_columns = {"src_gpu", "dst_gpu"}
     for table in ("sequences", "chunks"):
         rec, new = getattr(recorded, table), getattr(planned, table)
@@ -154,6 +159,8 @@ def replan_skip_reason(plan: RoutingPlan) -> str | None:
         return f"solver {plan.solver!r} is not one this version plans with"
     if plan.token_dim is None or plan.gamma is None:
         return "the plan records no token_dim/gamma (a legacy plan)"
+    if plan.workload_unit != "ms" and (plan.scale or 1.0) != 1.0:
+        return f"the plan's workload scale {plan.scale} is not a time scale (unit model)"
     return None
 
 
@@ -286,10 +293,16 @@ def _replan(report: RankReport, plan: RoutingPlan, gpus, dim: int, replan: bool)
     result with the recording) and then executes the *recorded* routing."""
     from knapformer.balancer import SequenceBalancer
 
-    solver = plan.solver if replan else "knapformer"
-    gamma = plan.gamma if replan else 0.4
-    cap = plan.solver_options.get("max_tokens_per_gpu") if replan else None
-    balancer = SequenceBalancer(plan.topology, gamma=gamma, solver=solver, max_tokens_per_gpu=cap)
+    model: dict[str, Any] = {}
+    if replan:  # the model the recording planned with
+        model = {
+            "gamma": plan.gamma,
+            "solver": plan.solver,
+            "max_tokens_per_gpu": plan.solver_options.get("max_tokens_per_gpu"),
+            "gpu_speed": plan.gpu_speed,
+            "time_scale": plan.scale if plan.workload_unit == "ms" else None,
+        }
+    balancer = SequenceBalancer(plan.topology, **model)
     local_lens = plan.sequences.length[plan.sequences.src_gpu == report.rank]
     if replan:
         fresh = balancer.plan_routing(local_lens, token_dim=plan.token_dim)

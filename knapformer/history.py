@@ -1,0 +1,134 @@
+"""`SpeedHistory`: the history cost model — each GPU's speed, learnt from its measured
+compute, so that the planner gives a slow GPU (throttled, a bad link, another job on the
+node) less work.
+
+Each measured step gives every GPU a rate: the work its plan gave it
+(`knapformer.stats.PlanStats.work_after`, workload at nominal speed) over its measured
+``compute`` (ms; `knapformer.timing`). Divided by the median GPU's rate, that is its
+speed in that step. A GPU's speed is the median of its last ``window`` per-step speeds
+(one slow step — a page fault, a checkpoint — moves nothing), rounded to two
+significant digits and kept within ``bounds`` (steady plans; the same number in JSON and on every
+rank). During the first ``warmup`` measured steps nothing is learnt and the planner
+assumes nominal speeds.
+
+Why the rates converge: compute is c_i = o + w_i / s_i with a per-step overhead o (data,
+optimizer) equal on every GPU. The planner gives work in proportion to the speeds it
+assumes, so at the fixed point every c_i is equal and w_i / w_j = s_i / s_j exactly;
+away from it each step moves the estimate part of the way there.
+
+Pure and deterministic: every rank of a balance group feeds it the same gathered figures
+in step order, so all plan with the same speeds, and `recorded_speeds` recomputes a
+recorded run's speeds from its plans (replayable).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+import numpy as np
+from numpy.typing import ArrayLike
+
+from knapformer.errors import KnapformerError
+from knapformer.plan import RoutingPlan
+
+#: The cost models of `knapformer.balancer.SequenceBalancer`: "modelled" plans with the
+#: workload model (and fixed ``gpu_speed``); "history" also learns every GPU's speed here.
+COST_MODELS = ("modelled", "history")
+#: Measured steps before the first speeds are used.
+WARMUP_STEPS = 3
+#: Per-step speeds a GPU's speed is the median of.
+WINDOW_STEPS = 8
+#: No GPU is taken for more than 8x slower or faster than the median one.
+SPEED_BOUNDS = (0.125, 8.0)
+#: The plan of step s uses what was measured up to step s - LAG_STEPS: with planning ahead
+#: the plan of step s is made while step s - 1 still runs, and both paths learn alike.
+LAG_STEPS = 2
+
+
+class SpeedHistory:
+    """Speeds of ``num_gpus`` GPUs (positions of the balance group) from measured steps."""
+
+    def __init__(
+        self,
+        num_gpus: int,
+        warmup: int = WARMUP_STEPS,
+        window: int = WINDOW_STEPS,
+        bounds: tuple[float, float] = SPEED_BOUNDS,
+    ) -> None:
+        if num_gpus < 1 or warmup < 0 or window < 1:
+            raise KnapformerError(
+                f"SpeedHistory needs num_gpus >= 1, warmup >= 0 and window >= 1, got "
+                f"{num_gpus}, {warmup}, {window}"
+            )
+        low, high = bounds
+        if not 0 < low <= 1 <= high:
+            raise KnapformerError(f"speed bounds must satisfy 0 < low <= 1 <= high, got {bounds}")
+        self.num_gpus, self.warmup, self.bounds = num_gpus, warmup, (float(low), float(high))
+        self._recent: deque[np.ndarray] = deque(maxlen=window)
+        self.observed = 0  # steps that gave speeds
+
+    def observe(self, work: ArrayLike, compute_ms: ArrayLike) -> None:
+        """One step: ``work`` (num_gpus,) each GPU's workload, ``compute_ms`` (num_gpus,) its
+        measured compute. GPUs without work or without a positive finite time give no
+        figure; a step with fewer than two such GPUs is skipped."""
+        work = np.asarray(work, dtype=np.float64).reshape(-1)
+        compute = np.asarray(compute_ms, dtype=np.float64).reshape(-1)
+        if work.shape != (self.num_gpus,) or compute.shape != (self.num_gpus,):
+            raise KnapformerError(
+                f"SpeedHistory of {self.num_gpus} GPUs got {work.size} workloads and "
+                f"{compute.size} compute times"
+            )
+        valid = (work > 0) & np.isfinite(compute) & (compute > 0) & np.isfinite(work)
+        if valid.sum() < 2:
+            return
+        rate = np.full(self.num_gpus, np.nan)
+        rate[valid] = work[valid] / compute[valid]
+        self._recent.append(rate / np.median(rate[valid]))
+        self.observed += 1
+
+    def speeds(self) -> list[float] | None:
+        """Each GPU's speed (1 = the median GPU), or None while warming up or when every
+        GPU comes out nominal."""
+        if self.observed < max(self.warmup, 1):
+            return None
+        recent = np.stack(self._recent)
+        seen = ~np.isnan(recent).all(axis=0)
+        speed = np.ones(self.num_gpus)
+        speed[seen] = np.nanmedian(recent[:, seen], axis=0)
+        low, high = self.bounds
+        rounded = [min(max(float(f"{s:.2g}"), low), high) for s in speed]
+        return None if all(s == 1.0 for s in rounded) else rounded
+
+
+def step_work(plan: RoutingPlan) -> np.ndarray:
+    """(num_gpus,) the workload ``plan`` gives each GPU of ``plan.gpus`` (speed 1)."""
+    return np.asarray(plan.stats.work_after, dtype=np.float64)
+
+
+def recorded_speeds(
+    plans: Iterable[RoutingPlan], warmup: int = WARMUP_STEPS, window: int = WINDOW_STEPS
+) -> dict[int, list[float] | None]:
+    """The speeds the history cost model plans each recorded step with, recomputed from
+    the recording (every step recorded, with measured ``compute``): plan s uses the steps
+    up to s - `LAG_STEPS`, as `knapformer.balancer.SequenceBalancer` does."""
+    ordered = sorted((p for p in plans if p.step is not None), key=lambda p: p.step)
+    if not ordered:
+        return {}
+    history = SpeedHistory(len(ordered[0].gpus), warmup, window)
+    by_step = {p.step: p for p in ordered}
+    learnt_upto = -1
+    speeds: dict[int, list[float] | None] = {}
+    for plan in ordered:
+        while learnt_upto < plan.step - LAG_STEPS:
+            learnt_upto += 1
+            seen = by_step.get(learnt_upto)
+            compute = (
+                None
+                if seen is None or seen.measurements is None
+                else (seen.measurements.per_rank_ms.get("compute"))
+            )
+            if compute is not None:
+                history.observe(step_work(seen), compute)
+        speeds[plan.step] = history.speeds()
+    return speeds

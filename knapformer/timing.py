@@ -1,0 +1,259 @@
+"""`StepTimer`: one rank's milliseconds per phase of each training step, compute apart
+from waiting.
+
+A step runs from one ``plan_routing`` call to the next. Within it the balancer times
+every collective it owns (`knapformer.plan.COLLECTIVE_PHASES`: the length gather, the
+routing all-to-alls forward and backward, the Ulysses exchanges, the gradient
+all-reduce run through it) and a few host phases (``plan``, ``record``); a training loop
+adds its own with ``add``. When the step ends, ``step`` is its wall time and ``compute``
+is ``step`` minus the time inside the collectives: what this rank computed, without the
+time it waited for its peers (docs/concepts.md).
+
+Clocks: on the CPU ``time.perf_counter``. On CUDA the work is asynchronous, so
+collectives and step boundaries are CUDA events, read only once a later point of the
+stream is known to be done (`FinishedStep.values` then finds them complete); the host
+never waits for them on the hot path. Host phases (``plan``, ``record``, user phases)
+are host times on every device.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from knapformer.plan import COLLECTIVE_PHASES, RECORDED_PHASES, Measurements, RoutingPlan
+
+log = logging.getLogger(__name__)
+
+#: Phases derived when a step ends (never added by hand).
+DERIVED_PHASES = ("step", "compute")
+
+
+@dataclass
+class FinishedStep:
+    """The timings of one ended step. ``values()`` resolves its CUDA events (waiting for
+    them if the stream has not reached them yet, which callers arrange not to happen on
+    the training thread) and derives ``step`` and ``compute``; cached, thread-safe."""
+
+    step: int
+    host: dict[str, float]
+    events: list[tuple[str, Any, Any]]  # (phase, start event, end event)
+    started: float  # host clock at the step's start
+    ended: float | None  # host clock at the next step's start (None: the last step)
+    begin: Any = None  # CUDA event at the step's start
+    end: Any = None  # CUDA event at the next step's start
+    _values: dict[str, float] | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def values(self) -> dict[str, float]:
+        with self._lock:
+            if self._values is None:
+                self._values = self._resolve()
+            return self._values
+
+    def _resolve(self) -> dict[str, float]:
+        values = dict(self.host)
+        for phase, start, end in self.events:
+            end.synchronize()  # a no-op once the stream passed it
+            values[phase] = values.get(phase, 0.0) + start.elapsed_time(end)
+        if self.begin is not None and self.end is not None:
+            self.end.synchronize()
+            values["step"] = self.begin.elapsed_time(self.end)
+        elif self.begin is None and self.ended is not None:
+            values["step"] = (self.ended - self.started) * 1e3
+        if "step" in values:
+            waited = sum(values.get(p, 0.0) for p in COLLECTIVE_PHASES)
+            values["compute"] = max(values["step"] - waited, 0.0)
+        return values
+
+    def row(self, phases: Iterable[str]) -> list[float]:
+        """The values in ``phases`` order; NaN for a phase not measured."""
+        values = self.values()
+        return [float(values.get(p, math.nan)) for p in phases]
+
+
+@dataclass(frozen=True)
+class GatheredStep:
+    """Every rank's timings of one step, as gathered: ``table[i, j]`` is the ms of the
+    i-th GPU of the balance group in ``phases[j]`` (NaN: not measured there)."""
+
+    step: int
+    phases: tuple[str, ...]
+    table: np.ndarray  # (num_gpus, len(phases)) float64
+
+    def column(self, phase: str) -> np.ndarray:
+        """(num_gpus,) every GPU's ms in ``phase`` (NaN where not measured)."""
+        return self.table[:, self.phases.index(phase)]
+
+    def per_rank_ms(self) -> dict[str, list[float]]:
+        """What a plan stores (`Measurements.per_rank_ms`): a phase no GPU measured is left
+        out; where only some measured it, the others spent no time in it (e.g. Ulysses
+        re-sharding in a 1-GPU bag): 0."""
+        out: dict[str, list[float]] = {}
+        for j, phase in enumerate(self.phases):
+            values = self.table[:, j]
+            if not np.isnan(values).all():
+                out[phase] = np.where(np.isnan(values), 0.0, values).tolist()
+        return out
+
+    def attach(self, plan: RoutingPlan) -> None:
+        """Store the timings in ``plan.measurements.per_rank_ms`` (the plan of this step,
+        whose ``gpus`` are the balance group in the order of the table's rows)."""
+        if plan.measurements is None:
+            plan.measurements = Measurements()
+        plan.measurements.per_rank_ms.update(self.per_rank_ms())
+
+
+@dataclass
+class _OpenStep:
+    step: int
+    started: float
+    begin: Any
+    host: dict[str, float] = field(default_factory=dict)
+    events: list[tuple[str, Any, Any]] = field(default_factory=list)
+
+
+class StepTimer:
+    """Times the phases of the current step on one rank and keeps the ended steps until
+    they have been sent to the other ranks.
+
+    ``device``: where the work runs (CUDA events on a CUDA device, host clocks
+    otherwise). ``phases``: what travels to the other ranks, in row order
+    (`knapformer.plan.RECORDED_PHASES` and any extra names); a phase added with `add`
+    that is not among them is kept in `current` but not sent (one warning).
+    """
+
+    def __init__(self, device: torch.device, phases: Iterable[str] = ()) -> None:
+        self.cuda = device.type == "cuda"
+        self.phases: tuple[str, ...] = tuple(dict.fromkeys([*RECORDED_PHASES, *phases]))
+        self._open: _OpenStep | None = None
+        self._finished: dict[int, FinishedStep] = {}
+        self._last_finished: FinishedStep | None = None
+        self._closed_upto = -1  # the latest step that has ended
+        self._changed = threading.Condition()
+        self._warned: set[str] = set()
+
+    # ------------------------------------------------------------ the open step
+    def boundary(self) -> Any:
+        """A CUDA event recorded now on the current stream (None on the CPU)."""
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def open(self, step: int, started: float, begin: Any) -> None:
+        """Start timing ``step``, begun at host time ``started`` (CUDA event ``begin``)."""
+        self._open = _OpenStep(step, started, begin)
+
+    def close(self, now: float | None, end: Any = None) -> FinishedStep | None:
+        """End the open step (``now``: host time the next one starts; None when no step
+        follows, so the step has no wall time). Returns it; None when none was open."""
+        step, self._open = self._open, None
+        if step is None:
+            return None
+        done = FinishedStep(
+            step.step,
+            step.host,
+            step.events,
+            step.started,
+            now,
+            step.begin,
+            end if now is not None else None,
+        )
+        with self._changed:
+            self._finished[step.step] = done
+            self._last_finished = done
+            self._closed_upto = step.step
+            self._changed.notify_all()
+        return done
+
+    def add(self, phase: str, ms: float) -> None:
+        """Add ``ms`` to ``phase`` of the open step (ignored while no step is open)."""
+        if phase not in self.phases and phase not in self._warned:
+            self._warned.add(phase)
+            log.warning(
+                "timing phase %r is kept in balancer.timings but not gathered: pass "
+                "SequenceBalancer(..., phases=[%r]) to record it",
+                phase,
+                phase,
+            )
+        if self._open is not None:
+            host = self._open.host
+            host[phase] = host.get(phase, 0.0) + float(ms)
+
+    @contextmanager
+    def timed(self, phase: str) -> Iterator[None]:
+        """Time the block as ``phase`` of the open step: events on CUDA (read later),
+        ``perf_counter`` otherwise."""
+        if self.cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            if self._open is not None:
+                self._open.events.append((phase, start, end))  # atomic: backward threads
+        else:
+            began = time.perf_counter()
+            yield
+            self.add(phase, (time.perf_counter() - began) * 1e3)
+
+    def current(self) -> dict[str, float]:
+        """The open step's ms per phase so far (on CUDA this waits for its events)."""
+        step = self._open
+        if step is None:
+            return {}
+        values = dict(step.host)
+        for phase, start, end in list(step.events):
+            end.synchronize()
+            values[phase] = values.get(phase, 0.0) + start.elapsed_time(end)
+        return values
+
+    @property
+    def open_step(self) -> int | None:
+        return None if self._open is None else self._open.step
+
+    # --------------------------------------------------------- the ended steps
+    @property
+    def last_finished(self) -> FinishedStep | None:
+        return self._last_finished
+
+    @property
+    def closed_upto(self) -> int:
+        """The latest step that has ended (-1: none)."""
+        return self._closed_upto
+
+    def get(self, step: int) -> FinishedStep | None:
+        """Step ``step`` if it has ended (and was not forgotten), without waiting."""
+        with self._changed:
+            return self._finished.get(step)
+
+    def finished(self, step: int, stop: threading.Event | None = None) -> FinishedStep | None:
+        """Step ``step`` once it has ended, waiting for the training thread to end it
+        unless ``stop`` is set (see `notify`); None if it never ran or the wait stopped."""
+        with self._changed:
+            self._changed.wait_for(
+                lambda: self._closed_upto >= step or (stop is not None and stop.is_set())
+            )
+            return self._finished.get(step)
+
+    def forget_upto(self, step: int) -> None:
+        """Drop the ended steps up to ``step`` (their rows have been sent)."""
+        with self._changed:
+            for k in [k for k in self._finished if k <= step]:
+                del self._finished[k]
+
+    def notify(self) -> None:
+        """Make a thread blocked in `finished` look at its ``stop`` event again."""
+        with self._changed:
+            self._changed.notify_all()
