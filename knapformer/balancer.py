@@ -52,6 +52,7 @@ import torch.distributed as dist
 
 from knapformer.errors import KnapformerError
 from knapformer.history import COST_MODELS, LAG_STEPS, SpeedHistory, step_work
+from knapformer.limits import MAX_RANK_TOKENS, MAX_SEQUENCES, MAX_TOKEN_DIM
 from knapformer.plan import COLLECTIVE_PHASES, RoutingPlan
 from knapformer.plan_ahead import PlanAhead, Ticket
 from knapformer.planner import SOLVERS, plan_routing
@@ -67,16 +68,6 @@ from knapformer.router import (
 from knapformer.timing import DERIVED_PHASES, GatheredStep, StepTimer
 from knapformer.topology import Topology, as_topology
 from knapformer.workload import WorkloadModel
-
-#: Most tokens one rank may hold before routing (its ``local_seq_lens`` summed): 2**24 is
-#: ~100 GB of bf16 activations at d = 3072 for the input alone, beyond any GPU. Bigger
-#: figures are mistakes, and would fail some ranks (allocating routing tables) and not
-#: others; checked on the gathered lengths, so every rank refuses them alike.
-GPU_TOKEN_LIMIT = 2**24
-#: Most sequences one rank may pass in one step (every rank allocates the gathered table).
-GPU_SEQUENCE_LIMIT = 2**20
-#: Largest ``token_dim`` accepted (far beyond any model's hidden size; exact in the head).
-TOKEN_DIM_LIMIT = 2**24
 
 #: The checks each rank runs on its own arguments before the gather; a failure travels in
 #: the head (`GatherHead.problem`) so that every rank raises, not only this one.
@@ -342,7 +333,7 @@ class SequenceBalancer:
 
         Every check is collective: bad arguments on one rank (lengths, ``token_dim``,
         ``packed_seqs``), ranks disagreeing on ``token_dim``, or lengths beyond
-        `GPU_TOKEN_LIMIT` / `GPU_SEQUENCE_LIMIT` make every rank of the group raise
+        `MAX_RANK_TOKENS` / `MAX_SEQUENCES` make every rank of the group raise
         `KnapformerError` in this call, and none plans the step.
 
         Planning ahead, the plan `prefetch` made for these lengths is taken (made now if
@@ -591,7 +582,7 @@ class SequenceBalancer:
     def _refuse_heads(self, heads: list[GatherHead]) -> None:
         """Raise, on every rank alike, when ranks are in different calls, a peer's own
         check failed, the ranks disagree on ``token_dim``, or one passes more sequences
-        than `GPU_SEQUENCE_LIMIT`."""
+        than `MAX_SEQUENCES`."""
         calls: dict[int, list[int]] = {}
         for rank, h in zip(self.group_ranks, heads, strict=True):
             calls.setdefault(h.call, []).append(rank)
@@ -624,24 +615,24 @@ class SequenceBalancer:
                 "pass the same token_dim; no rank planned this step"
             )
         for rank, h in zip(self.group_ranks, heads, strict=True):
-            if h.count > GPU_SEQUENCE_LIMIT:
+            if h.count > MAX_SEQUENCES:
                 raise KnapformerError(
-                    f"rank {rank} passed {h.count} sequences, more than GPU_SEQUENCE_LIMIT "
-                    f"({GPU_SEQUENCE_LIMIT}) per rank and step; no rank planned this step"
+                    f"rank {rank} passed {h.count} sequences, more than MAX_SEQUENCES "
+                    f"({MAX_SEQUENCES}) per rank and step; no rank planned this step"
                 )
 
     def _refuse_lengths(self, per_gpu: list[np.ndarray]) -> None:
-        """Raise, on every rank alike, when a rank holds more than `GPU_TOKEN_LIMIT`
+        """Raise, on every rank alike, when a rank holds more than `MAX_RANK_TOKENS`
         tokens (or one sequence longer than that)."""
         for rank, lengths in zip(self.group_ranks, per_gpu, strict=True):
             longest = int(lengths.max()) if lengths.size else 0
             # Each length is checked first, so the sum cannot overflow int64.
-            total = longest if longest > GPU_TOKEN_LIMIT else int(lengths.sum())
-            if total > GPU_TOKEN_LIMIT:
+            total = longest if longest > MAX_RANK_TOKENS else int(lengths.sum())
+            if total > MAX_RANK_TOKENS:
                 raise KnapformerError(
                     f"rank {rank} passed local_seq_lens of {total} tokens"
                     f"{' in one sequence' if total == longest and lengths.size > 1 else ''}, "
-                    f"more than GPU_TOKEN_LIMIT ({GPU_TOKEN_LIMIT}) per rank; no rank "
+                    f"more than MAX_RANK_TOKENS ({MAX_RANK_TOKENS}) per rank; no rank "
                     "planned this step"
                 )
 
@@ -882,7 +873,7 @@ def _as_user_error(err: Exception, name: str) -> KnapformerError:
 
 
 def _as_token_dim(token_dim: Any) -> int:
-    """``token_dim`` as an int in 1..TOKEN_DIM_LIMIT (a whole float is accepted)."""
+    """``token_dim`` as an int in 1..MAX_TOKEN_DIM (a whole float is accepted)."""
     try:
         dim = operator.index(token_dim)
     except TypeError:
@@ -891,9 +882,9 @@ def _as_token_dim(token_dim: Any) -> int:
                 f"token_dim must be a positive integer (the model's hidden size), got {token_dim!r}"
             ) from None
         dim = int(token_dim)
-    if not 0 < dim <= TOKEN_DIM_LIMIT:
+    if not 0 < dim <= MAX_TOKEN_DIM:
         raise KnapformerError(
-            f"token_dim must be a positive integer up to {TOKEN_DIM_LIMIT}, got {dim}"
+            f"token_dim must be a positive integer up to {MAX_TOKEN_DIM}, got {dim}"
         )
     return dim
 

@@ -20,6 +20,10 @@ MAX_GPUS = 16_384
 MAX_RANK = 2**31 - 1
 #: Sequences of one plan or one step: ~35× the 30,000 of a 1,024-GPU step.
 MAX_SEQUENCES = 2**20
+#: Tokens one rank may hold before routing (its ``local_seq_lens`` summed): ~100 GB of
+#: bf16 activations at d = 3,072 for the input alone, beyond any GPU. The balancer checks
+#: it on the gathered lengths, so every rank refuses a bigger figure alike.
+MAX_RANK_TOKENS = 2**24
 #: Chunks of one plan (a sequence in a bag of g GPUs has at most g chunks).
 MAX_CHUNKS = 2**22
 #: Tokens of one sequence (a billion: activations of d = 3,072 in bf16 would be 6.6 TB).
