@@ -30,6 +30,8 @@ Options of console markers (``key=value``, shell quoting):
 
 - ``columns=N``: the terminal width the commands see (default 120);
 - ``exit=N``: exit status the last command must end with (default 0; the others 0);
+  ``exit=any`` takes whatever it ends with (a benchmark that exits 1 when it misses a
+  target still has its table written);
 - ``mask-columns="a, b"``: table columns holding timings, ignored when comparing;
 - ``mask=REGEX``: more text ignored when comparing;
 - ``stop-after=REGEX``: the command is a server: it gets Ctrl-C (SIGINT) once a line
@@ -121,8 +123,10 @@ class Block:
         return int(self.options.get("columns", DEFAULT_COLUMNS))
 
     @property
-    def expected_exit(self) -> int:
-        return int(self.options.get("exit", 0))
+    def expected_exit(self) -> int | None:
+        """The exit status the last command must end with; None: any (``exit=any``)."""
+        value = self.options.get("exit", "0")
+        return None if value == "any" else int(value)
 
     @property
     def timeout_s(self) -> float:
@@ -297,7 +301,7 @@ def run_block(block: Block, log=None) -> str:
         else:
             output, status = _run(command, block)
             expected = block.expected_exit if k == len(block.commands) - 1 else 0
-            if status != expected:
+            if expected is not None and status != expected:
                 raise DocsError(
                     f"{block.where}: `{command}` exited with {status}, expected {expected}; "
                     f"it printed:\n{output}"

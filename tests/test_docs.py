@@ -161,6 +161,12 @@ def test_unexpected_exit_status_stops_the_generator(tmp_path):
     page = _page(tmp_path, _console(["echo refused; exit 1"], options="exit=1"))
     make_docs.update([page], bench=False)
     assert "$ echo refused; exit 1\nrefused" in page.read_text(encoding="utf-8")
+    with pytest.raises(make_docs.DocsError, match="exited with 0, expected 1"):
+        make_docs.update([_page(tmp_path, _console(["true"], options="exit=1"))], bench=False)
+    for status in (0, 1):  # a benchmark that may miss a target: any status is taken
+        page = _page(tmp_path, _console([f"echo table; exit {status}"], options="exit=any"))
+        make_docs.update([page], bench=False)
+        assert f"$ echo table; exit {status}\ntable" in page.read_text(encoding="utf-8")
 
 
 def test_commands_see_a_fixed_environment(tmp_path, monkeypatch):
