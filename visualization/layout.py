@@ -10,10 +10,11 @@ GPU's sequences as blocks), the before load bars, the "after" region (chunks at 
 destination GPU), the after load bars. Rows go bag by bag so a bracket spans contiguous rows.
 
 Labels stay legible at any GPU count: GPU and bag labels never shrink below
-`MIN_LABEL_FONT` (text about 13 px tall at the default 1280x720), and are thinned instead
-by one rule: every k-th GPU row is labelled, k the smallest number that keeps labels
-`MIN_LABEL_GAP` apart (all GPUs up to ~30 GPUs, every 2nd at 32-60, every 3rd at 64,
-...); a bag is labelled when its label fits below the previous one. The footer states k.
+`MIN_LABEL_FONT` (at least `MIN_TEXT_PX`, 12 px, tall at the default 1280x720), and are
+thinned instead by one rule: every k-th GPU row is labelled, k the smallest number that
+keeps labels `MIN_LABEL_GAP` apart (all GPUs up to ~30 GPUs, every 2nd at 32-60, every
+3rd at 64, ...); a bag is labelled when its label fits below the previous one. The
+footer states k.
 """
 
 from __future__ import annotations
@@ -64,9 +65,13 @@ STAYING_OPACITY = 0.42  # staying chunks are drawn faded and without outline
 BAG_GAP = 0.45  # gap between bags, in row heights
 MAX_ROW_HEIGHT = 0.55
 MAX_GPU_LABELS = 32
-# Label text: manim font size -> cap height in scene units (DejaVu Sans, measured).
+# Label text: manim font size -> cap height in scene units (DejaVu Sans, measured); at
+# 720p a scene unit is 90 px, so a font size of 1 gives capitals of 0.95 px.
 CAP_HEIGHT_PER_FONT_SIZE = 0.0105
-MIN_LABEL_FONT = 14.0  # caps of 0.147 units: 13 px at 720p (the default), 9 px at 480p
+#: Every text of the animation is at least this tall (px) at the default quality
+#: (1280x720): the smallest font, 13 (the footer), has capitals of 12.3 px there.
+MIN_TEXT_PX = 12
+MIN_LABEL_FONT = 14.0  # caps of 0.147 units: 13.2 px at 720p (the default), 8.8 px at 480p
 MAX_LABEL_FONT = 16.0
 MIN_LABEL_GAP = 0.19  # scene units between the centres of two one-line labels
 LABEL_LINE_SPACING = 1.2  # lines of a two-line label, in `MIN_LABEL_GAP`s

@@ -20,11 +20,12 @@ from visualization.output import check_output_file
 
 QUALITIES = {
     "low": "low_quality",  # 854x480, 15 fps
-    "medium": "medium_quality",  # 1280x720, 30 fps: the default, labels >= 12 px tall
+    "medium": "medium_quality",  # 1280x720, 30 fps: the default
     "high": "high_quality",  # 1920x1080, 60 fps
     "4k": "fourk_quality",  # 3840x2160, 60 fps
 }
-#: The quality at which every text of the animation is at least 12 px tall.
+#: The quality at which every text of the animation is at least
+#: `visualization.layout.MIN_TEXT_PX` tall.
 DEFAULT_QUALITY = "medium"
 
 

@@ -59,7 +59,7 @@ CALLS_PER_STEP = 5  # play/wait calls per step (progress reporting)
 FONT = "DejaVu Sans"
 LABEL_COLOR = "#ced4da"
 # Font sizes of the texts other than the GPU / bag labels (`SceneLayout.label_font`): all
-# at least 12 px tall at the default 1280x720 (cap height ~0.95 px per unit of size).
+# at least `MIN_TEXT_PX` tall at the default 1280x720 (`CAP_HEIGHT_PER_FONT_SIZE`).
 TITLE_FONT, HEADER_FONT, STATS_FONT, FOOTER_FONT = 20, 15, 14, 13
 
 

@@ -14,11 +14,12 @@ import typer
 from knapformer.cli.errors import UserError
 from knapformer.cli.extras import require
 from knapformer.cli.plans import PLAN_ARGUMENT, read_plan_file
+from visualization.layout import MIN_TEXT_PX
 from visualization.render import DEFAULT_QUALITY  # no manim import: that waits for a render
 
 QUALITY_HELP = (
-    "low (854x480, 15 fps), medium (1280x720, 30 fps; labels at least 12 px tall), "
-    "high (1080p60) or 4k"
+    f"low (854x480, 15 fps), medium (1280x720, 30 fps; labels at least {MIN_TEXT_PX} px "
+    "tall), high (1080p60) or 4k"
 )
 
 
