@@ -34,21 +34,12 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from dashboard_server import (  # noqa: E402
-    PeakRss,
-    free_port,
-    print_log_tail,
-    start_server,
-    status,
-    stop_server,
-    wait_until,
-)
+from dashboard_server import PeakRss, served_page, status, wait_until  # noqa: E402
 
 from knapformer.plan_io import read_plans  # noqa: E402
 from knapformer.planner import plan_routing  # noqa: E402
 from knapformer.tools.datamix import parse_mix, sample_lengths  # noqa: E402
 from knapformer.workload import WorkloadModel  # noqa: E402
-from visualization.browser import launch_chromium  # noqa: E402
 
 TOPOLOGY = "g1n8+g2n4+g4n2+g8n1"
 # 16*8 + 8*8 + 8*8 = 256 sequences on 32 GPUs, resolutions 256..1024 px.
@@ -76,20 +67,11 @@ def make_file(path: Path, steps: int, distinct: int) -> list:
 
 
 def bench_dashboard(path: Path, plans: list, steps: int, updates: int) -> dict:
-    from playwright.sync_api import sync_playwright
-
-    port = free_port()
-    url = f"http://127.0.0.1:{port}/"
     out: dict = {}
-    with sync_playwright() as pw:
-        browser = launch_chromium(pw)
-        page = browser.new_page(viewport={"width": 1400, "height": 1600})
-        started = time.perf_counter()
-        server, log = start_server(path, port, path.parent / "server.log")
-        rss = PeakRss(server.pid)
+    with served_page(path) as served:
+        page, url, started = served.page, served.url, served.started
+        out["ready_s"] = served.ready_s
         try:
-            wait_until(lambda: status(url) is not None, 60, "server start")
-            out["ready_s"] = time.perf_counter() - started
             page.goto(url)
             page.wait_for_function(RENDERED, timeout=60_000)
             out["first_page_s"] = time.perf_counter() - started
@@ -148,12 +130,8 @@ def bench_dashboard(path: Path, plans: list, steps: int, updates: int) -> dict:
                 ),
                 file=sys.stderr,
             )
-            print_log_tail(log)
             raise
-        finally:
-            out["rss_mib"] = rss.stop() / 2**20
-            stop_server(server, log)
-            browser.close()
+    out["rss_mib"] = served.rss_mib
     return out
 
 

@@ -1,23 +1,36 @@
-"""What the dashboard benches share: a dashboard server in its own process, its status,
-its peak memory, and waiting for the page."""
+"""What the dashboard benches share: a dashboard server in its own process with a headless
+Chromium page to measure it (`served_page`), its status, its peak memory, and waiting."""
 
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(1, str(ROOT / "tests"))  # the polling of the browser tests
+
+from polling import wait_until  # noqa: E402
+
+from visualization.browser import launch_chromium  # noqa: E402
+
+__all__ = ["PeakRss", "ServedPage", "served_page", "status", "wait_until"]
 
 
-def free_port() -> int:
+def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -52,33 +65,18 @@ class PeakRss:
         return self.peak
 
 
-def wait_until(check, timeout: float, what: str) -> float:
-    start = time.perf_counter()
-    while True:
-        try:
-            if check():
-                return time.perf_counter() - start
-        except Exception:
-            pass
-        if time.perf_counter() - start > timeout:
-            raise TimeoutError(f"{what} did not happen within {timeout} s")
-        time.sleep(0.02)
-
-
-def start_server(path: Path, port: int, log_path: Path) -> tuple[subprocess.Popen, object]:
+def _start_server(path: Path, port: int, log_path: Path) -> tuple[subprocess.Popen, object]:
     """``knapformer dashboard PATH`` (its `serve`) in its own process; the process and the
     open log file it writes to (a file, not a pipe that fills)."""
     code = f"from dashboard.server import serve; serve({str(path)!r}, '127.0.0.1', {port})"
-    log = open(log_path, "w+")  # noqa: SIM115 — closed by stop_server
+    log = open(log_path, "w+")  # noqa: SIM115 — closed by _stop_server
     server = subprocess.Popen(
         [sys.executable, "-c", code], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT
     )
     return server, log
 
 
-def stop_server(server: subprocess.Popen, log) -> None:
-    import signal
-
+def _stop_server(server: subprocess.Popen, log) -> None:
     server.send_signal(signal.SIGINT)
     try:
         server.wait(timeout=20)
@@ -88,6 +86,49 @@ def stop_server(server: subprocess.Popen, log) -> None:
     log.close()
 
 
-def print_log_tail(log, lines: int = 30) -> None:
+def _print_log_tail(log, lines: int = 30) -> None:
     log.seek(0)
     print("server log (last lines):\n" + "".join(log.readlines()[-lines:]), file=sys.stderr)
+
+
+@dataclass
+class ServedPage:
+    """A dashboard server in its own process and a Chromium page to open it in."""
+
+    page: Any  # playwright's Page, not yet on ``url``
+    url: str
+    started: float  # perf_counter when the server process was started
+    ready_s: float  # from then until the server answered /api/status
+    rss_mib: float = 0.0  # the server's peak RSS, known once the session has ended
+
+
+@contextmanager
+def served_page(path: Path) -> Iterator[ServedPage]:
+    """``knapformer dashboard PATH`` on a free port (log in PATH's folder) and a headless
+    Chromium page of 1400 x 1600 px, yielded once the server answers. On the way out the
+    server's peak RSS goes to ``rss_mib``, the server is stopped and Chromium closed; on
+    an error the server log's last lines are printed first."""
+    from playwright.sync_api import sync_playwright
+
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}/"
+    with sync_playwright() as pw:
+        browser = launch_chromium(pw)
+        page = browser.new_page(viewport={"width": 1400, "height": 1600})
+        started = time.perf_counter()
+        server, log = _start_server(path, port, path.parent / "server.log")
+        rss = PeakRss(server.pid)
+        served = None
+        try:
+            wait_until(lambda: status(url) is not None, 60, "server start")
+            served = ServedPage(page, url, started, time.perf_counter() - started)
+            yield served
+        except Exception:
+            _print_log_tail(log)
+            raise
+        finally:
+            peak = rss.stop() / 2**20
+            if served is not None:
+                served.rss_mib = peak
+            _stop_server(server, log)
+            browser.close()

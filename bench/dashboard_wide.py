@@ -37,22 +37,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(1, str(ROOT / "tests"))  # the measurement synthesiser of the tests
 
-from dashboard_server import (  # noqa: E402
-    PeakRss,
-    free_port,
-    print_log_tail,
-    start_server,
-    status,
-    stop_server,
-    wait_until,
-)
+from dashboard_server import served_page, status, wait_until  # noqa: E402
 from measured_plans import with_measurements  # noqa: E402
 
 from knapformer.plan_io import parse_plan_line  # noqa: E402
 from knapformer.planner import plan_routing  # noqa: E402
 from knapformer.tools.datamix import parse_mix, sample_lengths  # noqa: E402
 from knapformer.workload import WorkloadModel  # noqa: E402
-from visualization.browser import launch_chromium  # noqa: E402
 
 RUNS = {
     # name: (topology, data mix)
@@ -112,19 +103,10 @@ def _every_view_shows(page, step: int) -> bool:
 
 
 def bench_run(path: Path, steps: int, switches: int) -> dict:
-    from playwright.sync_api import sync_playwright
-
-    port = free_port()
-    url = f"http://127.0.0.1:{port}/"
     out: dict = {}
-    with sync_playwright() as pw:
-        browser = launch_chromium(pw)
-        page = browser.new_page(viewport={"width": 1400, "height": 1600})
-        started = time.perf_counter()
-        server, log = start_server(path, port, path.parent / "server.log")
-        rss = PeakRss(server.pid)
+    with served_page(path) as served:
+        page, url, started = served.page, served.url, served.started
         try:
-            wait_until(lambda: status(url) is not None, 60, "server start")
             page.goto(url)
             page.wait_for_function(
                 f"() => document.querySelectorAll('{BARS} .barlayer .point').length > 0",
@@ -161,12 +143,8 @@ def bench_run(path: Path, steps: int, switches: int) -> dict:
             out["switch_server_ms"] = statistics.median(server_ms)
         except Exception:
             print("page shows:", page.inner_text("#step-label"), file=sys.stderr)
-            print_log_tail(log)
             raise
-        finally:
-            out["rss_mib"] = rss.stop() / 2**20
-            stop_server(server, log)
-            browser.close()
+    out["rss_mib"] = served.rss_mib
     return out
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from measured_plans import measured_run
+from polling import wait_until
 
 from knapformer.plan_io import parse_plan_line, write_jsonl
 from knapformer.planner import plan_routing
@@ -124,17 +125,8 @@ def _bag_groups(page) -> list[str]:
 
 
 def _wait_for(check, timeout=LIVE_WITHIN_S):
-    """Poll ``check()`` until it is truthy; return seconds taken (fails after timeout)."""
-    start = time.monotonic()
-    while True:
-        try:
-            if check():
-                return time.monotonic() - start
-        except Exception:
-            pass  # the page may be mid-update; try again
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"condition not met within {timeout} s: {check.__doc__}")
-        time.sleep(0.1)
+    """Poll ``check()`` (named by its docstring) until it is truthy; seconds taken."""
+    return wait_until(check, timeout, interval=0.1)
 
 
 def test_page_shows_one_bar_group_per_bag(page, lines50):
@@ -229,7 +221,7 @@ def test_clicking_the_timeline_selects_that_step(page):
         try:
             _wait_for(at_step3, timeout=LIVE_WITHIN_S if attempt else 2.5)
             break
-        except AssertionError:
+        except TimeoutError:
             if attempt:
                 raise
     assert page.inner_text("#step-label").startswith("step 3 ·")
