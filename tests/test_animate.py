@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import av
 import numpy as np
 import pytest
+from processes import CLI
 
 from knapformer.cli import main
 from knapformer.plan_io import read_plans, write_json, write_jsonl
@@ -19,8 +19,7 @@ from visualization import palette
 from visualization.layout import BACKGROUND, layout_plan, to_pixels
 from visualization.scene import STEP_SECONDS, video_duration
 
-KNAPFORMER = [sys.executable, "-c", "import sys; from knapformer.cli import main; sys.exit(main())"]
-ANIMATE = [*KNAPFORMER, "animate"]
+ANIMATE = [*CLI, "animate"]
 
 
 def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:

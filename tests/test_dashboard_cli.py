@@ -6,14 +6,12 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import urllib.request
 
 import pytest
+from processes import CLI
 
 from knapformer.cli import main
-
-CLI = [sys.executable, "-c", "from knapformer.cli import main; raise SystemExit(main())"]
 
 
 def _start(*args: str) -> subprocess.Popen:

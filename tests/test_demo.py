@@ -15,6 +15,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from processes import running, survivors
 
 from knapformer.cli import main
 from knapformer.local.demo import (
@@ -196,28 +197,29 @@ def test_six_workers_get_a_default_topology_that_balances(tmp_path):
         assert plan.stats.imbalance_after < 0.8 * plan.stats.imbalance_before
 
 
+def _endless_demo(*options: str) -> list:
+    """``knapformer demo`` of two workers in one 2-GPU bag that runs until stopped."""
+    return [BIN / "knapformer", "demo", "--steps", "0", "--world-size", "2", "--topology", "g2n1",
+            *options]  # fmt: skip
+
+
+def _until_first_step(proc: subprocess.Popen) -> list[str]:
+    """The demo's stdout lines up to its first step line (or its end; 180 s at most)."""
+    seen = []
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        seen.append(proc.stdout.readline())
+        if STEP_LINE.search(seen[-1]) or not seen[-1]:
+            break
+    return seen
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("options", [[], ["--plan-ahead", "--cost-model", "history"]])
 def test_ctrl_c_stops_workers_and_dashboard_leaving_nothing_running(tmp_path, options):
     out = tmp_path / "demo"
-    proc = subprocess.Popen(
-        [
-            *(BIN / "knapformer", "demo", "--steps", "0", "--world-size", "2", "--port", "0"),
-            *("--topology", "g2n1", "--out", str(out), *options),
-        ],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        seen = []
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            seen.append(line)
-            if STEP_LINE.search(line) or not line:
-                break
+    with running(_endless_demo("--port", "0", "--out", str(out), *options)) as proc:
+        seen = _until_first_step(proc)
         assert any("dashboard: http://127.0.0.1:" in s for s in seen), "".join(seen)
         assert STEP_LINE.search(seen[-1]), "".join(seen) + proc.stderr.read()
         parent = psutil.Process(proc.pid)
@@ -225,13 +227,10 @@ def test_ctrl_c_stops_workers_and_dashboard_leaving_nothing_running(tmp_path, op
         assert len(children) >= 3  # the fork server and two workers
         proc.send_signal(signal.SIGINT)
         _, stderr = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     assert proc.returncode == 130, stderr
     assert "workers stopped" in stderr and stderr.rstrip().endswith("interrupted"), stderr
     assert "Traceback" not in stderr
-    _, alive = psutil.wait_procs(children, timeout=15)
+    alive = survivors(children)
     assert alive == [], [(p.pid, p.name()) for p in alive]
     # The workers stopped together after a whole step and flushed the recorder: valid
     # lines only, and even the last plan carries both ranks' measured times.
@@ -243,23 +242,8 @@ def test_ctrl_c_stops_workers_and_dashboard_leaving_nothing_running(tmp_path, op
 
 @pytest.mark.slow
 def test_a_killed_worker_is_named_once_without_tracebacks(tmp_path):
-    proc = subprocess.Popen(
-        [
-            *(BIN / "knapformer", "demo", "--steps", "0", "--world-size", "2"),
-            *("--topology", "g2n1", "--no-dashboard", "--out", str(tmp_path / "demo")),
-        ],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        seen = []
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            seen.append(proc.stdout.readline())
-            if STEP_LINE.search(seen[-1]) or not seen[-1]:
-                break
+    with running(_endless_demo("--no-dashboard", "--out", str(tmp_path / "demo"))) as proc:
+        seen = _until_first_step(proc)
         assert STEP_LINE.search(seen[-1]), "".join(seen) + proc.stderr.read()
         # The workers are the fork server's children, started in rank order.
         workers = [
@@ -268,9 +252,6 @@ def test_a_killed_worker_is_named_once_without_tracebacks(tmp_path):
         rank1 = max(workers, key=lambda p: (p.create_time(), p.pid))
         rank1.send_signal(signal.SIGKILL)
         stdout, stderr = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     assert proc.returncode == 1, stderr
     # Rank 0 fails in its next collective because rank 1 is gone: only rank 1 is named.
     assert stderr.strip() == "error: worker rank 1 died (SIGKILL)", stderr

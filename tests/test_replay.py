@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from processes import CLI, running, survivors
 
 import knapformer
 from knapformer.plan_io import read_plans, write_json
@@ -24,10 +24,7 @@ MIX8 = (
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    code = "import sys; from knapformer.cli import main; sys.exit(main(sys.argv[1:]))"
-    return subprocess.run(
-        [sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=ROOT, timeout=300
-    )
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, cwd=ROOT, timeout=300)
 
 
 def fresh_plan(path: Path, gpus: list[int] | None = None) -> dict:
@@ -81,15 +78,21 @@ def test_plans_with_speeds_and_a_time_scale_replay(tmp_path):
     assert proc.returncode == 1 and "verdict: MISMATCH" in proc.stdout
 
 
+def swap_first_split_chunks(record: dict) -> int:
+    """Swap the GPUs of the first two chunks of a sequence in the 4-GPU bag of a plan
+    record: still a valid plan, but not what the planner makes. Returns the first chunk."""
+    c = record["chunks"]
+    first = next(i for i in range(len(c["seq"]) - 1)
+                 if c["seq"][i] == c["seq"][i + 1] and c["dst_gpu"][i] >= 4)  # fmt: skip
+    c["dst_gpu"][first], c["dst_gpu"][first + 1] = c["dst_gpu"][first + 1], c["dst_gpu"][first]
+    return first
+
+
 def test_wrong_destination_is_named(tmp_path):
     path = tmp_path / "plan.json"
     record = fresh_plan(path)
     c = record["chunks"]
-    # Swap the GPUs of the first two chunks of a sequence in the 4-GPU bag: still a valid
-    # plan, but not what the planner makes.
-    first = next(i for i in range(len(c["seq"]) - 1)
-                 if c["seq"][i] == c["seq"][i + 1] and c["dst_gpu"][i] >= 4)  # fmt: skip
-    c["dst_gpu"][first], c["dst_gpu"][first + 1] = c["dst_gpu"][first + 1], c["dst_gpu"][first]
+    first = swap_first_split_chunks(record)
     path.write_text(json.dumps(record))
     assert not read_plans(path).problems  # valid: only replay can tell
     proc = run_cli("replay", str(path))
@@ -101,10 +104,7 @@ def test_wrong_destination_is_named(tmp_path):
 def test_a_different_planner_is_named_when_plans_differ(tmp_path):
     path = tmp_path / "plan.json"
     record = fresh_plan(path)
-    c = record["chunks"]
-    first = next(i for i in range(len(c["seq"]) - 1)
-                 if c["seq"][i] == c["seq"][i + 1] and c["dst_gpu"][i] >= 4)  # fmt: skip
-    c["dst_gpu"][first], c["dst_gpu"][first + 1] = c["dst_gpu"][first + 1], c["dst_gpu"][first]
+    swap_first_split_chunks(record)
     record["planner_version"] = "0.0.1"
     path.write_text(json.dumps(record))
     proc = run_cli("replay", str(path))
@@ -201,16 +201,9 @@ def test_ctrl_c_during_replay_says_interrupted_and_stops_every_worker():
 
     import psutil
 
-    code = "import sys; from knapformer.cli import main; sys.exit(main(sys.argv[1:]))"
-    proc = subprocess.Popen(
-        [sys.executable, "-c", code, "replay", "sample_plans/joint32_g8n4.json"],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # its own process group, as a terminal's foreground job
-    )
-    try:
+    replay = [*CLI, "replay", "sample_plans/joint32_g8n4.json"]
+    # Its own process group, as a terminal's foreground job.
+    with running(replay, start_new_session=True) as proc:
         first = proc.stdout.readline()  # announced: the 32 workers are starting
         assert first.startswith("replaying"), first + proc.stderr.read()
         parent = psutil.Process(proc.pid)
@@ -220,12 +213,9 @@ def test_ctrl_c_during_replay_says_interrupted_and_stops_every_worker():
         children = parent.children(recursive=True)
         os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C reaches the whole group: workers too
         out, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     assert proc.returncode == 130, err
     assert err.strip() == "interrupted", err
     assert "verdict" not in out
     # The workers, the fork server and the resource tracker: none outlives the command.
-    _, alive = psutil.wait_procs(children, timeout=15)
+    alive = survivors(children)
     assert alive == [], [(p.pid, p.name()) for p in alive]
