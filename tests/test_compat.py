@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import inspect
 import json
-import logging
 import re
 
 import numpy as np
 import pytest
 import torch
 from dist_helpers import run_world
+from log_lines import LogLines, capture
 
 from knapformer.compat import ORIGINAL_GAMMA, SequenceBalancer, workload_estimator
 from knapformer.legacy import LEGACY_KEYS
@@ -35,15 +35,6 @@ def _lengths(step: int) -> list[list[int]]:
     return out
 
 
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 def _attribute_error(fn) -> str:
     try:
         fn()
@@ -52,14 +43,14 @@ def _attribute_error(fn) -> str:
     return "no error"
 
 
-def _step(bal: SequenceBalancer, rank: int, step: int, as_tensor: bool, lines: _Lines) -> dict:
+def _step(bal: SequenceBalancer, rank: int, step: int, as_tensor: bool, lines: LogLines) -> dict:
     lens = _lengths(step)[rank]
     given = torch.tensor(lens) if as_tensor else lens  # int64, as the original's test gives
     plan = bal.plan_routing(given, TOKEN_DIM)
     printed = bal.print_imbalance()
-    logged, lines.lines = lines.lines, []
+    logged = lines.take()
     bal.nice_print()
-    fields, lines.lines = lines.lines, []
+    fields = lines.take()
 
     x = torch.randn(sum(lens), TOKEN_DIM, dtype=torch.float64)
     pos = torch.arange(sum(lens), dtype=torch.int64)
@@ -90,9 +81,7 @@ def _step(bal: SequenceBalancer, rank: int, step: int, as_tensor: bool, lines: _
 
 
 def _worker(rank: int, world: int) -> dict:
-    lines = _Lines()
-    logging.getLogger("knapformer.compat").addHandler(lines)
-    logging.getLogger("knapformer.compat").setLevel(logging.INFO)
+    lines = capture("knapformer.compat")
     bal = SequenceBalancer(TOPOLOGY)
     before = {
         "attribute": _attribute_error(lambda: bal.gpu_id2seq_lens),

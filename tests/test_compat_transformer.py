@@ -17,13 +17,12 @@ outputs equal to its inputs and its gradients near 1e-8, below any tolerance.
 
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 from dist_helpers import run_world
+from log_lines import capture
 from varlen_transformer import TransformerBlock, rope_cossin
 
 from knapformer.compat import SequenceBalancer  # was: from knapformer import SequenceBalancer
@@ -77,24 +76,13 @@ def create_sequences(
     return seq_lens, packed_seqs, packed_features
 
 
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 def check_route_and_reverse_route(sequence_balancer, seq_lens, packed_seqs, packed_features):
     this_gpu_id = dist.get_rank()
     this_gpu_seq_lens = seq_lens[this_gpu_id]
     this_gpu_packed_seqs = packed_seqs[this_gpu_id]
     this_gpu_packed_features = packed_features[this_gpu_id]
 
-    lines = _Lines()
-    logging.getLogger("knapformer.compat").addHandler(lines)
-    logging.getLogger("knapformer.compat").setLevel(logging.INFO)
+    lines = capture("knapformer.compat")
     sequence_balancer.plan_routing(this_gpu_seq_lens, this_gpu_packed_seqs.shape[-1])
     sequence_balancer.print_imbalance()
 
