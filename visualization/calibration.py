@@ -50,14 +50,7 @@ def calibration_figure(cal: Calibration, title: str | None = None) -> go.Figure:
     )
     if cal.unusable_reason is not None:
         heading += " — NOT USABLE"
-    fig.update_layout(
-        title=heading if title is None else f"{title} — {heading}",
-        xaxis={"title": "predicted (ms)", "type": "log"},
-        yaxis={"title": "measured (ms)", "type": "log"},
-        template="plotly_white",
-        margin={"l": 60, "r": 20, "t": 60, "b": 50},
-    )
-    return fig
+    return _log_log(fig, heading, title, "predicted (ms)", "measured (ms)")
 
 
 def length_fit_figure(
@@ -94,10 +87,16 @@ def length_fit_figure(
         f"d = {model.token_dim}: γ = {model.gamma:.3g}, scale = {model.scale:.4g} ms per "
         "workload unit"
     )
+    return _log_log(fig, heading, title, "sequence length (tokens)", "ms per sequence")
+
+
+def _log_log(fig: go.Figure, heading: str, title: str | None, x: str, y: str) -> go.Figure:
+    """``fig`` with log axes titled ``x`` and ``y``, and ``heading`` (the fit's figures)
+    after the caller's ``title``, if any."""
     fig.update_layout(
         title=heading if title is None else f"{title} — {heading}",
-        xaxis={"title": "sequence length (tokens)", "type": "log"},
-        yaxis={"title": "ms per sequence", "type": "log"},
+        xaxis={"title": x, "type": "log"},
+        yaxis={"title": y, "type": "log"},
         template="plotly_white",
         margin={"l": 60, "r": 20, "t": 60, "b": 50},
     )
