@@ -1,5 +1,7 @@
-"""What the dashboard benches share: a dashboard server in its own process with a headless
-Chromium page to measure it (`served_page`), its status, its peak memory, and waiting."""
+"""What the dashboard benches share: a dashboard server in its own process, its status,
+its peak memory, and waiting for the page.
+
+`served_page` starts the server with a headless Chromium page to measure it in."""
 
 from __future__ import annotations
 

@@ -314,8 +314,9 @@ def run_block(block: Block, log=None) -> str:
     return "\n".join(parts)
 
 
-def _run(command: str, block: Block) -> tuple[str, int]:
-    proc = subprocess.Popen(
+def _start(command: str, block: Block) -> subprocess.Popen:
+    """``command`` in bash, in the tree, in `command_env`, stdout and stderr as one stream."""
+    return subprocess.Popen(
         ["bash", "-c", command],
         cwd=ROOT,
         env=command_env(block.columns),
@@ -325,6 +326,10 @@ def _run(command: str, block: Block) -> tuple[str, int]:
         start_new_session=True,  # so a timeout can stop every process the command started
         preexec_fn=_default_ctrl_c,
     )
+
+
+def _run(command: str, block: Block) -> tuple[str, int]:
+    proc = _start(command, block)
     try:
         out, _ = proc.communicate(timeout=block.timeout_s)
     except subprocess.TimeoutExpired:
@@ -336,16 +341,7 @@ def _run(command: str, block: Block) -> tuple[str, int]:
 def _run_server(command: str, block: Block) -> str:
     """Run until a line matches stop-after, then Ctrl-C; the output up to that line."""
     pattern = re.compile(block.options["stop-after"])
-    proc = subprocess.Popen(
-        ["bash", "-c", command],
-        cwd=ROOT,
-        env=command_env(block.columns),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        preexec_fn=_default_ctrl_c,
-    )
+    proc = _start(command, block)
     lines: queue.Queue[str | None] = queue.Queue()
 
     def read() -> None:
