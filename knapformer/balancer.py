@@ -265,9 +265,6 @@ class SequenceBalancer:
         self._next_step = 0
         self._sent_upto = -1  # the latest step whose measurements were gathered
         self._history = SpeedHistory(n) if cost_model == "history" else None
-        self._work: dict[int, np.ndarray] = {}  # history: each planned step's work per GPU
-        self._compute: dict[int, np.ndarray] = {}  # history: each measured step's compute
-        self._learnt_upto = -1
         self._ahead = PlanAhead(self._plan_ahead_job) if plan_ahead else None
         self._finished = False
         self._closed = False
@@ -456,11 +453,11 @@ class SequenceBalancer:
         began = time.perf_counter()
         per_gpu, measured = self._gather(group, device, request, head_step, row)
         gather_ms = (time.perf_counter() - began) * 1e3
+        speed = self._fixed_speed
         if self._history is not None:
             if measured is not None:
-                self._compute[measured.step] = measured.column("compute")
-            self._learn_upto(step - LAG_STEPS)
-        speed = self._history.speeds() if self._history is not None else self._fixed_speed
+                self._history.measured(measured.step, measured.column("compute"))
+            speed = self._history.speeds_for(step)
         plan = plan_routing(
             per_gpu,
             self.topology,
@@ -474,21 +471,12 @@ class SequenceBalancer:
         )
         tables = RoutingTables.build(plan, self.rank, self.device, self._bag_group)
         if self._history is not None:
-            self._work[step] = step_work(plan)
+            self._history.planned(step, step_work(plan))
         if measured is not None:
             self._sent_upto = measured.step
             self._timer.forget_upto(measured.step)
         self._next_step = step + 1
         return _Planned(plan, tables, measured, gather_ms)
-
-    def _learn_upto(self, last: int) -> None:
-        """Feed the speed history every step up to ``last``, in order (idempotent)."""
-        while self._learnt_upto < last:
-            self._learnt_upto += 1
-            work = self._work.pop(self._learnt_upto, None)
-            compute = self._compute.pop(self._learnt_upto, None)
-            if work is not None and compute is not None:
-                self._history.observe(work, compute)
 
     def _gather_the_rest(self, group: Group, device: torch.device) -> list[GatheredStep]:
         """`finish` on the planning thread: one head all-gather per ended step whose

@@ -47,7 +47,12 @@ LAG_STEPS = 2
 
 
 class SpeedHistory:
-    """Speeds of ``num_gpus`` GPUs (positions of the balance group) from measured steps."""
+    """Speeds of ``num_gpus`` GPUs (positions of the balance group) from measured steps.
+
+    Fed step by step (`planned`, `measured`), `speeds_for` gives the speeds the plan of a
+    step uses: learnt from the steps up to it - `LAG_STEPS`, in order, as the balancer
+    plans and as `recorded_speeds` recomputes them. `observe` feeds one step directly.
+    """
 
     def __init__(
         self,
@@ -67,6 +72,29 @@ class SpeedHistory:
         self.num_gpus, self.warmup, self.bounds = num_gpus, warmup, (float(low), float(high))
         self._recent: deque[np.ndarray] = deque(maxlen=window)
         self.observed = 0  # steps that gave speeds
+        self._work: dict[int, np.ndarray] = {}  # per step, until it is learnt
+        self._compute: dict[int, np.ndarray] = {}
+        self._learnt_upto = -1
+
+    def planned(self, step: int, work: ArrayLike) -> None:
+        """The workload (num_gpus,) the plan of ``step`` gave each GPU (`step_work`)."""
+        self._work[step] = np.asarray(work, dtype=np.float64)
+
+    def measured(self, step: int, compute_ms: ArrayLike) -> None:
+        """Each GPU's measured compute (num_gpus,) in ``step``."""
+        self._compute[step] = np.asarray(compute_ms, dtype=np.float64)
+
+    def speeds_for(self, step: int) -> list[float] | None:
+        """The speeds to plan ``step`` with (`speeds`), once every step up to ``step`` -
+        `LAG_STEPS` whose work and compute are both known has been observed, in order
+        (each once; a step missing either is skipped)."""
+        while self._learnt_upto < step - LAG_STEPS:
+            self._learnt_upto += 1
+            work = self._work.pop(self._learnt_upto, None)
+            compute = self._compute.pop(self._learnt_upto, None)
+            if work is not None and compute is not None:
+                self.observe(work, compute)
+        return self.speeds()
 
     def observe(self, work: ArrayLike, compute_ms: ArrayLike) -> None:
         """One step: ``work`` (num_gpus,) each GPU's workload, ``compute_ms`` (num_gpus,) its
@@ -116,19 +144,11 @@ def recorded_speeds(
     if not ordered:
         return {}
     history = SpeedHistory(len(ordered[0].gpus), warmup, window)
-    by_step = {p.step: p for p in ordered}
-    learnt_upto = -1
     speeds: dict[int, list[float] | None] = {}
     for plan in ordered:
-        while learnt_upto < plan.step - LAG_STEPS:
-            learnt_upto += 1
-            seen = by_step.get(learnt_upto)
-            compute = (
-                None
-                if seen is None or seen.measurements is None
-                else (seen.measurements.per_rank_ms.get("compute"))
-            )
-            if compute is not None:
-                history.observe(step_work(seen), compute)
-        speeds[plan.step] = history.speeds()
+        speeds[plan.step] = history.speeds_for(plan.step)
+        history.planned(plan.step, step_work(plan))
+        compute = None if plan.measurements is None else plan.measurements.per_rank_ms
+        if compute and "compute" in compute:
+            history.measured(plan.step, compute["compute"])
     return speeds
