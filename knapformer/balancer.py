@@ -55,7 +55,7 @@ from knapformer.history import COST_MODELS, LAG_STEPS, SpeedHistory, step_work
 from knapformer.limits import MAX_RANK_TOKENS, MAX_SEQUENCES, MAX_TOKEN_DIM
 from knapformer.plan import COLLECTIVE_PHASES, RoutingPlan
 from knapformer.plan_ahead import PlanAhead, Ticket
-from knapformer.planner import SOLVERS, plan_routing
+from knapformer.planner import check_solver, check_speed, plan_routing
 from knapformer.router import (
     Features,
     Group,
@@ -176,10 +176,7 @@ class SequenceBalancer:
                 "torch.distributed.init_process_group(...) first"
             )
         self.topology = as_topology(topology)
-        if solver not in SOLVERS:
-            raise KnapformerError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
-        if max_tokens_per_gpu is not None and max_tokens_per_gpu <= 0:
-            raise KnapformerError(f"max_tokens_per_gpu must be positive, got {max_tokens_per_gpu}")
+        check_solver(solver, max_tokens_per_gpu)
         if cost_model not in COST_MODELS:
             raise KnapformerError(
                 f"unknown cost_model {cost_model!r}; choose one of {', '.join(COST_MODELS)}"
@@ -949,10 +946,5 @@ def _as_speeds(gpu_speed: Sequence[float] | None, num_gpus: int, cost_model: str
         return None
     if cost_model == "history":
         raise KnapformerError("gpu_speed is learnt by cost_model='history'; pass one or the other")
-    speed = np.asarray(gpu_speed, dtype=np.float64).reshape(-1)
-    if speed.size != num_gpus or not (np.isfinite(speed).all() and (speed > 0).all()):
-        raise KnapformerError(
-            f"gpu_speed must hold {num_gpus} finite positive speeds (one per GPU of the "
-            f"balance group), got {list(gpu_speed)}"
-        )
-    return speed.tolist()
+    speed = check_speed(gpu_speed, num_gpus)
+    return None if speed is None else speed.tolist()

@@ -101,8 +101,7 @@ def plan_routing(
     """
     started = time.perf_counter()
     topo = as_topology(topology)
-    if solver not in SOLVERS:
-        raise KnapformerError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
+    check_solver(solver, max_tokens_per_gpu)
     if len(lengths_per_gpu) != topo.num_gpus:
         raise KnapformerError(
             f"topology {topo} has {topo.num_gpus} GPUs but lengths were given for "
@@ -110,9 +109,7 @@ def plan_routing(
         )
     gpu_ranks = list(range(topo.num_gpus)) if gpus is None else [int(g) for g in gpus]
     bags = topo.bags(gpu_ranks)
-    if max_tokens_per_gpu is not None and max_tokens_per_gpu <= 0:
-        raise KnapformerError(f"max_tokens_per_gpu must be positive, got {max_tokens_per_gpu}")
-    speed = _check_speed(gpu_speed, topo.num_gpus)
+    speed = check_speed(gpu_speed, topo.num_gpus)
 
     shape = _bag_shape(topo.bag_sizes)
     lengths, src_pos = _flatten(lengths_per_gpu, shape)
@@ -169,15 +166,28 @@ def plan_routing(
     return plan
 
 
-def _check_speed(gpu_speed: ArrayLike | None, num_gpus: int) -> np.ndarray | None:
-    """``gpu_speed`` as a (num_gpus,) float array, or None when every GPU is nominal."""
+def check_solver(solver: str, max_tokens_per_gpu: int | None) -> None:
+    """A `KnapformerError` for a solver not in `SOLVERS` or a token cap that is not positive."""
+    if solver not in SOLVERS:
+        raise KnapformerError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
+    if max_tokens_per_gpu is not None and max_tokens_per_gpu <= 0:
+        raise KnapformerError(f"max_tokens_per_gpu must be positive, got {max_tokens_per_gpu}")
+
+
+def check_speed(gpu_speed: ArrayLike | None, num_gpus: int) -> np.ndarray | None:
+    """``gpu_speed`` as a (num_gpus,) float array, or None when every GPU is nominal; a
+    `KnapformerError` naming the values for a wrong count or a speed that is not a finite
+    positive number."""
     if gpu_speed is None:
         return None
     speed = np.asarray(gpu_speed, dtype=np.float64).reshape(-1)
     if speed.size != num_gpus:
-        raise ValueError(f"gpu_speed has {speed.size} values for {num_gpus} GPUs")
+        raise KnapformerError(
+            f"gpu_speed has {speed.size} values for {num_gpus} GPUs: it must hold {num_gpus} "
+            f"finite positive speeds, one per GPU, got {speed.tolist()}"
+        )
     if not (np.isfinite(speed).all() and (speed > 0).all()):
-        raise ValueError(f"gpu_speed values must be finite and > 0, got {speed.tolist()}")
+        raise KnapformerError(f"gpu_speed values must be finite and > 0, got {speed.tolist()}")
     return None if (speed == 1.0).all() else speed
 
 

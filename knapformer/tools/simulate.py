@@ -23,7 +23,7 @@ import numpy as np
 from knapformer.errors import KnapformerError, OptionError
 from knapformer.limits import MAX_SIM_STEPS, check_count
 from knapformer.plan import RoutingPlan
-from knapformer.planner import DEFAULT_SOLVER, SOLVERS, plan_routing
+from knapformer.planner import DEFAULT_SOLVER, SOLVERS, check_solver, plan_routing
 from knapformer.runfiles import RUNS_LAYOUT, run_file
 from knapformer.tools.datamix import DataCode, mix_gpus, sample_lengths
 from knapformer.topology import Topology, as_topology
@@ -66,8 +66,7 @@ def check_options(
     if dtype_bytes <= 0:
         raise OptionError(f"`dtype_bytes` must be positive, got {dtype_bytes}")
     for solver in solvers:
-        if solver not in SOLVERS:
-            raise KnapformerError(f"unknown solver {solver!r}; choose from {', '.join(SOLVERS)}")
+        check_solver(solver, None)
     if not topologies:
         raise OptionError("give at least one `topology`")
     return [check_fits(t, codes) for t in topologies]
