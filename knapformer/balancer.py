@@ -76,6 +76,9 @@ LOCAL_CHECKS = ("local_seq_lens", "token_dim", "packed_seqs")
 GATHERING_CALLS = ("plan_routing", "finish")
 #: How long `close` waits for the plan-ahead thread to finish what it runs.
 _AHEAD_CLOSE_S = 30.0
+# What holds the rows of a tensor given to route / reverse_route, pre_attn, post_attn.
+_LOCAL_ROWS = "the sequence lengths given to plan_routing"
+_CHUNK_ROWS = "the chunks routed to this rank"
 
 
 @dataclass(frozen=True)
@@ -668,7 +671,7 @@ class SequenceBalancer:
         holds, ordered by sequence id then chunk index.
         """
         t = self._require_tables()
-        tensors = self._inputs(packed_seqs, features, t.num_local, "packed_seqs", "local")
+        tensors = _inputs(packed_seqs, "packed_seqs", features, t.num_local, _LOCAL_ROWS)
         outs = exchange(
             tensors,
             t.send_splits,
@@ -688,7 +691,7 @@ class SequenceBalancer:
         features)``.
         """
         t = self._require_tables()
-        tensors = self._inputs(seqs, features, t.num_chunk_tokens, "seqs", "chunks")
+        tensors = _inputs(seqs, "seqs", features, t.num_chunk_tokens, _CHUNK_ROWS)
         outs = exchange(
             tensors,
             t.recv_splits,
@@ -698,19 +701,6 @@ class SequenceBalancer:
             timer=partial(self._timer.timed, "reverse_route"),
         )
         return list(t.local_lens), outs[0], unflatten_features(features, outs[1:])
-
-    def _inputs(self, x, features, rows: int, name: str, where: str) -> list[torch.Tensor]:
-        what = (
-            "the sequence lengths given to plan_routing"
-            if where == "local"
-            else "the chunks routed to this rank"
-        )
-        check_rows(name, x, rows, what)
-        flat = flatten_features(features)
-        for i, f in enumerate(flat):
-            key = list(features)[i] if isinstance(features, dict) else i
-            check_rows(f"feature {key!r}", f, rows, what)
-        return [x, *flat]
 
     # -------------------------------------------------------------- attention
     def pre_attn(
@@ -725,12 +715,8 @@ class SequenceBalancer:
         """
         t = self._require_tables()
         for name, x in (("q", q), ("k", k), ("v", v)):
-            if not isinstance(x, torch.Tensor) or x.dim() != 3:
-                shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-                raise KnapformerError(
-                    f"{name} must have shape (tokens, heads, head_dim), got {shape}"
-                )
-            check_rows(name, x, t.num_chunk_tokens, "the chunks routed to this rank")
+            _check_heads_layout(name, x)
+            check_rows(name, x, t.num_chunk_tokens, _CHUNK_ROWS)
         if not (q.shape == k.shape == v.shape and q.dtype == k.dtype == v.dtype):
             raise KnapformerError(
                 f"q, k, v must share shape and dtype, got {tuple(q.shape)}/{q.dtype}, "
@@ -769,12 +755,10 @@ class SequenceBalancer:
         ``(chunk_lens, out (T_chunks, H, D))``.
         """
         t = self._require_tables()
-        if not isinstance(out, torch.Tensor) or out.dim() != 3:
-            shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-            raise KnapformerError(f"out must have shape (tokens, heads, head_dim), got {shape}")
+        _check_heads_layout("out", out)
         bag = t.bag
         if bag is None:
-            check_rows("out", out, t.num_chunk_tokens, "the chunks routed to this rank")
+            check_rows("out", out, t.num_chunk_tokens, _CHUNK_ROWS)
             return list(t.chunk_lens), out
         check_rows("out", out, sum(bag.seq_lens), "the bag sequences from pre_attn")
         rows, g = t.num_chunk_tokens, bag.size
@@ -824,6 +808,26 @@ class SequenceBalancer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _inputs(
+    x: torch.Tensor, name: str, features: Features, rows: int, what: str
+) -> list[torch.Tensor]:
+    """``x`` and the flattened ``features`` for one exchange, once each has the ``rows``
+    rows that ``what`` holds."""
+    check_rows(name, x, rows, what)
+    flat = flatten_features(features)
+    keys = list(features) if isinstance(features, dict) else range(len(flat))
+    for key, f in zip(keys, flat, strict=True):
+        check_rows(f"feature {key!r}", f, rows, what)
+    return [x, *flat]
+
+
+def _check_heads_layout(name: str, x: Any) -> None:
+    """A `KnapformerError` unless ``x`` is a (tokens, heads, head_dim) tensor."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 3:
+        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise KnapformerError(f"{name} must have shape (tokens, heads, head_dim), got {shape}")
 
 
 def _check_arguments(
