@@ -16,9 +16,9 @@ Typical step (see ``knapformer/local/models.py`` for a model that does this)::
     balancer.finish()  # after the last step: its measurements reach the recorder too
 
 Works on the backend of the process group: NCCL with CUDA tensors, gloo with CPU
-tensors. ``plan_routing`` checks its arguments collectively: a mistake on one rank (or
-ranks disagreeing on ``token_dim``) makes every rank raise in that call, never some wait
-in a collective for a peer that already left. Balance groups are consecutive ranks; a
+tensors. ``plan_routing`` checks its arguments collectively (`knapformer.gather`): a
+mistake on one rank (or ranks disagreeing on ``token_dim``) makes every rank raise in
+that call, never some wait in a collective for a peer that already left. Balance groups are consecutive ranks; a
 world of k x (topology GPUs) ranks holds k replicas, each balanced on its own.
 
 Measurements (`knapformer.timing`): every rank times the collectives it runs here and
@@ -38,23 +38,27 @@ with NCCL); plans, step numbers and recordings are those of the synchronous path
 from __future__ import annotations
 
 import math
-import operator
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
-from dataclasses import astuple, dataclass, fields
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from knapformer.errors import KnapformerError
+from knapformer.gather import (  # GatherHead and the two tuples are re-exported
+    GATHERING_CALLS,
+    LOCAL_CHECKS,
+    GatherHead,
+    StepGather,
+    StepRequest,
+)
 from knapformer.history import COST_MODELS, LAG_STEPS, SpeedHistory, step_work
-from knapformer.limits import MAX_RANK_TOKENS, MAX_SEQUENCES, MAX_TOKEN_DIM
 from knapformer.plan import COLLECTIVE_PHASES, RoutingPlan
-from knapformer.plan_ahead import PlanAhead, Ticket
+from knapformer.plan_ahead import PlanAhead
 from knapformer.planner import check_solver, check_speed, plan_routing
 from knapformer.router import (
     Features,
@@ -69,50 +73,13 @@ from knapformer.timing import DERIVED_PHASES, GatheredStep, StepTimer
 from knapformer.topology import Topology, as_topology
 from knapformer.workload import WorkloadModel
 
-#: The checks each rank runs on its own arguments before the gather; a failure travels in
-#: the head (`GatherHead.problem`) so that every rank raises, not only this one.
-LOCAL_CHECKS = ("local_seq_lens", "token_dim", "packed_seqs")
-#: The calls that gather a head (`GatherHead.call`): ranks in different ones all raise.
-GATHERING_CALLS = ("plan_routing", "finish")
+__all__ = ["GATHERING_CALLS", "LOCAL_CHECKS", "GatherHead", "SequenceBalancer"]
+
 #: How long `close` waits for the plan-ahead thread to finish what it runs.
 _AHEAD_CLOSE_S = 30.0
 # What holds the rows of a tensor given to route / reverse_route, pre_attn, post_attn.
 _LOCAL_ROWS = "the sequence lengths given to plan_routing"
 _CHUNK_ROWS = "the chunks routed to this rank"
-
-
-@dataclass(frozen=True)
-class GatherHead:
-    """What every rank sends in the first all-gather of a step, as float64 (integers are
-    exact below 2**53), followed by the measurement row of step ``measured_step`` (one
-    float per phase of `SequenceBalancer.phases`). The one definition of the head's
-    layout: a new per-rank field joins by being declared here."""
-
-    call: int  # index in GATHERING_CALLS
-    problem: int  # 0: none; else 1 + index in LOCAL_CHECKS of the check that failed
-    count: int  # sequences of this rank (0 when its lengths are invalid)
-    token_dim: int  # as passed (0 when not a valid integer)
-    measured_step: int  # the step whose measurements follow (-1: none)
-
-    def values(self) -> list[float]:
-        return [float(v) for v in astuple(self)]
-
-    @classmethod
-    def size(cls) -> int:
-        return len(fields(cls))
-
-    @classmethod
-    def from_values(cls, values: Sequence[float]) -> GatherHead:
-        return cls(*(int(v) for v in values[: cls.size()]))
-
-
-@dataclass(frozen=True)
-class _Request:
-    """One step's arguments, checked locally (``problem``: the failed check and its error)."""
-
-    lengths: np.ndarray
-    token_dim: int
-    problem: tuple[str, KnapformerError] | None
 
 
 _FINISH = object()  # the plan-ahead request of `finish`
@@ -260,6 +227,7 @@ class SequenceBalancer:
         self.last_gathered: GatheredStep | None = None
         self._timer = StepTimer(self.device, phases)
         self.phases: tuple[str, ...] = self._timer.phases
+        self._gather = StepGather(self.group_ranks, self.phases)
         self._held: dict[int, RoutingPlan] = {}  # plans waiting for their measurements
         # The planning thread's state (the training thread's, or the plan-ahead thread's).
         self._next_step = 0
@@ -347,7 +315,7 @@ class SequenceBalancer:
             # On CUDA the gather would wait for the previous step's GPU work anyway: wait
             # for it here, apart, so that it counts in that step and not in planning.
             waited = self._wait_for(begin)
-            request = _request(local_seq_lens, token_dim, packed_seqs)
+            request = StepRequest.of(local_seq_lens, token_dim, packed_seqs)
             planned = self._plan_step(request, self.group, self.device, lag=1)
         else:
             waited = 0.0
@@ -383,7 +351,7 @@ class SequenceBalancer:
             return
         if self._finished:
             raise RuntimeError("finish() ended training on this SequenceBalancer; create a new one")
-        self._ahead.submit(_request(local_seq_lens, token_dim, packed_seqs))
+        self._ahead.submit(StepRequest.of(local_seq_lens, token_dim, packed_seqs))
 
     def use_plan(self, plan: RoutingPlan) -> None:
         """Route the following calls by ``plan`` (what `plan_routing` does with the plan it
@@ -435,7 +403,7 @@ class SequenceBalancer:
         event.synchronize()
         return (time.perf_counter() - began) * 1e3
 
-    def _plan_step(self, request: _Request, group: Group, device: torch.device, lag: int):
+    def _plan_step(self, request: StepRequest, group: Group, device: torch.device, lag: int):
         """Gather and plan the next step (on the planning thread); ``lag``: the gather
         carries the measurements of the step this many steps back."""
         step = self._next_step
@@ -451,7 +419,7 @@ class SequenceBalancer:
         row = finished.row(self.phases) if finished is not None else [math.nan] * len(self.phases)
         head_step = measured_step if finished is not None else -1
         began = time.perf_counter()
-        per_gpu, measured = self._gather(group, device, request, head_step, row)
+        per_gpu, measured = self._gather.step(group, device, request, head_step, row)
         gather_ms = (time.perf_counter() - began) * 1e3
         speed = self._fixed_speed
         if self._history is not None:
@@ -485,10 +453,7 @@ class SequenceBalancer:
         for step in range(self._sent_upto + 1, self._timer.closed_upto + 1):
             finished = self._timer.get(step)
             row = finished.row(self.phases) if finished is not None else None
-            head = GatherHead(GATHERING_CALLS.index("finish"), 0, 0, 0, step if row else -1)
-            heads, table = self._exchange_head(group, device, head, row)
-            self._refuse_heads(heads)
-            got = self._measured(heads, table)
+            got = self._gather.finish(group, device, step if row else -1, row)
             if got is not None:
                 measured.append(got)
             self._sent_upto = step
@@ -507,10 +472,10 @@ class SequenceBalancer:
         its wait counts as time inside the gather."""
         ahead = self._ahead
         ticket = ahead.oldest()
-        request = _request(local_seq_lens, token_dim, packed_seqs)
+        request = StepRequest.of(local_seq_lens, token_dim, packed_seqs)
         if ticket is None:
             ticket = ahead.submit(request)
-        _check_prefetched(ticket, request, self.rank)
+        ticket.request.check_prefetched(request, self.rank)
         began = time.perf_counter()
         ahead.wait(ticket)  # Ctrl-C: KeyboardInterrupt here, the ticket stays for a retry
         waited = (time.perf_counter() - began) * 1e3
@@ -518,113 +483,6 @@ class SequenceBalancer:
         planned = ticket.outcome()
         planned.gather_ms = waited
         return planned
-
-    def _gather(
-        self,
-        group: Group,
-        device: torch.device,
-        request: _Request,
-        measured_step: int,
-        row: list[float],
-    ) -> tuple[list[np.ndarray], GatheredStep | None]:
-        """All ranks' lengths, and their measurements of ``measured_step`` (the ``row``s):
-        one all-gather of the `GatherHead` with the rows, one of the padded lengths.
-
-        Everything that can go wrong is decided from what every rank received, so every
-        rank raises in the same call (a rank with a ``problem`` its own error, the others
-        naming it) rather than some waiting in a collective for a peer that left.
-        """
-        lengths, problem = request.lengths, request.problem
-        code = 0 if problem is None else 1 + LOCAL_CHECKS.index(problem[0])
-        call = GATHERING_CALLS.index("plan_routing")
-        head = GatherHead(call, code, len(lengths), request.token_dim, measured_step)
-        heads, table = self._exchange_head(group, device, head, row)
-        if problem is not None:
-            raise problem[1]
-        self._refuse_heads(heads)
-        sizes = [h.count for h in heads]
-        padded = torch.zeros(max(sizes), dtype=torch.int64, device=device)
-        padded[: len(lengths)] = torch.from_numpy(lengths)
-        gathered = [torch.empty_like(padded) for _ in sizes]
-        dist.all_gather(gathered, padded, group=group)
-        per_gpu = [g[:s].cpu().numpy() for g, s in zip(gathered, sizes, strict=True)]
-        self._refuse_lengths(per_gpu)
-        return per_gpu, self._measured(heads, table)
-
-    def _exchange_head(
-        self, group: Group, device: torch.device, head: GatherHead, row: list[float] | None
-    ) -> tuple[list[GatherHead], np.ndarray]:
-        """The head all-gather: every rank's head and measurement row, in group order."""
-        row = [math.nan] * len(self.phases) if row is None else row
-        mine = torch.tensor([*head.values(), *row], dtype=torch.float64, device=device)
-        received = [torch.empty_like(mine) for _ in self.group_ranks]
-        dist.all_gather(received, mine, group=group)
-        table = torch.stack(received).cpu().numpy()
-        heads = [GatherHead.from_values(values) for values in table]
-        return heads, table[:, GatherHead.size() :]
-
-    def _measured(self, heads: list[GatherHead], table: np.ndarray) -> GatheredStep | None:
-        steps = {h.measured_step for h in heads}
-        if len(steps) != 1 or min(steps) < 0:  # every rank sends the same step, or none
-            return None
-        return GatheredStep(steps.pop(), self.phases, table)
-
-    def _refuse_heads(self, heads: list[GatherHead]) -> None:
-        """Raise, on every rank alike, when ranks are in different calls, a peer's own
-        check failed, the ranks disagree on ``token_dim``, or one passes more sequences
-        than `MAX_SEQUENCES`."""
-        calls: dict[int, list[int]] = {}
-        for rank, h in zip(self.group_ranks, heads, strict=True):
-            calls.setdefault(h.call, []).append(rank)
-        if len(calls) > 1:
-            said = "; ".join(
-                f"{GATHERING_CALLS[call]}() on {_ranks(ranks)}" for call, ranks in calls.items()
-            )
-            raise KnapformerError(
-                f"the balance group's ranks are in different calls ({said}); every rank must "
-                "call finish() after the same step"
-            )
-        failed = [
-            f"{LOCAL_CHECKS[h.problem - 1]} on rank {rank}"
-            for rank, h in zip(self.group_ranks, heads, strict=True)
-            if h.problem
-        ]
-        if failed:
-            whose = "its own error says" if len(failed) == 1 else "their own errors say"
-            raise KnapformerError(
-                f"invalid {'; '.join(failed)} ({whose} why); no rank of the balance group "
-                "planned this step"
-            )
-        dims: dict[int, list[int]] = {}
-        for rank, h in zip(self.group_ranks, heads, strict=True):
-            dims.setdefault(h.token_dim, []).append(rank)
-        if len(dims) > 1:
-            said = "; ".join(f"{dim} on {_ranks(ranks)}" for dim, ranks in dims.items())
-            raise KnapformerError(
-                f"token_dim differs across the balance group ({said}): every rank must "
-                "pass the same token_dim; no rank planned this step"
-            )
-        for rank, h in zip(self.group_ranks, heads, strict=True):
-            if h.count > MAX_SEQUENCES:
-                raise KnapformerError(
-                    f"rank {rank} passed {h.count} sequences, more than MAX_SEQUENCES "
-                    f"({MAX_SEQUENCES}) per rank and step; no rank planned this step"
-                )
-
-    def _refuse_lengths(self, per_gpu: list[np.ndarray]) -> None:
-        """Raise, on every rank alike, when a rank holds more than `MAX_RANK_TOKENS`
-        tokens (or one sequence longer than that)."""
-        for rank, lengths in zip(self.group_ranks, per_gpu, strict=True):
-            longest = int(lengths.max()) if lengths.size else 0
-            # Each length is checked first, so the sum cannot overflow int64.
-            total = longest if longest > MAX_RANK_TOKENS else int(lengths.sum())
-            if total > MAX_RANK_TOKENS:
-                raise KnapformerError(
-                    f"rank {rank} passed local_seq_lens of {total} tokens"
-                    f"{' in one sequence' if total == longest and lengths.size > 1 else ''}, "
-                    f"more than MAX_RANK_TOKENS ({MAX_RANK_TOKENS}) per rank; no rank "
-                    "planned this step"
-                )
 
     # -------------------------------------------------------------- recording
     def _deliver(self, measured: GatheredStep | None) -> None:
@@ -828,120 +686,6 @@ def _check_heads_layout(name: str, x: Any) -> None:
     if not isinstance(x, torch.Tensor) or x.dim() != 3:
         shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
         raise KnapformerError(f"{name} must have shape (tokens, heads, head_dim), got {shape}")
-
-
-def _check_arguments(
-    local_seq_lens: Any, token_dim: Any, packed_seqs: torch.Tensor | None
-) -> tuple[np.ndarray, int, tuple[str, KnapformerError] | None]:
-    """This rank's lengths, its token_dim (0 if invalid) and the first check (a name of
-    `LOCAL_CHECKS`) that failed, with its error; nothing raised here."""
-    try:
-        lengths = _as_lengths(local_seq_lens)
-    except (TypeError, ValueError, OverflowError) as err:  # numpy's own errors too
-        return (
-            np.zeros(0, dtype=np.int64),
-            0,
-            ("local_seq_lens", _as_user_error(err, "local_seq_lens")),
-        )
-    try:
-        dim = _as_token_dim(token_dim)
-    except KnapformerError as err:
-        return lengths, 0, ("token_dim", err)
-    if packed_seqs is not None:
-        try:
-            check_rows("packed_seqs", packed_seqs, int(lengths.sum()), "the local_seq_lens")
-        except (TypeError, ValueError) as err:
-            return lengths, dim, ("packed_seqs", _as_user_error(err, "packed_seqs"))
-    return lengths, dim, None
-
-
-def _as_user_error(err: Exception, name: str) -> KnapformerError:
-    """``err`` as the library's user error; one from numpy or torch says what it was about."""
-    if isinstance(err, KnapformerError):
-        return err
-    text = str(err)
-    return KnapformerError(text if text.startswith(name) else f"{name}: {text}")
-
-
-def _as_token_dim(token_dim: Any) -> int:
-    """``token_dim`` as an int in 1..MAX_TOKEN_DIM (a whole float is accepted)."""
-    try:
-        dim = operator.index(token_dim)
-    except TypeError:
-        if not (isinstance(token_dim, float) and token_dim.is_integer()):
-            raise KnapformerError(
-                f"token_dim must be a positive integer (the model's hidden size), got {token_dim!r}"
-            ) from None
-        dim = int(token_dim)
-    if not 0 < dim <= MAX_TOKEN_DIM:
-        raise KnapformerError(
-            f"token_dim must be a positive integer up to {MAX_TOKEN_DIM}, got {dim}"
-        )
-    return dim
-
-
-def _ranks(ranks: list[int]) -> str:
-    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
-
-
-def _as_lengths(local_seq_lens: Any) -> np.ndarray:
-    """This rank's lengths as a 1-D int64 array; a clear error for anything else."""
-    if isinstance(local_seq_lens, torch.Tensor):
-        local_seq_lens = local_seq_lens.detach().cpu().numpy()
-    arr = np.asarray(local_seq_lens)
-    if arr.ndim != 1:
-        raise KnapformerError(
-            f"local_seq_lens must be a 1-D list of lengths, got shape {arr.shape}"
-        )
-    if arr.size == 0:
-        return np.zeros(0, dtype=np.int64)
-    if arr.dtype.kind == "f":
-        bad = arr[~np.isfinite(arr) | (np.mod(arr, 1) != 0)]
-    else:
-        bad = None if arr.dtype.kind in "iu" else arr
-    if bad is not None and bad.size:
-        raise KnapformerError(
-            f"local_seq_lens must be whole numbers of tokens, got {_first(bad.tolist())}"
-        )
-    if arr.dtype.kind != "i" and arr.max() >= 2**63:  # would wrap around in int64
-        raise KnapformerError(f"local_seq_lens include a length {arr.max()} beyond int64")
-    arr = arr.astype(np.int64)
-    if arr.min() < 0:
-        raise KnapformerError(f"local_seq_lens include a negative length {int(arr.min())}")
-    return arr
-
-
-def _first(values: list, shown: int = 8) -> str:
-    """The first few of many values, for a message."""
-    more = len(values) - shown
-    return f"{values[:shown]}" + (f" (and {more} more)" if more > 0 else "")
-
-
-def _request(local_seq_lens: Any, token_dim: Any, packed_seqs: Any) -> _Request:
-    return _Request(*_check_arguments(local_seq_lens, token_dim, packed_seqs))
-
-
-def _check_prefetched(ticket: Ticket, given: _Request, rank: int) -> None:
-    """Refuse arguments other than the prefetched ones (the ticket is kept for a call
-    with the right ones): routing by a plan made for other lengths would be wrong."""
-    wanted: _Request = ticket.request
-    if given.problem is not None and (
-        wanted.problem is None or wanted.problem[0] != given.problem[0]
-    ):
-        raise given.problem[1]  # e.g. packed_seqs given here only, with the wrong rows
-    if given.token_dim != wanted.token_dim:
-        raise KnapformerError(
-            f"plan_routing on rank {rank} got token_dim {given.token_dim}, but "
-            f"{wanted.token_dim} was prefetched for this step; pass what prefetch got "
-            "(the prefetched plan is kept for that call)"
-        )
-    if not np.array_equal(given.lengths, wanted.lengths):
-        raise KnapformerError(
-            f"plan_routing on rank {rank} got local_seq_lens {_first(given.lengths.tolist())} "
-            f"({len(given.lengths)} sequences), but {_first(wanted.lengths.tolist())} "
-            f"({len(wanted.lengths)}) were prefetched for this step: pass the lengths given "
-            "to prefetch, in the same order (the prefetched plan is kept for that call)"
-        )
 
 
 def _as_speeds(gpu_speed: Sequence[float] | None, num_gpus: int, cost_model: str):
