@@ -205,5 +205,5 @@ def test_phases_are_recorded_without_syncing_the_steps(tmp_path, backend):
             (ms,) = times[phase]
             assert math.isfinite(ms) and ms > 0, (plan.step, phase, ms)
         assert "pre_attn" not in times  # a 1-GPU bag re-shards nothing
-    # a step's whole time is known when the next one starts: every step but the last
-    assert ["step" in p.measurements.per_rank_ms for p in plans] == [True] * (STEPS - 1) + [False]
+    # a step's whole time is known when the next one starts, the last one's at finish()
+    assert ["step" in p.measurements.per_rank_ms for p in plans] == [True] * STEPS
