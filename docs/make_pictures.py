@@ -6,9 +6,10 @@ Writes ``docs/animation.png`` (the last frame of the 8-GPU animation), ``docs/an
 ``knapformer calibrate examples/latency.csv``, as docs/debugging.md runs it),
 ``docs/trace.png`` (``knapformer trace sample_plans/demo.jsonl --steps 3:5`` in the trace
 viewer Chromium ships, DevTools' Performance panel), ``docs/tensorboard.png``
-(``knapformer tensorboard sample_plans/demo.jsonl``, served by TensorBoard on 127.0.0.1)
-and ``docs/dashboard.png`` (via ``dashboard.screenshot``). Needs the ``all`` extra,
-Playwright and a system Chromium.
+(``knapformer tensorboard sample_plans/demo.jsonl``, served by TensorBoard on 127.0.0.1),
+``docs/stragglers.png`` (the dashboard's straggler views of the run docs/debugging.md
+records: the demo with rank 5 made twice as slow) and ``docs/dashboard.png`` (via
+``dashboard.screenshot``). Needs the ``all`` extra, Playwright and a system Chromium.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ PLAN = ROOT / "sample_plans" / "mixed8_g1n2+g2n1+g4n1.json"
 LATENCIES = "examples/latency.csv"  # relative to ROOT
 DEMO = "sample_plans/demo.jsonl"  # relative to ROOT: a recorded run with per-rank times
 KNAPFORMER = Path(sys.executable).parent / "knapformer"
+# The walkthrough's run (docs/debugging.md runs the same options).
+SLOW_DEMO = ["--slow-rank", "5", "--slow-factor", "2", "--steps", "16"]
 
 
 def decode_frames(video: Path) -> list[Image.Image]:
@@ -170,11 +173,29 @@ def tensorboard_picture(tmp: Path) -> None:
         server.wait(30)
 
 
+def stragglers_picture(tmp: Path) -> None:
+    """The straggler views of the dashboard on a fresh recording of the walkthrough's run
+    (docs/debugging.md, section 1): the same demo command, then only the views' box."""
+    run = tmp / "slow"
+    subprocess.run(
+        [str(KNAPFORMER), "demo", *SLOW_DEMO, "--no-dashboard", "--out", str(run)],
+        check=True,
+        cwd=ROOT,
+    )
+    out = ["--out", str(DOCS / "stragglers.png"), "--element", "#straggler-box"]
+    subprocess.run(
+        [sys.executable, "-m", "dashboard.screenshot", str(run / "plans.jsonl"), *out],
+        check=True,
+        cwd=ROOT,
+    )
+
+
 PICTURES = {
     "animation": animation_pictures,
     "calibration": calibration_picture,
     "trace": trace_picture,
     "tensorboard": tensorboard_picture,
+    "stragglers": stragglers_picture,
 }
 
 
