@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from dashboard_server import PeakRss, served_page, status, wait_until  # noqa: E402
+from footer import print_load  # noqa: E402
 
 from knapformer.plan_io import read_plans  # noqa: E402
 from knapformer.planner import plan_routing  # noqa: E402
@@ -210,8 +211,7 @@ def main() -> None:
         ok(dash["rss_mib"], TARGETS["rss_mib"]),
     )
     console.print(t)
-    load = os.getloadavg()[0]
-    console.print(f"load average during the run: {load:.1f} on {os.cpu_count()} CPUs")
+    print_load(console)
 
 
 if __name__ == "__main__":

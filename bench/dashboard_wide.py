@@ -22,7 +22,6 @@ Run: ``python bench/dashboard_wide.py [--steps 24] [--switches 6]``.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import tempfile
@@ -38,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(1, str(ROOT / "tests"))  # the measurement synthesiser of the tests
 
 from dashboard_server import served_page, status, wait_until  # noqa: E402
+from footer import print_load  # noqa: E402
 from measured_plans import with_measurements  # noqa: E402
 
 from knapformer.plan_io import parse_plan_line  # noqa: E402
@@ -194,8 +194,7 @@ def main() -> None:
     console.print(table)
     for name, (seqs, chunks, size) in shapes.items():
         console.print(f"{name}: {seqs:,} sequences, {chunks:,} chunks, {size / 1e6:.1f} MB a line")
-    load = os.getloadavg()[0]
-    console.print(f"load average during the run: {load:.1f} on {os.cpu_count()} CPUs")
+    print_load(console)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ does: ``plan_routing``, ``prefetch`` of the next step's lengths (ahead only), ``
 the model (a sleep of ``--compute-ms`` standing in for GPU work: the host is idle while
 the GPU computes), ``reverse_route`` and the gradient all-reduce. Both runs in the same
 session, the synchronous one first; figures are the slowest rank's, median over the
-timed steps.
+timed steps. Target, printed PASS or FAIL (exit 1 when missed): ahead, the training
+thread spends ≤ 10 % of the synchronous path's time in ``plan_routing``.
 
     .venv/bin/python bench/plan_ahead.py [--copies 232] [--steps 8] [--compute-ms 400]
 """
@@ -27,11 +28,14 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from footer import print_targets
+
 from knapformer.local.launcher import launch
 
 WORLD = 8
 TOPOLOGY = "g1n2+g2n1+g4n1"
 DIM = 16
+AHEAD_SHARE = 0.10  # target: ahead, at most this share of the synchronous plan_routing time
 
 
 def _lengths(copies: int, length_scale: float, step: int, rank: int) -> np.ndarray:
@@ -95,7 +99,7 @@ def _worker(rank: int, world: int, args) -> dict | None:
     return {"sync": sync, "ahead": ahead} if rank == 0 else None
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--copies", type=int, default=232, help="joint mix x this many")
     parser.add_argument("--length-scale", type=float, default=1 / 32)
@@ -127,8 +131,12 @@ def main() -> None:
             f"{r['step_ms']:.1f}",
             f"{100 * r['plan_ms'] / sync['plan_ms']:.2f} %",
         )
-    Console(width=160).print(table)
+    console = Console(width=160)
+    console.print(table)
+    share = ahead["plan_ms"] / sync["plan_ms"]
+    target = f"ahead spends {share:.2%} of synchronous' plan_routing time (≤ {AHEAD_SHARE:.0%})"
+    return print_targets(console, [(target, share <= AHEAD_SHARE)])
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

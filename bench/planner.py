@@ -24,6 +24,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from baselines.greedy_python import greedy_plan_python
+from footer import print_targets
 
 from knapformer.plan import RoutingPlan
 from knapformer.planner import plan_routing
@@ -172,12 +173,7 @@ def main() -> int:
             ]
         table.add_row(*cells)
     console.print(table)
-    checks = check_targets(rows)
-    for text, ok in checks:
-        console.print(f"[{'green' if ok else 'red'}]{'PASS' if ok else 'FAIL'}[/] {text}")
-    failed = sum(not ok for _, ok in checks)
-    console.print(f"{len(checks) - failed} of {len(checks)} targets met")
-    return 1 if failed else 0
+    return print_targets(console, check_targets(rows))
 
 
 if __name__ == "__main__":
