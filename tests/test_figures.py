@@ -9,7 +9,7 @@ from measured_plans import with_measurements
 from knapformer.measured import measure
 from knapformer.plan_io import read_plans
 from knapformer.stats import StepSummary, linear_share, summarize
-from knapformer.stragglers import analyse, rank_steps
+from knapformer.stragglers import analyse, rank_steps, row_medians
 from visualization.axes import LINE_PX
 from visualization.figures import (
     TRAFFIC_PLOT_PX,
@@ -196,6 +196,24 @@ def test_predicted_vs_measured_labels_every_rank_and_flags_the_slow_one(plan8):
     assert fit.y[1] / fit.x[1] == pytest.approx(per_work, rel=0.05)
     assert fit.x[0] > 0  # drawn over the predicted range, not from zero
     assert fig.layout.yaxis.title.text == "measured compute (ms)"
+
+
+def test_predicted_axis_does_not_spread_ranks_given_the_same_work(plan8):
+    # A balanced plan gives every rank the same work to a few parts in 10,000: the axis
+    # must keep them in one column (±5 % of the median), and still widen to hold a rank
+    # the plan gave twice the work.
+    rng = np.random.default_rng(1)
+    window = [measure(with_measurements(plan8, rng)).figures() for _ in range(5)]
+    m = rank_steps(window)
+    work = row_medians(m.predicted_shown)
+    lo, hi = predicted_vs_measured_figure(analyse(window), m).layout.xaxis.range
+    mid = float(np.median(work))
+    assert lo <= 0.95 * mid + 1e-12 and hi >= 1.05 * mid - 1e-12
+    assert lo <= work.min() and hi >= work.max()
+    m.predicted_shown[3] *= 2.0
+    lo, hi = predicted_vs_measured_figure(analyse(window), m).layout.xaxis.range
+    work = row_medians(m.predicted_shown)
+    assert hi >= work[3] and lo <= 0.95 * float(np.median(work)) + 1e-12
 
 
 def test_sequence_rows_list_chunk_destinations_in_offset_order(plan8):

@@ -131,6 +131,20 @@ def wait_heatmap(m: RankSteps, validate: bool = True) -> go.Figure:
     )
 
 
+#: The predicted-work axis spans at least ±MIN_SPAN_SHARE of the median rank's work, so
+#: that ranks given the same work to a few parts in 10,000 stand in one column instead
+#: of being spread across the axis as if the plan had treated them differently.
+MIN_SPAN_SHARE = 0.05
+
+
+def _predicted_span(x: np.ndarray) -> tuple[float, float]:
+    """The x range of the predicted-vs-measured figure: the ranks' predicted work, widened
+    to ±`MIN_SPAN_SHARE` of the median when the ranks were given about the same work."""
+    mid = float(np.median(x))
+    lo, hi = float(x.min()), float(x.max())
+    return min(lo, mid * (1 - MIN_SPAN_SHARE)), max(hi, mid * (1 + MIN_SPAN_SHARE))
+
+
 def predicted_vs_measured_figure(
     report: StragglerReport, m: RankSteps, validate: bool = True
 ) -> go.Figure:
@@ -138,7 +152,7 @@ def predicted_vs_measured_figure(
     against measured compute, medians over the window, each point labelled with its rank
     (`LABEL_EVERY_RANK_UP_TO`) and coloured by its verdict. The dashed line is "as the
     typical rank": measured = k · predicted with k the median ratio, drawn over the
-    predicted range only, so the axes zoom in on the ranks instead of on zero. Above the
+    x range (`_predicted_span`), so the axes zoom in on the ranks instead of on zero. Above the
     line: slower than predicted; to the right: given more work."""
     x = row_medians(m.predicted_shown)
     y = row_medians(m.compute_ms)
@@ -174,11 +188,11 @@ def predicted_vs_measured_figure(
             }
         )
     ok = np.isfinite(x) & np.isfinite(y) & (x > 0)
+    x_range = None
     if ok.any():
         k = float(np.median(y[ok] / x[ok]))
-        lo, hi = float(x[ok].min()), float(x[ok].max())
-        if hi - lo < 1e-9 * max(hi, 1.0):
-            lo, hi = lo * 0.99, hi * 1.01
+        lo, hi = _predicted_span(x[ok])
+        x_range = [lo, hi]
         data.append(
             {
                 "type": "scatter",
@@ -193,7 +207,10 @@ def predicted_vs_measured_figure(
     phases = ", ".join(m.phases)
     layout = {
         "title": {"text": f"Predicted vs measured compute per rank · {_span(m)} (medians)"},
-        "xaxis": {"title": {"text": f"predicted work at nominal speed, {m.load_axis}"}},
+        "xaxis": {
+            "title": {"text": f"predicted work at nominal speed, {m.load_axis}"},
+            "range": x_range,
+        },
         "yaxis": {"title": {"text": f"measured {phases} (ms)"}},
         "height": 420,
         "margin": {"l": 70, "r": 20, "t": 60, "b": 50},
