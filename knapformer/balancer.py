@@ -18,8 +18,9 @@ Typical step (see ``knapformer/local/models.py`` for a model that does this)::
 Works on the backend of the process group: NCCL with CUDA tensors, gloo with CPU
 tensors. ``plan_routing`` checks its arguments collectively (`knapformer.gather`): a
 mistake on one rank (or ranks disagreeing on ``token_dim``) makes every rank raise in
-that call, never some wait in a collective for a peer that already left. Balance groups are consecutive ranks; a
-world of k x (topology GPUs) ranks holds k replicas, each balanced on its own.
+that call, never some wait in a collective for a peer that already left. Balance groups
+are consecutive ranks; a world of k x (topology GPUs) ranks holds k replicas, each
+balanced on its own.
 
 Measurements (`knapformer.timing`): every rank times the collectives it runs here and
 its compute apart from them; the few floats of step s travel to every rank in the
