@@ -530,16 +530,9 @@ class SequenceBalancer:
         holds, ordered by sequence id then chunk index.
         """
         t = self._require_tables()
-        tensors = _inputs(packed_seqs, "packed_seqs", features, t.num_local, _LOCAL_ROWS)
-        outs = exchange(
-            tensors,
-            t.send_splits,
-            t.recv_splits,
-            self.group,
-            t.send_index,
-            timer=partial(self._timer.timed, "route"),
-        )
-        return list(t.chunk_lens), outs[0], unflatten_features(features, outs[1:])
+        rows = (packed_seqs, "packed_seqs", features, t.num_local, _LOCAL_ROWS)
+        moved = self._move("route", *rows, t.send_splits, t.recv_splits, pre_index=t.send_index)
+        return list(t.chunk_lens), *moved
 
     def reverse_route(
         self, seqs: torch.Tensor, features: Features = None
@@ -550,16 +543,30 @@ class SequenceBalancer:
         features)``.
         """
         t = self._require_tables()
-        tensors = _inputs(seqs, "seqs", features, t.num_chunk_tokens, _CHUNK_ROWS)
-        outs = exchange(
-            tensors,
-            t.recv_splits,
-            t.send_splits,
-            self.group,
-            post_index=t.restore_index,
-            timer=partial(self._timer.timed, "reverse_route"),
-        )
-        return list(t.local_lens), outs[0], unflatten_features(features, outs[1:])
+        rows = (seqs, "seqs", features, t.num_chunk_tokens, _CHUNK_ROWS)
+        back = self._move("reverse_route", *rows, t.recv_splits, t.send_splits,
+                          post_index=t.restore_index)  # fmt: skip
+        return list(t.local_lens), *back
+
+    def _move(
+        self,
+        phase: str,
+        x: torch.Tensor,
+        name: str,
+        features: Features,
+        rows: int,
+        holder: str,
+        send: list[int],
+        recv: list[int],
+        **index: torch.Tensor,
+    ) -> tuple[torch.Tensor, Features]:
+        """Check that ``x`` and its features have the ``rows`` rows ``holder`` holds, then
+        move them in one all-to-all timed as ``phase``; ``index`` reorders the rows before
+        sending (``pre_index``) or after receiving (``post_index``)."""
+        tensors = _inputs(x, name, features, rows, holder)
+        timer = partial(self._timer.timed, phase)
+        outs = exchange(tensors, send, recv, self.group, **index, timer=timer)
+        return outs[0], unflatten_features(features, outs[1:])
 
     # -------------------------------------------------------------- attention
     def pre_attn(
