@@ -231,3 +231,16 @@ def test_calibration_plot_has_log_axes_and_a_usable_fit_keeps_its_use_line(tmp_p
     assert fig.layout.xaxis.type == "log" and fig.layout.yaxis.type == "log"
     ideal = next(t for t in fig.data if t.name.startswith("perfect model"))
     assert min(ideal.x) > 0  # a y = x line that a log axis can draw
+
+
+def test_help_wraps_each_paragraph_to_the_terminal_not_to_the_docstring():
+    # The docstring of replay breaks "runs route →" / "pre_attn" across source lines; on a
+    # wide terminal the paragraph must read as one line, on a narrow one wrap at its width.
+    wide = run("replay", "--help", COLUMNS="200")
+    assert wide.returncode == 0
+    assert "then runs route → pre_attn → post_attn → reverse_route" in wide.stdout
+    narrow = run("replay", "--help", COLUMNS="60")
+    lines = [line for line in narrow.stdout.splitlines() if line.strip()]
+    assert max(len(line) for line in lines) <= 60
+    prose = [line for line in lines if "Re-plans" in line]
+    assert prose and len(prose[0].rstrip()) > 40  # filled to the width, not cut short

@@ -6,6 +6,7 @@ its traceback."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 import signal
 import sys
 from collections.abc import Iterator
@@ -33,6 +34,18 @@ app = typer.Typer(
 )
 for _module in (plans, demo, dashboard, render, debug, export, stragglers):
     _module.register(app)
+
+
+def _one_line_paragraphs(app: typer.Typer) -> None:
+    """Typer keeps a docstring's line breaks in ``--help``, which then breaks mid-sentence
+    on a narrower terminal: give each command its help with every paragraph on one line,
+    for the terminal to wrap."""
+    for info in app.registered_commands:
+        doc = info.help or inspect.getdoc(info.callback) or ""
+        info.help = "\n\n".join(" ".join(p.split()) for p in doc.split("\n\n"))
+
+
+_one_line_paragraphs(app)
 
 
 def main(argv: list[str] | None = None) -> int:
