@@ -96,6 +96,8 @@ def test_model_heads_split_across_every_bag():
         (["--world-size", "4", "--slow-rank", "4"], "slow rank 4 is not a rank of the world"),
         (["--slow-rank", "1", "--slow-factor", "0.5"], "slow factor must be a number >= 1"),
         (["--cost-model", "oracle"], "unknown cost model 'oracle'"),
+        (["--head-dim", "7"], "head dim must be even and >= 2 (RoPE), got 7"),
+        (["--length-scale", "0"], "length scale must be positive, got 0"),
     ],
 )
 def test_bad_options_give_one_line_errors_before_starting(tmp_path, capsys, args, message):
@@ -127,6 +129,17 @@ def test_a_new_run_replaces_the_old_runs_plan_files_only(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(keep)
 
 
+def test_the_command_lines_defaults_are_the_demos():
+    import inspect
+
+    from knapformer.cli.demo import demo
+
+    options = inspect.signature(demo).parameters
+    config = DemoConfig()
+    assert options["head_dim"].default.default == config.head_dim
+    assert options["length_scale"].default.default == config.length_scale
+
+
 def test_check_config_accepts_the_defaults():
     topo, codes = check_config(DemoConfig())
     assert str(topo) == "g1n2+g2n1+g4n1" and len(codes) == 8
@@ -139,7 +152,7 @@ def test_demo_three_steps_world4_headless_records_measured_plans(tmp_path):
     proc = subprocess.run(
         [
             *(BIN / "knapformer", "demo", "--steps", "3", "--world-size", "4"),
-            *("--no-dashboard", "--out", str(out)),
+            *("--no-dashboard", "--out", str(out), "--head-dim", "32"),
         ],
         cwd=ROOT,
         capture_output=True,
@@ -152,7 +165,7 @@ def test_demo_three_steps_world4_headless_records_measured_plans(tmp_path):
     assert [p.step for p in plans] == [0, 1, 2]
     for plan in plans:
         assert plan.topology == "g1n2+g2n1" and plan.gpus == [0, 1, 2, 3]
-        assert plan.run == "demo" and plan.token_dim == 64
+        assert plan.run == "demo" and plan.token_dim == 4 * 32  # 4 heads of --head-dim
         ms = plan.measurements.per_rank_ms
         for phase in ("plan", "record", "route", "reverse_route", "forward_backward", "optimizer"):
             assert len(ms[phase]) == 4, phase
@@ -171,7 +184,7 @@ def test_demo_three_steps_world4_headless_records_measured_plans(tmp_path):
         assert float(m.group(4)) == pytest.approx(stats.imbalance_after, abs=0.006)
         assert int(m.group(5).replace(",", "")) == stats.moved_tokens
         assert math.isfinite(float(m.group(2)))
-    assert "done: 3 steps" in proc.stdout
+    assert "done: 3 steps" in proc.stdout and "d_model=128 heads=4" in proc.stdout
 
 
 @pytest.mark.slow

@@ -56,6 +56,19 @@ def demo(
     plan_ahead: bool = typer.Option(
         False, "--plan-ahead", help="gather and plan each next step on a side channel"
     ),
+    # Defaults stated here, not imported: the demo module imports torch, which the
+    # command line loads only for a command that needs it (tests/test_demo.py checks them).
+    head_dim: int = typer.Option(
+        16,
+        "--head-dim",
+        help="width of an attention head; larger: more compute per token (d_model = heads "
+        "x head_dim; bench/stragglers.py uses 64)",
+    ),
+    length_scale: float = typer.Option(
+        0.0625,
+        "--length-scale",
+        help="the data mix's sequence lengths times this (small: a step takes well under 1 s)",
+    ),
 ) -> None:
     """Train a small DiT on CPU workers with the balancer, record every plan, show it live."""
     from knapformer.local.demo import (
@@ -81,6 +94,8 @@ def demo(
         slow_factor=slow_factor if slow_rank is not None else 1.0,
         cost_model=cost_model,
         plan_ahead=plan_ahead,
+        head_dim=head_dim,
+        length_scale=length_scale,
     )
     topo, _ = check_config(cfg)  # bad options fail here, before anything starts
     d_model, heads = model_shape(topo, cfg.head_dim)

@@ -45,6 +45,7 @@ from knapformer.topology import Topology
 
 DEMO_CODES = MIXED8  # the joint mix's data types on 8 GPUs, as in the 8-GPU samples
 HEAD_DIM = 16
+LENGTH_SCALE = 1 / 16  # the mix's lengths shrunk so a step takes well under 1 s
 _LATENT_RANK = 8  # tokens of a sequence are noisy views of one latent of this size
 _GRACE_S = 5.0  # Ctrl-C -> SIGTERM -> SIGKILL
 _STALL_S = 30.0  # no rank starts a step for this long: name the one to blame
@@ -61,7 +62,7 @@ class DemoConfig:
     out: Path = Path("runs/demo")
     record: bool = True
     every: int = 1
-    length_scale: float = 1 / 16  # the mix's lengths shrunk so a step takes well under 1 s
+    length_scale: float = LENGTH_SCALE
     n_layers: int = 2
     head_dim: int = HEAD_DIM  # larger: more compute per token (d_model = heads x head_dim)
     lr: float = 2e-3
