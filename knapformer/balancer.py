@@ -163,8 +163,7 @@ class SequenceBalancer:
         self.run = run
         self.cost_model = cost_model
         for phase in phases:
-            if phase in DERIVED_PHASES:
-                raise KnapformerError(f"phase {phase!r} is derived when a step ends; pick another")
+            _check_added_phase(phase)
 
         self.rank: int = dist.get_rank()
         self._parent_group: Group = process_group
@@ -256,8 +255,7 @@ class SequenceBalancer:
     def add_timing(self, phase: str, ms: float) -> None:
         """Add a user-measured phase (e.g. ``"forward_backward"``; `knapformer.plan` names
         the phases recorded by default, ``phases=`` adds more) to this step's timings."""
-        if phase in DERIVED_PHASES:
-            raise KnapformerError(f"phase {phase!r} is derived when a step ends; pick another")
+        _check_added_phase(phase)
         self._timer.add(phase, ms)
 
     @contextmanager
@@ -674,6 +672,13 @@ class SequenceBalancer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_added_phase(phase: str) -> None:
+    """A phase a user adds (``phases=``, `SequenceBalancer.add_timing`) may not be one the
+    timer derives when a step ends."""
+    if phase in DERIVED_PHASES:
+        raise KnapformerError(f"phase {phase!r} is derived when a step ends; pick another")
 
 
 def _inputs(
