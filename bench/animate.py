@@ -20,12 +20,12 @@ import time
 from pathlib import Path
 
 import av
+from knapformer.visualization.render import QUALITIES, render_video
+from knapformer.visualization.scene import video_duration
 from rich.console import Console
 from rich.table import Table
 
-from knapformer.plan_io import read_plans
-from visualization.render import QUALITIES, render_video
-from visualization.scene import video_duration
+from knapformer.contract.plan_io import read_plans
 
 ROOT = Path(__file__).resolve().parent.parent
 PLAN8 = ROOT / "sample_plans" / "mixed8_g1n2+g2n1+g4n1.json"

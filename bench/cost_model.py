@@ -19,10 +19,10 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from knapformer.plan import RoutingPlan
-from knapformer.planner import plan_routing
-from knapformer.tools.datamix import parse_mix, sample_lengths
-from knapformer.workload import WorkloadModel
+from knapformer.contract.plan import RoutingPlan
+from knapformer.planning.datamix import parse_mix, sample_lengths
+from knapformer.planning.planner import plan_routing
+from knapformer.planning.workload import WorkloadModel
 
 MODEL = WorkloadModel(token_dim=3072, gamma=0.4)
 MIXES = {"mixres": "mixres", "joint": "joint", "lowres": "lowres", "short": "g32b64i128f1s0"}

@@ -32,15 +32,14 @@ from rich.console import Console
 from rich.table import Table
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 from dashboard_server import PeakRss, served_page, status, wait_until  # noqa: E402
 from footer import print_load  # noqa: E402
 
-from knapformer.plan_io import read_plans  # noqa: E402
-from knapformer.planner import plan_routing  # noqa: E402
-from knapformer.tools.datamix import parse_mix, sample_lengths  # noqa: E402
-from knapformer.workload import WorkloadModel  # noqa: E402
+from knapformer.contract.plan_io import read_plans  # noqa: E402
+from knapformer.planning.datamix import parse_mix, sample_lengths  # noqa: E402
+from knapformer.planning.planner import plan_routing  # noqa: E402
+from knapformer.planning.workload import WorkloadModel  # noqa: E402
 
 TOPOLOGY = "g1n8+g2n4+g4n2+g8n1"
 # 16*8 + 8*8 + 8*8 = 256 sequences on 32 GPUs, resolutions 256..1024 px.

@@ -22,12 +22,10 @@ from typing import Any
 import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(1, str(ROOT / "tests"))  # the polling of the browser tests
 
-from polling import wait_until  # noqa: E402
+from knapformer.visualization.browser import launch_chromium  # noqa: E402
 
-from visualization.browser import launch_chromium  # noqa: E402
+from knapformer.testing.polling import wait_until  # noqa: E402
 
 __all__ = ["PeakRss", "ServedPage", "served_page", "status", "wait_until"]
 

@@ -33,17 +33,15 @@ from rich.console import Console
 from rich.table import Table
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(1, str(ROOT / "tests"))  # the measurement synthesiser of the tests
 
 from dashboard_server import served_page, status, wait_until  # noqa: E402
 from footer import print_load  # noqa: E402
-from measured_plans import with_measurements  # noqa: E402
 
-from knapformer.plan_io import parse_plan_line  # noqa: E402
-from knapformer.planner import plan_routing  # noqa: E402
-from knapformer.tools.datamix import parse_mix, sample_lengths  # noqa: E402
-from knapformer.workload import WorkloadModel  # noqa: E402
+from knapformer.contract.plan_io import parse_plan_line  # noqa: E402
+from knapformer.planning.datamix import parse_mix, sample_lengths  # noqa: E402
+from knapformer.planning.planner import plan_routing  # noqa: E402
+from knapformer.planning.workload import WorkloadModel  # noqa: E402
+from knapformer.testing.measured_plans import with_measurements  # noqa: E402
 
 RUNS = {
     # name: (topology, data mix)

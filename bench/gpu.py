@@ -57,16 +57,14 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from knapformer.balancer import SequenceBalancer
+from knapformer.contract.plan_io import read_plans
 from knapformer.local.models import DiTBlock, ToyDiT, positions_in_sequences
-from knapformer.plan_io import read_plans
-from knapformer.planner import plan_routing
-from knapformer.recorder import PlanRecorder
-from knapformer.router import RoutingTables, _from_bytes, _to_bytes
+from knapformer.planning.planner import plan_routing
+from knapformer.planning.workload import WorkloadModel
+from knapformer.runtime.balancer import SequenceBalancer
+from knapformer.runtime.recorder import PlanRecorder
+from knapformer.runtime.router import RoutingTables, _from_bytes, _to_bytes
 from knapformer.tools.calibrate import Calibration, calibrate_lengths
-from knapformer.workload import WorkloadModel
 
 PARTS = ("balancer", "fit", "pack")
 JSON_FILE, HTML_FILE, PLANS_FILE = "gpu-check.json", "workload-fit.html", "plans.jsonl"
@@ -566,7 +564,7 @@ def print_pack(console: Console, res: dict) -> None:
 def write_fit_html(path: Path, cal: Calibration, lengths: np.ndarray, title: str) -> str | None:
     """The fit as one self-contained page; returns why not when plotly is missing."""
     try:
-        from visualization.calibration import calibration_figure, length_fit_figure
+        from knapformer.visualization.calibration import calibration_figure, length_fit_figure
     except ImportError as err:
         return f"not written: {err} (plotly comes with knapformer[dashboard])"
     figures = [

@@ -1,4 +1,4 @@
-"""Benchmark: rank → position lookups of `knapformer.plan.GpuPositions` against the dense
+"""Benchmark: rank → position lookups of `knapformer.contract.plan.GpuPositions` against the dense
 table indexed by the largest rank that it replaced (memory by rank value: 8 GB for a
 rank of 10⁹).
 
@@ -12,17 +12,13 @@ the best of 15 repeats.
 
 from __future__ import annotations
 
-import sys
 import timeit
-from pathlib import Path
 
 import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from knapformer.plan import gpu_positions
+from knapformer.contract.positions import gpu_positions
 
 ROWS = [  # (what, GPU ranks)
     ("8 GPUs, ranks 0..7", np.arange(8)),

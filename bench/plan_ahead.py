@@ -18,16 +18,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from footer import print_targets
 
 from knapformer.local.launcher import launch
@@ -40,7 +35,7 @@ AHEAD_SHARE = 0.10  # target: ahead, at most this share of the synchronous plan_
 
 def _lengths(copies: int, length_scale: float, step: int, rank: int) -> np.ndarray:
     """This rank's lengths of one step: its eighth of the joint mix's GPUs x ``copies``."""
-    from knapformer.tools.datamix import parse_mix, sample_lengths, scale_mix
+    from knapformer.planning.datamix import parse_mix, sample_lengths, scale_mix
 
     codes = scale_mix(parse_mix("joint"), copies)
     per_gpu = sample_lengths(codes, np.random.default_rng([step, 7]), length_scale)
@@ -56,7 +51,7 @@ def _slowest(values: list[float]) -> list[float]:
 
 
 def _run(rank: int, args, ahead: bool) -> dict:
-    from knapformer.balancer import SequenceBalancer
+    from knapformer.runtime.balancer import SequenceBalancer
 
     bal = SequenceBalancer(TOPOLOGY, plan_ahead=ahead)
     total = args.warmup + args.steps

@@ -14,26 +14,22 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
+from footer import print_targets
 from rich.console import Console
 from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from baselines.greedy_python import greedy_plan_python
-from footer import print_targets
-
-from knapformer.plan import RoutingPlan
-from knapformer.planner import plan_routing
-from knapformer.tools.datamix import parse_mix, sample_lengths, scale_mix
-from knapformer.topology import Topology
-from knapformer.workload import WorkloadModel
+from knapformer.contract.plan import RoutingPlan
+from knapformer.contract.topology import Topology
+from knapformer.planning.datamix import parse_mix, sample_lengths, scale_mix
+from knapformer.planning.planner import plan_routing
+from knapformer.planning.workload import WorkloadModel
+from knapformer.testing.greedy_python import greedy_plan_python
 
 MODEL = WorkloadModel(token_dim=3072, gamma=0.4)
-MIXES = {"short": "g32b64i128f1s0"}  # named mixes come from knapformer.tools.datamix
+MIXES = {"short": "g32b64i128f1s0"}  # named mixes come from knapformer.planning.datamix
 ROWS = (
     [
         (mix, topo, 1)

@@ -30,10 +30,10 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from knapformer.planner import plan_routing
-from knapformer.recorder import PlanRecorder
-from knapformer.tools.datamix import parse_mix, sample_lengths, scale_mix
-from knapformer.workload import WorkloadModel
+from knapformer.planning.datamix import parse_mix, sample_lengths, scale_mix
+from knapformer.planning.planner import plan_routing
+from knapformer.planning.workload import WorkloadModel
+from knapformer.runtime.recorder import PlanRecorder
 
 MODEL = WorkloadModel(token_dim=3072, gamma=0.4)
 
@@ -147,7 +147,7 @@ def gil_holds(plans: list) -> tuple[list[float], list[float]]:
     """Per plan, ms of the longest stretch without releasing the GIL: one-call serialising
     (``model_dump_json``, one C call) and the piecewise writer's (between its releases).
     CPU time of this thread, so other processes on a busy machine do not inflate it."""
-    import knapformer.recorder as recorder_module
+    import knapformer.runtime.recorder as recorder_module
 
     one, piecewise = [], []
     rec = PlanRecorder(Path(tempfile.gettempdir()) / "unused.jsonl", enabled=False)
@@ -257,8 +257,8 @@ def latency_tail(tmp: Path, count: int = 40, repeats: int = 3) -> Table:
 def demo_steps(world: int, steps: int, record: bool, out: Path) -> tuple[list[float], list[float]]:
     """Step times of one demo run (first steps dropped: warm-up) and, when recording,
     the recorder's own time per step (the slowest rank's ``record`` phase)."""
+    from knapformer.contract.plan_io import read_plans
     from knapformer.local.demo import DemoConfig, run_demo
-    from knapformer.plan_io import read_plans
 
     cfg = DemoConfig(steps=steps, world_size=world, out=out, record=record)
     reports = run_demo(cfg)

@@ -19,15 +19,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from knapformer.local.launcher import launch
 
@@ -36,7 +32,7 @@ GPUS_PER_RANK = 4  # the joint mix is defined on 32 GPUs; each rank takes four
 
 
 def _lengths(length_scale: float, seed: int) -> list[np.ndarray]:
-    from knapformer.tools.datamix import parse_mix, sample_lengths
+    from knapformer.planning.datamix import parse_mix, sample_lengths
 
     per_gpu = sample_lengths(parse_mix("joint"), np.random.default_rng(seed), length_scale)
     return [
@@ -63,7 +59,7 @@ def _allgather_rows(x: torch.Tensor, counts: list[int]) -> tuple[torch.Tensor, i
 
 def _worker(rank: int, world: int, args: argparse.Namespace) -> dict | None:
     """One rank of the benchmark; rank 0 returns the results, the others None."""
-    from knapformer.balancer import SequenceBalancer
+    from knapformer.runtime.balancer import SequenceBalancer
 
     lengths = _lengths(args.length_scale, args.seed)
     bal = SequenceBalancer(args.topology)

@@ -6,7 +6,7 @@ computes), with the ``modelled`` and the ``history`` cost model, in the same ses
 in the order modelled, history, history, modelled (a machine whose load drifts during
 the session then weighs on both alike). For each cost model:
 
-- the step at which `knapformer stragglers` (`knapformer.stragglers.analyse` over the
+- the step at which `knapformer stragglers` (`knapformer.diagnosis.stragglers.analyse` over the
   plans recorded so far) first names rank 5, and the other ranks it names at any step
   (its first run);
 - the median step time (the balancer's ``step``: from one ``plan_routing`` to the next,
@@ -27,19 +27,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from footer import print_load, print_targets
 
+from knapformer.contract.plan_io import read_plans
 from knapformer.local.demo import DemoConfig, run_demo
-from knapformer.plan_io import read_plans
 
 WORLD, SLOW_RANK, SLOW_FACTOR = 8, 5, 2.0
 NAMED_BY, SPEEDUP = 10, 1.25  # targets: named within 10 steps; history ≥ 25 % faster
@@ -48,8 +44,8 @@ NAMED_BY, SPEEDUP = 10, 1.25  # targets: named within 10 steps; history ≥ 25 %
 def first_named(plans) -> tuple[int | None, set[int]]:
     """The step after whose recording the straggler analysis first names the slow rank,
     and every other rank it names at any step (a false alarm, before or after)."""
-    from knapformer.measured import measure
-    from knapformer.stragglers import analyse
+    from knapformer.diagnosis.measured import measure
+    from knapformer.diagnosis.stragglers import analyse
 
     figures, first, others = [], None, set()
     for plan in plans:

@@ -1,1 +1,2 @@
-"""Live web dashboard of routing plans (Dash): `dashboard.server.start_server` / `serve`."""
+"""Live web dashboard of routing plans (Dash): `knapformer.dashboard.server.start_server`
+and `serve`."""

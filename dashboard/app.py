@@ -34,8 +34,7 @@ from typing import Any
 import flask
 from dash import Dash, Input, Output, Patch, State, ctx, dash_table, dcc, html, no_update
 from dash.exceptions import PreventUpdate
-
-from dashboard.guard import (
+from knapformer.dashboard.guard import (
     guard_callbacks,
     is_int,
     is_list,
@@ -45,13 +44,9 @@ from dashboard.guard import (
     optional,
     record,
 )
-from dashboard.store import PlanStore, RequestGate, Runs, Snapshot
-from dashboard.table import query
-from knapformer.runfiles import RUNS_LAYOUT
-from knapformer.stats import before_after
-from knapformer.stragglers import WINDOW, analyse, describe, rank_steps
-from knapformer.units import LoadUnit
-from visualization.figures import (
+from knapformer.dashboard.store import PlanStore, RequestGate, Runs, Snapshot
+from knapformer.dashboard.table import query
+from knapformer.visualization.figures import (
     SEQUENCE_COLUMNS,
     bag_load_figure,
     empty_figure,
@@ -62,13 +57,18 @@ from visualization.figures import (
     timeline_mode,
     traffic_figure,
 )
-from visualization.straggler_figures import (
+from knapformer.visualization.straggler_figures import (
     HEATMAP_STEPS,
     heatmap_steps,
     predicted_vs_measured_figure,
     ratio_heatmap,
     wait_heatmap,
 )
+
+from knapformer.contract.runfiles import RUNS_LAYOUT
+from knapformer.contract.stats import before_after
+from knapformer.contract.units import LoadUnit
+from knapformer.diagnosis.stragglers import WINDOW, analyse, describe, rank_steps
 
 TICK_MS = 500
 PAGE_LOAD_LINGER_S = 1.5

@@ -1,6 +1,7 @@
 """Save a screenshot of the dashboard (used in the README).
 
-Run: ``python -m dashboard.screenshot [PLANS] [--out docs/dashboard.png] [--element CSS]``
+Run: ``python -m knapformer.dashboard.screenshot [PLANS] [--out docs/dashboard.png]
+[--element CSS]``
 (default: the 50-step sample). Starts the server on a free port, opens headless Chromium,
 selects a sequence split over a multi-GPU bag so the highlight shows, and saves the page
 (or only the element ``CSS`` selects, e.g. ``#straggler-box`` for the straggler views of a
@@ -12,8 +13,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from dashboard.server import start_server
-from visualization.browser import launch_chromium
+from knapformer.dashboard.server import start_server
+from knapformer.visualization.browser import launch_chromium
 
 ROOT = Path(__file__).resolve().parent.parent
 

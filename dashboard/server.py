@@ -64,10 +64,9 @@ def _check_free(host: str, port: int) -> None:
 
 def _make(path: str | Path, host: str, port: int):
     # Imported here so `import dashboard.server` stays cheap.
+    from knapformer.dashboard.app import create_app
+    from knapformer.dashboard.guard import HostGuard, allowed_hosts
     from werkzeug.serving import make_server
-
-    from dashboard.app import create_app
-    from dashboard.guard import HostGuard, allowed_hosts
 
     if not 0 <= port <= 65535:
         raise KnapformerError(f"port {port} is not in 0..65535")

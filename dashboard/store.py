@@ -20,12 +20,13 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from dashboard.tail import MAX_LINE_BYTES, JsonlTail, TailLine
-from knapformer.measured import RankFigures, measure
-from knapformer.plan import RoutingPlan
-from knapformer.plan_io import PlanFormatError, Problem, parse_plan_line, read_plans
-from knapformer.runfiles import find_runs
-from knapformer.stats import StepSummary, summarize
+from knapformer.dashboard.tail import MAX_LINE_BYTES, JsonlTail, TailLine
+
+from knapformer.contract.plan import RoutingPlan
+from knapformer.contract.plan_io import PlanFormatError, Problem, parse_plan_line, read_plans
+from knapformer.contract.runfiles import find_runs
+from knapformer.contract.stats import StepSummary, summarize
+from knapformer.diagnosis.measured import RankFigures, measure
 
 _POLL_BYTES = 512 << 10  # per poll while catching up: small, so serving requests waits little
 _IDLE_S = 0.25
@@ -338,7 +339,7 @@ def _reason(err: Exception) -> str:
 
 
 class Runs:
-    """The runs behind PATH (`knapformer.runfiles.find_runs`): one file, or a folder of
+    """The runs behind PATH (`knapformer.contract.runfiles.find_runs`): one file, or a folder of
     ``<run>/plans.jsonl`` and plan files. Stores are created, and start following, when
     first asked for."""
 

@@ -13,9 +13,9 @@ import re
 from collections.abc import Callable
 
 import numpy as np
+from knapformer.visualization.figures import chunk_destinations, sequence_columns, sequence_rows
 
-from knapformer.plan import RoutingPlan
-from visualization.figures import chunk_destinations, sequence_columns, sequence_rows
+from knapformer.contract.plan import RoutingPlan
 
 _CLAUSE = re.compile(r"\{(?P<column>[^}]+)\}\s*(?P<op>\S+)\s*(?P<value>.*)")
 _COMPARE: dict[str, Callable] = {

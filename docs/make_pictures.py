@@ -67,9 +67,8 @@ def animation_pictures(tmp: Path) -> None:
 
 def calibration_picture(tmp: Path) -> None:
     """Screenshot of the plot `knapformer calibrate --plot` writes for the example CSV."""
+    from knapformer.visualization.browser import launch_chromium
     from playwright.sync_api import sync_playwright
-
-    from visualization.browser import launch_chromium
 
     html = tmp / "calibration.html"
     subprocess.run(  # the path as the page shows it: the plot's title names it
@@ -91,10 +90,9 @@ def calibration_picture(tmp: Path) -> None:
 def trace_picture(tmp: Path) -> None:
     """Three steps of the recorded demo in DevTools' Performance panel, every GPU's track
     expanded (the panel draws on a canvas: tracks are opened by clicking their headers)."""
+    from knapformer.visualization.browser import launch_chromium
+    from knapformer.visualization.trace_viewer import load_trace
     from playwright.sync_api import sync_playwright
-
-    from visualization.browser import launch_chromium
-    from visualization.trace_viewer import load_trace
 
     trace = tmp / "trace.json"
     subprocess.run(
@@ -130,9 +128,8 @@ def _free_port() -> int:
 
 def tensorboard_picture(tmp: Path) -> None:
     """TensorBoard's time series of the recorded demo's scalars, served on 127.0.0.1."""
+    from knapformer.visualization.browser import launch_chromium
     from playwright.sync_api import sync_playwright
-
-    from visualization.browser import launch_chromium
 
     logdir = tmp / "tb"
     subprocess.run(
@@ -184,7 +181,7 @@ def stragglers_picture(tmp: Path) -> None:
     )
     out = ["--out", str(DOCS / "stragglers.png"), "--element", "#straggler-box"]
     subprocess.run(
-        [sys.executable, "-m", "dashboard.screenshot", str(run / "plans.jsonl"), *out],
+        [sys.executable, "-m", "knapformer.dashboard.screenshot", str(run / "plans.jsonl"), *out],
         check=True,
         cwd=ROOT,
     )
@@ -210,7 +207,9 @@ def main() -> None:
             if name in PICTURES:
                 PICTURES[name](Path(tmp))
     if "dashboard" in chosen:
-        subprocess.run([sys.executable, "-m", "dashboard.screenshot"], check=True, cwd=ROOT)
+        subprocess.run(
+            [sys.executable, "-m", "knapformer.dashboard.screenshot"], check=True, cwd=ROOT
+        )
     print(f"wrote {', '.join(chosen)} pictures to {DOCS}")
 
 

@@ -19,10 +19,10 @@ import torch
 import torch.distributed as dist
 
 from knapformer import PlanRecorder, SequenceBalancer
+from knapformer.contract.topology import Topology
 from knapformer.local.demo import DEMO_CODES, default_topology, model_shape, rank_codes
 from knapformer.local.models import ToyDiT
-from knapformer.tools.datamix import parse_mix, sample_lengths
-from knapformer.topology import Topology
+from knapformer.planning.datamix import parse_mix, sample_lengths
 
 
 def parse_args() -> argparse.Namespace:

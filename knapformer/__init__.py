@@ -13,15 +13,16 @@ from typing import Any
 __version__ = "0.2.0"  # the one home of the version (pyproject reads it)
 
 _EXPORTS = {
-    "Topology": "knapformer.topology",
-    "WorkloadModel": "knapformer.workload",
-    "RoutingPlan": "knapformer.plan",
-    "PlanStats": "knapformer.stats",
-    "plan_routing": "knapformer.planner",
-    "read_plans": "knapformer.plan_io",
-    "write_jsonl": "knapformer.plan_io",
-    "SequenceBalancer": "knapformer.balancer",
-    "PlanRecorder": "knapformer.recorder",
+    "Topology": "knapformer.contract.topology",
+    "WorkloadModel": "knapformer.planning.workload",
+    "RoutingPlan": "knapformer.contract.plan",
+    "PlanStats": "knapformer.contract.stats",
+    "plan_routing": "knapformer.planning.planner",
+    "plan_from_legacy": "knapformer.contract.legacy",
+    "read_plans": "knapformer.contract.plan_io",
+    "write_jsonl": "knapformer.contract.plan_io",
+    "SequenceBalancer": "knapformer.runtime.balancer",
+    "PlanRecorder": "knapformer.runtime.recorder",
 }
 
 __all__ = [*_EXPORTS, "__version__"]

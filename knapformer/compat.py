@@ -19,7 +19,7 @@ length types each call returns (a tuple of ints from `route`, int32 tensors on t
 device from `pre_attn` / `post_attn`, the caller's own lengths from `reverse_route`),
 `print_imbalance`, `nice_print`, `get_routing_plan_summary` and the summary's fields as
 attributes (``balancer.gpu_id2seq_lens[balancer.this_gpu_id]``, as MMDiT integrations
-read them). Everything runs on `knapformer.balancer.SequenceBalancer` (``.balancer``),
+read them). Everything runs on `knapformer.runtime.balancer.SequenceBalancer` (``.balancer``),
 so gloo works as well as NCCL, ``last_plan`` is a `RoutingPlan`, and keyword-only
 options (``solver``, ``recorder``, ``run``, ...) reach the rest of the toolkit.
 """
@@ -34,12 +34,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from knapformer.balancer import SequenceBalancer as _Balancer
-from knapformer.legacy import LEGACY_KEYS, plan_to_legacy
-from knapformer.plan import RoutingPlan
-from knapformer.router import Features, Group
-from knapformer.topology import Topology
-from knapformer.workload import WorkloadModel
+from knapformer.contract.legacy import LEGACY_KEYS, plan_to_legacy
+from knapformer.contract.plan import RoutingPlan
+from knapformer.contract.topology import Topology
+from knapformer.planning.workload import WorkloadModel
+from knapformer.runtime.balancer import SequenceBalancer as _Balancer
+from knapformer.runtime.router import Features, Group
 
 logger = logging.getLogger(__name__)
 
@@ -66,14 +66,14 @@ def workload_estimator(seq_len: int, d: int, gamma: float = ORIGINAL_GAMMA) -> f
 
 
 class SequenceBalancer:
-    """The research code's balancer interface, backed by `knapformer.balancer`.
+    """The research code's balancer interface, backed by `knapformer.runtime.balancer`.
 
     Args:
         bag_specs: compute bags, e.g. ``"g1n2+g2n1+g4n1"``.
         gamma: attention weight of the workload model (the research code's 1.0).
         solver: ``"greedy"`` (the research code's algorithm) or ``"knapformer"``.
         process_group, max_tokens_per_gpu, recorder, run: as for
-            `knapformer.balancer.SequenceBalancer` (the research code had none of them).
+            `knapformer.runtime.balancer.SequenceBalancer` (the research code had none of them).
     """
 
     def __init__(

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import numpy as np
 
-from knapformer.legacy import plan_to_legacy
-from knapformer.plan import RoutingPlan
-from knapformer.plan_io import write_json, write_jsonl
-from knapformer.planner import plan_routing
-from knapformer.tools.datamix import MIXED8, parse_mix, sample_lengths
-from knapformer.workload import WorkloadModel
+from knapformer.contract.legacy import plan_to_legacy
+from knapformer.contract.plan import RoutingPlan
+from knapformer.contract.plan_io import write_json, write_jsonl
+from knapformer.planning.datamix import MIXED8, parse_mix, sample_lengths
+from knapformer.planning.planner import plan_routing
+from knapformer.planning.workload import WorkloadModel
 
 HERE = Path(__file__).resolve().parent
 MODEL = WorkloadModel(token_dim=3072, gamma=0.4)

@@ -8,16 +8,16 @@ from pathlib import Path
 import av
 import numpy as np
 import pytest
-from processes import CLI
+from knapformer.visualization import layout as L
+from knapformer.visualization import palette
+from knapformer.visualization.layout import BACKGROUND, layout_plan, to_pixels
+from knapformer.visualization.scene import STEP_SECONDS, video_duration
 
 from knapformer.cli import main
-from knapformer.plan_io import read_plans, write_json, write_jsonl
-from knapformer.planner import plan_routing
-from knapformer.workload import WorkloadModel
-from visualization import layout as L
-from visualization import palette
-from visualization.layout import BACKGROUND, layout_plan, to_pixels
-from visualization.scene import STEP_SECONDS, video_duration
+from knapformer.contract.plan_io import read_plans, write_json, write_jsonl
+from knapformer.planning.planner import plan_routing
+from knapformer.planning.workload import WorkloadModel
+from knapformer.testing.processes import CLI
 
 ANIMATE = [*CLI, "animate"]
 

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from dist_helpers import run_world
 
-from knapformer.plan import RECORDED_PHASES
+from knapformer.contract.plan import RECORDED_PHASES
+from knapformer.testing.dist_helpers import run_world
 
 D_MODEL, HEADS, LAYERS = 32, 8, 2
 HEAVY = 600  # tokens of one sequence heavier than any bag's fair share
@@ -204,14 +204,14 @@ def _errors(bal, world) -> dict[str, str]:
     catch("heads", lambda: bal.pre_attn(*(torch.zeros(n, 3, 4),) * 3))
     catch("post_rank", lambda: bal.post_attn(torch.zeros(n, 16)))
     catch("reverse_rows", lambda: bal.reverse_route(torch.zeros(n + 1, 4)))
-    from knapformer.balancer import SequenceBalancer
+    from knapformer.runtime.balancer import SequenceBalancer
 
     catch("topology", lambda: SequenceBalancer("g1n3"))
     return msgs
 
 
 def _worker(rank: int, world: int, topologies: list[str]) -> dict:
-    from knapformer.balancer import SequenceBalancer
+    from knapformer.runtime.balancer import SequenceBalancer
 
     counter = _CountingDist()
     results: dict = {}
@@ -295,11 +295,11 @@ def test_balancer_on_gloo(world, tmp_path):
     results = run_world(_worker, world, tmp_path, WORLDS[world])
     refs = {case: _reference(_lengths(world, case)) for case in ("mixed", "single")}
     for topo in WORLDS[world]:
-        from knapformer.topology import Topology
+        from knapformer.contract.topology import Topology
 
         t = Topology.parse(topo)
         if t.num_bags > 1:  # the edge case is really there (needs a choice of bags)
-            from knapformer.workload import WorkloadModel
+            from knapformer.planning.workload import WorkloadModel
 
             work = WorkloadModel(D_MODEL).workload(
                 np.concatenate(_lengths(world, "mixed")[: t.num_gpus])

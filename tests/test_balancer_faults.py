@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_helpers import run_world
+
+from knapformer.testing.dist_helpers import run_world
 
 WORLD = 4
 D = 16
@@ -27,7 +28,7 @@ def _try(fn) -> str | None:
 
 
 def _worker(rank: int, world: int, ahead: bool) -> dict:
-    from knapformer.balancer import SequenceBalancer
+    from knapformer.runtime.balancer import SequenceBalancer
 
     bal = SequenceBalancer("g1n2+g2n1", plan_ahead=ahead)
     mine = [5 + rank, 3]

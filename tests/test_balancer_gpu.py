@@ -10,7 +10,8 @@ import math
 
 import pytest
 import torch
-from dist_helpers import run_world_backend
+
+from knapformer.testing.dist_helpers import run_world_backend
 
 GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 BACKENDS = [pytest.param("nccl", marks=GPU), "gloo"]
@@ -57,8 +58,8 @@ def test_cuda_nccl_world1(tmp_path):
 
 
 def _worker(rank: int, world: int) -> dict:
-    from knapformer.balancer import SequenceBalancer
     from knapformer.local.models import ToyDiT
+    from knapformer.runtime.balancer import SequenceBalancer
 
     torch.cuda.set_device(rank)
     bal = SequenceBalancer("g1n1")
@@ -93,7 +94,7 @@ DIM, HEADS = 32, 4
 
 def _round_trip_worker(rank: int, world: int, backend: str) -> dict:
     """route -> pre_attn -> post_attn -> reverse_route -> backward, no host sync allowed."""
-    from knapformer.balancer import SequenceBalancer
+    from knapformer.runtime.balancer import SequenceBalancer
 
     device = _device(backend)
     bal = SequenceBalancer("g1n1")
@@ -167,8 +168,8 @@ STEPS = 4
 def _recorder_worker(rank: int, world: int, backend: str, path: str) -> dict:
     """Steps whose phases the balancer times (CUDA events on a GPU, read at the next
     plan) and records; the steps between two plans may not wait for the GPU."""
-    from knapformer.balancer import SequenceBalancer
-    from knapformer.recorder import PlanRecorder
+    from knapformer.runtime.balancer import SequenceBalancer
+    from knapformer.runtime.recorder import PlanRecorder
 
     device = _device(backend)
     weight = torch.randn(DIM, DIM, device=device)
@@ -191,7 +192,7 @@ def _recorder_worker(rank: int, world: int, backend: str, path: str) -> dict:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_phases_are_recorded_without_syncing_the_steps(tmp_path, backend):
-    from knapformer.plan_io import read_plans
+    from knapformer.contract.plan_io import read_plans
 
     path = tmp_path / "plans.jsonl"
     (res,) = run_world_backend(_recorder_worker, 1, tmp_path, backend, backend, str(path))

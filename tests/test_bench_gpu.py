@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from knapformer.workload import WorkloadModel
+from knapformer.planning.workload import WorkloadModel
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench" / "gpu.py"

@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 
 from knapformer.cli import main
-from knapformer.plan import Measurements
-from knapformer.plan_io import write_jsonl
-from knapformer.planner import plan_routing
+from knapformer.contract.plan import Measurements
+from knapformer.contract.plan_io import write_jsonl
+from knapformer.planning.datamix import parse_mix, sample_lengths
+from knapformer.planning.planner import plan_routing
+from knapformer.planning.workload import WorkloadModel
 from knapformer.tools.calibrate import calibrate_file, calibrate_plans
-from knapformer.tools.datamix import parse_mix, sample_lengths
-from knapformer.workload import WorkloadModel
 
 K, GAMMA, D = 0.8, 0.7, 1024
 

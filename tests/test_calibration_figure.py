@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from knapformer.visualization.calibration import length_fit_figure
 
-from knapformer.workload import WorkloadModel
-from visualization.calibration import length_fit_figure
+from knapformer.planning.workload import WorkloadModel
 
 
 def test_length_fit_shows_the_points_and_the_model_split_into_its_parts():

@@ -12,8 +12,8 @@ import textwrap
 import pytest
 
 from knapformer.cli import main
+from knapformer.contract.plan_io import PlanFormatError, parse_step_range
 from knapformer.errors import KnapformerError, OptionError
-from knapformer.plan_io import PlanFormatError, parse_step_range
 from knapformer.tools import calibrate as calibrate_module
 from knapformer.tools.replay import check_options
 from knapformer.tools.simulate import run_files
@@ -33,7 +33,7 @@ def _run_cli(prelude: str, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_library_messages_name_arguments_and_the_cli_names_flags(plan8_path, capsys):
-    from knapformer.plan_io import read_plans
+    from knapformer.contract.plan_io import read_plans
 
     plan = read_plans(plan8_path, on_error="raise").plans[0]
     with pytest.raises(OptionError) as caught:

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from knapformer.plan_io import read_plans
+from knapformer.contract.plan_io import read_plans
 
 EXE = shutil.which("knapformer") or str(Path(sys.executable).parent / "knapformer")
 

@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from measured_plans import measured_run
 
-from knapformer.plan_io import write_jsonl
-from knapformer.runfiles import plans_file
+from knapformer.contract.plan_io import write_jsonl
+from knapformer.contract.runfiles import plans_file
+from knapformer.testing.measured_plans import measured_run
 
 EXE = shutil.which("knapformer") or str(Path(sys.executable).parent / "knapformer")
 

@@ -11,13 +11,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from knapformer.visualization.browser import find_chromium
 
 from knapformer.cli import main
-from knapformer.plan_io import read_plans, write_jsonl
-from knapformer.planner import plan_routing
+from knapformer.contract.plan_io import read_plans, write_jsonl
+from knapformer.planning.planner import plan_routing
+from knapformer.planning.workload import WorkloadModel
 from knapformer.tools.calibrate import calibrate_file
-from knapformer.workload import WorkloadModel
-from visualization.browser import find_chromium
 
 EXE = shutil.which("knapformer") or str(Path(sys.executable).parent / "knapformer")
 needs_chromium = pytest.mark.skipif(find_chromium() is None, reason="no Chromium")
@@ -216,7 +216,7 @@ def test_calibrate_says_plainly_that_a_poor_fit_is_not_usable(sample_dir, tmp_pa
 
 
 def test_calibration_plot_has_log_axes_and_a_usable_fit_keeps_its_use_line(tmp_path):
-    from visualization.calibration import calibration_figure
+    from knapformer.visualization.calibration import calibration_figure
 
     lengths = [256, 512, 1024, 4096, 16384, 65536]
     model = WorkloadModel(512, gamma=0.6, scale=80.0)

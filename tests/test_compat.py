@@ -13,14 +13,14 @@ import re
 import numpy as np
 import pytest
 import torch
-from dist_helpers import run_world
-from log_lines import LogLines, capture
 
 from knapformer.compat import ORIGINAL_GAMMA, SequenceBalancer, workload_estimator
-from knapformer.legacy import LEGACY_KEYS
-from knapformer.plan import RoutingPlan
-from knapformer.planner import plan_routing
-from knapformer.workload import WorkloadModel
+from knapformer.contract.legacy import LEGACY_KEYS, plan_from_legacy
+from knapformer.contract.plan import RoutingPlan
+from knapformer.planning.planner import plan_routing
+from knapformer.planning.workload import WorkloadModel
+from knapformer.testing.dist_helpers import run_world
+from knapformer.testing.log_lines import LogLines, capture
 
 TOPOLOGY = "g1n2+g2n1"
 WORLD = 4
@@ -185,7 +185,7 @@ def test_summary_is_int_keyed_and_imports_to_the_same_routing(gloo_results):
                     assert all(type(k) is int for k in value), key
             assert summary["balance_gpu_ids"] == step["balance_gpu_ids"] == plan.gpus
             for saved in (summary, json.loads(json.dumps(summary))):
-                imported = RoutingPlan.from_legacy(saved)
+                imported = plan_from_legacy(saved)
                 assert imported.topology == TOPOLOGY
                 for column in ("src_gpu", "length", "bag"):
                     assert np.array_equal(

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_helpers import run_world_backend
 
 from knapformer.compat import SequenceBalancer
+from knapformer.testing.dist_helpers import run_world_backend
 
 
 def _cuda_worker(rank: int, world: int) -> dict:

@@ -21,11 +21,11 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from dist_helpers import run_world
-from log_lines import capture
-from varlen_transformer import TransformerBlock, rope_cossin
 
 from knapformer.compat import SequenceBalancer  # was: from knapformer import SequenceBalancer
+from knapformer.testing.dist_helpers import run_world
+from knapformer.testing.log_lines import capture
+from knapformer.testing.varlen_transformer import TransformerBlock, rope_cossin
 
 WORLD = 8
 BAG_SPECS = "g1n2+g2n1+g4n1"

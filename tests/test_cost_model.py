@@ -7,13 +7,18 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from knapformer.legacy import plan_from_legacy, plan_to_legacy
-from knapformer.plan import RoutingPlan
-from knapformer.planner import plan_routing
-from knapformer.tools.datamix import parse_mix, sample_lengths
-from knapformer.topology import Topology
-from knapformer.units import LoadUnit, round_significant, round_significant_array, significant
-from knapformer.workload import WorkloadModel
+from knapformer.contract.legacy import plan_from_legacy, plan_to_legacy
+from knapformer.contract.plan import RoutingPlan
+from knapformer.contract.topology import Topology
+from knapformer.contract.units import (
+    LoadUnit,
+    round_significant,
+    round_significant_array,
+    significant,
+)
+from knapformer.planning.datamix import parse_mix, sample_lengths
+from knapformer.planning.planner import plan_routing
+from knapformer.planning.workload import WorkloadModel
 
 MODEL = WorkloadModel(token_dim=3072, gamma=0.4)
 SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])

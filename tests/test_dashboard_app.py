@@ -6,8 +6,7 @@ import json
 import urllib.request
 
 import pytest
-
-from dashboard.server import start_server
+from knapformer.dashboard.server import start_server
 
 
 def _get(url: str) -> tuple[int, str]:

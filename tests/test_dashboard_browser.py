@@ -13,14 +13,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from measured_plans import measured_run
-from polling import wait_until
+from knapformer.visualization.browser import find_chromium, launch_chromium
 
-from knapformer.plan_io import parse_plan_line, write_jsonl
-from knapformer.planner import plan_routing
-from knapformer.tools.datamix import parse_mix, sample_lengths
-from knapformer.workload import WorkloadModel
-from visualization.browser import find_chromium, launch_chromium
+from knapformer.contract.plan_io import parse_plan_line, write_jsonl
+from knapformer.planning.datamix import parse_mix, sample_lengths
+from knapformer.planning.planner import plan_routing
+from knapformer.planning.workload import WorkloadModel
+from knapformer.testing.measured_plans import measured_run
+from knapformer.testing.polling import wait_until
 
 pytestmark = pytest.mark.browser
 
@@ -85,7 +85,7 @@ def live_file(runs_dir):
 
 @pytest.fixture(scope="module")
 def page(runs_dir):
-    from dashboard.server import start_server
+    from knapformer.dashboard.server import start_server
 
     handle = start_server(runs_dir, port=0)
     with sync_api.sync_playwright() as pw:

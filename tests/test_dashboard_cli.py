@@ -9,9 +9,9 @@ import subprocess
 import urllib.request
 
 import pytest
-from processes import CLI
 
 from knapformer.cli import main
+from knapformer.testing.processes import CLI
 
 
 def _start(*args: str) -> subprocess.Popen:

@@ -9,10 +9,9 @@ import json
 import logging
 
 import pytest
-
-from dashboard.app import CALLBACK_SHAPES
-from dashboard.guard import allowed_hosts
-from dashboard.server import start_server
+from knapformer.dashboard.app import CALLBACK_SHAPES
+from knapformer.dashboard.guard import allowed_hosts
+from knapformer.dashboard.server import start_server
 
 
 @pytest.fixture(scope="module")
@@ -216,7 +215,7 @@ def test_malformed_callback_requests_are_answered_400_without_a_traceback(
 
 
 def test_every_callback_input_has_a_declared_shape(tmp_path):
-    from dashboard.app import create_app
+    from knapformer.dashboard.app import create_app
 
     app = create_app(tmp_path / "plans.jsonl")
     try:

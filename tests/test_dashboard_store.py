@@ -8,9 +8,9 @@ import shutil
 
 import numpy as np
 import pytest
+from knapformer.dashboard.store import PlanStore, Runs
 
-from dashboard.store import PlanStore, Runs
-from knapformer.plan_io import parse_plan_line
+from knapformer.contract.plan_io import parse_plan_line
 
 
 @pytest.fixture
@@ -168,7 +168,7 @@ def test_a_bad_line_costs_exactly_that_line(tmp_path, lines50):
 
 
 def test_a_line_too_long_to_read_is_a_problem(tmp_path, lines50, monkeypatch):
-    import dashboard.tail as tail_module
+    import knapformer.dashboard.tail as tail_module
 
     monkeypatch.setattr(tail_module, "MAX_LINE_BYTES", 4 << 20)
     path = tmp_path / "plans.jsonl"
@@ -200,7 +200,7 @@ def _open_files_under(folder) -> int:
 def test_viewing_many_runs_keeps_threads_and_open_files_bounded(tmp_path, lines50):
     import time
 
-    from dashboard.store import KEEP_STORES
+    from knapformer.dashboard.store import KEEP_STORES
 
     names = [f"run{i:03d}" for i in range(3 * KEEP_STORES)]
     for i, name in enumerate(names):
@@ -233,9 +233,8 @@ def test_viewing_many_runs_keeps_threads_and_open_files_bounded(tmp_path, lines5
 
 
 def test_measured_steps_keep_their_per_rank_figures(tmp_path, lines50):
-    from measured_plans import measured_run
-
-    from knapformer.plan_io import write_jsonl
+    from knapformer.contract.plan_io import write_jsonl
+    from knapformer.testing.measured_plans import measured_run
 
     path = tmp_path / "plans.jsonl"
     plans = measured_run(6, slow_rank=3, slow_factor=2.0)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from knapformer.dashboard.table import query
+from knapformer.visualization.figures import sequence_rows
 
-from dashboard.table import query
-from knapformer.plan_io import read_plans
-from visualization.figures import sequence_rows
+from knapformer.contract.plan_io import read_plans
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from knapformer.tools.datamix import DataCode, mix_gpus, parse_mix, sample_lengths, scale_mix
+from knapformer.planning.datamix import DataCode, mix_gpus, parse_mix, sample_lengths, scale_mix
 
 
 def test_data_code_tokens():

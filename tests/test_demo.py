@@ -15,9 +15,11 @@ from pathlib import Path
 
 import psutil
 import pytest
-from processes import running, survivors
 
 from knapformer.cli import main
+from knapformer.contract.plan_io import read_plans
+from knapformer.contract.runfiles import remove_recording
+from knapformer.contract.topology import Topology
 from knapformer.local.demo import (
     DEMO_CODES,
     DemoConfig,
@@ -27,10 +29,8 @@ from knapformer.local.demo import (
     rank_codes,
     topology_note,
 )
-from knapformer.plan_io import read_plans
-from knapformer.runfiles import remove_recording
-from knapformer.tools.datamix import parse_mix
-from knapformer.topology import Topology
+from knapformer.planning.datamix import parse_mix
+from knapformer.testing.processes import running, survivors
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent

@@ -4,14 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from measured_plans import with_measurements
-
-from knapformer.measured import measure
-from knapformer.plan_io import read_plans
-from knapformer.stats import StepSummary, linear_share, summarize
-from knapformer.stragglers import analyse, rank_steps, row_medians
-from visualization.axes import LINE_PX
-from visualization.figures import (
+from knapformer.visualization.axes import LINE_PX
+from knapformer.visualization.figures import (
     TRAFFIC_PLOT_PX,
     bag_load_figure,
     empty_figure,
@@ -20,11 +14,17 @@ from visualization.figures import (
     timeline_figure,
     traffic_figure,
 )
-from visualization.straggler_figures import (
+from knapformer.visualization.straggler_figures import (
     predicted_vs_measured_figure,
     ratio_heatmap,
     wait_heatmap,
 )
+
+from knapformer.contract.plan_io import read_plans
+from knapformer.contract.stats import StepSummary, linear_share, summarize
+from knapformer.diagnosis.measured import measure
+from knapformer.diagnosis.stragglers import analyse, rank_steps, row_medians
+from knapformer.testing.measured_plans import with_measurements
 
 
 @pytest.fixture
@@ -125,9 +125,10 @@ def test_traffic_heatmap_holds_the_token_matrix_in_bag_order(plan8):
 
 
 def test_up_to_128_gpus_every_gpu_is_a_cell_and_ticks_thin_by_the_rule():
-    from knapformer.planner import plan_routing
-    from knapformer.workload import WorkloadModel
-    from visualization.axes import MAX_VIEW_GPUS, stride
+    from knapformer.visualization.axes import MAX_VIEW_GPUS, stride
+
+    from knapformer.planning.planner import plan_routing
+    from knapformer.planning.workload import WorkloadModel
 
     lengths = [np.array([64 + (g * 37) % 900]) for g in range(MAX_VIEW_GPUS)]
     plan = plan_routing(lengths, "g1n32+g2n16+g4n8+g8n4", WorkloadModel(64, 0.4))

@@ -28,8 +28,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from knapformer.cli import main
-from knapformer.plan import RoutingPlan
-from knapformer.plan_io import PlanFormatError, parse_plan_line
+from knapformer.contract.plan import RoutingPlan
+from knapformer.contract.plan_io import PlanFormatError, parse_plan_line
 
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_plans"
 EXAMPLES = int(os.environ.get("KNAPFORMER_FUZZ_EXAMPLES", "5000"))

@@ -1,4 +1,4 @@
-"""The history cost model (`knapformer.history`): speeds learnt from measured compute are
+"""The history cost model (`knapformer.planning.history`): speeds learnt from measured compute are
 robust, bounded, warmed up, and in a closed loop with the real planner take work off a
 slow GPU; `recorded_speeds` recomputes them from a recording."""
 
@@ -7,12 +7,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from knapformer.contract.plan import Measurements
 from knapformer.errors import KnapformerError
-from knapformer.history import LAG_STEPS, SPEED_BOUNDS, SpeedHistory, recorded_speeds, step_work
-from knapformer.plan import Measurements
-from knapformer.planner import plan_routing
-from knapformer.tools.datamix import parse_mix, sample_lengths
-from knapformer.workload import WorkloadModel
+from knapformer.planning.datamix import parse_mix, sample_lengths
+from knapformer.planning.history import (
+    LAG_STEPS,
+    SPEED_BOUNDS,
+    SpeedHistory,
+    recorded_speeds,
+    step_work,
+)
+from knapformer.planning.planner import plan_routing
+from knapformer.planning.workload import WorkloadModel
 
 WORK = np.array([4.0, 4.0, 4.0, 4.0])
 
@@ -113,7 +119,7 @@ def test_recorded_speeds_recompute_a_runs_speeds_from_its_plans():
     true_speed = np.array([1.0, 0.7, 1.0, 1.0, 1.0, 1.3, 1.0, 1.0])
     plans = _closed_loop(12, true_speed, overhead_ms=3.0, seed=4)
     # What a recording holds: plans as JSON, read back.
-    from knapformer.plan import RoutingPlan
+    from knapformer.contract.plan import RoutingPlan
 
     read_back = [RoutingPlan.model_validate_json(p.model_dump_json()) for p in plans]
     assert recorded_speeds(read_back) == {p.step: p.gpu_speed for p in plans}

@@ -16,14 +16,15 @@ import pytest
 
 from knapformer import limits
 from knapformer.cli import main
+from knapformer.contract.plan import RoutingPlan
+from knapformer.contract.plan_io import PlanFormatError, parse_plan_line, read_plans
+from knapformer.contract.positions import gpu_positions
+from knapformer.contract.stats import compute_stats
+from knapformer.contract.topology import Topology
 from knapformer.errors import KnapformerError
-from knapformer.plan import RoutingPlan, gpu_positions
-from knapformer.plan_io import PlanFormatError, parse_plan_line, read_plans
-from knapformer.planner import plan_routing
-from knapformer.stats import compute_stats
-from knapformer.tools.datamix import parse_mix
-from knapformer.topology import Topology
-from knapformer.workload import WorkloadModel
+from knapformer.planning.datamix import parse_mix
+from knapformer.planning.planner import plan_routing
+from knapformer.planning.workload import WorkloadModel
 
 MODEL = WorkloadModel(token_dim=256, gamma=0.4)
 EXE = shutil.which("knapformer") or str(Path(sys.executable).parent / "knapformer")
@@ -106,12 +107,12 @@ def test_validate_checks_the_topology_against_the_bags(tmp_path, plan8_path, cap
 def test_commands_refuse_sizes_beyond_the_bounds(capsys, args):
     code, out, err = cli(capsys, *args)
     assert code == 1 and err.startswith("error: ") and err.count("\n") == 1
-    assert "at most" in err and "knapformer.limits" in err
+    assert "at most" in err and "knapformer.contract.limits" in err
     assert "│" not in out  # nothing was simulated
 
 
 def test_replay_refuses_plans_and_dims_too_large_to_hold(tmp_path, plan8_path, capsys):
-    from knapformer.plan_io import write_json
+    from knapformer.contract.plan_io import write_json
 
     long = tmp_path / "long.json"
     write_json(long, plan_routing([[2**29]], "g1n1", MODEL))  # a 2 KB file
@@ -227,7 +228,7 @@ def test_stats_do_not_build_the_gpu_by_gpu_traffic_matrix():
 
 
 def test_large_plan_figures_aggregate_and_say_so():
-    from visualization import figures as F
+    from knapformer.visualization import figures as F
 
     plan = large_plan(1024)
     heat = F.traffic_figure(plan, validate=False)
@@ -261,7 +262,7 @@ def test_large_plan_figures_aggregate_and_say_so():
 
 
 def test_report_of_a_large_plan_stays_small(tmp_path, capsys):
-    from knapformer.plan_io import write_jsonl
+    from knapformer.contract.plan_io import write_jsonl
 
     path = tmp_path / "big.jsonl"
     write_jsonl(path, [large_plan(1024)])
@@ -274,7 +275,7 @@ def test_report_of_a_large_plan_stays_small(tmp_path, capsys):
 
 def test_show_of_a_large_plan_prints_the_busiest_gpus_and_a_note(tmp_path, capsys):
     from knapformer.cli.plans import MAX_SHOWN_GPUS
-    from knapformer.plan_io import write_jsonl
+    from knapformer.contract.plan_io import write_jsonl
 
     plan = large_plan(1024)
     path = tmp_path / "big.jsonl"
@@ -483,7 +484,7 @@ def test_an_indented_file_that_is_not_json_is_one_problem_at_its_line(tmp_path, 
 
 
 def test_an_over_long_record_is_skipped_without_being_read(tmp_path, steps50_path, monkeypatch):
-    import knapformer.plan_io as plan_io
+    import knapformer.contract.plan_io as plan_io
 
     monkeypatch.setattr(plan_io, "MAX_RECORD_BYTES", 64 * 2**10)
     good = steps50_path.read_text().splitlines()[:2]
@@ -493,12 +494,12 @@ def test_an_over_long_record_is_skipped_without_being_read(tmp_path, steps50_pat
     assert [r.line for r in result.records] == [1, 3]
     assert [str(p) for p in result.problems] == [
         f"{path}:2: line of 300,001 bytes skipped: a record holds at most 65,536 "
-        "(knapformer.limits)"
+        "(knapformer.contract.limits)"
     ]
 
 
 def test_plan_files_are_streamed_one_record_at_a_time(tmp_path, steps50_path):
-    from knapformer.plan_io import iter_plan_file
+    from knapformer.contract.plan_io import iter_plan_file
 
     path = write(tmp_path, "long.jsonl", steps50_path.read_text() * 4)  # 200 plans, 1.5 MB
 

@@ -6,12 +6,12 @@ import itertools
 
 import numpy as np
 import pytest
+from knapformer.visualization import layout as L
+from knapformer.visualization.layout import layout_plan, sequence_color, to_pixels
 
-from knapformer.plan_io import read_plans
-from knapformer.planner import plan_routing
-from knapformer.workload import WorkloadModel
-from visualization import layout as L
-from visualization.layout import layout_plan, sequence_color, to_pixels
+from knapformer.contract.plan_io import read_plans
+from knapformer.planning.planner import plan_routing
+from knapformer.planning.workload import WorkloadModel
 
 
 @pytest.fixture
@@ -307,8 +307,8 @@ def test_flight_arc_bulges_toward_the_middle_and_flattens_at_the_edges():
 
 
 def test_animation_and_dashboard_draw_capacity_in_one_colour(plan8):
-    from visualization import palette
-    from visualization.figures import bag_load_figure
+    from knapformer.visualization import palette
+    from knapformer.visualization.figures import bag_load_figure
 
     fig = bag_load_figure(plan8)
     capacity = next(t for t in fig.data if t.name.startswith("capacity"))

@@ -3,11 +3,10 @@ import json
 import numpy as np
 import pytest
 
-from knapformer.legacy import plan_from_legacy, plan_to_legacy
-from knapformer.plan import RoutingPlan
-from knapformer.plan_io import read_plans
-from knapformer.planner import plan_routing
-from knapformer.workload import WorkloadModel
+from knapformer.contract.legacy import plan_from_legacy, plan_to_legacy
+from knapformer.contract.plan_io import read_plans
+from knapformer.planning.planner import plan_routing
+from knapformer.planning.workload import WorkloadModel
 
 
 def _plan():
@@ -20,7 +19,7 @@ def test_legacy_summary_with_string_keys_imports_to_the_same_routing():
     plan = _plan()
     summary = json.loads(json.dumps(plan_to_legacy(plan)))  # int keys became strings
     assert all(isinstance(k, str) for k in summary["seq_id2seq_len"])
-    imported = RoutingPlan.from_legacy(summary)
+    imported = plan_from_legacy(summary)
     assert imported.topology == "g1n2+g2n1+g4n1"
     assert imported.token_dim is None and imported.gamma is None
     assert imported.solver == "unknown"

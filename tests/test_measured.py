@@ -1,17 +1,18 @@
-"""Per-rank measured figures of one plan: compute apart from waiting (knapformer.measured)."""
+"""Per-rank measured figures of one plan: compute apart from waiting
+(knapformer.diagnosis.measured)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from measured_plans import measured_run, with_measurements
 
-from knapformer.measured import compute_ratio, measure
-from knapformer.plan import BAG_COLLECTIVES, COLLECTIVE_PHASES, Measurements
-from knapformer.plan_io import read_plans
-from knapformer.planner import plan_routing
-from knapformer.stats import summarize
-from knapformer.workload import WorkloadModel
+from knapformer.contract.plan import BAG_COLLECTIVES, COLLECTIVE_PHASES, Measurements
+from knapformer.contract.plan_io import read_plans
+from knapformer.contract.stats import summarize
+from knapformer.diagnosis.measured import compute_ratio, measure
+from knapformer.planning.planner import plan_routing
+from knapformer.planning.workload import WorkloadModel
+from knapformer.testing.measured_plans import measured_run, with_measurements
 
 
 @pytest.fixture

@@ -12,11 +12,11 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-from dist_helpers import run_world
 
-from knapformer.history import recorded_speeds
-from knapformer.plan import COLLECTIVE_PHASES
-from knapformer.plan_io import read_plans
+from knapformer.contract.plan import COLLECTIVE_PHASES
+from knapformer.contract.plan_io import read_plans
+from knapformer.planning.history import recorded_speeds
+from knapformer.testing.dist_helpers import run_world
 
 WORLD = 4
 TOPOLOGY = "g1n2+g2n1"
@@ -55,9 +55,9 @@ class _Count:
 def _steps(rank: int, counter: _Count, measured: bool, out: str) -> dict:
     """STEPS training steps of a ToyDiT through the balancer; rank SLOW_RANK sleeps in its
     compute. ``measured``: with a recorder, the history cost model and an extra phase."""
-    from knapformer.balancer import SequenceBalancer
     from knapformer.local.models import ToyDiT
-    from knapformer.recorder import PlanRecorder
+    from knapformer.runtime.balancer import SequenceBalancer
+    from knapformer.runtime.recorder import PlanRecorder
 
     options = {}
     if measured:
@@ -114,7 +114,7 @@ def test_measurements_add_no_collective(run):
 
 
 def test_a_time_scale_makes_workloads_milliseconds(run):
-    from knapformer.workload import WorkloadModel
+    from knapformer.planning.workload import WorkloadModel
 
     plans, _ = run
     for plan in plans:
@@ -187,14 +187,14 @@ def test_plans_with_learnt_speeds_replay(history_demo, tmp_path):
     # Re-planned at nominal speeds, the plan would differ: the speeds were used.
     nominal = json.loads(plan.model_dump_json())
     nominal["gpu_speed"] = None
-    from knapformer.plan import RoutingPlan
+    from knapformer.contract.plan import RoutingPlan
 
     assert not replay(RoutingPlan.model_validate(nominal)).ok
 
 
 # ------------------------------------------------------------------ arguments
 def _argument_errors(rank: int, world: int) -> dict[str, str]:
-    from knapformer.balancer import SequenceBalancer
+    from knapformer.runtime.balancer import SequenceBalancer
 
     cases = {
         "cost_model": {"cost_model": "oracle"},

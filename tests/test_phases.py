@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from knapformer.visualization.straggler_figures import predicted_vs_measured_figure
 
-from knapformer.measured import measure
-from knapformer.plan import COMPUTE_PHASES, RECORDED_PHASES, Measurements
-from knapformer.plan_io import read_plans, write_jsonl
-from knapformer.stragglers import analyse, rank_steps
-from knapformer.timing import StepTimer
+from knapformer.contract.plan import COMPUTE_PHASES, RECORDED_PHASES, Measurements
+from knapformer.contract.plan_io import read_plans, write_jsonl
+from knapformer.diagnosis.measured import measure
+from knapformer.diagnosis.stragglers import analyse, rank_steps
+from knapformer.runtime.timing import StepTimer
 from knapformer.tools.calibrate import calibrate_file
-from visualization.straggler_figures import predicted_vs_measured_figure
 
 
 def measured_phase(plan):

@@ -11,9 +11,9 @@ from collections import Counter
 
 import pytest
 import torch
-from dist_helpers import run_world
 
-from knapformer.plan_io import read_plans
+from knapformer.contract.plan_io import read_plans
+from knapformer.testing.dist_helpers import run_world
 
 WORLD = 4
 TOPOLOGY = "g1n2+g2n1"
@@ -61,8 +61,8 @@ class _Collectives:
 def _train(rank: int, out: str, ahead: bool) -> dict:
     """STEPS steps of route / reverse_route / all-reduce with a recorder; returns the plans
     (without their times) and the collectives counted inside plan_routing and prefetch."""
-    from knapformer.balancer import SequenceBalancer
-    from knapformer.recorder import PlanRecorder
+    from knapformer.runtime.balancer import SequenceBalancer
+    from knapformer.runtime.recorder import PlanRecorder
 
     rec = PlanRecorder(f"{out}/{'ahead' if ahead else 'sync'}.jsonl")
     bal = SequenceBalancer(TOPOLOGY, recorder=rec, plan_ahead=ahead)
@@ -151,7 +151,7 @@ def test_close_stops_the_plan_ahead_thread_after_an_unused_prefetch(trained):
 
 # ------------------------------------------------------------- wrong lengths
 def _mismatch_worker(rank: int, world: int) -> dict:
-    from knapformer.balancer import SequenceBalancer
+    from knapformer.runtime.balancer import SequenceBalancer
 
     bal = SequenceBalancer(TOPOLOGY, plan_ahead=True)
     mine = _lengths(rank, 0)
@@ -194,7 +194,7 @@ def _ctrl_c_worker(rank: int, world: int) -> dict:
     import signal
     import time
 
-    from knapformer.balancer import SequenceBalancer
+    from knapformer.runtime.balancer import SequenceBalancer
 
     bal = SequenceBalancer("g2n1", plan_ahead=True)
     mine = [10 + rank, 3]

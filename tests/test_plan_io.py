@@ -3,7 +3,7 @@ import json
 import numpy as np
 import pytest
 
-from knapformer.plan_io import (
+from knapformer.contract.plan_io import (
     PlanFormatError,
     parse_step_range,
     plans_in_range,
@@ -12,8 +12,8 @@ from knapformer.plan_io import (
     write_json,
     write_jsonl,
 )
-from knapformer.planner import plan_routing
-from knapformer.workload import WorkloadModel
+from knapformer.planning.planner import plan_routing
+from knapformer.planning.workload import WorkloadModel
 
 _MODEL = WorkloadModel(3072, 0.4)
 
@@ -141,8 +141,8 @@ def test_step_ranges_select_like_select_step(tmp_path):
 )
 def test_json_line_pieces_parse_to_what_model_dump_json_writes(measurements, monkeypatch):
     from knapformer import plan_io
-    from knapformer.plan import Measurements
-    from knapformer.tools.datamix import parse_mix, sample_lengths, scale_mix
+    from knapformer.contract.plan import Measurements
+    from knapformer.planning.datamix import parse_mix, sample_lengths, scale_mix
 
     rng = np.random.default_rng(3)
     codes = scale_mix(parse_mix("joint"), 8)  # ~700 sequences on 256 GPUs

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from knapformer.plan import RoutingPlan
-from knapformer.planner import plan_routing
-from knapformer.workload import WorkloadModel
+from knapformer.contract.plan import RoutingPlan
+from knapformer.planning.planner import plan_routing
+from knapformer.planning.workload import WorkloadModel
 
 
 def small_plan_dict() -> dict:

@@ -1,8 +1,6 @@
 import copy
 import json
-import sys
 from contextlib import contextmanager
-from pathlib import Path
 from unittest.mock import patch
 
 import numpy as np
@@ -11,14 +9,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from knapformer import planner
-from knapformer.plan import RoutingPlan
-from knapformer.planner import plan_routing
-from knapformer.tools.datamix import parse_mix, sample_lengths
-from knapformer.topology import Topology
-from knapformer.workload import WorkloadModel
-
-sys.path.append(str(Path(__file__).resolve().parent.parent / "bench"))
-from baselines.greedy_python import greedy_plan_python
+from knapformer.contract.plan import RoutingPlan
+from knapformer.contract.topology import Topology
+from knapformer.planning.datamix import parse_mix, sample_lengths
+from knapformer.planning.planner import plan_routing
+from knapformer.planning.workload import WorkloadModel
+from knapformer.testing.greedy_python import greedy_plan_python
 
 MODEL = WorkloadModel(token_dim=3072, gamma=0.4)
 

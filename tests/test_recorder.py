@@ -19,25 +19,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from knapformer.contract.plan_io import parse_plan_line, read_plans
 from knapformer.errors import KnapformerError
-from knapformer.plan_io import parse_plan_line, read_plans
-from knapformer.planner import plan_routing
-from knapformer.recorder import PlanRecorder
-from knapformer.tools.datamix import parse_mix, sample_lengths, scale_mix
-from knapformer.workload import WorkloadModel
+from knapformer.planning.datamix import parse_mix, sample_lengths
+from knapformer.planning.planner import plan_routing
+from knapformer.planning.workload import WorkloadModel
+from knapformer.runtime.recorder import PlanRecorder
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = WorkloadModel(token_dim=3072, gamma=0.4)
 TOPO8 = "g1n2+g2n1+g4n1"
-
-
-def make_plans(n: int, seed: int = 0, mix: str = "joint", factor: int = 1) -> list:
-    """``n`` consecutive plans (steps 0..n-1) of ``mix`` scaled to ``factor`` times its GPUs."""
-    codes = scale_mix(parse_mix(mix), factor)
-    gpus = sum(c.gpus for c in codes)
-    topo = f"g1n{gpus // 2}+g2n{gpus // 4}"  # mixes have a multiple of 4 GPUs
-    rng = np.random.default_rng(seed)
-    return [plan_routing(sample_lengths(codes, rng), topo, MODEL, step=i) for i in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +44,7 @@ def steps_in(path: Path) -> list[int]:
 
 
 def recorder_warnings(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "knapformer.recorder"]
+    return [r.getMessage() for r in caplog.records if r.name == "knapformer.runtime.recorder"]
 
 
 # --------------------------------------------------------------------------- basics
@@ -133,7 +124,7 @@ def test_full_queue_drops_and_counts_without_blocking(tmp_path, plans, caplog):
     assert rec.dropped == 7
     assert elapsed < 5.0  # 9 calls against a stuck writer returned (none waited for it)
     release.set()
-    with caplog.at_level(logging.WARNING, logger="knapformer.recorder"):
+    with caplog.at_level(logging.WARNING, logger="knapformer.runtime.recorder"):
         rec.close()
     assert steps_in(tmp_path / "plans.jsonl") == [0, 1, 2]
     assert any("dropped 7 plan" in m for m in recorder_warnings(caplog))
@@ -199,7 +190,7 @@ def test_appends_to_an_existing_file(tmp_path, plans):
 def test_disk_full_disables_with_one_warning_and_training_goes_on(plans, caplog):
     if not os.path.exists("/dev/full"):
         pytest.skip("needs /dev/full")
-    with caplog.at_level(logging.WARNING, logger="knapformer.recorder"):
+    with caplog.at_level(logging.WARNING, logger="knapformer.runtime.recorder"):
         rec = PlanRecorder("/dev/full")
         rec.record(plans[0])
         deadline = time.monotonic() + 5
@@ -217,7 +208,7 @@ def test_disk_full_disables_with_one_warning_and_training_goes_on(plans, caplog)
 def test_directory_removed_mid_run_disables_with_one_warning(tmp_path, plans, caplog):
     out = tmp_path / "run"
     line = len(plans[0].model_dump_json()) + 1
-    with caplog.at_level(logging.WARNING, logger="knapformer.recorder"):
+    with caplog.at_level(logging.WARNING, logger="knapformer.runtime.recorder"):
         rec = PlanRecorder(out / "plans.jsonl", max_bytes=int(1.5 * line), backups=1)
         rec.record(plans[0])
         deadline = time.monotonic() + 5
@@ -236,7 +227,7 @@ def test_unwritable_location_disables(tmp_path, plans, caplog):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     with (
-        caplog.at_level(logging.WARNING, logger="knapformer.recorder"),
+        caplog.at_level(logging.WARNING, logger="knapformer.runtime.recorder"),
         PlanRecorder(blocker / "plans.jsonl") as rec,
     ):
         for p in plans[:3]:
@@ -248,9 +239,9 @@ def test_unwritable_location_disables(tmp_path, plans, caplog):
 # ------------------------------------------------------------- separate processes
 WRITER = """
 import sys, time
-sys.path.insert(0, {tests!r})
-from test_recorder import make_plans
-from knapformer.recorder import PlanRecorder
+from knapformer.testing.mix_plans import make_plans
+from knapformer.runtime.recorder import PlanRecorder
+from knapformer.testing.mix_plans import make_plans
 class SlowWriter(PlanRecorder):
     def _serialize(self, plan):
         time.sleep({write_delay})  # a slow disk: the writer lags behind the "training"
@@ -278,7 +269,6 @@ def start_writer(
     write_delay: float = 0.0,
 ):
     code = WRITER.format(
-        tests=str(ROOT / "tests"),
         path=str(path),
         count=count,
         factor=factor,
@@ -386,7 +376,7 @@ def _wait_written(rec: PlanRecorder, count: int) -> None:
 
 def test_directory_removed_between_rotations_is_noticed_at_the_next_write(tmp_path, plans, caplog):
     out = tmp_path / "run"
-    with caplog.at_level(logging.WARNING, logger="knapformer.recorder"):
+    with caplog.at_level(logging.WARNING, logger="knapformer.runtime.recorder"):
         rec = PlanRecorder(out / "plans.jsonl")  # rotation 256 MiB away: never reached here
         for p in plans[:5]:
             rec.record(p)
@@ -412,7 +402,7 @@ def test_directory_removed_between_rotations_is_noticed_at_the_next_write(tmp_pa
 
 def test_file_replaced_under_the_recorder_starts_a_new_file_at_the_path(tmp_path, plans, caplog):
     path = tmp_path / "plans.jsonl"
-    with caplog.at_level(logging.WARNING, logger="knapformer.recorder"):
+    with caplog.at_level(logging.WARNING, logger="knapformer.runtime.recorder"):
         rec = PlanRecorder(path)
         for p in plans[:3]:
             rec.record(p)
@@ -435,7 +425,7 @@ def test_file_replaced_under_the_recorder_starts_a_new_file_at_the_path(tmp_path
 
 
 def test_non_finite_measured_times_are_dropped_with_one_warning(tmp_path, plans, caplog):
-    from knapformer.plan import Measurements
+    from knapformer.contract.plan import Measurements
 
     path = tmp_path / "plans.jsonl"
     n = len(plans[0].gpus)
@@ -451,7 +441,7 @@ def test_non_finite_measured_times_are_dropped_with_one_warning(tmp_path, plans,
         )
         bad.append(p)
     with (
-        caplog.at_level(logging.WARNING, logger="knapformer.recorder"),
+        caplog.at_level(logging.WARNING, logger="knapformer.runtime.recorder"),
         PlanRecorder(path) as rec,
     ):
         for p in bad:
@@ -520,7 +510,7 @@ def _scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
 
 def test_tensorboard_scalars_are_written_live_by_the_writer_thread(tmp_path, plans, monkeypatch):
     pytest.importorskip("tensorboard")
-    import knapformer.scalars as scalars
+    import knapformer.diagnosis.scalars as scalars
 
     threads: list[str] = []
     write_step = scalars.write_step

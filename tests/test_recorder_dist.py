@@ -9,21 +9,21 @@ import os
 
 import pytest
 
+from knapformer.contract.plan_io import read_plans
 from knapformer.local.launcher import launch
-from knapformer.plan_io import read_plans
 
 
 def worker(rank: int, world: int, out: str, tensorboard: str) -> dict:
     """One rank: 5 steps of a balancer (two replicas of g1n2) with known timings, every=2."""
     import logging
 
-    from knapformer.balancer import SequenceBalancer
-    from knapformer.recorder import PlanRecorder
+    from knapformer.runtime.balancer import SequenceBalancer
+    from knapformer.runtime.recorder import PlanRecorder
 
     warnings: list[str] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: warnings.append(record.getMessage())
-    for name in ("knapformer.recorder", "knapformer.timing"):
+    for name in ("knapformer.runtime.recorder", "knapformer.runtime.timing"):
         logging.getLogger(name).addHandler(handler)
     rec = PlanRecorder(os.path.join(out, "plans.jsonl"), every=2, tensorboard_dir=tensorboard)
     bal = SequenceBalancer("g1n2", recorder=rec, phases=["custom", "marker", "partial"])

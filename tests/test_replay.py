@@ -8,14 +8,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from processes import CLI, running, survivors
 
 import knapformer
-from knapformer.plan_io import read_plans, write_json
-from knapformer.planner import plan_routing
-from knapformer.tools.datamix import parse_mix, sample_lengths
+from knapformer.contract.plan_io import read_plans, write_json
+from knapformer.planning.datamix import parse_mix, sample_lengths
+from knapformer.planning.planner import plan_routing
+from knapformer.planning.workload import WorkloadModel
+from knapformer.testing.processes import CLI, running, survivors
 from knapformer.tools.replay import replay
-from knapformer.workload import WorkloadModel
 
 ROOT = Path(__file__).resolve().parent.parent
 MIX8 = (
@@ -141,7 +141,7 @@ def test_chunk_outside_its_bag_is_rejected(tmp_path):
 
 def test_broken_router_is_caught(tmp_path, monkeypatch):
     """The token check itself: a reverse_route that scrambles rows must be reported."""
-    from knapformer.balancer import SequenceBalancer
+    from knapformer.runtime.balancer import SequenceBalancer
 
     original = SequenceBalancer.reverse_route
 

@@ -9,12 +9,12 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from knapformer.visualization.browser import find_chromium, launch_chromium
 from PIL import Image
 
 from knapformer.cli import main
-from knapformer.plan import Measurements
-from knapformer.plan_io import read_plans, write_json
-from visualization.browser import find_chromium, launch_chromium
+from knapformer.contract.plan import Measurements
+from knapformer.contract.plan_io import read_plans, write_json
 
 CHROMIUM = find_chromium()
 needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="no Chromium on this machine")

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from knapformer.planner import plan_routing
-from knapformer.router import RoutingTables, _from_bytes, _to_bytes, token_ranges
-from knapformer.workload import WorkloadModel
+from knapformer.planning.planner import plan_routing
+from knapformer.planning.workload import WorkloadModel
+from knapformer.runtime.router import RoutingTables, _from_bytes, _to_bytes, token_ranges
 
 CPU = torch.device("cpu")
 

@@ -1,14 +1,13 @@
 """The run-file layout: what a recorder writes is what the demo clears and the dashboard
-lists, because all of them name files through `knapformer.runfiles`."""
+lists, because all of them name files through `knapformer.contract.runfiles`."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from dashboard.store import Runs
-from knapformer.planner import plan_routing
-from knapformer.recorder import PlanRecorder
-from knapformer.runfiles import (
+from knapformer.dashboard.store import Runs
+
+from knapformer.contract.runfiles import (
     find_runs,
     group_file,
     is_rotated,
@@ -18,7 +17,9 @@ from knapformer.runfiles import (
     rotated_file,
     run_file,
 )
-from knapformer.workload import WorkloadModel
+from knapformer.planning.planner import plan_routing
+from knapformer.planning.workload import WorkloadModel
+from knapformer.runtime.recorder import PlanRecorder
 
 
 def _plans(n: int) -> list:

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 import knapformer
-from knapformer.plan_io import read_plans
-from knapformer.planner import plan_routing
+from knapformer.contract.plan_io import read_plans
+from knapformer.planning.planner import plan_routing
+from knapformer.planning.workload import WorkloadModel
 from knapformer.tools.replay import first_difference, renumber, replan_skip_reason
-from knapformer.workload import WorkloadModel
 
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_plans"
 PLAN_FILES = sorted(p for p in SAMPLES.iterdir() if p.suffix in (".json", ".jsonl"))

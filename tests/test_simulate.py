@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from knapformer.cli import main
-from knapformer.plan_io import read_plans
-from knapformer.tools.datamix import parse_mix
+from knapformer.contract.plan_io import read_plans
+from knapformer.planning.datamix import parse_mix
 from knapformer.tools.simulate import simulate
 
 

@@ -8,9 +8,9 @@ import re
 import pytest
 
 from knapformer.cli import main
+from knapformer.contract.plan_io import read_plans
+from knapformer.contract.stats import before_after, share, summary_line
 from knapformer.local.demo import StepReport, format_report
-from knapformer.plan_io import read_plans
-from knapformer.stats import before_after, share, summary_line
 
 LINE = re.compile(r"imbalance ([\d.]+) → ([\d.]+)  moved ([\d,]+) of ([\d,]+) tokens \(([\d.]+)%\)")
 

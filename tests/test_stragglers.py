@@ -1,4 +1,4 @@
-"""Per-rank verdicts over a window of measured steps (knapformer.stragglers)."""
+"""Per-rank verdicts over a window of measured steps (knapformer.diagnosis.stragglers)."""
 
 from __future__ import annotations
 
@@ -6,13 +6,13 @@ import dataclasses
 
 import numpy as np
 import pytest
-from measured_plans import measured_run, with_measurements
 
-from knapformer.measured import measure
-from knapformer.planner import plan_routing
-from knapformer.stragglers import THRESHOLDS, WINDOW, Thresholds, analyse, rank_steps
-from knapformer.tools.datamix import parse_mix, sample_lengths
-from knapformer.workload import WorkloadModel
+from knapformer.diagnosis.measured import measure
+from knapformer.diagnosis.stragglers import THRESHOLDS, WINDOW, Thresholds, analyse, rank_steps
+from knapformer.planning.datamix import parse_mix, sample_lengths
+from knapformer.planning.planner import plan_routing
+from knapformer.planning.workload import WorkloadModel
+from knapformer.testing.measured_plans import measured_run, with_measurements
 
 
 def _figures(plans):

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 
 from knapformer.cli import main
+from knapformer.contract.topology import Topology
 from knapformer.errors import KnapformerError
-from knapformer.planner import plan_routing
-from knapformer.tools.datamix import parse_mix
+from knapformer.planning.datamix import parse_mix
+from knapformer.planning.planner import plan_routing
+from knapformer.planning.workload import WorkloadModel
 from knapformer.tools.suggest import CostModel, enumerate_topologies, fit_mix, suggest
-from knapformer.topology import Topology
-from knapformer.workload import WorkloadModel
 
 
 def test_enumeration_fits_and_is_bounded():

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import os
 
+import knapformer.dashboard.tail as tail_module
 import pytest
-
-import dashboard.tail as tail_module
-from dashboard.tail import JsonlTail
+from knapformer.dashboard.tail import JsonlTail
 
 
 def _append(path, text: str) -> None:

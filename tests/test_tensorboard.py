@@ -1,4 +1,4 @@
-"""`knapformer tensorboard` and `knapformer.scalars`: per-step scalars written with the
+"""`knapformer tensorboard` and `knapformer.diagnosis.scalars`: per-step scalars written with the
 tensorboard package and read back from the event files."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from knapformer.cli import main
-from knapformer.plan_io import read_plans, write_jsonl
-from knapformer.planner import plan_routing
-from knapformer.scalars import TAG_PREFIX, open_writer, step_figures, write_step
-from knapformer.workload import WorkloadModel
+from knapformer.contract.plan_io import read_plans, write_jsonl
+from knapformer.diagnosis.scalars import TAG_PREFIX, open_writer, step_figures, write_step
+from knapformer.planning.planner import plan_routing
+from knapformer.planning.workload import WorkloadModel
 
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
 

@@ -1,6 +1,6 @@
 import pytest
 
-from knapformer.topology import Topology
+from knapformer.contract.topology import Topology
 
 
 def test_parse_orders_bags_smallest_first_with_contiguous_ranks():

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 
 from knapformer.cli import main
-from knapformer.plan_io import read_plans, write_jsonl
-from knapformer.planner import plan_routing
-from knapformer.scalars import step_figures
+from knapformer.contract.plan_io import read_plans, write_jsonl
+from knapformer.diagnosis.scalars import step_figures
+from knapformer.planning.planner import plan_routing
+from knapformer.planning.workload import WorkloadModel
 from knapformer.tools.trace import (
     COUNTERS,
     ORIGIN_MS,
@@ -23,7 +24,6 @@ from knapformer.tools.trace import (
     build_trace,
     layout_rank_step,
 )
-from knapformer.workload import WorkloadModel
 
 PHASES = {"X", "C", "M"}
 METADATA = {"process_name", "thread_name", "process_sort_index", "thread_sort_index"}
@@ -230,8 +230,8 @@ def test_cli_user_errors_are_one_line(sample_dir, tmp_path, capsys, args, messag
 @pytest.mark.browser
 @pytest.mark.slow
 def test_the_trace_loads_in_chromiums_trace_viewer(sample_dir, tmp_path):
-    from visualization.browser import find_chromium, launch_chromium
-    from visualization.trace_viewer import load_trace
+    from knapformer.visualization.browser import find_chromium, launch_chromium
+    from knapformer.visualization.trace_viewer import load_trace
 
     if find_chromium() is None:
         pytest.skip("no Chromium on this machine")

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from knapformer.workload import WorkloadModel, fit_scale_gamma
+from knapformer.planning.workload import WorkloadModel, fit_scale_gamma
 
 
 def test_workload_formula_is_vectorised():

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from knapformer.plan import RoutingPlan, gpu_positions
+from knapformer.contract.plan import RoutingPlan
+from knapformer.contract.positions import gpu_positions
 
 PLOT_PX = 1100  # nominal plot width the rule plans for (px)
 FONT_PX = 12

@@ -8,12 +8,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import plotly.graph_objects as go
-
-from visualization import palette
+from knapformer.visualization import palette
 
 if TYPE_CHECKING:
+    from knapformer.planning.workload import WorkloadModel
     from knapformer.tools.calibrate import Calibration
-    from knapformer.workload import WorkloadModel
 
 
 def calibration_figure(cal: Calibration, title: str | None = None) -> go.Figure:

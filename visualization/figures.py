@@ -1,6 +1,6 @@
 """Plotly figures of routing plans, shared by the live dashboard and the static report.
 
-Pure functions of plans (or of `knapformer.stats.StepSummary` lists): no Dash, no I/O.
+Pure functions of plans (or of `knapformer.contract.stats.StepSummary` lists): no Dash, no I/O.
 Per-GPU arrays come from ``plan.stats`` and are indexed by position in ``plan.gpus``;
 per-GPU axes lay GPUs out bag by bag by the label rule of `visualization.axes`, and
 beyond `MAX_VIEW_GPUS` GPUs show groups of whole bags instead (`gpu_groups`).
@@ -12,13 +12,8 @@ import numpy as np
 import plotly.colors
 import plotly.graph_objects as go
 import plotly.io as pio
-
-from knapformer.errors import KnapformerError
-from knapformer.plan import RoutingPlan, gpu_positions
-from knapformer.stats import StepSummary, chunk_loads
-from knapformer.units import LoadUnit, round_significant_array
-from visualization import palette
-from visualization.axes import (
+from knapformer.visualization import palette
+from knapformer.visualization.axes import (
     MAX_VIEW_GPUS,
     GpuGroups,
     bag_bands,
@@ -28,9 +23,15 @@ from visualization.axes import (
     rank_ticks,
     thinned_ticks,
 )
-from visualization.palette import AFTER as AFTER_COLOR
-from visualization.palette import BEFORE as BEFORE_COLOR
-from visualization.palette import HIGHLIGHT as HIGHLIGHT_COLOR
+from knapformer.visualization.palette import AFTER as AFTER_COLOR
+from knapformer.visualization.palette import BEFORE as BEFORE_COLOR
+from knapformer.visualization.palette import HIGHLIGHT as HIGHLIGHT_COLOR
+
+from knapformer.contract.plan import RoutingPlan
+from knapformer.contract.positions import gpu_positions
+from knapformer.contract.stats import StepSummary, chunk_loads
+from knapformer.contract.units import LoadUnit, round_significant_array
+from knapformer.errors import KnapformerError
 
 __all__ = ["MAX_VIEW_GPUS", "gpu_groups"]  # re-exported: the figures' size rule lives in axes
 

@@ -25,12 +25,13 @@ from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
+from knapformer.visualization import palette
 
+from knapformer.contract.plan import RoutingPlan
+from knapformer.contract.positions import gpu_positions
+from knapformer.contract.stats import before_after
+from knapformer.contract.units import LoadUnit
 from knapformer.errors import KnapformerError
-from knapformer.plan import RoutingPlan, gpu_positions
-from knapformer.stats import before_after
-from knapformer.units import LoadUnit
-from visualization import palette
 
 Measure = Literal["tokens", "workload"]
 

@@ -13,10 +13,11 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from knapformer.visualization.layout import Measure, layout_plan
+from knapformer.visualization.output import check_output_file
+
+from knapformer.contract.plan import RoutingPlan
 from knapformer.errors import KnapformerError
-from knapformer.plan import RoutingPlan
-from visualization.layout import Measure, layout_plan
-from visualization.output import check_output_file
 
 QUALITIES = {
     "low": "low_quality",  # 854x480, 15 fps
@@ -45,9 +46,8 @@ def render_video(
     out = check_output_file(out, ".mp4")
     layouts = [layout_plan(p, measure=measure, title=title) for p in plans]
 
+    from knapformer.visualization.scene import RoutingScene
     from manim import tempconfig  # heavy import, only when rendering
-
-    from visualization.scene import RoutingScene
 
     logging.getLogger("manim").setLevel(logging.WARNING)
     with tempfile.TemporaryDirectory(prefix="knapformer-manim-") as media:

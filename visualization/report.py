@@ -13,16 +13,17 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from knapformer.visualization import figures as F
+from knapformer.visualization.browser import find_chromium, launch_chromium, missing_chromium
+from knapformer.visualization.straggler_figures import predicted_vs_measured_figure
+
+from knapformer.contract.plan import RoutingPlan
+from knapformer.contract.plan_io import ReadResult, plans_in_range
+from knapformer.contract.stats import summarize
+from knapformer.contract.units import LoadUnit
+from knapformer.diagnosis.measured import MeasuredStep, RankFigures, measure
+from knapformer.diagnosis.stragglers import WINDOW, analyse, rank_steps
 from knapformer.errors import KnapformerError, OptionError, file_error
-from knapformer.measured import MeasuredStep, RankFigures, measure
-from knapformer.plan import RoutingPlan
-from knapformer.plan_io import ReadResult, plans_in_range
-from knapformer.stats import summarize
-from knapformer.stragglers import WINDOW, analyse, rank_steps
-from knapformer.units import LoadUnit
-from visualization import figures as F
-from visualization.browser import find_chromium, launch_chromium, missing_chromium
-from visualization.straggler_figures import predicted_vs_measured_figure
 
 #: What `knapformer report -o` writes, by the output's suffix.
 REPORT_FORMATS = {".html": "html", ".htm": "html", ".pdf": "pdf"}

@@ -11,21 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from manim import (
-    LEFT,
-    DashedLine,
-    FadeIn,
-    FadeOut,
-    GrowFromEdge,
-    LaggedStart,
-    Line,
-    Rectangle,
-    Scene,
-    Text,
-    VGroup,
-)
-
-from visualization.layout import (
+from knapformer.visualization.layout import (
     AFTER_X,
     BACKGROUND,
     BAG_LABEL_RIGHT,
@@ -48,7 +34,20 @@ from visualization.layout import (
     SceneLayout,
     label_line_pitch,
 )
-from visualization.palette import ANIMATION_MUTED_TEXT, ANIMATION_TEXT
+from knapformer.visualization.palette import ANIMATION_MUTED_TEXT, ANIMATION_TEXT
+from manim import (
+    LEFT,
+    DashedLine,
+    FadeIn,
+    FadeOut,
+    GrowFromEdge,
+    LaggedStart,
+    Line,
+    Rectangle,
+    Scene,
+    Text,
+    VGroup,
+)
 
 # Seconds of each phase of one step; `step_duration` is what the video length follows.
 # Multiples of 0.2 s give whole frames at 15, 30 and 60 fps, so durations add up exactly.

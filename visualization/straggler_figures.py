@@ -1,7 +1,7 @@
 """Plotly figures of measured steps: which rank is slow, and who waits for it.
 
-Built from the rank × step matrices and verdicts of `knapformer.stragglers` (every figure
-is defined once, in `knapformer.measured`), for the dashboard and the report. Rank axes
+Built from the rank × step matrices and verdicts of `knapformer.diagnosis.stragglers` (every figure
+is defined once, in `knapformer.diagnosis.measured`), for the dashboard and the report. Rank axes
 follow the label rule of `visualization.axes`.
 """
 
@@ -10,11 +10,11 @@ from __future__ import annotations
 import numpy as np
 import plotly.colors
 import plotly.graph_objects as go
+from knapformer.visualization import palette
+from knapformer.visualization.axes import rank_ticks
+from knapformer.visualization.figures import build_figure
 
-from knapformer.stragglers import RankSteps, StragglerReport, row_medians
-from visualization import palette
-from visualization.axes import rank_ticks
-from visualization.figures import build_figure
+from knapformer.diagnosis.stragglers import RankSteps, StragglerReport, row_medians
 
 #: The compute-ratio heatmap's colour runs over log2(ratio) in ±RATIO_OCTAVES: blue =
 #: faster than predicted, white = as predicted, red = slower (2x and beyond: full red).

@@ -7,8 +7,9 @@ this is exactly what ``knapformer animate`` would draw.
 
 import argparse
 
-from knapformer.plan_io import read_plans, select_step
-from visualization.layout import layout_plan
+from knapformer.visualization.layout import layout_plan
+
+from knapformer.contract.plan_io import read_plans, select_step
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("plans", help="a plan file")

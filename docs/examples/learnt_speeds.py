@@ -15,8 +15,8 @@ from rich.console import Console
 from rich.table import Table
 
 from knapformer import read_plans
-from knapformer.history import recorded_speeds
-from knapformer.runfiles import single_run
+from knapformer.contract.runfiles import single_run
+from knapformer.planning.history import recorded_speeds
 
 
 def main() -> None:
@@ -48,7 +48,7 @@ def main() -> None:
     again = recorded_speeds(plans)
     differ = [p.step for p in plans if again.get(p.step) != p.gpu_speed]
     console.print(
-        "recomputed from the recorded compute times (knapformer.history.recorded_speeds): "
+        "recomputed from the recorded compute times (knapformer.planning.history.recorded_speeds): "
         + (f"DIFFERENT at steps {differ}" if differ else f"the same at all {len(plans)} steps")
     )
 

@@ -11,7 +11,7 @@ import typing
 
 from pydantic import BaseModel
 
-from knapformer.plan import READABLE_SCHEMA_VERSIONS, SCHEMA_VERSION, RoutingPlan
+from knapformer.contract.plan import READABLE_SCHEMA_VERSIONS, SCHEMA_VERSION, RoutingPlan
 
 NAME_WIDTH = 22
 TYPE_WIDTH = 22

@@ -16,8 +16,8 @@ from rich.console import Console
 from rich.table import Table
 
 from knapformer import read_plans
-from knapformer.plan import COLLECTIVE_PHASES
-from knapformer.runfiles import single_run
+from knapformer.contract.plan import COLLECTIVE_PHASES
+from knapformer.contract.runfiles import single_run
 
 #: The phases shown, in this order when recorded: the whole step, what the rank computed,
 #: the training loop's own forward + backward timing, then the collectives.

@@ -14,9 +14,9 @@ from rich.table import Table
 
 
 def straggler_rules() -> Table:
-    from knapformer.stragglers import THRESHOLDS, WINDOW
+    from knapformer.diagnosis.stragglers import THRESHOLDS, WINDOW
 
-    table = _table("the verdicts of knapformer stragglers (knapformer/stragglers.py)")
+    table = _table("the verdicts of knapformer stragglers (knapformer/diagnosis/stragglers.py)")
     table.add_row("WINDOW", f"{WINDOW}", "measured steps analysed by default: the most recent")
     table.add_row(
         "slow_ratio", f"{THRESHOLDS.slow_ratio:g}", "compute ratio from which a step is slow"
@@ -38,10 +38,10 @@ def straggler_rules() -> Table:
 
 
 def history_rules() -> Table:
-    from knapformer.history import LAG_STEPS, SPEED_BOUNDS, WARMUP_STEPS, WINDOW_STEPS
+    from knapformer.planning.history import LAG_STEPS, SPEED_BOUNDS, WARMUP_STEPS, WINDOW_STEPS
 
     low, high = SPEED_BOUNDS
-    table = _table("the history cost model (knapformer/history.py)")
+    table = _table("the history cost model (knapformer/planning/history.py)")
     table.add_row("WARMUP_STEPS", f"{WARMUP_STEPS}", "measured steps before speeds are used")
     table.add_row("WINDOW_STEPS", f"{WINDOW_STEPS}", "per-step speeds a speed is the median of")
     table.add_row("SPEED_BOUNDS", f"{low:g} .. {high:g}", "no GPU is taken for slower or faster")
@@ -51,16 +51,17 @@ def history_rules() -> Table:
 
 
 def view_rules() -> Table:
-    from dashboard.app import PAGE_SIZE, TICK_MS
-    from knapformer.stragglers import WINDOW
-    from visualization import axes
-    from visualization.straggler_figures import (
+    from knapformer.dashboard.app import PAGE_SIZE, TICK_MS
+    from knapformer.visualization import axes
+    from knapformer.visualization.straggler_figures import (
         HEATMAP_PLOT_PX,
         HEATMAP_STEPS,
         LABEL_EVERY_RANK_UP_TO,
         RATIO_OCTAVES,
         heatmap_steps,
     )
+
+    from knapformer.diagnosis.stragglers import WINDOW
 
     table = _table("the dashboard's views (visualization/axes.py, straggler_figures.py)")
     label = f"{axes.CHAR_PX:g} px a character + {axes.PAD_PX:g} px at {axes.FONT_PX} px"

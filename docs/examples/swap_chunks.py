@@ -12,7 +12,7 @@ import argparse
 
 import numpy as np
 
-from knapformer.plan_io import read_plans, select_step, write_json
+from knapformer.contract.plan_io import read_plans, select_step, write_json
 
 
 def main() -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from knapformer.cli.extras import require
-from knapformer.runfiles import RUNS_LAYOUT
+from knapformer.contract.runfiles import RUNS_LAYOUT
 
 
 def register(app: typer.Typer) -> None:
@@ -27,7 +27,7 @@ def dashboard(
     """Serve a live dashboard of routing plans: per-bag load, timeline, traffic, sequences."""
     require("dashboard", "knapformer dashboard")
     # Dash is imported inside the command so `import knapformer` stays light.
-    from dashboard.server import serve
+    from knapformer.dashboard.server import serve
 
     if not path.exists():
         # Not an error: a training job may create the file in a moment; the page says so.

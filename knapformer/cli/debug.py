@@ -14,10 +14,10 @@ from knapformer.cli.errors import UserError
 from knapformer.cli.extras import require
 from knapformer.cli.plans import PLAN_ARGUMENT
 from knapformer.cli.progress import progress
+from knapformer.contract.plan import COMPUTE_PHASES
+from knapformer.contract.runfiles import run_file
+from knapformer.contract.stats import before_after
 from knapformer.errors import KnapformerError
-from knapformer.plan import COMPUTE_PHASES
-from knapformer.runfiles import run_file
-from knapformer.stats import before_after
 
 
 def register(app: typer.Typer) -> None:
@@ -62,7 +62,7 @@ def replay(
     mismatch, naming the first difference.
     """
     from knapformer.cli.plans import read_step
-    from knapformer.plan import BALANCER_PHASES
+    from knapformer.contract.plan import BALANCER_PHASES
     from knapformer.tools.replay import check_options
     from knapformer.tools.replay import replay as run_replay
 
@@ -159,8 +159,8 @@ def simulate(
     Prints per topology and solver the modelled step time (makespan) without and with
     balancing, speedup, imbalance, moved tokens and bytes, and max tokens per GPU.
     """
-    from knapformer.plan_io import write_jsonl
-    from knapformer.tools.datamix import parse_mix
+    from knapformer.contract.plan_io import write_jsonl
+    from knapformer.planning.datamix import parse_mix
     from knapformer.tools.simulate import check_options, run_files, run_name
     from knapformer.tools.simulate import simulate as run_simulate
 
@@ -254,7 +254,7 @@ def suggest(
     Step time = compute at --tflops + Ulysses all-to-alls inside bags at --bandwidth +
     routing, so bigger bags are not free (model: knapformer/tools/suggest.py).
     """
-    from knapformer.tools.datamix import parse_mix
+    from knapformer.planning.datamix import parse_mix
     from knapformer.tools.suggest import CostModel, check_options, enumerate_topologies, fit_mix
     from knapformer.tools.suggest import suggest as run_suggest
 
@@ -355,7 +355,7 @@ def calibrate(
     else:
         console.print(f"[bold]not usable[/bold]: {reason}. Keep your γ; {_remedy(cal)}")
     if plot is not None:
-        from visualization.calibration import calibration_figure
+        from knapformer.visualization.calibration import calibration_figure
 
         try:
             calibration_figure(cal, title=str(file)).write_html(plot, include_plotlyjs=True)

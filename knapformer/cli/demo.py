@@ -13,8 +13,8 @@ import typer
 
 from knapformer.cli.errors import UserError
 from knapformer.cli.extras import require
+from knapformer.contract.runfiles import PLANS_FILE, plans_file
 from knapformer.errors import MissingExtraError
-from knapformer.runfiles import PLANS_FILE, plans_file
 
 
 def register(app: typer.Typer) -> None:
@@ -164,7 +164,7 @@ def _start_dashboard(plans: Path, port: int):
     except MissingExtraError as err:
         print(f"{err}; running headless", flush=True)
         return None
-    from dashboard.server import start_server
+    from knapformer.dashboard.server import start_server
 
     return start_server(plans, host="127.0.0.1", port=port)
 

@@ -10,9 +10,9 @@ import typer
 
 from knapformer.cli.errors import UserError
 from knapformer.cli.extras import require
-from knapformer.plan import RoutingPlan
-from knapformer.plan_io import plans_in_range, read_plans
-from knapformer.runfiles import RUNS_LAYOUT, every_run
+from knapformer.contract.plan import RoutingPlan
+from knapformer.contract.plan_io import plans_in_range, read_plans
+from knapformer.contract.runfiles import RUNS_LAYOUT, every_run
 
 PLANS_HELP = f"plan file (JSON, JSONL or legacy JSON) or a folder of runs ({RUNS_LAYOUT})"
 STEPS_HELP = "steps A:B (inclusive; A: or :B open) to export (default: every plan)"
@@ -80,7 +80,7 @@ def tensorboard(
     """Write per-step scalars (imbalance before/after, moved fraction, plan ms, modelled
     speedup, measured max/mean compute) for TensorBoard, one TensorBoard run per run."""
     require("tensorboard", "knapformer tensorboard")
-    from knapformer.scalars import open_writer, write_step
+    from knapformer.diagnosis.scalars import open_writer, write_step
 
     runs = read_runs(plans, steps)
     scalars = 0

@@ -11,8 +11,8 @@ from rich.console import Console
 from rich.table import Table
 
 from knapformer.cli.errors import UserError
-from knapformer.plan import RoutingPlan
-from knapformer.plan_io import (
+from knapformer.contract.plan import RoutingPlan
+from knapformer.contract.plan_io import (
     PlanFormatError,
     PlanRecord,
     ReadResult,
@@ -20,9 +20,9 @@ from knapformer.plan_io import (
     read_plans,
     select_step,
 )
-from knapformer.runfiles import every_run, single_run
-from knapformer.stats import before_after, share
-from knapformer.units import LoadUnit
+from knapformer.contract.runfiles import every_run, single_run
+from knapformer.contract.stats import before_after, share
+from knapformer.contract.units import LoadUnit
 
 
 def register(app: typer.Typer) -> None:

@@ -14,8 +14,10 @@ import typer
 from knapformer.cli.errors import UserError
 from knapformer.cli.extras import require
 from knapformer.cli.plans import PLAN_ARGUMENT, read_plan_file
-from visualization.layout import MIN_TEXT_PX
-from visualization.render import DEFAULT_QUALITY  # no manim import: that waits for a render
+from knapformer.visualization.layout import MIN_TEXT_PX
+from knapformer.visualization.render import (
+    DEFAULT_QUALITY,  # no manim import: that waits for a render
+)
 
 QUALITY_HELP = (
     f"low (854x480, 15 fps), medium (1280x720, 30 fps; labels at least {MIN_TEXT_PX} px "
@@ -51,9 +53,9 @@ def animate(
     from rich.console import Console
 
     from knapformer.cli.progress import progress
-    from knapformer.plan_io import plans_in_range, select_step
-    from visualization.output import check_output_file
-    from visualization.render import QUALITIES, render_video
+    from knapformer.contract.plan_io import plans_in_range, select_step
+    from knapformer.visualization.output import check_output_file
+    from knapformer.visualization.render import QUALITIES, render_video
 
     if step is not None and steps is not None:
         raise UserError("give either --step or --steps, not both")
@@ -94,7 +96,7 @@ def report(
     """Write a report with the dashboard's plotly figures: self-contained HTML, or a PDF
     printed by headless Chromium."""
     require("dashboard", "knapformer report", "plotly")
-    from visualization.report import (
+    from knapformer.visualization.report import (
         browser_problem,
         export_pngs,
         print_pdf,

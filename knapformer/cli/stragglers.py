@@ -11,11 +11,11 @@ from rich.console import Console
 from rich.table import Table
 
 from knapformer.cli.errors import UserError
-from knapformer.measured import RankFigures, measure
-from knapformer.plan_io import Problem, iter_plan_file
-from knapformer.runfiles import RUNS_LAYOUT, single_run
-from knapformer.stragglers import WINDOW, StragglerReport, analyse, describe
-from knapformer.units import significant
+from knapformer.contract.plan_io import Problem, iter_plan_file
+from knapformer.contract.runfiles import RUNS_LAYOUT, single_run
+from knapformer.contract.units import significant
+from knapformer.diagnosis.measured import RankFigures, measure
+from knapformer.diagnosis.stragglers import WINDOW, StragglerReport, analyse, describe
 
 #: Up to this many ranks the table lists every rank; beyond, the named ones only.
 _ALL_RANKS_UP_TO = 64

@@ -29,8 +29,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from knapformer.contract.runfiles import plans_file, remove_recording
+from knapformer.contract.stats import summary_line
+from knapformer.contract.topology import Topology
 from knapformer.errors import KnapformerError, file_error
-from knapformer.history import COST_MODELS
 from knapformer.local.launcher import (
     TRAINING_PRELOAD,
     launch,
@@ -38,10 +40,8 @@ from knapformer.local.launcher import (
     send,
     stop_requested,
 )
-from knapformer.runfiles import plans_file, remove_recording
-from knapformer.stats import summary_line
-from knapformer.tools.datamix import MIXED8, DataCode, parse_mix
-from knapformer.topology import Topology
+from knapformer.planning.datamix import MIXED8, DataCode, parse_mix
+from knapformer.planning.history import COST_MODELS
 
 DEMO_CODES = MIXED8  # the joint mix's data types on 8 GPUs, as in the 8-GPU samples
 HEAD_DIM = 16
@@ -233,10 +233,10 @@ def train(
     import numpy as np
     import torch
 
-    from knapformer.balancer import SequenceBalancer
     from knapformer.local.models import ToyDiT
-    from knapformer.recorder import PlanRecorder
-    from knapformer.tools.datamix import sample_lengths
+    from knapformer.planning.datamix import sample_lengths
+    from knapformer.runtime.balancer import SequenceBalancer
+    from knapformer.runtime.recorder import PlanRecorder
 
     topo, codes = check_config(cfg)
     d_model, n_heads = model_shape(topo, cfg.head_dim)

@@ -50,7 +50,7 @@ import torch.multiprocessing as torch_mp
 from knapformer.local.signals import deferring_sigint, handling, ignoring_sigint, interrupt
 
 #: What every worker has imported before it forks.
-PRELOAD = ("torch", "torch.distributed", "knapformer.balancer")
+PRELOAD = ("torch", "torch.distributed", "knapformer.runtime.balancer")
 #: For workers that train: torch's first backward() imports sympy, seconds per process.
 TRAINING_PRELOAD = (*PRELOAD, "torch.fx.experimental.symbolic_shapes", "knapformer.local.models")
 _TICK_S = 0.1  # how often the launcher looks at its workers

@@ -20,7 +20,7 @@ from torch import nn
 from knapformer.errors import KnapformerError
 
 if TYPE_CHECKING:
-    from knapformer.balancer import SequenceBalancer
+    from knapformer.runtime.balancer import SequenceBalancer
 
 
 def positions_in_sequences(seq_lens: list[int], device: torch.device | None = None):

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import time
 
-from knapformer.balancer import SequenceBalancer
-from knapformer.plan import COLLECTIVE_PHASES
+from knapformer.contract.plan import COLLECTIVE_PHASES
+from knapformer.runtime.balancer import SequenceBalancer
 
 
 class SlowBalancer(SequenceBalancer):

@@ -10,10 +10,10 @@ Two sources:
   on the c tokens of its chunks and attention on 1/g of the heads of every sequence of
   its bag (Ulysses), so its time ≈ ``k·(Σ_chunks 24·c·d² + γ·Σ_s 4·L_s²·d/g)/1e12``.
   That is linear in ``(a, b) = (k, k·γ)`` with features ``Σ 24·c·d²/1e12`` and
-  ``Σ 4·L²·d/(g·1e12)`` (`knapformer.stats.terms_after`): one least-squares fit over all
+  ``Σ 4·L²·d/(g·1e12)`` (`knapformer.contract.stats.terms_after`): one least-squares fit over all
   (plan, GPU) rows, then ``k = a`` and ``γ = b / a``.
 
-Both are the one relative least-squares fit of `knapformer.workload.fit_scale_gamma`
+Both are the one relative least-squares fit of `knapformer.planning.workload.fit_scale_gamma`
 (per sequence through `WorkloadModel.calibrate`; per GPU on summed `WorkloadModel.terms`).
 
 The fitted ``k`` converts workload units into milliseconds, so ``WorkloadModel(d, γ, k)``
@@ -29,12 +29,12 @@ from pathlib import Path
 
 import numpy as np
 
+from knapformer.contract.plan import COMPUTE_PHASES, RoutingPlan, compute_phase
+from knapformer.contract.plan_io import Problem, read_plans
+from knapformer.contract.runfiles import single_run
+from knapformer.contract.stats import terms_after
 from knapformer.errors import KnapformerError, OptionError, file_error
-from knapformer.plan import COMPUTE_PHASES, RoutingPlan, compute_phase
-from knapformer.plan_io import Problem, read_plans
-from knapformer.runfiles import single_run
-from knapformer.stats import terms_after
-from knapformer.workload import WorkloadModel, fit_scale_gamma
+from knapformer.planning.workload import WorkloadModel, fit_scale_gamma
 
 #: A fit that explains less of the variation between the measured times than this is not
 #: a model of them: its γ would steer the balancer by noise.
@@ -133,7 +133,7 @@ def calibrate_lengths(lengths, latencies, token_dim: int) -> Calibration:
 
 def pick_phase(plans: Sequence[RoutingPlan], phase: str | None) -> str:
     """The measured phase to fit: ``phase`` if given, else the phase that stands for
-    compute (`knapformer.plan.compute_phase`) among those the plans measure."""
+    compute (`knapformer.contract.plan.compute_phase`) among those the plans measure."""
     seen: dict[str, None] = {}
     for plan in plans:
         if plan.measurements is not None:

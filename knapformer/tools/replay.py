@@ -27,12 +27,13 @@ from typing import Any
 import numpy as np
 
 from knapformer import __version__
+from knapformer.contract.limits import MAX_REPLAY_GPUS, MAX_REPLAY_VALUES
+from knapformer.contract.plan import RoutingPlan
+from knapformer.contract.positions import gpu_positions
+from knapformer.contract.topology import Topology
 from knapformer.errors import KnapformerError, OptionError
-from knapformer.limits import MAX_REPLAY_GPUS, MAX_REPLAY_VALUES
 from knapformer.local.launcher import WorkerFailed, launch
-from knapformer.plan import RoutingPlan, gpu_positions
-from knapformer.planner import SOLVERS
-from knapformer.topology import Topology
+from knapformer.planning.planner import SOLVERS
 
 _FEATURE_BYTES = 8  # the int64 token id routed with every token
 _GRACE_S = 1.0  # replay workers do not watch the stop flag: stop them soon after Ctrl-C
@@ -196,8 +197,8 @@ def check_options(
     if values > MAX_REPLAY_VALUES:
         raise KnapformerError(
             f"a replay of this plan holds {values:,} token values ({plan.sequences.length.sum():,} "
-            f"tokens × dim {dim}); at most {MAX_REPLAY_VALUES:,} (knapformer.limits): replay "
-            "is for plans of test-sized runs, or give a smaller dim"
+            f"tokens × dim {dim}); at most {MAX_REPLAY_VALUES:,} (knapformer.contract.limits): "
+            "replay is for plans of test-sized runs, or give a smaller dim"
         )
     return dim, heads
 
@@ -279,7 +280,7 @@ class _RankCheck:
     @cached_property
     def own_ids(self) -> np.ndarray:
         """(T,) global ids of the tokens this rank starts with, in order."""
-        from knapformer.router import token_ranges
+        from knapformer.runtime.router import token_ranges
 
         return token_ranges(self.seq_start[self.mine], self.plan.sequences.length[self.mine])
 
@@ -291,7 +292,7 @@ class _RankCheck:
 def _replan(report: RankReport, plan: RoutingPlan, gpus, dim: int, replan: bool):
     """A balancer that re-planned from this rank's recorded lengths (rank 0 compares the
     result with the recording) and then executes the *recorded* routing."""
-    from knapformer.balancer import SequenceBalancer
+    from knapformer.runtime.balancer import SequenceBalancer
 
     model: dict[str, Any] = {}
     if replan:  # the model the recording planned with
@@ -320,7 +321,7 @@ def _check_route(c: _RankCheck):
     Returns (this rank's tokens (T, dim), routed chunks (T', dim), their token ids (T',))."""
     import torch
 
-    from knapformer.router import token_ranges
+    from knapformer.runtime.router import token_ranges
 
     chunks, rank = c.plan.chunks, c.rank
     token_id = torch.from_numpy(c.own_ids)
@@ -353,7 +354,7 @@ def _check_pre_attn(c: _RankCheck, routed_ids):
     (< 2^53), k and v offset by 0.25 and 0.5. Returns (v, v after pre_attn)."""
     import torch
 
-    from knapformer.router import token_ranges
+    from knapformer.runtime.router import token_ranges
 
     seqs, rank, heads = c.plan.sequences, c.rank, c.heads
     head_dim = c.dim // heads

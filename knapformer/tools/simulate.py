@@ -20,14 +20,14 @@ from pathlib import Path
 
 import numpy as np
 
+from knapformer.contract.limits import MAX_SIM_STEPS, check_count
+from knapformer.contract.plan import RoutingPlan
+from knapformer.contract.runfiles import RUNS_LAYOUT, run_file
+from knapformer.contract.topology import Topology, as_topology
 from knapformer.errors import KnapformerError, OptionError
-from knapformer.limits import MAX_SIM_STEPS, check_count
-from knapformer.plan import RoutingPlan
-from knapformer.planner import DEFAULT_SOLVER, SOLVERS, check_solver, plan_routing
-from knapformer.runfiles import RUNS_LAYOUT, run_file
-from knapformer.tools.datamix import DataCode, mix_gpus, sample_lengths
-from knapformer.topology import Topology, as_topology
-from knapformer.workload import WorkloadModel
+from knapformer.planning.datamix import DataCode, mix_gpus, sample_lengths
+from knapformer.planning.planner import DEFAULT_SOLVER, SOLVERS, check_solver, plan_routing
+from knapformer.planning.workload import WorkloadModel
 
 
 def check_fits(topology: Topology | str, codes: Sequence[DataCode]) -> Topology:
@@ -73,7 +73,7 @@ def check_options(
 
 
 def run_files(out: str | Path, runs: Sequence[str]) -> dict[str, Path]:
-    """Run name -> its plan file in ``out`` (`knapformer.runfiles.run_file`), after making
+    """Run name -> its plan file in ``out`` (`knapformer.contract.runfiles.run_file`), after making
     sure plans can be written there.
 
     Creates ``out`` (and its parents) and writes a probe file in it, so that a bad folder

@@ -26,13 +26,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from knapformer.contract.limits import MAX_GPUS, MAX_SIM_STEPS, check_count
+from knapformer.contract.plan import RoutingPlan
+from knapformer.contract.topology import Topology
 from knapformer.errors import KnapformerError, OptionError
-from knapformer.limits import MAX_GPUS, MAX_SIM_STEPS, check_count
-from knapformer.plan import RoutingPlan
-from knapformer.planner import DEFAULT_SOLVER, plan_routing
-from knapformer.tools.datamix import DataCode, mix_gpus, sample_lengths, scale_mix
-from knapformer.topology import Topology
-from knapformer.workload import WorkloadModel
+from knapformer.planning.datamix import DataCode, mix_gpus, sample_lengths, scale_mix
+from knapformer.planning.planner import DEFAULT_SOLVER, plan_routing
+from knapformer.planning.workload import WorkloadModel
 
 DEFAULT_TFLOPS = 400.0  # sustained bf16 TFLOP/s of one H100-class GPU (~40% of peak)
 DEFAULT_BANDWIDTH_GBS = 100.0  # all-to-all bandwidth per GPU, GB/s

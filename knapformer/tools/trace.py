@@ -14,7 +14,7 @@ threads. What goes where:
   k's slot starts where step k-1's ended and is as long as its slowest rank. A rank's step
   is one slice ``step N`` (its measured ``step`` time, or the sum of its phases when that
   is longer or ``step`` was not measured), holding the rank's measured phases as slices
-  in the order a step runs them (`knapformer.plan` names the phases). The recorder keeps
+  in the order a step runs them (`knapformer.contract.plan` names the phases). The recorder keeps
   one sum per phase and step, not timestamps, so where a phase sits inside its step is a
   layout, not a measurement: ``plan`` (holding ``gather``), ``record``,
   ``forward_backward`` (holding ``route``, ``pre_attn``, ``post_attn`` and
@@ -41,10 +41,10 @@ from typing import Any
 
 import numpy as np
 
+from knapformer.contract.plan import RoutingPlan
+from knapformer.contract.stats import gpu_bags
+from knapformer.diagnosis.scalars import step_figures
 from knapformer.errors import KnapformerError, file_error
-from knapformer.plan import RoutingPlan
-from knapformer.scalars import step_figures
-from knapformer.stats import gpu_bags
 
 #: Phases that hold others when those fit inside them (see the module docstring).
 NESTED_PHASES = {
@@ -124,7 +124,7 @@ def layout_rank_step(times: dict[str, float]) -> tuple[float, list[Slice]]:
     return span, slices
 
 
-#: Counter track -> series -> figure of `knapformer.scalars.step_figures` (one home for
+#: Counter track -> series -> figure of `knapformer.diagnosis.scalars.step_figures` (one home for
 #: what a step is summed up by; TensorBoard gets the same figures).
 COUNTERS = {
     "imbalance (max/mean load)": {"before": "imbalance_before", "after": "imbalance_after"},

@@ -21,8 +21,8 @@ from typing import Literal
 import numpy as np
 from numpy.typing import ArrayLike
 
+from knapformer.contract.limits import MAX_TOKEN_DIM, check_count
 from knapformer.errors import KnapformerError
-from knapformer.limits import MAX_TOKEN_DIM, check_count
 
 
 @dataclass(frozen=True)

@@ -58,12 +58,12 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from knapformer import __version__
+from knapformer.contract.limits import MAX_SEQ_LENGTH, MAX_SEQUENCES, check_count
+from knapformer.contract.plan import Measurements, RoutingPlan
+from knapformer.contract.stats import lower_bound
+from knapformer.contract.topology import Topology, as_topology
 from knapformer.errors import KnapformerError
-from knapformer.limits import MAX_SEQ_LENGTH, MAX_SEQUENCES, check_count
-from knapformer.plan import Measurements, RoutingPlan
-from knapformer.stats import lower_bound
-from knapformer.topology import Topology, as_topology
-from knapformer.workload import WorkloadModel
+from knapformer.planning.workload import WorkloadModel
 
 DEFAULT_SOLVER = "knapformer"
 SOLVERS = ("knapformer", "greedy")
@@ -247,7 +247,7 @@ def _flatten(
         bad = int(np.argmax(lengths))
         raise KnapformerError(
             f"lengths on GPU position {int(src_pos[bad])} include {lengths[bad]:,} tokens; a "
-            f"sequence holds at most {MAX_SEQ_LENGTH:,} (knapformer.limits)"
+            f"sequence holds at most {MAX_SEQ_LENGTH:,} (knapformer.contract.limits)"
         )
     if lengths.min() < 0:
         bad = int(np.argmin(lengths))

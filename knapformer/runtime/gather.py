@@ -3,7 +3,7 @@ every rank decides alike from what it received.
 
 A step's first all-gather carries each rank's `GatherHead` (which call it is in, whether
 its own argument checks failed, how many sequences it holds, its ``token_dim``) followed
-by its measurement row of an earlier step (`knapformer.timing`); the second, every rank's
+by its measurement row of an earlier step (`knapformer.runtime.timing`); the second, every rank's
 lengths, padded to the longest. Every mistake is decided from what all ranks received
 (`StepGather`), so every rank raises in the same call (a rank whose own check failed
 with its own error, the others naming it) rather than some waiting in a collective for a
@@ -22,10 +22,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from knapformer.contract.limits import MAX_RANK_TOKENS, MAX_SEQUENCES, MAX_TOKEN_DIM
 from knapformer.errors import KnapformerError
-from knapformer.limits import MAX_RANK_TOKENS, MAX_SEQUENCES, MAX_TOKEN_DIM
-from knapformer.router import Group, check_rows
-from knapformer.timing import GatheredStep
+from knapformer.runtime.router import Group, check_rows
+from knapformer.runtime.timing import GatheredStep
 
 #: The checks each rank runs on its own arguments before the gather; a failure travels in
 #: the head (`GatherHead.problem`) so that every rank raises, not only this one.

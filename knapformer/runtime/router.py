@@ -28,8 +28,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from knapformer.contract.plan import RoutingPlan
+from knapformer.contract.positions import gpu_positions
 from knapformer.errors import KnapformerError
-from knapformer.plan import RoutingPlan, gpu_positions
 
 Group = dist.ProcessGroup | None
 #: Makes a context manager that times one all-to-all (the balancer's, per phase).

@@ -2,7 +2,7 @@
 from waiting.
 
 A step runs from one ``plan_routing`` call to the next. Within it the balancer times
-every collective it owns (`knapformer.plan.COLLECTIVE_PHASES`: the length gather, the
+every collective it owns (`knapformer.contract.plan.COLLECTIVE_PHASES`: the length gather, the
 routing all-to-alls forward and backward, the Ulysses exchanges, the gradient
 all-reduce run through it) and a few host phases (``plan``, ``record``); a training loop
 adds its own with ``add``. When the step ends, ``step`` is its wall time and ``compute``
@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from knapformer.plan import COLLECTIVE_PHASES, RECORDED_PHASES, Measurements, RoutingPlan
+from knapformer.contract.plan import COLLECTIVE_PHASES, RECORDED_PHASES, Measurements, RoutingPlan
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ class StepTimer:
 
     ``device``: where the work runs (CUDA events on a CUDA device, host clocks
     otherwise). ``phases``: what travels to the other ranks, in row order
-    (`knapformer.plan.RECORDED_PHASES` and any extra names); a phase added with `add`
+    (`knapformer.contract.plan.RECORDED_PHASES` and any extra names); a phase added with `add`
     that is not among them is kept in `current` but not sent (one warning).
     """
 

@@ -16,10 +16,9 @@ import itertools
 import json
 import math
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
-from numpy.typing import ArrayLike
 from pydantic import (
     BaseModel,
     BeforeValidator,
@@ -31,8 +30,7 @@ from pydantic import (
     model_validator,
 )
 
-from knapformer.errors import KnapformerError
-from knapformer.limits import (
+from knapformer.contract.limits import (
     MAX_CHUNKS,
     MAX_GPUS,
     MAX_RANK,
@@ -42,19 +40,15 @@ from knapformer.limits import (
     MAX_TOKEN_DIM,
     abbreviate,
 )
-from knapformer.topology import Topology
-
-if TYPE_CHECKING:
-    from knapformer.stats import PlanStats
+from knapformer.contract.positions import GpuPositions, gpu_positions
+from knapformer.contract.stats import PlanStats, compute_stats
+from knapformer.contract.topology import Topology
+from knapformer.errors import KnapformerError
 
 SCHEMA_VERSION = 2
 #: Versions this reader understands: 1 had no ``planner_version``.
 READABLE_SCHEMA_VERSIONS = (1, 2)
 _MAX_IDS_IN_MESSAGE = 5
-# GpuPositions keeps a dense table (one gather per lookup) of ranks below _DENSE_RANKS
-# (512 KB) or spanning at most _DENSE_SPAN_FACTOR times their count; else binary search.
-_DENSE_RANKS = 2**16
-_DENSE_SPAN_FACTOR = 4
 _INT64 = (-(2**63), 2**63 - 1)
 
 
@@ -113,62 +107,6 @@ FloatColumn = Annotated[
     PlainSerializer(_to_list),
     WithJsonSchema({"type": "array", "items": {"type": "number"}}),
 ]
-
-
-class GpuPositions:
-    """Where each GPU rank sits in a plan's ``gpus``: ``positions[ranks]`` is an int64 array
-    of ``ranks``' shape holding each rank's index in ``gpus``, -1 for a rank not in it.
-
-    Memory and time grow with the number of GPUs, never with the ranks' values (a plan
-    naming rank 10⁹ must not allocate 8 GB). The router looks up every chunk of every
-    step here, so the usual case is one gather into a dense table indexed by rank: ranks
-    below 2¹⁶ or 4× the GPU count (every balance group of a job of that size). Ranks
-    that span little more than their count (one group of a larger world) use a table
-    offset by the smallest rank; sparse ranks are binary-searched.
-    """
-
-    def __init__(self, gpus: ArrayLike):
-        gpus = np.asarray(gpus, dtype=np.int64).reshape(-1)
-        self.num_gpus = n = len(gpus)
-        low, high = (int(gpus.min()), int(gpus.max())) if n else (0, -1)
-        self._table: np.ndarray | None = None
-        if low >= 0 and high < max(_DENSE_SPAN_FACTOR * n, _DENSE_RANKS):
-            self._low = 0
-        elif high - low < _DENSE_SPAN_FACTOR * n:
-            self._low = low
-        else:
-            order = np.argsort(gpus, kind="stable")
-            self._order, self._sorted = order, gpus[order]
-            return
-        self._table = np.full(high - self._low + 1, -1, dtype=np.int64)
-        self._table[gpus - self._low] = np.arange(n)
-
-    def __getitem__(self, ranks: ArrayLike) -> np.ndarray:
-        ranks = np.asarray(ranks, dtype=np.int64)
-        table = self._table
-        if table is None:
-            if not self.num_gpus:
-                return np.full(ranks.shape, -1, dtype=np.int64)
-            at = np.minimum(np.searchsorted(self._sorted, ranks), self.num_gpus - 1)
-            return np.where(self._sorted[at] == ranks, self._order[at], -1)
-        # Hot path: bounds by two reductions, then one gather (no temporary arrays: at
-        # router sizes, fresh temporaries cost more in page faults than the gather).
-        if ranks.size == 0 or (ranks.min() >= self._low and ranks.max() < self._low + len(table)):
-            return table[ranks - self._low] if self._low else table[ranks]
-        index = ranks - self._low
-        inside = (index >= 0) & (index < len(table))
-        out = np.full(ranks.shape, -1, dtype=np.int64)
-        out[inside] = table[index[inside]]
-        return out
-
-    def contains(self, ranks: ArrayLike) -> np.ndarray:
-        """Boolean mask of ``ranks``' shape: which of them are GPUs of the plan."""
-        return self[ranks] >= 0
-
-
-def gpu_positions(gpus: ArrayLike) -> GpuPositions:
-    """`GpuPositions` of ``gpus`` (distinct ranks; ``positions[ranks]``, -1 for strangers)."""
-    return GpuPositions(gpus)
 
 
 def _ids(mask_or_ids: np.ndarray) -> str:
@@ -346,13 +284,6 @@ class RoutingPlan(BaseModel):
         fields.setdefault("workload_unit", "model")
         return cls.model_construct(**fields)
 
-    @classmethod
-    def from_legacy(cls, summary: dict) -> RoutingPlan:
-        """Import the original research code's ``get_routing_plan_summary()`` dict."""
-        from knapformer.legacy import plan_from_legacy
-
-        return plan_from_legacy(summary)
-
     def validated(self) -> RoutingPlan:
         """A validated copy (raises ``ValidationError`` naming the ids when broken)."""
         return type(self).model_validate(self.model_dump())
@@ -362,8 +293,6 @@ class RoutingPlan(BaseModel):
     def stats(self) -> PlanStats:
         """Derived loads, imbalance, traffic, lower bound (computed once, cached)."""
         if self._stats is None:
-            from knapformer.stats import compute_stats
-
             self._stats = compute_stats(self)
         return self._stats
 
@@ -394,7 +323,7 @@ class RoutingPlan(BaseModel):
 def _invariant_problems(plan: RoutingPlan) -> Iterator[str]:
     """Yield the first broken invariant as a message naming the ids (checked in order).
 
-    Values and sizes are bounded (`knapformer.limits`) before any array is built from
+    Values and sizes are bounded (`knapformer.contract.limits`) before any array is built from
     them, so no check below allocates by a value or overflows int64.
     """
     problem = _field_problem(plan) or _group_problem(plan)
@@ -411,13 +340,14 @@ def _invariant_problems(plan: RoutingPlan) -> Iterator[str]:
 
 
 def _field_problem(plan: RoutingPlan) -> str | None:
-    """Scalars and table sizes within the bounds of `knapformer.limits`."""
+    """Scalars and table sizes within the bounds of `knapformer.contract.limits`."""
     if plan.step is not None and abs(plan.step) > MAX_STEP:
-        return f"step {abbreviate(f'{plan.step:,}')} is beyond ±{MAX_STEP:,} (knapformer.limits)"
+        step = abbreviate(f"{plan.step:,}")
+        return f"step {step} is beyond ±{MAX_STEP:,} (knapformer.contract.limits)"
     if plan.token_dim is not None and not 1 <= plan.token_dim <= MAX_TOKEN_DIM:
         return (
             f"token_dim {abbreviate(f'{plan.token_dim:,}')} is outside 1..{MAX_TOKEN_DIM:,} "
-            "(knapformer.limits)"
+            "(knapformer.contract.limits)"
         )
     for name in ("gamma", "time"):
         value = getattr(plan, name)
@@ -431,7 +361,10 @@ def _field_problem(plan: RoutingPlan) -> str | None:
         ("chunks", len(plan.chunks), MAX_CHUNKS),
     ):
         if count > bound:
-            return f"{name}: {count:,} {name}; a plan holds at most {bound:,} (knapformer.limits)"
+            return (
+                f"{name}: {count:,} {name}; a plan holds at most {bound:,} "
+                "(knapformer.contract.limits)"
+            )
     return None
 
 
@@ -442,7 +375,7 @@ def _rank_problem(name: str, ranks: Iterable[int]) -> str | None:
         if not -MAX_RANK <= rank <= MAX_RANK:
             return (
                 f"{name} holds rank {abbreviate(f'{rank:,}')}; ranks are 0..{MAX_RANK:,} "
-                "(knapformer.limits)"
+                "(knapformer.contract.limits)"
             )
     return None
 
@@ -518,7 +451,7 @@ def _sequence_problem(plan: RoutingPlan, positions: GpuPositions) -> str | None:
     if bad.any():
         return (
             f"sequence(s) {_ids(bad)} are longer than {MAX_SEQ_LENGTH:,} tokens "
-            f"(knapformer.limits): {int(seqs.length[bad][0]):,}"
+            f"(knapformer.contract.limits): {int(seqs.length[bad][0]):,}"
         )
     bad = ~np.isfinite(seqs.workload) | (seqs.workload < 0)
     if bad.any():
@@ -546,7 +479,7 @@ def _chunk_problem(plan: RoutingPlan, positions: GpuPositions) -> str | None:
     if bad.any():
         return (
             f"chunk(s) {_ids(bad)} have a length or offset beyond {MAX_SEQ_LENGTH:,} tokens "
-            "(knapformer.limits)"
+            "(knapformer.contract.limits)"
         )
     src_position, dst_position = positions[chunks.src_gpu], positions[chunks.dst_gpu]
     bad = (src_position < 0) | (dst_position < 0)

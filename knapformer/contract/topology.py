@@ -13,8 +13,8 @@ import re
 from dataclasses import dataclass
 from functools import cached_property
 
+from knapformer.contract.limits import MAX_GPUS, abbreviate, check_count, parse_count
 from knapformer.errors import KnapformerError
-from knapformer.limits import MAX_GPUS, abbreviate, check_count, parse_count
 
 _TERM = re.compile(r"g([0-9]+)n([0-9]+)")
 

@@ -30,13 +30,13 @@ Guarantees (each one tested in ``tests/test_recorder*.py``):
 - ``close()`` flushes the queue; a recorder is a context manager and is closed at
   interpreter exit.
 - With ``tensorboard_dir``, the writer thread also writes each written plan's per-step
-  scalars (`knapformer.scalars`) to TensorBoard, live; never on the training thread. A
+  scalars (`knapformer.diagnosis.scalars`) to TensorBoard, live; never on the training thread. A
   failure there logs one warning and stops the TensorBoard logging only.
 
 A plain sink: it never reads the balancer, runs no collective and times nothing. With a
 balancer (``SequenceBalancer(..., recorder=PlanRecorder(path))``) the balancer hands it
 each plan it `wants` once every rank's measured times of that step are attached
-(`knapformer.balancer`: they travel with the lengths of a later step, and
+(`knapformer.runtime.balancer`: they travel with the lengths of a later step, and
 ``balancer.finish()`` gathers the last ones); without one, ``record(plan)`` queues any
 plan as it is.
 """
@@ -57,10 +57,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from knapformer.contract.plan import Measurements, RoutingPlan
+from knapformer.contract.plan_io import json_line_pieces
+from knapformer.contract.runfiles import GROUP_TEMPLATE, group_file, rotated_copies, rotated_file
 from knapformer.errors import KnapformerError, MissingExtraError
-from knapformer.plan import Measurements, RoutingPlan
-from knapformer.plan_io import json_line_pieces
-from knapformer.runfiles import GROUP_TEMPLATE, group_file, rotated_copies, rotated_file
 
 log = logging.getLogger(__name__)
 
@@ -312,7 +312,7 @@ class PlanRecorder:
     def _log_scalars(self, plan: RoutingPlan) -> None:
         """The plan's per-step scalars to TensorBoard (writer thread); on any failure one
         warning and no more TensorBoard logging (the JSONL goes on)."""
-        from knapformer.scalars import open_writer, write_step
+        from knapformer.diagnosis.scalars import open_writer, write_step
 
         try:
             if self._tensorboard is None:

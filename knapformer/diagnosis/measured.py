@@ -4,7 +4,7 @@ The definitions every straggler view uses (the CLI, the dashboard, the report):
 
 - **measured compute** of a rank: its time in the phase that stands for compute —
   ``compute`` (the step minus the time inside `COLLECTIVE_PHASES`) when it was recorded,
-  else the next of `COMPUTE_PHASES` that was (`knapformer.plan.compute_phase`).
+  else the next of `COMPUTE_PHASES` that was (`knapformer.contract.plan.compute_phase`).
 - **time in a collective**: ``per_rank_ms[phase]`` for each of `COLLECTIVE_PHASES`.
   Time inside a collective is waiting for the last rank to arrive plus the transfer, so
   the rank that arrived last waited least: its **wait** is ``t_i - min_j t_j`` and the
@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from knapformer.plan import BAG_COLLECTIVES, COLLECTIVE_PHASES, RoutingPlan
-from knapformer.units import LoadUnit
+from knapformer.contract.plan import BAG_COLLECTIVES, COLLECTIVE_PHASES, RoutingPlan
+from knapformer.contract.units import LoadUnit
 
 
 @dataclass(frozen=True)

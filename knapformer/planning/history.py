@@ -3,8 +3,8 @@ compute, so that the planner gives a slow GPU (throttled, a bad link, another jo
 node) less work.
 
 Each measured step gives every GPU a rate: the work its plan gave it
-(`knapformer.stats.PlanStats.work_after`, workload at nominal speed) over its measured
-``compute`` (ms; `knapformer.timing`). Divided by the median GPU's rate, that is its
+(`knapformer.contract.stats.PlanStats.work_after`, workload at nominal speed) over its measured
+``compute`` (ms; `knapformer.runtime.timing`). Divided by the median GPU's rate, that is its
 speed in that step. A GPU's speed is the median of its last ``window`` per-step speeds
 (one slow step — a page fault, a checkpoint — moves nothing), rounded to two
 significant digits and kept within ``bounds`` (steady plans; the same number in JSON and on every
@@ -29,10 +29,10 @@ from collections.abc import Iterable
 import numpy as np
 from numpy.typing import ArrayLike
 
+from knapformer.contract.plan import RoutingPlan
 from knapformer.errors import KnapformerError
-from knapformer.plan import RoutingPlan
 
-#: The cost models of `knapformer.balancer.SequenceBalancer`: "modelled" plans with the
+#: The cost models of `knapformer.runtime.balancer.SequenceBalancer`: "modelled" plans with the
 #: workload model (and fixed ``gpu_speed``); "history" also learns every GPU's speed here.
 COST_MODELS = ("modelled", "history")
 #: Measured steps before the first speeds are used.
@@ -139,7 +139,7 @@ def recorded_speeds(
 ) -> dict[int, list[float] | None]:
     """The speeds the history cost model plans each recorded step with, recomputed from
     the recording (every step recorded, with measured ``compute``): plan s uses the steps
-    up to s - `LAG_STEPS`, as `knapformer.balancer.SequenceBalancer` does."""
+    up to s - `LAG_STEPS`, as `knapformer.runtime.balancer.SequenceBalancer` does."""
     ordered = sorted((p for p in plans if p.step is not None), key=lambda p: p.step)
     if not ordered:
         return {}

@@ -1,6 +1,6 @@
 """Which rank is slow, and why: per-rank verdicts over a window of measured steps.
 
-Per rank, over the window's measured steps (`knapformer.measured` defines each figure):
+Per rank, over the window's measured steps (`knapformer.diagnosis.measured` defines each figure):
 predicted share of the work, measured compute, their ratio, time waiting in
 collectives, how often it was the step's straggler (last arrival where the ranks waited
 longest), and a verdict:
@@ -28,7 +28,7 @@ from typing import Literal
 
 import numpy as np
 
-from knapformer.measured import RankFigures
+from knapformer.diagnosis.measured import RankFigures
 
 Verdict = Literal["slow_gpu", "data_imbalance", "ok"]
 #: The order a header or a table names verdicts in: the most actionable first.

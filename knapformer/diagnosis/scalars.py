@@ -23,8 +23,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from knapformer.contract.plan import RoutingPlan
 from knapformer.errors import MissingExtraError
-from knapformer.plan import RoutingPlan
 
 TAG_PREFIX = "knapformer/"
 

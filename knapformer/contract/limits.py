@@ -64,7 +64,7 @@ def check_count(value: int, bound: int, what: str, low: int = 0) -> int:
         raise OptionError(f"{what} must be at least {low:,}, got {value:,}")
     if value > bound:
         raise OptionError(
-            f"{what} is {value:,}; at most {bound:,} is supported (knapformer.limits)"
+            f"{what} is {value:,}; at most {bound:,} is supported (knapformer.contract.limits)"
         )
     return value
 
@@ -77,6 +77,6 @@ def parse_count(digits: str, bound: int, what: str, low: int = 0) -> int:
     if len(digits.lstrip("0")) > len(str(bound)):
         raise KnapformerError(
             f"{what} is {abbreviate(digits, 24)}; at most {bound:,} is supported "
-            "(knapformer.limits)"
+            "(knapformer.contract.limits)"
         )
     return check_count(int(digits), bound, what, low)

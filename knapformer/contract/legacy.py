@@ -12,10 +12,10 @@ from typing import Any
 
 import numpy as np
 
+from knapformer.contract.limits import MAX_RANK, MAX_SEQ_LENGTH, abbreviate
+from knapformer.contract.plan import RoutingPlan
+from knapformer.contract.topology import Topology
 from knapformer.errors import KnapformerError
-from knapformer.limits import MAX_RANK, MAX_SEQ_LENGTH, abbreviate
-from knapformer.plan import RoutingPlan
-from knapformer.topology import Topology
 
 #: Every key of the summary, in the order the research code writes them (`plan_to_legacy`
 #: writes them all; `knapformer.compat` serves them as attributes).
@@ -67,7 +67,7 @@ def _bounded(value: Any, what: str, bound: int = MAX_RANK) -> int:
     if not 0 <= number <= bound:
         raise KnapformerError(
             f"legacy plan: {what} {abbreviate(f'{number:,}')} is outside 0..{bound:,} "
-            "(knapformer.limits)"
+            "(knapformer.contract.limits)"
         )
     return number
 

@@ -16,18 +16,18 @@ Typical step (see ``knapformer/local/models.py`` for a model that does this)::
     balancer.finish()  # after the last step: its measurements reach the recorder too
 
 Works on the backend of the process group: NCCL with CUDA tensors, gloo with CPU
-tensors. ``plan_routing`` checks its arguments collectively (`knapformer.gather`): a
+tensors. ``plan_routing`` checks its arguments collectively (`knapformer.runtime.gather`): a
 mistake on one rank (or ranks disagreeing on ``token_dim``) makes every rank raise in
 that call, never some wait in a collective for a peer that already left. Balance groups
 are consecutive ranks; a world of k x (topology GPUs) ranks holds k replicas, each
 balanced on its own.
 
-Measurements (`knapformer.timing`): every rank times the collectives it runs here and
+Measurements (`knapformer.runtime.timing`): every rank times the collectives it runs here and
 its compute apart from them; the few floats of step s travel to every rank in the
 length all-gather of step s+1 (s+2 when planning ahead): no collective of their own. The
 balancer attaches them to the plan of step s and hands that plan to the recorder, a
 plain sink. With ``cost_model="history"`` every rank learns each GPU's speed from them
-(`knapformer.history`), identically, and plans with it.
+(`knapformer.planning.history`), identically, and plans with it.
 
 Planning ahead (``plan_ahead=True``): ``prefetch(next_lengths, d)`` as soon as the next
 batch is known; a background thread gathers the lengths over a gloo group of its own
@@ -49,19 +49,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from knapformer.contract.plan import COLLECTIVE_PHASES, RoutingPlan
+from knapformer.contract.topology import Topology, as_topology
 from knapformer.errors import KnapformerError
-from knapformer.gather import (  # GatherHead and the two tuples are re-exported
+from knapformer.planning.history import COST_MODELS, LAG_STEPS, SpeedHistory, step_work
+from knapformer.planning.planner import check_solver, check_speed, plan_routing
+from knapformer.planning.workload import WorkloadModel
+from knapformer.runtime.gather import (  # GatherHead and the two tuples are re-exported
     GATHERING_CALLS,
     LOCAL_CHECKS,
     GatherHead,
     StepGather,
     StepRequest,
 )
-from knapformer.history import COST_MODELS, LAG_STEPS, SpeedHistory, step_work
-from knapformer.plan import COLLECTIVE_PHASES, RoutingPlan
-from knapformer.plan_ahead import PlanAhead
-from knapformer.planner import check_solver, check_speed, plan_routing
-from knapformer.router import (
+from knapformer.runtime.plan_ahead import PlanAhead
+from knapformer.runtime.router import (
     Features,
     Group,
     RoutingTables,
@@ -70,9 +72,7 @@ from knapformer.router import (
     flatten_features,
     unflatten_features,
 )
-from knapformer.timing import DERIVED_PHASES, GatheredStep, StepTimer
-from knapformer.topology import Topology, as_topology
-from knapformer.workload import WorkloadModel
+from knapformer.runtime.timing import DERIVED_PHASES, GatheredStep, StepTimer
 
 __all__ = ["GATHERING_CALLS", "LOCAL_CHECKS", "GatherHead", "SequenceBalancer"]
 
@@ -114,14 +114,14 @@ class SequenceBalancer:
         run: run name stored in every plan.
         cost_model: ``"modelled"`` (default): the workload model, with ``gpu_speed`` if
             given; ``"history"``: every GPU's speed learnt from its measured compute
-            (`knapformer.history`), recorded in each plan's ``gpu_speed``.
+            (`knapformer.planning.history`), recorded in each plan's ``gpu_speed``.
         gpu_speed: fixed relative speed of each GPU of the balance group (replay uses the
             recorded ones); not with ``"history"``.
         time_scale: ms per workload unit (from ``knapformer calibrate``): workloads, and
             every view of the plans, are then milliseconds.
         plan_ahead: gather and plan on a background thread over a gloo group of its own
             (see `prefetch`).
-        phases: timing phases to gather besides `knapformer.plan.RECORDED_PHASES` (what
+        phases: timing phases to gather besides `knapformer.contract.plan.RECORDED_PHASES` (what
             you add with `add_timing`); the same on every rank.
     """
 
@@ -253,7 +253,7 @@ class SequenceBalancer:
         return {} if finished is None else dict(finished.values())
 
     def add_timing(self, phase: str, ms: float) -> None:
-        """Add a user-measured phase (e.g. ``"forward_backward"``; `knapformer.plan` names
+        """Add a user-measured phase (e.g. ``"forward_backward"``; `knapformer.contract.plan` names
         the phases recorded by default, ``phases=`` adds more) to this step's timings."""
         _check_added_phase(phase)
         self._timer.add(phase, ms)
@@ -261,7 +261,7 @@ class SequenceBalancer:
     @contextmanager
     def collective(self, phase: str = "allreduce") -> Iterator[None]:
         """Time a collective the training loop runs itself as ``phase`` (one of
-        `knapformer.plan.COLLECTIVE_PHASES`), so that it counts as waiting, not compute::
+        `knapformer.contract.plan.COLLECTIVE_PHASES`), so that it counts as waiting, not compute::
 
             with balancer.collective():  # e.g. around DDP's gradient synchronisation
                 ...

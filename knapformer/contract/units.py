@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from knapformer.plan import RoutingPlan
+    from knapformer.contract.plan import RoutingPlan
 
 
 @dataclass(frozen=True)

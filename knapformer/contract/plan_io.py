@@ -21,10 +21,10 @@ import numpy as np
 from pydantic import ValidationError
 from pydantic_core import to_json
 
+from knapformer.contract.legacy import is_legacy, plan_from_legacy
+from knapformer.contract.limits import MAX_RECORD_BYTES, abbreviate
+from knapformer.contract.plan import READABLE_SCHEMA_VERSIONS, SCHEMA_VERSION, RoutingPlan
 from knapformer.errors import KnapformerError, OptionError, file_error
-from knapformer.legacy import is_legacy, plan_from_legacy
-from knapformer.limits import MAX_RECORD_BYTES, abbreviate
-from knapformer.plan import READABLE_SCHEMA_VERSIONS, SCHEMA_VERSION, RoutingPlan
 
 #: A file whose first lines are this many non-JSON-object lines is not read further.
 NOT_A_PLAN_FILE_AFTER = 3
@@ -241,7 +241,7 @@ def _lines(path: Path, handle: BinaryIO) -> Iterator[PlanRecord | Problem]:
                 where,
                 number,
                 f"line of {length:,} bytes skipped: a record holds at most "
-                f"{MAX_RECORD_BYTES:,} (knapformer.limits)",
+                f"{MAX_RECORD_BYTES:,} (knapformer.contract.limits)",
             )
             continue
         if not line.strip():

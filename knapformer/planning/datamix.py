@@ -15,8 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from knapformer.errors import KnapformerError
-from knapformer.limits import (
+from knapformer.contract.limits import (
     MAX_GPUS,
     MAX_SEQ_LENGTH,
     MAX_SEQUENCES,
@@ -24,6 +23,7 @@ from knapformer.limits import (
     check_count,
     parse_count,
 )
+from knapformer.errors import KnapformerError
 
 MIXES = {
     "lowres": "g32b32i256f1s0",

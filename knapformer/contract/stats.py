@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from knapformer.plan import gpu_positions
+from knapformer.contract.positions import gpu_positions
 
 if TYPE_CHECKING:
-    from knapformer.plan import Measurements, RoutingPlan
+    from knapformer.contract.plan import Measurements, RoutingPlan
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 the order they were submitted, and hands each result (or the exception it raised) to
 whoever waits for that request's `Ticket`.
 
-`knapformer.balancer.SequenceBalancer` (``plan_ahead=True``) submits one request per
+`knapformer.runtime.balancer.SequenceBalancer` (``plan_ahead=True``) submits one request per
 ``prefetch``: the thread gathers the lengths over a gloo group of its own and plans
 while the training thread computes the previous step; ``plan_routing`` then waits for
 the oldest ticket. Order matters twice: every rank's thread runs the same collectives in

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from knapformer.plan import Measurements, RoutingPlan
-from knapformer.planner import plan_routing
-from knapformer.tools.datamix import parse_mix, sample_lengths
-from knapformer.workload import WorkloadModel
+from knapformer.contract.plan import Measurements, RoutingPlan
+from knapformer.planning.datamix import parse_mix, sample_lengths
+from knapformer.planning.planner import plan_routing
+from knapformer.planning.workload import WorkloadModel
 
 #: the share of a step's compute that runs before attention's exchange
 _BEFORE_ATTENTION = 0.4
