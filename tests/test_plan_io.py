@@ -140,7 +140,7 @@ def test_step_ranges_select_like_select_step(tmp_path):
     ],
 )
 def test_json_line_pieces_parse_to_what_model_dump_json_writes(measurements, monkeypatch):
-    from knapformer import plan_io
+    from knapformer.contract import plan_io
     from knapformer.contract.plan import Measurements
     from knapformer.planning.datamix import parse_mix, sample_lengths, scale_mix
 

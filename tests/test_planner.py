@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from knapformer import planner
+from knapformer.planning import planner
 from knapformer.contract.plan import RoutingPlan
 from knapformer.contract.topology import Topology
 from knapformer.planning.datamix import parse_mix, sample_lengths
