@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from knapformer.contract import limits
 from knapformer.cli import main
+from knapformer.contract import limits
 from knapformer.contract.plan import RoutingPlan
 from knapformer.contract.plan_io import PlanFormatError, parse_plan_line, read_plans
 from knapformer.contract.positions import gpu_positions

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from knapformer.planning import planner
 from knapformer.contract.plan import RoutingPlan
 from knapformer.contract.topology import Topology
+from knapformer.planning import planner
 from knapformer.planning.datamix import parse_mix, sample_lengths
 from knapformer.planning.planner import plan_routing
 from knapformer.planning.workload import WorkloadModel
