@@ -1,4 +1,4 @@
-"""Benchmark: rank → position lookups of `knapformer.contract.plan.GpuPositions` against the dense
+"""Benchmark: rank → position lookups of `knapformer.contract.positions.GpuPositions` against the dense
 table indexed by the largest rank that it replaced (memory by rank value: 8 GB for a
 rank of 10⁹).
 

@@ -1,3 +1,2 @@
-"""Offline tools over plans and the planner: replay, simulate, suggest, calibrate, and the
-synthetic data mixes they sample. They build on the core (`knapformer.*`); nothing in the
-core imports them."""
+"""Offline tools over plans and the planner: replay, simulate, suggest, calibrate and trace.
+They build on the core's layers and the local workers; nothing below them imports them."""
