@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import FrozenInstanceError, fields
 from pathlib import Path
 
 import psutil
@@ -20,10 +21,10 @@ from knapformer.cli import main
 from knapformer.contract.plan_io import read_plans
 from knapformer.contract.runfiles import remove_recording
 from knapformer.contract.topology import Topology
-from knapformer.local.demo import (
+from knapformer.errors import OptionError
+from knapformer.local.config import (
     DEMO_CODES,
     DemoConfig,
-    check_config,
     default_topology,
     model_shape,
     rank_codes,
@@ -90,14 +91,19 @@ def test_model_heads_split_across_every_bag():
     ("args", "message"),
     [
         (["--world-size", "6", "--topology", "g1n2+g2n1"], "world size 6"),
-        (["--steps", "-1"], "steps must be >= 0"),
+        (["--steps", "-1"], "--steps must be at least 0, got -1"),
         (["--data-codes", "g2b4x"], "g2b4x"),
         (["--topology", "g2x1"], "g2x1"),
-        (["--world-size", "4", "--slow-rank", "4"], "slow rank 4 is not a rank of the world"),
-        (["--slow-rank", "1", "--slow-factor", "0.5"], "slow factor must be a number >= 1"),
-        (["--cost-model", "oracle"], "unknown cost model 'oracle'"),
-        (["--head-dim", "7"], "head dim must be even and >= 2 (RoPE), got 7"),
-        (["--length-scale", "0"], "length scale must be positive, got 0"),
+        (["--world-size", "4", "--slow-rank", "4"], "--slow-rank 4 is not a rank of the world"),
+        (["--slow-rank", "1", "--slow-factor", "0.5"], "--slow-factor must be a number >= 1"),
+        (["--cost-model", "oracle"], "unknown --cost-model 'oracle'"),
+        (["--head-dim", "7"], "--head-dim must be even, >= 2 (RoPE) and <= 256, got 7"),
+        (["--head-dim", "99999998"], "--head-dim must be even, >= 2 (RoPE) and <= 256"),
+        (["--length-scale", "0"], "--length-scale must be a number in (0, 1], got 0"),
+        (["--length-scale", "inf"], "--length-scale must be a number in (0, 1], got inf"),
+        (["--lr", "nan"], "--lr must be a positive number, got nan"),
+        (["--seed", "-1"], "--seed must be at least 0, got -1"),
+        (["--world-size", "65"], "--world-size is 65; at most 64 is supported"),
     ],
 )
 def test_bad_options_give_one_line_errors_before_starting(tmp_path, capsys, args, message):
@@ -129,20 +135,39 @@ def test_a_new_run_replaces_the_old_runs_plan_files_only(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(keep)
 
 
-def test_the_command_lines_defaults_are_the_demos():
-    import inspect
+def test_every_config_field_is_a_command_line_option_with_its_default_and_help():
+    import typer.main
 
-    from knapformer.cli.demo import demo
+    from knapformer.cli import app
 
-    options = inspect.signature(demo).parameters
-    config = DemoConfig()
-    assert options["head_dim"].default.default == config.head_dim
-    assert options["length_scale"].default.default == config.length_scale
+    command = typer.main.get_command(app).commands["demo"]
+    options = {p.name: p for p in command.params}
+    for f in fields(DemoConfig):
+        option = options.pop(f.name)
+        assert f"--{f.name.replace('_', '-')}" in option.opts, (f.name, option.opts)
+        assert option.default == f.default, f.name
+        assert option.help == f.metadata["help"], f.name
+    # What the command adds to the config: the dashboard it serves.
+    assert sorted(options) == ["dashboard", "port"]
 
 
-def test_check_config_accepts_the_defaults():
-    topo, codes = check_config(DemoConfig())
-    assert str(topo) == "g1n2+g2n1+g4n1" and len(codes) == 8
+def test_a_config_is_checked_where_it_is_made():
+    cfg = DemoConfig()
+    assert str(cfg.parsed_topology) == "g1n2+g2n1+g4n1" and len(cfg.codes) == 8
+    with pytest.raises(OptionError, match="head_dim must be even") as err:
+        DemoConfig(head_dim=99_999_998)
+    assert err.value.options == ["head_dim"] and "99999998" in str(err.value)
+    with pytest.raises(OptionError, match=r"length_scale .* got inf"):
+        DemoConfig(length_scale=math.inf)
+    with pytest.raises(ValueError, match="g9n1"):
+        DemoConfig(topology="g9n1")  # 9 GPUs in an 8-rank world
+    with pytest.raises(FrozenInstanceError):
+        cfg.steps = -1  # type: ignore[misc]  (no way around the checks)
+
+
+def test_the_config_does_not_import_torch():
+    code = "import knapformer.local.config, sys; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
 # ------------------------------------------------------------------- real processes

@@ -31,8 +31,17 @@ from pathlib import Path
 
 from knapformer.contract.runfiles import plans_file, remove_recording
 from knapformer.contract.stats import summary_line
-from knapformer.contract.topology import Topology
-from knapformer.errors import KnapformerError, file_error
+from knapformer.errors import file_error
+from knapformer.local.config import (
+    DEMO_CODES,
+    HEAD_DIM,
+    LENGTH_SCALE,
+    DemoConfig,
+    default_topology,
+    model_shape,
+    rank_codes,
+    topology_note,
+)
 from knapformer.local.launcher import (
     TRAINING_PRELOAD,
     launch,
@@ -40,38 +49,27 @@ from knapformer.local.launcher import (
     send,
     stop_requested,
 )
-from knapformer.planning.datamix import MIXED8, DataCode, parse_mix
-from knapformer.planning.history import COST_MODELS
 
-DEMO_CODES = MIXED8  # the joint mix's data types on 8 GPUs, as in the 8-GPU samples
-HEAD_DIM = 16
-LENGTH_SCALE = 1 / 16  # the mix's lengths shrunk so a step takes well under 1 s
+# The configuration lives in the torch-free knapformer.local.config; its names are
+# importable from here as well.
+__all__ = [
+    "DEMO_CODES",
+    "HEAD_DIM",
+    "LENGTH_SCALE",
+    "DemoConfig",
+    "StepReport",
+    "default_topology",
+    "format_report",
+    "model_shape",
+    "rank_codes",
+    "run_demo",
+    "topology_note",
+    "train",
+]
+
 _LATENT_RANK = 8  # tokens of a sequence are noisy views of one latent of this size
 _GRACE_S = 5.0  # Ctrl-C -> SIGTERM -> SIGKILL
 _STALL_S = 30.0  # no rank starts a step for this long: name the one to blame
-
-
-@dataclass
-class DemoConfig:
-    """What to train and where to record. ``steps=0`` trains until stopped."""
-
-    steps: int = 200
-    world_size: int = 8
-    topology: str | None = None  # default: see `default_topology`
-    data_codes: str = DEMO_CODES
-    out: Path = Path("runs/demo")
-    record: bool = True
-    every: int = 1
-    length_scale: float = LENGTH_SCALE
-    n_layers: int = 2
-    head_dim: int = HEAD_DIM  # larger: more compute per token (d_model = heads x head_dim)
-    lr: float = 2e-3
-    seed: int = 0
-    run: str = "demo"
-    slow_rank: int | None = None  # this rank's compute is made slow_factor times slower
-    slow_factor: float = 1.0
-    cost_model: str = "modelled"  # or "history": learn each GPU's speed
-    plan_ahead: bool = False  # prefetch the next step's plan on a side channel
 
 
 @dataclass
@@ -86,85 +84,6 @@ class StepReport:
     tokens: int  # tokens of the balance group this step
     step_ms: float  # rank 0's wall time from planning to the end of the optimizer step
     times: dict[str, float] = field(default_factory=dict)  # rank 0's phases (ms)
-
-
-def default_topology(world_size: int) -> str:
-    """Bags of 1, 1, 2, 4, ... GPUs: the largest bag is the largest power of two below the
-    world size, the rest of the ranks are split the same way (8 ranks: ``g1n2+g2n1+g4n1``,
-    6: ``g1n2+g4n1``, 12: ``g1n2+g2n1+g8n1``). Every world of 3 or more ranks gets a
-    multi-GPU bag, so a long video sequence can be split instead of setting the step time
-    on its own; `topology_note` says what a smaller world cannot do."""
-    sizes, rest = [], max(int(world_size), 1)
-    while rest > 1:
-        biggest = 1 << ((rest - 1).bit_length() - 1)  # the largest power of two below rest
-        sizes.append(biggest)
-        rest -= biggest
-    sizes += [1] * rest
-    return str(Topology.from_bag_sizes(sizes))
-
-
-def topology_note(topology: Topology) -> str | None:
-    """Why ``topology`` cannot balance the demo's data well, or None when it can."""
-    if topology.num_gpus == 1:
-        return "one GPU: there is nothing to balance (use --world-size 3 or more)"
-    if topology.max_bag_size == 1:
-        return (
-            "every bag is one GPU: the balancer moves whole sequences but cannot split a "
-            "long one, which then sets the step time alone (a multi-GPU bag needs "
-            f"--world-size 3 or more, or a --topology with one, e.g. {default_topology(4)})"
-        )
-    return None
-
-
-def rank_codes(codes: list[DataCode], world_size: int) -> list[DataCode]:
-    """One single-GPU data code per rank, spreading the mix's GPUs evenly over the world
-    (a 32-GPU mix on 8 ranks takes every 4th GPU's data; an 8-GPU mix on 16 repeats)."""
-    per_gpu = [
-        DataCode(1, c.batch, c.resolution, c.frames, c.video) for c in codes for _ in range(c.gpus)
-    ]
-    return [per_gpu[r * len(per_gpu) // world_size] for r in range(world_size)]
-
-
-def model_shape(topology: Topology, head_dim: int = HEAD_DIM) -> tuple[int, int]:
-    """(d_model, n_heads): heads must split evenly across every bag size (Ulysses)."""
-    heads = topology.heads_for(4)
-    if heads > 64:
-        raise KnapformerError(
-            f"topology {topology} needs {heads} attention heads (a multiple of every bag "
-            "size); use bag sizes with a smaller common multiple"
-        )
-    return heads * head_dim, heads
-
-
-def check_config(cfg: DemoConfig) -> tuple[Topology, list[DataCode]]:
-    """Validate everything the user chose before any process starts."""
-    if cfg.steps < 0:
-        raise KnapformerError(f"steps must be >= 0 (0 = until Ctrl-C), got {cfg.steps}")
-    if cfg.world_size < 1:
-        raise KnapformerError(f"world size must be >= 1, got {cfg.world_size}")
-    if cfg.world_size > 64:
-        raise KnapformerError(f"world size {cfg.world_size} is too many CPU processes for the demo")
-    if cfg.every < 1:
-        raise KnapformerError(f"every must be >= 1, got {cfg.every}")
-    if not cfg.length_scale > 0:
-        raise KnapformerError(f"length scale must be positive, got {cfg.length_scale}")
-    if cfg.slow_rank is not None and not 0 <= cfg.slow_rank < cfg.world_size:
-        raise KnapformerError(
-            f"slow rank {cfg.slow_rank} is not a rank of the world (0..{cfg.world_size - 1})"
-        )
-    if not (math.isfinite(cfg.slow_factor) and cfg.slow_factor >= 1):
-        raise KnapformerError(f"slow factor must be a number >= 1, got {cfg.slow_factor}")
-    if cfg.cost_model not in COST_MODELS:
-        raise KnapformerError(
-            f"unknown cost model {cfg.cost_model!r}; choose one of {', '.join(COST_MODELS)}"
-        )
-    topo = Topology.parse(cfg.topology or default_topology(cfg.world_size))
-    topo.num_replicas(cfg.world_size)  # raises when the world does not fit
-    if cfg.head_dim < 2 or cfg.head_dim % 2:
-        raise KnapformerError(f"head dim must be even and >= 2 (RoPE), got {cfg.head_dim}")
-    model_shape(topo, cfg.head_dim)
-    codes = rank_codes(parse_mix(cfg.data_codes), cfg.world_size)
-    return topo, codes
 
 
 def format_report(r: StepReport) -> str:
@@ -187,8 +106,7 @@ def run_demo(
     when a worker dies, raises or stalls, ``KeyboardInterrupt`` on Ctrl-C (the workers
     finish the same step first); either way every worker is stopped first.
     """
-    check_config(cfg)
-    out = Path(cfg.out)
+    out = Path(cfg.out)  # cfg checked itself when it was made
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -238,7 +156,7 @@ def train(
     from knapformer.runtime.balancer import SequenceBalancer
     from knapformer.runtime.recorder import PlanRecorder
 
-    topo, codes = check_config(cfg)
+    topo, codes = cfg.parsed_topology, cfg.codes
     d_model, n_heads = model_shape(topo, cfg.head_dim)
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model = ToyDiT(d_model, n_heads, cfg.n_layers)
