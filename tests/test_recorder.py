@@ -558,3 +558,121 @@ def test_tensorboard_without_its_extra_is_refused_when_the_recorder_is_made(tmp_
     monkeypatch.setattr(importlib.util, "find_spec", find_spec)
     with pytest.raises(MissingExtraError, match=r"knapformer\[tensorboard\]"):
         PlanRecorder(tmp_path / "plans.jsonl", tensorboard_dir=tmp_path / "tb")
+
+
+# ------------------------------------------------- resumed files, invalid plans, races
+def test_a_file_ending_in_a_partial_line_is_terminated_and_the_next_plan_kept(
+    tmp_path, plans, caplog
+):
+    # What SIGKILL or a full disk leaves: whole lines, then part of one.
+    path = tmp_path / "plans.jsonl"
+    whole = plans[0].model_dump_json() + "\n"
+    path.write_text(whole + plans[1].model_dump_json()[:200])
+    with PlanRecorder(path) as rec:
+        assert rec.record(plans[2]) and rec.record(plans[3])
+    assert rec.written == 2
+    result = read_plans(path)
+    assert [p.step for p in result.plans] == [0, 2, 3]  # before: step 2 was glued and lost
+    assert [p.line for p in result.problems] == [2]  # the partial line, reported once
+    warnings = [w for w in recorder_warnings(caplog) if "partial line" in w]
+    assert len(warnings) == 1 and str(path) in warnings[0]
+
+
+def _measured(plan, per_rank_ms):
+    from knapformer.contract.plan import Measurements
+
+    return plan.model_copy(update={"measurements": Measurements(per_rank_ms=per_rank_ms)})
+
+
+def test_plans_a_reader_would_refuse_are_counted_not_written(tmp_path, plans, caplog):
+    from knapformer.contract.limits import MAX_STEP
+
+    nan_workload = plans[1].model_copy(
+        update={
+            "sequences": plans[1].sequences.model_copy(
+                update={"workload": np.where(np.arange(len(plans[1].sequences)) == 0, np.nan, 1.0)}
+            )
+        }
+    )
+    short = _measured(plans[2], {"forward_backward": [1.0] * (len(plans[2].gpus) - 1)})
+    beyond = plans[3].model_copy(update={"step": MAX_STEP + 1})
+    path = tmp_path / "plans.jsonl"
+    with PlanRecorder(path) as rec:
+        for plan in (plans[0], nan_workload, short, beyond, plans[4]):
+            assert rec.record(plan)
+    assert (rec.written, rec.refused) == (2, 3)
+    assert steps_in(path) == [0, 4]  # every written line reads back (read_plans raises)
+    warnings = [w for w in recorder_warnings(caplog) if "readers would refuse" in w]
+    assert len(warnings) == 1
+    assert "step 1" in warnings[0] and "workload" in warnings[0]
+    # The caller's plans were not touched, and the valid one is as it was.
+    assert read_plans(path).plans[1] == plans[4]
+
+
+def test_record_racing_close_returns_true_only_for_plans_accounted_for(tmp_path, plans):
+    # A record() that passed its checks when close() ran: before, it queued the plan
+    # behind the writer's stop item and returned True for a plan never written.
+    inside, go = threading.Event(), threading.Event()
+
+    class Paused(PlanRecorder):
+        def _writes(self, plan):
+            if plan.step == 5:
+                inside.set()
+                go.wait(10)
+            return super()._writes(plan)
+
+    rec = Paused(tmp_path / "plans.jsonl")
+    assert rec.record(plans[0])
+    result: list[bool] = []
+    late = threading.Thread(target=lambda: result.append(rec.record(plans[5])))
+    late.start()
+    assert inside.wait(10)
+    rec.close()  # while that record() is between its checks and the queue
+    go.set()
+    late.join(10)
+    assert result == [False]
+    assert rec.written == 1 and steps_in(tmp_path / "plans.jsonl") == [0]
+    # Many threads against close(): every True is a plan written or counted.
+    for attempt in range(3):
+        path = tmp_path / f"race{attempt}" / "plans.jsonl"
+        rec = PlanRecorder(path, queue_size=100_000)
+        accepted = [0] * 4
+        started = threading.Barrier(5)
+
+        def hammer(k: int, rec=rec, accepted=accepted, started=started) -> None:
+            started.wait()
+            for i in range(300):
+                if rec.record(plans[i % len(plans)].model_copy(update={"step": None})):
+                    accepted[k] += 1
+
+        threads = [threading.Thread(target=hammer, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        started.wait()
+        rec.close()
+        for t in threads:
+            t.join()
+        lines = path.read_text().count("\n") if path.exists() else 0
+        assert sum(accepted) == rec.written + rec.failed + rec.refused + rec.lost
+        assert rec.written == lines
+        assert not rec.record(plans[0])  # after close: refused, no thread started
+
+
+def test_a_rerun_whose_steps_restart_starts_a_new_file(tmp_path, plans, caplog):
+    path = tmp_path / "plans.jsonl"
+    with PlanRecorder(path) as rec:
+        for plan in plans[:3]:
+            rec.record(plan)
+    with PlanRecorder(path) as rec:  # the same job again: steps restart at 0
+        for plan in plans[:3]:
+            rec.record(plan)
+    assert steps_in(path) == [0, 1, 2]
+    assert steps_in(tmp_path / "plans.1.jsonl") == [0, 1, 2]
+    warnings = [w for w in recorder_warnings(caplog) if "earlier recording" in w]
+    assert len(warnings) == 1 and "up to step 2" in warnings[0] and "step 0" in warnings[0]
+    # A run resumed from a checkpoint goes on where it stopped: it appends.
+    with PlanRecorder(path) as rec:
+        for plan in plans[3:5]:
+            rec.record(plan)
+    assert steps_in(path) == [0, 1, 2, 3, 4]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plans.1.jsonl", "plans.jsonl"]
