@@ -2,19 +2,19 @@
 compute, so that the planner gives a slow GPU (throttled, a bad link, another job on the
 node) less work.
 
-Each measured step gives every GPU a rate: the work its plan gave it
-(`knapformer.contract.stats.PlanStats.work_after`, workload at nominal speed) over its measured
-``compute`` (ms; `knapformer.runtime.timing`). Divided by the median GPU's rate, that is its
-speed in that step. A GPU's speed is the median of its last ``window`` per-step speeds
-(one slow step — a page fault, a checkpoint — moves nothing), rounded to two
-significant digits and kept within ``bounds`` (steady plans; the same number in JSON and on every
-rank). During the first ``warmup`` measured steps nothing is learnt and the planner
-assumes nominal speeds.
+Each measured step gives every GPU a point: the work its plan gave it
+(`knapformer.contract.stats.PlanStats.work_after`, workload at nominal speed) and its measured
+``compute`` (ms; `knapformer.runtime.timing`). Over the last ``window`` steps the affine
+compute model (`knapformer.planning.compute_model.fit_compute`: a fixed overhead shared by
+the group plus a rate per GPU) is fitted, and a GPU's speed is the inverse of its rate
+relative to the median GPU's, rounded to two significant digits and kept within ``bounds``
+(steady plans; the same number in JSON and on every rank). During the first ``warmup``
+measured steps nothing is learnt and the planner assumes nominal speeds.
 
-Why the rates converge: compute is c_i = o + w_i / s_i with a per-step overhead o (data,
-optimizer) equal on every GPU. The planner gives work in proportion to the speeds it
-assumes, so at the fixed point every c_i is equal and w_i / w_j = s_i / s_j exactly;
-away from it each step moves the estimate part of the way there.
+Why affine: every step has a fixed cost (launches, norms, the optimizer, Python). Divided
+by the work (a line through the origin) it makes a lightly loaded GPU look slow, which the
+planner would then feed even less. With the overhead fitted apart, the planner gives work in
+proportion to the speeds it assumes, and at the fixed point every GPU's compute is equal.
 
 Pure and deterministic: every rank of a balance group feeds it the same gathered figures
 in step order, so all plan with the same speeds, and `recorded_speeds` recomputes a
@@ -31,13 +31,14 @@ from numpy.typing import ArrayLike
 
 from knapformer.contract.plan import RoutingPlan
 from knapformer.errors import KnapformerError
+from knapformer.planning.compute_model import fit_compute
 
 #: The cost models of `knapformer.runtime.balancer.SequenceBalancer`: "modelled" plans with the
 #: workload model (and fixed ``gpu_speed``); "history" also learns every GPU's speed here.
 COST_MODELS = ("modelled", "history")
 #: Measured steps before the first speeds are used.
 WARMUP_STEPS = 3
-#: Per-step speeds a GPU's speed is the median of.
+#: Measured steps the affine model is fitted over.
 WINDOW_STEPS = 8
 #: No GPU is taken for more than 8x slower or faster than the median one.
 SPEED_BOUNDS = (0.125, 8.0)
@@ -70,7 +71,7 @@ class SpeedHistory:
         if not 0 < low <= 1 <= high:
             raise KnapformerError(f"speed bounds must satisfy 0 < low <= 1 <= high, got {bounds}")
         self.num_gpus, self.warmup, self.bounds = num_gpus, warmup, (float(low), float(high))
-        self._recent: deque[np.ndarray] = deque(maxlen=window)
+        self._recent: deque[tuple[np.ndarray, np.ndarray]] = deque(maxlen=window)
         self.observed = 0  # steps that gave speeds
         self._work: dict[int, np.ndarray] = {}  # per step, until it is learnt
         self._compute: dict[int, np.ndarray] = {}
@@ -110,9 +111,7 @@ class SpeedHistory:
         valid = (work > 0) & np.isfinite(compute) & (compute > 0) & np.isfinite(work)
         if valid.sum() < 2:
             return
-        rate = np.full(self.num_gpus, np.nan)
-        rate[valid] = work[valid] / compute[valid]
-        self._recent.append(rate / np.median(rate[valid]))
+        self._recent.append((np.where(valid, work, np.nan), np.where(valid, compute, np.nan)))
         self.observed += 1
 
     def speeds(self) -> list[float] | None:
@@ -120,10 +119,9 @@ class SpeedHistory:
         GPU comes out nominal."""
         if self.observed < max(self.warmup, 1):
             return None
-        recent = np.stack(self._recent)
-        seen = ~np.isnan(recent).all(axis=0)
-        speed = np.ones(self.num_gpus)
-        speed[seen] = np.nanmedian(recent[:, seen], axis=0)
+        work = np.stack([w for w, _ in self._recent], axis=1)  # (num_gpus, steps)
+        compute = np.stack([c for _, c in self._recent], axis=1)
+        speed = fit_compute(work, compute).speed
         low, high = self.bounds
         rounded = [min(max(float(f"{s:.2g}"), low), high) for s in speed]
         return None if all(s == 1.0 for s in rounded) else rounded
