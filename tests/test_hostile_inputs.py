@@ -433,10 +433,14 @@ def test_json_error_messages_read_well():
 
 
 def test_workloads_whose_sum_overflows_are_refused(plan8_path):
+    # Each workload is bounded (MAX_WORKLOAD), so that no sum of them can overflow.
     record = sample(plan8_path)
     record["sequences"]["workload"] = [1e308] * len(record["sequences"]["workload"])
-    with pytest.raises(PlanFormatError, match="workloads sum to infinity"):
+    with pytest.raises(
+        PlanFormatError, match=r"workload\[0\] is 1e\+308; it must lie in 0..1e\+30"
+    ):
         parse_plan_line(json.dumps(record))
+    assert limits.MAX_WORKLOAD * limits.MAX_SEQUENCES < 1e300
 
 
 def test_calibration_csv_with_a_byte_order_mark(tmp_path, capsys):

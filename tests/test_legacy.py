@@ -80,5 +80,6 @@ def test_legacy_chunks_listed_out_of_order_are_put_in_canonical_order():
     summary = json.loads(json.dumps(plan_to_legacy(_plan())))
     for gpu, ids in summary["gpu_id2chunk_ids"].items():
         summary["gpu_id2chunk_ids"][gpu] = ids[::-1]
+        summary["gpu_id2chunk_lens"][gpu] = summary["gpu_id2chunk_lens"][gpu][::-1]  # paired
     plan = plan_from_legacy(summary)
     assert np.array_equal(plan.chunks.seq, np.sort(plan.chunks.seq))

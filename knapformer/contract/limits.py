@@ -11,6 +11,11 @@ naming the value, the bound and this module. docs/reliability.md lists them for 
 
 from __future__ import annotations
 
+import math
+import re
+
+import numpy as np
+
 from knapformer.errors import KnapformerError, OptionError
 
 #: GPUs of one balance group (a plan's ``gpus``, a topology's bags): 4× the planner's
@@ -44,14 +49,115 @@ MAX_REPLAY_VALUES = 2**28
 #: Bytes of one JSON record: a line of a JSONL file, or a whole ``.json`` file. The
 #: largest plan the bounds above admit serialises to about 200 MB.
 MAX_RECORD_BYTES = 512 * 2**20
+#: Measured phases of one plan (``measurements.per_rank_ms``): the balancer records 12.
+MAX_PHASES = 64
+#: Characters of one text field (run, solver, topology, planner version, phase name).
+MAX_TEXT_CHARS = 1024
+
+# What one JSON record may hold, checked on its bytes before it is parsed (parsing builds
+# a Python object per value: 3 bytes of ``{},`` become a 64-byte dict). Derived from the
+# bounds above: the largest plan holds 4 numbers per sequence, 5 per chunk and a few per
+# GPU; a legacy summary about as many (keyed by id); its containers are a list per GPU
+# in at most 8 per-GPU maps. Memory to parse a record is then what the largest plan
+# needs, whatever the file holds.
+#: Values (numbers, strings, containers) of one JSON record.
+MAX_RECORD_VALUES = 5 * MAX_SEQUENCES + 6 * MAX_CHUNKS + (8 + MAX_PHASES) * MAX_GPUS
+#: Objects and arrays of one JSON record.
+MAX_RECORD_CONTAINERS = 8 * MAX_GPUS + 2 * MAX_PHASES + 256
+#: Nesting of one JSON record: a plan is 4 levels deep (plan, measurements, per_rank_ms,
+#: a phase's times), a list of plans one more.
+MAX_RECORD_DEPTH = 8
+
+# Measured and learnt figures (floats). Each is refused beyond its bound, and so is any
+# non-zero magnitude below `MIN_FIGURE` (subnormals included): such a figure is noise,
+# and dividing by it (loads over speeds, ratios to a mean) overflows to inf.
+#: The smallest non-zero magnitude of any float figure of a plan.
+MIN_FIGURE = 1e-30
+#: Workload of one sequence, in model units or calibrated ms: far above the model's value
+#: for a `MAX_SEQ_LENGTH` sequence at `MAX_TOKEN_DIM` (~10^14 × scale × γ); 2^20 of them
+#: still sum to a finite double.
+MAX_WORKLOAD = 1e30
+#: A measured time (ms) of one phase on one GPU, and a plan's ``plan_ms``: one day.
+MAX_MEASURED_MS = 86_400_000.0
+#: Relative speed of a GPU (``gpu_speed``; 1 = nominal). The history cost model keeps its
+#: learnt speeds within 1/8..8.
+MIN_GPU_SPEED, MAX_GPU_SPEED = 1e-3, 1e3
+#: The workload model's attention weight γ and time scale k (``gamma``, ``scale``).
+MAX_GAMMA = 1e6
+MIN_SCALE, MAX_SCALE = 1e-12, 1e12
+#: A plan's ``time`` (unix seconds): the end of year 9999.
+MAX_UNIX_TIME = 253_402_300_799.0
+
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
 
 
 def abbreviate(text: str, width: int = 48) -> str:
     """``text`` cut to about ``width`` characters for a message (a hostile value may be
-    megabytes long; the message stays one short line)."""
-    if len(text) <= width:
+    megabytes long; the message stays one short line), characters that cannot be printed
+    escaped (`printable`)."""
+    if len(text) > width:
+        text = f"{text[: width - 12]}…({len(text):,} chars)"
+    return printable(text)
+
+
+def printable(text: str) -> str:
+    """``text`` with control characters and lone surrogates written as escapes
+    (``\\x00``, ``\\ud800``): a message or a line naming them can always be printed, and
+    stays one line."""
+    if _UNPRINTABLE.search(text) is None:
         return text
-    return f"{text[: width - 12]}…({len(text):,} chars)"
+    return _UNPRINTABLE.sub(lambda m: ascii(m.group())[1:-1], text)
+
+
+def text_problem(text: str, what: str) -> str | None:
+    """Why ``text`` cannot be a text field of a plan (None when it can): longer than
+    `MAX_TEXT_CHARS`, or holding a character no terminal prints (a control character, a
+    lone surrogate, which no UTF-8 output can even encode)."""
+    if len(text) > MAX_TEXT_CHARS:
+        return (
+            f"{what} {abbreviate(repr(text))} is longer than {MAX_TEXT_CHARS:,} characters "
+            "(knapformer.contract.limits)"
+        )
+    bad = _UNPRINTABLE.search(text)
+    if bad is not None:
+        return (
+            f"{what} {abbreviate(repr(text))} holds a character that cannot be printed "
+            f"(U+{ord(bad.group()):04X} at index {bad.start():,})"
+        )
+    return None
+
+
+def figure_problem(
+    values: float | np.ndarray,
+    what: str,
+    low: float,
+    high: float,
+    zero: bool = True,
+    unit: str = "",
+) -> str | None:
+    """Why a float figure (or the first bad one of an array) is not a number in
+    ``low..high`` (None when all are); a non-zero magnitude below `MIN_FIGURE` is refused
+    too, and 0 unless ``zero``. ``what`` names the figure for the message, e.g.
+    ``"gpu_speed"``; for an array the index is appended. ``unit`` follows numbers (``" ms"``)."""
+    arr = np.asarray(values, dtype=np.float64)
+    with np.errstate(invalid="ignore"):
+        tiny = (arr != 0) & (np.abs(arr) < MIN_FIGURE)
+        bad = ~np.isfinite(arr) | (arr < low) | (arr > high) | tiny | (~zero & (arr == 0))
+    if not bad.any():
+        return None
+    index = int(np.flatnonzero(bad.reshape(-1))[0])
+    value = float(arr.reshape(-1)[index])
+    where = f"{what}[{index}]" if arr.ndim else what
+    if not math.isfinite(value):
+        huge = " (a number beyond ±1.8e308 reads as infinite)" if math.isinf(value) else ""
+        return f"{where} is {value}{unit}; it must be a finite number{huge}"
+    if low <= value <= high and value != 0:
+        return (
+            f"{where} is {value:.3g}{unit}: a non-zero figure below {MIN_FIGURE:g} is noise "
+            "(knapformer.contract.limits)"
+        )
+    span = f"{low:g}..{high:g}{unit}" + ("" if zero or low > 0 else ", not 0")
+    return f"{where} is {value:.6g}{unit}; it must lie in {span} (knapformer.contract.limits)"
 
 
 def check_count(value: int, bound: int, what: str, low: int = 0) -> int:

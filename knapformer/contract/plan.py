@@ -8,6 +8,9 @@ index in ``chunks``; bag id = index in ``bags``.
 The training hot path builds plans with ``RoutingPlan.build`` (no validation); readers
 call ``RoutingPlan.model_validate`` / ``model_validate_json``, which check every
 invariant in docs/concepts.md (Invariants) and name the offending ids when one is broken.
+Files are read with ``strict=True`` (`knapformer.contract.plan_io`): a boolean or a string
+where a number belongs is refused, not converted. Every text field is printable and every
+float figure lies within the bounds of `knapformer.contract.limits`.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Annotated, Any, Literal
 
 import numpy as np
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -29,16 +33,29 @@ from pydantic import (
     WithJsonSchema,
     model_validator,
 )
+from typing_extensions import TypedDict
 
 from knapformer.contract.limits import (
     MAX_CHUNKS,
+    MAX_GAMMA,
+    MAX_GPU_SPEED,
     MAX_GPUS,
+    MAX_MEASURED_MS,
+    MAX_PHASES,
     MAX_RANK,
+    MAX_RANK_TOKENS,
+    MAX_SCALE,
     MAX_SEQ_LENGTH,
     MAX_SEQUENCES,
     MAX_STEP,
     MAX_TOKEN_DIM,
+    MAX_UNIX_TIME,
+    MAX_WORKLOAD,
+    MIN_GPU_SPEED,
+    MIN_SCALE,
     abbreviate,
+    figure_problem,
+    text_problem,
 )
 from knapformer.contract.positions import GpuPositions, gpu_positions
 from knapformer.contract.stats import PlanStats, compute_stats
@@ -54,6 +71,9 @@ _INT64 = (-(2**63), 2**63 - 1)
 
 def _as_column(kind: str):
     def convert(value: Any) -> np.ndarray:
+        # numpy reads [1, true] as integers: a boolean in a list is refused first.
+        if isinstance(value, list) and bool in set(map(type, value)):
+            raise ValueError(_first_bad_value(value, kind))
         try:
             arr = np.asarray(value)
         except (TypeError, OverflowError, RecursionError) as err:
@@ -93,6 +113,25 @@ def _first_bad_value(values: Any, kind: str) -> str:
 
 def _to_list(arr: np.ndarray) -> list:
     return np.asarray(arr).tolist()
+
+
+def _check_text(text: str) -> str:
+    problem = text_problem(text, "text")
+    if problem is not None:
+        raise ValueError(problem)
+    return text
+
+
+def _exact_int(value: Any) -> Any:
+    """Refuse a boolean where an integer belongs (``true`` is not version 1; pydantic's
+    ``Literal[1, 2]`` accepts it even when strict)."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected an integer, got {value!r}")
+    return value
+
+
+#: Every text field of a plan: printable, at most `MAX_TEXT_CHARS` characters.
+Text = Annotated[str, AfterValidator(_check_text)]
 
 
 IntColumn = Annotated[
@@ -208,13 +247,24 @@ def compute_phase(phases: Iterable[str]) -> str | None:
 class Measurements(BaseModel):
     """Measured times of the step. ``per_rank_ms[phase][i]`` is for GPU ``gpus[i]``."""
 
+    # Fields of newer writers travel through (the recorder writes them back); their names
+    # and text are checked like every text field (`_check_extra`).
     model_config = ConfigDict(extra="allow")
 
     plan_ms: float | None = Field(None, description="time to plan this step (ms)")
-    per_rank_ms: dict[str, list[float]] = Field(
+    per_rank_ms: dict[Text, list[float]] = Field(
         default_factory=dict,
         description="phase name (e.g. route, forward_backward, step) -> ms per GPU of `gpus`",
     )
+
+    @model_validator(mode="after")
+    def _check_extra(self) -> Measurements:
+        for name, value in (self.model_extra or {}).items():
+            for text in (name, value) if isinstance(value, str) else (name,):
+                problem = text_problem(text, "text")
+                if problem is not None:
+                    raise ValueError(f"{abbreviate(repr(name))}: {problem}")
+        return self
 
     def compute_phase(self) -> str | None:
         """The measured phase that stands for each GPU's compute (`COMPUTE_PHASES` order);
@@ -222,21 +272,31 @@ class Measurements(BaseModel):
         return compute_phase(self.per_rank_ms)
 
 
+class SolverOptions(TypedDict, total=False):
+    """What the solver was asked besides the plan's inputs (a plain dict in the plan).
+    Known keys only: a new option is a new typed key here."""
+
+    __pydantic_config__ = ConfigDict(extra="forbid")  # type: ignore[misc]
+
+    #: Tokens a GPU may hold after routing (`plan_routing`'s cap).
+    max_tokens_per_gpu: Annotated[int, Field(ge=1, le=MAX_RANK_TOKENS * MAX_GPUS)]
+
+
 class RoutingPlan(BaseModel):
     """Where every token chunk of one training step goes. See docs/concepts.md."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
 
-    schema_version: Literal[1, 2] = SCHEMA_VERSION
-    planner_version: str | None = Field(
+    schema_version: Annotated[Literal[1, 2], BeforeValidator(_exact_int)] = SCHEMA_VERSION
+    planner_version: Text | None = Field(
         None,
         description="version of the knapformer package whose planner made the plan (with "
         "`solver`, what a replay must match); None when unknown (schema 1, legacy plans)",
     )
     step: int | None = None
     time: float | None = Field(None, description="wall-clock time (unix seconds)")
-    run: str | None = None
-    topology: str
+    run: Text | None = None
+    topology: Text
     gpus: list[int] = Field(description="ranks of the balance group, in order")
     bags: list[list[int]] = Field(description="GPU ranks of each bag; bag id = index")
     token_dim: int | None = None
@@ -253,8 +313,8 @@ class RoutingPlan(BaseModel):
         description="relative speed of each GPU of `gpus` the planner assumed (1 = nominal; "
         "the history cost model learns it); None: every GPU nominal",
     )
-    solver: str
-    solver_options: dict[str, Any] = Field(default_factory=dict)
+    solver: Text
+    solver_options: SolverOptions = Field(default_factory=dict)  # type: ignore[arg-type]
     sequences: Sequences
     chunks: Chunks
     measurements: Measurements | None = None
@@ -341,6 +401,11 @@ def _invariant_problems(plan: RoutingPlan) -> Iterator[str]:
 
 def _field_problem(plan: RoutingPlan) -> str | None:
     """Scalars and table sizes within the bounds of `knapformer.contract.limits`."""
+    if plan.schema_version == 1 and plan.planner_version is not None:
+        return (
+            "planner_version is a field of schema 2, but the record says schema_version 1: "
+            "set schema_version to 2 or drop planner_version"
+        )
     if plan.step is not None and abs(plan.step) > MAX_STEP:
         step = abbreviate(f"{plan.step:,}")
         return f"step {step} is beyond ±{MAX_STEP:,} (knapformer.contract.limits)"
@@ -349,12 +414,16 @@ def _field_problem(plan: RoutingPlan) -> str | None:
             f"token_dim {abbreviate(f'{plan.token_dim:,}')} is outside 1..{MAX_TOKEN_DIM:,} "
             "(knapformer.contract.limits)"
         )
-    for name in ("gamma", "time"):
+    for name, low, high, zero in (
+        ("gamma", 0.0, MAX_GAMMA, True),
+        ("time", 0.0, MAX_UNIX_TIME, True),
+        ("scale", MIN_SCALE, MAX_SCALE, False),
+    ):
         value = getattr(plan, name)
-        if value is not None and not (math.isfinite(value) and value >= 0):
-            return f"{name} {value!r} must be a finite number >= 0"
-    if plan.scale is not None and not (math.isfinite(plan.scale) and plan.scale > 0):
-        return f"scale {plan.scale!r} must be a finite number > 0"
+        if value is not None:
+            problem = figure_problem(value, name, low, high, zero)
+            if problem is not None:
+                return problem
     for name, count, bound in (
         ("gpus", len(plan.gpus), MAX_GPUS),
         ("sequences", len(plan.sequences), MAX_SEQUENCES),
@@ -456,10 +525,9 @@ def _sequence_problem(plan: RoutingPlan, positions: GpuPositions) -> str | None:
     bad = ~np.isfinite(seqs.workload) | (seqs.workload < 0)
     if bad.any():
         return f"sequence(s) {_ids(bad)} have a workload that is negative or not finite"
-    with np.errstate(over="ignore"):
-        total = float(np.sum(seqs.workload))
-    if not math.isfinite(total):
-        return "sequence workloads sum to infinity: loads and imbalance cannot be computed"
+    problem = figure_problem(seqs.workload, "sequences.workload", 0.0, MAX_WORKLOAD)
+    if problem is not None:
+        return problem
     bad = (seqs.bag < 0) | (seqs.bag >= n_bags)
     if bad.any():
         return f"sequence(s) {_ids(bad)} are assigned to a bag id outside 0..{n_bags - 1}"
@@ -550,18 +618,30 @@ def _measurement_problem(plan: RoutingPlan) -> str | None:
         return None
     if measured.plan_ms is not None and not math.isfinite(measured.plan_ms):
         return f"measurements.plan_ms is {measured.plan_ms}; times must be finite"
+    if measured.plan_ms is not None:
+        problem = figure_problem(
+            measured.plan_ms, "measurements.plan_ms", 0.0, MAX_MEASURED_MS, unit=" ms"
+        )
+        if problem is not None:
+            return problem
+    if len(measured.per_rank_ms) > MAX_PHASES:
+        return (
+            f"measurements.per_rank_ms holds {len(measured.per_rank_ms):,} phases; at most "
+            f"{MAX_PHASES} are supported (knapformer.contract.limits)"
+        )
     for phase, values in measured.per_rank_ms.items():
+        where = f"measurements.per_rank_ms[{abbreviate(repr(phase))}]"
         if len(values) != len(plan.gpus):
-            return (
-                f"measurements.per_rank_ms[{phase!r}] has {len(values)} values for "
-                f"{len(plan.gpus)} GPUs"
-            )
+            return f"{where} has {len(values)} values for {len(plan.gpus)} GPUs"
         bad = [i for i, v in enumerate(values) if not math.isfinite(v)]
         if bad:
             return (
-                f"measurements.per_rank_ms[{phase!r}] of GPU(s) "
-                f"{_ids(np.asarray(plan.gpus)[bad])} is not finite; times must be finite"
+                f"{where} of GPU(s) {_ids(np.asarray(plan.gpus)[bad])} is not finite; times "
+                "must be finite"
             )
+        problem = figure_problem(values, where, 0.0, MAX_MEASURED_MS, unit=" ms")
+        if problem is not None:
+            return problem
     return None
 
 
@@ -575,4 +655,4 @@ def _speed_problem(plan: RoutingPlan) -> str | None:
     if bad.any():
         gpus = np.asarray(plan.gpus)
         return f"gpu_speed of GPU(s) {_ids(gpus[bad])} is not a finite positive number"
-    return None
+    return figure_problem(speed, "gpu_speed", MIN_GPU_SPEED, MAX_GPU_SPEED, zero=False)

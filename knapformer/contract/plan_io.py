@@ -2,8 +2,12 @@
 
 Readers report problems as ``path:line: message`` and either skip the bad record or
 raise, as the caller chooses. No input makes them raise anything else: too deep, too long
-or too large records, FIFOs and undecodable bytes are problems like any other. Nothing
-here knows about files growing live; the dashboard's tailer builds on ``parse_plan_line``.
+or too large records, FIFOs and undecodable bytes are problems like any other. A record's
+shape is counted before it is parsed (`knapformer.contract.record_shape`), and records
+are validated strictly (no boolean or string read as a number). JSON that Python reads
+but JSON does not allow — ``NaN``, ``Infinity``, an object with a key twice — is refused.
+Nothing here knows about files growing live; the dashboard's tailer builds on
+``parse_plan_line``.
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ from pydantic import ValidationError
 from pydantic_core import to_json
 
 from knapformer.contract.legacy import is_legacy, plan_from_legacy
-from knapformer.contract.limits import MAX_RECORD_BYTES, abbreviate
+from knapformer.contract.limits import MAX_RECORD_BYTES, abbreviate, printable
 from knapformer.contract.plan import READABLE_SCHEMA_VERSIONS, SCHEMA_VERSION, RoutingPlan
+from knapformer.contract.record_shape import shape_problem
 from knapformer.errors import KnapformerError, OptionError, file_error
 
 #: A file whose first lines are this many non-JSON-object lines is not read further.
@@ -48,8 +53,9 @@ class Problem:
     message: str
 
     def __str__(self) -> str:
+        # A path from the file system may hold undecodable bytes (as lone surrogates).
         where = f"{self.path}:{self.line}" if self.line is not None else self.path
-        return f"{where}: {self.message}"
+        return printable(f"{where}: {self.message}")
 
 
 @dataclass(frozen=True)
@@ -78,6 +84,8 @@ def describe_validation_error(err: ValidationError) -> str:
     for e in errors[:_ERRORS_IN_MESSAGE]:
         loc = abbreviate(".".join(str(x) for x in e["loc"]), 60)
         msg = abbreviate(str(e["msg"]).removeprefix("Value error, "), 300)
+        if not isinstance(e.get("input"), dict | list) and "Value error" not in e["msg"]:
+            msg += f", got {abbreviate(repr(e.get('input')))}"  # a value of the wrong type
         parts.append(f"{loc}: {msg}" if loc else msg)
     more = len(errors) - _ERRORS_IN_MESSAGE
     return "; ".join(parts) + (f" (and {more} more)" if more > 0 else "")
@@ -91,12 +99,12 @@ def parse_plan_record(record: Any) -> RoutingPlan:
         if is_legacy(record):
             return plan_from_legacy(record)
         version = record.get("schema_version", SCHEMA_VERSION)
-        if version not in READABLE_SCHEMA_VERSIONS:
+        if isinstance(version, bool) or version not in READABLE_SCHEMA_VERSIONS:
             raise PlanFormatError(
                 f"schema_version {abbreviate(repr(version))} is not supported (this reader "
                 f"understands {', '.join(map(str, READABLE_SCHEMA_VERSIONS))})"
             )
-        return RoutingPlan.model_validate(record)
+        return RoutingPlan.model_validate(record, strict=True)
     except ValidationError as err:
         raise PlanFormatError(describe_validation_error(err)) from err
     except PlanFormatError:
@@ -115,10 +123,38 @@ _TOO_DEEP = "nested too deeply to read (a plan is a few levels deep)"
 _TOO_LARGE = "too large to hold in memory"
 
 
+class _NotJson(Exception):
+    """What Python's JSON reader accepts but JSON does not (raised by its hooks)."""
+
+
+def _constant(name: str) -> Any:
+    raise _NotJson(f"{name} is not a JSON number (write a finite number, or null)")
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict:
+    record = dict(pairs)
+    if len(record) != len(pairs):  # Python keeps the last value silently
+        seen: set[str] = set()
+        twice = next(key for key, _ in pairs if key in seen or seen.add(key))
+        raise _NotJson(f"key {abbreviate(repr(twice))} appears twice in one object")
+    return record
+
+
+def _checked(data: bytes) -> None:
+    """`PlanFormatError` when the record ``data`` holds more than a plan can
+    (`shape_problem`), before anything is parsed."""
+    problem = shape_problem(data)
+    if problem is not None:
+        raise PlanFormatError(problem)
+
+
 def _decode(text: str) -> Any:
-    """``json.loads``; its failures as `PlanFormatError` (``line`` set when known)."""
+    """``json.loads``; its failures as `PlanFormatError` (``line`` set when known).
+    ``text``'s shape was checked (`_checked`)."""
     try:
-        return json.loads(text)
+        return json.loads(text, parse_constant=_constant, object_pairs_hook=_object)
+    except _NotJson as err:
+        raise PlanFormatError(f"not valid JSON ({err})") from None
     except json.JSONDecodeError as err:
         # Some messages end in "starting at": the column completes them.
         reason = err.msg.removesuffix(" at")
@@ -136,6 +172,7 @@ def _decode(text: str) -> Any:
 
 def parse_plan_line(text: str) -> RoutingPlan:
     """Parse one JSONL line."""
+    _checked(text.encode("utf-8", "surrogatepass"))
     return parse_plan_record(_decode(text))
 
 
@@ -204,11 +241,15 @@ def _document_or_lines(path: Path, data: bytes) -> Iterator[PlanRecord | Problem
     """The records of a whole-file JSON document; if it is not one, of its lines."""
     where = str(path)
     try:
+        _checked(data)
         whole = _decode(data.decode("utf-8-sig"))
     except UnicodeDecodeError as err:
         yield Problem(where, None, f"cannot read: not UTF-8 text (byte {err.start:,})")
         return
     except PlanFormatError as err:
+        if b"\n" not in data.strip():  # one line: its error is the document's
+            yield Problem(where, getattr(err, "line", None) or 1, str(err))
+            return
         # Maybe JSONL under another name. If no line holds a plan either, the document's
         # own error is the one to report (once, not once per line of an indented file).
         items = list(_lines(path, io.BytesIO(data)))
@@ -253,7 +294,8 @@ def _lines(path: Path, handle: BinaryIO) -> Iterator[PlanRecord | Problem]:
             yield Problem(where, number, f"not UTF-8 text (byte {err.start + 1:,} of the line)")
             continue
         try:
-            yield PlanRecord(parse_plan_line(text), number)
+            _checked(line)
+            yield PlanRecord(parse_plan_record(_decode(text)), number)
             plans += 1
         except PlanFormatError as err:
             yield Problem(where, number, str(err))
