@@ -165,10 +165,37 @@ def test_history_takes_work_off_the_slow_rank_of_the_demo(history_demo):
     plans = history_demo
     assert [p.step for p in plans] == list(range(16))
     speeds = plans[-1].gpu_speed
+    # It sleeps twice its compute: whatever the machine's load, it is learnt as the slowest.
     assert speeds is not None and int(np.argmin(speeds)) == SLOW_RANK, speeds
-    tokens = np.array([p.stats.tokens_after for p in plans[-4:]], dtype=np.float64)
-    share = (tokens / tokens.sum(axis=1, keepdims=True)).mean(axis=0)
-    assert share[SLOW_RANK] < 0.7 * share.mean(), share
+    # What the planner decided with the speeds it learnt, against the same lengths planned
+    # at nominal speed (the planner is a pure function): less work for the slow rank. How
+    # much less depends on the measured times, so it is tested on synthetic measurements
+    # (tests/test_history.py), not on a run whose speed varies with the machine's load.
+    with_speeds = [p for p in plans if p.gpu_speed is not None]
+    assert len(with_speeds) >= len(plans) // 2
+    for plan in plans[:2]:  # before anything is learnt, planning again reproduces the plan
+        assert plan.gpu_speed is None
+        np.testing.assert_array_equal(
+            _replanned_at_nominal_speed(plan).stats.tokens_after, plan.stats.tokens_after
+        )
+    given, nominal = [], []
+    for plan in with_speeds:
+        given.append(plan.stats.tokens_after[SLOW_RANK])
+        nominal.append(_replanned_at_nominal_speed(plan).stats.tokens_after[SLOW_RANK])
+    # never more than at nominal speed, and less over the run
+    assert all(g <= n for g, n in zip(given, nominal, strict=True)), (given, nominal)
+    assert sum(given) < sum(nominal), (given, nominal)
+
+
+def _replanned_at_nominal_speed(plan):
+    """The plan's recorded lengths planned again as it was, but at nominal GPU speed."""
+    from knapformer.planning.planner import plan_routing
+    from knapformer.planning.workload import WorkloadModel
+
+    seqs = plan.sequences
+    lengths = [seqs.length[seqs.src_gpu == gpu] for gpu in plan.gpus]
+    model = WorkloadModel(plan.token_dim, plan.gamma)
+    return plan_routing(lengths, plan.topology, model, solver=plan.solver, step=plan.step)
 
 
 def test_history_speeds_are_a_function_of_the_recording(history_demo):
