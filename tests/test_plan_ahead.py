@@ -36,7 +36,7 @@ class _Collectives:
 
         self.calls: Counter[tuple[str, str, str]] = Counter()
         self.active = False
-        self._side = getattr(balancer, "_side_group", None)
+        self._side = balancer.groups.side
         self._orig = {name: getattr(dist, name) for name in self.NAMES}
         for name, fn in self._orig.items():
             setattr(dist, name, self._wrap(name, fn))
@@ -86,7 +86,7 @@ def _train(rank: int, out: str, ahead: bool) -> dict:
         bal.finish()
     finally:
         counter.restore()
-        threads = bal._ahead._thread if ahead else None
+        threads = bal._path.thread._thread if ahead else None
         bal.close()
     return {
         "plans": plans,
@@ -157,16 +157,15 @@ def _mismatch_worker(rank: int, world: int) -> dict:
     mine = _lengths(rank, 0)
     bal.prefetch(mine, token_dim=D)
     out: dict = {}
-    if rank == 1:
-        for name, args in {
-            "lengths": ([*mine[:-1], mine[-1] + 1], D),
-            "order": (mine[::-1], D),
-            "dim": (mine, D + 1),
-        }.items():
-            try:
-                bal.plan_routing(*args)
-            except ValueError as err:
-                out[name] = str(err)
+    for name, args in {
+        "lengths": ([*mine[:-1], mine[-1] + 1], D),
+        "order": (mine[::-1], D),
+        "dim": (mine, D + 1),
+    }.items():
+        try:  # only rank 1 passes the wrong arguments; every rank is told
+            bal.plan_routing(*(args if rank == 1 else (mine, D)))
+        except ValueError as err:
+            out[name] = (str(err), getattr(err, "__notes__", []))
     plan = bal.plan_routing(mine, token_dim=D)  # the prefetched plan is still there
     x = torch.arange(sum(mine) * D, dtype=torch.float32).reshape(-1, D)
     _, y, _ = bal.route(x)
@@ -177,14 +176,21 @@ def _mismatch_worker(rank: int, world: int) -> dict:
     return out
 
 
-def test_lengths_other_than_the_prefetched_ones_are_a_clear_error(tmp_path):
+def test_lengths_other_than_the_prefetched_ones_fail_every_rank_alike(tmp_path):
     results = run_world(_mismatch_worker, WORLD, tmp_path)
-    errors = results[1]
     lengths = _lengths(1, 0)
-    assert "rank 1" in errors["lengths"] and "prefetched" in errors["lengths"]
-    assert str(lengths) in errors["lengths"] and "same order" in errors["order"]
-    assert f"token_dim {D + 1}" in errors["dim"] and f"{D} was prefetched" in errors["dim"]
-    # Retried with the right lengths, rank 1 routes by the plan every rank has.
+    for name, check in (("lengths", "local_seq_lens"), ("order", "local_seq_lens"),
+                        ("dim", "token_dim")):  # fmt: skip
+        said = {r[name][0] for r in results}
+        assert len(said) == 1, said  # the same words on every rank
+        message = said.pop()
+        assert f"{check} on rank 1" in message and "prefetched" in message, message
+        assert all(not r[name][1] for rank, r in enumerate(results) if rank != 1)
+    # Rank 1 alone is told how its arguments differ, as a note.
+    notes = {name: " ".join(results[1][name][1]) for name in ("lengths", "order", "dim")}
+    assert str(lengths) in notes["lengths"] and "prefetched" in notes["order"], notes
+    assert f"token_dim {D + 1}" in notes["dim"] and f"{D} was prefetched" in notes["dim"]
+    # Retried with the right lengths, every rank routes by the same plan.
     assert all(r["plan"] == results[0]["plan"] and r["identity"] for r in results)
 
 
@@ -216,7 +222,7 @@ def _ctrl_c_worker(rank: int, world: int) -> dict:
     # measurements of a step that never ends (no plan_routing follows).
     bal.prefetch(mine, token_dim=D)
     bal.prefetch(mine, token_dim=D)
-    thread = bal._ahead._thread
+    thread = bal._path.thread._thread
     bal.close()
     out["thread_alive"] = thread.is_alive()
     return out

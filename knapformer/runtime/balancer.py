@@ -14,16 +14,25 @@ Typical step (see ``knapformer/local/models.py`` for a model that does this)::
     balancer.all_reduce(flat_grads)                   # data parallel, timed
     ...
     balancer.finish()  # after the last step: its measurements reach the recorder too
+    balancer.close()   # waits for the group, then destroys the balancer's sub-groups
 
 Works on the backend of the process group: NCCL with CUDA tensors, gloo with CPU
-tensors. ``plan_routing`` checks its arguments collectively (`knapformer.runtime.gather`): a
-mistake on one rank (or ranks disagreeing on ``token_dim``) makes every rank raise in
-that call, never some wait in a collective for a peer that already left. Balance groups
-are consecutive ranks; a world of k x (topology GPUs) ranks holds k replicas, each
-balanced on its own.
+tensors. The balancer is a coordinator: the process groups are a `BalanceGroups`
+(`knapformer.runtime.groups`), planning is a path (`knapformer.runtime.step_paths`:
+synchronous, or ahead on a background thread), the exchanges are the router's
+(`knapformer.runtime.router`), the timings the timer's (`knapformer.runtime.timing`).
 
-Measurements (`knapformer.runtime.timing`): every rank times the collectives it runs here and
-its compute apart from them; the few floats of step s travel to every rank in the
+Every rank must agree, and the balancer makes sure they do, collectively, so that a
+mistake on one rank makes every rank raise `KnapformerError` rather than some wait in a
+collective for a peer that already left (or gloo abort on a size mismatch): the
+constructor's options (`knapformer.runtime.agreement`), ``plan_routing``'s arguments
+(`knapformer.runtime.gather`), the width and dtype of what is routed
+(`knapformer.runtime.router.check_same_rows`). Every sub-group it creates and every wait
+it makes inherits the process group's timeout. Balance groups are consecutive ranks; a
+world of k x (topology GPUs) ranks holds k replicas, each balanced on its own.
+
+Measurements (`knapformer.runtime.timing`): every rank times the collectives it runs here
+and its compute apart from them; the few floats of step s travel to every rank in the
 length all-gather of step s+1 (s+2 when planning ahead): no collective of their own. The
 balancer attaches them to the plan of step s and hands that plan to the recorder, a
 plain sink. With ``cost_model="history"`` every rank learns each GPU's speed from them
@@ -31,69 +40,68 @@ plain sink. With ``cost_model="history"`` every rank learns each GPU's speed fro
 
 Planning ahead (``plan_ahead=True``): ``prefetch(next_lengths, d)`` as soon as the next
 batch is known; a background thread gathers the lengths over a gloo group of its own
-and plans while this step computes, and the next ``plan_routing`` with the same lengths
-takes the plan. No collective of the training group is involved (no ordering hazard
-with NCCL); plans, step numbers and recordings are those of the synchronous path.
+and plans while this step computes, and the next ``plan_routing`` takes the plan once
+every rank confirmed, on that group, that it got the prefetched lengths. No collective
+of the training group is involved (no ordering hazard with NCCL); plans, step numbers
+and recordings are those of the synchronous path.
+
+In a ``torch.profiler`` trace the phases are named (`knapformer.runtime.marks`).
 """
 
 from __future__ import annotations
 
 import math
+import sys
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, suppress
-from dataclasses import dataclass
+from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from knapformer.contract.plan import COLLECTIVE_PHASES, RoutingPlan
 from knapformer.contract.topology import Topology, as_topology
 from knapformer.errors import KnapformerError
-from knapformer.planning.history import COST_MODELS, LAG_STEPS, SpeedHistory, step_work
-from knapformer.planning.planner import check_solver, check_speed, plan_routing
+from knapformer.planning.history import COST_MODELS, SpeedHistory
+from knapformer.planning.planner import check_solver, check_speed
 from knapformer.planning.workload import WorkloadModel
+from knapformer.runtime import marks
+from knapformer.runtime.agreement import agree_on_options
 from knapformer.runtime.gather import (  # GatherHead and the two tuples are re-exported
     GATHERING_CALLS,
     LOCAL_CHECKS,
     GatherHead,
-    StepGather,
     StepRequest,
 )
-from knapformer.runtime.plan_ahead import PlanAhead
+from knapformer.runtime.groups import BalanceGroups, BalanceLayout, group_device
 from knapformer.runtime.router import (
+    BagTables,
     Features,
     Group,
     RoutingTables,
     check_rows,
+    check_same_rows,
     exchange,
     flatten_features,
     unflatten_features,
+)
+from knapformer.runtime.step_paths import (
+    AheadPath,
+    PlannerOptions,
+    StepPath,
+    StepPlanner,
+    SyncPath,
 )
 from knapformer.runtime.timing import DERIVED_PHASES, GatheredStep, StepTimer
 
 __all__ = ["GATHERING_CALLS", "LOCAL_CHECKS", "GatherHead", "SequenceBalancer"]
 
-#: How long `close` waits for the plan-ahead thread to finish what it runs.
-_AHEAD_CLOSE_S = 30.0
 # What holds the rows of a tensor given to route / reverse_route, pre_attn, post_attn.
 _LOCAL_ROWS = "the sequence lengths given to plan_routing"
 _CHUNK_ROWS = "the chunks routed to this rank"
-
-
-_FINISH = object()  # the plan-ahead request of `finish`
-
-
-@dataclass
-class _Planned:
-    """What planning a step gives the training thread."""
-
-    plan: RoutingPlan
-    tables: RoutingTables
-    measured: GatheredStep | None  # every rank's timings of an earlier step, if any
-    gather_ms: float  # time inside the gather collectives
 
 
 class SequenceBalancer:
@@ -105,7 +113,8 @@ class SequenceBalancer:
         solver: ``"knapformer"`` (default) or ``"greedy"``.
         process_group: the group to balance (default: WORLD). Sub-groups are created with
             ``torch.distributed.new_group``, so every rank of the default group must
-            construct the balancer at the same point, with the same options.
+            construct the balancer at the same point, with the same options: ranks that
+            differ all raise `KnapformerError` naming the option.
         max_tokens_per_gpu: optional hard cap on tokens per GPU after routing.
         recorder: optional sink for finished plans (e.g. ``knapformer.PlanRecorder``):
             ``record(plan)`` gets each plan once every rank's measurements of its step
@@ -121,8 +130,8 @@ class SequenceBalancer:
             every view of the plans, are then milliseconds.
         plan_ahead: gather and plan on a background thread over a gloo group of its own
             (see `prefetch`).
-        phases: timing phases to gather besides `knapformer.contract.plan.RECORDED_PHASES` (what
-            you add with `add_timing`); the same on every rank.
+        phases: timing phases to gather besides `knapformer.contract.plan.RECORDED_PHASES`
+            (what you add with `add_timing`); the same on every rank.
     """
 
     def __init__(
@@ -146,79 +155,35 @@ class SequenceBalancer:
                 "SequenceBalancer needs torch.distributed: call "
                 "torch.distributed.init_process_group(...) first"
             )
-        self.topology = as_topology(topology)
-        check_solver(solver, max_tokens_per_gpu)
-        if cost_model not in COST_MODELS:
-            raise KnapformerError(
-                f"unknown cost_model {cost_model!r}; choose one of {', '.join(COST_MODELS)}"
-            )
-        if time_scale is not None and not (math.isfinite(time_scale) and time_scale > 0):
-            raise KnapformerError(f"time_scale must be a positive number of ms, got {time_scale}")
-        WorkloadModel(1, gamma)  # validates gamma now rather than at the first step
-        self.gamma = float(gamma)
-        self.time_scale = None if time_scale is None else float(time_scale)
-        self.solver = solver
-        self.max_tokens_per_gpu = max_tokens_per_gpu
-        self.recorder = recorder
-        self.run = run
-        self.cost_model = cost_model
-        for phase in phases:
-            _check_added_phase(phase)
-
-        self.rank: int = dist.get_rank()
-        self._parent_group: Group = process_group
+        rank = dist.get_rank()
         if process_group is None or process_group == dist.group.WORLD:
-            parent_ranks = list(range(dist.get_world_size()))
+            parent_ranks = tuple(range(dist.get_world_size()))
         else:
-            parent_ranks = dist.get_process_group_ranks(process_group)
-        n = self.topology.num_gpus
+            parent_ranks = tuple(dist.get_process_group_ranks(process_group))
+        # Checked here without raising, then with every rank (before any sub-group is
+        # made): a mistake on one rank, or ranks that differ, fail every rank alike.
+        given = dict(
+            topology=topology, gamma=gamma, solver=solver, max_tokens_per_gpu=max_tokens_per_gpu,
+            cost_model=cost_model, gpu_speed=gpu_speed, time_scale=time_scale, phases=phases,
+        )  # fmt: skip
+        problem = None
         try:
-            replicas = self.topology.num_replicas(len(parent_ranks))
-        except ValueError as err:
-            raise KnapformerError(f"{err} (process group of {len(parent_ranks)} ranks)") from None
-        balance_groups = [parent_ranks[i * n : (i + 1) * n] for i in range(replicas)]
-        self.group_ranks: list[int] = next(g for g in balance_groups if self.rank in g)
-        self.num_replicas = replicas
-        self._fixed_speed = _as_speeds(gpu_speed, n, cost_model)
+            options, layout = _checked_options(given, run, parent_ranks, rank)
+        except KnapformerError as err:
+            problem = err
+        shared = {name: _shown(value) for name, value in given.items()}
+        shared |= {"plan_ahead": bool(plan_ahead), "process_group ranks": list(parent_ranks)}
+        device = group_device(process_group)
+        agree_on_options(shared, problem, process_group, parent_ranks, device)
 
-        # torch.distributed requires every rank to create every sub-group, in one order.
-        # The groups this rank belongs to that we created; close() destroys them (new_group
-        # hands non-members a placeholder that owns nothing).
-        self._own_groups: list[dist.ProcessGroup] = []
-        self.group: Group = process_group
-        if replicas > 1:
-            for ranks in balance_groups:
-                created = dist.new_group(ranks)
-                if self.rank in ranks:
-                    self.group = created
-                    self._own_groups.append(created)
-        self._bag_group: Group = None
-        for ranks in balance_groups:
-            for bag in self.topology.bags(ranks):
-                if len(bag) > 1:
-                    created = dist.new_group(bag)
-                    if self.rank in bag:
-                        self._bag_group = created
-                        self._own_groups.append(created)
-        self._side_group: Group = None
-        if plan_ahead:
-            # The background thread's own group: gloo on the host, never the training
-            # group, so its collectives cannot interleave with the training thread's.
-            for ranks in balance_groups:
-                created = dist.new_group(ranks, backend="gloo")
-                if self.rank in ranks:
-                    self._side_group = created
-                    self._own_groups.append(created)
-        self.my_bag: list[int] = next(
-            b for b in self.topology.bags(self.group_ranks) if self.rank in b
-        )
-
-        backend = str(dist.get_backend(self.group))
-        # NCCL moves CUDA tensors only; everything else here runs on the CPU.
-        if "nccl" in backend:
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        else:
-            self.device = torch.device("cpu")
+        self.topology = options.topology
+        self.gamma, self.solver, self.time_scale = options.gamma, options.solver, options.time_scale
+        self.max_tokens_per_gpu, self.run = max_tokens_per_gpu, run
+        self.recorder, self.cost_model = recorder, cost_model
+        self.rank: int = rank
+        self._parent_group: Group = process_group
+        self.groups = BalanceGroups.create(layout, process_group, plan_ahead)
+        self.device = device  # NCCL moves CUDA tensors only; everything else runs on the CPU
 
         self.step: int = -1  # -1 until the first plan_routing
         self.last_plan: RoutingPlan | None = None
@@ -227,15 +192,32 @@ class SequenceBalancer:
         self.last_gathered: GatheredStep | None = None
         self._timer = StepTimer(self.device, phases)
         self.phases: tuple[str, ...] = self._timer.phases
-        self._gather = StepGather(self.group_ranks, self.phases)
         self._held: dict[int, RoutingPlan] = {}  # plans waiting for their measurements
-        # The planning thread's state (the training thread's, or the plan-ahead thread's).
-        self._next_step = 0
-        self._sent_upto = -1  # the latest step whose measurements were gathered
-        self._history = SpeedHistory(n) if cost_model == "history" else None
-        self._ahead = PlanAhead(self._plan_ahead_job) if plan_ahead else None
+        history = SpeedHistory(layout.gpus_per_replica) if cost_model == "history" else None
+        planner = StepPlanner(options, self.groups, self.device, self._timer, self.phases, history)
+        self._path: StepPath = AheadPath(planner) if plan_ahead else SyncPath(planner)
+        self._planner = planner
         self._finished = False
         self._closed = False
+
+    # ------------------------------------------------------------------ groups
+    @property
+    def group(self) -> Group:
+        """The balance group (None: the parent group is WORLD and holds one replica)."""
+        return self.groups.group
+
+    @property
+    def group_ranks(self) -> list[int]:
+        """Ranks of this rank's balance group."""
+        return self.groups.group_ranks
+
+    @property
+    def my_bag(self) -> list[int]:
+        return self.groups.my_bag
+
+    @property
+    def num_replicas(self) -> int:
+        return self.groups.layout.num_replicas
 
     # ---------------------------------------------------------------- timings
     @property
@@ -301,42 +283,26 @@ class SequenceBalancer:
         `KnapformerError` in this call, and none plans the step.
 
         Planning ahead, the plan `prefetch` made for these lengths is taken (made now if
-        none was prefetched); lengths other than the prefetched ones raise
-        `KnapformerError` and keep that plan for a call with the right ones.
+        none was prefetched); lengths other than the prefetched ones, on any rank, make
+        every rank raise `KnapformerError` and keep that plan for a call with the right
+        ones.
         """
-        self._require_open()
-        if self._finished:
-            raise RuntimeError("finish() ended training on this SequenceBalancer; create a new one")
-        started, wall = time.perf_counter(), time.time()
-        begin = self._timer.boundary()
-        self._timer.close(started, begin)  # the previous step ends here
-        if self._ahead is None:
-            # On CUDA the gather would wait for the previous step's GPU work anyway: wait
-            # for it here, apart, so that it counts in that step and not in planning.
-            waited = self._wait_for(begin)
+        self._require_training()
+        with marks.mark(marks.PLAN):
+            started, wall = time.perf_counter(), time.time()
+            begin = self._timer.boundary()
+            self._timer.close(started, begin)  # the previous step ends here
             request = StepRequest.of(local_seq_lens, token_dim, packed_seqs)
-            planned = self._plan_step(request, self.group, self.device, lag=1)
-        else:
-            waited = 0.0
-            planned = self._take_prefetched(local_seq_lens, token_dim, packed_seqs)
-        plan = planned.plan
-        self.tables, self.last_plan = planned.tables, plan
-        elapsed = (time.perf_counter() - started) * 1e3 - waited
-        plan.time = wall
-        plan.measurements.plan_ms = elapsed  # what training paid: planning plus the gather
-        self.step = plan.step
-        self._timer.open(plan.step, started, begin)
-        self._timer.add("plan", elapsed)
-        self._timer.add("gather", planned.gather_ms)
-        if self.recorder is not None:
-            # Timed on the host whatever the device: what training pays for recording,
-            # recorded with the step like any phase.
-            began = time.perf_counter()
-            self._deliver(planned.measured)
-            self._hold(plan)
-            self._timer.add("record", (time.perf_counter() - began) * 1e3)
-        else:
-            self._deliver(planned.measured)
+            planned, waited = self._path.plan(request, begin)
+            plan = planned.plan
+            self.tables, self.last_plan, self.step = planned.tables, plan, plan.step
+            elapsed = (time.perf_counter() - started) * 1e3 - waited
+            plan.time = wall
+            plan.measurements.plan_ms = elapsed  # what training paid: planning and the gather
+            self._timer.open(plan.step, started, begin)
+            self._timer.add("plan", elapsed)
+            self._timer.add("gather", planned.gather_ms)
+            self._record(planned.measured, plan)
         return plan
 
     def prefetch(self, local_seq_lens: Any, token_dim: int, packed_seqs: Any = None) -> None:
@@ -345,145 +311,46 @@ class SequenceBalancer:
         the group in the same way as `plan_routing`, which takes the result; several
         steps may be prefetched, and are taken in order. Does nothing without
         ``plan_ahead=True``."""
-        self._require_open()
-        if self._ahead is None:
-            return
-        if self._finished:
-            raise RuntimeError("finish() ended training on this SequenceBalancer; create a new one")
-        self._ahead.submit(StepRequest.of(local_seq_lens, token_dim, packed_seqs))
+        self._require_training()
+        self._path.prefetch(StepRequest.of(local_seq_lens, token_dim, packed_seqs))
 
     def use_plan(self, plan: RoutingPlan) -> None:
         """Route the following calls by ``plan`` (what `plan_routing` does with the plan it
         makes). Local: every rank of the group must be given the same plan, whose GPUs are
         the group's ranks. Replay uses it to execute a recorded plan."""
         self._require_open()
-        self.tables = RoutingTables.build(plan, self.rank, self.device, self._bag_group)
+        self.tables = self._planner.tables(plan)
         self.last_plan = plan
 
     def finish(self) -> None:
         """Collective end of training (every rank of the group, right after the last step,
         before `close`): ends the last step and gathers the measurements not sent yet, so
         that the last plans are recorded with them. No `plan_routing` may follow. Without
-        it, `close` records those plans without their measurements (it may not run a
-        collective: other ranks may be gone)."""
+        it, `close` records those plans without their measurements."""
         self._require_open()
         if self._finished:
             return
         # The last step ends here (call finish right after it): it gets its wall time,
         # and with it its compute, like every other step.
         self._timer.close(time.perf_counter(), self._timer.boundary())
-        if self._ahead is None:
-            measured = self._gather_the_rest(self.group, self.device)
-        else:
-            ticket = self._ahead.submit(_FINISH)
-            self._ahead.wait(ticket)
-            measured = []
-            for earlier in self._ahead.outstanding():
-                self._ahead.take()
-                if earlier is ticket:
-                    measured += earlier.outcome()
-                elif earlier.error is None:  # prefetched, never used: its measurements
-                    measured.append(earlier.result.measured)
-        for step in measured:
-            self._deliver(step)
+        for measured in self._path.finish():
+            self._deliver(measured)
         self._finished = True
 
-    # ------------------------------------------------------ planning: internals
-    def _model(self, token_dim: int) -> WorkloadModel:
-        if self.time_scale is None:
-            return WorkloadModel(token_dim, self.gamma)
-        return WorkloadModel(token_dim, self.gamma, self.time_scale, "ms")
-
-    def _wait_for(self, event: Any) -> float:
-        """Ms the host waited for the GPU to reach ``event`` (0 on the CPU)."""
-        if event is None:
-            return 0.0
-        began = time.perf_counter()
-        event.synchronize()
-        return (time.perf_counter() - began) * 1e3
-
-    def _plan_step(self, request: StepRequest, group: Group, device: torch.device, lag: int):
-        """Gather and plan the next step (on the planning thread); ``lag``: the gather
-        carries the measurements of the step this many steps back."""
-        step = self._next_step
-        measured_step = step - lag
-        finished = None
-        if measured_step >= 0 and self._ahead is None:
-            finished = self._timer.get(measured_step)  # it ended as this call began
-        elif measured_step >= 0:
-            # Planning ahead, the training thread may still be in that step: wait for it.
-            finished = self._timer.finished(measured_step, self._ahead.stop)
-            if self._ahead.stop.is_set():
-                raise RuntimeError("the balancer was closed while planning ahead")
-        row = finished.row(self.phases) if finished is not None else [math.nan] * len(self.phases)
-        head_step = measured_step if finished is not None else -1
-        began = time.perf_counter()
-        per_gpu, measured = self._gather.step(group, device, request, head_step, row)
-        gather_ms = (time.perf_counter() - began) * 1e3
-        speed = self._fixed_speed
-        if self._history is not None:
-            if measured is not None:
-                self._history.measured(measured.step, measured.column("compute"))
-            speed = self._history.speeds_for(step)
-        plan = plan_routing(
-            per_gpu,
-            self.topology,
-            self._model(request.token_dim),
-            solver=self.solver,
-            max_tokens_per_gpu=self.max_tokens_per_gpu,
-            gpus=self.group_ranks,
-            step=step,
-            run=self.run,
-            gpu_speed=speed,
-        )
-        tables = RoutingTables.build(plan, self.rank, self.device, self._bag_group)
-        if self._history is not None:
-            self._history.planned(step, step_work(plan))
-        if measured is not None:
-            self._sent_upto = measured.step
-            self._timer.forget_upto(measured.step)
-        self._next_step = step + 1
-        return _Planned(plan, tables, measured, gather_ms)
-
-    def _gather_the_rest(self, group: Group, device: torch.device) -> list[GatheredStep]:
-        """`finish` on the planning thread: one head all-gather per ended step whose
-        measurements have not travelled yet."""
-        measured = []
-        for step in range(self._sent_upto + 1, self._timer.closed_upto + 1):
-            finished = self._timer.get(step)
-            row = finished.row(self.phases) if finished is not None else None
-            got = self._gather.finish(group, device, step if row else -1, row)
-            if got is not None:
-                measured.append(got)
-            self._sent_upto = step
-        self._timer.forget_upto(self._sent_upto)
-        return measured
-
-    def _plan_ahead_job(self, request: Any) -> Any:
-        """What the plan-ahead thread runs for one request, on the side group (host)."""
-        cpu = torch.device("cpu")
-        if request is _FINISH:
-            return self._gather_the_rest(self._side_group, cpu)
-        return self._plan_step(request, self._side_group, cpu, lag=LAG_STEPS)
-
-    def _take_prefetched(self, local_seq_lens, token_dim, packed_seqs) -> _Planned:
-        """The oldest prefetched plan (prefetched now if there is none), once it is made;
-        its wait counts as time inside the gather."""
-        ahead = self._ahead
-        ticket = ahead.oldest()
-        request = StepRequest.of(local_seq_lens, token_dim, packed_seqs)
-        if ticket is None:
-            ticket = ahead.submit(request)
-        ticket.request.check_prefetched(request, self.rank)
-        began = time.perf_counter()
-        ahead.wait(ticket)  # Ctrl-C: KeyboardInterrupt here, the ticket stays for a retry
-        waited = (time.perf_counter() - began) * 1e3
-        ahead.take()
-        planned = ticket.outcome()
-        planned.gather_ms = waited
-        return planned
-
     # -------------------------------------------------------------- recording
+    def _record(self, measured: GatheredStep | None, plan: RoutingPlan) -> None:
+        """Hand the recorder what a plan_routing call brought: the measurements of an
+        earlier step and the new plan."""
+        if self.recorder is None:
+            self._deliver(measured)
+            return
+        # Timed on the host whatever the device: what training pays for recording,
+        # recorded with the step like any phase.
+        began = time.perf_counter()
+        self._deliver(measured)
+        self._hold(plan)
+        self._timer.add("record", (time.perf_counter() - began) * 1e3)
+
     def _deliver(self, measured: GatheredStep | None) -> None:
         """Every rank's measurements of a step arrived: keep them, attach them to that
         step's held plan and hand it to the recorder (earlier held plans, which will get
@@ -509,6 +376,11 @@ class SequenceBalancer:
         if self._closed:  # its sub-groups are destroyed
             raise RuntimeError("this SequenceBalancer is closed; create a new one")
 
+    def _require_training(self) -> None:
+        self._require_open()
+        if self._finished:
+            raise RuntimeError("finish() ended training on this SequenceBalancer; create a new one")
+
     def _require_tables(self) -> RoutingTables:
         self._require_open()
         if self.tables is None:
@@ -529,7 +401,8 @@ class SequenceBalancer:
         """
         t = self._require_tables()
         rows = (packed_seqs, "packed_seqs", features, t.num_local, _LOCAL_ROWS)
-        moved = self._move("route", *rows, t.send_splits, t.recv_splits, pre_index=t.send_index)
+        with marks.mark(marks.ROUTE):
+            moved = self._move("route", *rows, t.send_splits, t.recv_splits, pre_index=t.send_index)
         return list(t.chunk_lens), *moved
 
     def reverse_route(
@@ -542,8 +415,9 @@ class SequenceBalancer:
         """
         t = self._require_tables()
         rows = (seqs, "seqs", features, t.num_chunk_tokens, _CHUNK_ROWS)
-        back = self._move("reverse_route", *rows, t.recv_splits, t.send_splits,
-                          post_index=t.restore_index)  # fmt: skip
+        with marks.mark(marks.REVERSE_ROUTE):
+            back = self._move("reverse_route", *rows, t.recv_splits, t.send_splits,
+                              post_index=t.restore_index)  # fmt: skip
         return list(t.local_lens), *back
 
     def _move(
@@ -558,11 +432,14 @@ class SequenceBalancer:
         recv: list[int],
         **index: torch.Tensor,
     ) -> tuple[torch.Tensor, Features]:
-        """Check that ``x`` and its features have the ``rows`` rows ``holder`` holds, then
-        move them in one all-to-all timed as ``phase``; ``index`` reorders the rows before
-        sending (``pre_index``) or after receiving (``post_index``)."""
+        """Check that ``x`` and its features have the ``rows`` rows ``holder`` holds, and
+        (with every rank) the same row layout as every rank's, then move them in one
+        all-to-all timed as ``phase``; ``index`` reorders the rows before sending
+        (``pre_index``) or after receiving (``post_index``)."""
         tensors = _inputs(x, name, features, rows, holder)
         timer = partial(self._timer.timed, phase)
+        with timer():
+            check_same_rows(phase, tensors, self.group, self.group_ranks)
         outs = exchange(tensors, send, recv, self.group, **index, timer=timer)
         return outs[0], unflatten_features(features, outs[1:])
 
@@ -598,7 +475,12 @@ class SequenceBalancer:
         bag = t.bag
         if bag is None:
             return list(t.chunk_lens), q, k, v
-        rows, g, dh = q.shape[0], bag.size, q.shape[2]
+        with marks.mark(marks.PRE_ATTN):
+            return self._heads_to_sequences(bag, q, k, v)
+
+    def _heads_to_sequences(self, bag: BagTables, q, k, v):
+        """``q, k, v (T_chunks, H, D)`` -> ``(T_bag, H/g, D)`` each, in one exchange."""
+        rows, g, heads, dh = q.shape[0], bag.size, q.shape[1], q.shape[2]
         x = torch.stack([q, k, v], dim=1).reshape(rows, 3, g, heads // g, dh)
         x = x.permute(2, 0, 1, 3, 4).reshape(g * rows, 3, heads // g, dh)
         (y,) = exchange(
@@ -625,7 +507,12 @@ class SequenceBalancer:
             check_rows("out", out, t.num_chunk_tokens, _CHUNK_ROWS)
             return list(t.chunk_lens), out
         check_rows("out", out, sum(bag.seq_lens), "the bag sequences from pre_attn")
-        rows, g = t.num_chunk_tokens, bag.size
+        with marks.mark(marks.POST_ATTN):
+            return list(t.chunk_lens), self._sequences_to_heads(bag, out, t.num_chunk_tokens)
+
+    def _sequences_to_heads(self, bag: BagTables, out: torch.Tensor, rows: int) -> torch.Tensor:
+        """``out (T_bag, H/g, D)`` -> ``(rows = T_chunks, H, D)``, in one exchange."""
+        g = bag.size
         (y,) = exchange(
             [out],
             bag.tokens_per_gpu,
@@ -635,43 +522,88 @@ class SequenceBalancer:
             timer=partial(self._timer.timed, "post_attn"),
         )
         y = y.reshape(g, rows, *out.shape[1:]).permute(1, 0, 2, 3)
-        y = y.reshape(rows, g * out.shape[1], out.shape[2])
-        return list(t.chunk_lens), y
+        return y.reshape(rows, g * out.shape[1], out.shape[2])
 
     # -------------------------------------------------------------- lifecycle
     def close(self) -> None:
-        """Stop the plan-ahead thread, hand the recorder the plans still waiting for
-        measurements (without them: see `finish`) and close it, then destroy the
-        sub-groups this balancer created (idempotent). The balancer cannot route after
-        this; the parent group is untouched."""
+        """Tear down (idempotent; the parent group is the caller's and is left alone):
+
+        1. let the plan-ahead thread finish what every rank submitted, then stop it;
+        2. hand the recorder the plans still waiting for measurements (without them: see
+           `finish`) and close it;
+        3. wait for every rank of the balance group (a barrier), so that no collective of
+           the balancer is in flight anywhere when
+        4. the sub-groups are destroyed, the latest made first.
+
+        The barrier is skipped while an exception propagates (peers may be gone). Destroy
+        the default group after this, not before."""
         if self._closed:
             return
         self._closed = True
-        groups, self._own_groups = self._own_groups, []
-        if self._ahead is not None:
-            self._ahead.stop.set()
-            self._timer.notify()  # a wait for a step the training thread never ends gives up
-            if not self._ahead.close(_AHEAD_CLOSE_S):
-                # Stuck in a collective whose peers are gone: destroying its group under
-                # it could crash the process; the daemon thread goes with the process.
-                groups = [g for g in groups if g is not self._side_group]
+        side_ended = self._path.close()
         if self.recorder is not None:
             for step in sorted(self._held):
                 self.recorder.record(self._held.pop(step))
             self.recorder.close()
-        for group in groups:
-            # Skip what is already gone: destroying WORLD (e.g. at shutdown, before close)
-            # destroys every group, and destroying one twice raises.
-            if not dist.is_initialized():
-                break
-            with suppress(ValueError):
-                dist.destroy_process_group(group)
+        if sys.exception() is None and dist.is_initialized():
+            with marks.wait("barrier"):
+                self.groups.barrier()
+        # A thread still in a collective whose peers are gone: destroying its group under
+        # it could crash the process; the daemon thread goes with the process.
+        self.groups.destroy(keep=() if side_ended else (self.groups.side,))
 
     def __enter__(self) -> SequenceBalancer:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _checked_options(
+    given: dict[str, Any], run: str | None, parent_ranks: tuple[int, ...], rank: int
+) -> tuple[PlannerOptions, BalanceLayout]:
+    """The constructor's options, checked on this rank alone (a `KnapformerError` names
+    the first bad one), and the layout of its groups."""
+    topology = as_topology(given["topology"])
+    check_solver(given["solver"], given["max_tokens_per_gpu"])
+    cost_model, time_scale = given["cost_model"], given["time_scale"]
+    if cost_model not in COST_MODELS:
+        raise KnapformerError(
+            f"unknown cost_model {cost_model!r}; choose one of {', '.join(COST_MODELS)}"
+        )
+    if time_scale is not None and not (math.isfinite(time_scale) and time_scale > 0):
+        raise KnapformerError(f"time_scale must be a positive number of ms, got {time_scale}")
+    WorkloadModel(1, given["gamma"])  # validates gamma now rather than at the first step
+    for phase in given["phases"]:
+        _check_added_phase(phase)
+    layout = BalanceLayout(topology, parent_ranks, rank)
+    options = PlannerOptions(
+        topology=topology,
+        gamma=float(given["gamma"]),
+        solver=given["solver"],
+        max_tokens_per_gpu=given["max_tokens_per_gpu"],
+        run=run,
+        time_scale=None if time_scale is None else float(time_scale),
+        fixed_speed=_as_speeds(given["gpu_speed"], topology.num_gpus, cost_model),
+    )
+    return options, layout
+
+
+def _shown(value: Any) -> Any:
+    """An option as ranks compare it: a topology in its canonical form, sequences as
+    lists (a tuple and a list of the same values agree)."""
+    if isinstance(value, Topology):
+        return str(value)
+    if isinstance(value, str):
+        try:
+            return str(as_topology(value)) if value.startswith("g") else value
+        except KnapformerError:
+            return value
+    if isinstance(value, list | tuple):
+        return [_shown(v) for v in value]
+    if isinstance(value, torch.Tensor | np.ndarray):
+        return value.tolist()
+    return value
 
 
 def _check_added_phase(phase: str) -> None:

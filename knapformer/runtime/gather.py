@@ -24,14 +24,22 @@ import torch.distributed as dist
 
 from knapformer.contract.limits import MAX_RANK_TOKENS, MAX_SEQUENCES, MAX_TOKEN_DIM
 from knapformer.errors import KnapformerError
-from knapformer.runtime.router import Group, check_rows
+from knapformer.runtime.marks import wait
+from knapformer.runtime.router import Group, check_rows, name_ranks
 from knapformer.runtime.timing import GatheredStep
 
 #: The checks each rank runs on its own arguments before the gather; a failure travels in
 #: the head (`GatherHead.problem`) so that every rank raises, not only this one.
 LOCAL_CHECKS = ("local_seq_lens", "token_dim", "packed_seqs")
 #: The calls that gather a head (`GatherHead.call`): ranks in different ones all raise.
-GATHERING_CALLS = ("plan_routing", "finish")
+#: ``plan_routing_check``: planning ahead, `plan_routing` checking on the side group that
+#: every rank was given the lengths it prefetched.
+GATHERING_CALLS = ("plan_routing", "finish", "plan_routing_check")
+_CALL_SAYS = {
+    "plan_routing": "plan_routing()",
+    "finish": "finish()",
+    "plan_routing_check": "plan_routing() taking a prefetched plan",
+}
 
 
 @dataclass(frozen=True)
@@ -73,28 +81,36 @@ class StepRequest:
         """Check ``plan_routing``'s arguments (nothing raised here)."""
         return cls(*_check_arguments(local_seq_lens, token_dim, packed_seqs))
 
-    def check_prefetched(self, given: StepRequest, rank: int) -> None:
-        """Refuse ``given`` arguments other than these, prefetched ones (the prefetched
-        plan is kept for a call with the right ones): routing by a plan made for other
-        lengths would be wrong."""
+    def differs_from_prefetched(
+        self, given: StepRequest, rank: int
+    ) -> tuple[str, KnapformerError] | None:
+        """Whether ``given`` arguments differ from these, prefetched ones (the name in
+        `LOCAL_CHECKS` of the first that does, with an error saying how): routing by a
+        plan made for other lengths would be wrong."""
         wanted = self
         if given.problem is not None and (
             wanted.problem is None or wanted.problem[0] != given.problem[0]
         ):
-            raise given.problem[1]  # e.g. packed_seqs given here only, with the wrong rows
+            return given.problem  # e.g. packed_seqs given here only, with the wrong rows
         if given.token_dim != wanted.token_dim:
-            raise KnapformerError(
+            return "token_dim", KnapformerError(
                 f"plan_routing on rank {rank} got token_dim {given.token_dim}, but "
-                f"{wanted.token_dim} was prefetched for this step; pass what prefetch got "
-                "(the prefetched plan is kept for that call)"
+                f"{wanted.token_dim} was prefetched for this step"
             )
         if not np.array_equal(given.lengths, wanted.lengths):
-            raise KnapformerError(
+            return "local_seq_lens", KnapformerError(
                 f"plan_routing on rank {rank} got local_seq_lens {_first(given.lengths.tolist())} "
                 f"({len(given.lengths)} sequences), but {_first(wanted.lengths.tolist())} "
-                f"({len(wanted.lengths)}) were prefetched for this step: pass the lengths given "
-                "to prefetch, in the same order (the prefetched plan is kept for that call)"
+                f"({len(wanted.lengths)}) were prefetched for this step"
             )
+        return None
+
+    def same_as(self, other: StepRequest) -> bool:
+        return (
+            self.token_dim == other.token_dim
+            and np.array_equal(self.lengths, other.lengths)
+            and (self.problem is None) == (other.problem is None)
+        )
 
 
 @dataclass(frozen=True)
@@ -130,7 +146,8 @@ class StepGather:
         padded = torch.zeros(max(sizes), dtype=torch.int64, device=device)
         padded[: len(lengths)] = torch.from_numpy(lengths)
         gathered = [torch.empty_like(padded) for _ in sizes]
-        dist.all_gather(gathered, padded, group=group)
+        with wait("all_gather"):
+            dist.all_gather(gathered, padded, group=group)
         per_gpu = [g[:s].cpu().numpy() for g, s in zip(gathered, sizes, strict=True)]
         self._refuse_lengths(per_gpu)
         return per_gpu, self._measured(heads, table)
@@ -144,6 +161,39 @@ class StepGather:
         self._refuse_heads(heads)
         return self._measured(heads, table)
 
+    def confirm(
+        self,
+        group: Group,
+        device: torch.device,
+        prefetched: StepRequest,
+        given: StepRequest,
+        rank: int,
+    ) -> None:
+        """Planning ahead, `plan_routing`'s check that every rank was given the arguments
+        it prefetched: one head all-gather; every rank raises the same error naming the
+        ranks whose arguments differ (those ranks with how, as a note)."""
+        differs = prefetched.differs_from_prefetched(given, rank)
+        code = 0 if differs is None else 1 + LOCAL_CHECKS.index(differs[0])
+        call = GATHERING_CALLS.index("plan_routing_check")
+        head = GatherHead(call, code, len(given.lengths), given.token_dim, -1)
+        heads, _ = self._exchange_head(group, device, head, None)
+        self._refuse_calls(heads)
+        failed = [
+            f"{LOCAL_CHECKS[h.problem - 1]} on rank {r}"
+            for r, h in zip(self.ranks, heads, strict=True)
+            if h.problem
+        ]
+        if not failed:
+            return
+        err = KnapformerError(
+            f"plan_routing got arguments other than the prefetched ones ({'; '.join(failed)}): "
+            "pass what prefetch got, in the same order, on every rank; no rank routed this "
+            "step, and the prefetched plan is kept for that call"
+        )
+        if differs is not None:
+            err.add_note(str(differs[1]))
+        raise err
+
     def _exchange_head(
         self, group: Group, device: torch.device, head: GatherHead, row: list[float] | None
     ) -> tuple[list[GatherHead], np.ndarray]:
@@ -151,7 +201,8 @@ class StepGather:
         row = [math.nan] * len(self.phases) if row is None else row
         mine = torch.tensor([*head.values(), *row], dtype=torch.float64, device=device)
         received = [torch.empty_like(mine) for _ in self.ranks]
-        dist.all_gather(received, mine, group=group)
+        with wait("all_gather"):
+            dist.all_gather(received, mine, group=group)
         table = torch.stack(received).cpu().numpy()
         heads = [GatherHead.from_values(values) for values in table]
         return heads, table[:, GatherHead.size() :]
@@ -162,21 +213,26 @@ class StepGather:
             return None
         return GatheredStep(steps.pop(), self.phases, table)
 
-    def _refuse_heads(self, heads: list[GatherHead]) -> None:
-        """Raise, on every rank alike, when ranks are in different calls, a peer's own
-        check failed, the ranks disagree on ``token_dim``, or one passes more sequences
-        than `MAX_SEQUENCES`."""
+    def _refuse_calls(self, heads: list[GatherHead]) -> None:
+        """Raise, on every rank alike, when ranks are in different calls."""
         calls: dict[int, list[int]] = {}
         for rank, h in zip(self.ranks, heads, strict=True):
             calls.setdefault(h.call, []).append(rank)
         if len(calls) > 1:
             said = "; ".join(
-                f"{GATHERING_CALLS[call]}() on {_ranks(ranks)}" for call, ranks in calls.items()
+                f"{_CALL_SAYS[GATHERING_CALLS[call]]} on {name_ranks(ranks)}"
+                for call, ranks in calls.items()
             )
             raise KnapformerError(
                 f"the balance group's ranks are in different calls ({said}); every rank must "
-                "call finish() after the same step"
+                "make the same calls (plan_routing, prefetch, finish) in the same order"
             )
+
+    def _refuse_heads(self, heads: list[GatherHead]) -> None:
+        """Raise, on every rank alike, when ranks are in different calls, a peer's own
+        check failed, the ranks disagree on ``token_dim``, or one passes more sequences
+        than `MAX_SEQUENCES`."""
+        self._refuse_calls(heads)
         failed = [
             f"{LOCAL_CHECKS[h.problem - 1]} on rank {rank}"
             for rank, h in zip(self.ranks, heads, strict=True)
@@ -192,7 +248,7 @@ class StepGather:
         for rank, h in zip(self.ranks, heads, strict=True):
             dims.setdefault(h.token_dim, []).append(rank)
         if len(dims) > 1:
-            said = "; ".join(f"{dim} on {_ranks(ranks)}" for dim, ranks in dims.items())
+            said = "; ".join(f"{dim} on {name_ranks(ranks)}" for dim, ranks in dims.items())
             raise KnapformerError(
                 f"token_dim differs across the balance group ({said}): every rank must "
                 "pass the same token_dim; no rank planned this step"
@@ -268,10 +324,6 @@ def _as_token_dim(token_dim: Any) -> int:
             f"token_dim must be a positive integer up to {MAX_TOKEN_DIM}, got {dim}"
         )
     return dim
-
-
-def _ranks(ranks: list[int]) -> str:
-    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
 
 def _as_lengths(local_seq_lens: Any) -> np.ndarray:

@@ -9,9 +9,15 @@ the oldest ticket. Order matters twice: every rank's thread runs the same collec
 the same order on the side group, and tickets are taken in the order of the steps.
 
 Waiting is interruptible (Ctrl-C raises ``KeyboardInterrupt`` in the waiting thread and
-leaves the ticket in place, so the same call can be made again). `close` stops the
-thread after the request it is running; a thread stuck in a collective whose peers are
-gone is left behind (a daemon) after the timeout rather than hanging the caller.
+leaves the ticket in place, so the same call can be made again) and bounded (the
+balancer waits at most twice its process group's timeout, by which any collective of the
+thread has failed). `close` lets the thread run what was submitted before it, then stops
+it: every rank submitted the same requests, so every rank's thread runs the same
+collectives and none is left inside one whose peers stopped first (``stop`` is set
+meanwhile, so that a request waiting for a step that will never end gives up, on every
+rank alike). After a request fails while closing (peers gone), the rest are not run. A
+thread stuck in a collective anyway is left behind (a daemon) after the timeout rather
+than hanging the caller.
 """
 
 from __future__ import annotations
@@ -57,11 +63,14 @@ class PlanAhead:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, request: Any) -> Ticket:
+    def submit(self, request: Any, keep: bool = True) -> Ticket:
+        """Queue ``request``; ``keep``: the ticket counts among the `outstanding` ones
+        until taken (else only its submitter holds it)."""
         if self.stop.is_set():
             raise RuntimeError("the plan-ahead thread is closed")
         ticket = Ticket(request)
-        self._tickets.append(ticket)
+        if keep:
+            self._tickets.append(ticket)
         self._queue.put(ticket)
         return ticket
 
@@ -69,11 +78,15 @@ class PlanAhead:
         """The oldest ticket not yet taken (None: none is outstanding)."""
         return self._tickets[0] if self._tickets else None
 
-    def wait(self, ticket: Ticket) -> None:
-        """Wait until ``ticket`` is done; Ctrl-C interrupts the wait, not the request."""
-        # Event.wait with no timeout blocks in a lock acquire, which a signal interrupts.
-        while not ticket.done.wait():
-            pass
+    def wait(self, ticket: Ticket, timeout: float) -> None:
+        """Wait until ``ticket`` is done, at most ``timeout`` s (then `TimeoutError`);
+        Ctrl-C interrupts the wait, not the request."""
+        # Event.wait blocks in a lock acquire, which a signal interrupts (POSIX).
+        if not ticket.done.wait(timeout):
+            raise TimeoutError(
+                f"the plan-ahead thread did not answer within {timeout:g} s (a peer's "
+                "plan-ahead thread is gone or stuck)"
+            )
 
     def take(self) -> Ticket:
         """Remove and return the oldest ticket (after `wait`)."""
@@ -84,7 +97,7 @@ class PlanAhead:
         return list(self._tickets)
 
     def close(self, timeout: float) -> bool:
-        """Stop after the running request; returns whether the thread ended in time."""
+        """Run what was submitted, then stop; returns whether the thread ended in time."""
         self.stop.set()
         self._queue.put(_STOP)
         self._thread.join(timeout)
@@ -95,15 +108,17 @@ class PlanAhead:
         return self._thread.is_alive()
 
     def _run(self) -> None:
+        failed_closing = False
         while True:
             ticket = self._queue.get()
             if ticket is _STOP:
                 return
-            if self.stop.is_set():
+            if failed_closing:
                 ticket.error = RuntimeError("the plan-ahead thread was closed first")
             else:
                 try:
                     ticket.result = self._work(ticket.request)
                 except BaseException as err:  # handed to the waiting thread, raised there
                     ticket.error = err
+                    failed_closing = self.stop.is_set()
             ticket.done.set()

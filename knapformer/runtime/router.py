@@ -1,6 +1,6 @@
 """Routing tables and the token exchanges that carry out a `RoutingPlan`.
 
-`RoutingTables.build(plan, rank, bag_group)` turns one plan into what this rank needs
+`RoutingTables.build(plan, rank, device, bag_groups)` turns one plan into what this rank needs
 (split sizes and permutation indices, held as tensors), so the exchanges below do no
 per-chunk Python work. Every exchange is **one** ``torch.distributed.all_to_all_single``
 and is autograd-aware: its backward is the reverse all-to-all.
@@ -15,11 +15,15 @@ Token layouts on a rank (T = tokens, d = hidden size, H = heads, D = head dim):
   sequence order, with H/g of the heads — ``(T_bag, H/g, D)``.
 
 Tensors of any dtype travel as raw bytes, so integer features arrive bit-exact and
-several tensors share one exchange.
+several tensors share one exchange. Raw bytes trust every rank to send rows of the
+layout its peers expect: `check_same_rows` makes sure of it, collectively, before a
+route, so that a rank with another width or dtype is named on every rank instead of its
+peers receiving garbage rows (or gloo aborting on a size mismatch).
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -31,6 +35,7 @@ import torch.distributed as dist
 from knapformer.contract.plan import RoutingPlan
 from knapformer.contract.positions import gpu_positions
 from knapformer.errors import KnapformerError
+from knapformer.runtime.marks import wait
 
 Group = dist.ProcessGroup | None
 #: Makes a context manager that times one all-to-all (the balancer's, per phase).
@@ -72,9 +77,14 @@ class RoutingTables:
 
     @classmethod
     def build(
-        cls, plan: RoutingPlan, rank: int, device: torch.device, bag_group: Group = None
+        cls,
+        plan: RoutingPlan,
+        rank: int,
+        device: torch.device,
+        bag_groups: Callable[[list[int]], Group] | None = None,
     ) -> RoutingTables:
-        """Tables of global ``rank`` for ``plan``; ``bag_group`` is its bag's sub-group."""
+        """Tables of global ``rank`` for ``plan``; ``bag_groups(ranks)`` gives the sub-group
+        of the plan's bag over ``ranks`` (made in advance: the plan picks, not creates)."""
         gpus = np.asarray(plan.gpus, dtype=np.int64)
         n = len(gpus)
         pos = gpu_positions(gpus)
@@ -108,7 +118,8 @@ class RoutingTables:
         bag = None
         my_bag = next(b for b in plan.bags if rank in b)
         if len(my_bag) > 1:
-            bag = _bag_tables(my_bag, c_dst, c_seq, c_len, bag_group, to_tensor)
+            group = None if bag_groups is None else bag_groups(my_bag)
+            bag = _bag_tables(my_bag, c_dst, c_seq, c_len, group, to_tensor)
         return cls(
             local_lens=local_lens.tolist(),
             chunk_lens=c_len[in_ids].tolist(),
@@ -169,8 +180,11 @@ def _to_bytes(tensors: Sequence[torch.Tensor], rows: int) -> torch.Tensor:
     for t in tensors:
         width = int(np.prod(t.shape[1:], dtype=np.int64))
         flat = t.reshape(rows, width)
-        if not flat.is_contiguous():
-            flat = flat.contiguous()
+        # Viewing as bytes needs unit stride in memory. `contiguous()` is not enough: a
+        # gradient such as `y.sum()`'s is expanded (stride 0), and an empty or one-element
+        # expanded tensor counts as contiguous, so it would come back unchanged.
+        if not flat.is_contiguous() or (flat.dim() == 2 and flat.stride(1) != 1):
+            flat = torch.empty(flat.shape, dtype=flat.dtype, device=flat.device).copy_(flat)
         parts.append(flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat)
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
@@ -197,7 +211,8 @@ def all_to_all_rows(
 ) -> torch.Tensor:
     """One ``all_to_all_single`` of the rows of ``buf`` (the only collective used here)."""
     out = buf.new_empty((sum(recv_splits), *buf.shape[1:]))
-    dist.all_to_all_single(out, buf, recv_splits, send_splits, group=group)
+    with wait("all_to_all"):
+        dist.all_to_all_single(out, buf, recv_splits, send_splits, group=group)
     return out
 
 
@@ -265,6 +280,59 @@ def exchange(
     times the all-to-all itself, forward and backward."""
     args = (pre_index, post_index, send_splits, recv_splits, group, timer)
     return list(_Exchange.apply(*args, *tensors))
+
+
+# ------------------------------------------------------------------ row layouts
+#: Every dtype torch defines, in a fixed order: a dtype travels in a header as its index.
+_DTYPES = tuple(sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str))
+
+
+def check_same_rows(
+    call: str, tensors: Sequence[torch.Tensor], group: Group, ranks: Sequence[int]
+) -> None:
+    """Collective over ``group`` (global ``ranks``, in group order): raise on every rank
+    alike unless every rank's ``tensors`` (the token tensor, then its features) have the
+    same values per row, dtypes and trailing shapes. One small all-to-all of a header:
+    each rank sends every peer its token tensor's width and dtype and a digest of its
+    features' layout."""
+    x = tensors[0]
+    width = int(np.prod(x.shape[1:], dtype=np.int64))
+    layout = ";".join(f"{t.dtype}:{tuple(t.shape[1:])}" for t in tensors[1:])
+    digest = int.from_bytes(hashlib.blake2b(layout.encode(), digest_size=7).digest(), "little")
+    mine = [width, _DTYPES.index(x.dtype), len(tensors) - 1, digest]
+    send = torch.tensor([mine] * len(ranks), dtype=torch.int64, device=x.device)
+    got = torch.empty_like(send)
+    with wait("all_to_all"):
+        dist.all_to_all_single(got, send, group=group)
+    table = [tuple(row) for row in got.cpu().tolist()]
+    rows: dict[tuple[int, int], list[int]] = {}
+    feats: dict[tuple[int, int], list[int]] = {}
+    for rank, (w, dtype, count, dig) in zip(ranks, table, strict=True):
+        rows.setdefault((w, dtype), []).append(rank)
+        feats.setdefault((count, dig), []).append(rank)
+    if len(rows) > 1:
+        said = "; ".join(
+            f"{w} {_DTYPES[dtype]} values per token on {name_ranks(who)}"
+            for (w, dtype), who in rows.items()
+        )
+        raise KnapformerError(
+            f"{call}: the balance group's ranks give tensors of different widths or dtypes "
+            f"({said}); every rank must give the same width and dtype, nothing was sent"
+        )
+    if len(feats) > 1:
+        said = "; ".join(
+            f"{count} feature(s) of one layout on {name_ranks(who)}"
+            for (count, _), who in feats.items()
+        )
+        raise KnapformerError(
+            f"{call}: the balance group's ranks give features of different number, dtypes "
+            f"or shapes ({said}); every rank must give the same features, nothing was sent"
+        )
+
+
+def name_ranks(ranks: Sequence[int]) -> str:
+    """``rank 3`` or ``ranks 0, 2, 3``, for a message."""
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
 
 # ------------------------------------------------------------- features (pytrees)

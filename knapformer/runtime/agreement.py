@@ -1,0 +1,73 @@
+"""The check, once per balancer, that every rank constructed it with the same options.
+
+Ranks that disagree on an option would otherwise find out in the worst way: a different
+``gamma`` or solver makes different plans, whose all-to-alls gloo aborts on ("Received
+data size doesn't match"); a different topology creates different sub-groups and the
+constructor hangs; a different ``max_tokens_per_gpu`` fails on one rank only.
+`agree_on_options` runs one all-gather over the parent process group, before any
+sub-group is made, of a digest per option and whether the rank's own checks of its
+options failed; on a difference it gathers the values (only then, so the message can
+show them) and every rank raises the same `KnapformerError`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from knapformer.errors import KnapformerError
+from knapformer.runtime.router import Group, name_ranks
+
+
+def agree_on_options(
+    options: Mapping[str, object],
+    problem: KnapformerError | None,
+    group: Group,
+    ranks: Sequence[int],
+    device: torch.device,
+) -> None:
+    """Collective over ``group`` (global ``ranks`` in group order): raise on every rank
+    when a rank's own check of its options failed (``problem``: that rank raises it, the
+    others name the rank) or when ranks passed different ``options`` (every rank: the
+    same message naming each option that differs, its values and their ranks)."""
+    names = list(options)
+    mine = [0 if problem is None else 1, *(_digest(options[name]) for name in names)]
+    sent = torch.tensor(mine, dtype=torch.int64, device=device)
+    got = [torch.empty_like(sent) for _ in ranks]
+    dist.all_gather(got, sent, group=group)
+    table = torch.stack(got).cpu().tolist()
+    failed = [rank for rank, row in zip(ranks, table, strict=True) if row[0]]
+    if problem is not None:
+        raise problem
+    if failed:
+        raise KnapformerError(
+            f"SequenceBalancer options are invalid on {name_ranks(failed)} (its own error "
+            "says why); no rank made the balancer"
+        )
+    differ = [i for i, name in enumerate(names) if len({row[1 + i] for row in table}) > 1]
+    if not differ:
+        return
+    # Only now the values themselves, so that every rank can print them.
+    shown = [repr(options[names[i]]) for i in differ]
+    values: list[list[str] | None] = [None] * len(ranks)
+    dist.all_gather_object(values, shown, group=group)
+    parts = []
+    for k, i in enumerate(differ):
+        by_value: dict[str, list[int]] = {}
+        for rank, theirs in zip(ranks, values, strict=True):
+            by_value.setdefault(theirs[k], []).append(rank)
+        said = "; ".join(f"{value} on {name_ranks(who)}" for value, who in by_value.items())
+        parts.append(f"{names[i]} ({said})")
+    raise KnapformerError(
+        f"SequenceBalancer options differ across ranks: {', '.join(parts)}; every rank must "
+        "construct the balancer with the same options"
+    )
+
+
+def _digest(value: object) -> int:
+    """A digest of ``value``'s repr that fits int64 and is the same in every process."""
+    data = hashlib.blake2b(repr(value).encode(), digest_size=7).digest()
+    return int.from_bytes(data, "little")

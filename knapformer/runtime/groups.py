@@ -1,0 +1,235 @@
+"""The process groups a `SequenceBalancer` balances over: which ranks form each balance
+group (replica) and each compute bag, the sub-groups made for them, and their teardown.
+
+`BalanceLayout` is the plain arithmetic (no torch.distributed): it validates itself when
+it is made, so a layout that cannot exist cannot be constructed, and every derived value
+(replicas, this rank's balance group and bag) is a property, not an expression repeated
+at call sites. `BalanceGroups` creates the sub-groups of a layout once, at construction
+(``torch.distributed.new_group`` is collective over the default group: every rank
+creates every group, in one order), with the parent group's timeout, and destroys them
+in the reverse order.
+
+Bag groups are held in a map keyed by the bag's ranks (`BalanceGroups.bag_group`), so
+that a layout allowing several partitions per step can create every bag group it may
+use here, up front, and a step looks its bags up: nothing is created on the hot path.
+Today the layout has one partition: the topology's bags.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterator
+from contextlib import suppress
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import torch
+import torch.distributed as dist
+
+from knapformer.contract.topology import Topology
+from knapformer.errors import KnapformerError
+from knapformer.runtime.router import Group
+
+#: Timeout of a group whose backend does not say (torch's own default for new groups).
+_FALLBACK_TIMEOUT = datetime.timedelta(minutes=30)
+
+
+@dataclass(frozen=True)
+class BalanceLayout:
+    """Which ranks balance together: ``parent_ranks`` (the process group's ranks, in
+    order) cut into replicas of ``topology``; ``rank``: this process's global rank."""
+
+    topology: Topology
+    parent_ranks: tuple[int, ...]
+    rank: int
+
+    def __post_init__(self) -> None:
+        self._validate()
+
+    def _validate(self) -> None:
+        n, world = self.topology.num_gpus, len(self.parent_ranks)
+        if len(set(self.parent_ranks)) != world:
+            raise KnapformerError(f"process group ranks {list(self.parent_ranks)} repeat a rank")
+        if world == 0 or world % n:
+            replicas = world // n
+            raise KnapformerError(
+                f"world size {world} does not fit topology {self.topology}: it needs a "
+                f"multiple of {n} ranks (replicas({replicas}) * topology gpus({n}) = "
+                f"{replicas * n} != world_size({world}))"
+            )
+        if self.rank not in self.parent_ranks:
+            raise KnapformerError(
+                f"rank {self.rank} is not in the process group's ranks {list(self.parent_ranks)}"
+            )
+
+    @property
+    def gpus_per_replica(self) -> int:
+        return self.topology.num_gpus
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self.parent_ranks) // self.gpus_per_replica
+
+    @property
+    def replicated(self) -> bool:
+        """Whether the parent group holds several balance groups (each gets a sub-group)."""
+        return self.num_replicas > 1
+
+    @cached_property
+    def replicas(self) -> list[list[int]]:
+        """Ranks of every balance group: consecutive ranks of the parent group."""
+        n = self.gpus_per_replica
+        return [list(self.parent_ranks[i * n : (i + 1) * n]) for i in range(self.num_replicas)]
+
+    @cached_property
+    def group_ranks(self) -> list[int]:
+        """Ranks of this rank's balance group."""
+        return next(r for r in self.replicas if self.rank in r)
+
+    @cached_property
+    def bags(self) -> list[list[int]]:
+        """Every bag of every replica (the one partition of a fixed topology)."""
+        return [bag for ranks in self.replicas for bag in self.topology.bags(ranks)]
+
+    @cached_property
+    def my_bag(self) -> list[int]:
+        return next(b for b in self.bags if self.rank in b)
+
+
+@dataclass(eq=False)
+class BalanceGroups:
+    """The sub-groups of one `BalanceLayout`, made by `create` (collective over the
+    default group). ``group``: the balance group to run the step's collectives on (the
+    parent group itself when it holds one replica); ``side``: the plan-ahead thread's gloo
+    group over the balance group's ranks, or None; ``timeout``: the parent group's, given
+    to every group and wait of the balancer."""
+
+    layout: BalanceLayout
+    parent: Group
+    timeout: datetime.timedelta
+    group: Group = None
+    side: Group = None
+    _bag_groups: dict[tuple[int, ...], Group] = field(default_factory=dict)
+    _owned: list[dist.ProcessGroup] = field(default_factory=list)  # creation order
+
+    @classmethod
+    def create(
+        cls, layout: BalanceLayout, parent: Group = None, plan_ahead: bool = False
+    ) -> BalanceGroups:
+        """Create every sub-group ``layout`` needs: balance groups (when replicated), the
+        bag groups of bags of more than one GPU, and with ``plan_ahead`` the side groups."""
+        groups = cls(layout, parent, group_timeout(parent), group=parent)
+        if layout.replicated:
+            for ranks in layout.replicas:
+                made = groups._new(ranks)
+                if made is not None:
+                    groups.group = made
+        for bag in layout.bags:
+            if len(bag) > 1:
+                made = groups._new(bag)
+                if made is not None:
+                    groups._bag_groups[tuple(bag)] = made
+        if plan_ahead:
+            # A gloo group on the host, never the training group, so that the plan-ahead
+            # thread's collectives cannot interleave with the training thread's.
+            for ranks in layout.replicas:
+                made = groups._new(ranks, backend="gloo")
+                if made is not None:
+                    groups.side = made
+        return groups
+
+    def _new(self, ranks: list[int], backend: str | None = None) -> dist.ProcessGroup | None:
+        """A sub-group over ``ranks`` (every rank must call this, in the same order);
+        returned to its members only (non-members get a placeholder that owns nothing)."""
+        made = dist.new_group(ranks, timeout=self.timeout, backend=backend)
+        if self.layout.rank not in ranks:
+            return None
+        self._owned.append(made)
+        return made
+
+    # ------------------------------------------------------------------ lookups
+    @property
+    def rank(self) -> int:
+        return self.layout.rank
+
+    @property
+    def group_ranks(self) -> list[int]:
+        return self.layout.group_ranks
+
+    @property
+    def my_bag(self) -> list[int]:
+        return self.layout.my_bag
+
+    @property
+    def timeout_s(self) -> float:
+        return self.timeout.total_seconds()
+
+    def bag_group(self, ranks: list[int] | tuple[int, ...]) -> Group:
+        """The sub-group of the bag over ``ranks`` (None for a single GPU, which needs
+        none); a `KnapformerError` for a bag that was not created up front."""
+        key = tuple(int(r) for r in ranks)
+        if len(key) == 1:
+            return None
+        try:
+            return self._bag_groups[key]
+        except KeyError:
+            raise KnapformerError(
+                f"no process group was created for bag {list(key)} on rank {self.rank}; "
+                f"the bags of this balancer are {self.layout.bags}"
+            ) from None
+
+    @property
+    def my_bag_group(self) -> Group:
+        return self.bag_group(self.my_bag)
+
+    def owned(self) -> Iterator[dist.ProcessGroup]:
+        """The sub-groups this rank belongs to, in creation order."""
+        return iter(self._owned)
+
+    # ----------------------------------------------------------------- teardown
+    def barrier(self) -> bool:
+        """Wait until every rank of the balance group is here (no collective of the
+        balancer is then in flight on any of them); False when it failed (peers gone)."""
+        try:
+            dist.barrier(group=self.group)
+        except (RuntimeError, ValueError):  # DistBackendError is a RuntimeError
+            return False
+        return True
+
+    def destroy(self, keep: tuple[Group, ...] = ()) -> None:
+        """Destroy the sub-groups, the latest made first (bags and the side group before
+        the balance group they live in), except those in ``keep``; idempotent. The parent
+        group is the caller's and is left alone."""
+        owned, self._owned = self._owned, []
+        self._bag_groups.clear()
+        for made in reversed(owned):
+            # Skip what is already gone: destroying WORLD (e.g. at shutdown, before
+            # close) destroys every group, and destroying one twice raises.
+            if not dist.is_initialized():
+                break
+            if any(made is k for k in keep):
+                continue
+            with suppress(ValueError):
+                dist.destroy_process_group(made)
+        self.group, self.side = self.parent, None
+
+
+def group_device(group: Group) -> torch.device:
+    """Where ``group``'s collectives take their tensors: NCCL moves CUDA tensors only,
+    everything else runs on the CPU."""
+    backend = str(dist.get_backend(group))
+    if "nccl" in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def group_timeout(group: Group) -> datetime.timedelta:
+    """The timeout ``group`` (None: the default group) was made with."""
+    pg = dist.group.WORLD if group is None else group
+    backend = str(dist.get_backend(pg))
+    device = torch.device("cuda" if "nccl" in backend else "cpu")
+    try:
+        timeout = pg._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):  # a backend that keeps no options
+        return _FALLBACK_TIMEOUT
+    return timeout if isinstance(timeout, datetime.timedelta) else _FALLBACK_TIMEOUT
