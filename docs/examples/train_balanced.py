@@ -54,5 +54,6 @@ for step, (seq_lens, x, target) in enumerate(batches):
             + (f"; step before: {before['compute']:.1f} ms of compute" if before else "")
         )
 balancer.finish()  # collective: the last step's times reach the recorder too
-balancer.close()
+balancer.close()  # waits for every rank, then destroys the balancer's sub-groups
+dist.barrier()  # no rank tears the default group down while a peer still uses it
 dist.destroy_process_group()

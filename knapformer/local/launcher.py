@@ -320,6 +320,10 @@ def _run_rank(rank: int, fn: Callable[..., Any], args: tuple, link: _Link) -> No
         )
         result = fn(rank, link.world, *args)
         if dist.is_initialized():
+            # Every rank returned: wait for all before tearing down, so that none closes
+            # its connections while a peer is still inside a collective with it (gloo
+            # then aborts that peer: "terminate called without an active exception").
+            dist.barrier()
             dist.destroy_process_group()
         with open(link.path("result", rank), "wb") as f:
             pickle.dump(result, f)
