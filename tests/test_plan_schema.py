@@ -47,6 +47,7 @@ def test_valid_plan_and_exact_json_round_trip():
     assert again == plan
     assert again.model_dump_json() == text
     defaults = {"planner_version": None, "scale": None, "workload_unit": "model", "gpu_speed": None}
+    defaults["policy"] = None
     assert json.loads(text) == {**small_plan_dict(), **defaults, "solver_options": {}}
 
 

@@ -280,6 +280,10 @@ class SolverOptions(TypedDict, total=False):
 
     #: Tokens a GPU may hold after routing (`plan_routing`'s cap).
     max_tokens_per_gpu: Annotated[int, Field(ge=1, le=MAX_RANK_TOKENS * MAX_GPUS)]
+    #: topology "auto": the group sizes it chose from and the cluster figures it priced
+    #: communication with (knapformer.planning.communication.CommModel fields).
+    group_sizes: list[Annotated[int, Field(ge=1, le=MAX_GPUS)]]
+    comm: dict[str, Annotated[float, Field(gt=0, allow_inf_nan=False)]]
 
 
 class RoutingPlan(BaseModel):
@@ -314,6 +318,9 @@ class RoutingPlan(BaseModel):
         "the history cost model learns it); None: every GPU nominal",
     )
     solver: Text
+    policy: Literal["fixed", "auto"] | None = Field(
+        None, description='what chose the bags: "auto" (the planner, each step) or fixed'
+    )
     solver_options: SolverOptions = Field(default_factory=dict)  # type: ignore[arg-type]
     sequences: Sequences
     chunks: Chunks

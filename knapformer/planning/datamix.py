@@ -32,6 +32,8 @@ MIXES = {
         "g8b4i256f1s0,g2b5i512f1s0,g2b5i1024f1s0,g4b1i2048f1s0,g1b10i256f4s0,"
         "g3b1i512f4s0,g8b2i256f85s1,g4b1i512f85s1"
     ),
+    # Many short text-image samples and two 61,440-token videos (512 px, 60 latent frames).
+    "video": "g30b48i256f1s0,g2b1i512f204s1",
 }
 #: The joint mix's data types squeezed onto 8 GPUs: images of 256..2048 px, keyframes,
 #: videos (the 8-GPU sample plans and the demo).

@@ -63,9 +63,12 @@ from knapformer.contract.plan import Measurements, RoutingPlan
 from knapformer.contract.stats import lower_bound
 from knapformer.contract.topology import Topology, as_topology
 from knapformer.errors import KnapformerError
+from knapformer.planning.communication import CommModel
+from knapformer.planning.partitions import DEFAULT_GROUP_SIZES, allowed_sizes, candidates
 from knapformer.planning.workload import WorkloadModel
 
 DEFAULT_SOLVER = "knapformer"
+AUTO = "auto"  # the topology that lets the planner choose each step's bags
 SOLVERS = ("knapformer", "greedy")
 _HEAVY_FRACTION = 0.25  # of one GPU's capacity: placed before the bulk "stay home" pass
 _EPS = 1e-12
@@ -91,6 +94,12 @@ def plan_routing(
     step: int | None = None,
     run: str | None = None,
     gpu_speed: ArrayLike | None = None,
+    *,
+    comm: CommModel | None = None,
+    group_sizes: Sequence[int] = DEFAULT_GROUP_SIZES,
+    min_group: int | None = None,
+    max_group: int | None = None,
+    cross_node: bool = False,
 ) -> RoutingPlan:
     """Plan one step.
 
@@ -98,20 +107,39 @@ def plan_routing(
     order they are packed there. Sequence ids are assigned in that order, GPU by GPU.
     ``gpu_speed`` (num_gpus,): relative speed of each GPU (1 = nominal; a bag runs at the
     speed of its slowest GPU); work is given in proportion. Recorded in the plan.
+
+    ``topology="auto"`` chooses the step's bags too (`_solve_auto`): aligned groups of
+    ``group_sizes`` (bounded by ``min_group`` / ``max_group``; within a node of
+    ``comm.node_size`` GPUs unless ``cross_node``), minimising the modelled step time with
+    communication (``comm``, default `CommModel`). The plan's ``topology`` is the step's
+    partition, its ``policy`` "auto", and ``solver_options`` hold ``comm`` and the sizes.
     """
     started = time.perf_counter()
-    topo = as_topology(topology)
+    auto = isinstance(topology, str) and topology.strip() == AUTO
     check_solver(solver, max_tokens_per_gpu)
-    if len(lengths_per_gpu) != topo.num_gpus:
+    if auto:
+        num_gpus = len(lengths_per_gpu)
+        if num_gpus == 0:
+            raise KnapformerError("topology 'auto' needs the lengths of at least one GPU")
+        comm = comm or CommModel()
+        sizes, node_size = allowed_sizes(
+            num_gpus, int(comm.node_size), tuple(group_sizes), min_group, max_group, cross_node
+        )
+        shape = _bag_shape((sizes[0],) * (num_gpus // sizes[0]))  # positions only
+    else:
+        topo = as_topology(topology)
+        num_gpus = topo.num_gpus
+        shape = _bag_shape(topo.bag_sizes)
+    if len(lengths_per_gpu) != num_gpus:
         raise KnapformerError(
             f"topology {topo} has {topo.num_gpus} GPUs but lengths were given for "
             f"{len(lengths_per_gpu)} GPUs"
         )
-    gpu_ranks = list(range(topo.num_gpus)) if gpus is None else [int(g) for g in gpus]
-    bags = topo.bags(gpu_ranks)
-    speed = check_speed(gpu_speed, topo.num_gpus)
+    gpu_ranks = list(range(num_gpus)) if gpus is None else [int(g) for g in gpus]
+    if auto and len(gpu_ranks) != num_gpus:
+        raise KnapformerError(f"{len(gpu_ranks)} GPU ranks were given for {num_gpus} GPUs")
+    speed = check_speed(gpu_speed, num_gpus)
 
-    shape = _bag_shape(topo.bag_sizes)
     lengths, src_pos = _flatten(lengths_per_gpu, shape)
     workload = model.workload(lengths)
     with np.errstate(over="ignore"):
@@ -120,10 +148,25 @@ def plan_routing(
         raise KnapformerError(
             f"the workloads of the step sum to {total} under {model}: loads cannot be balanced"
         )
-    if solver == "greedy":
+    options: dict = {} if max_tokens_per_gpu is None else {"max_tokens_per_gpu": max_tokens_per_gpu}
+    if auto:
+        step_state = _solve_auto(
+            lengths, workload, src_pos, speed, max_tokens_per_gpu, solver, model, comm, sizes,
+            node_size, num_gpus,
+        )  # fmt: skip
+        shape = step_state.layout.shape
+        topology_name = str(Topology.from_bag_sizes(shape.size.tolist()))
+        bags = [
+            gpu_ranks[s : s + g]
+            for s, g in zip(shape.start.tolist(), shape.size.tolist(), strict=True)
+        ]
+        options |= {"comm": comm.as_options(), "group_sizes": list(sizes)}
+    elif solver == "greedy":
         step_state = _solve_greedy(shape, lengths, workload, src_pos, speed, max_tokens_per_gpu)
     else:
         step_state = _solve_default(shape, lengths, workload, src_pos, speed, max_tokens_per_gpu)
+    if not auto:
+        topology_name, bags = str(topo), topo.bags(gpu_ranks)
 
     chunk_seq, chunk_pos, chunk_off, chunk_len = _chunk_table(step_state)
     if gpus is None:  # positions are ranks
@@ -132,13 +175,12 @@ def plan_routing(
         ranks = np.asarray(gpu_ranks, dtype=np.int64)
         src_gpu, chunk_src, chunk_dst = ranks[src_pos], ranks[src_pos[chunk_seq]], ranks[chunk_pos]
 
-    options = {} if max_tokens_per_gpu is None else {"max_tokens_per_gpu": max_tokens_per_gpu}
     plan = RoutingPlan.build(
         planner_version=__version__,
         step=step,
         time=time.time(),
         run=run,
-        topology=str(topo),
+        topology=topology_name,
         gpus=gpu_ranks,
         bags=bags,
         token_dim=model.token_dim,
@@ -147,6 +189,7 @@ def plan_routing(
         workload_unit=model.unit,
         gpu_speed=None if speed is None else speed.tolist(),
         solver=solver,
+        **({"policy": AUTO} if auto else {}),
         solver_options=options,
         sequences={
             "src_gpu": src_gpu,
@@ -164,6 +207,150 @@ def plan_routing(
     )
     plan.measurements = Measurements(plan_ms=(time.perf_counter() - started) * 1e3)
     return plan
+
+
+# Auto: solve the best-estimated partitions while one could still beat the best solved by
+# more than this fraction, at most _AUTO_SOLVES of them (each is one full solve).
+_AUTO_TOLERANCE = 1e-3
+_AUTO_SOLVES = 2
+_AUTO_LEVEL_TOLERANCE = 1e-4
+_ACROSS_PARTNERS = 4  # least-loaded bags tried per exchange
+_ACROSS_MOVES = 64  # exchanges between bags of different sizes, per solved partition
+
+
+def _solve_auto(lengths, workload, src_pos, speed, max_tokens, solver, model, comm, sizes,
+                node_size, num_gpus) -> _Step:  # fmt: skip
+    """Choose the step's partition into aligned groups and place the sequences in it.
+
+    Candidates (`knapformer.planning.partitions.candidates`) come with an estimated
+    makespan; they are solved best estimate first, each size class on its own with the
+    effective workloads ``W + k_g*L`` of its group size (so the solver balances compute
+    plus Ulysses exchanges), until no remaining estimate could beat the best result by
+    more than 0.1 % (at most ``_AUTO_SOLVES``). Ties go to the fewer moved tokens. The
+    returned step's layout is the chosen partition's (bags in position order); its
+    ``bag`` column the assignment. A candidate that breaks the token cap is skipped.
+    """
+    scale = float(model.scale)
+    per_token = {g: comm.ulysses_per_token(model.token_dim, g, scale) for g in sizes}
+    found = candidates(workload, lengths, src_pos, num_gpus, sizes, per_token, node_size)
+    best, best_key, failure = None, None, None
+    for solved, cand in enumerate(found):
+        if best_key is not None and (
+            solved >= _AUTO_SOLVES or cand.estimate >= best_key[0] * (1 - _AUTO_TOLERANCE)
+        ):
+            break
+        try:
+            step, makespan = _solve_partition(
+                cand, lengths, workload, src_pos, speed, max_tokens, solver, per_token
+            )
+        except KnapformerError as err:
+            failure = failure or err
+            continue
+        key = (makespan, _moved_estimate(step))
+        if (
+            best_key is None
+            or key[0] < best_key[0] * (1 - 1e-9)
+            or (key[0] <= best_key[0] * (1 + 1e-9) and key[1] < best_key[1])
+        ):
+            best, best_key = step, key
+    if best is None:
+        raise failure or KnapformerError("topology 'auto' found no partition for the step")
+    return best
+
+
+def _solve_partition(cand, lengths, workload, src_pos, speed, max_tokens, solver, per_token):
+    """Solve one candidate partition: each group size's sequences over that size's bags,
+    with that size's effective workloads. Returns (step over the whole partition, its
+    makespan of compute + Ulysses per GPU)."""
+    shape = _bag_shape(cand.bag_sizes)
+    n = len(lengths)
+    bag = np.full(n, -1, dtype=np.int64)
+    rem = np.zeros(n, dtype=np.int64)
+    makespan = 0.0
+    for g in np.unique(shape.size).tolist():
+        bags = np.flatnonzero(shape.size == g)
+        positions = (shape.start[bags][:, None] + np.arange(g)).reshape(-1)
+        local = np.full(len(shape.bag_of_pos), -1, dtype=np.int64)
+        local[positions] = np.arange(len(positions))
+        seqs = np.flatnonzero(cand.seq_size == g)
+        sub = (_bag_shape((g,) * len(bags)), lengths[seqs],
+               workload[seqs] + per_token[g] * lengths[seqs], local[src_pos[seqs]],
+               None if speed is None else speed[positions], max_tokens)  # fmt: skip
+        # Tighter than a fixed layout's stop: auto must not lose to one on solver slack.
+        part = (_solve_greedy(*sub) if solver == "greedy"
+                else _solve_default(*sub, tolerance=_AUTO_LEVEL_TOLERANCE))  # fmt: skip
+        bag[seqs], rem[seqs] = bags[part.bag], part.rem
+        makespan = max(makespan, part.layout.makespan())
+    layout = _BagLayout(shape, 0.0, None, _bag_speed(shape, speed), even=solver != "greedy")
+    step = _Step.start(shape, lengths, workload, src_pos, layout)
+    step.bag, step.rem = bag, rem
+    if len(np.unique(shape.size)) > 1 and solver != "greedy":
+        makespan = _level_across(step, per_token, max_tokens)
+    layout.add_many(step.bag, workload, lengths)
+    return step, makespan
+
+
+def _level_across(step: _Step, per_token: dict[int, float], max_tokens: int | None) -> float:
+    """Exchanges between bags of different sizes, which the per-size solves cannot make:
+    the most loaded bag (compute + Ulysses per GPU) moves one sequence to, or swaps one
+    with, whichever of the least loaded bags evens the two out best, each sequence's cost
+    re-priced at its new group size, while that lowers the larger of the two (at most
+    ``_ACROSS_MOVES`` exchanges). Returns the makespan."""
+    layout = step.layout
+    size, weight = layout.size, layout.weight
+    kappa = np.array([per_token[int(g)] for g in size])  # per bag
+    lengths = step.lengths.astype(np.float64)
+    cost_in = step.workload + kappa[step.bag] * lengths
+    load = np.bincount(step.bag, weights=cost_in, minlength=len(size))
+    tokens = np.bincount(step.bag, weights=lengths, minlength=len(size))
+    per = load / weight
+    partners = min(_ACROSS_PARTNERS, len(size) - 1)
+    for _ in range(_ACROSS_MOVES):
+        a = int(np.argmax(per))
+        best = (per[a] * (1 - 1e-9), None)
+        ma = np.flatnonzero(step.bag == a)
+        ma = ma[step.lengths[ma] > 0]
+        for b in np.argsort(per, kind="stable")[:partners].tolist():
+            if b == a:
+                continue
+            mb = np.flatnonzero(step.bag == b)
+            mb = np.append(mb[step.lengths[mb] > 0], -1)  # -1: nothing comes back
+            wi, li = step.workload[ma][:, None], lengths[ma][:, None]
+            wj, lj = np.append(step.workload[mb[:-1]], 0.0), np.append(lengths[mb[:-1]], 0.0)
+            into_b = wi + kappa[b] * li
+            into_a = wj + kappa[a] * lj
+            new_a = per[a] + (into_a[None, :] - cost_in[ma][:, None]) / weight[a]
+            new_b = per[b] + (into_b - np.append(cost_in[mb[:-1]], 0.0)[None, :]) / weight[b]
+            ok = (li >= size[b]) & ((lj >= size[a]) | (mb < 0))[None, :]
+            if max_tokens is not None:
+                ok &= np.ceil((tokens[b] + li - lj) / size[b]) <= max_tokens
+                ok &= np.ceil((tokens[a] - li + lj) / size[a]) <= max_tokens
+            value = np.where(ok, np.maximum(new_a, new_b), np.inf)
+            if value.size and value.min() < best[0]:
+                i, j = divmod(int(value.argmin()), value.shape[1])
+                best = (float(value[i, j]), (b, int(ma[i]), int(mb[j])))
+        if best[1] is None:
+            break
+        b, out_a, out_b = best[1]
+        for seq, src, dst in ((out_a, a, b), (out_b, b, a)):
+            if seq < 0:
+                continue
+            load[src] -= cost_in[seq]
+            tokens[src] -= lengths[seq]
+            cost_in[seq] = step.workload[seq] + kappa[dst] * lengths[seq]
+            load[dst] += cost_in[seq]
+            tokens[dst] += lengths[seq]
+            step.bag[seq] = dst
+        per[a], per[b] = load[a] / weight[a], load[b] / weight[b]
+    return float(per.max(initial=0.0))
+
+
+def _moved_estimate(step: _Step) -> float:
+    """Tokens that leave their GPU: all of a sequence placed away from home, (g-1)/g of one
+    at home in a g-GPU bag."""
+    g = step.layout.size[step.bag].astype(np.float64)
+    home = step.bag == step.home_bag
+    return float(np.sum(step.lengths * np.where(home, (g - 1) / g, 1.0)))
 
 
 def check_solver(solver: str, max_tokens_per_gpu: int | None) -> None:
@@ -372,7 +559,10 @@ class _Step:
     def start(cls, shape, lengths, workload, src_pos, layout) -> _Step:
         n = len(lengths)
         bag = np.full(n, -1, dtype=np.int64)
-        return cls(lengths, workload, src_pos, shape.bag_of_pos[src_pos], layout, bag,
+        # A source position of -1: the sequence comes from a GPU outside these bags (one
+        # size class of an auto partition), so it has no home bag.
+        home = np.where(src_pos >= 0, shape.bag_of_pos[src_pos], -1)
+        return cls(lengths, workload, src_pos, home, layout, bag,
                    np.zeros(n, dtype=np.int64))  # fmt: skip
 
     def move(self, seq: int, dst: int) -> None:
@@ -404,7 +594,11 @@ def _place_in_order(order: np.ndarray, step: _Step, prefer_home: bool) -> None:
     lo, hi = np.divmod(layout.candidate_keys(workload, lengths), num_classes)
     home = step.home_bag[order]
     home_class = shape.class_of_bag_array[home]
-    may_stay = (lo <= home_class) & (home_class <= hi) if prefer_home else np.zeros(len(lo), bool)
+    may_stay = (
+        (lo <= home_class) & (home_class <= hi) & (home >= 0)
+        if prefer_home
+        else (np.zeros(len(lo), bool))
+    )
     # Plain lists: for the few hundred to few thousand sequences placed one by one,
     # Python scalars beat per-item numpy calls several times over.
     load = layout.load.tolist()
@@ -506,7 +700,7 @@ def _solve_greedy(shape, lengths, workload, src_pos, speed, max_tokens, even=Fal
     return step
 
 
-def _solve_default(shape, lengths, workload, src_pos, speed, max_tokens) -> _Step:
+def _solve_default(shape, lengths, workload, src_pos, speed, max_tokens, tolerance=None) -> _Step:
     """The default solver, with greedy as a safety net.
 
     Its per-GPU capacity is the lower bound on the makespan rather than greedy's mean
@@ -522,7 +716,7 @@ def _solve_default(shape, lengths, workload, src_pos, speed, max_tokens) -> _Ste
     bound = lower_bound(workload, weight)
     layout = _BagLayout(shape, bound, max_tokens, bag_speed, even=True)
     step = _Step.start(shape, lengths, workload, src_pos, layout)
-    _solve_local(step)
+    _solve_local(step, tolerance)
     makespan = layout.makespan()
     if makespan <= bound * (1 + _FALLBACK_TOLERANCE):
         return step
@@ -533,7 +727,7 @@ def _solve_default(shape, lengths, workload, src_pos, speed, max_tokens) -> _Ste
     return greedy if greedy.layout.makespan() < makespan else step
 
 
-def _solve_local(step: _Step) -> None:
+def _solve_local(step: _Step, tolerance: float | None = None) -> None:
     layout, lengths, workload = step.layout, step.lengths, step.workload
     n = len(lengths)
     empty = lengths == 0  # nothing to compute or move: keep at home, no chunks
@@ -549,13 +743,14 @@ def _solve_local(step: _Step) -> None:
         _stay_home_in_bulk(np.flatnonzero(step.bag < 0), step)
         pool = _descending(workload, np.flatnonzero(step.bag < 0))
         _place_in_order(pool, step, prefer_home=True)
-    _level_makespan(step)
+    _level_makespan(step, tolerance=tolerance)
 
 
 def _stay_home_in_bulk(seqs: np.ndarray, step: _Step) -> None:
     """Within each home bag, the largest of ``seqs`` stay while there is room (one
     vectorised pass; sequences shorter than their home bag are left to the pool)."""
     layout, lengths, workload, home_bag = step.layout, step.lengths, step.workload, step.home_bag
+    seqs = seqs[home_bag[seqs] >= 0]
     light = seqs[layout.size[home_bag[seqs]] <= lengths[seqs]]
     order = light[np.lexsort((-workload[light], home_bag[light]))]
     hb = home_bag[order]
@@ -570,7 +765,7 @@ def _stay_home_in_bulk(seqs: np.ndarray, step: _Step) -> None:
     layout.add_many(hb[stays], workload[stay_ids], lengths[stay_ids])
 
 
-def _level_makespan(step: _Step, max_rounds: int | None = None) -> None:
+def _level_makespan(step: _Step, max_rounds: int | None = None, tolerance=None) -> None:
     """Local search on the makespan. Each round, every bag above the stopping load (up
     to ``_LEVEL_PARTNERS`` of them, most loaded first) is paired with a distinct one of
     the least-loaded bags: one sequence moves from it to the partner, or a pair is
@@ -584,7 +779,7 @@ def _level_makespan(step: _Step, max_rounds: int | None = None) -> None:
         return
     weight = layout.weight
     per_gpu = layout.per_gpu_time()
-    stop = lower_bound(step.workload, weight) * (1 + _LEVEL_TOLERANCE)
+    stop = lower_bound(step.workload, weight) * (1 + (tolerance or _LEVEL_TOLERANCE))
     if per_gpu.max() <= stop:  # the usual case: nothing to level
         return
     accepts = layout.capacity * (1 + _EPS)  # the largest workload each bag may take

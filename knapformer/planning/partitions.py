@@ -1,0 +1,322 @@
+"""Aligned GPU groups, the per-step choice of a partition (``topology="auto"``) and the
+layout floor (docs/concepts.md, "Communication and the layout floor").
+
+The balance group is cut into nodes of ``node_size`` consecutive GPUs. An *aligned* group
+of g GPUs starts at a multiple of g and never crosses a node (unless ``cross_node`` allows
+sizes above the node, which then span whole nodes). Any multiset of power-of-two sizes that
+sums to the group's GPU count tiles it with aligned groups when placed largest first, so a
+partition is just a count per size; `aligned_groups` lists every group any partition can
+use (what the runtime creates once).
+
+The choice (`candidates`) works on *effective* workloads: a sequence of workload W and L
+tokens placed in a g-GPU group costs ``W + k_g*L`` (``k_g``: the Ulysses exchange per
+token, `CommModel.ulysses_per_token`), spread evenly over the group's GPUs. For a target
+per-GPU time T every sequence takes the smallest group size that brings it under T; the
+GPUs each size needs follow, short sequences fill what rounding to whole groups leaves
+over in the big groups, and the smallest T whose GPUs fit the group is found by
+bisection (only the few sequences above the mean take part in it). Whole-family layouts
+(``gXnY``) are candidates too, so the planner can always fall back on the best of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from knapformer.contract.topology import Topology
+from knapformer.errors import KnapformerError
+
+DEFAULT_GROUP_SIZES = (1, 2, 4, 8)
+_BISECTIONS = 40
+
+
+def allowed_sizes(
+    num_gpus: int,
+    node_size: int,
+    group_sizes: tuple[int, ...] = DEFAULT_GROUP_SIZES,
+    min_group: int | None = None,
+    max_group: int | None = None,
+    cross_node: bool = False,
+) -> tuple[tuple[int, ...], int]:
+    """(the group sizes a partition of ``num_gpus`` GPUs may use, ascending; the node size
+    in effect). A `KnapformerError` names the value when none is left or the GPUs cannot be
+    cut into nodes."""
+    for name, value in (("node_size", node_size), *((f"group size {g}", g) for g in group_sizes)):
+        if int(value) <= 0 or int(value) & (int(value) - 1):
+            raise KnapformerError(f"{name} must be a positive power of two, got {value}")
+    if num_gpus < node_size:
+        if num_gpus & (num_gpus - 1):
+            raise KnapformerError(
+                f"topology 'auto' on {num_gpus} GPUs: a group smaller than a node "
+                f"({node_size} GPUs) must hold a power of two of GPUs"
+            )
+        node_size = num_gpus
+    elif num_gpus % node_size:
+        raise KnapformerError(
+            f"topology 'auto' cuts the {num_gpus} GPUs into nodes of node_size={node_size}; "
+            f"{num_gpus} is not a multiple of {node_size}"
+        )
+    sizes = sorted(
+        g
+        for g in {int(g) for g in group_sizes}
+        if (min_group is None or g >= min_group)
+        and (max_group is None or g <= max_group)
+        and (g <= node_size or (cross_node and num_gpus % g == 0))
+    )
+    if not sizes:
+        raise KnapformerError(
+            f"no group size is left for topology 'auto' on {num_gpus} GPUs: sizes "
+            f"{sorted(group_sizes)}, min_group={min_group}, max_group={max_group}, "
+            f"node_size={node_size}, cross_node={cross_node}"
+        )
+    if num_gpus % sizes[0]:
+        raise KnapformerError(
+            f"the smallest group size {sizes[0]} does not divide the {num_gpus} GPUs"
+        )
+    return tuple(sizes), node_size
+
+
+def aligned_groups(num_gpus: int, sizes: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """Every aligned group of every size, as GPU positions (what a partition may use; the
+    runtime creates one process group per tuple of size > 1). About 2 * num_gpus tuples."""
+    return [
+        tuple(range(start, start + g))
+        for g in sorted(sizes)
+        for start in range(0, num_gpus - g + 1, g)
+    ]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One partition and where each sequence goes.
+
+    ``bag_sizes``: GPUs of each bag, in position order (the bags tile 0..num_gpus-1);
+    ``seq_size`` (n,): the group size each sequence is assigned to; ``estimate``: the
+    modelled per-GPU makespan (compute + Ulysses) it aims at, in workload units.
+    """
+
+    bag_sizes: tuple[int, ...]
+    seq_size: np.ndarray
+    estimate: float
+
+    @property
+    def topology(self) -> str:
+        return str(Topology.from_bag_sizes(list(self.bag_sizes)))
+
+    @property
+    def homogeneous(self) -> bool:
+        return len(set(self.bag_sizes)) == 1
+
+
+def effective_workloads(workload, lengths, sizes, per_token) -> np.ndarray:
+    """(len(sizes), n) cost of each sequence in a group of each size: ``W + k_g * L``."""
+    kappa = np.asarray([per_token[g] for g in sizes], dtype=np.float64)
+    return workload[None, :] + kappa[:, None] * lengths.astype(np.float64)[None, :]
+
+
+def candidates(
+    workload: np.ndarray,
+    lengths: np.ndarray,
+    src_pos: np.ndarray,
+    num_gpus: int,
+    sizes: tuple[int, ...],
+    per_token: dict[int, float],
+    node_size: int,
+) -> list[Candidate]:
+    """Partitions worth solving for this step, best estimate first (ties: smaller groups
+    first, whole-family layouts before mixed ones). Deterministic.
+
+    ``workload``, ``lengths``, ``src_pos`` (n,): each sequence's compute, tokens and source
+    GPU position; ``per_token[g]``: Ulysses cost per token in a g-GPU group.
+    """
+    eff = effective_workloads(workload, lengths, sizes, per_token)
+    size = np.asarray(sizes, dtype=np.float64)
+    out = []
+    for j, g in enumerate(sizes):
+        if num_gpus % g:
+            continue
+        est = max(float(eff[j].sum()) / num_gpus, float(eff[j].max(initial=0.0)) / g)
+        out.append(Candidate((g,) * (num_gpus // g), np.full(len(workload), g), est))
+    mixed = _mixed(eff, size, lengths, src_pos, num_gpus, sizes, node_size, out)
+    if mixed is not None:
+        out.append(mixed)
+    out.sort(key=lambda c: (c.estimate, not c.homogeneous, max(c.bag_sizes)))
+    return out
+
+
+def _mixed(eff, size, lengths, src_pos, num_gpus, sizes, node_size, whole):
+    """The best mixed partition by the bisection of the module doc, or None."""
+    if len(sizes) < 2 or not whole or eff.shape[1] == 0:
+        return None
+    per_gpu = eff / size[:, None]
+    fits = lengths[None, :] >= size[:, None]
+    fits[0] = True
+    per_gpu = np.where(fits, per_gpu, np.inf)
+    lo = max(float(eff[0].sum()) / num_gpus, float(per_gpu.min(axis=0).max()))
+    hi = min(c.estimate for c in whole)
+    if lo >= hi * (1 - 1e-9):
+        return None
+    big = np.flatnonzero(per_gpu[0] > lo)  # the only ones whose group depends on T
+    small = np.ones(eff.shape[1], dtype=bool)
+    small[big] = False
+    x0_small = float(eff[0, small].sum())
+    # What short sequences cost when they fill a bigger group, relative to their own.
+    fill_base = np.array([float(eff[0, small & fits[j]].sum()) for j in range(len(size))])
+    fill_cost = np.array([float(eff[j, small & fits[j]].sum()) for j in range(len(size))])
+    inflation = np.divide(fill_cost, fill_base, out=np.ones(len(size)), where=fill_base > 0)
+    big_eff, big_per_gpu = eff[:, big], per_gpu[:, big]
+
+    def demand(target: float):
+        ok = big_per_gpu <= target
+        if not ok.any(axis=0).all():
+            return None
+        cls = ok.argmax(axis=0)
+        load = np.bincount(cls, weights=big_eff[cls, np.arange(len(big))], minlength=len(size))
+        load[0] += x0_small
+        # A sequence above half a group's room takes a group of its own (two cannot share).
+        alone = big_per_gpu[cls, np.arange(len(big))] > 0.5 * target
+        groups = np.maximum(
+            np.ceil(load / (size * target) - 1e-9), np.bincount(cls[alone], minlength=len(size))
+        ).astype(np.int64)
+        groups[0] = 0
+        slack = groups * size * target - load
+        fill = np.minimum(slack / inflation, fill_base)[1:].sum()
+        rest = max(0.0, load[0] - fill)
+        groups[0] = int(np.ceil(rest / (size[0] * target) - 1e-9))
+        return int((groups * size).sum()), groups, cls
+
+    if demand(hi) is None or demand(hi)[0] > num_gpus:
+        return None
+    for _ in range(_BISECTIONS):
+        mid = 0.5 * (lo + hi)
+        got = demand(mid)
+        if got is not None and got[0] <= num_gpus:
+            hi = mid
+        else:
+            lo = mid
+    used, groups, cls = demand(hi)
+    groups[0] += (num_gpus - used) // sizes[0]  # spare GPUs go to the smallest groups
+    if (groups[1:] == 0).all():
+        return None  # no bigger group needed: that is the smallest whole-family layout
+    seq_class = np.zeros(eff.shape[1], dtype=np.int64)
+    seq_class[big] = cls
+    bag_sizes, pos_class = _place(groups, sizes, num_gpus, node_size, eff, seq_class, src_pos)
+    seq_class, level = _fill(eff, size, lengths, src_pos, groups, seq_class, pos_class, fits)
+    # Sequences with no tokens stay where they are: the group of their own GPU.
+    empty = lengths == 0
+    seq_class[empty] = pos_class[src_pos[empty]]
+    picked = per_gpu[seq_class, np.arange(len(seq_class))]
+    estimate = max(level, float(picked[np.isfinite(picked)].max(initial=0.0)))
+    return Candidate(bag_sizes, size.astype(np.int64)[seq_class], estimate)
+
+
+def _place(groups, sizes, num_gpus, node_size, eff, seq_class, src_pos):
+    """Tile the GPUs with ``groups[j]`` groups of ``sizes[j]``, largest first, visiting
+    nodes (or runs of nodes as wide as the largest group) by how much work their own GPUs
+    hold for big groups, most first: big groups then land where their sequences already
+    are. Returns (bag sizes in position order, size class of each GPU position)."""
+    unit = max(node_size, max(s for s, n in zip(sizes, groups, strict=True) if n))
+    num_units = num_gpus // unit
+    heavy = np.where(seq_class > 0, eff[0], 0.0)
+    score = np.bincount(src_pos // unit, weights=heavy, minlength=num_units)
+    unit_order = np.argsort(-score, kind="stable")
+    cls = np.repeat(np.arange(len(sizes))[::-1], groups[::-1])  # largest first
+    widths = np.asarray(sizes)[cls]
+    virtual = np.cumsum(widths) - widths
+    start = unit_order[virtual // unit] * unit + virtual % unit
+    order = np.argsort(start, kind="stable")
+    bag_sizes = tuple(int(w) for w in widths[order])
+    pos_class = np.repeat(cls[order], widths[order])
+    return bag_sizes, pos_class
+
+
+def _fill(eff, size, lengths, src_pos, groups, seq_class, pos_class, fits):
+    """Even the size classes out: the level every class would reach if the smallest
+    class's sequences topped up the bigger groups, then the sequences that do it: none
+    above half a group's mean gap, those already on a GPU of that group first, then the
+    longest. Returns (new seq_class, level)."""
+    k = len(size)
+    gpus = groups * size
+    load = np.bincount(seq_class, weights=eff[seq_class, np.arange(eff.shape[1])], minlength=k)
+    base = seq_class == 0
+    inflation = np.ones(k)
+    for j in range(1, k):
+        mask = base & fits[j]
+        w0 = float(eff[0, mask].sum())
+        if w0 > 0:
+            inflation[j] = float(eff[j, mask].sum()) / w0
+    floor = max((load[j] / gpus[j] for j in range(1, k) if gpus[j]), default=0.0)
+
+    def excess(level: float) -> float:
+        taken = np.maximum(0.0, gpus[1:] * level - load[1:]) / inflation[1:]
+        return load[0] - taken.sum() - gpus[0] * level
+
+    lo, hi = 0.0, float(load.sum()) / max(float(gpus.sum()), 1.0) * 4 + floor
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if excess(mid) > 0 else (lo, mid)
+    level = max(hi, floor)
+    seq_class = seq_class.copy()
+    by_length = np.argsort(-lengths, kind="stable")
+    for j in range(k - 1, 0, -1):
+        budget = gpus[j] * level - load[j]
+        if budget <= 0:
+            continue
+        cand = by_length[(seq_class[by_length] == 0) & fits[j][by_length]]
+        # At most half a group's mean gap each: the gaps are then filled, not overrun.
+        cand = cand[eff[j, cand] <= 0.5 * budget / groups[j]]
+        at_home = pos_class[src_pos[cand]] == j
+        # Those already there first (nothing to route), then the longest: split over a
+        # group they are fine-grained there, and the short ones left behind even out the
+        # smallest groups.
+        cand = np.concatenate([cand[at_home], cand[~at_home]])
+        cost = eff[j, cand]
+        take = cand[np.cumsum(cost) - 0.5 * cost <= budget]
+        seq_class[take] = j
+    return seq_class, level
+
+
+@dataclass(frozen=True)
+class LayoutFloor:
+    """The least per-GPU makespan (workload units, per layer) a layout can reach for one
+    step: ``fixed[topology]`` for each whole-family layout gXnY, ``partitions`` for any
+    partition of the allowed sizes (the step's sequences fixed, bags free)."""
+
+    fixed: dict[str, float]
+    partitions: float
+
+    @property
+    def best_fixed(self) -> float:
+        return min(self.fixed.values())
+
+
+def layout_floor(
+    workload: np.ndarray,
+    lengths: np.ndarray,
+    num_gpus: int,
+    sizes: tuple[int, ...] = DEFAULT_GROUP_SIZES,
+    per_token: dict[int, float] | None = None,
+) -> LayoutFloor:
+    """Lower bounds on the makespan of one step's sequences (``workload``, ``lengths``
+    (n,)) on ``num_gpus`` GPUs: per fixed layout gXnY, ``max(total / N, max W / g)``
+    (the layout floor: no layout beats its largest sequence spread over its largest bag),
+    and over all partitions of ``sizes``, ``max(total / N, max over sequences of the least
+    per-GPU cost any allowed group gives it)``. With ``per_token`` (Ulysses cost per token
+    of a g-GPU group) costs include communication; without, compute only."""
+    sizes = tuple(g for g in sorted(sizes) if g <= num_gpus)
+    per_token = per_token or dict.fromkeys(sizes, 0.0)
+    workload = np.asarray(workload, dtype=np.float64)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    eff = effective_workloads(workload, lengths, sizes, per_token)
+    size = np.asarray(sizes, dtype=np.float64)
+    fixed = {
+        f"g{g}n{num_gpus // g}": max(
+            float(eff[j].sum()) / num_gpus, float(eff[j].max(initial=0.0)) / g
+        )
+        for j, g in enumerate(sizes)
+        if num_gpus % g == 0
+    }
+    least = (eff / size[:, None]).min(axis=0, initial=np.inf) if eff.shape[1] else np.zeros(0)
+    total = float(eff.min(axis=0).sum()) if eff.shape[1] else 0.0
+    return LayoutFloor(fixed, max(total / num_gpus, float(least.max(initial=0.0))))

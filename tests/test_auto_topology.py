@@ -1,0 +1,114 @@
+"""Per-step topology (topology="auto"): valid, deterministic, aligned plans that count
+communication, and the layout floor."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from knapformer.contract.plan import RoutingPlan
+from knapformer.errors import KnapformerError
+from knapformer.planning.communication import CommModel, plan_cost
+from knapformer.planning.datamix import parse_mix, sample_lengths
+from knapformer.planning.partitions import aligned_groups, allowed_sizes, layout_floor
+from knapformer.planning.planner import plan_routing
+from knapformer.planning.workload import WorkloadModel
+
+MODEL = WorkloadModel(token_dim=3072, gamma=0.4)
+
+
+def _lengths(mix: str, seed: int) -> list[np.ndarray]:
+    return sample_lengths(parse_mix(mix), np.random.default_rng(seed))
+
+
+def _aligned(plan: RoutingPlan, node_size: int) -> bool:
+    pos = {rank: i for i, rank in enumerate(plan.gpus)}
+    for bag in plan.bags:
+        first, g = pos[bag[0]], len(bag)
+        if [pos[r] for r in bag] != list(range(first, first + g)) or first % g:
+            return False
+        if g <= node_size and first // node_size != (first + g - 1) // node_size:
+            return False
+    return True
+
+
+@pytest.mark.parametrize("mix", ["lowres", "mixres", "joint", "video"])
+def test_auto_plans_are_valid_aligned_and_deterministic(mix):
+    lengths = _lengths(mix, 3)
+    plan = plan_routing(lengths, "auto", MODEL)
+    again = RoutingPlan.model_validate_json(plan.model_dump_json())
+    assert again.policy == "auto" and again.topology == plan.topology
+    assert _aligned(plan, 8)
+    assert plan_routing(lengths, "auto", MODEL).bags == plan.bags
+    assert np.array_equal(plan_routing(lengths, "auto", MODEL).sequences.bag, plan.sequences.bag)
+
+
+def test_auto_picks_single_gpus_for_short_sequences_and_groups_for_videos():
+    assert plan_routing(_lengths("lowres", 0), "auto", MODEL).topology == "g1n32"
+    video = plan_routing(_lengths("video", 0), "auto", MODEL)
+    sizes = {len(b) for b in video.bags}
+    assert 1 in sizes and max(sizes) >= 4  # a mixed partition
+
+
+def test_auto_is_not_slower_than_the_paper_default_with_communication():
+    for seed in range(2):
+        lengths = _lengths("video", seed)
+        auto = plan_cost(plan_routing(lengths, "auto", MODEL))
+        g8 = plan_cost(plan_routing(lengths, "g8n4", MODEL), CommModel())
+        assert auto.makespan < 0.97 * g8.makespan
+
+
+def test_auto_changes_bags_from_step_to_step_when_the_data_does():
+    short = plan_routing(_lengths("lowres", 0), "auto", MODEL)
+    videos = plan_routing(_lengths("video", 0), "auto", MODEL)
+    assert short.topology != videos.topology
+
+
+def test_group_bounds_and_node_size_hold():
+    lengths = _lengths("joint", 1)
+    small = plan_routing(lengths, "auto", MODEL, max_group=2)
+    assert max(len(b) for b in small.bags) <= 2
+    big = plan_routing(lengths, "auto", MODEL, min_group=8)
+    assert small.topology != big.topology and big.topology == "g8n4"
+    four = plan_routing(lengths, "auto", MODEL, comm=CommModel(node_size=4))
+    assert max(len(b) for b in four.bags) <= 4 and _aligned(four, 4)
+
+
+def test_token_cap_holds_under_auto():
+    lengths = _lengths("mixres", 2)
+    cap = int(max(sum(x) for x in lengths) * 0.6)
+    plan = plan_routing(lengths, "auto", MODEL, max_tokens_per_gpu=cap)
+    assert int(plan.stats.tokens_after.max()) <= cap
+    with pytest.raises(KnapformerError, match="max_tokens_per_gpu"):
+        plan_routing(lengths, "auto", MODEL, max_tokens_per_gpu=10)
+
+
+def test_bad_auto_options_are_named():
+    with pytest.raises(KnapformerError, match="not a multiple of 8"):
+        plan_routing([[100]] * 12, "auto", MODEL)
+    with pytest.raises(KnapformerError, match="no group size is left"):
+        plan_routing([[100]] * 8, "auto", MODEL, min_group=16)
+
+
+def test_aligned_family_and_floor():
+    sizes, _ = allowed_sizes(16, 8)
+    groups = aligned_groups(16, sizes)
+    assert len(groups) == 16 + 8 + 4 + 2 and (8, 9, 10, 11) in groups and (2, 3, 4, 5) not in groups
+    w, ell = np.array([8.0, 1.0, 1.0]), np.array([8000, 1000, 1000])
+    floor = layout_floor(w, ell, 8, (1, 2, 4, 8))
+    assert floor.fixed["g1n8"] == 8.0 and floor.fixed["g8n1"] == pytest.approx(10 / 8)
+    assert floor.partitions == pytest.approx(10 / 8) and floor.best_fixed == pytest.approx(10 / 8)
+
+
+def test_plan_cost_by_hand():
+    d = 8
+    plan = plan_routing([[1000], []], "g2n1", WorkloadModel(d, gamma=0.5))
+    comm = CommModel(tflops=1.0, intra_gbs=1.0, inter_gbs=1.0, layers=3)
+    cost = plan_cost(plan, comm)
+    work = (24 * 1000 * d * d + 0.5 * 4 * 1000**2 * d) / 1e12
+    ulysses = 4 * 500 * d * 2 / 2 / 1e9 * 1.0  # seconds x TFLOP/s = TFLOP
+    route = 500 * d * 2 / 1e9 / 3  # GPU 0 sends 500 tokens, GPU 1 sends them back
+    assert cost.compute[0] == pytest.approx(work / 2)
+    assert cost.ulysses[0] == pytest.approx(ulysses)
+    assert cost.route[0] == pytest.approx(route) and cost.route[1] == pytest.approx(route)
+    assert cost.step_ms == pytest.approx(3 * (work / 2 + ulysses + route) * 1e3)
