@@ -14,9 +14,15 @@
   the figures, so it always names the step they show.
 - sequence table (`_sequence_table`, `_pick_sequence`): one page at a time, sorted and
   filtered on the server (`dashboard.table`); picking a row sets the ``highlight`` store.
+- per-rank views beside the load chart: where each rank's step went, for the shown step
+  and the mean of the last `PHASE_WINDOW` measured steps (`_phase_views`), and tokens
+  per GPU with the planner's cap (`_tokens_view`). The ranks the straggler verdict flags
+  (`_flagged`) are named on every per-rank figure.
+- partition per step (`_topology_view`): which topology each step used.
 - straggler views (`_straggler_views`): rank × step heatmaps of measured compute ÷
-  predicted and of waiting, and predicted vs measured per rank, over the measured steps
-  up to the shown one; the header names the run's current straggler (`_header_cards`).
+  predicted and of waiting (colour scale without the warm-up steps), and compute vs
+  waiting per rank, over the measured steps up to the shown one; the header names the
+  run's current straggler (`_header_cards`).
 
 Every callback names its outputs (dicts of `Output`), and figures are built by
 `visualization.figures` and `visualization.straggler_figures`.
@@ -46,6 +52,7 @@ from knapformer.dashboard.guard import (
 )
 from knapformer.dashboard.store import PlanStore, RequestGate, Runs, Snapshot
 from knapformer.dashboard.table import query
+from knapformer.visualization.axes import gpu_axis
 from knapformer.visualization.figures import (
     SEQUENCE_COLUMNS,
     bag_load_figure,
@@ -55,12 +62,16 @@ from knapformer.visualization.figures import (
     timeline_figure,
     timeline_measured,
     timeline_mode,
+    tokens_figure,
+    topology_figure,
     traffic_figure,
 )
+from knapformer.visualization.phase_figures import phase_figure, reorder, step_parts, window_parts
 from knapformer.visualization.straggler_figures import (
     HEATMAP_STEPS,
+    VERDICT_STYLE,
+    compute_wait_figure,
     heatmap_steps,
-    predicted_vs_measured_figure,
     ratio_heatmap,
     wait_heatmap,
 )
@@ -73,6 +84,9 @@ from knapformer.diagnosis.stragglers import WINDOW, analyse, describe, rank_step
 TICK_MS = 500
 PAGE_LOAD_LINGER_S = 1.5
 PAGE_SIZE = 15
+#: Measured steps the window's phase breakdown averages (each is re-read from the file;
+#: the store caches 8 plans, the shown step's included).
+PHASE_WINDOW = 6
 _SHOWN_PROBLEMS = 8
 _HIDDEN = {"display": "none"}
 _CARD = {
@@ -210,28 +224,26 @@ def _layout(runs: Runs) -> html.Div:
                 style={"margin": "0 8px"},
             ),
             html.Div(id="detail-notice", role="alert", style=_HIDDEN),
+            # Full width: the GPU label rule plans for a plot `axes.PLOT_PX` wide.
             dcc.Graph(id="bag-load", style={"height": "440px"}),
-            html.Div(
-                [
-                    html.Div(dcc.Graph(id="timeline"), style={"flex": "1", "minWidth": "420px"}),
-                    html.Div(
-                        dcc.Graph(id="traffic", style={"height": "430px"}),
-                        style={"flex": "1", "minWidth": "420px"},
-                    ),
-                ],
-                style={"display": "flex", "gap": "10px", "flexWrap": "wrap"},
+            _row(
+                html.Div(dcc.Graph(id="phase-step", style={"height": "440px"}), style=_HALF),
+                html.Div(dcc.Graph(id="phase-window", style={"height": "440px"}), style=_HALF),
             ),
+            dcc.Graph(id="tokens", style={"height": "360px"}),
+            _row(
+                html.Div(dcc.Graph(id="timeline"), style=_HALF),
+                html.Div(dcc.Graph(id="traffic", style={"height": "430px"}), style=_HALF),
+            ),
+            dcc.Graph(id="topology-timeline"),
             html.Div(
                 [
                     html.H4("Stragglers: measured compute apart from waiting"),
-                    html.Div(
-                        [
-                            html.Div(dcc.Graph(id="ratio-heatmap"), style=_HALF),
-                            html.Div(dcc.Graph(id="wait-heatmap"), style=_HALF),
-                        ],
-                        style={"display": "flex", "gap": "10px", "flexWrap": "wrap"},
+                    _row(
+                        html.Div(dcc.Graph(id="ratio-heatmap"), style=_HALF),
+                        html.Div(dcc.Graph(id="wait-heatmap"), style=_HALF),
                     ),
-                    dcc.Graph(id="pvm"),
+                    dcc.Graph(id="compute-wait"),
                 ],
                 id="straggler-box",
                 style=_HIDDEN,
@@ -257,6 +269,11 @@ def _layout(runs: Runs) -> html.Div:
         ],
         style={"fontFamily": "system-ui, sans-serif", "margin": "8px 16px"},
     )
+
+
+def _row(*cells: html.Div) -> html.Div:
+    """Figures side by side, wrapping onto the next line on a narrow window."""
+    return html.Div(list(cells), style={"display": "flex", "gap": "10px", "flexWrap": "wrap"})
 
 
 def _table_columns(unit: LoadUnit | None) -> list[dict]:
@@ -390,6 +407,9 @@ def create_app(path: str | Path) -> Dash:
     _step_selection(app, runs, timed)
     _timeline(app, runs, timed)
     _step_views(app, runs, timed)
+    _phase_views(app, runs, timed)
+    _tokens_view(app, runs, timed)
+    _topology_view(app, runs, timed)
     _sequence_table(app, runs, timed)
     _pick_sequence(app, timed)
     _straggler_views(app, runs, timed)
@@ -680,7 +700,7 @@ def _step_views(app: Dash, runs: Runs, timed: Callable) -> None:
             if not isinstance(seq, int) or not 0 <= seq < len(plan.sequences):
                 seq = None
         return {
-            "bag_load": bag_load_figure(plan, seq, validate=False),
+            "bag_load": bag_load_figure(plan, seq, False, _flagged(runs, selection)),
             "traffic": traffic_figure(plan, seq, validate=False),
             "label": _label(runs, selection, plan),
             "notice": "",
@@ -770,7 +790,7 @@ def _straggler_views(app: Dash, runs: Runs, timed: Callable) -> None:
         output={
             "ratio": Output("ratio-heatmap", "figure"),
             "wait": Output("wait-heatmap", "figure"),
-            "pvm": Output("pvm", "figure"),
+            "scatter": Output("compute-wait", "figure"),
             "style": Output("straggler-box", "style"),
         },
         inputs={"selection": Input("selection", "data")},
@@ -782,14 +802,122 @@ def _straggler_views(app: Dash, runs: Runs, timed: Callable) -> None:
         if store is not None:
             window = store.measured(selection["index"], HEATMAP_STEPS, selection["reset"])
         if not window:
-            return {"ratio": no_update, "wait": no_update, "pvm": no_update, "style": _HIDDEN}
+            return {"ratio": no_update, "wait": no_update, "scatter": no_update, "style": _HIDDEN}
         recent = window[-WINDOW:]
+        report = analyse(recent)
+        flagged = _verdict_names(report)
         heat = rank_steps(window[-heatmap_steps(len(window[-1].gpus)) :])
         return {
-            "ratio": ratio_heatmap(heat, validate=False),
-            "wait": wait_heatmap(heat, validate=False),
-            "pvm": predicted_vs_measured_figure(
-                analyse(recent), rank_steps(recent), validate=False
-            ),
+            "ratio": ratio_heatmap(heat, False, flagged),
+            "wait": wait_heatmap(heat, False, flagged, _run_start(store)),
+            "scatter": compute_wait_figure(report, rank_steps(recent), validate=False),
             "style": {"display": "block"},
         }
+
+
+def _run_start(store: PlanStore) -> int | None:
+    """The first step of the run the store holds (where its warm-up is)."""
+    snap = store.snapshot()
+    return _step_of(snap, 0) if snap.summaries else None
+
+
+def _verdict_names(report) -> dict[int, str]:
+    """Rank -> the name of its verdict, for the ranks the verdict flags."""
+    return {r.rank: VERDICT_STYLE[r.verdict][0] for r in report.named}
+
+
+def _flagged(runs: Runs, selection: dict) -> dict[int, str]:
+    """The ranks flagged over the last `WINDOW` measured steps up to the selected one."""
+    store = runs.store(selection["run"])
+    window = store.measured(selection["index"], WINDOW, selection["reset"]) if store else []
+    return _verdict_names(analyse(window)) if window else {}
+
+
+def _phase_views(app: Dash, runs: Runs, timed: Callable) -> None:
+    @app.callback(
+        output={
+            "step": Output("phase-step", "figure"),
+            "window": Output("phase-window", "figure"),
+        },
+        inputs={"selection": Input("selection", "data")},
+    )
+    @timed
+    def phase_views(selection):
+        if _key(selection) is None:
+            empty = empty_figure("no steps yet", validate=False)
+            return {"step": empty, "window": empty}
+        plan, _problem = _plan(runs, selection)
+        if plan is None:
+            raise PreventUpdate  # the step views say why
+        flagged = _flagged(runs, selection)
+        shown = step_parts(plan)
+        step = (
+            empty_figure("no per-rank times recorded for this step", validate=False)
+            if shown is None
+            else phase_figure(
+                reorder(shown, gpu_axis(plan).ranks),
+                flagged,
+                "Where each rank's step went (bag order)",
+                validate=False,
+            )
+        )
+        plans = _measured_plans(runs, selection, PHASE_WINDOW)
+        mean = window_parts(plans)
+        window = (
+            empty_figure("no measured steps up to this one", validate=False)
+            if mean is None
+            else phase_figure(mean, flagged, "Where each rank's steps went", validate=False)
+        )
+        return {"step": step, "window": window}
+
+
+def _measured_plans(runs: Runs, selection: dict, count: int) -> list[Any]:
+    """The plans of up to ``count`` measured steps ending at the selected one."""
+    store = runs.store(selection["run"])
+    snap = store.snapshot() if store else None
+    if snap is None or snap.reset != selection["reset"]:
+        return []
+    out = []
+    i = min(selection["index"], len(snap.summaries) - 1)
+    while i >= 0 and len(out) < count:
+        if snap.summaries[i].has_measurements:
+            try:
+                out.append(store.plan(i, selection["reset"]))
+            except LookupError:
+                break
+        i -= 1
+    return out[::-1]
+
+
+def _tokens_view(app: Dash, runs: Runs, timed: Callable) -> None:
+    @app.callback(
+        output={"figure": Output("tokens", "figure")},
+        inputs={"selection": Input("selection", "data")},
+    )
+    @timed
+    def tokens_view(selection):
+        if _key(selection) is None:
+            return {"figure": empty_figure("no steps yet", validate=False)}
+        plan, _problem = _plan(runs, selection)
+        if plan is None:
+            raise PreventUpdate  # the step views say why
+        return {"figure": tokens_figure(plan, False, _flagged(runs, selection))}
+
+
+def _topology_view(app: Dash, runs: Runs, timed: Callable) -> None:
+    @app.callback(
+        output={"figure": Output("topology-timeline", "figure")},
+        inputs={"view": Input("view", "data"), "selection": Input("selection", "data")},
+    )
+    @timed
+    def topology_view(view, selection):
+        snap = _snapshot(runs, view)
+        if snap is None or not snap.summaries:
+            return {"figure": empty_figure("no steps yet", validate=False)}
+        index = None
+        if selection and (selection.get("run"), selection.get("reset")) == (
+            view["run"],
+            snap.reset,
+        ):
+            index = selection.get("index")
+        return {"figure": topology_figure(snap.summaries, index, validate=False)}

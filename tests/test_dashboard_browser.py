@@ -19,7 +19,7 @@ from knapformer.contract.plan_io import parse_plan_line, write_jsonl
 from knapformer.planning.datamix import parse_mix, sample_lengths
 from knapformer.planning.planner import plan_routing
 from knapformer.planning.workload import WorkloadModel
-from knapformer.testing.measured_plans import measured_run
+from knapformer.testing.measured_plans import measured_run, with_measurements
 from knapformer.testing.polling import wait_until
 
 pytestmark = pytest.mark.browser
@@ -29,6 +29,8 @@ LIVE_WITHIN_S = 5.0
 WIDE64 = "g1n16+g2n8+g4n4+g8n2"  # 64 GPUs in 30 bags
 WIDE128 = "g1n32+g2n16+g4n8+g8n4"  # 128 GPUs in 60 bags: the most shown GPU by GPU
 WIDE256 = "g1n64+g2n32+g4n16+g8n8"  # 256 GPUs in 120 bags: shown bag by bag
+CAP64 = 6_000  # max_tokens_per_gpu of the measured 64-GPU run (its GPUs hold ~5,300)
+ALTERNATING = ("g1n4+g2n2", "g2n2+g4n1")
 
 if CHROMIUM is None:
     pytest.skip("no Chromium on this machine (make browser-deps)", allow_module_level=True)
@@ -42,6 +44,36 @@ def lines50():
         .read_text()
         .splitlines()
     )
+
+
+def _measured64() -> list:
+    """12 measured steps of 64 GPUs in 30 bags, rank 17 twice as slow, a token cap, and a
+    first step whose ranks waited 6 s in the all-reduce (gloo's set-up)."""
+    rng = np.random.default_rng(3)
+    mix = parse_mix("g32b8i256f1s0,g16b4i512f1s0,g16b2i1024f1s0")
+    model = WorkloadModel(3072, 0.4)
+    plans = []
+    for s in range(12):
+        plan = plan_routing(
+            sample_lengths(mix, rng), WIDE64, model, step=s, run="m64", max_tokens_per_gpu=CAP64
+        )
+        plans.append(with_measurements(plan, rng, slow_rank=17, slow_factor=2.0))
+    # every rank but rank 0 (the last to arrive) waits 6 s more in the first all-reduce
+    times = plans[0].measurements.per_rank_ms
+    times["allreduce"] = [t + (6000.0 if i else 0.0) for i, t in enumerate(times["allreduce"])]
+    times["step"] = [t + (6000.0 if i else 0.0) for i, t in enumerate(times["step"])]
+    return plans
+
+
+def _alternating(steps: int) -> list:
+    """8 GPUs whose partition alternates between two topologies, step by step."""
+    rng = np.random.default_rng(4)
+    mix = parse_mix("g2b4i256f1s0,g2b5i512f1s0,g2b1i1024f1s0,g2b2i256f4s0")
+    model = WorkloadModel(3072, 0.4)
+    return [
+        plan_routing(sample_lengths(mix, rng), ALTERNATING[s % 2], model, step=s, run="alt")
+        for s in range(steps)
+    ]
 
 
 def _wide_plans(topology: str, codes: str, steps: int) -> list:
@@ -65,6 +97,8 @@ def runs_dir(tmp_path_factory, lines50):
     os.utime(root / "mixed8.json", (1e9, 1e9))  # older: the live run is the default
     for name, plans in (
         ("measured", measured_run(30, slow_rank=5, slow_factor=2.0, seed=1)),
+        ("measured64", _measured64()),
+        ("alternating", _alternating(6)),
         ("wide64", _wide_plans(WIDE64, "g32b8i256f1s0,g16b4i512f1s0,g16b2i1024f1s0", 2)),
         ("wide128", _wide_plans(WIDE128, "g64b8i256f1s0,g32b4i512f1s0,g32b2i1024f1s0", 1)),
         ("wide256", _wide_plans(WIDE256, "g128b8i256f1s0,g64b4i512f1s0,g64b2i1024f1s0", 1)),
@@ -534,13 +568,157 @@ def test_straggler_views_name_the_slow_rank(page):
     assert np.all(np.delete(rows, 5) < 1.2)
     wait = _figure(page, "wait-heatmap")
     assert len(wait["data"][0]["y"]) == 8
-    # every point of predicted vs measured carries its rank, drawn on the page
-    drawn = page.locator("#pvm .textpoint text").all_text_contents()
+    # every point of compute vs waiting carries its rank, drawn on the page
+    drawn = page.locator("#compute-wait .textpoint text").all_text_contents()
     assert sorted(drawn, key=int) == [str(r) for r in range(8)]
-    slow = next(t for t in _figure(page, "pvm")["data"] if t["name"] == "slow GPU")
-    assert slow["customdata"] == [5]
+    slow = next(t for t in _figure(page, "compute-wait")["data"] if t["name"] == "slow GPU")
+    assert [rank for rank, _ratio in slow["customdata"]] == [5]
     # the timeline gains the measured step time
     _wait_for(lambda: "step ms" in [t["name"] for t in _figure(page, "timeline")["data"]])
+
+
+def _ticks(page, graph_id: str, axis: str = "x") -> list[str]:
+    """The tick labels drawn on the page along one axis of a graph."""
+    return page.locator(f"#{graph_id} .{axis}tick text").all_text_contents()
+
+
+def _stack(page, graph_id: str) -> dict[str, list[float]]:
+    """y values of each trace of a graph, by name."""
+    return {t["name"]: t["y"] for t in _figure(page, graph_id)["data"]}
+
+
+def test_per_rank_views_at_8_ranks_show_where_each_step_went(page):
+    # still on the measured run of the test above: 8 ranks, rank 5 twice as slow
+    _wait_for(lambda: "rank 5" in page.inner_text("#stat-straggler"))
+    _wait_for(lambda: "step 29" in _figure(page, "phase-step")["title"])
+    step = _stack(page, "phase-step")
+    parts = [name for name in step if name not in ("measured step", "flagged")]
+    assert parts[0] == "compute (model and the rest)"
+    assert "transfer in collectives" in parts and "waiting: allreduce" in parts
+    # the stack of every rank adds up to its measured step
+    np.testing.assert_allclose(np.sum([step[p] for p in parts], axis=0), step["measured step"])
+    flagged = next(t for t in _figure(page, "phase-step")["data"] if t["name"] == "flagged")
+    assert flagged["customdata"] == [5]
+    # the slow rank computes longest and waits least (its bag's peers wait for it in the
+    # attention exchanges, the other ranks in the all-reduce)
+    ticks = [int(t) for t in _ticks(page, "phase-step")]
+    slot = ticks.index(5)
+    assert int(np.argmax(step[parts[0]])) == slot
+    waits = np.sum([step[p] for p in parts if p.startswith("waiting")], axis=0)
+    assert int(np.argmin(waits)) == slot
+    window = _figure(page, "phase-window")
+    assert "mean of 6 steps (24–29)" in window["title"]
+    # the load chart marks the measured step and the flagged rank
+    load = {t["name"]: t for t in _figure(page, "bag-load")["data"]}
+    assert "measured compute (ms, right axis)" in load and load["flagged"]["customdata"] == [5]
+    assert "slow GPU · 5" in page.locator("#bag-load text").all_text_contents()
+    assert "measured" in _figure(page, "bag-load")["title"]
+    # tokens per GPU: before and after, no cap in this run
+    tokens = {t["name"] for t in _figure(page, "tokens")["data"]}
+    assert {"before", "after"} <= tokens and not any("cap" in n for n in tokens)
+    # compute vs waiting spreads the ranks along both axes
+    scatter = _figure(page, "compute-wait")["data"]
+    ok = next(t for t in scatter if t["name"] == "ok")
+    slow = next(t for t in scatter if t["name"] == "slow GPU")
+    assert slow["x"][0] > 1.8 * max(ok["x"]) and slow["y"][0] < min(ok["y"])
+    assert np.ptp(ok["y"]) > 0 and np.ptp(ok["x"]) > 0
+
+
+def test_per_rank_views_at_64_ranks_label_the_flagged_rank(page, runs_dir):
+    _switch_to(page, "measured64", lambda: "rank 17" in page.inner_text("#stat-straggler"))
+    _wait_for(lambda: _figure(page, "ratio-heatmap")["title"].endswith("steps 0–11"))
+    _wait_for(lambda: "step 11" in _figure(page, "phase-step")["title"])
+    # rank 17 is labelled in every per-rank figure, though 64 ranks thin the labels out
+    for graph, axis in (
+        ("ratio-heatmap", "y"),
+        ("wait-heatmap", "y"),
+        ("bag-load", "x"),
+        ("tokens", "x"),
+        ("phase-step", "x"),
+        ("phase-window", "x"),
+    ):
+        ticks = _ticks(page, graph, axis)
+        assert "17" in ticks, (graph, ticks)
+        assert len(ticks) < 64 or graph in ("bag-load", "tokens"), graph
+    heat_ticks = _ticks(page, "ratio-heatmap", "y")
+    assert "16" not in heat_ticks and "18" not in heat_ticks  # its neighbours make room
+    assert _overlaps(_labels(page, "bag-load")) == []
+    # the wait heatmap's colour scale leaves the 6-second warm-up step out
+    wait = page.evaluate(
+        """() => { const t = document.querySelector('#wait-heatmap .js-plotly-plot')._fullData[0];
+            return {zmax: t.zmax, z: Array.from(t.z, row => Array.from(row))}; }"""
+    )
+    z = np.array(wait["z"], dtype=float)
+    assert z[:, 0].max() > 5000
+    assert wait["zmax"] < 0.1 * z[:, 0].max()
+    assert wait["zmax"] == pytest.approx(np.nanmax(z[:, 2:]), rel=1e-3)
+    assert "warm-up" in " ".join(page.locator("#wait-heatmap .colorbar text").all_text_contents())
+    # tokens per GPU: the planner's cap as a line, above every GPU's tokens
+    tokens = {t["name"]: t for t in _figure(page, "tokens")["data"]}
+    cap = tokens[f"cap: max_tokens_per_gpu = {CAP64:,}"]
+    assert cap["y"] == [CAP64, CAP64]
+    assert len(tokens["after"]["y"]) == 64 and max(tokens["after"]["y"]) <= CAP64
+    # the slow rank stands apart in compute vs waiting
+    slow = next(t for t in _figure(page, "compute-wait")["data"] if t["name"] == "slow GPU")
+    assert slow["customdata"][0][0] == 17
+
+
+def _bags_of_bars(page) -> list[list[int]]:
+    """The GPUs of each bag as the load chart draws them."""
+    fig = _figure(page, "bag-load")
+    bags: dict[str, list[int]] = {}
+    for hover in fig["data"][0]["hovertext"]:
+        gpu, bag = hover.split(" · ", 1)
+        bags.setdefault(bag, []).append(int(gpu.removeprefix("GPU ")))
+    return list(bags.values())
+
+
+def test_views_follow_each_steps_own_partition(page, runs_dir):
+    plans = [
+        parse_plan_line(line)
+        for line in (runs_dir / "alternating" / "plans.jsonl").read_text().splitlines()
+    ]
+    assert plans[0].bags != plans[1].bags
+    _switch_to(page, "alternating", lambda: page.inner_text("#stat-steps") == "6")
+    _wait_for(lambda: "2 topologies, 5 changes" in _figure(page, "topology-timeline")["title"])
+    assert set(_ticks(page, "topology-timeline", "y")) == set(ALTERNATING)
+    for step in (4, 5):
+        box = page.locator("#step-input")
+        box.fill(str(step))
+        box.press("Enter")
+        plan = plans[step]
+
+        def shown(step=step):
+            """the load chart, traffic map and table show the step"""
+            return (
+                f"step {step}" in _figure(page, "bag-load")["title"]
+                and f"step {step}" in _figure(page, "traffic")["title"]
+            )
+
+        _wait_for(shown)
+        assert plan.topology in _figure(page, "bag-load")["title"]
+        assert _bags_of_bars(page) == plan.bags
+        lines = page.evaluate(
+            """() => document.querySelector('#traffic .js-plotly-plot')._fullLayout.shapes
+                .filter(s => s.type === 'line').length"""
+        )
+        assert lines == 2 * (len(plan.bags) - 1)
+
+        def table_rows(plan=plan):
+            """the sequence table lists this step's sequences and bags"""
+            ids = page.locator("#seq-table td[data-dash-column=id]").all_inner_texts()
+            bags = page.locator("#seq-table td[data-dash-column=bag]").all_inner_texts()
+            want = [str(plan.sequences.bag[int(i)]) for i in ids]
+            return ids and bags == want and len(plan.sequences) >= len(ids)
+
+        _wait_for(table_rows)
+        # the selected step is marked on the partition timeline
+        marks = page.evaluate(
+            """() => document.querySelector('#topology-timeline .js-plotly-plot')
+                ._fullLayout.shapes.map(s => s.x0)"""
+        )
+        assert marks == [step]
+    page.locator("#follow input").check()
 
 
 def test_an_empty_run_shows_no_axes(page):

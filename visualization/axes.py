@@ -8,7 +8,8 @@ PAD_PX`` pixels at `FONT_PX`, and is drawn only where that much room is left.
 
 - GPU ranks: every k-th slot, k the smallest power of two that leaves each label its
   room (`stride`). Every rank is labelled up to 64 GPUs; a 1,024-GPU axis labels every
-  32nd.
+  32nd. Flagged ranks (a straggler verdict) are labelled at any count: the stride's
+  labels beside them give way (`rank_ticks`).
 - Bags (`bag_text`): each band is labelled ``bag 3 · 4 GPUs`` when that fits, else
   ``bag 3``, else ``3``, else not at all (its bars still say it on hover). Above the
   bands, each run of consecutive bags of one size whose labels do not all say their size
@@ -24,6 +25,7 @@ PAD_PX`` pixels at `FONT_PX`, and is drawn only where that much room is left.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -125,17 +127,27 @@ def thinned_ticks(
     length_px: float = PLOT_PX,
     vertical: bool = False,
     categories: list[str] | None = None,
+    always: Iterable[int] = (),
 ) -> dict:
     """Axis ticks naming each slot by ``texts`` by the rule above: ``tickvals``,
     ``ticktext`` and the font. Along a vertical axis a label needs a line's height. On a
-    category axis the ticks sit at the slots' ``categories``."""
+    category axis the ticks sit at the slots' ``categories``.
+
+    The slots of ``always`` (e.g. flagged ranks) are labelled whatever the stride; the
+    stride's labels too close to one of them make room for it."""
     widest = max(map(len, texts), default=1)
     need = LINE_PX if vertical else widest * CHAR_PX + PAD_PX
-    shown = range(0, len(texts), stride(len(texts), need, length_px))
+    shown = set(range(0, len(texts), stride(len(texts), need, length_px)))
+    kept = sorted({i for i in always if 0 <= i < len(texts)})
+    if kept:
+        slot_px = length_px / max(len(texts), 1)
+        near = max(math.ceil(need / slot_px) - 1, 0)  # slots a label would overlap
+        shown = {i for i in shown if all(abs(i - k) > near for k in kept)} | set(kept)
+    order = sorted(shown)
     return {
         "tickmode": "array",
-        "tickvals": [categories[i] for i in shown] if categories else list(shown),
-        "ticktext": [texts[i] for i in shown],
+        "tickvals": [categories[i] for i in order] if categories else order,
+        "ticktext": [texts[i] for i in order],
         "tickangle": 0,
         "tickfont": {"size": FONT_PX},
     }
@@ -146,9 +158,13 @@ def rank_ticks(
     length_px: float = PLOT_PX,
     vertical: bool = False,
     categories: list[str] | None = None,
+    flagged: Iterable[int] = (),
 ) -> dict:
-    """`thinned_ticks` naming each slot by its GPU rank."""
-    return thinned_ticks([str(r) for r in ranks.tolist()], length_px, vertical, categories)
+    """`thinned_ticks` naming each slot by its GPU rank; the ``flagged`` ranks are always
+    labelled, at any GPU count."""
+    ranks = np.asarray(ranks)
+    always = np.flatnonzero(np.isin(ranks, np.fromiter(flagged, dtype=np.int64))).tolist()
+    return thinned_ticks([str(r) for r in ranks.tolist()], length_px, vertical, categories, always)
 
 
 def bag_text(plan: RoutingPlan, bag_id: int, room_px: float) -> str:
@@ -260,3 +276,8 @@ def boundary_lines(axis: GpuAxis) -> list[dict]:
     for at in boundaries(axis):
         lines += [_boundary(at, "x"), _boundary(at, "y")]
     return lines
+
+
+def bag_lines(axis: GpuAxis) -> list[dict]:
+    """Bag boundaries as vertical lines across a per-GPU chart in bag order."""
+    return [_boundary(at, "x") for at in boundaries(axis)]

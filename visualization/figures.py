@@ -17,6 +17,7 @@ from knapformer.visualization.axes import (
     MAX_VIEW_GPUS,
     GpuGroups,
     bag_bands,
+    bag_lines,
     boundary_lines,
     gpu_axis,
     gpu_groups,
@@ -31,6 +32,7 @@ from knapformer.contract.plan import RoutingPlan
 from knapformer.contract.positions import gpu_positions
 from knapformer.contract.stats import StepSummary, chunk_loads
 from knapformer.contract.units import LoadUnit, round_significant_array
+from knapformer.diagnosis.measured import MeasuredStep, measure
 from knapformer.errors import KnapformerError
 
 __all__ = ["MAX_VIEW_GPUS", "gpu_groups"]  # re-exported: the figures' size rule lives in axes
@@ -94,7 +96,10 @@ def empty_figure(message: str, validate: bool = True) -> go.Figure:
 
 
 def bag_load_figure(
-    plan: RoutingPlan, highlight_seq: int | None = None, validate: bool = True
+    plan: RoutingPlan,
+    highlight_seq: int | None = None,
+    validate: bool = True,
+    flagged: dict[int, str] | None = None,
 ) -> go.Figure:
     """Per-GPU load before and after balancing, GPUs bag by bag on shaded bag bands
     (`visualization.axes`), with the mean as capacity.
@@ -102,11 +107,16 @@ def bag_load_figure(
     ``highlight_seq`` draws that sequence's chunks only: each chunk's own cost as a segment
     at the top of its GPU's "after" bar (with a marker above it, so a chunk of a few tokens
     is still found), and the GPU it starts on.
+
+    A measured step also shows each GPU's measured compute (ms, right axis; see
+    `knapformer.diagnosis.measured`); ``flagged`` ranks (rank -> verdict shown) are named
+    above their bars and always labelled on the axis.
     """
     seq = _check_seq(plan, highlight_seq)
     groups = gpu_groups(plan)
     if groups is not None:
         return _grouped_load_figure(plan, groups, seq, validate)
+    flagged = flagged or {}
     st = plan.stats
     unit = LoadUnit.of(plan)
     axis = gpu_axis(plan)
@@ -147,9 +157,15 @@ def bag_load_figure(
     ]
     if seq is not None:
         data += _chunk_marks(plan, seq, axis, unit, value)
+    measured = measure(plan)
+    if measured is not None:
+        data.append(_measured_marks(measured, axis))
+    tops = np.maximum(st.load_before, st.load_after)[axis.position] * unit.factor
+    data += _flag_marks(axis.ranks, tops, flagged)
     bands = bag_bands(plan, axis)
+    what = "Load per GPU, bags as bands" + (" · measured" if measured is not None else "")
     layout = {
-        "title": {"text": _title(plan, "Load per GPU, bags as bands")},
+        "title": {"text": _title(plan, what)},
         "barmode": "group",
         "bargap": _BARGAP,
         "yaxis": {"title": {"text": f"modelled {unit.axis_title}"}},
@@ -158,11 +174,131 @@ def bag_load_figure(
             "range": [-0.5, n - 0.5],
             "showgrid": False,
             "zeroline": False,
-            **rank_ticks(axis.ranks),
+            **rank_ticks(axis.ranks, flagged=flagged),
         },
         "legend": {"orientation": "h", "y": 1.16, "x": 1, "xanchor": "right", "yanchor": "bottom"},
-        "margin": {"l": 60, "r": 20, "t": 100, "b": 50},
+        "margin": {"l": 60, "r": 60 if measured is not None else 20, "t": 100, "b": 50},
         **bands,
+    }
+    if measured is not None:
+        layout["yaxis2"] = {
+            "title": {"text": f"measured {measured.phase} (ms)"},
+            "overlaying": "y",
+            "side": "right",
+            "rangemode": "tozero",
+            "showgrid": False,
+        }
+    return build_figure(data, layout, validate)
+
+
+def _measured_marks(measured: MeasuredStep, axis) -> dict:
+    """Each GPU's measured compute of the step, on the right axis, over its slot."""
+    ms = measured.compute_ms[axis.position]
+    return {
+        "type": "scatter",
+        "x": np.arange(len(axis.ranks)),
+        "y": ms,
+        "yaxis": "y2",
+        "mode": "markers",
+        "name": f"measured {measured.phase} (ms, right axis)",
+        "marker": {"symbol": "diamond", "size": 8, "color": palette.STEP_TIME},
+        "customdata": axis.ranks,
+        "hovertemplate": f"GPU %{{customdata}}<br>measured {measured.phase} "
+        "%{y:,.2f} ms<extra></extra>",
+    }
+
+
+def _flag_marks(ranks: np.ndarray, tops: np.ndarray, flagged: dict[int, str]) -> list[dict]:
+    """A marker and the verdict above the slot of each ``flagged`` rank (slots hold
+    ``ranks``, bars reach ``tops``)."""
+    slots = [i for i, r in enumerate(ranks.tolist()) if r in flagged]
+    if not slots:
+        return []
+    return [
+        {
+            "type": "scatter",
+            "x": slots,
+            "y": [float(tops[i]) for i in slots],
+            "mode": "markers+text",
+            "name": "flagged",
+            "text": [f"{flagged[int(ranks[i])]} · {int(ranks[i])}" for i in slots],
+            "textposition": "top center",
+            "textfont": {"color": HIGHLIGHT_COLOR, "size": 12},
+            "marker": {"symbol": "triangle-down", "size": 10, "color": HIGHLIGHT_COLOR},
+            "cliponaxis": False,
+            "customdata": [int(ranks[i]) for i in slots],
+            "hovertemplate": "GPU %{customdata}: %{text}<extra></extra>",
+        }
+    ]
+
+
+def tokens_figure(
+    plan: RoutingPlan, validate: bool = True, flagged: dict[int, str] | None = None
+) -> go.Figure:
+    """Tokens per GPU before and after routing, GPUs bag by bag, with the planner's hard
+    cap (``solver_options["max_tokens_per_gpu"]``) as a line when the plan had one; beyond
+    `MAX_VIEW_GPUS` GPUs, the most tokens of any GPU of each group of bags."""
+    flagged = flagged or {}
+    st = plan.stats
+    cap = plan.solver_options.get("max_tokens_per_gpu")
+    groups = gpu_groups(plan)
+    if groups is None:
+        axis = gpu_axis(plan)
+        x = np.arange(len(axis.ranks))
+        before, after = st.tokens_before[axis.position], st.tokens_after[axis.position]
+        hover = [f"GPU {g}" for g in axis.ranks.tolist()]
+        xaxis = {
+            "title": {"text": "GPU rank (bag order)"},
+            "range": [-0.5, len(x) - 0.5],
+            **rank_ticks(axis.ranks, flagged=flagged),
+        }
+        extra = {"shapes": bag_lines(axis)}
+        note = ""
+    else:
+        x = groups.labels
+        before = _group_max(groups, st.tokens_before)
+        after = _group_max(groups, st.tokens_after)
+        hover = list(x)
+        xaxis = {"title": {"text": "bags, in order (ids)"}, "type": "category",
+                 **thinned_ticks(groups.short, categories=x)}  # fmt: skip
+        extra, note = {}, _note(groups)
+    data = [
+        {
+            "type": "bar",
+            "x": x,
+            "y": values,
+            "name": when,
+            "marker": {"color": color},
+            "hovertext": hover,
+            "hovertemplate": f"%{{hovertext}}<br>%{{y:,}} tokens {when}<extra></extra>",
+        }
+        for when, values, color in (("before", before, BEFORE_COLOR), ("after", after, AFTER_COLOR))
+    ]
+    if groups is None:
+        data += _flag_marks(axis.ranks, np.maximum(before, after), flagged)
+    if cap is not None:
+        ends = [-0.5, len(x) - 0.5] if groups is None else [x[0], x[-1]]
+        data.append(
+            {
+                "type": "scatter",
+                "x": ends,
+                "y": [cap, cap],
+                "mode": "lines",
+                "name": f"cap: max_tokens_per_gpu = {cap:,}",
+                "line": {"color": palette.CAP, "dash": "dot", "width": 2},
+                "hoverinfo": "skip",
+            }
+        )
+    layout = {
+        "title": {"text": _title(plan, "Tokens per GPU") + note},
+        "barmode": "group",
+        "bargap": _BARGAP,
+        "xaxis": {"showgrid": False, **xaxis},
+        "yaxis": {"title": {"text": "tokens"}, "rangemode": "tozero"},
+        "legend": {"orientation": "h", "y": 1.02, "x": 1, "xanchor": "right", "yanchor": "bottom"},
+        "margin": {"l": 60, "r": 20, "t": 70, "b": 50},
+        "height": 360,
+        **extra,
     }
     return build_figure(data, layout, validate)
 
@@ -537,6 +673,70 @@ def selection_shapes(summaries: list[StepSummary], selected: int | None) -> list
             "line": {"color": HIGHLIGHT_COLOR, "width": 2},
         }
     ]
+
+
+def topology_runs(summaries: list[StepSummary]) -> list[tuple[str, int, int]]:
+    """Runs of consecutive steps on one partition: (topology, first index, last index)
+    into ``summaries`` ("?" where a summary does not say)."""
+    runs: list[tuple[str, int, int]] = []
+    for i, s in enumerate(summaries):
+        topo = s.topology or "?"
+        if runs and runs[-1][0] == topo:
+            runs[-1] = (topo, runs[-1][1], i)
+        else:
+            runs.append((topo, i, i))
+    return runs
+
+
+def topology_figure(
+    summaries: list[StepSummary], selected: int | None = None, validate: bool = True
+) -> go.Figure:
+    """Which partition (topology string) each step used: one row per topology, a bar over
+    the steps of each run of steps that used it, the selected step (an index into
+    ``summaries``) marked. Drawn from runs of steps, so a long run costs a few points."""
+    if not summaries:
+        return empty_figure("no steps yet", validate)
+    x_of = [i if s.step is None else s.step for i, s in enumerate(summaries)]
+    rows = list(dict.fromkeys(s.topology or "?" for s in summaries))
+    runs = topology_runs(summaries)
+    data = []
+    for k, topo in enumerate(rows):
+        xs, ys, index = [], [], []
+        for name, first, last in runs:
+            if name == topo:
+                # a run of one step still shows as a short bar: ±0.4 step around it
+                xs += [x_of[first] - 0.4, x_of[last] + 0.4, None]
+                ys += [topo, topo, None]
+                index += [first, last, None]
+        color = plotly.colors.qualitative.D3[k % len(plotly.colors.qualitative.D3)]
+        data.append(
+            {
+                "type": "scatter",
+                "x": xs,
+                "y": ys,
+                "customdata": index,
+                "mode": "lines",
+                "name": topo,
+                "line": {"color": color, "width": 12},
+                "hovertemplate": f"{topo}<br>step %{{x:.0f}}<extra></extra>",
+            }
+        )
+    changes = len(runs) - 1
+    title = (
+        f"Partition per step · {len(rows)} topolog{'y' if len(rows) == 1 else 'ies'}, "
+        f"{changes} change{'' if changes == 1 else 's'}"
+    )
+    layout = {
+        "title": {"text": title},
+        "height": 120 + 28 * len(rows),
+        "showlegend": False,
+        "xaxis": {"title": {"text": "step"}},
+        "yaxis": {"type": "category", "categoryorder": "array", "categoryarray": rows,
+                  "autorange": "reversed", "automargin": True},
+        "margin": {"l": 20, "r": 20, "t": 40, "b": 40},
+        "shapes": selection_shapes(summaries, selected),
+    }  # fmt: skip
+    return build_figure(data, layout, validate)
 
 
 #: The sequence table's columns, in order (the dashboard's and the report's).

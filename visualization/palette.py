@@ -41,3 +41,12 @@ SLOWER = "#e03131"
 ANIMATION_BACKGROUND = "#101318"
 ANIMATION_TEXT = "#e9ecef"
 ANIMATION_MUTED_TEXT = "#adb5bd"
+#: The per-rank phase breakdown: compute parts in blues (the model's compute is AFTER),
+#: the transfer inside collectives in grey, and waiting, one warm colour per collective
+#: (in `knapformer.contract.plan.COLLECTIVE_PHASES` order).
+PLANNING_HOST = "#91a7ff"
+RECORDING = "#d0bfff"
+TRANSFER = "#adb5bd"
+WAITING = ("#ffd43b", "#f08c00", "#e8590c", "#c92a2a", "#a61e4d", "#862e9c")
+#: The tokens-per-GPU cap line.
+CAP = "#c92a2a"

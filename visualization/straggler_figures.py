@@ -7,6 +7,8 @@ follow the label rule of `visualization.axes`.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
 import plotly.colors
 import plotly.graph_objects as go
@@ -53,7 +55,13 @@ def heatmap_steps(ranks: int) -> int:
 
 
 def _rank_step_heatmap(
-    m: RankSteps, z: np.ndarray, title: str, hover: str, style: dict, validate: bool
+    m: RankSteps,
+    z: np.ndarray,
+    title: str,
+    hover: str,
+    style: dict,
+    validate: bool,
+    flagged: Iterable[int] = (),
 ) -> go.Figure:
     # Rows are categories named after their rank: hovering names it without a per-cell copy.
     names = [f"rank {r}" for r in m.ranks.tolist()]
@@ -78,7 +86,7 @@ def _rank_step_heatmap(
             "categoryarray": names,
             "autorange": "reversed",
             "showgrid": False,
-            **rank_ticks(m.ranks, HEATMAP_PLOT_PX, vertical=True, categories=names),
+            **rank_ticks(m.ranks, HEATMAP_PLOT_PX, True, names, flagged),
         },
         "height": 380,
         "margin": {"l": 60, "r": 20, "t": 60, "b": 50},
@@ -86,9 +94,10 @@ def _rank_step_heatmap(
     return build_figure(data, layout, validate)
 
 
-def ratio_heatmap(m: RankSteps, validate: bool = True) -> go.Figure:
+def ratio_heatmap(m: RankSteps, validate: bool = True, flagged: Iterable[int] = ()) -> go.Figure:
     """Rank × step heatmap of measured compute ÷ predicted (1 = as the plan predicted for
-    the work it gave; red: slower). Ranks not in a step's plan are left blank."""
+    the work it gave; red: slower). Ranks not in a step's plan are left blank; the
+    ``flagged`` ranks are labelled at any rank count."""
     octaves = np.linspace(-RATIO_OCTAVES, RATIO_OCTAVES, 5)
     with np.errstate(divide="ignore", invalid="ignore"):
         z = np.log2(m.ratio)
@@ -109,13 +118,42 @@ def ratio_heatmap(m: RankSteps, validate: bool = True) -> go.Figure:
             },
         },
         validate,
+        flagged,
     )
 
 
-def wait_heatmap(m: RankSteps, validate: bool = True) -> go.Figure:
+#: The first steps of a run wait for reasons no rank is to blame for (process-group
+#: set-up, allocator warm-up, compilation: gloo's first collective takes seconds), so
+#: they are left out of the wait heatmap's colour scale (their cells saturate).
+WARMUP_STEPS = 2
+
+
+def warm_columns(m: RankSteps, run_start: int | None) -> np.ndarray:
+    """(s,) bool: the columns of ``m`` past the run's warm-up, i.e. steps from
+    ``run_start + WARMUP_STEPS`` on (``run_start``: the run's first step; None: all
+    columns count). When every column is warm-up, all of them count."""
+    if run_start is None:
+        return np.ones(len(m.steps), dtype=bool)
+    warm = np.array([s >= run_start + WARMUP_STEPS for s in _steps_x(m)], dtype=bool)
+    return warm if warm.any() else np.ones(len(m.steps), dtype=bool)
+
+
+def wait_heatmap(
+    m: RankSteps,
+    validate: bool = True,
+    flagged: Iterable[int] = (),
+    run_start: int | None = None,
+) -> go.Figure:
     """Rank × step heatmap of the time each rank waited in collectives (ms): the others
-    wait for a straggler, so its own row stays pale."""
-    top = float(np.nanmax(m.wait_ms)) if np.isfinite(m.wait_ms).any() else 1.0
+    wait for a straggler, so its own row stays pale. The colour scale runs up to the
+    largest wait past the run's warm-up (`warm_columns`: ``run_start`` is the run's first
+    step), so set-up steps do not wash out the rest; hovering shows every cell's value."""
+    warm = warm_columns(m, run_start)
+    shown = m.wait_ms[:, warm]
+    top = float(np.nanmax(shown)) if np.isfinite(shown).any() else 1.0
+    title = "wait (ms)"
+    if not warm.all():
+        title += "<br><sup>scale leaves out<br>warm-up steps</sup>"
     return _rank_step_heatmap(
         m,
         m.wait_ms,
@@ -125,9 +163,10 @@ def wait_heatmap(m: RankSteps, validate: bool = True) -> go.Figure:
             "zmin": 0.0,
             "zmax": max(top, 1e-9),
             "colorscale": _SEQUENTIAL,
-            "colorbar": {"title": {"text": "wait (ms)"}},
+            "colorbar": {"title": {"text": title}},
         },
         validate,
+        flagged,
     )
 
 
@@ -145,6 +184,45 @@ def _predicted_span(x: np.ndarray) -> tuple[float, float]:
     return min(lo, mid * (1 - MIN_SPAN_SHARE)), max(hi, mid * (1 + MIN_SPAN_SHARE))
 
 
+def _rank_points(
+    report: StragglerReport, ranks: np.ndarray, x: np.ndarray, y: np.ndarray, hover: str
+) -> list[dict]:
+    """One scatter trace per verdict of points (``x``, ``y``) per rank (all (r,)), each
+    labelled with its rank (every rank up to `LABEL_EVERY_RANK_UP_TO`, else the flagged
+    ones) and hovering ``hover`` (a plotly template; ``%{customdata}`` is the rank)."""
+    verdict = {r.rank: r.verdict for r in report.ranks}
+    ranks_list = ranks.tolist()
+    label_all = len(ranks_list) <= LABEL_EVERY_RANK_UP_TO
+    # Neighbours along x take turns above and below their points, so that the labels of
+    # ranks that measured alike do not print over each other.
+    turn = np.empty(len(ranks_list), dtype=object)
+    turn[np.argsort(np.nan_to_num(x), kind="stable")] = [
+        "top center" if i % 2 == 0 else "bottom center" for i in range(len(ranks_list))
+    ]
+    data = []
+    for key, (name, color, symbol) in VERDICT_STYLE.items():
+        mask = np.array([verdict.get(r) == key for r in ranks_list], dtype=bool)
+        if not mask.any():
+            continue
+        text = [str(r) if label_all or key != "ok" else "" for r in ranks[mask].tolist()]
+        data.append(
+            {
+                "type": "scatter",
+                "x": x[mask],
+                "y": y[mask],
+                "text": text,
+                "customdata": ranks[mask],
+                "mode": "markers+text",
+                "textposition": turn[mask].tolist(),
+                "textfont": {"size": 12, "color": color},
+                "name": name,
+                "marker": {"color": color, "size": 10 if key != "ok" else 8, "symbol": symbol},
+                "hovertemplate": hover + "<extra>" + name + "</extra>",
+            }
+        )
+    return data
+
+
 def predicted_vs_measured_figure(
     report: StragglerReport, m: RankSteps, validate: bool = True
 ) -> go.Figure:
@@ -153,40 +231,18 @@ def predicted_vs_measured_figure(
     (`LABEL_EVERY_RANK_UP_TO`) and coloured by its verdict. The dashed line is "as the
     typical rank": measured = k · predicted with k the median ratio, drawn over the
     x range (`_predicted_span`), so the axes zoom in on the ranks instead of on zero. Above the
-    line: slower than predicted; to the right: given more work."""
+    line: slower than predicted; to the right: given more work. A balanced plan gives
+    every rank the same work, so its points stand in one column: `compute_wait_figure`
+    spreads them."""
     x = row_medians(m.predicted_shown)
     y = row_medians(m.compute_ms)
-    verdict = {r.rank: r.verdict for r in report.ranks}
-    ranks = m.ranks.tolist()
-    label_all = len(ranks) <= LABEL_EVERY_RANK_UP_TO
-    # Neighbours along x take turns above and below their points, so that the labels of
-    # ranks that measured alike do not print over each other.
-    turn = np.empty(len(ranks), dtype=object)
-    turn[np.argsort(np.nan_to_num(x), kind="stable")] = [
-        "top center" if i % 2 == 0 else "bottom center" for i in range(len(ranks))
-    ]
-    data = []
-    for key, (name, color, symbol) in VERDICT_STYLE.items():
-        mask = np.array([verdict.get(r) == key for r in ranks], dtype=bool)
-        if not mask.any():
-            continue
-        text = [str(r) if label_all or key != "ok" else "" for r in m.ranks[mask].tolist()]
-        data.append(
-            {
-                "type": "scatter",
-                "x": x[mask],
-                "y": y[mask],
-                "text": text,
-                "customdata": m.ranks[mask],
-                "mode": "markers+text",
-                "textposition": turn[mask].tolist(),
-                "textfont": {"size": 12, "color": color},
-                "name": name,
-                "marker": {"color": color, "size": 10 if key != "ok" else 8, "symbol": symbol},
-                "hovertemplate": "rank %{customdata}<br>predicted %{x:,.3r}<br>measured "
-                "%{y:,.3r} ms<extra>" + name + "</extra>",
-            }
-        )
+    data = _rank_points(
+        report,
+        m.ranks,
+        x,
+        y,
+        "rank %{customdata}<br>predicted %{x:,.3r}<br>measured %{y:,.3r} ms",
+    )
     ok = np.isfinite(x) & np.isfinite(y) & (x > 0)
     x_range = None
     if ok.any():
@@ -214,5 +270,58 @@ def predicted_vs_measured_figure(
         "yaxis": {"title": {"text": f"measured {phases} (ms)"}},
         "height": 420,
         "margin": {"l": 70, "r": 20, "t": 60, "b": 50},
+    }
+    return build_figure(data, layout, validate)
+
+
+def compute_wait_figure(report: StragglerReport, m: RankSteps, validate: bool = True) -> go.Figure:
+    """One point per rank: its measured compute (x) against its time waiting in
+    collectives (y), medians over the window, labelled and coloured by verdict. Both axes
+    are measured, so the points spread however evenly the plan shared the work (predicted
+    vs measured stacks a balanced plan's ranks in one column). A rank the others wait for
+    sits bottom right; the dashed line is the median rank's compute + wait, where ranks
+    whose step took as long lie (every rank's step ends at the same all-reduce)."""
+    x = row_medians(m.compute_ms)
+    y = row_medians(m.wait_ms)
+    ratios = row_medians(m.ratio)
+    data = _rank_points(
+        report,
+        m.ranks,
+        x,
+        y,
+        "rank %{customdata}<br>compute %{x:,.3r} ms<br>waiting %{y:,.3r} ms",
+    )
+    for trace in data:  # the compute ratio on hover too: why a rank computes longer
+        mask = np.isin(m.ranks, trace["customdata"])
+        trace["customdata"] = np.stack([m.ranks[mask], ratios[mask]], axis=-1)
+        trace["hovertemplate"] = (
+            trace["hovertemplate"]
+            .replace("%{customdata}", "%{customdata[0]}")
+            .replace("<extra>", "<br>measured ÷ predicted %{customdata[1]:.2f}<extra>")
+        )
+    ok = np.isfinite(x) & np.isfinite(y)
+    if ok.any():
+        total = float(np.median(x[ok] + y[ok]))
+        lo = float(min(x[ok].min(), total - y[ok].max()))
+        hi = float(max(x[ok].max(), total))
+        data.append(
+            {
+                "type": "scatter",
+                "x": [lo, hi],
+                "y": [total - lo, total - hi],
+                "mode": "lines",
+                "name": f"same step time as the median rank ({total:,.1f} ms)",
+                "line": {"dash": "dash", "color": palette.MODEL_FIT},
+                "hoverinfo": "skip",
+            }
+        )
+    phases = ", ".join(m.phases)
+    layout = {
+        "title": {"text": f"Compute and waiting per rank · {_span(m)} (medians)"},
+        "xaxis": {"title": {"text": f"measured {phases} (ms)"}},
+        "yaxis": {"title": {"text": "waiting in collectives (ms)"}},
+        "height": 420,
+        "margin": {"l": 70, "r": 20, "t": 60, "b": 50},
+        "legend": {"orientation": "h", "y": -0.2},
     }
     return build_figure(data, layout, validate)

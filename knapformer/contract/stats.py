@@ -298,6 +298,7 @@ class StepSummary:
     makespan_over_lb: float
     has_measurements: bool
     step_ms: float | None = None  # measured wall time of the step: the longest rank's "step"
+    topology: str | None = None  # the partition the step used ("g1n4+g2n2")
 
 
 def summarize(plan: RoutingPlan, line: int | None = None) -> StepSummary:
@@ -322,6 +323,7 @@ def summarize(plan: RoutingPlan, line: int | None = None) -> StepSummary:
         makespan_over_lb=st.makespan_over_lb,
         has_measurements=bool(m is not None and m.per_rank_ms),
         step_ms=measured_step_ms(m),
+        topology=plan.topology,
     )
 
 
