@@ -104,3 +104,50 @@ def test_cli_bad_csv_is_one_line_error(tmp_path, capsys):
     assert "bad.csv:2: length and latency must be numbers" in capsys.readouterr().err
     assert main(["calibrate", str(bad)]) == 1
     assert "needs --token-dim" in capsys.readouterr().err
+
+
+def test_errors_are_per_point_and_a_fit_off_by_a_fifth_is_not_usable(tmp_path, capsys):
+    # 25% noise over lengths 256..32k: R² is high (the times span 1,000×), yet a typical
+    # point is off by ~17%. Before, this printed "relative RMS error" and a `use:` line.
+    path = tmp_path / "noisy.csv"
+    write_csv(path, np.random.default_rng(5), n=200, noise=0.25)
+    cal = calibrate_file(path, token_dim=D)
+    errors = np.abs(cal.predicted - cal.measured) / cal.measured
+    assert cal.r2 > 0.5 and cal.median_error == pytest.approx(np.median(errors))
+    assert cal.median_error > 0.10 and cal.unusable_reason is not None
+    assert main(["calibrate", str(path), "--token-dim", str(D)]) == 0
+    out = capsys.readouterr().out
+    assert f"off by {np.median(errors):.1%} (median), {errors.max():.0%} at most" in out
+    assert "use: WorkloadModel" not in out and "not usable" in out
+    assert "relative RMS" not in out
+
+
+def test_advice_follows_from_the_data(tmp_path):
+    # Plans whose compute phase was measured: the advice must not ask for a compute phase.
+    plans = make_measured_plans(np.random.default_rng(6), steps=3, noise=0.2)
+    cal = calibrate_plans(plans)
+    assert cal.phase == "compute" and cal.unusable_reason is not None
+    assert "record a `compute` phase" not in cal.remedy
+    assert "compute phase" not in cal.remedy and "record more steps (these plans give 3)" in (
+        cal.remedy
+    )
+    # The same times under "step" only: the advice names the phase that was used.
+    for plan in plans:
+        times = plan.measurements.per_rank_ms.pop("compute")
+        plan.measurements.per_rank_ms["step"] = times
+    cal = calibrate_plans(plans)
+    assert cal.remedy.startswith("phase 'step' includes more than compute")
+    # Lengths of one narrow band cannot tell γ from k: the CSV advice says so, with the span.
+    rng = np.random.default_rng(7)
+    path = tmp_path / "narrow.csv"
+    lengths = rng.integers(1000, 1500, size=50)
+    rows = "".join(
+        f"{n},{true_ms(float(n)) * (1 + 0.3 * rng.standard_normal())}\n" for n in lengths
+    )
+    path.write_text("length,latency\n" + rows)
+    cal = calibrate_file(path, token_dim=D)
+    assert cal.unusable_reason is not None
+    spread = lengths.max() / lengths.min()
+    assert f"the lengths span only {lengths.min():,}..{lengths.max():,} tokens ({spread:.1f}×)" in (
+        cal.remedy
+    )

@@ -15,7 +15,7 @@ from knapformer.cli.extras import require
 from knapformer.cli.plans import PLAN_ARGUMENT
 from knapformer.cli.progress import progress
 from knapformer.contract.plan import COMPUTE_PHASES
-from knapformer.contract.runfiles import run_file
+from knapformer.contract.runfiles import PLANS_FILE
 from knapformer.contract.stats import before_after
 from knapformer.errors import KnapformerError
 
@@ -29,7 +29,7 @@ def register(app: typer.Typer) -> None:
 
 def _run_files(out: object) -> str:
     """Where `simulate --out` writes each run (a run is named <topology>-<solver>)."""
-    return str(run_file(str(out), "<topology>-<solver>"))
+    return str(Path(str(out)) / "<topology>-<solver>" / PLANS_FILE)
 
 
 def _console() -> Console:
@@ -302,17 +302,6 @@ def suggest(
 
 
 # ------------------------------------------------------------------- calibrate
-def _remedy(cal) -> str:
-    """What to measure instead when a fit is not usable."""
-    if cal.source == "csv":
-        return "time each length several times and over a wider range of lengths."
-    return (
-        f"phase {cal.phase!r} includes more than compute (waiting, collectives, host "
-        "overhead): record a `compute` phase on GPUs, or time single sequences (a CSV of "
-        "length,latency)."
-    )
-
-
 def calibrate(
     file: Path = typer.Argument(
         ..., help="CSV with header length,latency (ms per sequence) or plans JSON/JSONL"
@@ -345,7 +334,7 @@ def calibrate(
     console.print(f"fitted from {source}, d = {cal.model.token_dim}:")
     console.print(f"  k (ms per workload unit) = {cal.scale:.6g}")
     console.print(f"  γ (attention weight)     = {cal.gamma:.4g}")
-    console.print(f"  relative RMS error       = {cal.rel_rms_error:.2%}   R² = {cal.r2:.4f}")
+    console.print(f"  predictions              = {cal.error_line}   R² = {cal.r2:.4f}")
     reason = cal.unusable_reason
     if reason is None:
         console.print(
@@ -353,7 +342,7 @@ def calibrate(
             f"scale={cal.scale:.6g}) predicts ms; the balancer only needs gamma={cal.gamma:.4g}"
         )
     else:
-        console.print(f"[bold]not usable[/bold]: {reason}. Keep your γ; {_remedy(cal)}")
+        console.print(f"[bold]not usable[/bold]: {reason}. Keep your γ; {cal.remedy}")
     if plot is not None:
         from knapformer.visualization.calibration import calibration_figure
 

@@ -39,6 +39,15 @@ from knapformer.planning.workload import WorkloadModel, fit_scale_gamma
 #: A fit that explains less of the variation between the measured times than this is not
 #: a model of them: its γ would steer the balancer by noise.
 MIN_USABLE_R2 = 0.5
+#: A fit whose typical point (the median) is further off its measured time than this
+#: predicts no better than the guess it replaces.
+MAX_USABLE_MEDIAN_ERROR = 0.10
+#: Fewer points than this cannot tell two parameters from noise: two fit exactly, and a
+#: fit is judged on the points beyond them.
+MIN_USABLE_POINTS = 4
+#: Lengths spanning less than this ratio (longest / shortest) cannot tell attention, which
+#: grows as L², from the linear layers, which grow as L: γ is then a guess.
+MIN_LENGTH_SPREAD = 4.0
 
 
 @dataclass
@@ -53,6 +62,11 @@ class Calibration:
     source: str  # "csv" or "plans"
     phase: str | None = None
     skipped: list[Problem] = field(default_factory=list)  # bad records of the file, skipped
+    #: (m,) the sequence lengths the points were measured on (every sequence of the plans)
+    lengths: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    #: phases the plans measured (empty for a CSV)
+    measured_phases: tuple[str, ...] = ()
+    steps: int = 0  # plans that gave points
 
     @property
     def scale(self) -> float:
@@ -69,19 +83,104 @@ class Calibration:
         return 1.0 - float(np.sum(resid**2)) / total if total > 0 else 1.0
 
     @property
+    def relative_errors(self) -> np.ndarray:
+        """(n,) how far each prediction is off its measured time, as a fraction of it."""
+        return np.abs(self.predicted - self.measured) / self.measured
+
+    @property
+    def median_error(self) -> float:
+        return float(np.median(self.relative_errors))
+
+    @property
+    def max_error(self) -> float:
+        return float(self.relative_errors.max())
+
+    @property
+    def error_line(self) -> str:
+        """The errors people read: ``off by 4.1% (median), 12% at most``."""
+        return f"off by {self.median_error:.1%} (median), {self.max_error:.0%} at most"
+
+    @property
+    def length_spread(self) -> float:
+        """Longest over shortest non-empty sequence length the points cover (1 when one)."""
+        lengths = self.lengths[self.lengths > 0]
+        return float(lengths.max() / lengths.min()) if lengths.size else 1.0
+
+    @property
     def unusable_reason(self) -> str | None:
-        """Why the fit must not be used (None when it may): it explains less than
-        `MIN_USABLE_R2` of the variation between the measured times."""
-        r2 = self.r2
-        if r2 >= MIN_USABLE_R2:
-            return None
-        explained = "none" if r2 <= 0 else f"only {r2:.0%}"
+        """Why the fit must not be used (None when it may): too few points, a typical
+        point off by more than `MAX_USABLE_MEDIAN_ERROR`, or less than `MIN_USABLE_R2`
+        of the variation between the measured times explained."""
         what = "per-sequence latencies" if self.source == "csv" else "per-GPU times"
-        return (
-            f"R² = {r2:.2f} < {MIN_USABLE_R2}: the model explains {explained} of the "
-            f"variation between the measured {what} (relative RMS error "
-            f"{self.rel_rms_error:.0%})"
-        )
+        n = len(self.measured)
+        if n < MIN_USABLE_POINTS:
+            return f"only {n} measured {what}: a fit of 2 parameters needs {MIN_USABLE_POINTS}"
+        r2 = self.r2
+        if r2 < MIN_USABLE_R2:
+            explained = "none" if r2 <= 0 else f"only {r2:.0%}"
+            return (
+                f"R² = {r2:.2f} < {MIN_USABLE_R2}: the model explains {explained} of the "
+                f"variation between the {n} measured {what} ({self.error_line})"
+            )
+        if self.median_error > MAX_USABLE_MEDIAN_ERROR:
+            return (
+                f"predictions of the {n} measured {what} are {self.error_line}; a usable fit "
+                f"is off by at most {MAX_USABLE_MEDIAN_ERROR:.0%} (median)"
+            )
+        return None
+
+    @property
+    def remedy(self) -> str:
+        """What to measure to get a usable fit, from what this one was fitted on."""
+        spread = self.length_spread
+        lengths = self.lengths[self.lengths > 0]
+        span = f"{int(lengths.min()):,}..{int(lengths.max()):,} tokens" if lengths.size else "none"
+        if self.source == "csv":
+            if len(self.measured) < MIN_USABLE_POINTS:
+                return "time more sequences (several per length)."
+            if spread < MIN_LENGTH_SPREAD:
+                return (
+                    f"the lengths span only {span} ({spread:.1f}×): time lengths at least "
+                    f"{MIN_LENGTH_SPREAD:g}× apart, so attention (γ) can be told from the "
+                    "linear layers."
+                )
+            return (
+                "the latencies vary more than the model explains: time each sequence alone, "
+                "after warm-up, synchronising the GPU, several times per length."
+            )
+        advice = []
+        if self.phase != "compute":
+            better = "compute" if "compute" in self.measured_phases else None
+            advice.append(
+                f"phase {self.phase!r} includes more than compute (waiting, collectives, host "
+                "overhead): "
+                + (
+                    "fit `--phase compute`, which the plans also measure"
+                    if better
+                    else "record with a balancer that measures the `compute` phase"
+                )
+            )
+        if self.steps < MIN_USABLE_POINTS:
+            advice.append(f"record more steps (these plans give {self.steps})")
+        if spread < MIN_LENGTH_SPREAD:
+            advice.append(
+                f"the sequences span only {span} ({spread:.1f}×): γ cannot be told from the "
+                "linear layers; record steps with a wider mix of lengths"
+            )
+        if not advice:
+            median_ms = float(np.median(self.measured))
+            overhead = (
+                f" (a median of {median_ms:.3g} ms is mostly fixed per-step overhead)"
+                if median_ms < 1.0
+                else ""
+            )
+            advice.append(
+                f"the {self.phase!r} times of {self.steps} steps over lengths {span} vary "
+                f"more than the model explains{overhead}: GPUs shared with other work, or "
+                "per-step work the model does not count; time single sequences (a CSV of "
+                "length,latency) to fit γ"
+            )
+        return "; ".join(advice) + "."
 
 
 def read_measurements_csv(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
@@ -128,6 +227,7 @@ def calibrate_lengths(lengths, latencies, token_dim: int) -> Calibration:
         predicted=model.workload(lengths),
         labels=[f"L={int(n)}" for n in lengths],
         source="csv",
+        lengths=lengths,
     )
 
 
@@ -166,7 +266,7 @@ def calibrate_plans(
     if not plans:
         raise KnapformerError("no plans to calibrate from")
     phase = pick_phase(plans, phase)
-    lin, att, measured, labels = [], [], [], []
+    lin, att, measured, labels, lengths = [], [], [], [], []
     for index, plan in enumerate(plans):
         times = None if plan.measurements is None else plan.measurements.per_rank_ms.get(phase)
         if times is None:
@@ -187,12 +287,25 @@ def calibrate_plans(
         measured.append(np.asarray(times, dtype=np.float64))
         step = plan.step if plan.step is not None else index
         labels.extend(f"step {step} GPU {g}" for g in plan.gpus)
+        lengths.append(np.asarray(plan.sequences.length, dtype=np.float64))
         token_dim = d
     linear, attention, y = np.concatenate(lin), np.concatenate(att), np.concatenate(measured)
     scale, gamma, error = fit_scale_gamma(linear, attention, y)
     model = WorkloadModel(token_dim=int(token_dim), gamma=gamma, scale=scale, unit="ms")
     predicted = model.scale * (linear + model.gamma * attention)
-    return Calibration(model, error, y, predicted, labels, "plans", phase)
+    phases = {p for plan in plans if plan.measurements for p in plan.measurements.per_rank_ms}
+    return Calibration(
+        model,
+        error,
+        y,
+        predicted,
+        labels,
+        "plans",
+        phase,
+        lengths=np.concatenate(lengths),
+        measured_phases=tuple(sorted(phases)),
+        steps=len(measured),
+    )
 
 
 def calibrate_file(
