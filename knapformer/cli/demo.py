@@ -98,7 +98,9 @@ def _config_options() -> list[inspect.Parameter]:
         inspect.Parameter(
             f.name,
             inspect.Parameter.KEYWORD_ONLY,
-            default=typer.Option(f.default, help=f.metadata["help"]),
+            default=typer.Option(
+                f.default, help=f.metadata["help"], show_default=f.metadata["shown"] or True
+            ),
             annotation=types[f.name],
         )
         for f in fields(DemoConfig)

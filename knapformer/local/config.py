@@ -35,9 +35,10 @@ MAX_HEADS = 64  # heads the topology may ask for (a multiple of every bag size)
 MAX_SEED = 2**63 - 1  # numpy's seed sequence takes non-negative ints, torch's 64-bit ones
 
 
-def _option(default: Any, help: str) -> Any:
-    """A field with its default and its command-line help."""
-    return field(default=default, metadata={"help": help})
+def _option(default: Any, help: str, shown: str | None = None) -> Any:
+    """A field with its default and its command-line help (``shown``: how ``--help``
+    shows a default too long to print)."""
+    return field(default=default, metadata={"help": help, "shown": shown})
 
 
 @dataclass(frozen=True)
@@ -52,12 +53,12 @@ class DemoConfig:
     topology: str | None = _option(
         None,
         "compute bags, e.g. g1n2+g2n1+g4n1 (default: bags of 1, 1, 2, 4, ... GPUs, the "
-        "largest the largest power of two below --world-size: 6 gives g1n2+g4n1)",
+        "largest one the largest power of two below --world-size; 6 gives g1n2+g4n1)",
     )
     data_codes: str = _option(
         DEMO_CODES,
-        "data mix: a name (joint, mixres, lowres) or codes gGbBiIfFsS,... (default: the "
-        "joint mix's data types on 8 GPUs)",
+        "data mix: a name (joint, mixres, lowres) or codes gGbBiIfFsS,...",
+        shown="the joint mix's data types on 8 GPUs",
     )
     out: Path = _option(DEMO_OUT, f"directory for {PLANS_FILE}")  # noqa: RUF009 (immutable)
     record: bool = _option(True, "record the plans (every --every-th step's)")
