@@ -111,3 +111,73 @@ def test_ranges_and_byte_packing_round_trip():
     back = _from_bytes(buf[[2, 0]], [(t.dtype, t.shape[1:]) for t in tensors])
     for t, b in zip(tensors, back, strict=True):
         assert b.dtype == t.dtype and torch.equal(b, t[[2, 0]])
+
+
+def test_byte_packing_takes_any_strides():
+    """Gradients arrive with any strides: `y.sum()`'s is expanded (stride 0), empty on a
+    rank that holds no samples, where an empty tensor counts as contiguous."""
+    cases = {
+        "empty expanded": torch.ones(()).expand(0, 4),
+        "expanded": torch.tensor(2.5).expand(3, 4),
+        "one row expanded": torch.tensor(1.5).expand(1, 1),
+        "transposed": torch.arange(12.0).reshape(4, 3).t(),
+        "strided": torch.arange(24.0).reshape(3, 8)[:, ::2],
+    }
+    for name, t in cases.items():
+        rows = t.shape[0]
+        (back,) = _from_bytes(_to_bytes([t], rows), [(t.dtype, t.shape[1:])])
+        assert torch.equal(back, t), name
+
+
+# ------------------------------------------------------- a rank with no samples (gloo)
+D_MODEL, HEADS = 16, 4
+
+
+def _lengths_with_an_empty_rank() -> list[list[int]]:
+    return [[37, 5, 11], [], [9, 3], [20]]
+
+
+def _empty_rank_worker(rank: int, world: int, topology: str) -> dict:
+    import torch.distributed as dist
+
+    from knapformer.local.models import ToyDiT
+    from knapformer.runtime.balancer import SequenceBalancer
+
+    lengths = _lengths_with_an_empty_rank()
+    x_all = torch.randn(sum(map(sum, lengths)), D_MODEL, generator=torch.Generator().manual_seed(3),
+                        dtype=torch.float64)  # fmt: skip
+    start = sum(sum(x) for x in lengths[:rank])
+    x = x_all[start : start + sum(lengths[rank])]
+    torch.manual_seed(0)
+    model = ToyDiT(D_MODEL, HEADS, 2).double()
+    with SequenceBalancer(topology) as bal:
+        bal.plan_routing(lengths[rank], token_dim=D_MODEL)
+        y = model(x, lengths[rank], balancer=bal)
+        y.sum().backward()  # on the empty rank: an expanded (0, d) gradient
+        flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        dist.all_reduce(flat)
+    return {"out": y.detach(), "grad": flat}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("topology", ["g2n2", "g1n2+g2n1"])
+def test_a_rank_without_samples_trains_with_a_plain_sum_loss(tmp_path, topology):
+    from knapformer.local.models import ToyDiT
+    from knapformer.testing.dist_helpers import run_world
+
+    lengths = _lengths_with_an_empty_rank()
+    results = run_world(_empty_rank_worker, 4, tmp_path, topology)
+    x_all = torch.randn(sum(map(sum, lengths)), D_MODEL, generator=torch.Generator().manual_seed(3),
+                        dtype=torch.float64)  # fmt: skip
+    torch.manual_seed(0)
+    model = ToyDiT(D_MODEL, HEADS, 2).double()
+    ref = model(x_all, [n for per in lengths for n in per])
+    ref.sum().backward()
+    ref_grad = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    start = 0
+    for rank, res in enumerate(results):
+        rows = sum(lengths[rank])
+        torch.testing.assert_close(res["out"], ref.detach()[start : start + rows])
+        torch.testing.assert_close(res["grad"], ref_grad, rtol=1e-9, atol=1e-10)
+        start += rows
+    assert results[1]["out"].shape == (0, D_MODEL)
