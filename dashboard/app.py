@@ -69,8 +69,9 @@ from knapformer.visualization.figures import (
 from knapformer.visualization.phase_figures import phase_figure, reorder, step_parts, window_parts
 from knapformer.visualization.straggler_figures import (
     HEATMAP_STEPS,
-    VERDICT_STYLE,
+    NO_STRAGGLER,
     compute_wait_figure,
+    flagged_ranks,
     heatmap_steps,
     ratio_heatmap,
     wait_heatmap,
@@ -487,7 +488,7 @@ def _straggler(store: PlanStore | None, snap: Snapshot | None) -> str:
         return "– (no measured steps)"
     window = store.measured(len(snap.summaries) - 1, WINDOW, snap.reset)
     named = analyse(window).straggler if window else None
-    return describe(named) if named else "none: every rank as predicted"
+    return describe(named) if named else NO_STRAGGLER
 
 
 def _notices(app: Dash, timed: Callable) -> None:
@@ -805,7 +806,7 @@ def _straggler_views(app: Dash, runs: Runs, timed: Callable) -> None:
             return {"ratio": no_update, "wait": no_update, "scatter": no_update, "style": _HIDDEN}
         recent = window[-WINDOW:]
         report = analyse(recent)
-        flagged = _verdict_names(report)
+        flagged = flagged_ranks(report)
         heat = rank_steps(window[-heatmap_steps(len(window[-1].gpus)) :])
         return {
             "ratio": ratio_heatmap(heat, False, flagged),
@@ -821,16 +822,11 @@ def _run_start(store: PlanStore) -> int | None:
     return _step_of(snap, 0) if snap.summaries else None
 
 
-def _verdict_names(report) -> dict[int, str]:
-    """Rank -> the name of its verdict, for the ranks the verdict flags."""
-    return {r.rank: VERDICT_STYLE[r.verdict][0] for r in report.named}
-
-
 def _flagged(runs: Runs, selection: dict) -> dict[int, str]:
     """The ranks flagged over the last `WINDOW` measured steps up to the selected one."""
     store = runs.store(selection["run"])
     window = store.measured(selection["index"], WINDOW, selection["reset"]) if store else []
-    return _verdict_names(analyse(window)) if window else {}
+    return flagged_ranks(analyse(window)) if window else {}
 
 
 def _phase_views(app: Dash, runs: Runs, timed: Callable) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import re
 import subprocess
 import sys
@@ -10,11 +11,15 @@ from collections import Counter
 import numpy as np
 import pytest
 from knapformer.visualization.browser import find_chromium, launch_chromium
+from knapformer.visualization.report import build_report
+from knapformer.visualization.straggler_figures import straggler_views
 from PIL import Image
 
 from knapformer.cli import main
 from knapformer.contract.plan import Measurements
-from knapformer.contract.plan_io import read_plans, write_json
+from knapformer.contract.plan_io import read_plans, write_json, write_jsonl
+from knapformer.diagnosis.measured import measure
+from knapformer.testing.measured_plans import measured_run
 
 CHROMIUM = find_chromium()
 needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="no Chromium on this machine")
@@ -64,8 +69,40 @@ def test_default_is_the_last_plan_and_measurements_add_a_view(tmp_path, plan8_pa
         "timeline": 1,
         "bag-load": 1,
         "traffic": 1,
-        "predicted-vs-measured": 1,
+        "ratio-heatmap": 1,
+        "wait-heatmap": 1,
+        "compute-wait": 1,
     }
+
+
+@pytest.mark.parametrize(
+    ("topology", "codes", "slow"),
+    [
+        ("g1n2+g2n1+g4n1", "g2b4i256f1s0,g2b5i512f1s0,g2b1i1024f1s0,g2b2i256f4s0", 5),
+        ("g1n16+g2n8+g4n4+g8n2", "g32b8i256f1s0,g16b4i512f1s0,g16b2i1024f1s0", 17),
+    ],
+    ids=["8-ranks", "64-ranks"],
+)
+def test_report_holds_the_dashboards_straggler_views(tmp_path, capsys, topology, codes, slow):
+    plans = measured_run(8, topology, codes, seed=2, slow_rank=slow, slow_factor=2.0)
+    source = tmp_path / "plans.jsonl"
+    write_jsonl(source, plans)
+    out = tmp_path / "r.html"
+    _report(capsys, str(source), "-o", str(out))
+    page = out.read_text()
+    assert _views(page)["ratio-heatmap"] == _views(page)["wait-heatmap"] == 1
+    assert f"straggler: slow_gpu: rank {slow} — " in html.unescape(page)
+    # the slow rank is labelled on both heatmaps' rank axes, and named in the scatter
+    result = read_plans(source, on_error="raise")
+    _page, figures = build_report(result)
+    assert [f.view for f in figures][-3:] == ["ratio-heatmap", "wait-heatmap", "compute-wait"]
+    verdict, views = straggler_views([measure(p).figures() for p in plans], 0)
+    assert verdict.startswith(f"slow_gpu: rank {slow}")
+    by_view = dict(views)
+    for name in ("ratio-heatmap", "wait-heatmap"):
+        assert str(slow) in by_view[name].layout.yaxis.ticktext
+    slow_points = next(t for t in by_view["compute-wait"].data if t.name == "slow GPU")
+    assert [int(r) for r, _ in slow_points.customdata] == [slow]
 
 
 def test_legacy_plan_report(tmp_path, legacy_path, capsys):

@@ -15,14 +15,14 @@ from pathlib import Path
 
 from knapformer.visualization import figures as F
 from knapformer.visualization.browser import find_chromium, launch_chromium, missing_chromium
-from knapformer.visualization.straggler_figures import predicted_vs_measured_figure
+from knapformer.visualization.straggler_figures import straggler_views
 
 from knapformer.contract.plan import RoutingPlan
 from knapformer.contract.plan_io import ReadResult, plans_in_range
 from knapformer.contract.stats import summarize
 from knapformer.contract.units import LoadUnit
 from knapformer.diagnosis.measured import MeasuredStep, RankFigures, measure
-from knapformer.diagnosis.stragglers import WINDOW, analyse, rank_steps
+from knapformer.diagnosis.stragglers import WINDOW
 from knapformer.errors import KnapformerError, OptionError, file_error
 
 #: What `knapformer report -o` writes, by the output's suffix.
@@ -34,7 +34,7 @@ MAX_TABLE_ROWS = 500  # sequence table rows per step; the rest is summarised
 @dataclass(frozen=True)
 class ReportFigure:
     name: str  # unique, used for the PNG file name, e.g. "step-12-traffic"
-    view: str  # timeline | bag-load | traffic | predicted-vs-measured
+    view: str  # timeline | bag-load | traffic | ratio-heatmap | wait-heatmap | compute-wait
     step: int | None
 
 
@@ -132,11 +132,10 @@ def build_report(
         add(F.traffic_figure(plan), "traffic", plan)
         window = measured_window(measured, position[id(plan)])
         if window:
-            add(
-                predicted_vs_measured_figure(analyse(window, None), rank_steps(window)),
-                "predicted-vs-measured",
-                plan,
-            )
+            verdict, views = straggler_views(window, summaries[0].step)
+            parts.append(f"<p class='verdict'>straggler: {html.escape(verdict)}</p>")
+            for view, fig in views:
+                add(fig, view, plan)
         parts.append(f"<details><summary>Sequences ({len(plan.sequences)})</summary>")
         parts.append(_table(plan) + "</details>")
 

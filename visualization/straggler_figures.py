@@ -16,7 +16,15 @@ from knapformer.visualization import palette
 from knapformer.visualization.axes import rank_ticks
 from knapformer.visualization.figures import build_figure
 
-from knapformer.diagnosis.stragglers import RankSteps, StragglerReport, row_medians
+from knapformer.diagnosis.measured import RankFigures
+from knapformer.diagnosis.stragglers import (
+    RankSteps,
+    StragglerReport,
+    analyse,
+    describe,
+    rank_steps,
+    row_medians,
+)
 
 #: The compute-ratio heatmap's colour runs over log2(ratio) in ±RATIO_OCTAVES: blue =
 #: faster than predicted, white = as predicted, red = slower (2x and beyond: full red).
@@ -325,3 +333,31 @@ def compute_wait_figure(report: StragglerReport, m: RankSteps, validate: bool = 
         "legend": {"orientation": "h", "y": -0.2},
     }
     return build_figure(data, layout, validate)
+
+
+#: What a verdict line says when every rank is ok.
+NO_STRAGGLER = "none: every rank as predicted"
+
+
+def flagged_ranks(report: StragglerReport) -> dict[int, str]:
+    """Rank -> the name of its verdict, for the ranks ``report`` flags (not ``ok``)."""
+    return {r.rank: VERDICT_STYLE[r.verdict][0] for r in report.named}
+
+
+def straggler_views(
+    window: list[RankFigures], run_start: int | None = None, validate: bool = True
+) -> tuple[str, list[tuple[str, go.Figure]]]:
+    """The verdict line and the straggler figures (view name, figure) of a window of
+    measured steps, as the dashboard shows them: the compute-ratio and wait heatmaps
+    (flagged ranks labelled; the wait scale without the warm-up of a run starting at step
+    ``run_start``) and compute vs waiting per rank. For the static report."""
+    report = analyse(window, None)
+    flagged = flagged_ranks(report)
+    m = rank_steps(window)
+    named = report.straggler
+    verdict = describe(named) if named else NO_STRAGGLER
+    return verdict, [
+        ("ratio-heatmap", ratio_heatmap(m, validate, flagged)),
+        ("wait-heatmap", wait_heatmap(m, validate, flagged, run_start)),
+        ("compute-wait", compute_wait_figure(report, m, validate)),
+    ]
