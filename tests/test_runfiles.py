@@ -3,19 +3,23 @@ lists, because all of them name files through `knapformer.contract.runfiles`."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from knapformer.dashboard.store import Runs
 
 from knapformer.contract.runfiles import (
+    MAX_NAME,
     find_runs,
     group_file,
     is_rotated,
+    looks_like_plans,
     plans_file,
     recording_files,
     remove_recording,
     rotated_file,
     run_file,
+    safe_name,
 )
 from knapformer.planning.planner import plan_routing
 from knapformer.planning.workload import WorkloadModel
@@ -75,3 +79,36 @@ def test_a_folder_of_runs_lists_run_folders_and_loose_plan_files(tmp_path):
     single = tmp_path / "extra.json"
     assert find_runs(single) == {"extra": single}
     assert find_runs(Path(tmp_path / "missing.jsonl")) == {"missing": tmp_path / "missing.jsonl"}
+
+
+def test_safe_name_never_makes_a_path(tmp_path):
+    for name, safe in (
+        ("../../ESCAPED", "_.._ESCAPED"),
+        ("/etc/passwd", "_etc_passwd"),
+        ("..", "run"),
+        (".hidden", "hidden"),
+        ("", "run"),
+        ("a\udcffb", "a_b"),
+        ("g1n2+g2n1+g4n1-knapformer", "g1n2+g2n1+g4n1-knapformer"),
+    ):
+        assert safe_name(name) == safe
+    assert len(safe_name("x" * 1000)) == MAX_NAME
+    for run in ("../../x", "/abs", "..", "a/../../b"):
+        assert run_file(tmp_path, run).parent.parent == tmp_path
+
+
+def test_only_loose_files_that_look_like_plans_are_runs(tmp_path):
+    plan = _plans(1)[0]
+    (tmp_path / "plans.jsonl").write_text(plan.model_dump_json() + "\n")
+    (tmp_path / "other.jsonl").write_text("\ufeff" + plan.model_dump_json() + "\n")
+    indented = json.dumps(json.loads(plan.model_dump_json()), indent=2)
+    (tmp_path / "indented.json").write_text(indented)
+    (tmp_path / "legacy.json").write_text('{"balance_gpu_ids": [0]}')
+    (tmp_path / "trace.json").write_text('{"traceEvents": [{"args": {"topology": "g1n1"}}]}')
+    (tmp_path / "figure.json").write_text('{"data": [], "layout": {}}')
+    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "fresh.jsonl").write_text("")  # a recording about to start
+    assert sorted(find_runs(tmp_path)) == sorted(
+        [tmp_path.name, "other.jsonl", "indented.json", "legacy.json", "fresh.jsonl"]
+    )
+    assert not looks_like_plans(tmp_path / "missing.json")

@@ -9,7 +9,6 @@ data-step=...>`` so tools (and tests) can find each view.
 from __future__ import annotations
 
 import html
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from knapformer.visualization.straggler_figures import straggler_views
 
 from knapformer.contract.plan import RoutingPlan
 from knapformer.contract.plan_io import ReadResult, plans_in_range
+from knapformer.contract.runfiles import safe_name
 from knapformer.contract.stats import summarize
 from knapformer.contract.units import LoadUnit
 from knapformer.diagnosis.measured import MeasuredStep, RankFigures, measure
@@ -251,9 +251,13 @@ def export_pngs(report: str | Path, png_dir: str | Path, timeout_s: float = 60) 
         try:
             page = _open_report(browser, Path(report), timeout_s)
             for element in page.query_selector_all("div.figure"):
-                name = re.sub(r"[^A-Za-z0-9_.-]", "_", element.get_attribute("data-name") or "")
+                name = safe_name(element.get_attribute("data-name") or "", "figure")
                 path = png_dir / f"{name}.png"
-                element.screenshot(path=str(path))
+                try:
+                    element.screenshot(path=str(path))
+                except Exception as err:  # Playwright wraps the OSError of an unwritable path
+                    reason = str(err).strip().splitlines()[0] if str(err).strip() else err
+                    raise KnapformerError(f"{path}: cannot write: {reason}") from err
                 written.append(path)
         finally:
             browser.close()

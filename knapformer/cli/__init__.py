@@ -1,12 +1,15 @@
 """The ``knapformer`` command line. Each command group lives in its own module and
 registers itself on the one Typer app. User errors (`KnapformerError` from the library,
-`UserError` from a command) become one-line messages; anything else is a bug and keeps
-its traceback."""
+`UserError` from a command), usage errors, and what the machine or the arguments did to
+a command (an `OSError`: a failing disk, a name too long; a `UnicodeError`: an argument
+that is not UTF-8 text) become one-line messages ``error: ...``; anything else is a bug
+and keeps its traceback."""
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 import signal
 import sys
 from collections.abc import Iterator
@@ -16,9 +19,9 @@ import typer
 import typer.main
 
 try:  # recent typer bundles its own click; older ones use the click package
-    from typer._click.exceptions import ClickException
+    from typer._click.exceptions import ClickException, UsageError
 except ImportError:  # pragma: no cover
-    from click import ClickException
+    from click import ClickException, UsageError
 
 from knapformer.cli import dashboard, debug, demo, export, plans, render, stragglers
 from knapformer.cli.errors import UserError
@@ -73,12 +76,17 @@ def _noting_ctrl_c() -> Iterator[list[bool]]:
 
 def _run(argv: list[str] | None) -> int:
     try:
-        code = app(args=argv, standalone_mode=False)
+        code = app(args=argv, standalone_mode=False, prog_name="knapformer")
     except typer.Exit as done:
         return done.exit_code
     except typer.Abort:
         print("aborted", file=sys.stderr)
         return 130
+    except UsageError as err:
+        # One line like every other error; where to look for the right usage.
+        command = err.ctx.command_path if err.ctx is not None else "knapformer"
+        print(f"error: {err.format_message()} (see: {command} --help)", file=sys.stderr)
+        return err.exit_code
     except ClickException as err:
         err.show()
         return err.exit_code
@@ -90,7 +98,38 @@ def _run(argv: list[str] | None) -> int:
     except KnapformerError as err:
         print(f"error: {_message(err, argv)}", file=sys.stderr)
         return 1
+    except OSError as err:  # the disk, the file system or a limit of the machine
+        print(f"error: {os_error_message(err)}", file=sys.stderr)
+        return 1
+    except UnicodeError as err:
+        print(f"error: {unicode_error_message(err)}", file=sys.stderr)
+        return 1
     return code if isinstance(code, int) else 0
+
+
+def os_error_message(err: OSError) -> str:
+    """``PATH: Input/output error`` (the file when the error names one)."""
+    reason = err.strerror or str(err) or type(err).__name__
+    name = err.filename
+    if name is None:
+        return reason
+    shown = os.fsdecode(name) if isinstance(name, bytes) else str(name)
+    return f"{_printable(shown)}: {reason}"
+
+
+def unicode_error_message(err: UnicodeError) -> str:
+    """What was not text: an argument with bytes that are not UTF-8 (Python keeps them
+    as surrogates), shown with those bytes escaped."""
+    text = getattr(err, "object", None)
+    if isinstance(text, str):
+        return f"{_printable(text)} is not valid UTF-8 text"
+    return f"not valid UTF-8 text ({err})"
+
+
+def _printable(text: str, width: int = 200) -> str:
+    """``text`` shortened, with bytes that are not UTF-8 as ``\\xff``."""
+    text = text if len(text) <= width else text[: width - 3] + "..."
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 def _message(err: KnapformerError, argv: list[str] | None) -> str:

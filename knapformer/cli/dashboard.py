@@ -6,6 +6,7 @@ from pathlib import Path
 
 import typer
 
+from knapformer.cli.errors import text_option
 from knapformer.cli.extras import require
 from knapformer.contract.runfiles import RUNS_LAYOUT
 
@@ -25,6 +26,7 @@ def dashboard(
     port: int = typer.Option(8050, help="TCP port (0 picks a free one)"),
 ) -> None:
     """Serve a live dashboard of routing plans: per-bag load, timeline, traffic, sequences."""
+    text_option(host, "--host")
     require("dashboard", "knapformer dashboard")
     # Dash is imported inside the command so `import knapformer` stays light.
     from knapformer.dashboard.server import serve
@@ -34,5 +36,6 @@ def dashboard(
         print(f"note: {path} does not exist yet; the dashboard will show it when it appears")
     try:
         serve(path, host=host, port=port)  # until Ctrl-C: KeyboardInterrupt, exit code 130
-    finally:
+    except KeyboardInterrupt:
         print("dashboard stopped")
+        raise

@@ -12,7 +12,7 @@ from knapformer.cli.errors import UserError
 from knapformer.cli.extras import require
 from knapformer.contract.plan import RoutingPlan
 from knapformer.contract.plan_io import plans_in_range, read_plans
-from knapformer.contract.runfiles import RUNS_LAYOUT, every_run
+from knapformer.contract.runfiles import RUNS_LAYOUT, every_run, safe_name
 
 PLANS_HELP = f"plan file (JSON, JSONL or legacy JSON) or a folder of runs ({RUNS_LAYOUT})"
 STEPS_HELP = "steps A:B (inclusive; A: or :B open) to export (default: every plan)"
@@ -26,18 +26,46 @@ def register(app: typer.Typer) -> None:
 def read_runs(path: Path, steps: str | None) -> dict[str, list[RoutingPlan]]:
     """Run name -> its plans (in ``steps`` when given) for every run behind ``path``: a
     plan file is one run (named by its plans' ``run``, else its file name), a folder
-    holds the runs `every_run` lists. Bad records are skipped with a line on stderr."""
+    holds the runs `every_run` lists. Bad records, and runs of a folder without a single
+    plan, are skipped with a line on stderr; a `UserError` when no run has a plan."""
     runs = every_run(path)
     out: dict[str, list[RoutingPlan]] = {}
+    first_problem = None
     for name, file in runs.items():
         result = read_plans(file, on_error="skip")
         for problem in result.problems:
             print(f"skipped {problem}", file=sys.stderr)
+        first_problem = first_problem or (result.problems[0] if result.problems else None)
         if not result.records:
-            raise UserError(str(result.problems[0]) if result.problems else f"{file}: no plan")
+            continue
         plans = plans_in_range(result, steps) if steps else result.plans
         out[name if path.is_dir() else (plans[-1].run or name)] = plans
+    if not out:
+        raise UserError(str(first_problem) if first_problem else f"{path}: no plan")
     return out
+
+
+def run_folders(logdir: Path, names: list[str]) -> dict[str, Path]:
+    """Run name -> its own folder in ``logdir``: a `safe_name` (a run read from a plan never
+    names a path outside ``logdir``), made unique; ``logdir`` is created (`UserError` when
+    it cannot be)."""
+    try:
+        logdir.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise UserError(f"--logdir {logdir} exists and is not a folder") from None
+    except OSError as err:
+        raise UserError(f"--logdir {logdir}: cannot create: {err.strerror or err}") from None
+    folders: dict[str, Path] = {}
+    used: set[str] = set()
+    for name in names:
+        base = candidate = safe_name(name)
+        k = 1
+        while candidate in used:
+            k += 1
+            candidate = f"{base}-{k}"
+        used.add(candidate)
+        folders[name] = logdir / candidate
+    return folders
 
 
 def _count(n: int, noun: str) -> str:
@@ -83,9 +111,13 @@ def tensorboard(
     from knapformer.diagnosis.scalars import open_writer, write_step
 
     runs = read_runs(plans, steps)
+    folders = run_folders(logdir, list(runs))
     scalars = 0
     for name, run in runs.items():
-        writer = open_writer(logdir / name, "knapformer tensorboard")
+        try:
+            writer = open_writer(folders[name], "knapformer tensorboard")
+        except OSError as err:
+            raise UserError(f"{folders[name]}: cannot write: {err.strerror or err}") from None
         try:
             for index, plan in enumerate(run):
                 scalars += write_step(writer, plan, index)

@@ -39,22 +39,44 @@ def validate(
         ..., help="plan files (JSON, JSONL or legacy JSON) or run folders (every run checked)"
     ),
 ) -> None:
-    """Check plan files; print one line per problem as file:line: message (exit 1 if any)."""
+    """Check plan files; print one line per problem as file:line: message (exit 1 if any).
+    A file in which steps repeat mixes runs (a re-run appended to a recording): one line
+    names the repeated steps."""
     console = Console(highlight=False)
     bad = 0
     for path in [run for given in files for run in every_run(given).values()]:
         plans = problems = 0
+        seen: set[int] = set()  # one int per plan: a long recording is still not held
+        repeated: set[int] = set()
         for item in iter_plan_file(path):  # streamed: a long recording is not held
             if isinstance(item, PlanRecord):
                 plans += 1
+                step = item.plan.step
+                if step is not None:
+                    (repeated if step in seen else seen).add(step)
             else:
                 print(item, flush=True)
                 problems += 1
+        if repeated:
+            print(f"{path}: {repeated_steps(repeated)}", flush=True)
+            problems += 1
         bad += problems
         if not problems:
             console.print(f"{path}: {plans} plan(s) OK", soft_wrap=True)
     if bad:
         raise typer.Exit(1)
+
+
+def repeated_steps(steps: set[int]) -> str:
+    """The line `validate` prints for a file in which ``steps`` appear more than once."""
+    ordered = sorted(steps)
+    shown = ", ".join(map(str, ordered[:8])) + (
+        f" and {len(ordered) - 8:,} more" if len(ordered) > 8 else ""
+    )
+    return (
+        f"step(s) {shown} appear more than once: the file mixes runs (a re-run appended to "
+        "an earlier recording); readers would mix them: give each run its own file"
+    )
 
 
 def show(

@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from knapformer.cli.errors import UserError
+from knapformer.cli.errors import UserError, text_option
 from knapformer.cli.extras import require
 from knapformer.cli.plans import PLAN_ARGUMENT, read_plan_file
 from knapformer.visualization.layout import MIN_TEXT_PX
@@ -57,6 +57,7 @@ def animate(
     from knapformer.visualization.output import check_output_file
     from knapformer.visualization.render import QUALITIES, render_video
 
+    text_option(title, "--title")
     if step is not None and steps is not None:
         raise UserError("give either --step or --steps, not both")
     if quality not in QUALITIES:
@@ -96,6 +97,7 @@ def report(
     """Write a report with the dashboard's plotly figures: self-contained HTML, or a PDF
     printed by headless Chromium."""
     require("dashboard", "knapformer report", "plotly")
+    from knapformer.visualization.output import check_output_folder
     from knapformer.visualization.report import (
         browser_problem,
         export_pngs,
@@ -111,6 +113,8 @@ def report(
             raise UserError(f"{problem}; or write HTML: -o {out.with_suffix('.html')}")
         if not out.parent.exists():
             raise UserError(f"output directory {str(out.parent)!r} does not exist")
+    if png is not None:  # before writing the report: --png must name a usable folder
+        check_output_folder(png)
     result = read_plan_file(plans)
     with tempfile.TemporaryDirectory(prefix="knapformer-report-") as scratch:
         html = Path(scratch) / "report.html" if pdf else out

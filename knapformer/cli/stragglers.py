@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from knapformer.cli.errors import UserError
+from knapformer.contract.limits import MAX_STEP, abbreviate
 from knapformer.contract.plan_io import Problem, iter_plan_file
 from knapformer.contract.runfiles import RUNS_LAYOUT, single_run
 from knapformer.contract.units import significant
@@ -38,8 +39,11 @@ def stragglers(
 ) -> None:
     """Name slow ranks: per rank, predicted share vs measured compute, waiting, and a verdict
     (slow_gpu, data_imbalance or ok)."""
-    if window < 0:
-        raise UserError(f"--window {window} must be 0 (every step) or more")
+    if not 0 <= window <= MAX_STEP:
+        raise UserError(
+            f"--window {abbreviate(f'{window:,}')} must be 0 (every step) or a number of "
+            f"steps up to {MAX_STEP:,}"
+        )
     path = single_run(plans)
     figures, count = _measured_figures(path, window or None)
     if not figures:

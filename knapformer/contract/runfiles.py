@@ -9,7 +9,11 @@
 - A folder of runs holds one ``<run>/plans.jsonl`` per run (`run_file`), and may hold plan
   files directly; `find_runs` lists them the way the dashboard offers them, `every_run`
   the same for a command that reads them all, and `single_run` picks the one run a
-  command that reads one plan file is given.
+  command that reads one plan file is given. A loose ``.json``/``.jsonl`` file counts only
+  when it looks like plans (`looks_like_plans`): an export written next to a run (a trace,
+  a figure's JSON) does not make the folder hold two runs.
+- A name read from a file (a plan's ``run``) becomes a file or folder name only through
+  `safe_name`, so no plan can make a writer leave the folder it was given.
 
 The recorder, the demo, the simulator and the dashboard all name files through here.
 """
@@ -19,6 +23,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from knapformer.contract.legacy import LEGACY_KEYS
+from knapformer.contract.plan import RoutingPlan
 from knapformer.errors import KnapformerError
 
 PLANS_FILE = "plans.jsonl"
@@ -27,6 +33,42 @@ RUNS_LAYOUT = f"<run>/{PLANS_FILE}"
 GROUP_TEMPLATE = "{group}"
 _PLAN_SUFFIXES = (".json", ".jsonl")
 _ROTATED = re.compile(r".+\.\d+\.jsonl")
+#: Bytes of a loose file `looks_like_plans` reads: a plan's first key comes first.
+SNIFF_BYTES = 4096
+#: The first key of a plan file's first object: a field of `RoutingPlan` (ours write
+#: ``schema_version`` first) or of a legacy summary.
+_PLAN_KEYS = frozenset(RoutingPlan.model_fields) | frozenset(LEGACY_KEYS)
+_FIRST_KEY = re.compile(rb'\s*\[?\s*\{\s*"([A-Za-z0-9_]{1,64})"\s*:')
+_UNSAFE = re.compile(r"[^A-Za-z0-9._+=@-]+")
+#: Longest name `safe_name` makes (file systems allow 255 bytes; room for a suffix).
+MAX_NAME = 120
+
+
+def safe_name(name: str, default: str = "run") -> str:
+    """``name`` (e.g. a plan's ``run``, read from a file) as one file name that stays in
+    its folder: runs of characters other than letters, digits and ``._+=@-`` become
+    ``_``, leading dots go (no ``..``, no hidden file), at most `MAX_NAME` characters;
+    ``default`` when nothing is left: ``../../x`` becomes ``_.._x``, ``/etc`` ``_etc``."""
+    safe = _UNSAFE.sub("_", name).lstrip(".")[:MAX_NAME]
+    return safe if safe.strip("_") else default
+
+
+def looks_like_plans(path: str | Path) -> bool:
+    """Whether the regular file ``path`` looks like a plan file: empty (a recording about
+    to start), or a JSON object (or a list of them, or JSONL) whose first key is a plan's
+    (``schema_version``, ``topology``, ..., or a legacy summary's ``balance_gpu_ids``).
+    A trace (``traceEvents``), a figure (``data``) or any other JSON does not, nor does an
+    unreadable file."""
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(SNIFF_BYTES)
+    except OSError:
+        return False
+    text = head.removeprefix(b"\xef\xbb\xbf")
+    if not text.strip():
+        return True
+    first = _FIRST_KEY.match(text)
+    return first is not None and first.group(1).decode() in _PLAN_KEYS
 
 
 def plans_file(folder: str | Path) -> Path:
@@ -35,8 +77,9 @@ def plans_file(folder: str | Path) -> Path:
 
 
 def run_file(folder: str | Path, run: str) -> Path:
-    """The file of run ``run`` in a folder of runs: ``folder/<run>/plans.jsonl``."""
-    return Path(folder) / run / PLANS_FILE
+    """The file of run ``run`` in a folder of runs: ``folder/<run>/plans.jsonl``, the run
+    name made a `safe_name`."""
+    return Path(folder) / safe_name(run) / PLANS_FILE
 
 
 def group_file(path: str | Path, group: int) -> Path:
@@ -100,8 +143,8 @@ def find_runs(path: str | Path) -> dict[str, Path]:
 
     A file is one run named after its stem. A folder offers its own ``plans.jsonl`` (named
     after the folder), each ``<run>/plans.jsonl`` (named ``<run>``) and every other
-    ``.json``/``.jsonl`` file directly in it (named by file name), rotated copies excepted.
-    An unreadable folder offers what was found before the error.
+    ``.json``/``.jsonl`` file directly in it that `looks_like_plans` (named by file name),
+    rotated copies excepted. An unreadable folder offers what was found before the error.
     """
     path = Path(path)
     if not path.is_dir():
@@ -121,6 +164,7 @@ def find_runs(path: str | Path) -> dict[str, Path]:
             and entry.suffix in _PLAN_SUFFIXES
             and entry.name != PLANS_FILE
             and not is_rotated(entry)
+            and looks_like_plans(entry)
         ):
             found[entry.name] = entry
     return found
