@@ -64,13 +64,14 @@ def test_too_few_steps_for_a_verdict():
     assert _named(analyse(figures)) == {4: "slow_gpu"}
 
 
-def test_the_plan_putting_too_much_on_a_rank_is_data_imbalance_not_a_slow_gpu():
+def test_a_rank_holding_a_sequence_no_bag_can_split_is_the_layout_floor_not_a_slow_gpu():
     # One video per step on GPU 0 of g1n4: no bag can split it, so GPU 0 stays heavy.
     plans = measured_run(6, topology="g1n4", codes="g1b1i1024f17s1,g3b4i256f1s0", seed=5)
     assert min(p.stats.imbalance_after for p in plans) > 2
     report = analyse(_figures(plans))
-    assert _named(report) == {0: "data_imbalance"}
+    assert _named(report) == {0: "layout_floor"}
     heavy = report.ranks[0]
+    assert heavy.decided_by == "predicted_load" and heavy.at_floor_steps == 6
     assert heavy.predicted_load >= THRESHOLDS.heavy_load
     assert heavy.ratio == pytest.approx(1.0, abs=0.15)  # it took what the plan predicted
     assert report.straggler.rank == 0

@@ -19,6 +19,15 @@ The definitions every straggler view uses (the CLI, the dashboard, the report):
 - **compute ratio**: ``(compute_i / share_i) / median_j (compute_j / share_j)``: 1 = the
   rank took the time the plan predicted for it, as the typical rank did; 2 = twice that.
   Undefined (NaN) for a rank given no work.
+- **data** of a rank: its ``data`` phase, the time between steps it waited for its next
+  batch (0 when not measured); **host**: its host work that is not the model's, `host_ms`
+  (the balancer's planning without its gather, recording, and a ``host`` phase the loop
+  adds); **exchange**: its time in the exchanges that move tokens (`EXCHANGES`), with the
+  values (tokens x token dim) the plan moved through them from and to it, route and
+  reverse route each (Ulysses exchanges move per layer, which the plan does not know).
+- **layout floor** of a step: the largest sequence's workload over the largest bag, over
+  the mean load (1.00 = the ideal): no plan on these bags can make the step shorter.
+  A rank **at the floor** holds that much load itself.
 - **straggler of a step**: the rank that waited least in all its collectives together —
   the one the others waited for (in a bag, its peers wait for it in the Ulysses
   exchanges and the group then waits for the whole bag); none when nobody waited.
@@ -28,12 +37,32 @@ Pure numpy, no readers: the dashboard and the CLI both import it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from knapformer.contract.plan import BAG_COLLECTIVES, COLLECTIVE_PHASES, RoutingPlan
 from knapformer.contract.units import LoadUnit
+
+#: The collectives that move tokens (the routing all-to-alls and the Ulysses exchanges):
+#: what a slow link of one rank shows in.
+EXCHANGES = ("route", "pre_attn", "post_attn", "reverse_route")
+#: The phase a training loop times its wait for the next batch in (host clock).
+DATA_PHASE = "data"
+#: The phase a training loop times its other host work in (logging, bookkeeping).
+HOST_PHASE = "host"
+
+
+def host_ms(per_rank: Mapping[str, Sequence[float]], n: int) -> np.ndarray:
+    """(n,) each rank's host work that is not the model's: ``plan`` without the gather it
+    includes, ``record`` and the loop's ``host`` phase (0 for what was not measured)."""
+
+    def phase(name: str) -> np.ndarray:
+        values = per_rank.get(name)
+        return np.zeros(n) if values is None else np.nan_to_num(np.asarray(values, float))
+
+    return np.maximum(phase("plan") - phase("gather"), 0.0) + phase("record") + phase(HOST_PHASE)
 
 
 @dataclass(frozen=True)
@@ -54,6 +83,12 @@ class MeasuredStep:
     straggler: int | None  # rank the others waited for (see the module doc)
     shown_total: float  # total work of the step in the plan's `LoadUnit`
     load_axis: str  # what that unit is called on an axis
+    data_ms: np.ndarray  # (n,) waiting for the next batch (0: not measured)
+    host_ms: np.ndarray  # (n,) host work that is not the model's (`host_ms`)
+    exchange_ms: np.ndarray  # (n,) time in the token exchanges (`EXCHANGES`)
+    exchange_values: np.ndarray  # (n,) values the routing moved from and to it, both ways
+    floor_load: float  # the layout floor over the mean load (1.00 = the ideal)
+    at_floor: np.ndarray  # (n,) bool: its predicted load reaches the floor
 
     @property
     def total_wait_ms(self) -> np.ndarray:
@@ -78,6 +113,13 @@ class MeasuredStep:
             straggler=self.straggler,
             shown_total=self.shown_total,
             load_axis=self.load_axis,
+            step_ms=None if self.step_ms is None else self.step_ms.astype(np.float32),
+            data_ms=self.data_ms.astype(np.float32),
+            host_ms=self.host_ms.astype(np.float32),
+            exchange_ms=self.exchange_ms.astype(np.float32),
+            exchange_values=self.exchange_values.astype(np.float32),
+            floor_load=self.floor_load,
+            at_floor=self.at_floor,
         )
 
 
@@ -96,6 +138,13 @@ class RankFigures:
     straggler: int | None
     shown_total: float
     load_axis: str
+    step_ms: np.ndarray | None = None  # (n,) float32, when measured
+    data_ms: np.ndarray | None = None  # (n,) float32 (None: figures of an older version)
+    host_ms: np.ndarray | None = None  # (n,) float32
+    exchange_ms: np.ndarray | None = None  # (n,) float32
+    exchange_values: np.ndarray | None = None  # (n,) float32
+    floor_load: float = float("nan")
+    at_floor: np.ndarray | None = None  # (n,) bool
 
     @property
     def compute_ratio(self) -> np.ndarray:
@@ -149,6 +198,17 @@ def measure(plan: RoutingPlan) -> MeasuredStep | None:
     straggler = int(plan.gpus[int(np.argmin(total_wait))]) if total_wait.sum() > 0 else None
     step_ms = per_rank.get("step")
     unit = LoadUnit.of(plan)
+    exchange = sum(
+        (np.nan_to_num(np.asarray(per_rank[p], float)) for p in EXCHANGES if p in per_rank),
+        np.zeros(n),
+    )
+    values = (st.tokens_sent + st.tokens_received).astype(np.float64) * 2 * (plan.token_dim or 1)
+    mean_load = st.mean_load
+    biggest = float(plan.sequences.workload.max()) if len(plan.sequences.length) else 0.0
+    floor = biggest / float(st.bag_capacity.max()) if st.bag_capacity.size else 0.0
+    floor_load = floor / mean_load if mean_load > 0 else float("nan")
+    at_floor = (st.load_after >= 0.99 * floor) & (floor_load > 1.0)
+    data = per_rank.get(DATA_PHASE)
     return MeasuredStep(
         step=plan.step,
         gpus=np.asarray(plan.gpus, dtype=np.int64),
@@ -163,6 +223,12 @@ def measure(plan: RoutingPlan) -> MeasuredStep | None:
         straggler=straggler,
         shown_total=st.total_load * unit.factor,
         load_axis=unit.axis_title,
+        data_ms=np.zeros(n) if data is None else np.nan_to_num(np.asarray(data, float)),
+        host_ms=host_ms(per_rank, n),
+        exchange_ms=exchange,
+        exchange_values=values,
+        floor_load=floor_load,
+        at_floor=at_floor,
     )
 
 

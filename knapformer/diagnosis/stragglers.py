@@ -1,17 +1,31 @@
 """Which rank is slow, and why: per-rank verdicts over a window of measured steps.
 
-Per rank, over the window's measured steps (`knapformer.diagnosis.measured` defines each figure):
-predicted share of the work, measured compute, their ratio, time waiting in
-collectives, how often it was the step's straggler (last arrival where the ranks waited
-longest), and a verdict:
+Per rank, over the window's measured steps (`knapformer.diagnosis.measured` defines each
+figure): predicted share of the work, measured compute, its **rate** under the affine
+compute model (`knapformer.planning.compute_model`: a fixed overhead shared by the group
+plus a rate per rank, fitted over the window; 1 = the group's median), time waiting in
+collectives, time waiting for data, host work, time in the token exchanges, and a verdict.
+Every verdict names the figure that decided it, and each needs that figure beyond its
+threshold in at least `Thresholds.persistence` of the rank's steps, median included:
 
-- ``slow_gpu``: the rank takes persistently longer than the plan predicts for the work
-  it was given — its compute ratio is at least `Thresholds.slow_ratio` in at least
-  `Thresholds.persistence` of the window's steps, and its median ratio is too. The
-  hardware (throttling, a bad link, another job) is slow, not the data.
-- ``data_imbalance``: the plan itself put too much there — its predicted load is at
-  least `Thresholds.heavy_load` times the ideal in at least `Thresholds.persistence` of
-  the steps, median included (a rank that is both is ``slow_gpu``).
+- ``slow_gpu``: its rate is at least `Thresholds.slow_ratio` times the group's, and the
+  time that costs (measured compute minus what a rank at the group's rate would take for
+  its work) is at least `Thresholds.material` of the step. The hardware (throttling,
+  another job) is slow, not the data; a rank given little work is not slow for its fixed
+  overhead (the affine model takes it apart).
+- ``slow_host``: its host work (planning, recording, the loop's ``host`` phase) exceeds
+  the group's median by `Thresholds.material` of the step.
+- ``slow_input``: its wait for the next batch (``data`` phase) exceeds the group's
+  median by `Thresholds.material` of the step.
+- ``slow_link``: its time in the token exchanges exceeds the group's median by
+  `Thresholds.material` of the step, and it is the step's straggler (the rank the others
+  waited for): a peer of a slow GPU in its bag also spends long in the Ulysses exchanges,
+  waiting, but never arrives last.
+- ``layout_floor``: its predicted load is at least `Thresholds.heavy_load` times the
+  ideal because it holds the step's layout floor: a sequence no bag of this topology can
+  split further. Only other bags help (``knapformer suggest``).
+- ``data_imbalance``: the plan put too much there (predicted load at least
+  `Thresholds.heavy_load` times the ideal) above the floor: the solver's gap.
 - ``ok`` otherwise, and for a rank with fewer than `Thresholds.min_steps` measured steps
   (nothing can be persistent yet).
 
@@ -23,27 +37,45 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 import numpy as np
 
 from knapformer.diagnosis.measured import RankFigures
+from knapformer.planning.compute_model import ComputeFit, fit_compute
 
-Verdict = Literal["slow_gpu", "data_imbalance", "ok"]
+Verdict = Literal[
+    "slow_gpu", "slow_host", "slow_input", "slow_link", "layout_floor", "data_imbalance", "ok"
+]
 #: The order a header or a table names verdicts in: the most actionable first.
-VERDICTS: tuple[Verdict, ...] = ("slow_gpu", "data_imbalance", "ok")
+VERDICTS: tuple[Verdict, ...] = (
+    "slow_gpu", "slow_host", "slow_input", "slow_link", "layout_floor", "data_imbalance", "ok"
+)  # fmt: skip
+#: The figure each verdict is decided by (`RankVerdict` field names).
+DECIDED_BY: dict[str, str] = {
+    "slow_gpu": "ratio",
+    "slow_host": "host_excess_ms",
+    "slow_input": "data_excess_ms",
+    "slow_link": "exchange_excess_ms",
+    "layout_floor": "predicted_load",
+    "data_imbalance": "predicted_load",
+    "ok": "ratio",
+}
 
 
 @dataclass(frozen=True)
 class Thresholds:
     """Where a verdict starts. The defaults are `THRESHOLDS`."""
 
-    #: compute ratio from which a step counts as slow for a rank: 30 % over the plan's
-    #: prediction (measured noise on a quiet GPU is a few %; an injected 2x shows as 2)
+    #: rate (1 = the group's) from which a step counts as slow for a rank: 30 % over
+    #: (measured noise on a quiet GPU is a few %; an injected 2x shows as 2)
     slow_ratio: float = 1.3
     #: predicted load (1.00 = the ideal) from which a step counts as overloaded by the plan
     heavy_load: float = 1.1
+    #: excess time, as a share of the group's median step, that makes a figure matter: a
+    #: rank is named only for what costs the step at least this much
+    material: float = 0.1
     #: fraction of the window's measured steps that must agree for a verdict
     persistence: float = 0.6
     #: measured steps a rank needs before it can get any verdict but ``ok``
@@ -57,19 +89,30 @@ WINDOW = 20
 
 @dataclass(frozen=True)
 class RankVerdict:
-    """One rank over the window (medians over its measured steps)."""
+    """One rank over the window (medians over its measured steps; ms per step)."""
 
     rank: int
     verdict: Verdict
     predicted_share: float  # of the step's work, at nominal speed
     predicted_load: float  # the plan's predicted time relative to the ideal (1.00)
     measured_ms: float  # compute
-    ratio: float  # measured compute ÷ predicted (1 = as the plan predicted)
+    ratio: float  # rate under the affine model relative to the group's (1 = typical)
     wait_ms: float  # in collectives, per step
     last_arrivals: int  # steps in which it was the straggler
     slow_steps: int  # steps with ratio >= slow_ratio
     heavy_steps: int  # steps with predicted load >= heavy_load
     steps: int  # measured steps of the window it took part in
+    predicted_ms: float = float("nan")  # compute a rank at the group's rate would take
+    compute_excess_ms: float = float("nan")  # measured - predicted compute
+    host_ms: float = 0.0
+    host_excess_ms: float = 0.0  # over the group's median
+    data_ms: float = 0.0
+    data_excess_ms: float = 0.0
+    exchange_ms: float = 0.0
+    exchange_excess_ms: float = 0.0
+    bandwidth: float = float("nan")  # routed values per ms relative to the group's median
+    at_floor_steps: int = 0  # steps in which it holds the layout floor
+    decided_by: str = "ratio"  # the field that decided the verdict
 
     def as_dict(self) -> dict:
         """Plain JSON-ready values (NaN as None)."""
@@ -86,7 +129,7 @@ class RankSteps:
 
     ranks: np.ndarray  # (r,) sorted ranks
     steps: list[int | None]  # (s,) step numbers
-    ratio: np.ndarray  # (r, s) compute ratio
+    ratio: np.ndarray  # (r, s) rate under the window's affine fit (1 = the group's)
     compute_ms: np.ndarray  # (r, s)
     wait_ms: np.ndarray  # (r, s)
     predicted_share: np.ndarray  # (r, s)
@@ -95,28 +138,44 @@ class RankSteps:
     straggler: list[int | None]  # (s,) the straggler of each step
     phases: list[str]  # the compute phases the steps used, in first-seen order
     load_axis: str  # the unit of predicted_shown (that of the last step)
+    fit: ComputeFit | None = None  # the affine fit ratio comes from
+    step_ms: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # (r, s)
+    data_ms: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # (r, s)
+    host_ms: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # (r, s)
+    exchange_ms: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # (r, s)
+    exchange_values: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # (r, s)
+    at_floor: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), bool))  # (r, s)
+    floor_load: np.ndarray = field(default_factory=lambda: np.zeros(0))  # (s,)
+
+
+_OPTIONAL = ("step_ms", "data_ms", "host_ms", "exchange_ms", "exchange_values")
 
 
 def rank_steps(figures: Sequence[RankFigures]) -> RankSteps:
-    """Line up per-step figures as rank × step matrices."""
+    """Line up per-step figures as rank × step matrices, with the window's affine fit."""
     ranks = np.unique(np.concatenate([f.gpus for f in figures])) if figures else np.zeros(0, int)
     shape = (len(ranks), len(figures))
-    out = {
-        name: np.full(shape, np.nan)
-        for name in ("ratio", "compute_ms", "wait_ms", "share", "load", "shown")
-    }
+    names = ("compute_ms", "wait_ms", "share", "load", "shown", *_OPTIONAL)
+    out = {name: np.full(shape, np.nan) for name in names}
+    at_floor = np.zeros(shape, dtype=bool)
     for col, f in enumerate(figures):
         rows = np.searchsorted(ranks, f.gpus)
-        out["ratio"][rows, col] = f.compute_ratio
         out["compute_ms"][rows, col] = f.compute_ms
         out["wait_ms"][rows, col] = f.wait_ms
         out["share"][rows, col] = f.predicted_share
         out["load"][rows, col] = f.predicted_load
         out["shown"][rows, col] = f.predicted_shown
+        for name in _OPTIONAL:
+            values = getattr(f, name)
+            if values is not None:
+                out[name][rows, col] = values
+        if f.at_floor is not None:
+            at_floor[rows, col] = f.at_floor
+    fit = fit_compute(out["share"], out["compute_ms"])
     return RankSteps(
         ranks=ranks.astype(np.int64),
         steps=[f.step for f in figures],
-        ratio=out["ratio"],
+        ratio=fit.rate_steps,
         compute_ms=out["compute_ms"],
         wait_ms=out["wait_ms"],
         predicted_share=out["share"],
@@ -125,21 +184,32 @@ def rank_steps(figures: Sequence[RankFigures]) -> RankSteps:
         straggler=[f.straggler for f in figures],
         phases=list(dict.fromkeys(f.phase for f in figures)),
         load_axis=figures[-1].load_axis if figures else "",
+        fit=fit,
+        step_ms=out["step_ms"],
+        data_ms=out["data_ms"],
+        host_ms=out["host_ms"],
+        exchange_ms=out["exchange_ms"],
+        exchange_values=out["exchange_values"],
+        at_floor=at_floor,
+        floor_load=np.array([f.floor_load for f in figures], dtype=np.float64),
     )
 
 
 @dataclass(frozen=True)
 class StragglerReport:
-    """Verdicts of every rank over a window of steps."""
+    """Verdicts of every rank over a window of steps, with the affine fit they used."""
 
     ranks: list[RankVerdict]  # by rank
     steps: list[int | None]  # the measured steps analysed
     phases: list[str]  # the measured phases that stood for compute
     thresholds: Thresholds
+    fit: ComputeFit | None = None
+    step_ms: float = float("nan")  # the group's median step (ms), what "material" is of
 
     @property
     def named(self) -> list[RankVerdict]:
-        """Ranks whose verdict is not ``ok``: slow GPUs first, then by how far off."""
+        """Ranks whose verdict is not ``ok``: the most actionable verdict first, then by
+        how far off."""
         bad = [r for r in self.ranks if r.verdict != "ok"]
         return sorted(bad, key=lambda r: (VERDICTS.index(r.verdict), -_severity(r)))
 
@@ -151,22 +221,45 @@ class StragglerReport:
 
 
 def describe(r: RankVerdict) -> str:
-    """One line naming a rank's verdict and why: ``slow_gpu: rank 5 — 2.04× the compute the
-    plan predicts, in 15 of 15 steps``."""
+    """One line naming a rank's verdict and the figure that decided it: ``slow_gpu: rank 5
+    — rate 2.04× the group's (+41 ms of compute per step), in 15 of 15 steps``."""
     if r.verdict == "slow_gpu":
-        why = f"{r.ratio:.2f}× the compute the plan predicts, in {r.slow_steps} of {r.steps} steps"
+        why = (
+            f"rate {r.ratio:.2f}× the group's ({_ms(r.compute_excess_ms)} of compute per "
+            f"step), in {r.slow_steps} of {r.steps} steps"
+        )
+    elif r.verdict == "slow_host":
+        why = f"host work {r.host_ms:.0f} ms per step, {_ms(r.host_excess_ms)} over the group's"
+    elif r.verdict == "slow_input":
+        why = (
+            f"waits {r.data_ms:.0f} ms per step for data, {_ms(r.data_excess_ms)} over the group's"
+        )
+    elif r.verdict == "slow_link":
+        why = (
+            f"{r.exchange_ms:.0f} ms per step in the token exchanges, "
+            f"{_ms(r.exchange_excess_ms)} over the group's"
+        )
+    elif r.verdict == "layout_floor":
+        why = (
+            f"the plan gives it {r.predicted_load:.2f}× the ideal load, the layout floor "
+            f"(a sequence no bag can split further) in {r.at_floor_steps} of {r.steps} steps"
+        )
     elif r.verdict == "data_imbalance":
         why = (
             f"the plan gives it {r.predicted_load:.2f}× the ideal load, in {r.heavy_steps} of "
             f"{r.steps} steps"
         )
     else:
-        why = f"{r.ratio:.2f}× the compute the plan predicts (median of {r.steps} steps)"
+        why = f"rate {r.ratio:.2f}× the group's (median of {r.steps} steps)"
     return f"{r.verdict}: rank {r.rank} — {why}"
 
 
+def _ms(value: float) -> str:
+    return "–" if not np.isfinite(value) else f"{value:+.0f} ms"
+
+
 def _severity(r: RankVerdict) -> float:
-    value = r.ratio if r.verdict == "slow_gpu" else r.predicted_load
+    value = getattr(r, r.decided_by)
     return value if np.isfinite(value) else 0.0
 
 
@@ -180,17 +273,57 @@ def analyse(
         figures = list(figures)[-window:]
     m = rank_steps(figures)
     th = thresholds
+    fit = m.fit
     took_part = np.isfinite(m.compute_ms)  # (r, s); NaN marks a rank absent from a step
     rated = np.isfinite(m.ratio)
     steps, rated_steps = took_part.sum(axis=1), rated.sum(axis=1)
-    with np.errstate(invalid="ignore"):  # NaN compares False: absent steps never count
-        slow_steps = (m.ratio >= th.slow_ratio).sum(axis=1)
-        heavy_steps = (m.predicted_load >= th.heavy_load).sum(axis=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN columns: NaN, on purpose
+        step_col = np.nanmax(m.step_ms, axis=0) if m.step_ms.size else np.zeros(0)
+        if not np.isfinite(step_col).any():  # no step measured: the longest compute
+            step_col = np.nanmax(m.compute_ms, axis=0) if m.compute_ms.size else step_col
+        step_ms = float(np.nanmedian(step_col)) if step_col.size else float("nan")
+        material = th.material * step_col  # (s,) ms that matter in each step
+        excess = {
+            name: matrix - np.nanmedian(matrix, axis=0)
+            for name, matrix in (("host", m.host_ms), ("data", m.data_ms),
+                                 ("exchange", m.exchange_ms))
+        }  # fmt: skip
+        predicted = fit.predicted_ms * (m.ratio * 0 + 1)  # (r, s), NaN where unrated
+        compute_excess = m.compute_ms - predicted
+        values_per_ms = m.exchange_values / m.exchange_ms
+        bandwidth = row_medians(values_per_ms / np.nanmedian(values_per_ms, axis=0))
+        # NaN compares False: absent steps never count
+        slow_each = (m.ratio >= th.slow_ratio) & (compute_excess >= material)
+        heavy_each = m.predicted_load >= th.heavy_load
+    slow_steps = (m.ratio >= th.slow_ratio).sum(axis=1)
+    heavy_steps = heavy_each.sum(axis=1)
     ratio, load = row_medians(m.ratio), row_medians(m.predicted_load)
-    slow = (rated_steps >= th.min_steps) & (ratio >= th.slow_ratio)
-    slow &= slow_steps >= th.persistence * rated_steps
-    heavy = (steps >= th.min_steps) & (load >= th.heavy_load)
-    heavy &= heavy_steps >= th.persistence * steps
+    enough = rated_steps >= th.min_steps
+
+    def persistent(each: np.ndarray, counted: np.ndarray) -> np.ndarray:
+        return (
+            enough
+            & (each.sum(axis=1) >= th.persistence * np.maximum(counted, 1))
+            & (counted >= th.min_steps)
+        )
+
+    straggler_each = np.zeros(m.compute_ms.shape, dtype=bool)
+    for col, rank in enumerate(m.straggler):
+        if rank is not None:
+            straggler_each[np.searchsorted(m.ranks, rank), col] = True
+    flags = {
+        "slow_gpu": persistent(slow_each, rated_steps) & (ratio >= th.slow_ratio),
+        **{
+            verdict: persistent(excess[name] >= material, steps)
+            for verdict, name in (("slow_host", "host"), ("slow_input", "data"))
+        },
+        # Only a rank the others waited for: a peer of a slow GPU in its bag spends its
+        # wait in the Ulysses exchanges, and never arrives last.
+        "slow_link": persistent((excess["exchange"] >= material) & straggler_each, steps),
+        "layout_floor": persistent(heavy_each & m.at_floor, steps) & (load >= th.heavy_load),
+        "data_imbalance": persistent(heavy_each, steps) & (load >= th.heavy_load),
+    }  # fmt: skip
     named = [s for s in m.straggler if s is not None]
     last = np.bincount(np.searchsorted(m.ranks, named), minlength=len(m.ranks))
     columns = {
@@ -203,16 +336,34 @@ def analyse(
         "slow_steps": slow_steps.tolist(),
         "heavy_steps": heavy_steps.tolist(),
         "steps": steps.tolist(),
+        "predicted_ms": row_medians(predicted).tolist(),
+        "compute_excess_ms": row_medians(compute_excess).tolist(),
+        "host_ms": _zeros(row_medians(m.host_ms)),
+        "host_excess_ms": _zeros(row_medians(excess["host"])),
+        "data_ms": _zeros(row_medians(m.data_ms)),
+        "data_excess_ms": _zeros(row_medians(excess["data"])),
+        "exchange_ms": _zeros(row_medians(m.exchange_ms)),
+        "exchange_excess_ms": _zeros(row_medians(excess["exchange"])),
+        "bandwidth": bandwidth.tolist(),
+        "at_floor_steps": m.at_floor.sum(axis=1).tolist(),
     }
-    verdicts = [
-        RankVerdict(
-            rank=rank,
-            verdict="slow_gpu" if slow[i] else "data_imbalance" if heavy[i] else "ok",
-            **{name: values[i] for name, values in columns.items()},
+    verdicts = []
+    for i, rank in enumerate(m.ranks.tolist()):
+        verdict = next((v for v in VERDICTS[:-1] if flags[v][i]), "ok")
+        verdicts.append(
+            RankVerdict(
+                rank=rank,
+                verdict=verdict,
+                decided_by=DECIDED_BY[verdict],
+                **{name: values[i] for name, values in columns.items()},
+            )
         )
-        for i, rank in enumerate(m.ranks.tolist())
-    ]
-    return StragglerReport(verdicts, m.steps, m.phases, th)
+    return StragglerReport(verdicts, m.steps, m.phases, th, fit, step_ms)
+
+
+def _zeros(values: np.ndarray) -> list[float]:
+    """Medians of a phase that may not have been measured: NaN as 0 (nothing spent)."""
+    return np.nan_to_num(values, nan=0.0).tolist()
 
 
 def row_medians(matrix: np.ndarray) -> np.ndarray:

@@ -46,7 +46,7 @@ from numpy.typing import ArrayLike
 #: work) for the fixed overhead to be told apart from the rate.
 SEPARATION = 0.1
 #: A rank whose cost ratio is off by more than this factor counts as a fixed misfit.
-OUTLIER = 1.25
+OUTLIER = 1.1
 #: Candidate overheads, relative to the median work of a rank in a step: 0, then 0.001x to
 #: `MAX_OVERHEAD` on a log grid.
 _GRID = np.concatenate([[0.0], np.geomspace(1e-3, 1.0, 61)])  # x MAX_OVERHEAD

@@ -1,0 +1,76 @@
+"""The affine compute model (`knapformer.planning.compute_model`): a fixed overhead shared by
+the group is told apart from each rank's rate, so a lightly loaded rank is not taken for a
+slow one, and the fit says when the window cannot separate the overhead."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from knapformer.planning.compute_model import SEPARATION, fit_compute
+
+
+def _window(rates, work, overhead_ms=20.0, ms_per_work=100.0, noise=0.03, load=None, seed=0):
+    """(work, compute) of ranks × steps: compute = load[s] * (overhead + rate * work * k)."""
+    rng = np.random.default_rng(seed)
+    work = np.asarray(work, dtype=np.float64)
+    rates = np.asarray(rates, dtype=np.float64)[:, None]
+    load = np.ones(work.shape[1]) if load is None else np.asarray(load)
+    compute = load * (overhead_ms + rates * work * ms_per_work)
+    return work, compute * rng.lognormal(0.0, noise, work.shape)
+
+
+def _uneven_work(ranks: int, steps: int, seed: int = 1) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    base = np.linspace(0.2, 1.6, ranks)[:, None]  # a light rank and a heavy one
+    return base * rng.uniform(0.9, 1.1, (ranks, steps))
+
+
+def test_a_lightly_loaded_healthy_rank_is_not_slow():
+    # The origin-line ratio would make rank 0 (a fifth of the median work, so mostly fixed
+    # overhead) look about twice as slow; the affine rates keep every rank at 1.
+    work, compute = _window([1.0] * 6, _uneven_work(6, 12))
+    origin = np.median(compute / work, axis=1)
+    assert origin[0] / np.median(origin) > 1.5  # what the old ratio said
+    fit = fit_compute(work, compute)
+    assert fit.separable
+    assert fit.rate == pytest.approx(np.ones(6), abs=0.1)
+    assert fit.overhead_ms == pytest.approx(20.0, rel=0.35)
+
+
+@pytest.mark.parametrize("slow", [0, 3, 5])
+def test_a_slow_rank_is_found_wherever_its_load(slow):
+    rates = [1.0] * 6
+    rates[slow] = 2.0
+    work, compute = _window(rates, _uneven_work(6, 12), noise=0.05, seed=slow)
+    fit = fit_compute(work, compute)
+    assert fit.rate[slow] > 1.6
+    assert all(fit.rate[i] < 1.2 for i in range(6) if i != slow)
+
+
+def test_the_machine_load_of_a_step_moves_every_rank_alike_and_is_divided_out():
+    load = np.tile([1.0, 3.0, 0.5, 10.0], 3)  # tenfold swings between steps
+    rates = [1.0, 1.0, 1.5, 1.0, 1.0]
+    work, compute = _window(rates, _uneven_work(5, 12), load=load)
+    fit = fit_compute(work, compute)
+    assert fit.rate[2] == pytest.approx(1.5, abs=0.15)
+    assert fit.scale_ms[3] / fit.scale_ms[0] == pytest.approx(10.0, rel=0.15)
+
+
+def test_equal_work_cannot_separate_the_overhead_and_says_so():
+    work = np.ones((4, 8))
+    work, compute = _window([1.0, 1.0, 2.0, 1.0], work)
+    fit = fit_compute(work, compute)
+    assert not fit.separable and fit.overhead == 0.0
+    assert "not separable" in fit.note and f"{SEPARATION:.0%}" in fit.note
+    assert fit.rate[2] > 1.5  # with equal work the slow rank is found all the same
+
+
+def test_missing_figures_are_left_out():
+    work, compute = _window([1.0] * 4, _uneven_work(4, 6))
+    compute[1, :] = np.nan
+    work[2, 0] = 0.0
+    fit = fit_compute(work, compute)
+    assert np.isnan(fit.rate[1]) and np.isfinite(fit.rate[2])
+    empty = fit_compute(np.zeros((3, 2)), np.zeros((3, 2)))
+    assert np.isnan(empty.rate).all() and not empty.separable
