@@ -5,6 +5,7 @@ them while our readers still work."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -19,10 +20,16 @@ PLAN8 = ROOT / "sample_plans" / "mixed8_g1n2+g2n1+g4n1.json"
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("wheel")
+    """A wheel built from a copy of the sources (a build leaves build/ where it runs)."""
+    src, out = tmp_path_factory.mktemp("src"), tmp_path_factory.mktemp("wheel")
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for name in ("knapformer", "dashboard", "visualization"):
+        shutil.copytree(ROOT / name, src / name, ignore=ignore)
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-         "-w", str(out), str(ROOT)],
+         "-w", str(out), str(src)],
         check=True, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     (found,) = out.glob("knapformer-*.whl")
