@@ -11,7 +11,13 @@
   value of the shape the app declares for it (`callback_shapes`); anything else is
   answered 400 with a one-line reason, instead of an exception inside Dash or a callback
   (HTTP 500 and a traceback in the console). Bodies over `MAX_BODY_BYTES` are answered
-  413.
+  413 before they are read, and a body without a ``Content-Length`` (chunked transfer
+  encoding, which no size check sees in advance) 411: the browser always sends the length.
+- **Origins.** A request that changes state (any method but GET, HEAD, OPTIONS) from a
+  browser page must come from the dashboard's own origin: an ``Origin`` header naming
+  another site, or ``null``, is answered 403, so a page elsewhere cannot run callbacks
+  with a "simple" cross-origin POST (``text/plain`` needs no preflight). Requests without
+  ``Origin`` (curl, scripts, old browsers on same-origin requests) are answered.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import math
 import re
 from collections.abc import Callable, Iterable
 from typing import Any
+from urllib.parse import urlsplit
 
 #: How the loopback interface is named in a ``Host`` header (hostnames are lower-cased).
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
@@ -59,8 +66,13 @@ def _host_name(header: str) -> str:
     return match.group(1) if match else ""
 
 
+_SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
+
+
 class HostGuard:
-    """WSGI middleware answering 403 to a request for a name not in ``allowed``."""
+    """WSGI middleware in front of the app: 403 to a request for a name not in
+    ``allowed`` or, for a method that changes state, from another origin; 411 to a body
+    without a length and 413 to one over `MAX_BODY_BYTES` (nothing of it is read)."""
 
     def __init__(self, app: Callable, allowed: Iterable[str] | None):
         self.app = app
@@ -68,18 +80,55 @@ class HostGuard:
 
     def __call__(self, environ: dict, start_response: Callable) -> Iterable[bytes]:
         header = environ.get("HTTP_HOST", "")
-        if self.allowed is None or _host_name(header) in self.allowed:
-            return self.app(environ, start_response)
-        names = ", ".join(sorted(self.allowed))
-        body = (
-            f"403 Forbidden: this dashboard answers requests for {names} only, not for "
-            f"Host {header[:100]!r}\n"
-        ).encode()
-        start_response(
-            "403 Forbidden",
-            [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(body)))],
-        )
-        return [body]
+        if self.allowed is not None and _host_name(header) not in self.allowed:
+            names = ", ".join(sorted(self.allowed))
+            return _refuse(
+                start_response,
+                "403 Forbidden",
+                f"this dashboard answers requests for {names} only, not for Host {header[:100]!r}",
+            )
+        if environ.get("REQUEST_METHOD", "GET").upper() not in _SAFE_METHODS:
+            problem = request_problem(environ)
+            if problem is not None:
+                return _refuse(start_response, *problem)
+        return self.app(environ, start_response)
+
+
+def request_problem(environ: dict) -> tuple[str, str] | None:
+    """(status, reason) for a state-changing request to refuse before its body is read:
+    from another origin, a body of unknown length (chunked) or one too large."""
+    origin = environ.get("HTTP_ORIGIN")
+    if origin is not None and not same_origin(origin, environ.get("HTTP_HOST", "")):
+        return "403 Forbidden", f"requests from origin {origin[:100]!r} are not answered"
+    if "chunked" in environ.get("HTTP_TRANSFER_ENCODING", "").lower():
+        return "411 Length Required", "a request body must state its Content-Length"
+    length = environ.get("CONTENT_LENGTH") or "0"
+    if not (length.isascii() and length.isdigit()):
+        return "400 Bad Request", "Content-Length is not a number"
+    if len(length) > 12 or int(length) > MAX_BODY_BYTES:
+        return "413 Request Entity Too Large", f"a body holds at most {MAX_BODY_BYTES:,} bytes"
+    return None
+
+
+def same_origin(origin: str, host_header: str) -> bool:
+    """Whether the ``Origin`` header names the server the ``Host`` header names (scheme
+    http or https (behind a proxy), same host and port; ``null`` never is)."""
+    try:
+        parts = urlsplit(origin.strip())
+        netloc = parts.netloc.lower()
+    except ValueError:
+        return False
+    same = bool(netloc) and netloc == host_header.strip().lower()
+    return same and parts.scheme in ("http", "https")
+
+
+def _refuse(start_response: Callable, status: str, reason: str) -> list[bytes]:
+    body = f"{status}: {reason}\n".encode()
+    start_response(
+        status,
+        [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(body)))],
+    )
+    return [body]
 
 
 # ------------------------------------------------------------------- value shapes

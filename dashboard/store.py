@@ -356,7 +356,13 @@ class Runs:
         now = time.monotonic()
         with self._lock:
             if now - self._scanned > 2.0 or not self._names:
-                self._names = find_runs(self.path)
+                # Only regular files (or ones not there yet): a device or a FIFO named
+                # as a run would be read for ever.
+                self._names = {
+                    name: file
+                    for name, file in find_runs(self.path).items()
+                    if file.is_file() or not file.exists()
+                }
                 self._scanned = now
             return dict(self._names)
 

@@ -217,3 +217,15 @@ def test_text_options_that_are_not_utf8_are_one_line(tmp_path, args, said):
     err = done.stderr.decode("utf-8", "backslashreplace")
     assert done.returncode == 1
     assert err == f"error: {said} is not valid UTF-8 text\n"
+
+
+def test_the_dashboard_of_a_device_is_refused_not_read_for_ever(capsys, tmp_path):
+    from knapformer.dashboard.store import Runs
+
+    assert main(["dashboard", "/dev/zero", "--port", "0"]) == 1
+    assert "/dev/zero: not a regular file or a folder" in one_error_line(capsys)
+    # A folder holding a FIFO named like a plan file offers no run to read.
+    fifo = tmp_path / "plans.jsonl"
+    os.mkfifo(fifo)
+    assert Runs(tmp_path).files() == {}
+    assert Runs("/dev/zero").files() == {}

@@ -233,3 +233,66 @@ def test_oversized_bodies_are_refused(server, callbacks):
     body = json.dumps({**callbacks[0], "padding": "x" * (17 << 20)}).encode()
     status, _ = _post(server, body)
     assert status == 413
+
+
+# ------------------------------------------------- bodies of unknown length, origins
+def _raw(server, request: bytes, timeout: float = 30) -> str:
+    """Send ``request`` as written; the status line of the answer."""
+    import socket
+
+    with socket.create_connection((server.host, server.port), timeout=timeout) as sock:
+        sock.sendall(request)
+        return sock.makefile("rb").readline().decode()
+
+
+def test_a_chunked_body_is_refused_before_it_is_read(server, callbacks):
+    # Before: a chunked body skipped the 16 MiB limit (64 MiB grew the server by 426 MB).
+    host = f"{server.host}:{server.port}"
+    head = (
+        f"POST /_dash-update-component HTTP/1.1\r\nHost: {host}\r\n"
+        "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+    ).encode()
+    chunk = b"x" * (1 << 20)
+    # Only the head and one chunk are sent: the answer comes without the rest.
+    status = _raw(server, head + b"%x\r\n" % len(chunk) + chunk + b"\r\n")
+    assert status.startswith("HTTP/1.1 411"), status
+    # A well-formed callback with a length is still answered.
+    assert _post(server, callbacks[0])[0] in (200, 204)
+
+
+@pytest.mark.parametrize(
+    "origin", ["http://evil.example", "null", "http://127.0.0.1:1", "https://evil.example:443"]
+)
+def test_a_cross_origin_post_runs_no_callback(server, callbacks, origin):
+    host = f"{server.host}:{server.port}"
+    body = json.dumps(callbacks[0]).encode()
+    for content_type in ("text/plain", "application/json"):
+        conn = http.client.HTTPConnection(server.host, server.port, timeout=30)
+        try:
+            conn.request(
+                "POST",
+                "/_dash-update-component",
+                body=body,
+                headers={"Host": host, "Origin": origin, "Content-Type": content_type},
+            )
+            resp = conn.getresponse()
+            assert resp.status == 403, (origin, content_type)
+            assert "not answered" in resp.read().decode()
+        finally:
+            conn.close()
+
+
+def test_a_same_origin_post_or_one_without_origin_is_answered(server, callbacks):
+    host = f"{server.host}:{server.port}"
+    for headers in ({"Origin": f"http://{host}"}, {}):
+        conn = http.client.HTTPConnection(server.host, server.port, timeout=30)
+        try:
+            conn.request(
+                "POST",
+                "/_dash-update-component",
+                body=json.dumps(callbacks[0]).encode(),
+                headers={"Host": host, "Content-Type": "application/json", **headers},
+            )
+            assert conn.getresponse().status in (200, 204), headers
+        finally:
+            conn.close()

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from knapformer.cli.errors import text_option
+from knapformer.cli.errors import UserError, text_option
 from knapformer.cli.extras import require
 from knapformer.contract.runfiles import RUNS_LAYOUT
 
@@ -31,6 +31,9 @@ def dashboard(
     # Dash is imported inside the command so `import knapformer` stays light.
     from knapformer.dashboard.server import serve
 
+    if path.exists() and not (path.is_file() or path.is_dir()):
+        # A device or a FIFO would be read for ever (/dev/zero never ends).
+        raise UserError(f"{path}: not a regular file or a folder; give a plan file or a run folder")
     if not path.exists():
         # Not an error: a training job may create the file in a moment; the page says so.
         print(f"note: {path} does not exist yet; the dashboard will show it when it appears")
