@@ -172,8 +172,24 @@ def _mismatch_worker(rank: int, world: int) -> dict:
     _, back, _ = bal.reverse_route(y)
     out["plan"] = json.loads(plan.model_dump_json(exclude={"time", "measurements"}))
     out["identity"] = torch.equal(back, x)
+    # Once more, and this time every rank gives up after the error (no retry): close()
+    # must not leave the plan-ahead thread inside a collective of the side group.
+    bal.prefetch(_lengths(rank, 1), token_dim=D)
+    bal.prefetch(_lengths(rank, 2), token_dim=D)
+    wrong = _lengths(rank, 1)[::-1] if rank == 2 else _lengths(rank, 1)
+    out["given_up"] = _message(lambda: bal.plan_routing(wrong, token_dim=D))
+    thread = bal._path.thread
     bal.close()
+    out["thread_alive"] = thread.alive
     return out
+
+
+def _message(fn) -> str | None:
+    try:
+        fn()
+    except ValueError as err:
+        return str(err)
+    return None
 
 
 def test_lengths_other_than_the_prefetched_ones_fail_every_rank_alike(tmp_path):
@@ -192,6 +208,9 @@ def test_lengths_other_than_the_prefetched_ones_fail_every_rank_alike(tmp_path):
     assert f"token_dim {D + 1}" in notes["dim"] and f"{D} was prefetched" in notes["dim"]
     # Retried with the right lengths, every rank routes by the same plan.
     assert all(r["plan"] == results[0]["plan"] and r["identity"] for r in results)
+    given_up = {r["given_up"] for r in results}
+    assert len(given_up) == 1 and "local_seq_lens on rank 2" in given_up.pop()
+    assert not any(r["thread_alive"] for r in results)
 
 
 # -------------------------------------------------------------------- Ctrl-C
