@@ -21,7 +21,7 @@ setup: system-deps $(VENV)/.installed
 # Debian packages, installed only when missing.
 system-deps:
 	@missing=""; for p in $(MANIM_DEBS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
-	if [ -n "$$missing" ]; then echo "installing Debian packages:$$missing"; \
+	if [ -n "$$missing" ]; then echo "==> installing Debian packages:$$missing"; \
 	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing; fi
 
 browser-deps:
@@ -29,19 +29,37 @@ browser-deps:
 	if [ -n "$$missing" ]; then echo "installing Debian packages:$$missing"; \
 	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing; fi
 
-$(VENV)/.installed: pyproject.toml
+# Set-up takes minutes on a fresh clone (torch alone ~100 s): each step says what it does
+# and pip shows its progress. Two stamps: `make demo` installs what the demo needs (the
+# readers: '.[all]'), `make test` that and the test tools ('.[dev]'); neither stamp stands
+# in for the other, so either command works first on a fresh clone.
+$(VENV)/.torch:
+	@echo "==> [1/3] creating the virtual environment $(VENV)"
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e '.[dev]'
+	@$(PY) -m pip install -q --upgrade pip
+	@echo "==> [2/3] installing $(TORCH_SPEC) (about 2 minutes)"
+	$(PY) -m pip install --progress-bar on "$(TORCH_SPEC)"
 	@touch $@
+
+$(VENV)/.installed-all: pyproject.toml $(VENV)/.torch
+	@echo "==> [3/3] installing knapformer with the readers (dashboard, animation, TensorBoard)"
+	$(PY) -m pip install --progress-bar on -e '.[all]'
+	@touch $@
+	@echo "==> set-up done"
+
+$(VENV)/.installed: pyproject.toml $(VENV)/.torch
+	@echo "==> [3/3] installing knapformer with the readers and the test tools"
+	$(PY) -m pip install --progress-bar on -e '.[dev]'
+	@touch $@
+	@echo "==> set-up done"
 
 test: system-deps browser-deps $(VENV)/.installed
 	$(PY) -m pytest -q
 
 # The live demo: 8 CPU workers train a toy DiT with the balancer, record every plan to
 # runs/demo/plans.jsonl and serve the dashboard on http://127.0.0.1:8050 (Ctrl-C stops).
-demo: system-deps $(VENV)/.installed
+demo: system-deps $(VENV)/.installed-all
+	@echo "==> starting the demo (8 CPU workers; Ctrl-C stops)"
 	$(VENV)/bin/knapformer demo $(DEMO_ARGS)
 
 lint: $(VENV)/.installed
