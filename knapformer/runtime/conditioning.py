@@ -1,0 +1,131 @@
+"""Per-sequence data after `route`: which sequence each routed token belongs to, and the
+rows of per-sequence tensors brought to the tokens that need them.
+
+After ``route`` a rank holds chunks of other ranks' sequences, but a DiT's conditioning
+is per sequence (timestep embedding, pooled text, class label: one row per sample).
+Two things bring it to the tokens:
+
+- `sequence_index`: ``(T_chunks,)`` int64, the plan's sequence id of every routed token
+  row (the row of ``plan.sequences``), read from the plan and this rank's tables; no
+  collective.
+- `gather_sequences`: this rank's ``(S_local, ...)`` rows (one per sequence it passed to
+  ``plan_routing``, in that order) become the balance group's ``(S, ...)`` rows in plan
+  sequence order: one all-gather forward; backward, the gradients of every rank are
+  summed and each rank keeps those of its own rows (the gradient goes home).
+
+``per_token(x) = gather_sequences(x)[sequence_index()]`` is the usual combination: an
+AdaLN block indexes its per-sequence modulation with it. Both are cached per plan.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from knapformer.contract.positions import gpu_positions
+from knapformer.errors import KnapformerError
+from knapformer.runtime.router import Group
+
+if TYPE_CHECKING:
+    from knapformer.runtime.balancer import SequenceBalancer
+
+
+@dataclass
+class SequenceTables:
+    """What this rank needs to place per-sequence rows, for one plan."""
+
+    index: torch.Tensor  # (T_chunks,) plan sequence id of each routed token row
+    counts: list[int]  # sequences passed to plan_routing by each GPU, group order
+    position: int  # this rank's place in the group
+    order: torch.Tensor | None  # gathered row -> plan sequence order (None: identity)
+
+
+# Per balancer, the tables of its current plan (a new plan makes new routing tables).
+_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def sequence_tables(balancer: SequenceBalancer) -> SequenceTables:
+    """The `SequenceTables` of the balancer's current plan (built once per plan)."""
+    tables = balancer._require_tables()
+    cached = _CACHE.get(balancer)
+    if cached is not None and cached[0] is tables:
+        return cached[1]
+    plan = balancer.last_plan
+    gpus = np.asarray(plan.gpus, dtype=np.int64)
+    pos = gpu_positions(gpus)
+    src_pos = pos[np.asarray(plan.sequences.src_gpu, dtype=np.int64)]
+    c_dst = np.asarray(plan.chunks.dst_gpu, dtype=np.int64)
+    mine = np.flatnonzero(c_dst == balancer.rank)  # chunk-id order = route's row order
+    seq = np.asarray(plan.chunks.seq, dtype=np.int64)[mine]
+    lengths = np.asarray(plan.chunks.length, dtype=np.int64)[mine]
+    index = np.repeat(seq, lengths)
+    # All-gathered rows arrive grouped by GPU, each GPU's in its own order; plan sequence
+    # ids are ordered that way too, but do not rely on it.
+    gathered = np.argsort(src_pos, kind="stable")  # plan seq id of each gathered row
+    identity = bool(np.array_equal(gathered, np.arange(len(gathered))))
+    device = balancer.device
+    built = SequenceTables(
+        index=torch.from_numpy(index).to(device),
+        counts=np.bincount(src_pos, minlength=len(gpus)).astype(np.int64).tolist(),
+        position=int(pos[np.asarray([balancer.rank])][0]),
+        order=None if identity else torch.from_numpy(np.argsort(gathered)).to(device),
+    )
+    _CACHE[balancer] = (tables, built)
+    return built
+
+
+def sequence_index(balancer: SequenceBalancer) -> torch.Tensor:
+    """``(T_chunks,)`` int64: the plan sequence id of every token row `route` returned."""
+    return sequence_tables(balancer).index
+
+
+class _GatherSequences(torch.autograd.Function):
+    """All-gather rows of unequal counts; backward: sum over ranks, keep own rows."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, counts: list[int], position: int, group: Group):
+        ctx.counts, ctx.position, ctx.group = counts, position, group
+        width = max(counts) if counts else 0
+        padded = x.new_zeros((width, *x.shape[1:]))
+        padded[: x.shape[0]] = x
+        parts = [torch.empty_like(padded) for _ in counts]
+        dist.all_gather(parts, padded.contiguous(), group=group)
+        return torch.cat([p[:n] for p, n in zip(parts, counts, strict=True)])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)  # every rank's use of every row, summed
+        start = sum(ctx.counts[: ctx.position])
+        return grad[start : start + ctx.counts[ctx.position]], None, None, None
+
+
+def gather_sequences(balancer: SequenceBalancer, x: torch.Tensor) -> torch.Tensor:
+    """This rank's per-sequence rows ``x (S_local, ...)`` (one per length given to
+    ``plan_routing``, in that order) -> the group's ``(S, ...)`` in plan sequence order.
+
+    Collective over the balance group (every rank calls it, also one without
+    sequences); autograd-aware: each rank's rows get the gradient summed over the ranks
+    that used them.
+    """
+    t = sequence_tables(balancer)
+    mine = t.counts[t.position]
+    if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[0] != mine:
+        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise KnapformerError(
+            f"per-sequence tensor has shape {shape} but this rank gave plan_routing {mine} "
+            "sequences; its first dimension must be the sequences"
+        )
+    out = _GatherSequences.apply(x, t.counts, t.position, balancer.group)
+    return out if t.order is None else out.index_select(0, t.order)
+
+
+def per_token(balancer: SequenceBalancer, x: torch.Tensor) -> torch.Tensor:
+    """``x (S_local, ...)`` per sequence -> ``(T_chunks, ...)``: each routed token's row of
+    its sequence (`gather_sequences` indexed by `sequence_index`)."""
+    return gather_sequences(balancer, x).index_select(0, sequence_index(balancer))
