@@ -37,6 +37,11 @@ DATA_IMBALANCE = "#f08c00"
 FASTER = "#1c7ed6"
 AS_PREDICTED = "#f8f9fa"
 SLOWER = "#e03131"
+#: Verdicts beyond slow GPU and data imbalance (`knapformer.diagnosis.stragglers`).
+SLOW_HOST = "#9c36b5"
+SLOW_INPUT = "#5f3dc4"
+SLOW_LINK = "#c2255c"
+LAYOUT_FLOOR = "#495057"
 #: The animation's background (a dark slide), and its text.
 ANIMATION_BACKGROUND = "#101318"
 ANIMATION_TEXT = "#e9ecef"
@@ -44,8 +49,8 @@ ANIMATION_MUTED_TEXT = "#adb5bd"
 #: The per-rank phase breakdown: compute parts in blues (the model's compute is AFTER),
 #: the transfer inside collectives in grey, and waiting, one warm colour per collective
 #: (in `knapformer.contract.plan.COLLECTIVE_PHASES` order).
-PLANNING_HOST = "#91a7ff"
-RECORDING = "#d0bfff"
+HOST_WORK = "#91a7ff"
+DATA_WAIT = "#d0bfff"
 TRANSFER = "#adb5bd"
 WAITING = ("#ffd43b", "#f08c00", "#e8590c", "#c92a2a", "#a61e4d", "#862e9c")
 #: The tokens-per-GPU cap line.

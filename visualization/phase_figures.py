@@ -1,11 +1,12 @@
 """Where each rank's step went: per-rank stacked bars of compute parts, the transfer
 inside collectives and the waiting in each collective, for one step or a window.
 
-Built from `knapformer.diagnosis.measured` (which defines compute, the time in a collective
-and the wait in it) plus the plan's own phases: ``plan`` holds the length all-gather, so
-planning on the host is ``plan - gather``; ``record`` is the recorder's hand-off. Both are
-part of compute (the step minus the time inside collectives), so when the measured
-compute phase is ``compute`` the stack of a rank adds up to its measured ``step``.
+Built from `knapformer.diagnosis.measured`, which defines every part: compute, host
+work (planning without its gather, recording, the loop's ``host`` phase), the wait for
+the next batch (``data``), the time in a collective and the wait in it. Host work and
+the wait for data lie inside compute (the step minus the time inside collectives), so
+they are shown apart from it, and when the measured compute phase is ``compute`` the
+stack of a rank adds up to its measured ``step``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from knapformer.diagnosis.measured import measure
 #: Colour of each part, by name (the waits by collective).
 _WAIT_COLOR = dict(zip(COLLECTIVE_PHASES, palette.WAITING, strict=True))
 TRANSFER_PART = "transfer in collectives"
+HOST_PART = "host work (planning, recording, loop)"
+DATA_PART = "waiting for data"
 
 
 @dataclass(frozen=True)
@@ -47,27 +50,18 @@ def step_parts(plan: RoutingPlan) -> RankPhases | None:
     measured = measure(plan)
     if measured is None:
         return None
-    per_rank = plan.measurements.per_rank_ms
     n = len(plan.gpus)
-
-    def phase(name: str) -> np.ndarray:
-        values = per_rank.get(name)
-        return np.zeros(n) if values is None else np.nan_to_num(np.asarray(values, float))
-
     parts: dict[str, np.ndarray] = {}
     colors: dict[str, str] = {}
     compute = measured.compute_ms.copy()
-    if measured.phase == "compute":  # planning and recording are inside it: shown apart
-        host = np.clip(phase("plan") - phase("gather"), 0.0, None)
-        record = phase("record")
-        for name, key, ms, color in (
-            ("planning (host)", "plan", host, palette.PLANNING_HOST),
-            ("recording", "record", record, palette.RECORDING),
+    if measured.phase == "compute":  # host work and the wait for data are inside it
+        for name, ms, color in (
+            (HOST_PART, measured.host_ms, palette.HOST_WORK),
+            (DATA_PART, measured.data_ms, palette.DATA_WAIT),
         ):
-            if key not in per_rank:
-                continue
-            parts[name], colors[name] = ms, color
-            compute = compute - ms
+            if np.any(ms > 0):
+                parts[name], colors[name] = ms, color
+                compute = compute - ms
         name = "compute (model and the rest)"
     else:
         name = f"compute ({measured.phase})"

@@ -39,9 +39,13 @@ HEATMAP_CELLS = 32_768
 #: Up to this many ranks every point of predicted vs measured carries its rank as text;
 #: beyond, only ranks with a verdict other than ok do (every point names it on hover).
 LABEL_EVERY_RANK_UP_TO = 64
-VERDICT_STYLE = {  # name shown, colour, marker
+VERDICT_STYLE = {  # name shown, colour, marker; every verdict of `stragglers.VERDICTS`
     "ok": ("ok", palette.AFTER, "circle"),
     "data_imbalance": ("data imbalance", palette.DATA_IMBALANCE, "diamond"),
+    "layout_floor": ("layout floor", palette.LAYOUT_FLOOR, "square"),
+    "slow_link": ("slow link", palette.SLOW_LINK, "triangle-up"),
+    "slow_input": ("slow input", palette.SLOW_INPUT, "star"),
+    "slow_host": ("slow host", palette.SLOW_HOST, "cross"),
     "slow_gpu": ("slow GPU", palette.HIGHLIGHT, "x"),
 }
 
