@@ -68,7 +68,7 @@ from knapformer.errors import KnapformerError
 from knapformer.planning.history import COST_MODELS, SpeedHistory
 from knapformer.planning.planner import check_solver, check_speed
 from knapformer.planning.workload import WorkloadModel
-from knapformer.runtime import marks
+from knapformer.runtime import conditioning, marks
 from knapformer.runtime.agreement import agree_on_options
 from knapformer.runtime.gather import (  # GatherHead and the two tuples are re-exported
     GATHERING_CALLS,
@@ -557,6 +557,20 @@ class SequenceBalancer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    # ------------------------------------- per-sequence data (runtime/conditioning.py)
+    def sequence_index(self) -> torch.Tensor:
+        """``(T_chunks,)`` int64: the plan sequence id of every row `route` returned."""
+        return conditioning.sequence_index(self)
+
+    def gather_sequences(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's ``(S_local, ...)`` per-sequence rows -> the group's ``(S, ...)``;
+        collective over the balance group, autograd-aware (gradients go home)."""
+        return conditioning.gather_sequences(self, x)
+
+    def per_token(self, x: torch.Tensor) -> torch.Tensor:
+        """``(S_local, ...)`` per sequence -> ``(T_chunks, ...)`` per routed token."""
+        return conditioning.per_token(self, x)
 
 
 def _checked_options(
