@@ -53,7 +53,9 @@ change; every other character of a recorded output must match what the command p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
+import fcntl
 import os
 import queue
 import re
@@ -290,6 +292,21 @@ def command_env(columns: int) -> dict[str, str]:
 
 def run_block(block: Block, log=None) -> str:
     """Run the commands of a console block; returns the block's new text."""
+    with _scratch_lock():
+        return _run_block(block, log)
+
+
+@contextlib.contextmanager
+def _scratch_lock() -> Iterator[None]:
+    """Hold ``runs/docs/`` alone while a block runs: a second ``make docs`` or docs test
+    started meanwhile would empty it under the first one's commands."""
+    SCRATCH.parent.mkdir(parents=True, exist_ok=True)
+    with open(SCRATCH.parent / ".docs.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield
+
+
+def _run_block(block: Block, log=None) -> str:
     if SCRATCH.exists():
         shutil.rmtree(SCRATCH)
     SCRATCH.mkdir(parents=True)
