@@ -18,7 +18,6 @@ from knapformer.planning.planner import plan_routing
 from knapformer.planning.workload import WorkloadModel
 from knapformer.tools.trace import (
     COUNTERS,
-    ORIGIN_MS,
     STEPS_TRACK,
     Slice,
     build_trace,
@@ -97,36 +96,39 @@ def test_demo_trace_validates_and_holds_every_measured_phase(sample_dir):
         for rank in members:
             assert names[rank] == f"GPU {rank} · {plan.bag_label(bag_id)}"
     assert names[STEPS_TRACK] == "steps" and len(names) == len(plan.gpus) + 1
-    # Steps one after another: each step slot starts where the previous one ended.
+    # Steps at their recorded wall clock (µs since the epoch): each slot runs from its
+    # plan's time to the next plan's.
     steps = [e for e in events if e["ph"] == "X" and e["tid"] == STEPS_TRACK]
     assert [e["name"] for e in steps] == [f"step {p.step}" for p in plans]
-    assert steps[0]["ts"] == ORIGIN_MS * 1000
+    assert [e["ts"] for e in steps] == [round(p.time * 1e6) for p in plans]
     for a, b in itertools.pairwise(steps):
         assert b["ts"] == a["ts"] + a["dur"]
     # Every measured phase of every rank is a slice of its measured length in its step.
     for plan, slot in zip(plans, steps, strict=True):
         for position, rank in enumerate(plan.gpus):
+            # the rank's step starts in the slot (later only when its previous one ran on)
+            (step,) = [e for e in events if e.get("tid") == rank and e["name"] == slot["name"]]
+            assert slot["ts"] <= step["ts"] < slot["ts"] + slot["dur"]
             mine = [
                 e
                 for e in events
                 if e["ph"] == "X"
                 and e["tid"] == rank
-                and slot["ts"] <= e["ts"] < slot["ts"] + slot["dur"]
+                and step["ts"] <= e["ts"] < step["ts"] + step["dur"]
             ]
             got = {e["name"]: e["dur"] / 1000 for e in mine if e["cat"] == "phase"}
             for phase, values in plan.measurements.per_rank_ms.items():
                 if phase not in ("step", "compute"):
                     assert got[phase] == pytest.approx(values[position], abs=1.5e-3)  # µs ends
-            (step,) = [e for e in mine if e["cat"] == "step"]
-            assert step["dur"] <= slot["dur"]  # the slot is the slowest rank's step
-        assert slot["dur"] == pytest.approx(
-            max(
-                layout_rank_step({p: v[i] for p, v in plan.measurements.per_rank_ms.items()})[0]
-                for i in range(len(plan.gpus))
-            )
-            * 1000,
-            abs=1,  # whole microseconds
+    # the last step's slot is its slowest rank's step
+    assert steps[-1]["dur"] == pytest.approx(
+        max(
+            layout_rank_step({p: v[i] for p, v in plan.measurements.per_rank_ms.items()})[0]
+            for i in range(len(plan.gpus))
         )
+        * 1000,
+        abs=1,  # whole microseconds
+    )
 
 
 def test_counters_carry_the_step_figures(sample_dir):

@@ -76,21 +76,37 @@ def trace(
     plans: Path = typer.Argument(..., help=PLANS_HELP),
     out: Path = typer.Option(Path("trace.json"), "-o", "--out", help="output trace (.json)"),
     steps: str | None = typer.Option(None, help=STEPS_HELP),
+    merge: Path | None = typer.Option(
+        None,
+        "--merge",
+        help="folder of torch.profiler Chrome traces, one per rank, to merge in (one "
+        "process per rank, on the wall clock)",
+    ),
 ) -> None:
     """Write recorded per-rank phases as a Chrome Trace Event Format file: one track per
-    rank, steps one after another, phases as slices, plan figures as counters. Open it in
-    Perfetto (ui.perfetto.dev), chrome://tracing or DevTools' Performance panel."""
+    rank, steps at their recorded wall-clock times, phases as slices, plan figures as
+    counters. Open it in Perfetto (ui.perfetto.dev), chrome://tracing or DevTools'
+    Performance panel. With --merge, each rank's torch.profiler trace joins it."""
     from knapformer.tools.trace import build_trace, write_trace
 
     if out.suffix.lower() != ".json":
         raise UserError(f"output must be a .json file, not {str(out)!r}")
     runs = read_runs(plans, steps)
-    written = write_trace(out, build_trace(runs, source=str(plans)))
+    built = build_trace(runs, source=str(plans))
+    if merge is not None:
+        from knapformer.tools.profiler_merge import merge_profiler
+
+        if len(runs) != 1:
+            raise UserError(f"--merge takes one run; {plans} holds {len(runs)}: name its file")
+        built = merge_profiler(built, merge, next(iter(runs.values())))
+    written = write_trace(out, built)
     every = [p for run in runs.values() for p in run]
     measured = sum(1 for p in every if p.measurements is not None and p.measurements.per_rank_ms)
     print(
         f"wrote {written}: {_count(len(every), 'step')} of {_count(len(runs), 'run')}, "
-        f"{measured:,} with per-rank times; open it in ui.perfetto.dev or chrome://tracing"
+        f"{measured:,} with per-rank times"
+        + (f", merged with the torch.profiler traces of {merge}" if merge is not None else "")
+        + "; open it in ui.perfetto.dev or chrome://tracing"
     )
     if not measured:
         print(

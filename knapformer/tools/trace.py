@@ -10,8 +10,16 @@ threads. What goes where:
 - one process per run (a run folder may hold several), named after the run;
 - in it, one track (thread) per GPU rank, named ``GPU 5 · bag 1 · 4 GPUs``, in rank
   order, and above them a ``steps`` track;
-- steps one after another from `ORIGIN_MS` (each run starts there, so runs line up): step
-  k's slot starts where step k-1's ended and is as long as its slowest rank. A rank's step
+- steps at their recorded wall-clock times (`step_start_us`): ``ts`` is microseconds
+  since the Unix epoch, the clock torch.profiler's traces use, so the two merge
+  (`knapformer.tools.profiler_merge`). A step's slot on the steps track runs from its
+  ``plan.time`` (the wall clock when the balancer began planning it on the recording
+  rank: the step's start) to the next plan's (where that step ended); the last one, and
+  plans without a time (then steps follow one another from `ORIGIN_MS`), are as long as
+  their slowest rank. The recorder keeps no per-rank start times: every rank's step
+  starts at the slot's start (the ranks leave the length all-gather together), or where
+  that rank's previous step ended when that is later (a rank's phases can add up to more
+  than the recording rank's step), so no drift accumulates. A rank's step
   is one slice ``step N`` (its measured ``step`` time, or the sum of its phases when that
   is longer or ``step`` was not measured), holding the rank's measured phases as slices
   in the order a step runs them (`knapformer.contract.plan` names the phases). The recorder keeps
@@ -146,6 +154,14 @@ def plan_counters(plan: RoutingPlan) -> dict[str, dict[str, float]]:
     return {name: series for name, series in counters.items() if series}
 
 
+def step_start_us(plan: RoutingPlan, previous_end_us: int) -> int:
+    """Where ``plan``'s step slot starts (whole µs since the Unix epoch): its recorded wall
+    clock ``plan.time``, or ``previous_end_us`` when that is later or the plan has no time."""
+    if plan.time is None:
+        return previous_end_us
+    return max(round(plan.time * 1e6), previous_end_us)
+
+
 def _metadata(kind: str, pid: int, tid: int | None, args: dict[str, Any]) -> dict[str, Any]:
     event: dict[str, Any] = {"ph": "M", "name": kind, "pid": pid, "args": args}
     if tid is not None:
@@ -163,8 +179,10 @@ def trace_events(runs: dict[str, Sequence[RoutingPlan]]) -> list[dict[str, Any]]
         events.append(_metadata("thread_name", pid, STEPS_TRACK, {"name": "steps"}))
         events.append(_metadata("thread_sort_index", pid, STEPS_TRACK, {"sort_index": -1}))
         named: set[int] = set()
-        at_ms = ORIGIN_MS
+        at_us = round(ORIGIN_MS * US_PER_MS)  # whole µs: wall-clock values are ~1.8e15
+        rank_end: dict[int, int] = {}  # where each rank's last step ended (µs)
         for i, plan in enumerate(plans):
+            at_us = step_start_us(plan, at_us)
             for position, rank in enumerate(plan.gpus):
                 if rank not in named:
                     named.add(rank)
@@ -172,27 +190,36 @@ def trace_events(runs: dict[str, Sequence[RoutingPlan]]) -> list[dict[str, Any]]
                     label = f"GPU {rank} · {plan.bag_label(bag)}"
                     events.append(_metadata("thread_name", pid, rank, {"name": label}))
                     events.append(_metadata("thread_sort_index", pid, rank, {"sort_index": rank}))
-            slot_ms, rank_events = _rank_steps(plan, pid, at_ms, i)
+            slot_ms, rank_events = _rank_steps(plan, pid, at_us, i, rank_end)
+            following = plans[i + 1].time if i + 1 < len(plans) else None
+            if following is not None and round(following * 1e6) > at_us:
+                # the recorded step ends where the next one's planning began
+                slot_ms = (round(following * 1e6) - at_us) / US_PER_MS
             events += rank_events
-            events += _step_events(plan, pid, at_ms, slot_ms, i)
-            at_ms += slot_ms
+            events += _step_events(plan, pid, at_us, slot_ms, i)
+            at_us += round(slot_ms * US_PER_MS)
     return events
 
 
-def _span_us(start_ms: float, ms: float) -> dict[str, int]:
+def _span_us(start_ms: float, ms: float, base_us: int = 0) -> dict[str, int]:
     """``ts`` and ``dur`` in whole microseconds, both ends rounded on their own: a slice
     that ends where the next begins shares its boundary exactly (viewers re-nest a slice
-    that starts a hair before its predecessor ends)."""
+    that starts a hair before its predecessor ends). Offsets are rounded before adding
+    ``base_us``: at wall-clock magnitudes a float sum would move ends by a microsecond."""
     start = round(start_ms * US_PER_MS)
-    return {"ts": start, "dur": round((start_ms + ms) * US_PER_MS) - start}
+    return {"ts": base_us + start, "dur": round((start_ms + ms) * US_PER_MS) - start}
 
 
 def _step_name(plan: RoutingPlan, index: int) -> str:
     return f"step {plan.step if plan.step is not None else index}"
 
 
-def _rank_steps(plan: RoutingPlan, pid: int, at_ms: float, index: int) -> tuple[float, list[dict]]:
-    """The slot length (ms) of ``plan``'s step and the slices of every rank in it."""
+def _rank_steps(
+    plan: RoutingPlan, pid: int, at_us: int, index: int, rank_end: dict[int, int]
+) -> tuple[float, list[dict]]:
+    """The slot length (ms) of ``plan``'s step, as long as its slowest rank, and the
+    slices of every rank in it: a rank's step starts at ``at_us``, or where its previous
+    one ended (``rank_end``, updated) when that is later."""
     m = plan.measurements
     if m is None or not m.per_rank_ms:
         return UNMEASURED_SLOT_MS, []
@@ -202,6 +229,8 @@ def _rank_steps(plan: RoutingPlan, pid: int, at_ms: float, index: int) -> tuple[
         times = {phase: values[position] for phase, values in m.per_rank_ms.items()}
         span, slices = layout_rank_step(times)
         slot = max(slot, span)
+        start_us = max(at_us, rank_end.get(rank, at_us))
+        rank_end[rank] = start_us + round(span * US_PER_MS)
         for s in slices:
             args: dict[str, Any] = {"ms": round(s.ms, 6)}
             if s.depth == 0:
@@ -214,14 +243,14 @@ def _rank_steps(plan: RoutingPlan, pid: int, at_ms: float, index: int) -> tuple[
                     "cat": "step" if s.depth == 0 else "phase",
                     "pid": pid,
                     "tid": rank,
-                    **_span_us(at_ms + s.start_ms, s.ms),
+                    **_span_us(s.start_ms, s.ms, start_us),
                     "args": args,
                 }
             )
     return (slot if slot > 0 else UNMEASURED_SLOT_MS), events
 
 
-def _step_events(plan: RoutingPlan, pid: int, at_ms: float, slot_ms: float, index: int):
+def _step_events(plan: RoutingPlan, pid: int, at_us: int, slot_ms: float, index: int):
     """The step's slice on the steps track and its counters."""
     st = plan.stats
     counters = plan_counters(plan)
@@ -239,7 +268,7 @@ def _step_events(plan: RoutingPlan, pid: int, at_ms: float, slot_ms: float, inde
     }
     if plan.measurements is None or not plan.measurements.per_rank_ms:
         figures["note"] = "no per-rank times recorded for this step"
-    span = _span_us(at_ms, slot_ms)
+    span = _span_us(0.0, slot_ms, at_us)
     events = [
         {
             "ph": "X",
@@ -270,8 +299,9 @@ def build_trace(runs: dict[str, Sequence[RoutingPlan]], source: str = "") -> dic
         "otherData": {
             "generator": f"knapformer {__version__} trace",
             "source": source,
-            "layout": "steps one after another; phases laid out inside each step in the "
-            "order a step runs them (the recorder keeps per-phase sums, not timestamps)",
+            "layout": "steps at their recorded wall-clock start (plan.time; ts in µs since "
+            "the Unix epoch); phases laid out inside each step in the order a step runs "
+            "them (the recorder keeps per-phase sums, not timestamps)",
         },
     }
 
