@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 from pathlib import Path
 
@@ -264,3 +265,44 @@ def test_missing_plan_file_is_a_one_line_error(tmp_path, capsys):
     assert main(["animate", str(tmp_path / "nope.json"), "-o", str(tmp_path / "x.mp4")]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "nope.json" in err and err.count("\n") == 1
+
+
+def _bracket_ink(frame: np.ndarray, x: float, y: float) -> float:
+    """How far from the background the bracket column is at scene height ``y`` (the
+    largest colour difference within 2 px of the column)."""
+    h, w = frame.shape[:2]
+    col, row = to_pixels(x, y, w, h)
+    patch = frame[row, max(col - 2, 0) : col + 3].astype(float)
+    return float(np.abs(patch - _rgb(BACKGROUND)).max())
+
+
+@pytest.mark.slow
+def test_each_step_draws_its_own_bags(tmp_path):
+    # Two steps on 8 GPUs whose partitions differ: 6 bags, then 3.
+    model = WorkloadModel(3072)
+    rng = np.random.default_rng(5)
+    plans = [
+        plan_routing([list(rng.integers(300, 3000, 2)) for _ in range(8)], topo, model, step=s)
+        for s, topo in enumerate(("g1n4+g2n2", "g2n2+g4n1"))
+    ]
+    source, out = tmp_path / "alternating.jsonl", tmp_path / "alternating.mp4"
+    write_jsonl(source, plans)
+    done = _run(str(source), "--steps", "0:1", "-o", str(out), "--quality", "low")
+    assert done.returncode == 0, done.stderr
+    frames, _, rate = _decode(out)
+    ends = [frames[round(STEP_SECONDS * rate) - 1], frames[-1]]  # each step's last frame
+    layouts = [layout_plan(p) for p in plans]
+    assert [len(lay.brackets) for lay in layouts] == [6, 3]
+    for frame, lay in zip(ends, layouts, strict=True):
+        # each bag's bracket is drawn, and there is a gap between two bags
+        for br in lay.brackets:
+            assert _bracket_ink(frame, L.BRACKET_X, (br.top + br.bottom) / 2) > 80, br.bag
+        for upper, lower in itertools.pairwise(lay.brackets):
+            assert _bracket_ink(frame, L.BRACKET_X, (upper.bottom + lower.top) / 2) < 30
+    # a gap of the first step's bags lies inside a bag of the second: its frame is inked
+    first, second = layouts
+    gaps = [(a.bottom + b.top) / 2 for a, b in itertools.pairwise(first.brackets)]
+    inside = [y for y in gaps if any(br.bottom < y < br.top for br in second.brackets)]
+    assert inside
+    for y in inside:
+        assert _bracket_ink(ends[1], L.BRACKET_X, y) > 80
