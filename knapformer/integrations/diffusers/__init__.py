@@ -6,5 +6,6 @@ modules and weights, the balancer's routing (docs/diffusers.md).
 """
 
 from knapformer.integrations.diffusers.flux import BalancedFlux, FluxBatch
+from knapformer.integrations.diffusers.wan import BalancedWan, WanBatch
 
-__all__ = ["BalancedFlux", "FluxBatch"]
+__all__ = ["BalancedFlux", "BalancedWan", "FluxBatch", "WanBatch"]
