@@ -81,7 +81,7 @@ def view_rules() -> Table:
     table.add_row(
         "LABEL_EVERY_RANK_UP_TO", f"{LABEL_EVERY_RANK_UP_TO}", "more ranks: named ranks labelled"
     )
-    table.add_row("straggler window", f"{WINDOW}", "measured steps of predicted vs measured")
+    table.add_row("straggler window", f"{WINDOW}", "measured steps of compute vs waiting")
     table.add_row("PAGE_SIZE", f"{PAGE_SIZE}", "rows of the sequence table per page")
     table.add_row("TICK_MS", f"{TICK_MS}", "ms between the page's looks for new steps")
     return table
