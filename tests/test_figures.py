@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from knapformer.visualization.axes import LINE_PX
@@ -24,6 +26,8 @@ from knapformer.contract.plan_io import read_plans
 from knapformer.contract.stats import StepSummary, linear_share, summarize
 from knapformer.diagnosis.measured import measure
 from knapformer.diagnosis.stragglers import analyse, rank_steps, row_medians
+from knapformer.planning.planner import plan_routing
+from knapformer.planning.workload import WorkloadModel
 from knapformer.testing.measured_plans import with_measurements
 
 
@@ -280,3 +284,102 @@ def test_nothing_to_show_has_no_axes():
     for fig in (timeline_figure([]), empty_figure("no steps yet")):
         assert fig.layout.xaxis.visible is False and fig.layout.yaxis.visible is False
         assert [a.text for a in fig.layout.annotations] == ["no steps yet"]
+
+
+def test_flagged_ranks_are_labelled_at_any_rank_count():
+    from knapformer.visualization.axes import rank_ticks
+
+    for count, length in ((32, 260), (1024, 1100)):
+        ranks = np.arange(count)
+        plain = rank_ticks(ranks, length, vertical=count == 32)["ticktext"]
+        assert "17" not in plain  # thinned out without a flag
+        ticks = rank_ticks(ranks, length, vertical=count == 32, flagged=[17])
+        assert "17" in ticks["ticktext"]
+        assert ticks["tickvals"] == sorted(ticks["tickvals"])
+        # its neighbours that would overlap it give way
+        assert "16" not in ticks["ticktext"] and "18" not in ticks["ticktext"]
+
+
+def test_wait_scale_leaves_out_warm_up_steps(plan8):
+    from knapformer.visualization.straggler_figures import WARMUP_STEPS
+
+    rng = np.random.default_rng(2)
+    window = []
+    for step in range(6):
+        plan = with_measurements(plan8.model_copy(update={"step": step}), rng)
+        figures = measure(plan).figures()
+        if step == 0:  # gloo's set-up: every rank but one waits 6 s
+            figures.wait_ms[1:] += 6000.0
+        window.append(figures)
+    m = rank_steps(window)
+    late = float(np.nanmax(m.wait_ms[:, WARMUP_STEPS:]))
+    fig = wait_heatmap(m, run_start=0)
+    assert fig.data[0].zmax == pytest.approx(late) and late < 1000
+    assert "warm-up" in fig.data[0].colorbar.title.text
+    assert wait_heatmap(m).data[0].zmax > 6000  # without a run start, every step counts
+    assert wait_heatmap(rank_steps(window[3:]), run_start=0).data[0].zmax == pytest.approx(
+        float(np.nanmax(m.wait_ms[:, 3:]))
+    )
+
+
+def test_compute_wait_spreads_a_balanced_plans_ranks(plan8):
+    from knapformer.visualization.straggler_figures import compute_wait_figure
+
+    rng = np.random.default_rng(1)
+    window = [
+        measure(with_measurements(plan8, rng, slow_rank=5, slow_factor=2.0)).figures()
+        for _ in range(5)
+    ]
+    m = rank_steps(window)
+    fig = compute_wait_figure(analyse(window), m)
+    by_name = {t.name: t for t in fig.data}
+    ok, slow = by_name["ok"], by_name["slow GPU"]
+    assert [int(r) for r, _ in slow.customdata] == [5]
+    assert slow.x[0] > 1.8 * max(ok.x) and slow.y[0] < min(ok.y)
+    # predicted work stacks them in one column; measured compute and wait do not
+    assert np.ptp(row_medians(m.predicted_shown)) < 0.01 * np.median(m.predicted_shown)
+    assert np.ptp(ok.x) > 1.0 and np.ptp(ok.y) > 1.0
+
+
+def test_phase_breakdown_adds_up_to_each_ranks_step(plan8):
+    from knapformer.visualization.phase_figures import phase_figure, step_parts, window_parts
+
+    rng = np.random.default_rng(3)
+    plans = [with_measurements(plan8, rng, slow_rank=5, slow_factor=2.0) for _ in range(3)]
+    parts = step_parts(plans[-1])
+    np.testing.assert_allclose(sum(parts.parts.values()), parts.step_ms)
+    assert next(iter(parts.parts)) == "compute (model and the rest)"
+    assert [p for p in parts.parts if p.startswith("waiting")] == [
+        f"waiting: {c}" for c in ("gather", "route", "pre_attn", "post_attn", "reverse_route",
+                                  "allreduce")
+    ]  # fmt: skip
+    mean = window_parts(plans)
+    np.testing.assert_allclose(sum(mean.parts.values()), mean.step_ms)
+    fig = phase_figure(mean, {5: "slow GPU"})
+    flagged = next(t for t in fig.data if t.name == "flagged")
+    assert list(flagged.customdata) == [5] and "slow GPU · 5" in flagged.text
+    assert step_parts(plan8) is None  # nothing measured
+
+
+def test_tokens_view_draws_the_cap_and_the_topology_timeline_its_runs(steps50):
+    from knapformer.visualization.figures import tokens_figure, topology_figure, topology_runs
+
+    plan = plan_routing([[900, 40], [30], [500, 500], [10]], "g1n2+g2n1", WorkloadModel(256),
+                        max_tokens_per_gpu=1200)  # fmt: skip
+    fig = tokens_figure(plan)
+    cap = next(t for t in fig.data if t.name.startswith("cap"))
+    assert list(cap.y) == [1200, 1200]
+    assert max(fig.data[1].y) <= 1200
+    assert not any(t.name.startswith("cap") for t in tokens_figure(plan.model_copy(
+        update={"solver_options": {}})).data)  # fmt: skip
+    topos = ["g1n4+g2n2", "g1n4+g2n2", "g2n2+g4n1", "g1n4+g2n2"]
+    summaries = [
+        dataclasses.replace(summarize(r.plan), topology=t)
+        for r, t in zip(steps50[:4], topos, strict=True)
+    ]
+    assert topology_runs(summaries) == [("g1n4+g2n2", 0, 1), ("g2n2+g4n1", 2, 2),
+                                        ("g1n4+g2n2", 3, 3)]  # fmt: skip
+    fig = topology_figure(summaries, selected=2)
+    assert "2 topologies, 2 changes" in fig.layout.title.text
+    assert [t.name for t in fig.data] == ["g1n4+g2n2", "g2n2+g4n1"]
+    assert fig.layout.shapes[0].x0 == summaries[2].step
