@@ -8,8 +8,8 @@ Each sample is one sequence of video patches. Shapes (S = this rank's samples):
 - `BalancedWan(model)(batch, balancer)` -> ``(T, C_out * pt * ph * pw)``: every sample's
   output patches back to back (one tensor, so a rank without samples still has a loss in
   the graph); ``BalancedWan.patchify(videos)`` packs targets the same way and
-  ``BalancedWan.unpatchify(out, batch)`` gives the ``(C_out, F, H, W)`` that ``model(...)`` gives for
-  each sample alone.
+  ``BalancedWan.unpatchify(out, batch)`` gives the ``(C_out, F, H, W)`` that
+  ``model(...)`` gives for each sample alone.
 
 Patch embedding, the timestep/text embedding and the output head run at home; the video
 tokens are routed with their (frame, row, column) grid positions, from which RoPE is
