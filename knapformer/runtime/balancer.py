@@ -155,7 +155,7 @@ class SequenceBalancer:
                 "SequenceBalancer needs torch.distributed: call "
                 "torch.distributed.init_process_group(...) first"
             )
-        rank = dist.get_rank()
+        rank, phases = dist.get_rank(), tuple(phases)
         if process_group is None or process_group == dist.group.WORLD:
             parent_ranks = tuple(range(dist.get_world_size()))
         else:
