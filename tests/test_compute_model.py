@@ -74,3 +74,38 @@ def test_missing_figures_are_left_out():
     assert np.isnan(fit.rate[1]) and np.isfinite(fit.rate[2])
     empty = fit_compute(np.zeros((3, 2)), np.zeros((3, 2)))
     assert np.isnan(empty.rate).all() and not empty.separable
+
+
+def _measured_shape(seed: int, steps: int, noise: float, slow: float = 2.0):
+    """A window shaped like the demo's `--world-size 4 --topology g1n4 --slow-rank 2`:
+    work relative to the mean 0.15, 0.55, 2.86, 0.45 (rank 2 holds a video no bag can
+    split), a fixed 13 ms, ~31 ms per unit of relative work, rank 2's whole compute
+    ``slow`` times longer (as `knapformer.local.slowdown` sleeps), per-rank-and-step noise
+    and a load that moves every rank of a step alike."""
+    rng = np.random.default_rng(seed)
+    work = np.array([0.15, 0.55, 2.86, 0.45])[:, None] * rng.uniform(0.95, 1.05, (4, steps))
+    compute = 13.0 + 31.0 * work
+    compute[2] *= slow
+    compute *= rng.lognormal(0.0, noise, compute.shape) * rng.lognormal(0.0, 0.2, (1, steps))
+    return work, compute
+
+
+def test_the_demo_shaped_window_reads_as_a_fixed_overhead_and_one_slow_rank():
+    # Two readings fit such a window: a fixed overhead and rank 2 slow (ranks 0, 1, 3 on
+    # one line), or no overhead and rank 0 slow (which needs more ranks off the line).
+    hits = 0
+    for seed in range(40):
+        fit = fit_compute(*_measured_shape(seed, steps=10, noise=0.1))
+        hits += bool(fit.rate[2] > 1.5 and all(fit.rate[i] < 1.3 for i in (0, 1, 3)))
+    assert hits >= 38
+    fit = fit_compute(*_measured_shape(0, steps=10, noise=0.02))
+    assert fit.overhead_ms == pytest.approx(13.0, rel=0.3)
+    assert fit.agrees.tolist() == [True, True, False, True]
+    assert fit.speed.tolist()[:2] == [1.0, 1.0] and fit.speed[2] < 0.6
+
+
+def test_a_healthy_demo_shaped_window_names_nobody_and_learns_nominal_speeds():
+    for seed in range(20):
+        fit = fit_compute(*_measured_shape(seed, steps=8, noise=0.1, slow=1.0))
+        assert (fit.speed == 1.0).sum() >= 3
+        assert np.all(fit.rate < 1.3)

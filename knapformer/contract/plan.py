@@ -228,8 +228,12 @@ RECORDED_PHASES = (
     "allreduce",
     "forward_backward",
     "optimizer",
+    # what a training loop reports of its host side: waiting for its next batch, and other
+    # host work (logging, bookkeeping); neither is the GPU's compute
+    "data",
+    "host",
     "step",
-    # step minus the time inside COLLECTIVE_PHASES: what the GPU itself took
+    # step minus the time inside COLLECTIVE_PHASES, data and host work: what the GPU took
     "compute",
 )
 #: Which measured phase stands for a GPU's compute, best first: a true compute time, then

@@ -32,6 +32,8 @@ MAX_WORLD = 64  # CPU worker processes: beyond this a workstation thrashes
 MAX_HEAD_DIM = 256  # the widest heads of real DiTs; the model's d_model is heads x this
 MAX_LAYERS = 64
 MAX_HEADS = 64  # heads the topology may ask for (a multiple of every bag size)
+#: Where an injected slow rank loses its time (`knapformer.local.slowdown`).
+SLOW_KINDS = ("gpu", "host", "input", "link")
 MAX_SEED = 2**63 - 1  # numpy's seed sequence takes non-negative ints, torch's 64-bit ones
 
 
@@ -77,9 +79,16 @@ class DemoConfig:
     lr: float = _option(2e-3, "AdamW learning rate")
     seed: int = _option(0, "seed of the weights and the data (the same on every rank)")
     run: str = _option("demo", "run name recorded in every plan")
-    slow_rank: int | None = _option(None, "make this rank's compute --slow-factor times slower")
+    slow_rank: int | None = _option(
+        None, "make this rank --slow-factor times slower, in the way --slow-kind says"
+    )
     slow_factor: float = _option(
-        2.0, "how much slower --slow-rank computes (it sleeps F-1 times its compute)"
+        2.0, "how much slower --slow-rank is (it loses F-1 times its compute every step)"
+    )
+    slow_kind: str = _option(
+        "gpu",
+        "where --slow-rank loses its time: gpu (its compute), host (CPU work outside the "
+        "compute), input (its next batch comes late), link (its token exchanges)",
     )
     cost_model: str = _option(
         "modelled",
@@ -114,6 +123,10 @@ class DemoConfig:
             )
         if not (math.isfinite(self.slow_factor) and self.slow_factor >= 1):
             raise OptionError(f"`slow_factor` must be a number >= 1, got {self.slow_factor}")
+        if self.slow_kind not in SLOW_KINDS:
+            raise OptionError(
+                f"unknown `slow_kind` {self.slow_kind!r}; choose one of {', '.join(SLOW_KINDS)}"
+            )
         if self.cost_model not in COST_MODELS:
             raise OptionError(
                 f"unknown `cost_model` {self.cost_model!r}; choose one of {', '.join(COST_MODELS)}"

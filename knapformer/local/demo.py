@@ -7,10 +7,11 @@ to learn), take an optimizer step every step and record every plan with a `PlanR
 to ``<out>/plans.jsonl``. Rank 0 sends one `StepReport` per step to the launcher, which
 prints it and, unless told not to, serves the dashboard on the same file.
 
-Fault injection: ``slow_rank`` sleeps ``(slow_factor - 1)`` times its measured compute
-every step (`knapformer.local.slowdown`: before ``reverse_route`` and before the
-gradient all-reduce), as a GPU that slow would take: its peers wait for it there, and
-the balancer's measurements show the slow rank as compute and its peers as waiting.
+Fault injection: ``slow_rank`` loses ``(slow_factor - 1)`` times its measured compute
+every step (`knapformer.local.slowdown`), where ``slow_kind`` says: as compute (``gpu``),
+as host work (``host``), as a late batch (``input``: the loop times making each batch as
+the ``data`` phase) or inside its token exchanges (``link``). Its peers wait for it, and
+the balancer's measurements show where the slow rank's time went and their waiting.
 ``cost_model="history"`` makes the balancer learn the speeds and give the slow rank less
 work; ``plan_ahead`` prefetches each next step's plan while the current one trains.
 
@@ -169,7 +170,9 @@ def train(
     if cfg.slow_rank == rank:
         from knapformer.local.slowdown import SlowBalancer
 
-        balancer = SlowBalancer(topo, slow_factor=cfg.slow_factor, **options)
+        balancer = SlowBalancer(
+            topo, slow_factor=cfg.slow_factor, slow_kind=cfg.slow_kind, **options
+        )
     else:
         balancer = SequenceBalancer(topo, **options)
 
@@ -183,8 +186,13 @@ def train(
         while cfg.steps == 0 or step < cfg.steps:
             report_progress(step)  # the launcher's watchdog names a rank that stalls
             started = time.perf_counter()
+            if cfg.slow_rank == rank:
+                balancer.wait_for_input()  # a slow loader (slow_kind input only)
             lengths, seed = batch(step)
             noisy, target = _flow_batch(lengths, mixing, torch.Generator().manual_seed(seed))
+            # Waiting for the batch ends the step before (from one plan to the next): a
+            # step's `data` is the wait for the batch of the step after it.
+            balancer.add_timing("data", (time.perf_counter() - started) * 1e3)
             plan = balancer.plan_routing(lengths, token_dim=d_model)
             if cfg.steps == 0 or step + 1 < cfg.steps:
                 # The next batch is known now: with plan_ahead its plan is made while this

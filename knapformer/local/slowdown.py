@@ -1,37 +1,67 @@
-"""Fault injection for the demo: a rank that computes as a GPU ``factor`` times slower
-would (thermal throttling, another job on the node), emulated by sleeping.
+"""Fault injection for the demo: one rank loses time every step, in the place a given
+fault would put it, so that the diagnosis can be checked against a known answer.
 
-Its measured compute (the step without the time inside collectives) is made ``factor``
-times longer: `SlowBalancer` sleeps ``factor - 1`` times the compute since its last
-sleep, at the exchanges of the whole group where a slow GPU makes its peers wait:
-before ``reverse_route`` (the forward pass, with the optimizer step and data of the
-step before) and, when the training loop calls `lag`, before the gradient all-reduce
-(the backward pass). Sleeping at the end of the step instead would put the slowdown
-behind every exchange, where no plan could shorten it.
+Every kind loses the same time: ``factor - 1`` times the rank's measured compute (the
+step without its collectives, data wait and host work) since the last injection, taken
+at the points of the step where a slow rank makes the group wait (before
+``reverse_route``, the forward pass's last exchange, and when the training loop calls
+`SlowBalancer.lag`, before the gradient all-reduce). Where the time goes is the kind:
+
+- ``gpu``: a sleep in the middle of the compute, as a throttled GPU or another job on
+  it. It scales the whole measured compute, its fixed part included: on a GPU the fixed
+  part is mostly kernels too (norms, the optimizer), and a throttled GPU runs those
+  slower as well. The affine model (`knapformer.planning.compute_model`) then sees a rate
+  of at least ``factor``; only Python's own dispatch, which a slow GPU does not slow,
+  is scaled here when it should not be, and that errs towards naming the rank.
+- ``host``: the CPU burns the time as host work (timed as the ``host`` phase), as a
+  garbage collection, a busy logger or another process on its cores would. The device's
+  compute is untouched.
+- ``input``: the next batch comes that much later (timed by the training loop as the
+  ``data`` phase, see `SlowBalancer.wait_for_input`), as a slow data loader.
+- ``link``: the rank's next token exchange (``torch.distributed.all_to_all_single``, inside
+  the balancer's timed ``route`` / ``pre_attn`` / ``post_attn`` / ``reverse_route``) is held
+  back that long, as a link that slow would: its peers wait for it there, and its own
+  time in the exchanges grows.
+
+Sleeping at the end of the step instead would put the slowdown behind every exchange,
+where no plan could shorten it and no peer would wait for it.
 """
 
 from __future__ import annotations
 
 import time
 
+import torch.distributed as dist
+
 from knapformer.contract.plan import COLLECTIVE_PHASES
+from knapformer.diagnosis.measured import DATA_PHASE, HOST_PHASE, host_ms
+from knapformer.local.config import SLOW_KINDS
 from knapformer.runtime.balancer import SequenceBalancer
 
 
 class SlowBalancer(SequenceBalancer):
-    """A `SequenceBalancer` on a rank whose compute is ``slow_factor`` (>= 1) times
-    slower; everything else as its parent."""
+    """A `SequenceBalancer` on a rank that loses ``slow_factor - 1`` (>= 0) times its
+    compute every step, in the place ``slow_kind`` says (the module doc); everything else
+    as its parent."""
 
-    def __init__(self, *args, slow_factor: float, **kwargs) -> None:
+    def __init__(self, *args, slow_factor: float, slow_kind: str = "gpu", **kwargs) -> None:
+        if slow_kind not in SLOW_KINDS:
+            raise ValueError(f"slow_kind {slow_kind!r} is not one of {', '.join(SLOW_KINDS)}")
         super().__init__(*args, **kwargs)
         self.slow_factor = float(slow_factor)
-        self._since: tuple[float, float] | None = None  # (host clock, ms in collectives)
-        self._ended_steps_ms = 0.0  # time inside collectives of the steps that ended
+        self.slow_kind = slow_kind
+        self._since: tuple[float, float] | None = None  # (host clock, ms not compute)
+        self._ended_steps_ms = 0.0  # time that was not compute, in the steps that ended
+        self._owed_ms = 0.0  # time the next batch or exchange is held back (input, link)
+        self._all_to_all = None
+        if slow_kind == "link":
+            self._all_to_all = dist.all_to_all_single
+            dist.all_to_all_single = self._held_all_to_all
 
     def plan_routing(self, *args, **kwargs):
         if self._since is None:
             self._mark()
-        # The step's timings start afresh: keep what the ending one spent in collectives.
+        # The step's timings start afresh: keep what the ending one spent outside compute.
         self._ended_steps_ms += self._in_step()
         return super().plan_routing(*args, **kwargs)
 
@@ -40,20 +70,61 @@ class SlowBalancer(SequenceBalancer):
         return super().reverse_route(seqs, features)
 
     def lag(self) -> None:
-        """Sleep ``slow_factor - 1`` times the compute since the last sleep."""
+        """Lose ``slow_factor - 1`` times the compute since the last call, as the kind says."""
         if self._since is not None:
-            began, waited = self._since
-            compute = (time.perf_counter() - began) * 1e3 - (self._waited() - waited)
-            time.sleep(max(compute, 0.0) * (self.slow_factor - 1) / 1e3)
+            began, outside = self._since
+            compute = (time.perf_counter() - began) * 1e3 - (self._outside() - outside)
+            owed = max(compute, 0.0) * (self.slow_factor - 1)
+            if self.slow_kind == "gpu":
+                time.sleep(owed / 1e3)
+            elif self.slow_kind == "host":
+                self.add_timing(HOST_PHASE, _burn(owed))
+            else:  # input, link: paid where the batch or the exchange comes
+                self._owed_ms += owed
         self._mark()
 
-    def _mark(self) -> None:
-        self._since = (time.perf_counter(), self._waited())
+    def wait_for_input(self) -> float:
+        """Hold the next batch back by what is owed (``input`` only; the training loop
+        calls it inside the time it measures as ``data``); returns the ms it slept."""
+        if self.slow_kind != "input":
+            return 0.0
+        return self._pay()
 
-    def _waited(self) -> float:
-        """Ms spent inside collectives since the first step."""
+    def close(self) -> None:
+        if self._all_to_all is not None:
+            dist.all_to_all_single = self._all_to_all
+            self._all_to_all = None
+        super().close()
+
+    def _held_all_to_all(self, *args, **kwargs):
+        self._pay()
+        return self._all_to_all(*args, **kwargs)
+
+    def _pay(self) -> float:
+        owed, self._owed_ms = self._owed_ms, 0.0
+        if owed > 0:
+            time.sleep(owed / 1e3)
+        return owed
+
+    def _mark(self) -> None:
+        self._since = (time.perf_counter(), self._outside())
+
+    def _outside(self) -> float:
+        """Ms spent outside compute (collectives, data, host work) since the first step."""
         return self._ended_steps_ms + self._in_step()
 
     def _in_step(self) -> float:
         timings = self.timings
-        return sum(timings.get(p, 0.0) for p in COLLECTIVE_PHASES)
+        collectives = sum(timings.get(p, 0.0) for p in COLLECTIVE_PHASES)
+        host = float(host_ms({p: [v] for p, v in timings.items()}, 1)[0])
+        return collectives + timings.get(DATA_PHASE, 0.0) + host
+
+
+def _burn(ms: float) -> float:
+    """Keep the CPU busy for ``ms``; returns the ms it took."""
+    began = time.perf_counter()
+    end = began + ms / 1e3
+    x = 0
+    while time.perf_counter() < end:
+        x += 1
+    return (time.perf_counter() - began) * 1e3

@@ -7,8 +7,8 @@ times the work the plan gave it, fitted over a window of steps.
   (`knapformer.contract.stats.PlanStats.work_after`), in any unit;
 - ``overhead``: what every step costs every rank whatever its work (kernel launches,
   norms, the optimizer, Python), in the same unit as the work, shared by the group;
-- ``rate[i]``: rank i's time per unit of work relative to the group's (the median rank
-  is 1; 2 = it takes twice as long per unit of work);
+- ``rate[i]``: rank i's time per unit of work relative to the group's (the ranks that
+  agree on one line are 1; 2 = it takes twice as long per unit of work);
 - ``scale[s]``: ms per unit of work in step s. It is fitted per step because the
   machine's load moves every rank alike (another job, a busy host): dividing it out
   leaves what sets one rank apart from its peers.
@@ -17,18 +17,32 @@ Why affine: a ratio ``compute / work`` (a line through the origin) makes a rank 
 little work look slow (its fixed overhead is divided by little work) and a rank given a
 lot look fast, whatever its hardware.
 
-The fit (`fit_compute`) is robust to a minority of slow ranks: for each candidate
-overhead on a grid, every step's scale is the median over ranks of
-``compute / (overhead + work)``, each rank's **cost ratio** is the median over steps of
-``compute / (scale · (overhead + work))``, and the overhead kept is the one whose cost
-ratios stay closest to 1 for most ranks (squared log, capped at `OUTLIER` so a slow
-rank weighs no more than any other misfit). Then ``rate[i]`` is the median over steps of
-``(compute / scale - overhead) / work``, divided by the median rank's.
+The fit (`fit_compute`) goes by consensus, so that one slow rank cannot bend the line the
+others agree on:
 
-The overhead is separable only where work differs between ranks of a step by at least
-`SEPARATION` (the fit then has two points of one line to go on). Where no step's work
-differs that much the overhead is taken as 0 and `ComputeFit.separable` is False: with
-equal work the overhead cannot change which rank is slow.
+1. Each rank's **medians** over the window (work and compute) take out the step-to-step
+   noise (a busy host moves single steps by tens of %).
+2. Candidate lines: the one through every pair of ranks whose median work differs by at
+   least `SEPARATION` (with a slope > 0 and an overhead in ``[0, MAX_OVERHEAD]`` times
+   the median work), and the line through the origin and each rank.
+3. A rank **agrees** with a line when the median over steps of its compute over the
+   line's is within `TOLERANCE`. The line kept is the one with the least sum over ranks
+   of the squared log of that ratio, each rank's capped at log(`TOLERANCE`)² (a rank
+   that disagrees costs the same however far off it is); ties go to the larger
+   overhead. With a fixed overhead the healthy ranks lie on one line and a slow rank
+   costs one cap; reading it instead as "the lightly loaded rank is slow" (a line
+   through the origin) needs more ranks off the line, so it loses.
+4. The overhead is refined over the agreeing ranks alone (a grid, least squares on the
+   log), and the agreeing set recomputed with it, until it no longer changes.
+
+Then each step's ``scale[s]`` is the median over the agreeing ranks of
+``compute / (overhead + work)``, and ``rate[i, s] = (compute / scale - overhead) / work``;
+a rank's rate is its median over the steps. The agreeing ranks are the group: their rate
+is 1 up to noise, and `ComputeFit.speed` takes them for nominal.
+
+The overhead is separable only when two ranks' median work differs by at least
+`SEPARATION` of the median. Otherwise it is taken as 0 and `ComputeFit.separable` is
+False: with equal work the overhead cannot change which rank is slow.
 
 Pure numpy: the history cost model (`knapformer.planning.history`) learns speeds from it,
 the straggler diagnosis (`knapformer.diagnosis.stragglers`) judges ranks by it.
@@ -42,19 +56,21 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import ArrayLike
 
-#: Work of ranks in one step must differ by this much (relative to the step's median
-#: work) for the fixed overhead to be told apart from the rate.
+#: Ranks' median work must differ by this much (relative to the median rank's) for the
+#: fixed overhead to be told apart from the rate.
 SEPARATION = 0.1
-#: A rank whose cost ratio is off by more than this factor counts as a fixed misfit.
-OUTLIER = 1.1
-#: Candidate overheads, relative to the median work of a rank in a step: 0, then 0.001x to
-#: `MAX_OVERHEAD` on a log grid.
-_GRID = np.concatenate([[0.0], np.geomspace(1e-3, 1.0, 61)])  # x MAX_OVERHEAD
-#: The largest overhead the fit considers: as much as the median rank's work, i.e. half
-#: its compute. Beyond it a rank's rate is the small difference of two large numbers
+#: A rank agrees with a line when its compute is within this factor of the line's (the
+#: median over the window's steps): above the noise of a median over a few steps on a
+#: busy host, below `knapformer.diagnosis.stragglers.Thresholds.slow_ratio`.
+TOLERANCE = 1.15
+#: The largest overhead the fit considers, in units of the median rank's work: as much
+#: work again. Beyond it a rank's rate is the small difference of two large numbers
 #: (noise), and once the history cost model has equalised every rank's compute, a huge
 #: overhead would "explain" equal times for unequal work and hide the slow rank.
-MAX_OVERHEAD = 1.0
+MAX_OVERHEAD = 3.0
+#: Candidate overheads of the refinement, times `MAX_OVERHEAD` x the median work.
+_GRID = np.concatenate([[0.0], np.geomspace(1e-3, 1.0, 61)])
+_ROUNDS = 4  # refinements of the agreeing set (it settles in one or two)
 
 
 @dataclass(frozen=True)
@@ -71,13 +87,16 @@ class ComputeFit:
     cost: np.ndarray  # (r,) median of measured / predicted compute (1 = as predicted)
     rate_steps: np.ndarray  # (r, s) the rate in each step
     predicted_ms: np.ndarray  # (r, s) compute a rank at the group's rate would take
+    agrees: np.ndarray | None = None  # (r,) bool: on the group's line (within TOLERANCE)
 
     @property
     def speed(self) -> np.ndarray:
-        """(r,) relative speed, the inverse of the rate (1 where unknown)."""
+        """(r,) relative speed: 1 for a rank that agrees with the group's line (what sets
+        it apart is noise) or is unknown, else the inverse of its rate."""
         with np.errstate(divide="ignore", invalid="ignore"):
             speed = 1.0 / self.rate
-        return np.where(np.isfinite(speed) & (speed > 0), speed, 1.0)
+        speed = np.where(np.isfinite(speed) & (speed > 0), speed, 1.0)
+        return speed if self.agrees is None else np.where(self.agrees, 1.0, speed)
 
     def as_dict(self) -> dict:
         """Plain JSON-ready values (NaN as None)."""
@@ -88,6 +107,7 @@ class ComputeFit:
             "note": self.note,
             "rate": [_plain(v) for v in self.rate.tolist()],
             "cost": [_plain(v) for v in self.cost.tolist()],
+            "agrees": None if self.agrees is None else self.agrees.tolist(),
         }
 
 
@@ -108,37 +128,40 @@ def fit_compute(work: ArrayLike, compute_ms: ArrayLike) -> ComputeFit:
     if not valid.any():
         nan_r, nan_s = np.full(r, np.nan), np.full(s, np.nan)
         return ComputeFit(0.0, 0.0, False, "no measured step", nan_s, nan_r, nan_r,
-                          np.full((r, s), np.nan), np.full((r, s), np.nan))  # fmt: skip
+                          np.full((r, s), np.nan), np.full((r, s), np.nan),
+                          np.zeros(r, dtype=bool))  # fmt: skip
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN columns: NaN, on purpose
-        typical = np.nanmedian(w, axis=0)  # (s,)
-        spread = np.nanmax(np.abs(w / typical - 1.0), axis=0)  # (s,)
-        separable = bool(np.nansum(spread >= SEPARATION) >= 1)
-        if separable:
-            grid = _GRID * float(np.nanmedian(typical))
-            losses = np.array([_loss(w, c, a) for a in grid])
-            overhead = _middle_of_best(grid, losses)
-            note = (
-                f"overhead fitted: work differs by >= {SEPARATION:.0%} between ranks in "
-                f"{int(np.sum(spread >= SEPARATION))} of {s} step(s)"
-            )
-        else:
-            overhead = 0.0
-            note = (
-                f"overhead not separable: in every step each rank's work is within "
-                f"{SEPARATION:.0%} of the median (taken as 0; with equal work it does not "
-                "change which rank is slow)"
-            )
-        scale = _scale(w, c, overhead)  # (s,)
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN rows: NaN, on purpose
+        work_r, compute_r = np.nanmedian(w, axis=1), np.nanmedian(c, axis=1)  # (r,)
+        known = np.isfinite(work_r) & np.isfinite(compute_r)
+        typical = float(np.median(work_r[known]))
+        lines = _candidates(work_r[known], compute_r[known], typical)
+        separable = _spread(work_r[known]) >= SEPARATION
+        if not separable:
+            lines = [(0.0, slope) for overhead, slope in lines if overhead == 0.0]
+        overhead, slope = _consensus(w, c, lines)
+        agrees = _agreeing(w, c, overhead, slope)
+        for _ in range(_ROUNDS):
+            if separable and agrees.sum() >= 2:
+                overhead = _refine(w[agrees], c[agrees], typical)
+            slope = _slope(w[agrees], c[agrees], overhead)
+            again = _agreeing(w, c, overhead, slope)
+            if (again == agrees).all():
+                break
+            agrees = again if again.any() else agrees
+        scale = np.nanmedian(c[agrees] / (overhead + w[agrees]), axis=0)  # (s,)
         predicted = scale * (overhead + w)  # (r, s)
-        cost_steps = c / predicted
         rate_steps = (c / scale - overhead) / w
         rate = np.nanmedian(rate_steps, axis=1)
-        typical_rate = np.nanmedian(rate)
-        if np.isfinite(typical_rate) and typical_rate > 0:
-            rate, rate_steps = rate / typical_rate, rate_steps / typical_rate
-        cost = np.nanmedian(cost_steps, axis=1)
+        cost = np.nanmedian(c / predicted, axis=1)
         overhead_ms = float(np.nanmedian(scale * overhead))
+    note = (
+        f"overhead {overhead_ms:.3g} ms per step, fitted on the line {int(agrees.sum())} of "
+        f"{int(known.sum())} ranks agree with (within {TOLERANCE - 1:.0%})"
+        if separable
+        else f"overhead not separable: every rank's median work is within {SEPARATION:.0%} "
+        "of the others' (taken as 0; with equal work it does not change which rank is slow)"
+    )
     return ComputeFit(
         overhead=float(overhead),
         overhead_ms=overhead_ms,
@@ -149,29 +172,86 @@ def fit_compute(work: ArrayLike, compute_ms: ArrayLike) -> ComputeFit:
         cost=cost,
         rate_steps=rate_steps,
         predicted_ms=predicted,
+        agrees=agrees,
     )
 
 
-def _scale(w: np.ndarray, c: np.ndarray, overhead: float) -> np.ndarray:
-    """(s,) each step's ms per unit of work: the median rank's ``c / (overhead + w)``."""
-    return np.nanmedian(c / (overhead + w), axis=0)
+def _spread(work: np.ndarray) -> float:
+    """How far apart the ranks' median works are, relative to the median one."""
+    if len(work) < 2:
+        return 0.0
+    return float((work.max() - work.min()) / np.median(work))
 
 
-def _loss(w: np.ndarray, c: np.ndarray, overhead: float) -> float:
-    """How far the ranks' cost ratios are from 1 under ``overhead``: the sum over ranks of
-    the squared log of the median ratio, each capped at log(`OUTLIER`)²."""
-    ratio = c / (_scale(w, c, overhead) * (overhead + w))
-    per_rank = np.nanmedian(np.log(ratio), axis=1)
-    per_rank = per_rank[np.isfinite(per_rank)]
-    return float(np.minimum(per_rank**2, np.log(OUTLIER) ** 2).sum())
+def _candidates(work: np.ndarray, compute: np.ndarray, typical: float) -> list[tuple]:
+    """(overhead, ms per unit of work) of the candidate lines through the ranks' medians
+    ``work`` (k,) and ``compute`` (k,): through the origin and each rank, and through every
+    pair of ranks far enough apart in work whose line has a slope > 0 and an overhead in
+    [0, MAX_OVERHEAD x typical]."""
+    lines = [(0.0, float(ci / wi)) for wi, ci in zip(work, compute, strict=True)]
+    for i in range(len(work)):
+        for j in range(i + 1, len(work)):
+            dw = work[j] - work[i]
+            if abs(dw) < SEPARATION * typical:
+                continue
+            slope = (compute[j] - compute[i]) / dw
+            if slope <= 0:
+                continue
+            overhead = compute[i] / slope - work[i]
+            if 0.0 < overhead <= MAX_OVERHEAD * typical:
+                lines.append((float(overhead), float(slope)))
+    return lines
+
+
+def _residuals(w: np.ndarray, c: np.ndarray, overhead: float, slope: float) -> np.ndarray:
+    """(r,) each rank's median over steps of log(compute / the line's)."""
+    return np.nanmedian(np.log(c / (slope * (overhead + w))), axis=1)
+
+
+def _agreeing(w: np.ndarray, c: np.ndarray, overhead: float, slope: float) -> np.ndarray:
+    """(r,) bool: the ranks within `TOLERANCE` of the line (NaN: no)."""
+    res = _residuals(w, c, overhead, slope)
+    return np.isfinite(res) & (np.abs(res) <= np.log(TOLERANCE))
+
+
+def _consensus(w: np.ndarray, c: np.ndarray, lines: list[tuple]) -> tuple[float, float]:
+    """The line of ``lines`` the ranks agree with best: the least sum over ranks of the
+    squared log residual, each capped at log(`TOLERANCE`)² (a rank off the line costs
+    the same however far off, so one slow rank cannot pull the line); ties: the larger
+    overhead (every step has a fixed cost; the origin is the special case)."""
+    cap = np.log(TOLERANCE) ** 2
+
+    def score(line: tuple[float, float]) -> tuple:
+        res = _residuals(w, c, *line)
+        res = res[np.isfinite(res)]
+        return (round(float(np.minimum(res**2, cap).sum()) / cap, 6), -line[0])
+
+    return min(lines, key=score)
+
+
+def _slope(w: np.ndarray, c: np.ndarray, overhead: float) -> float:
+    """The ms per unit of work that centres ranks ``w``, ``c`` (k, s) on the line with
+    ``overhead``: the exp of the mean of their median log(compute / (overhead + work))."""
+    return float(np.exp(np.nanmean(np.nanmedian(np.log(c / (overhead + w)), axis=1))))
+
+
+def _refine(w: np.ndarray, c: np.ndarray, typical: float) -> float:
+    """The overhead that puts the agreeing ranks ``w``, ``c`` (k, s) closest to one line
+    (least squares on the log over the grid; the middle of a flat stretch)."""
+    grid = _GRID * MAX_OVERHEAD * typical
+    losses = []
+    for overhead in grid:
+        offsets = np.nanmedian(np.log(c / (overhead + w)), axis=1)
+        losses.append(float(np.nansum((offsets - np.nanmean(offsets)) ** 2)))
+    return _middle_of_best(grid, np.asarray(losses))
 
 
 def _middle_of_best(grid: np.ndarray, losses: np.ndarray) -> float:
     """The overhead in the middle (on the grid) of the stretch of candidates around the
-    best whose loss is within 1 % of a rank's cap of it: a flat loss gives the middle of
-    its flat stretch, not its smallest overhead."""
+    best whose loss is within 1 % of a rank's tolerance of it: a flat loss gives the
+    middle of its flat stretch, not its smallest overhead."""
     best = int(np.argmin(losses))
-    near = losses <= losses[best] + 0.01 * np.log(OUTLIER) ** 2
+    near = losses <= losses[best] + 0.01 * np.log(TOLERANCE) ** 2
     low = high = best
     while low > 0 and near[low - 1]:
         low -= 1

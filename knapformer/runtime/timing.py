@@ -5,9 +5,16 @@ A step runs from one ``plan_routing`` call to the next. Within it the balancer t
 every collective it owns (`knapformer.contract.plan.COLLECTIVE_PHASES`: the length gather, the
 routing all-to-alls forward and backward, the Ulysses exchanges, the gradient
 all-reduce run through it) and a few host phases (``plan``, ``record``); a training loop
-adds its own with ``add``. When the step ends, ``step`` is its wall time and ``compute``
-is ``step`` minus the time inside the collectives: what this rank computed, without the
-time it waited for its peers (docs/concepts.md).
+adds its own with ``add`` (``data``: waiting for the next batch; ``host``: other host
+work). When the step ends, ``step`` is its wall time and ``compute`` is ``step`` minus the
+time inside the collectives, the ``data`` wait and the host work
+(`knapformer.diagnosis.measured.host_ms`: planning without its gather, recording,
+``host``): what this rank's device computed, without the time it waited for its peers or
+its input or spent on host work of its own (docs/concepts.md).
+
+On CUDA the host work is also asynchronous to the device, so this still counts host
+time that overlaps kernels as not compute; on the CPU host and device are one and the
+same and cannot be separated further.
 
 Clocks: on the CPU ``time.perf_counter``. On CUDA the work is asynchronous, so
 collectives and step boundaries are CUDA events, read only once a later point of the
@@ -31,6 +38,7 @@ import numpy as np
 import torch
 
 from knapformer.contract.plan import COLLECTIVE_PHASES, RECORDED_PHASES, Measurements, RoutingPlan
+from knapformer.diagnosis.measured import DATA_PHASE, host_ms
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +79,11 @@ class FinishedStep:
         else:
             values["step"] = (self.ended - self.started) * 1e3
         waited = sum(values.get(p, 0.0) for p in COLLECTIVE_PHASES)
-        values["compute"] = max(values["step"] - waited, 0.0)
+        # The host's own work and the wait for data are not the GPU's compute either:
+        # a slow loader or a busy host must not read as a slow GPU.
+        host = {p: [v] for p, v in values.items()}
+        outside = values.get(DATA_PHASE, 0.0) + float(host_ms(host, 1)[0])
+        values["compute"] = max(values["step"] - waited - outside, 0.0)
         return values
 
     def row(self, phases: Iterable[str]) -> list[float]:
