@@ -371,3 +371,14 @@ def row_medians(matrix: np.ndarray) -> np.ndarray:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN rows: NaN, said here
         return np.nanmedian(matrix, axis=1) if matrix.size else np.full(len(matrix), np.nan)
+
+
+def named_over_run(
+    figures: Sequence[RankFigures], window: int | None = WINDOW
+) -> list[tuple[int | None, dict[int, str]]]:
+    """What `analyse` names after each measured step of a run, as the run goes: per step,
+    ``(step, {rank: verdict})`` of the ranks not ``ok`` over the steps measured so far."""
+    return [
+        (f.step, {r.rank: r.verdict for r in analyse(figures[: k + 1], window).named})
+        for k, f in enumerate(figures)
+    ]

@@ -53,6 +53,7 @@ class SlowBalancer(SequenceBalancer):
         self._since: tuple[float, float] | None = None  # (host clock, ms not compute)
         self._ended_steps_ms = 0.0  # time that was not compute, in the steps that ended
         self._owed_ms = 0.0  # time the next batch or exchange is held back (input, link)
+        self.lost_ms = 0.0  # time lost so far, by every kind (what it injected)
         self._all_to_all = None
         if slow_kind == "link":
             self._all_to_all = dist.all_to_all_single
@@ -75,6 +76,7 @@ class SlowBalancer(SequenceBalancer):
             began, outside = self._since
             compute = (time.perf_counter() - began) * 1e3 - (self._outside() - outside)
             owed = max(compute, 0.0) * (self.slow_factor - 1)
+            self.lost_ms += owed
             if self.slow_kind == "gpu":
                 time.sleep(owed / 1e3)
             elif self.slow_kind == "host":
