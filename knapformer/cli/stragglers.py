@@ -38,7 +38,7 @@ def stragglers(
     ),
 ) -> None:
     """Name slow ranks: per rank, predicted share vs measured compute, waiting, and a verdict
-    (slow_gpu, data_imbalance or ok)."""
+    (slow_gpu, slow_host, slow_input, slow_link, layout_floor, data_imbalance or ok)."""
     if not 0 <= window <= MAX_STEP:
         raise UserError(
             f"--window {abbreviate(f'{window:,}')} must be 0 (every step) or a number of "
@@ -94,11 +94,12 @@ def _table(report: StragglerReport) -> Table:
     )
     for name in ("rank", "verdict", "predicted\nshare", "predicted\nload (× ideal)"):
         table.add_column(name, justify="right" if name != "verdict" else "left")
-    for name in ("compute\n(ms)", "measured ÷\npredicted", "wait\n(ms)", "times\nlast", "steps"):
+    for name in ("compute\n(ms)", "rate\n(× group)", "wait\n(ms)", "times\nlast", "steps"):
         table.add_column(name, justify="right")
     shown = report.ranks if len(report.ranks) <= _ALL_RANKS_UP_TO else report.named
     for r in shown:
-        style = {"slow_gpu": "bold red", "data_imbalance": "yellow"}.get(r.verdict)
+        style = "bold red" if r.verdict.startswith("slow_") else None
+        style = {"data_imbalance": "yellow", "layout_floor": "yellow"}.get(r.verdict, style)
         table.add_row(
             str(r.rank),
             r.verdict,
@@ -127,9 +128,14 @@ def _summary(report: StragglerReport, measured: int) -> str:
     lines += [describe(r) for r in report.named]
     if not report.named and measured >= th.min_steps:
         lines.append("no straggler: every rank takes about the time the plan predicts")
+    if report.fit is not None and report.fit.note:
+        lines.append(f"compute model: {report.fit.note}")
     lines.append(
-        f"verdicts: slow_gpu when measured ÷ predicted ≥ {th.slow_ratio:g} (median, and in "
-        f"≥ {th.persistence:.0%} of steps); data_imbalance when the predicted load is "
-        f"≥ {th.heavy_load:g}× the ideal (likewise)"
+        f"verdicts (each needs its figure in ≥ {th.persistence:.0%} of steps, and costing "
+        f"≥ {th.material:.0%} of the step): slow_gpu when the rate (affine model) is "
+        f"≥ {th.slow_ratio:g}× the group's; slow_host / slow_input / slow_link when host work "
+        "/ the wait for data / the token exchanges (of the rank the others waited for) "
+        f"exceed the group's median; layout_floor / data_imbalance when the predicted load "
+        f"is ≥ {th.heavy_load:g}× the ideal, at the layout floor or above it"
     )
     return "\n".join(lines)
