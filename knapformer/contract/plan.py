@@ -287,7 +287,7 @@ class SolverOptions(TypedDict, total=False):
     #: topology "auto": the group sizes it chose from and the cluster figures it priced
     #: communication with (knapformer.planning.communication.CommModel fields).
     group_sizes: list[Annotated[int, Field(ge=1, le=MAX_GPUS)]]
-    comm: dict[str, Annotated[float, Field(gt=0, allow_inf_nan=False)]]
+    comm: dict[Text, Annotated[float, Field(gt=0, allow_inf_nan=False)]]
 
 
 class RoutingPlan(BaseModel):
