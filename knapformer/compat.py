@@ -12,6 +12,8 @@ Code written for the KnapFormer research code switches by changing one import li
     chunk_lens, out = balancer.post_attn(out)               # chunk_lens: int32 tensor
     seq_lens, y, _ = balancer.reverse_route(x)              # the seq_lens given above
     summary = balancer.get_routing_plan_summary()           # the int-keyed legacy dict
+    balancer.turn_on_tracking(num_layers, include_bwd)      # then, after the steps:
+    balancer.print_tracking_results()                       # the simulator's imbalance lines
 
 What it keeps from the original: the constructor ``(bag_specs, gamma=1.0)`` and its
 solver (greedy, the published algorithm; ours defaults to γ 0.4 and our own solver), the
@@ -19,7 +21,10 @@ length types each call returns (a tuple of ints from `route`, int32 tensors on t
 device from `pre_attn` / `post_attn`, the caller's own lengths from `reverse_route`),
 `print_imbalance`, `nice_print`, `get_routing_plan_summary` and the summary's fields as
 attributes (``balancer.gpu_id2seq_lens[balancer.this_gpu_id]``, as MMDiT integrations
-read them). Everything runs on `knapformer.runtime.balancer.SequenceBalancer` (``.balancer``),
+read them), the rest of the plan's views the research code kept as attributes
+(``gpu_id2total_workload``, ``orig_minmax_workload``, ``bag_id2occupancy``, ...), its
+tracking API (``turn_on_tracking`` ... ``print_tracking_results``, ``tracked_tflops``)
+and ``metrics``. Everything runs on `knapformer.runtime.balancer.SequenceBalancer` (``.balancer``),
 so gloo works as well as NCCL, ``last_plan`` is a `RoutingPlan`, and keyword-only
 options (``solver``, ``recorder``, ``run``, ...) reach the rest of the toolkit.
 """
@@ -27,6 +32,7 @@ options (``solver``, ``recorder``, ``run``, ...) reach the rest of the toolkit.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -47,22 +53,51 @@ logger = logging.getLogger(__name__)
 ORIGINAL_GAMMA = 1.0
 ORIGINAL_SOLVER = "greedy"
 
-# What the research code had that this layer does not provide, and where to look instead.
-_NOT_PROVIDED = {
-    "turn_on_tracking": "record plans with recorder=knapformer.PlanRecorder(...) and read "
-    "their figures with `knapformer show` or plan.stats",
-    "turn_off_tracking": "pass no recorder",
-    "print_tracking_results": "run `knapformer show` on the recorded plans",
-    "tracked_tflops": "see plan.stats.total_load of each recorded plan",
-    "metrics": "see balancer.timings and plan.measurements",
-    "ulysses_bag": "pre_attn / post_attn do the Ulysses exchange",
-}
+# The research code's attributes that describe the current plan besides the summary's
+# fields (LEGACY_KEYS); `_plan_views` makes them.
+PLAN_VIEWS = (
+    "local_seq_lens",
+    "seq_id2gpu_id",
+    "gpu_id2total_workload",
+    "per_gpu_capacity",
+    "seq_id2assigned_bag_id",
+    "bag_id2capacity",
+    "bag_id2assigned_seq_ids",
+    "bag_id2occupancy",
+    "chunk_id2gpu_id",
+    "chunk_id2chunk_len",
+    "balance_gpu_id2chunk_ids",
+    "balance_gpu_id2chunk_lens",
+    "balance_gpu_id2seq_ids",
+    "balance_gpu_id2total_workload",
+    "orig_minmax_workload",
+    "bala_minmax_workload",
+)
+# What tracking keeps per planned step, in `print_tracking_results`' order.
+TRACKED = (
+    ("tracked_per_gpu_capacity", "Per GPU Capacity"),
+    ("tracked_original_imbalance_ratio", "Original Imbalance Ratio"),
+    ("tracked_balanced_imbalance_ratio", "Balanced Imbalance Ratio"),
+)
 
 
 def workload_estimator(seq_len: int, d: int, gamma: float = ORIGINAL_GAMMA) -> float:
     """Workload of one sequence of ``seq_len`` tokens and token dimension ``d`` (the
     research code's function, γ 1.0 by default); `WorkloadModel.workload` computes it."""
     return float(WorkloadModel(int(d), gamma).workload(seq_len))
+
+
+def tflops_estimator(seq_len: int, d: int, num_layers: int, include_bwd: bool = False) -> float:
+    """TFLOPs of one sequence through ``num_layers`` blocks (the research code's function):
+    the γ 1.0 workload per layer; with ``include_bwd`` backward (twice the forward) and one
+    recomputed forward (activation checkpointing) on top, 4x in all."""
+    return _tflops([seq_len], d, num_layers, include_bwd)
+
+
+def _tflops(lengths: Any, d: int, num_layers: int, include_bwd: bool) -> float:
+    """`tflops_estimator` summed over ``lengths``."""
+    per_layer = WorkloadModel(int(d), ORIGINAL_GAMMA).workload(np.asarray(lengths)).sum()
+    return float(per_layer) * num_layers * (4 if include_bwd else 1)
 
 
 class SequenceBalancer:
@@ -102,7 +137,23 @@ class SequenceBalancer:
         # length tensors (per kind and device; built once, read by every layer).
         self._views_of: RoutingPlan | None = None
         self._summary: dict[str, Any] | None = None
+        self._views: dict[str, Any] | None = None
         self._lengths: dict[tuple[str, torch.device], torch.Tensor] = {}
+        # Tracking (the research code's names): off until turn_on_tracking.
+        self.tracking = False
+        self.num_layers, self.include_bwd = 1, False
+        self.tracked_tflops: list[float] = []
+        for name, _ in TRACKED:
+            setattr(self, name, [])
+        # The research code's run-time figures of the latest step, set by plan_routing
+        # and reverse_route; our per-phase timings (ms) are added as ``<phase>_ms``.
+        self.metrics: dict[str, float] = {
+            "start_time": 0.0,
+            "end_time": 0.0,
+            "total_tokens": 0,
+            "duration_sec": 0.0,
+            "avg_per_gpu_tokens": 0.0,
+        }
 
     # ------------------------------------------------------------ attributes
     @property
@@ -134,16 +185,62 @@ class SequenceBalancer:
     def last_plan(self) -> RoutingPlan | None:
         return self.balancer.last_plan
 
+    @property
+    def this_device(self) -> torch.device:
+        """Where the balancer's collectives run (the CPU on gloo, the GPU on NCCL)."""
+        return self.balancer.device
+
+    @property
+    def parsed_bag_specs(self) -> list[tuple[int, int]]:
+        """``(GPUs per bag, number of such bags)``, smallest bags first."""
+        sizes = self.topology.bag_sizes
+        return [(g, sizes.count(g)) for g in sorted(set(sizes))]
+
+    @property
+    def bag_gpu_options(self) -> list[int]:
+        """The bag sizes, ascending."""
+        return [g for g, _ in self.parsed_bag_specs]
+
+    @property
+    def bag_gpu_options2bag_ids(self) -> dict[int, list[int]]:
+        """Bag size -> ids of the bags of that size."""
+        out: dict[int, list[int]] = {g: [] for g in self.bag_gpu_options}
+        for bag_id, size in enumerate(self.topology.bag_sizes):
+            out[size].append(bag_id)
+        return out
+
+    @property
+    def bag_id2process_group(self) -> dict[int, Any]:
+        """Bag id -> its process group, for this rank's own bag of several GPUs; None for a
+        bag of one GPU and for the bags this rank is not in (no collective of theirs runs
+        here)."""
+        bags = self.topology.bags(self.balance_gpu_ids)
+        mine = self.balancer.my_bag
+        return {b: (self.balancer.groups.my_bag_group if gpus == mine else None)
+                for b, gpus in enumerate(bags)}  # fmt: skip
+
+    @property
+    def ulysses_bag(self) -> _UlyssesBag:
+        """This rank's bag for the current plan: ``pre_attn`` / ``post_attn`` as on the
+        balancer, and the research code's ``bag_id``, ``gpu_ids``, ``process_group``."""
+        plan = self._require_plan()
+        bag_id = next(b for b, gpus in enumerate(plan.bags) if self.this_gpu_id in gpus)
+        return _UlyssesBag(self, bag_id, list(plan.bags[bag_id]))
+
     def __getattr__(self, name: str) -> Any:
         # Only reached for names that are not regular attributes.
-        if name in LEGACY_KEYS:
-            if self.balancer.last_plan is None:
-                raise AttributeError(f"{name} is known once plan_routing(...) has been called")
-            return self._summary_dict()[name]
-        if name in _NOT_PROVIDED:
-            raise AttributeError(
-                f"knapformer.compat.SequenceBalancer has no {name!r}: {_NOT_PROVIDED[name]}"
-            )
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if name in LEGACY_KEYS or name in PLAN_VIEWS:
+            if self.balancer.last_plan is not None:
+                views = self._summary_dict() if name in LEGACY_KEYS else self._plan_views()
+                return views[name]
+            if name in ("bag_id2gpu_ids", "gpu_id2bag_id"):  # the bags are known up front
+                bags = self.topology.bags(self.balance_gpu_ids)
+                if name == "bag_id2gpu_ids":
+                    return dict(enumerate(bags))
+                return {g: b for b, gpus in enumerate(bags) for g in gpus}
+            raise AttributeError(f"{name} is known once plan_routing(...) has been called")
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     # -------------------------------------------------------------- planning
@@ -152,9 +249,59 @@ class SequenceBalancer:
     ) -> RoutingPlan:
         """Plan this step (collective over the balance group); returns the `RoutingPlan`
         (the research code returned nothing)."""
+        started = time.time()
         plan = self.balancer.plan_routing(local_seq_lens, token_dim)
         self._given_seq_lens = local_seq_lens
+        self.metrics["start_time"] = started
+        if self.tracking:
+            self._track(plan, token_dim)
         return plan
+
+    # -------------------------------------------------------------- tracking
+    def turn_on_tracking(self, num_layers: int = 1, include_bwd: bool = False) -> None:
+        """Keep, for every step planned from now on, the per-GPU capacity (the mean
+        workload), max/min workload before and after balancing, and the step's TFLOPs for
+        ``num_layers`` blocks (forward, or with ``include_bwd`` forward, backward and one
+        recomputation): ``tracked_per_gpu_capacity``, ``tracked_original_imbalance_ratio``,
+        ``tracked_balanced_imbalance_ratio``, ``tracked_tflops``. Starts them empty."""
+        self.tracking = True
+        self.num_layers, self.include_bwd = int(num_layers), bool(include_bwd)
+        self._clear_tracked()
+
+    def turn_off_tracking(self) -> None:
+        """Stop tracking and drop what was tracked."""
+        self.tracking = False
+        self._clear_tracked()
+
+    def print_tracking_results(self) -> str:
+        """Log (INFO) the mean and standard deviation of each tracked figure over the
+        tracked steps, one line each (``Per GPU Capacity: ...``, ``Original Imbalance
+        Ratio: ...``, ``Balanced Imbalance Ratio: ...``, the lines the research code's
+        experiment launcher reads). Returns the logged lines."""
+        lines = []
+        for name, label in TRACKED:
+            values = np.asarray(getattr(self, name), dtype=np.float64)
+            if values.size == 0:
+                lines.append(f"{label}: no step tracked")
+                continue
+            lines.append(f"{label}: {values.mean()}, std: {values.std()}")
+        for line in lines:
+            logger.info(line)
+        return "\n".join(lines)
+
+    def _clear_tracked(self) -> None:
+        self.tracked_tflops = []
+        for name, _ in TRACKED:
+            setattr(self, name, [])
+
+    def _track(self, plan: RoutingPlan, token_dim: int) -> None:
+        st = plan.stats
+        self.tracked_per_gpu_capacity.append(st.mean_load)
+        self.tracked_original_imbalance_ratio.append(st.max_min_before)
+        self.tracked_balanced_imbalance_ratio.append(st.max_min_after)
+        self.tracked_tflops.append(
+            _tflops(plan.sequences.length, token_dim, self.num_layers, self.include_bwd)
+        )
 
     def get_routing_plan_summary(self) -> dict[str, Any]:
         """The current plan as the research code's summary dict (integer ids as keys);
@@ -218,6 +365,7 @@ class SequenceBalancer:
         lengths on the data's device. ``force_fp32_buffer`` is ignored (see `route`)."""
         del force_fp32_buffer
         _, seqs, features = self.balancer.reverse_route(packed_seqs, packed_features)
+        self._update_metrics()
         given = self._given_seq_lens
         if isinstance(given, torch.Tensor):
             return given, seqs, features
@@ -251,6 +399,19 @@ class SequenceBalancer:
         self.close()
 
     # ------------------------------------------------------------- internals
+    def _update_metrics(self) -> None:
+        """The research code's figures of the step (planning to the end of reverse_route),
+        and this rank's per-phase timings so far."""
+        plan, now = self._require_plan(), time.time()
+        total = int(plan.stats.total_tokens)
+        self.metrics.update(
+            end_time=now,
+            total_tokens=total,
+            duration_sec=now - self.metrics["start_time"],
+            avg_per_gpu_tokens=total / len(plan.gpus),
+        )
+        self.metrics.update({f"{k}_ms": v for k, v in self.balancer.timings.items()})
+
     def _require_plan(self) -> RoutingPlan:
         plan = self.balancer.last_plan
         if plan is None:
@@ -261,7 +422,7 @@ class SequenceBalancer:
         """The current plan; the views made of an earlier plan are dropped."""
         plan = self._require_plan()
         if self._views_of is not plan:
-            self._views_of, self._summary, self._lengths = plan, None, {}
+            self._views_of, self._summary, self._views, self._lengths = plan, None, None, {}
         return plan
 
     def _summary_dict(self) -> dict[str, Any]:
@@ -271,6 +432,20 @@ class SequenceBalancer:
             self._summary = plan_to_legacy(plan, json_keys=False)
         return self._summary
 
+    def _plan_views(self) -> dict[str, Any]:
+        """The current plan's `PLAN_VIEWS`, made on first use."""
+        plan = self._of_current_plan()
+        if self._views is None:
+            self._views = _plan_views(plan, self._summary_dict(), self._local_seq_lens())
+        return self._views
+
+    def _local_seq_lens(self) -> torch.Tensor:
+        """This rank's lengths as given, as an int32 tensor on the balancer's device."""
+        given = self._given_seq_lens
+        if isinstance(given, torch.Tensor):
+            return given
+        return torch.as_tensor(list(given), dtype=torch.int32, device=self.this_device)
+
     def _length_tensor(self, kind: str, lengths: list[int], device: torch.device) -> torch.Tensor:
         """``lengths`` as an int32 tensor on ``device``, made once per plan (a host to
         device copy per layer would otherwise be paid twice per attention call)."""
@@ -279,3 +454,57 @@ class SequenceBalancer:
         if key not in self._lengths:
             self._lengths[key] = torch.tensor(lengths, dtype=torch.int32, device=device)
         return self._lengths[key]
+
+
+class _UlyssesBag:
+    """This rank's bag of the current plan, as the research code's ``ulysses_bag``."""
+
+    def __init__(self, owner: SequenceBalancer, bag_id: int, gpu_ids: list[int]):
+        self.bag_id, self.gpu_ids, self.this_gpu_id = bag_id, gpu_ids, owner.this_gpu_id
+        self.process_group = owner.balancer.groups.my_bag_group
+        self.pre_attn, self.post_attn = owner.pre_attn, owner.post_attn
+
+
+def _plan_views(plan: RoutingPlan, summary: dict[str, Any], local: torch.Tensor) -> dict[str, Any]:
+    """`PLAN_VIEWS` of ``plan``; chunk ids are the summary's (consecutive per sequence)."""
+    st, seqs = plan.stats, plan.sequences
+    gpus = [int(g) for g in plan.gpus]
+    before = {g: float(x) for g, x in zip(gpus, st.load_before, strict=True)}
+    after = {g: float(x) for g, x in zip(gpus, st.load_after, strict=True)}
+    capacity = st.mean_load
+    bag_of_seq = {i: int(b) for i, b in enumerate(seqs.bag.tolist())}
+    bag_seqs: dict[int, list[int]] = {b: [] for b in range(len(plan.bags))}
+    for i, b in bag_of_seq.items():
+        bag_seqs[b].append(i)
+    bag_capacity = {b: capacity * len(gpus_of) for b, gpus_of in enumerate(plan.bags)}
+    occupancy = {
+        b: (float(st.bag_load_after[b]) / bag_capacity[b] if bag_capacity[b] > 0 else 0.0)
+        for b in bag_capacity
+    }
+    chunk_src = {c: g for g, ids in summary["gpu_id2chunk_ids"].items() for c in ids}
+    dst = summary["balance_chunk_id2gpu_id"]
+    chunk_len = summary["balance_chunk_id2chunk_len"]
+    on_gpu: dict[int, list[int]] = {g: [] for g in gpus}
+    for c in sorted(dst):
+        on_gpu[dst[c]].append(c)
+    seq_of = summary["chunk_id2seq_id"]
+    return {
+        "local_seq_lens": local,
+        "seq_id2gpu_id": {i: int(g) for i, g in enumerate(seqs.src_gpu.tolist())},
+        "gpu_id2total_workload": before,
+        "per_gpu_capacity": capacity,
+        "seq_id2assigned_bag_id": bag_of_seq,
+        "bag_id2capacity": bag_capacity,
+        "bag_id2assigned_seq_ids": bag_seqs,
+        "bag_id2occupancy": occupancy,
+        "chunk_id2gpu_id": dict(sorted(chunk_src.items())),
+        "chunk_id2chunk_len": dict(sorted(chunk_len.items())),
+        "balance_gpu_id2chunk_ids": on_gpu,
+        "balance_gpu_id2chunk_lens": {g: [chunk_len[c] for c in ids] for g, ids in on_gpu.items()},
+        "balance_gpu_id2seq_ids": {
+            g: sorted({seq_of[c] for c in ids}) for g, ids in on_gpu.items()
+        },
+        "balance_gpu_id2total_workload": after,
+        "orig_minmax_workload": (min(before.values()), max(before.values())),
+        "bala_minmax_workload": (min(after.values()), max(after.values())),
+    }

@@ -14,7 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-from knapformer.compat import ORIGINAL_GAMMA, SequenceBalancer, workload_estimator
+from knapformer.compat import (
+    ORIGINAL_GAMMA,
+    PLAN_VIEWS,
+    SequenceBalancer,
+    workload_estimator,
+)
 from knapformer.contract.legacy import LEGACY_KEYS, plan_from_legacy
 from knapformer.contract.plan import RoutingPlan
 from knapformer.planning.planner import plan_routing
@@ -77,7 +82,30 @@ def _step(bal: SequenceBalancer, rank: int, step: int, as_tensor: bool, lines: L
         "summary": bal.get_routing_plan_summary(),
         "my_seq_lens": bal.gpu_id2seq_lens[bal.this_gpu_id],
         "balance_gpu_ids": bal.balance_gpu_ids,
+        "views": {name: getattr(bal, name) for name in PLAN_VIEWS},
+        "ulysses_gpus": bal.ulysses_bag.gpu_ids,
     }
+
+
+# Every public method and attribute of the research code's SequenceBalancer once it has
+# planned a step (read from its sequence_balancer.py).
+ORIGINAL_MEMBERS = (
+    "plan_routing", "get_routing_plan_summary", "nice_print", "print_imbalance",
+    "turn_on_tracking", "turn_off_tracking", "print_tracking_results",
+    "route", "reverse_route", "pre_attn", "post_attn",
+    "bag_specs", "gamma", "this_gpu_id", "this_device", "parsed_bag_specs",
+    "balance_process_group", "balance_gpu_ids", "bag_gpu_options",
+    "bag_gpu_options2bag_ids", "bag_id2gpu_ids", "gpu_id2bag_id", "bag_id2process_group",
+    "metrics", "local_seq_lens", "seq_id2gpu_id", "seq_id2seq_len", "seq_id2seq_workload",
+    "gpu_id2seq_ids", "gpu_id2seq_lens", "gpu_id2seq_workloads", "gpu_id2total_workload",
+    "per_gpu_capacity", "seq_id2assigned_bag_id", "bag_id2capacity",
+    "bag_id2assigned_seq_ids", "bag_id2occupancy", "chunk_id2gpu_id", "chunk_id2chunk_len",
+    "chunk_id2seq_id", "gpu_id2chunk_ids", "gpu_id2chunk_lens", "balance_chunk_id2gpu_id",
+    "balance_gpu_id2chunk_ids", "balance_gpu_id2chunk_lens", "balance_gpu_id2seq_ids",
+    "balance_chunk_id2chunk_len", "balance_gpu_id2total_workload", "orig_minmax_workload",
+    "bala_minmax_workload", "ulysses_bag", "tracking", "tracked_per_gpu_capacity",
+    "tracked_original_imbalance_ratio", "tracked_balanced_imbalance_ratio", "tracked_tflops",
+)  # fmt: skip
 
 
 def _worker(rank: int, world: int) -> dict:
@@ -86,13 +114,15 @@ def _worker(rank: int, world: int) -> dict:
     before = {
         "attribute": _attribute_error(lambda: bal.gpu_id2seq_lens),
         "summary": _attribute_error(bal.get_routing_plan_summary),
-        "tracking": _attribute_error(lambda: bal.turn_on_tracking),
+        "plan_view": _attribute_error(lambda: bal.gpu_id2total_workload),
+        "bags": bal.bag_id2gpu_ids,
     }
     result = {
         "gamma": bal.gamma,
         "solver": bal.solver,
         "before": before,
         "steps": [_step(bal, rank, 0, True, lines), _step(bal, rank, 1, False, lines)],
+        "missing": [name for name in ORIGINAL_MEMBERS if not hasattr(bal, name)],
     }
     bal.close()
     return result
@@ -202,9 +232,34 @@ def test_summary_fields_are_attributes_once_planned(gloo_results):
     for rank, res in enumerate(gloo_results):
         assert "plan_routing" in res["before"]["attribute"]
         assert "plan_routing" in res["before"]["summary"]
-        assert "PlanRecorder" in res["before"]["tracking"]
+        assert "plan_routing" in res["before"]["plan_view"]
+        assert res["before"]["bags"] == {0: [0], 1: [1], 2: [2, 3]}  # known up front
+        assert res["missing"] == [], f"rank {rank} lacks the original's {res['missing']}"
         for step in res["steps"]:
             assert step["my_seq_lens"] == _lengths(step["plan"].step)[rank]
+
+
+def test_plan_views_describe_the_plan(gloo_results):
+    for rank, res in enumerate(gloo_results):
+        for step in res["steps"]:
+            plan, views, st = step["plan"], step["views"], step["plan"].stats
+            assert views["seq_id2assigned_bag_id"] == dict(enumerate(plan.sequences.bag.tolist()))
+            assert views["seq_id2gpu_id"] == dict(enumerate(plan.sequences.src_gpu.tolist()))
+            assert views["local_seq_lens"].tolist() == step["my_seq_lens"]
+            # occupancy x capacity is each bag's workload; the bags hold all of it
+            bag_work = [views["bag_id2occupancy"][b] * views["bag_id2capacity"][b]
+                        for b in range(len(plan.bags))]  # fmt: skip
+            assert bag_work == pytest.approx(st.bag_load_after.tolist())
+            assert sum(views["bag_id2capacity"].values()) == pytest.approx(st.total_load)
+            lens_on = {g: sum(v) for g, v in views["balance_gpu_id2chunk_lens"].items()}
+            assert list(lens_on.values()) == st.tokens_after.tolist()
+            assert views["chunk_id2gpu_id"] == {
+                c: g for g, ids in step["summary"]["gpu_id2chunk_ids"].items() for c in ids
+            }
+            assert views["orig_minmax_workload"][1] == pytest.approx(st.makespan_before)
+            assert rank in step["ulysses_gpus"]
+            for g, seqs in views["balance_gpu_id2seq_ids"].items():
+                assert all(g in plan.bags[plan.sequences.bag[i]] for i in seqs)
 
 
 def test_nice_print_logs_every_summary_field(gloo_results):
