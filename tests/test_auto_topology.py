@@ -112,3 +112,45 @@ def test_plan_cost_by_hand():
     assert cost.ulysses[0] == pytest.approx(ulysses)
     assert cost.route[0] == pytest.approx(route) and cost.route[1] == pytest.approx(route)
     assert cost.step_ms == pytest.approx(3 * (work / 2 + ulysses + route) * 1e3)
+
+
+@pytest.mark.parametrize("mix", ["mixres", "joint"])
+@pytest.mark.parametrize("cluster", ["nvlink", "infiniband"])
+def test_auto_is_never_slower_than_any_fixed_layout_it_could_have_used(mix, cluster):
+    comm = CommModel.cluster(cluster)
+    lengths = _lengths(mix, 5)
+    auto = plan_cost(plan_routing(lengths, "auto", MODEL, comm=comm), comm)
+    for g in (1, 2, 4, 8):
+        fixed = plan_cost(plan_routing(lengths, f"g{g}n{32 // g}", MODEL), comm)
+        assert auto.makespan <= fixed.makespan * (1 + 1e-9), g
+
+
+def test_partition_floor_bounds_every_plan_and_is_tighter_than_the_mean():
+    comm = CommModel()
+    lengths = _lengths("joint", 2)
+    plan = plan_routing(lengths, "auto", MODEL, comm=comm)
+    per_token = {g: comm.ulysses_per_token(MODEL.token_dim, g) for g in (1, 2, 4, 8)}
+    seqs = plan.sequences
+    floor = layout_floor(seqs.workload, seqs.length, 32, (1, 2, 4, 8), per_token)
+    auto = plan_cost(plan, comm)
+    # compute + Ulysses only: routing is not in the floor.
+    assert floor.partitions <= float((auto.compute + auto.ulysses).max())
+    # The long videos need a group whose exchanges cost: above the mean of the cheapest.
+    assert floor.partitions > float(seqs.workload.sum()) / 32
+    for topology, bound in floor.fixed.items():
+        fixed = plan_cost(plan_routing(lengths, topology, MODEL), comm)
+        assert bound <= float((fixed.compute + fixed.ulysses).max()) * (1 + 1e-9)
+
+
+def test_auto_prices_its_candidates_as_plan_cost_prices_the_plan():
+    """A mixed partition is chosen on joint with NVLink, and beats the best fixed layout by
+    the modelled cost the plan itself reports."""
+    comm = CommModel()
+    lengths = _lengths("joint", 0)
+    plan = plan_routing(lengths, "auto", MODEL, comm=comm)
+    assert len({len(b) for b in plan.bags}) > 1
+    best_fixed = min(
+        plan_cost(plan_routing(lengths, f"g{g}n{32 // g}", MODEL), comm).makespan
+        for g in (1, 2, 4, 8)
+    )
+    assert plan_cost(plan).makespan < best_fixed * 0.99

@@ -182,15 +182,28 @@ def plan_cost(plan: RoutingPlan, comm: CommModel | None = None) -> PlanCost:
         raise KnapformerError("the plan has no token_dim: its communication cannot be modelled")
     scale = 1.0 if plan.scale is None else float(plan.scale)
     sizes = np.fromiter(map(len, plan.bags), dtype=np.int64, count=len(plan.bags))
-    per_size = {int(g): comm.ulysses_per_token(d, int(g), scale) for g in np.unique(sizes)}
-    per_token = np.array([per_size[int(g)] for g in sizes])[stats.gpu_bag]
-    ulysses = per_token * stats.tokens_after  # a link's speed does not follow the GPU's
-
-    n = len(plan.gpus)
     pos = gpu_positions(np.asarray(plan.gpus, dtype=np.int64))
-    src, dst = pos[plan.chunks.src_gpu], pos[plan.chunks.dst_gpu]
+    chunks = plan.chunks
+    ulysses, route = communication_loads(
+        comm, d, scale, sizes[stats.gpu_bag], stats.tokens_after,
+        pos[chunks.src_gpu], pos[chunks.dst_gpu], chunks.length,
+    )  # fmt: skip
+    return PlanCost(stats.load_after, ulysses, route, comm, scale)
+
+
+def communication_loads(comm, token_dim, scale, group_size, tokens_after, src, dst, length):
+    """Per-GPU communication of one step, per layer, in workload units: (ulysses, route),
+    each (num_gpus,). ``group_size``, ``tokens_after`` (num_gpus,): the size of each GPU's
+    bag and the tokens it holds after routing; ``src``, ``dst``, ``length`` (num_chunks,):
+    each chunk's source and destination GPU positions and tokens. The planner prices its
+    candidate partitions with it before a plan exists (`plan_cost` for a plan)."""
+    n = len(group_size)
+    per_size = {int(g): comm.ulysses_per_token(token_dim, int(g), scale)
+                for g in np.unique(group_size)}  # fmt: skip
+    per_token = np.array([per_size[int(g)] for g in group_size]) if n else np.zeros(0)
+    ulysses = per_token * tokens_after  # a link's speed does not follow the GPU's
     away = src != dst
-    src, dst, length = src[away], dst[away], plan.chunks.length[away].astype(np.float64)
+    src, dst, length = src[away], dst[away], np.asarray(length)[away].astype(np.float64)
     across = (src // comm.node_size) != (dst // comm.node_size)
     # Route sends a GPU's moved tokens, reverse route the ones it received: bytes leaving it.
     leaving = {
@@ -198,7 +211,7 @@ def plan_cost(plan: RoutingPlan, comm: CommModel | None = None) -> PlanCost:
         + np.bincount(dst[mask], weights=length[mask], minlength=n)
         for link, mask in (("intra", ~across), ("inter", across))
     }
-    token_bytes = d * comm.dtype_bytes
+    token_bytes = token_dim * comm.dtype_bytes
     seconds = comm.transfer_seconds(leaving["intra"] * token_bytes, leaving["inter"] * token_bytes)
     route = comm.work_of(seconds, scale) / comm.layers
-    return PlanCost(stats.load_after, ulysses, route, comm, scale)
+    return ulysses, route

@@ -8,14 +8,14 @@ sums to the group's GPU count tiles it with aligned groups when placed largest f
 partition is just a count per size; `aligned_groups` lists every group any partition can
 use (what the runtime creates once).
 
-The choice (`candidates`) works on *effective* workloads: a sequence of workload W and L
-tokens placed in a g-GPU group costs ``W + k_g*L`` (``k_g``: the Ulysses exchange per
-token, `CommModel.ulysses_per_token`), spread evenly over the group's GPUs. For a target
-per-GPU time T every sequence takes the smallest group size that brings it under T; the
-GPUs each size needs follow, short sequences fill what rounding to whole groups leaves
-over in the big groups, and the smallest T whose GPUs fit the group is found by
-bisection (only the few sequences above the mean take part in it). Whole-family layouts
-(``gXnY``) are candidates too, so the planner can always fall back on the best of them.
+The choice (`mixed_partitions`) works on *effective* workloads: a sequence of workload W
+and L tokens placed in a g-GPU group costs ``W + k_g*L`` (``k_g``: the Ulysses exchange
+per token, `CommModel.ulysses_per_token`), spread evenly over the group's GPUs. For a
+target per-GPU time T every sequence takes the smallest group size that brings it under
+T; the GPUs each size needs follow, short sequences fill what rounding to whole groups
+leaves over in the big groups, and the smallest T whose GPUs fit the group is found by
+bisection (only the few sequences above the mean take part in it). The planner solves
+these beside the whole-family layouts (``gXnY``) and keeps the best (planner.py).
 """
 
 from __future__ import annotations
@@ -89,24 +89,14 @@ def aligned_groups(num_gpus: int, sizes: tuple[int, ...]) -> list[tuple[int, ...
 
 @dataclass(frozen=True)
 class Candidate:
-    """One partition and where each sequence goes.
-
-    ``bag_sizes``: GPUs of each bag, in position order (the bags tile 0..num_gpus-1);
-    ``seq_size`` (n,): the group size each sequence is assigned to; ``estimate``: the
-    modelled per-GPU makespan (compute + Ulysses) it aims at, in workload units.
-    """
+    """One partition: ``bag_sizes``, the GPUs of each bag in position order (the bags tile
+    0..num_gpus-1 with aligned groups)."""
 
     bag_sizes: tuple[int, ...]
-    seq_size: np.ndarray
-    estimate: float
 
     @property
     def topology(self) -> str:
         return str(Topology.from_bag_sizes(list(self.bag_sizes)))
-
-    @property
-    def homogeneous(self) -> bool:
-        return len(set(self.bag_sizes)) == 1
 
 
 def effective_workloads(workload, lengths, sizes, per_token) -> np.ndarray:
@@ -115,7 +105,40 @@ def effective_workloads(workload, lengths, sizes, per_token) -> np.ndarray:
     return workload[None, :] + kappa[:, None] * lengths.astype(np.float64)[None, :]
 
 
-def candidates(
+def partition_floor(eff: np.ndarray, lengths: np.ndarray, sizes, num_gpus: int) -> float:
+    """The least per-GPU makespan (compute + Ulysses) any partition of ``sizes`` can reach:
+    the least T such that every sequence fits some allowed group at T per GPU and the
+    cheapest such placements sum to at most ``num_gpus * T`` (each sequence costs at least
+    its cheapest fitting group, and the GPUs' loads add up to the total). ``eff``
+    (len(sizes), n): `effective_workloads`; ``lengths`` (n,)."""
+    if eff.shape[1] == 0:
+        return 0.0
+    size = np.asarray(sizes, dtype=np.float64)[:, None]
+    fits = lengths[None, :] >= size
+    fits[0] = True  # a sequence shorter than every group still goes to the smallest
+    per_gpu = np.where(fits, eff / size, np.inf)
+    lo = max(float(eff.min(axis=0).sum()) / num_gpus, float(per_gpu.min(axis=0).max()))
+    # Only sequences above lo per GPU in their cheapest group depend on T.
+    big = np.flatnonzero(per_gpu[0] > lo)
+    if big.size == 0:
+        return lo
+    rest = float(np.delete(eff[0], big).sum())
+    big_eff, big_per_gpu = np.where(fits[:, big], eff[:, big], np.inf), per_gpu[:, big]
+
+    def fits_at(target: float) -> bool:
+        cost = np.where(big_per_gpu <= target, big_eff, np.inf).min(axis=0)
+        return float(cost.sum()) + rest <= num_gpus * target
+
+    hi = lo
+    while not fits_at(hi):
+        hi *= 2.0
+    for _ in range(_BISECTIONS):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (lo, mid) if fits_at(mid) else (mid, hi)
+    return hi
+
+
+def mixed_partitions(
     workload: np.ndarray,
     lengths: np.ndarray,
     src_pos: np.ndarray,
@@ -124,29 +147,42 @@ def candidates(
     per_token: dict[int, float],
     node_size: int,
 ) -> list[Candidate]:
-    """Partitions worth solving for this step, best estimate first (ties: smaller groups
-    first, whole-family layouts before mixed ones). Deterministic.
+    """Mixed partitions worth solving for this step (none when one group size is best for
+    every sequence): the bisection's (module doc), and the same with the groups of its
+    largest size merged in pairs (fewer, larger groups: coarse sequences share them).
+    Deterministic.
 
     ``workload``, ``lengths``, ``src_pos`` (n,): each sequence's compute, tokens and source
     GPU position; ``per_token[g]``: Ulysses cost per token in a g-GPU group.
     """
     eff = effective_workloads(workload, lengths, sizes, per_token)
     size = np.asarray(sizes, dtype=np.float64)
+    whole = [
+        max(float(eff[j].sum()) / num_gpus, float(eff[j].max(initial=0.0)) / g)
+        for j, g in enumerate(sizes)
+        if num_gpus % g == 0
+    ]
+    found = _mixed(eff, size, lengths, num_gpus, sizes, whole)
+    if found is None:
+        return []
+    groups, seq_class = found
+    variants = [groups]
+    top = int(np.flatnonzero(groups)[-1])
+    if top > 0 and top + 1 < len(sizes) and sizes[top + 1] == 2 * sizes[top] and groups[top] > 1:
+        merged = groups.copy()
+        merged[top + 1] += merged[top] // 2
+        merged[top] %= 2
+        variants.append(merged)
     out = []
-    for j, g in enumerate(sizes):
-        if num_gpus % g:
-            continue
-        est = max(float(eff[j].sum()) / num_gpus, float(eff[j].max(initial=0.0)) / g)
-        out.append(Candidate((g,) * (num_gpus // g), np.full(len(workload), g), est))
-    mixed = _mixed(eff, size, lengths, src_pos, num_gpus, sizes, node_size, out)
-    if mixed is not None:
-        out.append(mixed)
-    out.sort(key=lambda c: (c.estimate, not c.homogeneous, max(c.bag_sizes)))
+    for counts in variants:
+        bag_sizes = _place(counts, sizes, num_gpus, node_size, eff, seq_class, src_pos)
+        out.append(Candidate(bag_sizes))
     return out
 
 
-def _mixed(eff, size, lengths, src_pos, num_gpus, sizes, node_size, whole):
-    """The best mixed partition by the bisection of the module doc, or None."""
+def _mixed(eff, size, lengths, num_gpus, sizes, whole):
+    """Group counts per size of the best mixed partition by the bisection of the module doc
+    and each sequence's size class, or None."""
     if len(sizes) < 2 or not whole or eff.shape[1] == 0:
         return None
     per_gpu = eff / size[:, None]
@@ -154,7 +190,7 @@ def _mixed(eff, size, lengths, src_pos, num_gpus, sizes, node_size, whole):
     fits[0] = True
     per_gpu = np.where(fits, per_gpu, np.inf)
     lo = max(float(eff[0].sum()) / num_gpus, float(per_gpu.min(axis=0).max()))
-    hi = min(c.estimate for c in whole)
+    hi = min(whole)
     if lo >= hi * (1 - 1e-9):
         return None
     big = np.flatnonzero(per_gpu[0] > lo)  # the only ones whose group depends on T
@@ -201,21 +237,14 @@ def _mixed(eff, size, lengths, src_pos, num_gpus, sizes, node_size, whole):
         return None  # no bigger group needed: that is the smallest whole-family layout
     seq_class = np.zeros(eff.shape[1], dtype=np.int64)
     seq_class[big] = cls
-    bag_sizes, pos_class = _place(groups, sizes, num_gpus, node_size, eff, seq_class, src_pos)
-    seq_class, level = _fill(eff, size, lengths, src_pos, groups, seq_class, pos_class, fits)
-    # Sequences with no tokens stay where they are: the group of their own GPU.
-    empty = lengths == 0
-    seq_class[empty] = pos_class[src_pos[empty]]
-    picked = per_gpu[seq_class, np.arange(len(seq_class))]
-    estimate = max(level, float(picked[np.isfinite(picked)].max(initial=0.0)))
-    return Candidate(bag_sizes, size.astype(np.int64)[seq_class], estimate)
+    return groups, seq_class
 
 
 def _place(groups, sizes, num_gpus, node_size, eff, seq_class, src_pos):
     """Tile the GPUs with ``groups[j]`` groups of ``sizes[j]``, largest first, visiting
     nodes (or runs of nodes as wide as the largest group) by how much work their own GPUs
     hold for big groups, most first: big groups then land where their sequences already
-    are. Returns (bag sizes in position order, size class of each GPU position)."""
+    are. Returns the bag sizes in position order."""
     unit = max(node_size, max(s for s, n in zip(sizes, groups, strict=True) if n))
     num_units = num_gpus // unit
     heavy = np.where(seq_class > 0, eff[0], 0.0)
@@ -226,55 +255,7 @@ def _place(groups, sizes, num_gpus, node_size, eff, seq_class, src_pos):
     virtual = np.cumsum(widths) - widths
     start = unit_order[virtual // unit] * unit + virtual % unit
     order = np.argsort(start, kind="stable")
-    bag_sizes = tuple(int(w) for w in widths[order])
-    pos_class = np.repeat(cls[order], widths[order])
-    return bag_sizes, pos_class
-
-
-def _fill(eff, size, lengths, src_pos, groups, seq_class, pos_class, fits):
-    """Even the size classes out: the level every class would reach if the smallest
-    class's sequences topped up the bigger groups, then the sequences that do it: none
-    above half a group's mean gap, those already on a GPU of that group first, then the
-    longest. Returns (new seq_class, level)."""
-    k = len(size)
-    gpus = groups * size
-    load = np.bincount(seq_class, weights=eff[seq_class, np.arange(eff.shape[1])], minlength=k)
-    base = seq_class == 0
-    inflation = np.ones(k)
-    for j in range(1, k):
-        mask = base & fits[j]
-        w0 = float(eff[0, mask].sum())
-        if w0 > 0:
-            inflation[j] = float(eff[j, mask].sum()) / w0
-    floor = max((load[j] / gpus[j] for j in range(1, k) if gpus[j]), default=0.0)
-
-    def excess(level: float) -> float:
-        taken = np.maximum(0.0, gpus[1:] * level - load[1:]) / inflation[1:]
-        return load[0] - taken.sum() - gpus[0] * level
-
-    lo, hi = 0.0, float(load.sum()) / max(float(gpus.sum()), 1.0) * 4 + floor
-    for _ in range(60):
-        mid = 0.5 * (lo + hi)
-        lo, hi = (mid, hi) if excess(mid) > 0 else (lo, mid)
-    level = max(hi, floor)
-    seq_class = seq_class.copy()
-    by_length = np.argsort(-lengths, kind="stable")
-    for j in range(k - 1, 0, -1):
-        budget = gpus[j] * level - load[j]
-        if budget <= 0:
-            continue
-        cand = by_length[(seq_class[by_length] == 0) & fits[j][by_length]]
-        # At most half a group's mean gap each: the gaps are then filled, not overrun.
-        cand = cand[eff[j, cand] <= 0.5 * budget / groups[j]]
-        at_home = pos_class[src_pos[cand]] == j
-        # Those already there first (nothing to route), then the longest: split over a
-        # group they are fine-grained there, and the short ones left behind even out the
-        # smallest groups.
-        cand = np.concatenate([cand[at_home], cand[~at_home]])
-        cost = eff[j, cand]
-        take = cand[np.cumsum(cost) - 0.5 * cost <= budget]
-        seq_class[take] = j
-    return seq_class, level
+    return tuple(int(w) for w in widths[order])
 
 
 @dataclass(frozen=True)
@@ -301,15 +282,15 @@ def layout_floor(
     """Lower bounds on the makespan of one step's sequences (``workload``, ``lengths``
     (n,)) on ``num_gpus`` GPUs: per fixed layout gXnY, ``max(total / N, max W / g)``
     (the layout floor: no layout beats its largest sequence spread over its largest bag),
-    and over all partitions of ``sizes``, ``max(total / N, max over sequences of the least
-    per-GPU cost any allowed group gives it)``. With ``per_token`` (Ulysses cost per token
-    of a g-GPU group) costs include communication; without, compute only."""
+    and over all partitions of ``sizes``, `partition_floor` (at least ``max(total / N, max
+    over sequences of the least per-GPU cost any allowed group gives it)``). With
+    ``per_token`` (Ulysses cost per token of a g-GPU group) costs include communication;
+    without, compute only."""
     sizes = tuple(g for g in sorted(sizes) if g <= num_gpus)
     per_token = per_token or dict.fromkeys(sizes, 0.0)
     workload = np.asarray(workload, dtype=np.float64)
     lengths = np.asarray(lengths, dtype=np.int64)
     eff = effective_workloads(workload, lengths, sizes, per_token)
-    size = np.asarray(sizes, dtype=np.float64)
     fixed = {
         f"g{g}n{num_gpus // g}": max(
             float(eff[j].sum()) / num_gpus, float(eff[j].max(initial=0.0)) / g
@@ -317,6 +298,4 @@ def layout_floor(
         for j, g in enumerate(sizes)
         if num_gpus % g == 0
     }
-    least = (eff / size[:, None]).min(axis=0, initial=np.inf) if eff.shape[1] else np.zeros(0)
-    total = float(eff.min(axis=0).sum()) if eff.shape[1] else 0.0
-    return LayoutFloor(fixed, max(total / num_gpus, float(least.max(initial=0.0))))
+    return LayoutFloor(fixed, partition_floor(eff, lengths, sizes, num_gpus))
