@@ -23,6 +23,7 @@ from knapformer.contract.plan_io import (
 from knapformer.contract.runfiles import every_run, single_run
 from knapformer.contract.stats import before_after, share
 from knapformer.contract.units import LoadUnit
+from knapformer.planning.partitions import DEFAULT_GROUP_SIZES, layout_floor
 
 
 def register(app: typer.Typer) -> None:
@@ -186,8 +187,21 @@ def plan_summary(plan: RoutingPlan) -> str:
         f"   sequences {len(plan.sequences):,}   chunks {len(plan.chunks):,}"
         + (f"   planned in {plan_ms:.2f} ms" if plan_ms is not None else ""),
     ]
+    lines.append(_floor_line(plan, unit))
     lines.append(_unit_note(plan, unit))
     return "\n".join(lines)
+
+
+def _floor_line(plan: RoutingPlan, unit: LoadUnit) -> str:
+    """What a layout costs this step: the least makespan the best fixed gXnY, and any
+    partition of the aligned sizes, could reach (`layout_floor`, compute only)."""
+    floor = layout_floor(plan.sequences.workload, plan.sequences.length, len(plan.gpus))
+    best = min(floor.fixed, key=floor.fixed.get)
+    sizes = ",".join(str(g) for g in DEFAULT_GROUP_SIZES if g <= len(plan.gpus))
+    return (
+        f"layout floor: best fixed layout {best} {unit.format(floor.fixed[best])}   "
+        f"any partition of groups {sizes} {unit.format(floor.partitions)}"
+    )
 
 
 def _unit_note(plan: RoutingPlan, unit: LoadUnit) -> str:
