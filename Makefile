@@ -86,7 +86,8 @@ pictures: system-deps browser-deps $(VENV)/.installed
 	$(PY) docs/make_pictures.py
 
 # The GPU check, for one CUDA GPU (well under 10 minutes on an H100): the GPU-marked
-# tests, then bench/gpu.py (also when a test failed), whose figures (gpu-check.json,
+# tests, `knapformer calibrate --benchmark` (a FLUX-sized block timed and fitted), then
+# bench/gpu.py (also when a test failed), whose figures (gpu-check.json,
 # workload-fit.html, plans.jsonl) go to GPU_CHECK_OUT. Without a GPU it says that it
 # needs CUDA and exits 0.
 # GPU_PY is the Python it runs with: by default the project's venv, set up as for
@@ -108,6 +109,7 @@ gpu-check-run: $(if $(filter $(PY),$(GPU_PY)),system-deps $(VENV)/.installed)
 	if [ "$$cuda" != 1 ]; then $(GPU_PY) bench/gpu.py; exit 0; fi; \
 	export PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" GPU_CHECK_OUT="$(GPU_CHECK_OUT)"; \
 	tests=0; $(GPU_PY) -m pytest -q -p no:cacheprovider -m gpu $(GPU_TESTS) || tests=$$?; \
+	$(GPU_PY) -c 'import sys; from knapformer.cli import main; sys.exit(main(sys.argv[1:]))' calibrate --benchmark || tests=$$?; \
 	$(GPU_PY) bench/gpu.py || exit $$?; exit $$tests
 
 samples: $(VENV)/.installed

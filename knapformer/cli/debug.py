@@ -303,12 +303,26 @@ def suggest(
 
 # ------------------------------------------------------------------- calibrate
 def calibrate(
-    file: Path = typer.Argument(
-        ..., help="CSV with header length,latency (ms per sequence) or plans JSON/JSONL"
+    file: Path | None = typer.Argument(
+        None, help="CSV with header length,latency (ms per sequence) or plans JSON/JSONL"
     ),
     token_dim: int | None = typer.Option(
-        None, "--token-dim", help="model hidden size d (default: the plans' token_dim)"
+        None,
+        "--token-dim",
+        help="model hidden size d (default: the plans' token_dim; with --benchmark 3072)",
     ),
+    benchmark: bool = typer.Option(
+        False,
+        "--benchmark",
+        help="time a DiT block here (CUDA if available, else CPU) over --lengths and fit that",
+    ),
+    heads: int = typer.Option(24, help="--benchmark: attention heads of the block"),
+    lengths: str = typer.Option(
+        "256,512,1024,2048,4096,8192,16384,32768",
+        help="--benchmark: comma-separated sequence lengths to time",
+    ),
+    device: str | None = typer.Option(None, help="--benchmark: cpu or cuda (default: cuda if any)"),
+    tokens: int = typer.Option(32768, help="--benchmark: tokens per timed batch"),
     phase: str | None = typer.Option(
         None,
         help="measured phase of the plans to fit (default: the first measured of "
@@ -316,21 +330,30 @@ def calibrate(
     ),
     plot: Path | None = typer.Option(None, help="write predicted-vs-measured plotly HTML here"),
 ) -> None:
-    """Fit the workload model's time scale k and γ from measured latencies."""
+    """Fit the workload model's time scale k and γ from measured latencies (or, with
+    --benchmark, from a DiT block timed here)."""
     from knapformer.tools.calibrate import calibrate_file
 
+    if (file is None) == (not benchmark):
+        raise UserError("give a measurements FILE or --benchmark (one of them)")
     if plot is not None:  # before the fit, so that a missing extra costs no wait
         require("dashboard", "knapformer calibrate --plot", "plotly")
 
-    cal = calibrate_file(file, token_dim, phase)
+    console = _console()
+    if benchmark:
+        from knapformer.tools.block_benchmark import run_benchmark
+
+        bench = run_benchmark(token_dim, heads, lengths, device, tokens, console.print)
+        cal, source = bench.calibration, bench.source
+    else:
+        cal = calibrate_file(file, token_dim, phase)
+        source = (
+            f"{len(cal.measured)} (length, latency) pairs"
+            if cal.source == "csv"
+            else f"{len(cal.measured)} per-GPU times of phase {cal.phase!r}"
+        )
     for problem in cal.skipped:
         print(f"skipped {problem}", file=sys.stderr)
-    console = _console()
-    source = (
-        f"{len(cal.measured)} (length, latency) pairs"
-        if cal.source == "csv"
-        else f"{len(cal.measured)} per-GPU times of phase {cal.phase!r}"
-    )
     console.print(f"fitted from {source}, d = {cal.model.token_dim}:")
     console.print(f"  k (ms per workload unit) = {cal.scale:.6g}")
     console.print(f"  γ (attention weight)     = {cal.gamma:.4g}")
@@ -347,7 +370,8 @@ def calibrate(
         from knapformer.visualization.calibration import calibration_figure
 
         try:
-            calibration_figure(cal, title=str(file)).write_html(plot, include_plotlyjs=True)
+            title = "DiT block benchmark" if file is None else str(file)
+            calibration_figure(cal, title=title).write_html(plot, include_plotlyjs=True)
         except OSError as err:
             raise UserError(f"{plot}: cannot write: {err.strerror or err}") from err
         console.print(f"wrote {plot}")

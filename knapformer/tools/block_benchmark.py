@@ -1,0 +1,197 @@
+"""Time a DiT block over a range of sequence lengths and fit the workload model to it
+(``knapformer calibrate --benchmark``).
+
+The block is `knapformer.local.models.DiTBlock` (pre-norm attention with q/k RMSNorm and
+RoPE, then an MLP of ratio 4): the shape the workload model counts, ``24·L·d²`` for the
+linear layers and ``4·L²·d`` for attention per forward. Each point is a batch of equal
+sequences of one length (about ``tokens`` tokens in all, so short lengths are not timed
+on a handful of tokens), forward and backward, after ``warmup`` untimed calls; its time
+is the median of ``repeats`` calls, divided by the sequences in the batch. On CUDA the
+calls are timed with events, in bf16; on the CPU with the host clock, in fp32. The fit
+is `knapformer.tools.calibrate.calibrate_lengths` (the relative least-squares fit of
+`knapformer.planning.workload.fit_scale_gamma`).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from knapformer.errors import KnapformerError
+from knapformer.local.models import DiTBlock, positions_in_sequences
+from knapformer.tools.calibrate import Calibration, calibrate_lengths
+
+#: FLUX's width and heads (d = 3072, 24 heads of 128).
+DEFAULT_DIM, DEFAULT_HEADS = 3072, 24
+#: 256 ... 32,768 tokens: from where the linear layers dominate to where attention does.
+DEFAULT_LENGTHS = tuple(256 * 2**i for i in range(8))
+DEFAULT_TOKENS = 32768
+
+
+@dataclass(frozen=True)
+class BlockPoint:
+    """One length's measurement: ``sequences`` sequences of ``length`` tokens per call."""
+
+    length: int
+    sequences: int
+    ms: float  # median of the repeats, the whole batch
+    times_ms: tuple[float, ...] = field(repr=False)
+
+    @property
+    def ms_per_sequence(self) -> float:
+        return self.ms / self.sequences
+
+
+@dataclass(frozen=True)
+class BlockBenchmark:
+    """The points and the fit made of them."""
+
+    token_dim: int
+    heads: int
+    device: str
+    dtype: str
+    points: list[BlockPoint]
+    calibration: Calibration
+
+    @property
+    def source(self) -> str:
+        """What the fit was made of, for a report line."""
+        return (
+            f"{len(self.points)} lengths of a DiT block ({self.heads} heads, {self.dtype}) "
+            f"timed on {self.device}"
+        )
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def benchmark_block(
+    token_dim: int = DEFAULT_DIM,
+    heads: int = DEFAULT_HEADS,
+    lengths: Sequence[int] = DEFAULT_LENGTHS,
+    device: torch.device | str | None = None,
+    tokens: int = DEFAULT_TOKENS,
+    warmup: int = 2,
+    repeats: int = 5,
+    on_point: Callable[[BlockPoint], object] | None = None,
+) -> BlockBenchmark:
+    """Time forward + backward of one ``DiTBlock(token_dim, heads)`` at each length and fit
+    k and γ. ``device``: default CUDA when available, else the CPU; ``on_point`` is called
+    with each point as it is measured."""
+    device = default_device() if device is None else torch.device(device)
+    _check(token_dim, heads, lengths, device, tokens, warmup, repeats)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(0)
+    block = DiTBlock(token_dim, heads, mlp_ratio=4).to(device=device, dtype=dtype)
+    points = []
+    for length in sorted({int(n) for n in lengths}):
+        n = max(1, tokens // length)
+        times = _times(block, [length] * n, token_dim, dtype, device, warmup, repeats)
+        points.append(BlockPoint(length, n, statistics.median(times), tuple(times)))
+        if on_point is not None:
+            on_point(points[-1])
+    cal = calibrate_lengths(
+        [p.length for p in points], [p.ms_per_sequence for p in points], token_dim
+    )
+    return BlockBenchmark(
+        token_dim, heads, str(device), str(dtype).removeprefix("torch."), points, cal
+    )
+
+
+def _check(token_dim, heads, lengths, device, tokens, warmup, repeats) -> None:
+    if token_dim <= 0 or heads <= 0 or token_dim % heads or (token_dim // heads) % 2:
+        raise KnapformerError(
+            f"--token-dim {token_dim} must split into --heads {heads} heads of an even size"
+        )
+    if len({int(n) for n in lengths}) < 2 or min(int(n) for n in lengths) <= 0:
+        raise KnapformerError(
+            f"--lengths {','.join(map(str, lengths))}: give at least 2 different positive "
+            "lengths (a fit of k and γ needs them; attention grows as L², the rest as L)"
+        )
+    if tokens <= 0 or warmup < 0 or repeats <= 0:
+        raise KnapformerError(
+            f"tokens {tokens}, warmup {warmup}, repeats {repeats}: tokens and repeats must "
+            "be positive, warmup at least 0"
+        )
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise KnapformerError(f"--device {device}: this torch sees no CUDA GPU")
+
+
+def _times(block, seq_lens, d, dtype, device, warmup, repeats) -> list[float]:
+    x = torch.randn(sum(seq_lens), d, device=device, dtype=dtype, requires_grad=True)
+    pos = positions_in_sequences(seq_lens, device)
+    grad = torch.randn_like(x)
+
+    def forward_backward() -> None:
+        block.zero_grad(set_to_none=True)
+        x.grad = None
+        block(x, pos, seq_lens).backward(grad)
+
+    return _time_ms(forward_backward, device, warmup, repeats)
+
+
+def _time_ms(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int):
+    """ms of each of ``repeats`` calls of ``fn`` after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    if device.type != "cuda":
+        out = []
+        for _ in range(repeats):
+            began = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - began) * 1e3)
+        return out
+    events = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        events.append((start, end))
+    torch.cuda.synchronize(device)
+    return [start.elapsed_time(end) for start, end in events]
+
+
+def parse_lengths(text: str) -> list[int]:
+    """``"256,512,1024"`` -> ``[256, 512, 1024]``; a `KnapformerError` naming a bad item."""
+    out = []
+    for item in text.split(","):
+        try:
+            out.append(int(item.strip()))
+        except ValueError:
+            raise KnapformerError(
+                f"--lengths {text!r}: {item.strip()!r} is not a whole number of tokens"
+            ) from None
+    return out
+
+
+def run_benchmark(
+    token_dim: int | None,
+    heads: int,
+    lengths: str,
+    device: str | None,
+    tokens: int,
+    say: Callable[[str], object] = print,
+) -> BlockBenchmark:
+    """`benchmark_block` from the command line's options, saying each point as it comes."""
+    d = DEFAULT_DIM if token_dim is None else token_dim
+    if device is not None and device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise KnapformerError(f"--device {device!r}: use cpu or cuda")
+    where = default_device() if device is None else torch.device(device)
+    sizes = parse_lengths(lengths)
+    _check(d, heads, sizes, where, tokens, 0, 1)  # before the first line is said
+    say(f"timing a DiT block, d = {d}, {heads} heads, forward + backward, on {where}:")
+
+    def said(p: BlockPoint) -> None:
+        spread = (max(p.times_ms) - min(p.times_ms)) / p.ms if p.ms > 0 else 0.0
+        say(
+            f"  L = {p.length:>6,}: {p.sequences:>4} sequences, {p.ms:10.3f} ms "
+            f"({p.ms_per_sequence:.4g} ms per sequence, spread {spread:.0%})"
+        )
+
+    return benchmark_block(d, heads, sizes, where, tokens, on_point=said)
