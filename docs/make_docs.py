@@ -292,8 +292,28 @@ def command_env(columns: int) -> dict[str, str]:
 
 def run_block(block: Block, log=None) -> str:
     """Run the commands of a console block; returns the block's new text."""
+    return block_text(run_commands(block, log))
+
+
+def run_commands(block: Block, log=None, keep: Path | None = None) -> list[tuple[str, str]]:
+    """Run the commands of a console block: (command, what it printed) for each. ``keep``:
+    a new folder that receives a copy of ``runs/docs/`` as the commands left it (for a
+    test that asserts on the files a block's run wrote instead of running it again)."""
     with _scratch_lock():
-        return _run_block(block, log)
+        outputs = _run_commands(block, log)
+        if keep is not None:
+            shutil.copytree(SCRATCH, keep, symlinks=True)
+        return outputs
+
+
+def block_text(outputs: list[tuple[str, str]]) -> str:
+    """A console block's text: each ``$ command`` followed by what it printed."""
+    parts = []
+    for command, output in outputs:
+        parts.append(f"$ {command}")
+        if output:
+            parts.append(output)
+    return "\n".join(parts)
 
 
 @contextlib.contextmanager
@@ -306,11 +326,11 @@ def _scratch_lock() -> Iterator[None]:
         yield
 
 
-def _run_block(block: Block, log=None) -> str:
+def _run_commands(block: Block, log=None) -> list[tuple[str, str]]:
     if SCRATCH.exists():
         shutil.rmtree(SCRATCH)
     SCRATCH.mkdir(parents=True)
-    parts = []
+    outputs = []
     for k, command in enumerate(block.commands):
         started = time.perf_counter()
         if "stop-after" in block.options:
@@ -325,10 +345,8 @@ def _run_block(block: Block, log=None) -> str:
                 )
         if log is not None:
             log(f"{block.where}: {command}  ({time.perf_counter() - started:.1f} s)")
-        parts.append(f"$ {command}")
-        if output:
-            parts.append(output)
-    return "\n".join(parts)
+        outputs.append((command, output))
+    return outputs
 
 
 def _start(command: str, block: Block) -> subprocess.Popen:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 import re
 import shutil
 import signal
@@ -24,6 +23,7 @@ from knapformer.contract.topology import Topology
 from knapformer.errors import OptionError
 from knapformer.local.config import (
     DEMO_CODES,
+    HEAD_DIM,
     DemoConfig,
     default_topology,
     model_shape,
@@ -31,6 +31,7 @@ from knapformer.local.config import (
     topology_note,
 )
 from knapformer.planning.datamix import parse_mix
+from knapformer.testing.doc_blocks import run_block_of
 from knapformer.testing.processes import running, survivors
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -172,44 +173,36 @@ def test_the_config_does_not_import_torch():
 
 # ------------------------------------------------------------------- real processes
 @pytest.mark.slow
-def test_demo_three_steps_world4_headless_records_measured_plans(tmp_path):
-    out = tmp_path / "demo"
-    proc = subprocess.run(
-        [
-            *(BIN / "knapformer", "demo", "--steps", "3", "--world-size", "4"),
-            *("--no-dashboard", "--out", str(out), "--head-dim", "32"),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert proc.returncode == 0, proc.stderr
-    result = read_plans(out / "plans.jsonl", on_error="raise")  # validates every plan
+def test_demo_headless_records_measured_plans():
+    """The README's run of the demo: 8 workers, 5 steps (run once, shared with
+    tests/test_docs.py, which checks the README shows what it prints)."""
+    run = run_block_of("README.md", "knapformer demo --steps 5")
+    printed = run.output("knapformer demo --steps 5")
+    result = read_plans(run.path("runs/docs/demo/plans.jsonl"), on_error="raise")  # validates
     plans = result.plans
-    assert [p.step for p in plans] == [0, 1, 2]
+    assert [p.step for p in plans] == [0, 1, 2, 3, 4]
     for plan in plans:
-        assert plan.topology == "g1n2+g2n1" and plan.gpus == [0, 1, 2, 3]
-        assert plan.run == "demo" and plan.token_dim == 4 * 32  # 4 heads of --head-dim
+        assert plan.topology == "g1n2+g2n1+g4n1" and plan.gpus == list(range(8))
+        assert plan.run == "demo" and plan.token_dim == 4 * HEAD_DIM  # 4 heads
         ms = plan.measurements.per_rank_ms
         for phase in ("plan", "record", "route", "reverse_route", "forward_backward", "optimizer"):
-            assert len(ms[phase]) == 4, phase
+            assert len(ms[phase]) == 8, phase
             assert all(math.isfinite(v) and v > 0 for v in ms[phase]), (phase, ms[phase])
-        # Ulysses re-sharding happens only in the 2-GPU bag (ranks 2 and 3).
+        # Ulysses re-sharding happens only in the multi-GPU bags (ranks 2 to 7).
         assert ms["pre_attn"][:2] == [0.0, 0.0] and min(ms["pre_attn"][2:]) > 0
         # the whole step's time: at the next plan_routing, the last one's at finish()
-        assert len(ms["step"]) == 4 and min(ms["step"]) > 0
+        assert len(ms["step"]) == 8 and min(ms["step"]) > 0
     # The printed per-step lines describe the recorded plans.
-    lines = [STEP_LINE.search(line) for line in proc.stdout.splitlines()]
+    lines = [STEP_LINE.search(line) for line in printed.splitlines()]
     lines = [m for m in lines if m]
-    assert [int(m.group(1)) for m in lines] == [0, 1, 2]
+    assert [int(m.group(1)) for m in lines] == [0, 1, 2, 3, 4]
     for m, plan in zip(lines, plans, strict=True):
         stats = plan.stats
         assert float(m.group(3)) == pytest.approx(stats.imbalance_before, abs=0.006)
         assert float(m.group(4)) == pytest.approx(stats.imbalance_after, abs=0.006)
         assert int(m.group(5).replace(",", "")) == stats.moved_tokens
         assert math.isfinite(float(m.group(2)))
-    assert "done: 3 steps" in proc.stdout and "d_model=128 heads=4" in proc.stdout
+    assert "done: 5 steps" in printed and f"d_model={4 * HEAD_DIM} heads=4" in printed
 
 
 @pytest.mark.slow
@@ -218,7 +211,7 @@ def test_six_workers_get_a_default_topology_that_balances(tmp_path):
     proc = subprocess.run(
         [
             *(BIN / "knapformer", "demo", "--steps", "2", "--world-size", "6"),
-            *("--no-dashboard", "--out", str(out)),
+            *("--no-dashboard", "--out", str(out), "--head-dim", "32"),
         ],
         cwd=ROOT,
         capture_output=True,
@@ -227,9 +220,11 @@ def test_six_workers_get_a_default_topology_that_balances(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert "topology g1n2+g4n1" in proc.stdout and "note:" not in proc.stdout
+    assert "d_model=128 heads=4" in proc.stdout  # --head-dim reaches the model
     plans = read_plans(out / "plans.jsonl", on_error="raise").plans
     assert len(plans) == 2
     for plan in plans:
+        assert plan.token_dim == 4 * 32  # 4 heads of --head-dim
         # The video sequence no longer sets the step alone: balancing pays off.
         assert plan.topology == "g1n2+g4n1"
         assert plan.stats.imbalance_after < 0.8 * plan.stats.imbalance_before
@@ -298,25 +293,14 @@ def test_a_killed_worker_is_named_once_without_tracebacks(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("torchrun", path=str(BIN)) is None, reason="needs torchrun")
-def test_torchrun_example_records_plans(tmp_path):
-    out = tmp_path / "toy"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [
-            *(BIN / "torchrun", "--standalone", "--nproc_per_node", "2"),
-            *("examples/train_toy_dit.py", "--steps", "2", "--topology", "g2n1"),
-            *("--out", str(out)),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stderr
-    plans = read_plans(out / "plans.jsonl", on_error="raise").plans
-    assert [p.step for p in plans] == [0, 1]
+def test_torchrun_example_records_plans():
+    """docs/recording.md's run of the example (2 ranks, 3 steps; run once, shared with
+    tests/test_docs.py, which checks the page shows what it prints)."""
+    command = "examples/train_toy_dit.py --steps 3 --topology g2n1 --out runs/docs/toy"
+    run = run_block_of("docs/recording.md", command)  # ended with status 0, or it raises
+    plans = read_plans(run.path("runs/docs/toy/plans.jsonl"), on_error="raise").plans
+    assert [p.step for p in plans] == [0, 1, 2]
     assert all(p.run == "toy" and p.topology == "g2n1" for p in plans)
     # finish() gave the last plan its times as well: every plan has both ranks' times.
     assert all(len(p.measurements.per_rank_ms["forward_backward"]) == 2 for p in plans)
-    assert proc.stdout.count("loss") == 2
+    assert run.output(command).count("loss") == 3

@@ -5,27 +5,16 @@ markdown files of its own."""
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import re
 import signal
-import sys
 from pathlib import Path
 
 import pytest
 
+from knapformer.testing.doc_blocks import make_docs, run_of
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _load_make_docs():
-    spec = importlib.util.spec_from_file_location("make_docs", ROOT / "docs" / "make_docs.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while defining
-    spec.loader.exec_module(module)
-    return module
-
-
-make_docs = _load_make_docs()
 DOC_FILES = make_docs.doc_files()
 BLOCKS = [b for path in DOC_FILES for b in make_docs.find_blocks(path)]
 
@@ -43,7 +32,9 @@ STALE_HINT = "run `make docs` and commit the pages (docs/development.md)"
 # ------------------------------------------------------------------- the real docs
 @pytest.mark.parametrize("block", CONSOLE)
 def test_console_block_shows_what_its_command_prints(block):
-    fresh = make_docs.run_block(block)
+    # A block's run is shared with the behaviour tests that need the same processes
+    # (knapformer/testing/doc_blocks.py): whichever asks first runs it.
+    fresh = run_of(block).text
     assert make_docs.same_output(block.recorded, fresh, block), (
         f"{block.where} is stale; {STALE_HINT}\n"
         + make_docs.difference(block.recorded, fresh, block)
@@ -103,6 +94,7 @@ def test_pages_cited_by_the_code_exist():
 
 # ------------------------------------------------------------- the generator itself
 def _page(tmp_path: Path, body: str) -> Path:
+    tmp_path.mkdir(exist_ok=True)
     page = tmp_path / "page.md"
     page.write_text(f"# Page\n\nA page.\n\n{body}\n", encoding="utf-8")
     return page
@@ -141,6 +133,25 @@ def test_generator_writes_output_and_check_catches_edits(tmp_path):
     data.write_text("moved 7 tokens in 12.5 ms\n", encoding="utf-8")  # the "code" changed
     (problem,) = make_docs.check([page])
     assert "+moved 7 tokens" in problem
+
+
+def test_a_blocks_run_is_shared_with_its_outputs_and_files(tmp_path):
+    runs = tmp_path / "runs.txt"
+    write = f"echo run >> {runs}; mkdir -p runs/docs/out; echo kept > runs/docs/out/f.txt"
+    page = _page(tmp_path, _console([write, "echo second"]))
+    shared = run_of(_only_block(page))
+    assert run_of(_only_block(page)) is shared  # the same block asked for again: not rerun
+    assert runs.read_text(encoding="utf-8") == "run\n"
+    assert shared.text == f"$ {write}\n$ echo second\nsecond"
+    assert shared.output("echo second") == "second" and shared.output("mkdir") == ""
+    # what the commands wrote outlives the scratch folder, which the next block empties
+    assert shared.path("runs/docs/out/f.txt").read_text(encoding="utf-8") == "kept\n"
+
+    failing = _only_block(_page(tmp_path / "sub", _console([f"echo run >> {runs}; exit 3"])))
+    for _ in range(2):  # a failed run is reported to every test that shares it, not rerun
+        with pytest.raises(make_docs.DocsError, match="exited with 3"):
+            run_of(failing)
+    assert runs.read_text(encoding="utf-8") == "run\nrun\n"
 
 
 def test_hand_typed_console_block_is_reported(tmp_path):

@@ -1,4 +1,4 @@
-"""End to end: a slow rank injected into a real 4-rank gloo run of the demo is named by
+"""End to end: a slow rank injected into a real 8-rank gloo run of the demo is named by
 ``knapformer stragglers --json``, and no other rank is (the measurements the balancer
 records and the straggler tool that reads them, together)."""
 
@@ -9,22 +9,19 @@ import json
 import pytest
 
 from knapformer.cli import main
-from knapformer.local.demo import DemoConfig, run_demo
+from knapformer.testing.doc_blocks import run_block_of
 
-WORLD = 4
-SLOW_RANK = 3  # in the 2-GPU bag of g1n2+g2n1: its bag mate waits for it, and is not slow
-EVEN = "g4b4i512f1s0"  # every rank the same kind of data: any imbalance is the slow GPU's
+WORLD = 8
+SLOW_RANK = 5  # in the 4-GPU bag of g1n2+g2n1+g4n1: its bag mates wait for it, and are not slow
 pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
-def recording(tmp_path_factory):
-    out = tmp_path_factory.mktemp("slow")
-    cfg = DemoConfig(
-        steps=12, world_size=WORLD, out=out, data_codes=EVEN, slow_rank=SLOW_RANK, slow_factor=3.0
-    )
-    run_demo(cfg)
-    return out / "plans.jsonl"
+def recording():
+    # docs/debugging.md's walkthrough runs this demo (mixed data, balanced: any imbalance
+    # left is the slow GPU's); run once, shared with tests/test_docs.py.
+    run = run_block_of("docs/debugging.md", "--slow-rank 5 --slow-factor 2 --steps 16")
+    return run.path("runs/docs/slow/plans.jsonl")
 
 
 def test_the_slow_rank_is_named_and_no_other(recording, capsys):
