@@ -31,6 +31,14 @@ constructor's options (`knapformer.runtime.agreement`), ``plan_routing``'s argum
 it makes inherits the process group's timeout. Balance groups are consecutive ranks; a
 world of k x (topology GPUs) ranks holds k replicas, each balanced on its own.
 
+Per-step topology (``topology="auto"``): the process group is one balance group cut into
+nodes of ``node_size`` ranks, and each step's plan chooses a partition into aligned groups
+of the allowed sizes (`knapformer.planning.partitions`), pricing communication with
+``comm`` (`knapformer.planning.communication.CommModel`). The sub-group of every aligned
+group of every allowed size is created by the constructor, so a step only looks its bags
+up (`knapformer.runtime.groups`); route, the Ulysses exchanges and reverse route of a step
+run in the bags its plan lists (``plan.bags``).
+
 Measurements (`knapformer.runtime.timing`): every rank times the collectives it runs here
 and its compute apart from them; the few floats of step s travel to every rank in the
 length all-gather of step s+1 (s+2 when planning ahead): no collective of their own. The
@@ -65,8 +73,10 @@ import torch.distributed as dist
 from knapformer.contract.plan import COLLECTIVE_PHASES, RoutingPlan
 from knapformer.contract.topology import Topology, as_topology
 from knapformer.errors import KnapformerError
+from knapformer.planning.communication import CommModel
 from knapformer.planning.history import COST_MODELS, SpeedHistory
-from knapformer.planning.planner import check_solver, check_speed
+from knapformer.planning.partitions import DEFAULT_GROUP_SIZES, allowed_sizes
+from knapformer.planning.planner import AUTO, check_solver, check_speed
 from knapformer.planning.workload import WorkloadModel
 from knapformer.runtime import conditioning, marks
 from knapformer.runtime.agreement import agree_on_options
@@ -90,6 +100,7 @@ from knapformer.runtime.router import (
 )
 from knapformer.runtime.step_paths import (
     AheadPath,
+    AutoOptions,
     PlannerOptions,
     StepPath,
     StepPlanner,
@@ -108,7 +119,9 @@ class SequenceBalancer:
     """Balances packed sequences across the GPUs of a balance group.
 
     Args:
-        topology: compute bags, e.g. ``"g1n2+g2n1+g4n1"`` (or a `Topology`).
+        topology: compute bags, e.g. ``"g1n2+g2n1+g4n1"`` (or a `Topology`); ``"auto"``:
+            every step's plan chooses them (aligned groups of ``group_sizes``, see below),
+            over one balance group of every rank of ``process_group``.
         gamma: attention weight of the workload model.
         solver: ``"knapformer"`` (default) or ``"greedy"``.
         process_group: the group to balance (default: WORLD). Sub-groups are created with
@@ -132,6 +145,13 @@ class SequenceBalancer:
             (see `prefetch`).
         phases: timing phases to gather besides `knapformer.contract.plan.RECORDED_PHASES`
             (what you add with `add_timing`); the same on every rank.
+        node_size: ``"auto"`` only: ranks per node (default: ``comm``'s, 8); a group never
+            crosses a node unless ``cross_node``.
+        group_sizes, min_group, max_group: ``"auto"`` only: the allowed group sizes (powers
+            of two) and bounds on them (``min_group=4``: no bag smaller than 4 GPUs).
+        cross_node: ``"auto"`` only: allow sizes above ``node_size`` (whole nodes).
+        comm: ``"auto"`` only: the `CommModel` (or a cluster name of
+            `knapformer.planning.communication.CLUSTERS`) that prices communication.
     """
 
     def __init__(
@@ -149,6 +169,12 @@ class SequenceBalancer:
         time_scale: float | None = None,
         plan_ahead: bool = False,
         phases: Sequence[str] = (),
+        node_size: int | None = None,
+        group_sizes: Sequence[int] = DEFAULT_GROUP_SIZES,
+        min_group: int | None = None,
+        max_group: int | None = None,
+        cross_node: bool = False,
+        comm: CommModel | str | None = None,
     ) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
@@ -165,6 +191,8 @@ class SequenceBalancer:
         given = dict(
             topology=topology, gamma=gamma, solver=solver, max_tokens_per_gpu=max_tokens_per_gpu,
             cost_model=cost_model, gpu_speed=gpu_speed, time_scale=time_scale, phases=phases,
+            node_size=node_size, group_sizes=tuple(group_sizes), min_group=min_group,
+            max_group=max_group, cross_node=cross_node, comm=comm,
         )  # fmt: skip
         problem = None
         try:
@@ -176,7 +204,9 @@ class SequenceBalancer:
         device = group_device(process_group)
         agree_on_options(shared, problem, process_group, parent_ranks, device)
 
-        self.topology = options.topology
+        #: The `Topology`, or ``"auto"`` (each plan's ``topology`` is then its step's).
+        self.topology: Topology | str = options.topology
+        self.auto: AutoOptions | None = options.auto
         self.gamma, self.solver, self.time_scale = options.gamma, options.solver, options.time_scale
         self.max_tokens_per_gpu, self.run = max_tokens_per_gpu, run
         self.recorder, self.cost_model = recorder, cost_model
@@ -213,7 +243,14 @@ class SequenceBalancer:
 
     @property
     def my_bag(self) -> list[int]:
-        return self.groups.my_bag
+        """This rank's bag: the topology's, or under ``"auto"`` the latest plan's (its own
+        rank alone before the first plan)."""
+        if self.auto is None:
+            return self.groups.my_bag
+        plan = self.last_plan
+        if plan is None:
+            return [self.rank]
+        return next(list(b) for b in plan.bags if self.rank in b)
 
     @property
     def num_replicas(self) -> int:
@@ -464,8 +501,9 @@ class SequenceBalancer:
                 f"{tuple(k.shape)}/{k.dtype}, {tuple(v.shape)}/{v.dtype}"
             )
         heads = q.shape[1]
-        # Checked against every bag size so that all ranks fail together, not hang.
-        bad = [g for g in set(self.topology.bag_sizes) if heads % g]
+        # Checked against every bag size a step may use so that all ranks fail together,
+        # not hang, and a head count that works for one step works for every step.
+        bad = [g for g in self.groups.layout.bag_sizes if heads % g]
         if bad:
             raise KnapformerError(
                 f"{heads} attention heads cannot be split evenly across bags of "
@@ -578,7 +616,18 @@ def _checked_options(
 ) -> tuple[PlannerOptions, BalanceLayout]:
     """The constructor's options, checked on this rank alone (a `KnapformerError` names
     the first bad one), and the layout of its groups."""
-    topology = as_topology(given["topology"])
+    auto = _auto_options(given)
+    if auto is None:
+        topology: Topology | str = as_topology(given["topology"])
+        layout = BalanceLayout(topology, parent_ranks, rank)
+    else:
+        topology = AUTO
+        # The planner's own rules (every step applies them again), checked on this rank.
+        sizes, _ = allowed_sizes(
+            len(parent_ranks), int(auto.comm.node_size), auto.group_sizes, auto.min_group,
+            auto.max_group, auto.cross_node,
+        )  # fmt: skip
+        layout = BalanceLayout(None, parent_ranks, rank, sizes)
     check_solver(given["solver"], given["max_tokens_per_gpu"])
     cost_model, time_scale = given["cost_model"], given["time_scale"]
     if cost_model not in COST_MODELS:
@@ -590,7 +639,6 @@ def _checked_options(
     WorkloadModel(1, given["gamma"])  # validates gamma now rather than at the first step
     for phase in given["phases"]:
         _check_added_phase(phase)
-    layout = BalanceLayout(topology, parent_ranks, rank)
     options = PlannerOptions(
         topology=topology,
         gamma=float(given["gamma"]),
@@ -598,9 +646,48 @@ def _checked_options(
         max_tokens_per_gpu=given["max_tokens_per_gpu"],
         run=run,
         time_scale=None if time_scale is None else float(time_scale),
-        fixed_speed=_as_speeds(given["gpu_speed"], topology.num_gpus, cost_model),
+        fixed_speed=_as_speeds(given["gpu_speed"], layout.gpus_per_replica, cost_model),
+        auto=auto,
     )
     return options, layout
+
+
+#: The options only ``topology="auto"`` uses, and their defaults.
+_AUTO_ONLY = {"node_size": None, "group_sizes": DEFAULT_GROUP_SIZES, "min_group": None,
+              "max_group": None, "cross_node": False, "comm": None}  # fmt: skip
+
+
+def _auto_options(given: dict[str, Any]) -> AutoOptions | None:
+    """The per-step topology options (None for a fixed topology, which refuses them)."""
+    if not (isinstance(given["topology"], str) and given["topology"].strip() == AUTO):
+        for name, default in _AUTO_ONLY.items():
+            if given[name] != default and not (name == "group_sizes" and
+                                               tuple(given[name]) == default):  # fmt: skip
+                raise KnapformerError(
+                    f"{name}={given[name]!r} is an option of topology='auto'; the fixed "
+                    f"topology {given['topology']} does not use it"
+                )
+        return None
+    comm = given["comm"]
+    if comm is None or isinstance(comm, str):
+        comm = CommModel.cluster(comm or "nvlink")
+    elif not isinstance(comm, CommModel):
+        raise KnapformerError(
+            f"comm must be a CommModel or a cluster name, got {type(comm).__name__}"
+        )
+    if given["node_size"] is not None:
+        comm = comm.with_(node_size=_whole(given["node_size"], "node_size"))
+    sizes = tuple(_whole(g, "a group size") for g in given["group_sizes"])
+    bounds = {name: None if given[name] is None else _whole(given[name], name)
+              for name in ("min_group", "max_group")}  # fmt: skip
+    return AutoOptions(comm, sizes, **bounds, cross_node=bool(given["cross_node"]))
+
+
+def _whole(value: Any, name: str) -> int:
+    """``value`` as a positive int, or a `KnapformerError` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value <= 0:
+        raise KnapformerError(f"{name} must be a positive whole number, got {value!r}")
+    return int(value)
 
 
 def _shown(value: Any) -> Any:
@@ -608,6 +695,8 @@ def _shown(value: Any) -> Any:
     lists (a tuple and a list of the same values agree)."""
     if isinstance(value, Topology):
         return str(value)
+    if isinstance(value, CommModel):
+        return value.as_options()
     if isinstance(value, str):
         try:
             return str(as_topology(value)) if value.startswith("g") else value

@@ -9,10 +9,12 @@ at call sites. `BalanceGroups` creates the sub-groups of a layout once, at const
 creates every group, in one order), with the parent group's timeout, and destroys them
 in the reverse order.
 
-Bag groups are held in a map keyed by the bag's ranks (`BalanceGroups.bag_group`), so
-that a layout allowing several partitions per step can create every bag group it may
-use here, up front, and a step looks its bags up: nothing is created on the hot path.
-Today the layout has one partition: the topology's bags.
+Bag groups are held in a map keyed by the bag's ranks (`BalanceGroups.bag_group`): every
+bag group a step may use is created here, up front, and a step looks its bags up, so
+nothing is created on the hot path. A fixed topology has one partition, its bags;
+``topology="auto"`` (`knapformer.planning.partitions`) lets each step choose a partition
+into aligned groups of the allowed sizes, so every aligned group of every allowed size is
+created (about twice the balance group's GPU count).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch.distributed as dist
 
 from knapformer.contract.topology import Topology
 from knapformer.errors import KnapformerError
+from knapformer.planning.partitions import aligned_groups
 from knapformer.runtime.router import Group
 
 #: Timeout of a group whose backend does not say (torch's own default for new groups).
@@ -37,19 +40,38 @@ _FALLBACK_TIMEOUT = datetime.timedelta(minutes=30)
 @dataclass(frozen=True)
 class BalanceLayout:
     """Which ranks balance together: ``parent_ranks`` (the process group's ranks, in
-    order) cut into replicas of ``topology``; ``rank``: this process's global rank."""
+    order) cut into replicas of ``topology``; ``rank``: this process's global rank.
 
-    topology: Topology
+    ``topology=None`` is ``topology="auto"``: one balance group of every parent rank, whose
+    steps may use any aligned group of ``group_sizes`` (the allowed sizes, as
+    `knapformer.planning.partitions.allowed_sizes` gives them)."""
+
+    topology: Topology | None
     parent_ranks: tuple[int, ...]
     rank: int
+    group_sizes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         self._validate()
 
+    @property
+    def auto(self) -> bool:
+        return self.topology is None
+
     def _validate(self) -> None:
-        n, world = self.topology.num_gpus, len(self.parent_ranks)
+        world = len(self.parent_ranks)
         if len(set(self.parent_ranks)) != world:
             raise KnapformerError(f"process group ranks {list(self.parent_ranks)} repeat a rank")
+        if self.auto:
+            sizes = self.group_sizes
+            if world == 0 or not sizes or any(world % g for g in sizes if g <= world):
+                raise KnapformerError(
+                    f"topology 'auto' on {world} ranks: group sizes {list(sizes)} must be "
+                    "given and divide the rank count"
+                )
+            n = world
+        else:
+            n = self.topology.num_gpus
         if world == 0 or world % n:
             replicas = world // n
             raise KnapformerError(
@@ -64,7 +86,7 @@ class BalanceLayout:
 
     @property
     def gpus_per_replica(self) -> int:
-        return self.topology.num_gpus
+        return len(self.parent_ranks) if self.topology is None else self.topology.num_gpus
 
     @property
     def num_replicas(self) -> int:
@@ -88,11 +110,30 @@ class BalanceLayout:
 
     @cached_property
     def bags(self) -> list[list[int]]:
-        """Every bag of every replica (the one partition of a fixed topology)."""
-        return [bag for ranks in self.replicas for bag in self.topology.bags(ranks)]
+        """Every bag a step of any replica may use: a fixed topology's bags, or under
+        ``auto`` every aligned group of every allowed size (smallest sizes first)."""
+        if self.topology is not None:
+            return [bag for ranks in self.replicas for bag in self.topology.bags(ranks)]
+        return [
+            [ranks[p] for p in group]
+            for ranks in self.replicas
+            for group in aligned_groups(len(ranks), self.group_sizes)
+        ]
+
+    @cached_property
+    def bag_sizes(self) -> tuple[int, ...]:
+        """The sizes a bag of a step may have, ascending (what heads must divide)."""
+        if self.topology is None:
+            return tuple(sorted(self.group_sizes))
+        return tuple(sorted(set(self.topology.bag_sizes)))
 
     @cached_property
     def my_bag(self) -> list[int]:
+        """This rank's bag under a fixed topology (under ``auto`` each step's plan says)."""
+        if self.topology is None:
+            raise KnapformerError(
+                "topology 'auto' chooses every rank's bag each step; read it from the plan"
+            )
         return next(b for b in self.bags if self.rank in b)
 
 

@@ -28,6 +28,7 @@ import torch
 
 from knapformer.contract.plan import RoutingPlan
 from knapformer.contract.topology import Topology
+from knapformer.planning.communication import CommModel
 from knapformer.planning.history import LAG_STEPS, SpeedHistory, step_work
 from knapformer.planning.planner import plan_routing
 from knapformer.planning.workload import WorkloadModel
@@ -51,17 +52,40 @@ class Planned:
     gather_ms: float  # time inside the gather collectives (or waiting for them)
 
 
+@dataclass(frozen=True)
+class AutoOptions:
+    """What ``topology="auto"`` plans each step with (`plan_routing`'s keywords): the
+    cluster figures (``comm``, its ``node_size`` included) and the allowed group sizes."""
+
+    comm: CommModel
+    group_sizes: tuple[int, ...]
+    min_group: int | None = None
+    max_group: int | None = None
+    cross_node: bool = False
+
+    def planner_kwargs(self) -> dict[str, Any]:
+        return {
+            "comm": self.comm,
+            "group_sizes": self.group_sizes,
+            "min_group": self.min_group,
+            "max_group": self.max_group,
+            "cross_node": self.cross_node,
+        }
+
+
 @dataclass
 class PlannerOptions:
-    """The options a plan is made with (the same on every rank)."""
+    """The options a plan is made with (the same on every rank). ``topology`` is the
+    string ``"auto"`` when ``auto`` holds the options of a per-step partition."""
 
-    topology: Topology
+    topology: Topology | str
     gamma: float
     solver: str
     max_tokens_per_gpu: int | None
     run: str | None
     time_scale: float | None
     fixed_speed: list[float] | None
+    auto: AutoOptions | None = None
 
     def model(self, token_dim: int) -> WorkloadModel:
         if self.time_scale is None:
@@ -118,6 +142,7 @@ class StepPlanner:
             step=step,
             run=o.run,
             gpu_speed=speed,
+            **(o.auto.planner_kwargs() if o.auto is not None else {}),
         )
         tables = self.tables(plan)
         if self.history is not None:
