@@ -12,7 +12,7 @@ from typing import Any
 
 import psutil
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 #: ``knapformer`` run by this Python (no console script needed): append its arguments.
 CLI = [sys.executable, "-c", "import sys; from knapformer.cli import main; sys.exit(main())"]
 
