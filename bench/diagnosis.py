@@ -15,6 +15,14 @@ expected for each kind (`EXPECTED`) is that kind's own: ``input`` is ``slow_inpu
 the ``slow_host`` issue 21 lists for "input pipeline, GC, CPU contention", because the
 ``data`` phase tells a late batch apart from other host work and says what to fix.
 
+``link`` is named of an exchange scope, not of a rank: every rank of a synchronous
+all-to-all waits for a slow link alike, so the timings say which exchanges are slow
+(`knapformer.diagnosis.stragglers.LinkVerdict`), not whose link. A link run is a hit
+when a scope the injected rank takes part in is named ``slow_link`` (on g1n4: the
+group's routing; in a bag: usually that bag's Ulysses exchanges, which move most of its
+bytes) and no rank gets a ``slow_*`` verdict; naming a scope the injected rank is not in
+is a false alarm.
+
 After every recorded step, `knapformer stragglers` (`analyse` over the steps so far) is
 asked who is slow. Printed: one row per run, then a confusion matrix of the injected kind
 against the verdict the injected rank has at the end (for clean runs: the worst verdict
@@ -85,7 +93,8 @@ class Outcome:
     case: Case
     first: int | None  # measured steps until the injected rank is named right
     final: str  # the injected rank's verdict at the end (clean: the worst of any rank)
-    alarms: set[int]  # ranks named slow_* that were not injected, at any step
+    alarms: set[int]  # ranks named slow_* that were not injected, at any step (-1: a link
+    # scope the injected rank is not in)
     worst_speed: float  # largest |1 - learnt speed| of a healthy rank, over the run
     seconds: float
 
@@ -124,20 +133,30 @@ def run(case: Case, steps: int, out: Path) -> Outcome:
     figures = [m.figures() for p in plans if (m := measure(p)) is not None]
     timeline = named_over_run(figures)
     slow, expected = case.slow_rank, EXPECTED.get(case.kind or "")
+
+    def verdict_of(named: dict[int, str], links: list[tuple[int, ...]]) -> str:
+        """The injected rank's verdict (a link: of a scope it is in); clean: the worst."""
+        if slow is None:
+            worst = [*named.values(), *(["slow_link"] if links else [])]
+            return min(worst, key=VERDICTS.index, default="ok")
+        if case.kind == "link" and any(slow in scope for scope in links):
+            return "slow_link"
+        return named.get(slow, "ok")
+
     first = next(
-        (k for k, (_, named) in enumerate(timeline, 1) if named.get(slow) == expected), None
-    )
+        (k for k, (_, named, links) in enumerate(timeline, 1)
+         if verdict_of(named, links) == expected),
+        None,
+    )  # fmt: skip
     alarms = {
         rank
-        for _, named in timeline
+        for _, named, _ in timeline
         for rank, verdict in named.items()
         if verdict.startswith("slow_") and rank != slow
     }
-    last = timeline[-1][1] if timeline else {}
-    if slow is not None:
-        final = last.get(slow, "ok")
-    else:
-        final = min(last.values(), key=VERDICTS.index, default="ok")
+    if any(slow not in scope for _, _, links in timeline for scope in links):
+        alarms.add(-1)  # a slow link named where the injected rank takes no part
+    final = verdict_of(*timeline[-1][1:]) if timeline else "ok"
     healthy = [r for r in range(case.world) if not (case.kind == "gpu" and r == slow)]
     worst = max(
         (abs(1 - s[r]) for s in recorded_speeds(plans).values() if s for r in healthy),

@@ -66,18 +66,17 @@ def test_the_lost_time_lands_in_the_phase_of_its_kind(results, kind):
     slow = results[SLOW][kind]
     assert len(slow["timings"]) == STEPS - 2
     for k, t in enumerate(slow["timings"]):
-        lost = slow["lost"][k + 1]  # what step k+1 lost is timed in step k+1 ...
-        # ... except the data wait, timed in the step it ends (the step before)
-        lost_before = slow["lost"][k]
-        assert lost > 0 and lost_before > 0
+        # What step k+1 lost is timed in step k+1: the late batch too, as the data wait
+        # that ends it (the batch of the step after).
+        lost = slow["lost"][k + 1]
+        assert lost > 0
         exchanges = sum(t.get(p, 0.0) for p in EXCHANGES)
         host = float(host_ms({p: [v] for p, v in t.items()}, 1)[0])
         where = {"gpu": t["compute"], "host": host, "input": t["data"], "link": exchanges}
-        expected = {"input": lost_before, "link": lost_before}.get(kind, lost)
         # time.sleep and the CPU burn take at least what they were asked for
-        assert where[kind] >= 0.95 * expected, (kind, where, expected)
+        assert where[kind] >= 0.95 * lost, (kind, where, lost)
         if kind != "gpu":  # and none of it is taken for compute
-            assert t["compute"] < t["step"] - 0.95 * expected
+            assert t["compute"] < t["step"] - 0.95 * lost
 
 
 def test_the_peers_of_a_slow_rank_do_no_host_work_of_their_own(results):

@@ -9,6 +9,7 @@ import pytest
 
 from knapformer.contract.plan import Measurements
 from knapformer.errors import KnapformerError
+from knapformer.planning.compute_model import MIN_STEPS
 from knapformer.planning.datamix import parse_mix, sample_lengths
 from knapformer.planning.history import (
     LAG_STEPS,
@@ -36,7 +37,8 @@ def test_nothing_is_learnt_during_the_warm_up():
 def test_speed_is_work_per_ms_relative_to_the_median_gpu():
     history = SpeedHistory(4, warmup=1)
     # GPU 1 got twice the work and took twice as long: as fast as the others.
-    history.observe([4.0, 8.0, 4.0, 2.0], [10.0, 20.0, 10.0, 10.0])
+    for _ in range(MIN_STEPS):
+        history.observe([4.0, 8.0, 4.0, 2.0], [10.0, 20.0, 10.0, 10.0])
     assert history.speeds() == [1.0, 1.0, 1.0, 0.5]
 
 
@@ -50,19 +52,38 @@ def test_one_slow_step_moves_nothing():
 
 def test_speeds_are_bounded():
     history = SpeedHistory(4, warmup=1)
-    history.observe(WORK, [10.0, 10.0, 10_000.0, 0.001])
+    for _ in range(MIN_STEPS):
+        history.observe(WORK, [10.0, 10.0, 10_000.0, 0.001])
     low, high = SPEED_BOUNDS
     assert history.speeds() == [1.0, 1.0, low, high]
 
 
 def test_gpus_without_work_or_time_give_no_figure():
     history = SpeedHistory(5, warmup=1)
-    history.observe([0.0, 4.0, 4.0, 4.0, 4.0], [1.0, 10.0, np.nan, 20.0, 10.0])
+    for _ in range(MIN_STEPS):
+        history.observe([0.0, 4.0, 4.0, 4.0, 4.0], [1.0, 10.0, np.nan, 20.0, 10.0])
     assert history.speeds() == [1.0, 1.0, 1.0, 0.5, 1.0]  # unseen GPUs stay nominal
     # A step with a single usable GPU says nothing about relative speed.
     fresh = SpeedHistory(2, warmup=1)
     fresh.observe([0.0, 4.0], [1.0, 10.0])
     assert fresh.observed == 0 and fresh.speeds() is None
+
+
+def test_a_window_too_short_or_too_noisy_to_tell_leaves_every_gpu_nominal():
+    history = SpeedHistory(4, warmup=1)
+    for _ in range(MIN_STEPS - 1):  # too short: a slow GPU is not learnt yet
+        history.observe(WORK, [10.0, 10.0, 20.0, 10.0])
+    assert history.speeds() is None
+    # Healthy GPUs on a busy host: each step one of them takes up to 2x, never the same
+    # one in most steps. Nobody is learnt, at any step.
+    rng = np.random.default_rng(0)
+    noisy = SpeedHistory(4, warmup=1)
+    for step in range(40):
+        work = WORK * rng.uniform(0.5, 1.5, 4)
+        compute = (5.0 + 2.0 * work) * rng.uniform(0.8, 1.25, 4)  # overhead + rate x work
+        compute[step % 4] *= 1.6
+        noisy.observe(work, compute)
+        assert noisy.speeds() is None, step
 
 
 def test_equal_gpus_are_nominal():

@@ -16,7 +16,13 @@ from knapformer.contract.plan_io import Problem, iter_plan_file
 from knapformer.contract.runfiles import RUNS_LAYOUT, single_run
 from knapformer.contract.units import significant
 from knapformer.diagnosis.measured import RankFigures, measure
-from knapformer.diagnosis.stragglers import WINDOW, StragglerReport, analyse, describe
+from knapformer.diagnosis.stragglers import (
+    WINDOW,
+    StragglerReport,
+    analyse,
+    describe,
+    describe_link,
+)
 
 #: Up to this many ranks the table lists every rank; beyond, the named ones only.
 _ALL_RANKS_UP_TO = 64
@@ -126,16 +132,19 @@ def _summary(report: StragglerReport, measured: int) -> str:
             f"only {measured} measured step(s): a verdict needs {th.min_steps} (all ranks ok)"
         )
     lines += [describe(r) for r in report.named]
-    if not report.named and measured >= th.min_steps:
+    lines += [describe_link(v) for v in report.slow_links]
+    if not report.named and not report.slow_links and measured >= th.min_steps:
         lines.append("no straggler: every rank takes about the time the plan predicts")
     if report.fit is not None and report.fit.note:
         lines.append(f"compute model: {report.fit.note}")
     lines.append(
         f"verdicts (each needs its figure in ≥ {th.persistence:.0%} of steps, and costing "
         f"≥ {th.material:.0%} of the step): slow_gpu when the rate (affine model) is "
-        f"≥ {th.slow_ratio:g}× the group's; slow_host / slow_input / slow_link when host work "
-        "/ the wait for data / the token exchanges (of the rank the others waited for) "
-        f"exceed the group's median; layout_floor / data_imbalance when the predicted load "
+        f"≥ {th.slow_ratio:g}× the group's; slow_host / slow_input when host work / the wait "
+        "for data exceed the group's median; slow_link (of an exchange scope: the group's "
+        "routing or one bag's Ulysses exchanges, never one rank) when its time with nobody "
+        f"waiting is ≥ {th.link_cost:g}× the compute it serves; layout_floor / data_imbalance "
+        "when the predicted load "
         f"is ≥ {th.heavy_load:g}× the ideal, at the layout floor or above it"
     )
     return "\n".join(lines)

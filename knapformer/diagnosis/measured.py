@@ -25,6 +25,13 @@ The definitions every straggler view uses (the CLI, the dashboard, the report):
   adds); **exchange**: its time in the exchanges that move tokens (`EXCHANGES`), with the
   values (tokens x token dim) the plan moved through them from and to it, route and
   reverse route each (Ulysses exchanges move per layer, which the plan does not know).
+- **link cost** of an exchange scope in a step (`LinkStep`): the scopes are the whole
+  group for the routing all-to-alls (``route``, ``reverse_route``) and each multi-GPU
+  bag for its Ulysses exchanges (``pre_attn``, ``post_attn``). Its **no-wait time** is
+  the least time any of its ranks spent in those exchanges (the rank that arrived last
+  waited for nobody: what is left is the transfer), its cost that over the median
+  compute of its ranks. Every rank of a synchronous exchange waits for a slow link
+  alike, so timings tell which exchanges are slow, never whose link it is.
 - **layout floor** of a step: the largest sequence's workload over the largest bag, over
   the mean load (1.00 = the ideal): no plan on these bags can make the step shorter.
   A rank **at the floor** holds that much load itself.
@@ -52,6 +59,64 @@ EXCHANGES = ("route", "pre_attn", "post_attn", "reverse_route")
 DATA_PHASE = "data"
 #: The phase a training loop times its other host work in (logging, bookkeeping).
 HOST_PHASE = "host"
+
+
+#: The exchange scopes: the group's routing all-to-alls and a bag's Ulysses exchanges.
+GROUP_EXCHANGES = ("route", "reverse_route")
+
+
+@dataclass(frozen=True, slots=True)
+class LinkStep:
+    """One exchange scope of one step (see the module doc)."""
+
+    scope: str  # "group" (route, reverse_route) or "bag" (pre_attn, post_attn)
+    ranks: tuple[int, ...]  # the ranks taking part
+    no_wait_ms: float  # least time any of them spent in the scope's exchanges
+    compute_ms: float  # median compute of its ranks
+
+    @property
+    def phases(self) -> tuple[str, ...]:
+        return GROUP_EXCHANGES if self.scope == "group" else BAG_COLLECTIVES
+
+    @property
+    def cost(self) -> float:
+        """no-wait time over the compute it serves (NaN without compute)."""
+        return self.no_wait_ms / self.compute_ms if self.compute_ms > 0 else float("nan")
+
+
+def link_steps(
+    per_rank: Mapping[str, Sequence[float]],
+    gpus: Sequence[int],
+    bags: Sequence[Sequence[int]],
+    compute_ms: np.ndarray,
+) -> tuple[LinkStep, ...]:
+    """The exchange scopes of one step that measured their exchanges: the group (when
+    it routed) and each bag of two or more GPUs (when it measured Ulysses exchanges)."""
+    n = len(gpus)
+    position = {int(g): i for i, g in enumerate(gpus)}
+
+    def summed(phases: Sequence[str]) -> np.ndarray | None:
+        got = [np.nan_to_num(np.asarray(per_rank[p], float)) for p in phases if p in per_rank]
+        return sum(got, np.zeros(n)) if got else None
+
+    out = []
+    scopes = [("group", list(range(n)), GROUP_EXCHANGES)]
+    scopes += [
+        ("bag", [position[int(g)] for g in bag], BAG_COLLECTIVES) for bag in bags if len(bag) > 1
+    ]
+    for scope, rows, phases in scopes:
+        times = summed(phases)
+        if times is None or len(rows) < 2:
+            continue
+        out.append(
+            LinkStep(
+                scope,
+                tuple(int(gpus[i]) for i in rows),
+                float(times[rows].min()),
+                float(np.median(compute_ms[rows])),
+            )
+        )
+    return tuple(out)
 
 
 def host_ms(per_rank: Mapping[str, Sequence[float]], n: int) -> np.ndarray:
@@ -89,6 +154,7 @@ class MeasuredStep:
     exchange_values: np.ndarray  # (n,) values the routing moved from and to it, both ways
     floor_load: float  # the layout floor over the mean load (1.00 = the ideal)
     at_floor: np.ndarray  # (n,) bool: its predicted load reaches the floor
+    links: tuple[LinkStep, ...] = ()  # the exchange scopes (`link_steps`)
 
     @property
     def total_wait_ms(self) -> np.ndarray:
@@ -120,6 +186,7 @@ class MeasuredStep:
             exchange_values=self.exchange_values.astype(np.float32),
             floor_load=self.floor_load,
             at_floor=self.at_floor,
+            links=self.links,
         )
 
 
@@ -145,6 +212,7 @@ class RankFigures:
     exchange_values: np.ndarray | None = None  # (n,) float32
     floor_load: float = float("nan")
     at_floor: np.ndarray | None = None  # (n,) bool
+    links: tuple[LinkStep, ...] = ()  # the exchange scopes (`link_steps`)
 
     @property
     def compute_ratio(self) -> np.ndarray:
@@ -209,11 +277,12 @@ def measure(plan: RoutingPlan) -> MeasuredStep | None:
     floor_load = floor / mean_load if mean_load > 0 else float("nan")
     at_floor = (st.load_after >= 0.99 * floor) & (floor_load > 1.0)
     data = per_rank.get(DATA_PHASE)
+    compute = np.asarray(per_rank[phase], dtype=np.float64)
     return MeasuredStep(
         step=plan.step,
         gpus=np.asarray(plan.gpus, dtype=np.int64),
         phase=phase,
-        compute_ms=np.asarray(per_rank[phase], dtype=np.float64),
+        compute_ms=compute,
         collective_ms=collective_ms,
         wait_ms=wait_ms,
         last_arrival=last,
@@ -229,6 +298,7 @@ def measure(plan: RoutingPlan) -> MeasuredStep | None:
         exchange_values=values,
         floor_load=floor_load,
         at_floor=at_floor,
+        links=link_steps(per_rank, plan.gpus, plan.bags, compute),
     )
 
 

@@ -17,10 +17,13 @@ threshold in at least `Thresholds.persistence` of the rank's steps, median inclu
   the group's median by `Thresholds.material` of the step.
 - ``slow_input``: its wait for the next batch (``data`` phase) exceeds the group's
   median by `Thresholds.material` of the step.
-- ``slow_link``: its time in the token exchanges exceeds the group's median by
-  `Thresholds.material` of the step, and it is the step's straggler (the rank the others
-  waited for): a peer of a slow GPU in its bag also spends long in the Ulysses exchanges,
-  waiting, but never arrives last.
+- ``slow_link`` is a verdict of an **exchange scope**, never of one rank (`LinkVerdict`):
+  the group's routing all-to-alls, or one bag's Ulysses exchanges, whose no-wait time
+  (the least any of its ranks spent in them: the last to arrive waited for nobody) is at
+  least `Thresholds.link_cost` times the compute it serves. Every rank of a synchronous
+  exchange waits for a slow link alike, so the timings say which exchanges are slow and
+  which ranks take part (for a rank of a multi-GPU bag: its bag), not whose link it is.
+  Per-peer timings (p2p sends) would be needed for that.
 - ``layout_floor``: its predicted load is at least `Thresholds.heavy_load` times the
   ideal because it holds the step's layout floor: a sequence no bag of this topology can
   split further. Only other bags help (``knapformer suggest``).
@@ -43,7 +46,7 @@ from typing import Literal
 import numpy as np
 
 from knapformer.diagnosis.measured import RankFigures
-from knapformer.planning.compute_model import ComputeFit, fit_compute
+from knapformer.planning.compute_model import DEPARTURE, ComputeFit, fit_compute
 
 Verdict = Literal[
     "slow_gpu", "slow_host", "slow_input", "slow_link", "layout_floor", "data_imbalance", "ok"
@@ -57,7 +60,7 @@ DECIDED_BY: dict[str, str] = {
     "slow_gpu": "ratio",
     "slow_host": "host_excess_ms",
     "slow_input": "data_excess_ms",
-    "slow_link": "exchange_excess_ms",
+    "slow_link": "link_cost",
     "layout_floor": "predicted_load",
     "data_imbalance": "predicted_load",
     "ok": "ratio",
@@ -70,7 +73,7 @@ class Thresholds:
 
     #: rate (1 = the group's) from which a step counts as slow for a rank: 30 % over
     #: (measured noise on a quiet GPU is a few %; an injected 2x shows as 2)
-    slow_ratio: float = 1.3
+    slow_ratio: float = DEPARTURE
     #: predicted load (1.00 = the ideal) from which a step counts as overloaded by the plan
     heavy_load: float = 1.1
     #: excess time, as a share of the group's median step, that makes a figure matter: a
@@ -80,6 +83,10 @@ class Thresholds:
     persistence: float = 0.6
     #: measured steps a rank needs before it can get any verdict but ``ok``
     min_steps: int = 3
+    #: an exchange scope whose no-wait time is this much of the compute it serves is
+    #: link-bound (`LinkVerdict`): healthy CPU/gloo and NVLink exchanges stay near 0.1-0.4;
+    #: a bag across nodes may be slow this way by design (then it is the layout to change)
+    link_cost: float = 0.6
 
 
 THRESHOLDS = Thresholds()
@@ -120,6 +127,73 @@ class RankVerdict:
             k: (None if isinstance(v, float) and not np.isfinite(v) else v)
             for k, v in asdict(self).items()
         }
+
+
+@dataclass(frozen=True)
+class LinkVerdict:
+    """One exchange scope over the window (medians over the steps it exchanged in)."""
+
+    scope: str  # "group" or "bag"
+    ranks: list[int]
+    phases: list[str]
+    verdict: Literal["slow_link", "ok"]
+    link_cost: float  # median no-wait time over the compute it serves
+    no_wait_ms: float  # median no-wait time per step
+    slow_steps: int  # steps with cost >= link_cost
+    steps: int
+    decided_by: str = "link_cost"
+
+    def as_dict(self) -> dict:
+        return {
+            k: (None if isinstance(v, float) and not np.isfinite(v) else v)
+            for k, v in asdict(self).items()
+        }
+
+
+def link_verdicts(figures: Sequence[RankFigures], th: Thresholds) -> list[LinkVerdict]:
+    """Every exchange scope of ``figures`` and its verdict (`Thresholds.link_cost` in at
+    least `Thresholds.persistence` of its steps, `Thresholds.min_steps` at least, and in
+    the median)."""
+    seen: dict[tuple[str, tuple[int, ...]], list] = {}
+    for f in figures:
+        for link in f.links:
+            seen.setdefault((link.scope, link.ranks), []).append(link)
+    out = []
+    for (scope, ranks), links in seen.items():
+        cost = np.array([link.cost for link in links])
+        counted = int(np.isfinite(cost).sum())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            median = float(np.nanmedian(cost)) if counted else float("nan")
+        slow = int((cost >= th.link_cost).sum())
+        is_slow = (
+            counted >= th.min_steps and slow >= th.persistence * counted and median >= th.link_cost
+        )
+        out.append(
+            LinkVerdict(
+                scope=scope,
+                ranks=list(ranks),
+                phases=list(links[0].phases),
+                verdict="slow_link" if is_slow else "ok",
+                link_cost=median,
+                no_wait_ms=float(np.median([link.no_wait_ms for link in links])),
+                slow_steps=slow,
+                steps=len(links),
+            )
+        )
+    return sorted(out, key=lambda v: (v.scope != "group", v.ranks))
+
+
+def describe_link(v: LinkVerdict) -> str:
+    """``slow_link: bag of ranks 2, 3 (pre_attn, post_attn) — ...``."""
+    where = "the group" if v.scope == "group" else "the bag"
+    return (
+        f"{v.verdict}: {where} of ranks {', '.join(map(str, v.ranks))} "
+        f"({', '.join(v.phases)}) — {v.no_wait_ms:.0f} ms per step in them with nobody "
+        f"waiting, {v.link_cost:.2f}× the compute they serve, in {v.slow_steps} of "
+        f"{v.steps} steps; whose link it is the timings cannot say (every rank of an "
+        "exchange waits for it alike)"
+    )
 
 
 @dataclass(frozen=True)
@@ -205,6 +279,11 @@ class StragglerReport:
     thresholds: Thresholds
     fit: ComputeFit | None = None
     step_ms: float = float("nan")  # the group's median step (ms), what "material" is of
+    links: list[LinkVerdict] = field(default_factory=list)  # every exchange scope
+
+    @property
+    def slow_links(self) -> list[LinkVerdict]:
+        return [v for v in self.links if v.verdict != "ok"]
 
     @property
     def named(self) -> list[RankVerdict]:
@@ -233,11 +312,6 @@ def describe(r: RankVerdict) -> str:
     elif r.verdict == "slow_input":
         why = (
             f"waits {r.data_ms:.0f} ms per step for data, {_ms(r.data_excess_ms)} over the group's"
-        )
-    elif r.verdict == "slow_link":
-        why = (
-            f"{r.exchange_ms:.0f} ms per step in the token exchanges, "
-            f"{_ms(r.exchange_excess_ms)} over the group's"
         )
     elif r.verdict == "layout_floor":
         why = (
@@ -308,19 +382,14 @@ def analyse(
             & (counted >= th.min_steps)
         )
 
-    straggler_each = np.zeros(m.compute_ms.shape, dtype=bool)
-    for col, rank in enumerate(m.straggler):
-        if rank is not None:
-            straggler_each[np.searchsorted(m.ranks, rank), col] = True
     flags = {
         "slow_gpu": persistent(slow_each, rated_steps) & (ratio >= th.slow_ratio),
         **{
             verdict: persistent(excess[name] >= material, steps)
             for verdict, name in (("slow_host", "host"), ("slow_input", "data"))
         },
-        # Only a rank the others waited for: a peer of a slow GPU in its bag spends its
-        # wait in the Ulysses exchanges, and never arrives last.
-        "slow_link": persistent((excess["exchange"] >= material) & straggler_each, steps),
+        # A scope's verdict, never a rank's (`link_verdicts`)
+        "slow_link": np.zeros(len(m.ranks), dtype=bool),
         "layout_floor": persistent(heavy_each & m.at_floor, steps) & (load >= th.heavy_load),
         "data_imbalance": persistent(heavy_each, steps) & (load >= th.heavy_load),
     }  # fmt: skip
@@ -358,7 +427,8 @@ def analyse(
                 **{name: values[i] for name, values in columns.items()},
             )
         )
-    return StragglerReport(verdicts, m.steps, m.phases, th, fit, step_ms)
+    links = link_verdicts(figures, th)
+    return StragglerReport(verdicts, m.steps, m.phases, th, fit, step_ms, links)
 
 
 def _zeros(values: np.ndarray) -> list[float]:
@@ -375,10 +445,13 @@ def row_medians(matrix: np.ndarray) -> np.ndarray:
 
 def named_over_run(
     figures: Sequence[RankFigures], window: int | None = WINDOW
-) -> list[tuple[int | None, dict[int, str]]]:
+) -> list[tuple[int | None, dict[int, str], list[tuple[int, ...]]]]:
     """What `analyse` names after each measured step of a run, as the run goes: per step,
-    ``(step, {rank: verdict})`` of the ranks not ``ok`` over the steps measured so far."""
-    return [
-        (f.step, {r.rank: r.verdict for r in analyse(figures[: k + 1], window).named})
-        for k, f in enumerate(figures)
-    ]
+    ``(step, {rank: verdict}, [ranks of a slow link scope])`` of the ranks not ``ok`` and
+    the exchange scopes named ``slow_link``, over the steps measured so far."""
+    out = []
+    for k, f in enumerate(figures):
+        report = analyse(figures[: k + 1], window)
+        named = {r.rank: r.verdict for r in report.named}
+        out.append((f.step, named, [tuple(v.ranks) for v in report.slow_links]))
+    return out

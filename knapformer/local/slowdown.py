@@ -18,10 +18,13 @@ at the points of the step where a slow rank makes the group wait (before
   compute is untouched.
 - ``input``: the next batch comes that much later (timed by the training loop as the
   ``data`` phase, see `SlowBalancer.wait_for_input`), as a slow data loader.
-- ``link``: the rank's next token exchange (``torch.distributed.all_to_all_single``, inside
-  the balancer's timed ``route`` / ``pre_attn`` / ``post_attn`` / ``reverse_route``) is held
-  back that long, as a link that slow would: its peers wait for it there, and its own
-  time in the exchanges grows.
+- ``link``: every token exchange of the rank (``torch.distributed.all_to_all_single``,
+  inside the balancer's timed ``route`` / ``pre_attn`` / ``post_attn`` / ``reverse_route``)
+  takes longer in proportion to the bytes it moves, as a link slow per byte would: the
+  delay per byte is what the previous step owed over the bytes it moved (the first step
+  loses nothing). Its peers wait inside the same exchanges, so every rank of the
+  exchange sees it take longer: timings cannot say whose link it is, only which
+  exchanges (the group's routing, or one bag's Ulysses exchanges) are slow.
 
 Sleeping at the end of the step instead would put the slowdown behind every exchange,
 where no plan could shorten it and no peer would wait for it.
@@ -52,7 +55,9 @@ class SlowBalancer(SequenceBalancer):
         self.slow_kind = slow_kind
         self._since: tuple[float, float] | None = None  # (host clock, ms not compute)
         self._ended_steps_ms = 0.0  # time that was not compute, in the steps that ended
-        self._owed_ms = 0.0  # time the next batch or exchange is held back (input, link)
+        self._owed_ms = 0.0  # time the next batch is held back (input), the step owes (link)
+        self._bytes = 0  # bytes the exchanges moved in this step (link)
+        self._ms_per_byte = 0.0  # the link's delay, from the step before (link)
         self.lost_ms = 0.0  # time lost so far, by every kind (what it injected)
         self._all_to_all = None
         if slow_kind == "link":
@@ -64,6 +69,10 @@ class SlowBalancer(SequenceBalancer):
             self._mark()
         # The step's timings start afresh: keep what the ending one spent outside compute.
         self._ended_steps_ms += self._in_step()
+        if self.slow_kind == "link":  # a new step: its delay per byte is the last one's
+            if self._bytes:
+                self._ms_per_byte = self._owed_ms / self._bytes
+            self._owed_ms, self._bytes = 0.0, 0
         return super().plan_routing(*args, **kwargs)
 
     def reverse_route(self, seqs, features=None):
@@ -76,12 +85,13 @@ class SlowBalancer(SequenceBalancer):
             began, outside = self._since
             compute = (time.perf_counter() - began) * 1e3 - (self._outside() - outside)
             owed = max(compute, 0.0) * (self.slow_factor - 1)
-            self.lost_ms += owed
+            if self.slow_kind != "link":  # the link's loss is counted as its exchanges pay
+                self.lost_ms += owed
             if self.slow_kind == "gpu":
                 time.sleep(owed / 1e3)
             elif self.slow_kind == "host":
                 self.add_timing(HOST_PHASE, _burn(owed))
-            else:  # input, link: paid where the batch or the exchange comes
+            else:  # input, link: paid where the batch or the exchanges come
                 self._owed_ms += owed
         self._mark()
 
@@ -98,9 +108,14 @@ class SlowBalancer(SequenceBalancer):
             self._all_to_all = None
         super().close()
 
-    def _held_all_to_all(self, *args, **kwargs):
-        self._pay()
-        return self._all_to_all(*args, **kwargs)
+    def _held_all_to_all(self, output, input, *args, **kwargs):
+        moved = output.numel() * output.element_size() + input.numel() * input.element_size()
+        self._bytes += moved
+        delay = moved * self._ms_per_byte
+        if delay > 0:
+            time.sleep(delay / 1e3)
+            self.lost_ms += delay
+        return self._all_to_all(output, input, *args, **kwargs)
 
     def _pay(self) -> float:
         owed, self._owed_ms = self._owed_ms, 0.0

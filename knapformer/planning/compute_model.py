@@ -68,6 +68,14 @@ TOLERANCE = 1.15
 #: (noise), and once the history cost model has equalised every rank's compute, a huge
 #: overhead would "explain" equal times for unequal work and hide the slow rank.
 MAX_OVERHEAD = 3.0
+#: A rank whose rate is this far from the group's (slower or faster) in a step departs
+#: from it in that step: above the step-to-step noise of a busy host (tens of %), below
+#: an injected or real slowdown worth acting on. The straggler diagnosis's `slow_ratio`.
+DEPARTURE = 1.3
+#: The share of a window's steps a rank must depart in (the same way) before its speed
+#: is taken for other than nominal; and the fewest steps that can show it.
+PERSISTENCE = 0.6
+MIN_STEPS = 3
 #: Candidate overheads of the refinement, times `MAX_OVERHEAD` x the median work.
 _GRID = np.concatenate([[0.0], np.geomspace(1e-3, 1.0, 61)])
 _ROUNDS = 4  # refinements of the agreeing set (it settles in one or two)
@@ -97,6 +105,28 @@ class ComputeFit:
             speed = 1.0 / self.rate
         speed = np.where(np.isfinite(speed) & (speed > 0), speed, 1.0)
         return speed if self.agrees is None else np.where(self.agrees, 1.0, speed)
+
+    @property
+    def departs(self) -> np.ndarray:
+        """(r,) bool: the rank's rate departs from the group's by `DEPARTURE` (the same
+        way) in at least `PERSISTENCE` of its rated steps, at least `MIN_STEPS` of them,
+        and in its median: a difference the window shows, not noise of a few steps."""
+        rate = self.rate_steps
+        counted = np.isfinite(rate).sum(axis=1)
+        with np.errstate(invalid="ignore"):
+            slow = (rate >= DEPARTURE).sum(axis=1), self.rate >= DEPARTURE
+            fast = (rate <= 1 / DEPARTURE).sum(axis=1), self.rate <= 1 / DEPARTURE
+        enough = (counted >= MIN_STEPS) & np.isfinite(self.rate)
+        need = PERSISTENCE * np.maximum(counted, 1)
+        return enough & (((slow[0] >= need) & slow[1]) | ((fast[0] >= need) & fast[1]))
+
+    @property
+    def learnt_speed(self) -> np.ndarray:
+        """(r,) the speed the history cost model plans with: the inverse of the rate for a
+        rank that `departs` from the group, 1 for every other (a window too short or too
+        noisy to tell a rank apart leaves it nominal, so a healthy rank is never fed by
+        the noise of a few steps)."""
+        return np.where(self.departs, self.speed, 1.0)
 
     def as_dict(self) -> dict:
         """Plain JSON-ready values (NaN as None)."""

@@ -7,9 +7,11 @@ Each measured step gives every GPU a point: the work its plan gave it
 ``compute`` (ms; `knapformer.runtime.timing`). Over the last ``window`` steps the affine
 compute model (`knapformer.planning.compute_model.fit_compute`: a fixed overhead shared by
 the group plus a rate per GPU) is fitted, and a GPU's speed is the inverse of its rate
-relative to the median GPU's, rounded to two significant digits and kept within ``bounds``
-(steady plans; the same number in JSON and on every rank). During the first ``warmup``
-measured steps nothing is learnt and the planner assumes nominal speeds.
+relative to the group's once it departs from it persistently (`ComputeFit.learnt_speed`:
+by 30 % in most of the window's steps; until then it stays 1), rounded to two
+significant digits and kept within ``bounds`` (steady plans; the same number in JSON and
+on every rank). During the first ``warmup`` measured steps nothing is learnt and the
+planner assumes nominal speeds.
 
 Why affine: every step has a fixed cost (launches, norms, the optimizer, Python). Divided
 by the work (a line through the origin) it makes a lightly loaded GPU look slow, which the
@@ -121,7 +123,7 @@ class SpeedHistory:
             return None
         work = np.stack([w for w, _ in self._recent], axis=1)  # (num_gpus, steps)
         compute = np.stack([c for _, c in self._recent], axis=1)
-        speed = fit_compute(work, compute).speed
+        speed = fit_compute(work, compute).learnt_speed
         low, high = self.bounds
         rounded = [min(max(float(f"{s:.2g}"), low), high) for s in speed]
         return None if all(s == 1.0 for s in rounded) else rounded
