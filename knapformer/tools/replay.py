@@ -16,6 +16,12 @@ Two checks, both must pass:
 
 The recorded plan is renumbered so that ``plan.gpus[i]`` runs as local rank i; messages
 name the recorded GPU ranks.
+
+A plan whose bags the planner chose (``policy="auto"``) is replayed by a balancer with
+``topology="auto"`` and the plan's own options (its ``solver_options``: the group sizes and
+the communication model, node size included), which creates the sub-group of every
+aligned group those sizes allow; the routing check then runs in the plan's own bags
+(``plan.bags``, in rank order), as training did.
 """
 
 from __future__ import annotations
@@ -33,7 +39,8 @@ from knapformer.contract.positions import gpu_positions
 from knapformer.contract.topology import Topology
 from knapformer.errors import KnapformerError, OptionError
 from knapformer.local.launcher import WorkerFailed, launch
-from knapformer.planning.planner import SOLVERS
+from knapformer.planning.communication import CommModel
+from knapformer.planning.planner import AUTO, SOLVERS
 
 _FEATURE_BYTES = 8  # the int64 token id routed with every token
 _GRACE_S = 1.0  # replay workers do not watch the stop flag: stop them soon after Ctrl-C
@@ -102,6 +109,7 @@ def renumber(plan: RoutingPlan) -> RoutingPlan:
             **{k: getattr(plan, k) for k in ("step", "time", "run", "topology", "token_dim")},
             **{k: getattr(plan, k) for k in ("gamma", "scale", "workload_unit", "gpu_speed")},
             "solver": plan.solver,
+            "policy": plan.policy,
             "solver_options": dict(plan.solver_options),
             "gpus": list(range(len(gpus))),
             "bags": [[int(lookup[g]) for g in bag] for bag in plan.bags],
@@ -128,7 +136,9 @@ def first_difference(recorded: RoutingPlan, planned: RoutingPlan, gpus: list[int
 
     GPU values are named by their recorded ranks ``gpus[i]``.
     """
-    for name in ("topology", "bags", "solver", "token_dim", "gamma", "workload_unit", "gpu_speed"):
+    names = ("policy", "topology", "bags", "solver", "token_dim", "gamma", "workload_unit",
+             "gpu_speed")  # fmt: skip
+    for name in names:
         a, b = getattr(recorded, name), getattr(planned, name)
         if a != b:
             return f"{name}: recorded {a!r}, planned {b!r}"
@@ -166,9 +176,35 @@ def replan_skip_reason(plan: RoutingPlan) -> str | None:
 
 
 # ------------------------------------------------------------------ running
+def auto_options(plan: RoutingPlan) -> dict[str, Any]:
+    """The `SequenceBalancer` options that re-plan an auto plan (``policy="auto"``) as it
+    was planned: its group sizes and communication model (``solver_options``). A plan
+    without them (written by hand) gets the sizes of its own bags, whichever node they
+    span, which is enough to execute its routing."""
+    saved = plan.solver_options
+    sizes = saved.get("group_sizes") or sorted({len(b) for b in plan.bags})
+    comm = CommModel.from_options(saved)
+    return {
+        "comm": comm,
+        "group_sizes": tuple(sizes),
+        # Sizes above the node were allowed when the plan was made (the planner drops them
+        # otherwise): allow them again.
+        "cross_node": any(g > comm.node_size for g in sizes) or "comm" not in saved,
+    }
+
+
+def bag_sizes(plan: RoutingPlan) -> list[int]:
+    """Every bag size the replaying balancer may use: the plan's, and under ``auto`` every
+    allowed group size (the balancer checks heads against all of them)."""
+    sizes = {len(b) for b in plan.bags}
+    if plan.policy == AUTO:
+        sizes |= set(auto_options(plan)["group_sizes"])
+    return sorted(sizes)
+
+
 def default_heads(plan: RoutingPlan) -> int:
     """Smallest multiple of every bag size that is >= 4 (heads must split evenly)."""
-    return Topology.from_bag_sizes([len(b) for b in plan.bags]).heads_for(4)
+    return Topology.from_bag_sizes(bag_sizes(plan)).heads_for(4)
 
 
 def check_options(
@@ -184,7 +220,7 @@ def check_options(
             f"{MAX_REPLAY_GPUS}"
         )
     heads = default_heads(plan) if heads is None else int(heads)
-    bad = sorted({len(b) for b in plan.bags if heads % len(b)})
+    bad = [g for g in bag_sizes(plan) if heads % g]
     if heads <= 0 or bad:
         raise OptionError(
             f"`heads` {heads} must be a positive multiple of every bag size "
@@ -303,7 +339,10 @@ def _replan(report: RankReport, plan: RoutingPlan, gpus, dim: int, replan: bool)
             "gpu_speed": plan.gpu_speed,
             "time_scale": plan.scale if plan.workload_unit == "ms" else None,
         }
-    balancer = SequenceBalancer(plan.topology, **model)
+    if plan.policy == AUTO:
+        balancer = SequenceBalancer(AUTO, **model, **auto_options(plan))
+    else:
+        balancer = SequenceBalancer(plan.topology, **model)
     local_lens = plan.sequences.length[plan.sequences.src_gpu == report.rank]
     if replan:
         fresh = balancer.plan_routing(local_lens, token_dim=plan.token_dim)
