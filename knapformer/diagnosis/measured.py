@@ -27,11 +27,12 @@ The definitions every straggler view uses (the CLI, the dashboard, the report):
   reverse route each (Ulysses exchanges move per layer, which the plan does not know).
 - **link cost** of an exchange scope in a step (`LinkStep`): the scopes are the whole
   group for the routing all-to-alls (``route``, ``reverse_route``) and each multi-GPU
-  bag for its Ulysses exchanges (``pre_attn``, ``post_attn``). Its **no-wait time** is
-  the least time any of its ranks spent in those exchanges (the rank that arrived last
-  waited for nobody: what is left is the transfer), its cost that over the median
-  compute of its ranks. Every rank of a synchronous exchange waits for a slow link
-  alike, so timings tell which exchanges are slow, never whose link it is.
+  bag for its Ulysses exchanges (``pre_attn``, ``post_attn``). Its **no-wait time** is,
+  summed over its exchanges, the least time any of its ranks spent in each (the rank
+  that arrived last waited for nobody: what is left is the transfer), its cost that over
+  the longest compute among its ranks (the compute the exchanges serve; the step is at
+  least that long). Every rank of a synchronous exchange waits for a slow link alike, so
+  timings tell which exchanges are slow, never whose link it is.
 - **layout floor** of a step: the largest sequence's workload over the largest bag, over
   the mean load (1.00 = the ideal): no plan on these bags can make the step shorter.
   A rank **at the floor** holds that much load itself.
@@ -71,8 +72,8 @@ class LinkStep:
 
     scope: str  # "group" (route, reverse_route) or "bag" (pre_attn, post_attn)
     ranks: tuple[int, ...]  # the ranks taking part
-    no_wait_ms: float  # least time any of them spent in the scope's exchanges
-    compute_ms: float  # median compute of its ranks
+    no_wait_ms: float  # summed over the scope's exchanges: the least any rank spent in each
+    compute_ms: float  # the longest compute of its ranks
 
     @property
     def phases(self) -> tuple[str, ...]:
@@ -95,9 +96,8 @@ def link_steps(
     n = len(gpus)
     position = {int(g): i for i, g in enumerate(gpus)}
 
-    def summed(phases: Sequence[str]) -> np.ndarray | None:
-        got = [np.nan_to_num(np.asarray(per_rank[p], float)) for p in phases if p in per_rank]
-        return sum(got, np.zeros(n)) if got else None
+    def times(phases: Sequence[str]) -> list[np.ndarray]:
+        return [np.nan_to_num(np.asarray(per_rank[p], float)) for p in phases if p in per_rank]
 
     out = []
     scopes = [("group", list(range(n)), GROUP_EXCHANGES)]
@@ -105,15 +105,15 @@ def link_steps(
         ("bag", [position[int(g)] for g in bag], BAG_COLLECTIVES) for bag in bags if len(bag) > 1
     ]
     for scope, rows, phases in scopes:
-        times = summed(phases)
-        if times is None or len(rows) < 2:
+        measured = times(phases)
+        if not measured or len(rows) < 2:
             continue
         out.append(
             LinkStep(
                 scope,
                 tuple(int(gpus[i]) for i in rows),
-                float(times[rows].min()),
-                float(np.median(compute_ms[rows])),
+                float(sum(t[rows].min() for t in measured)),
+                float(np.nanmax(compute_ms[rows])),
             )
         )
     return tuple(out)

@@ -74,8 +74,8 @@ MAX_OVERHEAD = 3.0
 DEPARTURE = 1.3
 #: The share of a window's steps a rank must depart in (the same way) before its speed
 #: is taken for other than nominal; and the fewest steps that can show it.
-PERSISTENCE = 0.6
-MIN_STEPS = 3
+PERSISTENCE = 0.75
+MIN_STEPS = 5
 #: Candidate overheads of the refinement, times `MAX_OVERHEAD` x the median work.
 _GRID = np.concatenate([[0.0], np.geomspace(1e-3, 1.0, 61)])
 _ROUNDS = 4  # refinements of the agreeing set (it settles in one or two)
@@ -123,10 +123,12 @@ class ComputeFit:
     @property
     def learnt_speed(self) -> np.ndarray:
         """(r,) the speed the history cost model plans with: the inverse of the rate for a
-        rank that `departs` from the group, 1 for every other (a window too short or too
-        noisy to tell a rank apart leaves it nominal, so a healthy rank is never fed by
-        the noise of a few steps)."""
-        return np.where(self.departs, self.speed, 1.0)
+        rank that `departs` from the group as slower, 1 for every other. A window too
+        short or too noisy to tell a rank apart leaves it nominal, so a healthy rank is
+        never fed by the noise of a few steps. Never faster than 1: on measured runs a
+        "fast" rank was a lightly loaded one whose fixed overhead the window could not
+        separate, and feeding it more work would make it the straggler."""
+        return np.where(self.departs & (self.speed < 1.0), self.speed, 1.0)
 
     def as_dict(self) -> dict:
         """Plain JSON-ready values (NaN as None)."""

@@ -8,7 +8,7 @@ Each measured step gives every GPU a point: the work its plan gave it
 compute model (`knapformer.planning.compute_model.fit_compute`: a fixed overhead shared by
 the group plus a rate per GPU) is fitted, and a GPU's speed is the inverse of its rate
 relative to the group's once it departs from it persistently (`ComputeFit.learnt_speed`:
-by 30 % in most of the window's steps; until then it stays 1), rounded to two
+by 30 % in 3 of 4 of at least 5 of the window's steps; until then it stays 1), rounded to two
 significant digits and kept within ``bounds`` (steady plans; the same number in JSON and
 on every rank). During the first ``warmup`` measured steps nothing is learnt and the
 planner assumes nominal speeds.
