@@ -16,6 +16,13 @@ from knapformer.contract.plan_io import Problem, iter_plan_file
 from knapformer.contract.runfiles import RUNS_LAYOUT, single_run
 from knapformer.contract.units import significant
 from knapformer.diagnosis.measured import RankFigures, measure
+from knapformer.diagnosis.step_loss import (
+    PARTS,
+    StepLoss,
+    describe_loss,
+    step_losses,
+    summarise,
+)
 from knapformer.diagnosis.stragglers import (
     WINDOW,
     StragglerReport,
@@ -42,6 +49,13 @@ def stragglers(
     as_json: bool = typer.Option(
         False, "--json", help="print a JSON list of per-rank objects (rank, verdict, ...)"
     ),
+    loss: bool = typer.Option(
+        False,
+        "--loss",
+        help="per step: the measured step against an ideal one and what the difference went "
+        "to (layout floor, solver gap, slow ranks, input, communication, other); with "
+        "--json a list of per-step objects",
+    ),
 ) -> None:
     """Name slow ranks: per rank, predicted share vs measured compute, waiting, and a verdict
     (slow_gpu, slow_host, slow_input, slow_link, layout_floor, data_imbalance or ok)."""
@@ -58,11 +72,20 @@ def stragglers(
             "(record with a balancer and a PlanRecorder)"
         )
     report = analyse(figures, window or None)
+    losses = step_losses(figures)
+    if loss:
+        if as_json:
+            print(json.dumps([item.as_dict() for item in losses], indent=1))
+        else:
+            console = Console(highlight=False, width=max(Console().width, 110))
+            console.print(_loss_table(losses), describe_loss(summarise(losses)))
+        return
     if as_json:
         print(json.dumps([r.as_dict() for r in report.ranks], indent=1))
         return
     console = Console(highlight=False, width=max(Console().width, 110))
     console.print(_table(report), _summary(report, len(figures)))
+    console.print(f"what a step lost (--loss per step): {describe_loss(summarise(losses))}")
 
 
 def _measured_figures(path: Path, window: int | None) -> tuple[list[RankFigures], int]:
@@ -117,6 +140,23 @@ def _table(report: StragglerReport) -> Table:
             str(r.last_arrivals),
             str(r.steps),
             style=style,
+        )
+    return table
+
+
+def _loss_table(losses: list[StepLoss]) -> Table:
+    table = Table(
+        title="what each step lost against an ideal one (ms): compute spread evenly at the "
+        "group's rate, exchanges at its median bandwidth",
+        title_justify="left",
+    )
+    for name in ("step", "measured", "ideal", "lost", *PARTS):
+        table.add_column(name.replace("_", " "), justify="right")
+    for item in losses:
+        table.add_row(
+            "–" if item.step is None else str(item.step),
+            *(_fmt(v, ".0f") for v in (item.measured_ms, item.ideal_ms, item.lost_ms)),
+            *(_fmt(v, ".0f") for v in item.parts().values()),
         )
     return table
 
