@@ -23,6 +23,7 @@ from knapformer.contract.topology import Topology
 from knapformer.errors import KnapformerError, OptionError
 from knapformer.planning.datamix import MIXED8, DataCode, parse_mix
 from knapformer.planning.history import COST_MODELS
+from knapformer.planning.partitions import allowed_sizes
 
 DEMO_CODES = MIXED8  # the joint mix's data types on 8 GPUs, as in the 8-GPU samples
 DEMO_OUT = Path("runs/demo")
@@ -55,7 +56,12 @@ class DemoConfig:
     topology: str | None = _option(
         None,
         "compute bags, e.g. g1n2+g2n1+g4n1 (default: bags of 1, 1, 2, 4, ... GPUs, the "
-        "largest one the largest power of two below --world-size; 6 gives g1n2+g4n1)",
+        "largest one the largest power of two below --world-size; 6 gives g1n2+g4n1), or "
+        "auto: every step's plan chooses them (aligned groups of 1, 2, 4, 8 GPUs inside a "
+        "node of --node-size ranks)",
+    )
+    node_size: int = _option(
+        8, "--topology auto: ranks per node (a power of two); a step's groups stay inside one"
     )
     data_codes: str = _option(
         DEMO_CODES,
@@ -96,6 +102,12 @@ class DemoConfig:
         "measured compute",
     )
     plan_ahead: bool = _option(False, "gather and plan each next step on a side channel")
+    profile: Path | None = _option(  # noqa: RUF009 (None or an immutable Path)
+        None,
+        "write a torch.profiler trace of every worker's training loop to this folder (the "
+        "balancer's phases show as knapformer.* ranges); merge it with `knapformer trace "
+        "RUN --merge DIR`",
+    )
 
     def __post_init__(self) -> None:
         self._check_numbers()
@@ -134,14 +146,39 @@ class DemoConfig:
         if not self.run.strip():
             raise OptionError("`run` must name the run, got an empty name")
 
+    @property
+    def auto(self) -> bool:
+        """Whether every step's plan chooses its bags (``--topology auto``)."""
+        return self.topology is not None and self.topology.strip() == "auto"
+
     @cached_property
-    def parsed_topology(self) -> Topology:
+    def parsed_topology(self) -> Topology | str:
         """The bags (``topology`` or `default_topology`), checked to fit the world and
-        to give the model a head count every bag divides."""
+        to give the model a head count every bag divides; ``"auto"`` for a per-step
+        topology (its sizes: `bag_sizes`)."""
+        if self.auto:
+            _ = self.model_dims  # the heads split across every allowed group size
+            return "auto"
         topo = Topology.parse(self.topology or default_topology(self.world_size))
         topo.num_replicas(self.world_size)  # raises when the world does not fit
         model_shape(topo, self.head_dim)
         return topo
+
+    @cached_property
+    def bag_sizes(self) -> tuple[int, ...]:
+        """Every bag size a step may use, ascending (auto: the allowed group sizes)."""
+        if not self.auto:
+            return tuple(sorted(set(self.parsed_topology.bag_sizes)))
+        try:
+            sizes, _ = allowed_sizes(self.world_size, self.node_size)
+        except KnapformerError as err:
+            raise OptionError(f"--topology auto: {err}") from None
+        return sizes
+
+    @cached_property
+    def model_dims(self) -> tuple[int, int]:
+        """(d_model, n_heads) of the demo's model (`model_shape` of every bag size)."""
+        return model_shape(Topology.from_bag_sizes(list(self.bag_sizes)), self.head_dim)
 
     @cached_property
     def codes(self) -> list[DataCode]:

@@ -158,7 +158,7 @@ def train(
     from knapformer.runtime.recorder import PlanRecorder
 
     topo, codes = cfg.parsed_topology, cfg.codes
-    d_model, n_heads = model_shape(topo, cfg.head_dim)
+    d_model, n_heads = cfg.model_dims
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model = ToyDiT(d_model, n_heads, cfg.n_layers)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -167,6 +167,8 @@ def train(
     recorder = PlanRecorder(plans_file(cfg.out), every=cfg.every) if cfg.record else None
     options = {"recorder": recorder, "run": cfg.run, "cost_model": cfg.cost_model}
     options["plan_ahead"] = cfg.plan_ahead
+    if cfg.auto:
+        options["node_size"] = cfg.node_size
     if cfg.slow_rank == rank:
         from knapformer.local.slowdown import SlowBalancer
 
@@ -181,6 +183,14 @@ def train(
         lengths = sample_lengths([codes[rank]], rng, cfg.length_scale)[0]
         return lengths, int(rng.integers(2**62))
 
+    profiler = None
+    if cfg.profile is not None:  # after init_process_group: the trace names its rank
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        handler = torch.profiler.tensorboard_trace_handler(str(cfg.profile))
+        profiler = torch.profiler.profile(activities=activities, on_trace_ready=handler)
+        profiler.start()
     try:
         step = 0
         while cfg.steps == 0 or step < cfg.steps:
@@ -251,6 +261,8 @@ def train(
                 break
         balancer.finish()  # collective: the last plans get their measured times too
     finally:
+        if profiler is not None:
+            profiler.stop()  # writes this worker's trace
         balancer.close()
 
 
