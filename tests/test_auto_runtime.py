@@ -206,3 +206,16 @@ def test_auto_topology_is_exact_and_changes_every_step(tmp_path):
         assert "no group size is left" in errs["no_size_left"]
         assert "node_size must be a positive power of two, got 3" in errs["bad_node"]
         assert "unknown cluster 'token-ring'" in errs["bad_comm"]
+
+
+def test_demo_config_takes_topology_auto():
+    from knapformer.errors import KnapformerError
+    from knapformer.local.config import DemoConfig
+
+    cfg = DemoConfig(topology="auto", world_size=8, node_size=4)
+    assert cfg.auto and cfg.parsed_topology == "auto"
+    assert cfg.bag_sizes == (1, 2, 4) and cfg.model_dims == (4 * 16, 4)  # heads: every size
+    assert DemoConfig(topology="auto", world_size=8).model_dims == (8 * 16, 8)
+    for bad, said in (({"world_size": 6}, "power of two"), ({"node_size": 3}, "node_size")):
+        with pytest.raises(KnapformerError, match=said):
+            DemoConfig(topology="auto", **{"world_size": 8, **bad})

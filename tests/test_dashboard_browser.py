@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import time
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +23,7 @@ from knapformer.planning.planner import plan_routing
 from knapformer.planning.workload import WorkloadModel
 from knapformer.testing.measured_plans import measured_run, with_measurements
 from knapformer.testing.polling import wait_until
+from knapformer.testing.processes import CLI, ROOT
 
 pytestmark = pytest.mark.browser
 
@@ -31,6 +34,10 @@ WIDE128 = "g1n32+g2n16+g4n8+g8n4"  # 128 GPUs in 60 bags: the most shown GPU by 
 WIDE256 = "g1n64+g2n32+g4n16+g8n8"  # 256 GPUs in 120 bags: shown bag by bag
 CAP64 = 6_000  # max_tokens_per_gpu of the measured 64-GPU run (its GPUs hold ~5,300)
 ALTERNATING = ("g1n4+g2n2", "g2n2+g4n1")
+# A real `knapformer demo --topology auto` run: this mix's one video rank sits near the
+# point where a group of 4 pays, so its partition changes between steps 0, 1 and 2, 3.
+AUTO_DEMO = ["demo", "--topology", "auto", "--world-size", "8", "--steps", "4",
+             "--data-codes", "g7b2i512f1s0,g1b1i256f57s1", "--no-dashboard"]  # fmt: skip
 
 if CHROMIUM is None:
     pytest.skip("no Chromium on this machine (make browser-deps)", allow_module_level=True)
@@ -109,6 +116,10 @@ def runs_dir(tmp_path_factory, lines50):
         os.utime(root / name / "plans.jsonl", (1e9, 1e9))
     (root / "live").mkdir()
     (root / "live" / "plans.jsonl").write_text("\n".join(lines50[:5]) + "\n")
+    demo = subprocess.run([*CLI, *AUTO_DEMO, "--out", str(root / "auto")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert demo.returncode == 0, demo.stdout + demo.stderr
+    os.utime(root / "auto" / "plans.jsonl", (1e9, 1e9))
     return root
 
 
@@ -673,16 +684,20 @@ def _bags_of_bars(page) -> list[list[int]]:
     return list(bags.values())
 
 
-def test_views_follow_each_steps_own_partition(page, runs_dir):
-    plans = [
-        parse_plan_line(line)
-        for line in (runs_dir / "alternating" / "plans.jsonl").read_text().splitlines()
-    ]
-    assert plans[0].bags != plans[1].bags
-    _switch_to(page, "alternating", lambda: page.inner_text("#stat-steps") == "6")
-    _wait_for(lambda: "2 topologies, 5 changes" in _figure(page, "topology-timeline")["title"])
-    assert set(_ticks(page, "topology-timeline", "y")) == set(ALTERNATING)
-    for step in (4, 5):
+@pytest.mark.parametrize(("run", "steps"), [("alternating", (4, 5)), ("auto", (0, 1))])
+def test_views_follow_each_steps_own_partition(page, runs_dir, run, steps):
+    recorded = (runs_dir / run / "plans.jsonl").read_text().splitlines()
+    plans = [parse_plan_line(line) for line in recorded]
+    assert plans[steps[0]].bags != plans[steps[1]].bags  # consecutive steps, two partitions
+    if run == "auto":  # recorded by the demo: the planner chose every step's bags
+        assert {p.policy for p in plans} == {"auto"}
+    names = [p.topology for p in plans]
+    changes = sum(a != b for a, b in pairwise(names))
+    _switch_to(page, run, lambda: page.inner_text("#stat-steps") == str(len(plans)))
+    title = f"{len(set(names))} topologies, {changes} changes"
+    _wait_for(lambda: title in _figure(page, "topology-timeline")["title"])
+    assert set(_ticks(page, "topology-timeline", "y")) == set(names)
+    for step in steps:
         box = page.locator("#step-input")
         box.fill(str(step))
         box.press("Enter")

@@ -20,7 +20,7 @@ from knapformer.cli.errors import UserError
 from knapformer.cli.extras import require
 from knapformer.contract.runfiles import plans_file
 from knapformer.errors import MissingExtraError
-from knapformer.local.config import DemoConfig, model_shape, topology_note
+from knapformer.local.config import DemoConfig, topology_note
 
 
 def register(app: typer.Typer) -> None:
@@ -41,7 +41,7 @@ def demo(
     from knapformer.local.signals import ignoring_sigint
 
     topo = cfg.parsed_topology
-    d_model, heads = model_shape(topo, cfg.head_dim)
+    d_model, heads = cfg.model_dims
     plans = plans_file(cfg.out)
     server = _start_dashboard(plans, port) if dashboard else None
     try:
@@ -52,7 +52,7 @@ def demo(
             f"recording to {plans}",
             flush=True,
         )
-        note = topology_note(topo)
+        note = None if cfg.auto else topology_note(topo)
         if note is not None:
             print(f"note: topology {topo}: {note}", flush=True)
         if cfg.slow_rank is not None or cfg.cost_model != "modelled" or cfg.plan_ahead:
