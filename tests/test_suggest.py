@@ -1,4 +1,5 @@
-"""Topology suggestion: enumeration, the cost model, and the ranking."""
+"""Topology suggestion: enumeration, the cost (planning/communication.py's), the ranking of
+fixed topologies and auto."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ import pytest
 from knapformer.cli import main
 from knapformer.contract.topology import Topology
 from knapformer.errors import KnapformerError
+from knapformer.planning.communication import CommModel, plan_cost
 from knapformer.planning.datamix import parse_mix
 from knapformer.planning.planner import plan_routing
 from knapformer.planning.workload import WorkloadModel
-from knapformer.tools.suggest import CostModel, enumerate_topologies, fit_mix, suggest
+from knapformer.tools.suggest import StepCost, enumerate_topologies, fit_mix, suggest
 
 
 def test_enumeration_fits_and_is_bounded():
@@ -33,21 +35,23 @@ def test_cost_model_by_hand():
     # One sequence of 1000 tokens on GPU 0, one bag of 2 GPUs: 500 tokens each.
     d = 8
     plan = plan_routing([[1000], []], "g2n1", WorkloadModel(d, gamma=0.5))
-    cost = CostModel(token_dim=d, dtype_bytes=2, tflops=1.0, bandwidth_gbs=1.0, layers=3)
-    c = cost.step_cost(plan)
+    comm = CommModel(tflops=1.0, intra_gbs=1.0, inter_gbs=1.0, layers=3)
+    c = StepCost.of(plan, comm)
     work = (24 * 1000 * d * d + 0.5 * 4 * 1000**2 * d) / 1e12
     compute_ms = work / 2 / 1.0 * 1e3
     ulysses_ms = 4 * (1 / 2) * 500 * d * 2 / 1e9 * 1e3  # 4 all-to-alls, half the rows leave
-    route_ms = 2 * 500 * d * 2 / 1e9 * 1e3  # 500 tokens go to GPU 1 and come back
+    route_ms = 500 * d * 2 / 1e9 * 1e3  # GPU 0 sends 500 tokens on route, GPU 1 sends them back
     assert c.compute_ms == pytest.approx(3 * compute_ms)
     assert c.ulysses_ms == pytest.approx(3 * ulysses_ms)
-    assert c.balancing_ms == pytest.approx(route_ms)
+    assert c.routing_ms == pytest.approx(route_ms)
     assert c.step_ms == pytest.approx(3 * (compute_ms + ulysses_ms) + route_ms)
     assert c.unbalanced_ms == pytest.approx(3 * work * 1e3)
+    # One home for the cost: the same figures as plan_cost's.
+    assert c.step_ms == pytest.approx(plan_cost(plan, comm).step_ms)
 
 
 def test_joint_ranks_multi_gpu_bags_above_single_gpu_bags():
-    ranked = suggest(parse_mix("joint"), 32, steps=2)
+    ranked = suggest(parse_mix("joint"), 32, steps=2, auto=False)
     names = [str(s.topology) for s in ranked]
     assert len(names) == len(enumerate_topologies(32))
     assert ranked[0].topology.max_bag_size > 1
@@ -63,12 +67,34 @@ def test_bigger_bags_are_not_free():
     # lowres: every sequence is small, so splitting it only adds Ulysses traffic.
     ranked = suggest(parse_mix("lowres"), 32, steps=2)
     assert str(ranked[0].topology) == "g1n32"
+    # auto keeps every GPU alone too, and ties rank the fixed layout first
+    auto = next(s for s in ranked if s.auto)
+    assert auto.partitions == {"g1n32": 2} and auto.step_ms == pytest.approx(ranked[0].step_ms)
     g8n4 = next(s for s in ranked if str(s.topology) == "g8n4")
     assert g8n4.ulysses_ms > 0 and g8n4.step_ms > ranked[0].step_ms
-    # Halving the bandwidth doubles the Ulysses time of the same topology.
-    slow = suggest(parse_mix("lowres"), 32, steps=2, cost=CostModel(bandwidth_gbs=50.0),
-                   topologies=[Topology.parse("g8n4")])[0]  # fmt: skip
+    # Halving the node's bandwidth doubles the Ulysses time of groups inside a node.
+    slow = suggest(parse_mix("lowres"), 32, steps=2, comm=CommModel(intra_gbs=150.0),
+                   topologies=[Topology.parse("g8n4")], auto=False)[0]  # fmt: skip
     assert slow.ulysses_ms == pytest.approx(2 * g8n4.ulysses_ms)
+
+
+@pytest.mark.parametrize("cluster", ["nvlink", "pcie"])
+def test_auto_is_ranked_and_never_slower_than_a_fixed_topology(cluster):
+    comm = CommModel.cluster(cluster)
+    ranked = suggest(parse_mix("joint"), 32, steps=2, comm=comm)
+    auto = next(s for s in ranked if s.auto)
+    fixed = [s for s in ranked if not s.auto]
+    assert len(fixed) == len(enumerate_topologies(32))
+    # Per step, auto's modelled time is at most any fixed layout's of its family (gXnY).
+    for s in fixed:
+        if len(set(s.topology.bag_sizes)) == 1:
+            for a, f in zip(auto.costs, s.costs, strict=True):
+                assert a.step_ms <= f.step_ms * (1 + 1e-9), (s.name, cluster)
+    assert auto.step_ms < next(s for s in fixed if s.name == "g8n4").step_ms
+    assert sum(auto.partitions.values()) == 2 and "chose " in auto.reasons(ranked[0])
+    # compute and communication apart, adding up to the step of the slowest GPU
+    for c in auto.costs:
+        assert c.step_ms == pytest.approx(c.compute_ms + c.ulysses_ms + c.routing_ms)
 
 
 def test_mix_is_repeated_for_a_multiple_of_its_gpus():
@@ -85,10 +111,15 @@ def test_cli_names_its_own_flag_in_option_errors(capsys):
 
 def test_cli_ranking(capsys):
     code = main(["suggest", "--data-codes", "joint", "--gpus", "32", "--steps", "1", "--top", "3",
-                 "--bandwidth", "200"])  # fmt: skip
+                 "--intra-gbs", "200", "--cluster", "infiniband"])  # fmt: skip
     assert code == 0
     out = capsys.readouterr().out
-    assert "200 GB/s" in out and "suggested:" in out
-    assert "g1n32" in out  # the single-GPU baseline is always listed
-    assert main(["suggest", "--data-codes", "joint", "--gpus", "32", "--bandwidth", "0"]) == 1
-    assert "bandwidth_gbs must be a positive number" in capsys.readouterr().err
+    assert "infiniband: 200 GB/s in a node of 8, 50 GB/s across" in out and "suggested:" in out
+    rows = [line.split("│")[2].strip() for line in out.splitlines() if line.count("│") > 3]
+    assert "g1n32" in rows and "auto" in rows  # the baseline and auto are always listed
+    code = main(["suggest", "--data-codes", "joint", "--gpus", "32", "--steps", "1", "--no-auto"])
+    assert code == 0 and "│ auto " not in capsys.readouterr().out
+    assert main(["suggest", "--data-codes", "joint", "--gpus", "32", "--intra-gbs", "0"]) == 1
+    assert "intra_gbs must be a positive number" in capsys.readouterr().err
+    assert main(["suggest", "--data-codes", "joint", "--gpus", "32", "--cluster", "x"]) == 1
+    assert "unknown cluster 'x'" in capsys.readouterr().err

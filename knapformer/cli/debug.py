@@ -233,6 +233,25 @@ def simulate(
 
 
 # --------------------------------------------------------------------- suggest
+def _comm_options(cluster: str, intra_gbs, inter_gbs, node_size, tflops, layers, dtype_bytes):
+    """The `CommModel` of the cluster options (a cluster class's figures, overridden)."""
+    from knapformer.planning.communication import CommModel
+
+    given = {"intra_gbs": intra_gbs, "inter_gbs": inter_gbs, "node_size": node_size,
+             "tflops": tflops, "layers": layers, "dtype_bytes": dtype_bytes}  # fmt: skip
+    return CommModel.cluster(cluster, **{k: v for k, v in given.items() if v is not None})
+
+
+def _comm_line(comm) -> str:
+    return (
+        f"{comm.intra_gbs:g} GB/s in a node of {comm.node_size}, {comm.inter_gbs:g} GB/s across · "
+        f"{comm.tflops:g} TFLOP/s · {comm.layers} layers"
+    )
+
+
+_CLUSTER_HELP = "nominal link figures: nvlink, infiniband or pcie (planning/communication.py)"
+
+
 def suggest(
     data_codes: str = typer.Option(
         ..., "--data-codes", help="mix name (lowres, mixres, joint) or codes gGbBiIfFsS,..."
@@ -242,62 +261,80 @@ def suggest(
     steps: int = typer.Option(4, help="sampled steps per topology"),
     d_model: int = typer.Option(3072, "--d-model", help="token dimension d"),
     gamma: float = typer.Option(0.4, help="attention weight γ"),
-    bandwidth: float = typer.Option(100.0, "--bandwidth", help="all-to-all GB/s per GPU"),
-    tflops: float = typer.Option(400.0, "--tflops", help="sustained TFLOP/s per GPU"),
-    layers: int = typer.Option(32, help="transformer layers"),
+    cluster: str = typer.Option("nvlink", help=_CLUSTER_HELP),
+    intra_gbs: float | None = typer.Option(
+        None, "--intra-gbs", help="GB/s per GPU inside a node (default: the cluster's)"
+    ),
+    inter_gbs: float | None = typer.Option(
+        None, "--inter-gbs", help="GB/s per GPU across nodes (default: the cluster's)"
+    ),
+    node_size: int = typer.Option(8, "--node-size", help="GPUs per node"),
+    tflops: float = typer.Option(400.0, "--tflops", help="achieved TFLOP/s per GPU"),
+    layers: int = typer.Option(57, help="transformer layers"),
     dtype_bytes: int = typer.Option(2, "--dtype-bytes", help="bytes per value (bf16 = 2)"),
+    auto: bool = typer.Option(
+        True, "--auto/--no-auto", help="rank topology auto (each step's own partition) too"
+    ),
     top: int = typer.Option(10, help="rows to print"),
     seed: int = typer.Option(0, help="random seed of the data sampler"),
 ) -> None:
-    """Rank the topologies of N GPUs for a data mix by modelled step time.
+    """Rank the topologies of N GPUs, and auto, for a data mix by modelled step time.
 
-    Step time = compute at --tflops + Ulysses all-to-alls inside bags at --bandwidth +
-    routing, so bigger bags are not free (model: knapformer/tools/suggest.py).
+    Step time = compute at --tflops + Ulysses exchanges inside bags and routing over the
+    node link (--intra-gbs) or the network (--inter-gbs), so bigger bags are not free
+    (model: knapformer/planning/communication.py).
     """
     from knapformer.planning.datamix import parse_mix
-    from knapformer.tools.suggest import CostModel, check_options, enumerate_topologies, fit_mix
+    from knapformer.tools.suggest import auto_sizes, check_options, enumerate_topologies, fit_mix
     from knapformer.tools.suggest import suggest as run_suggest
 
     check_options(gpus, max_bag, steps, seed)
     if top < 1:
         raise KnapformerError(f"--top must be at least 1 (rows to print), got {top}")
+    comm = _comm_options(cluster, intra_gbs, inter_gbs, node_size, tflops, layers, dtype_bytes)
     codes = fit_mix(parse_mix(data_codes), gpus)
-    cost = CostModel(d_model, dtype_bytes, tflops, bandwidth, layers)
     candidates = enumerate_topologies(gpus, max_bag)
     console = _console()
     with progress("simulating", "topologies", Console(stderr=True)) as on_progress:
         ranked = run_suggest(
-            codes, gpus, max_bag, steps, gamma, cost, seed=seed, topologies=candidates,
-            on_topology=on_progress,
+            codes, gpus, max_bag, steps, gamma, comm, seed=seed, topologies=candidates,
+            on_topology=on_progress, token_dim=d_model, auto=auto,
         )  # fmt: skip
     best = ranked[0]
     table = Table(
         title=f"{data_codes} on {gpus} GPUs: {len(ranked)} topologies (bags ≤ {max_bag}), "
-        f"{steps} steps · {tflops:g} TFLOP/s · {bandwidth:g} GB/s · {layers} layers · d={d_model}",
+        f"{steps} steps · {cluster}: {_comm_line(comm)} · d={d_model}",
         title_justify="left",
     )
     for name in ("#", "topology", "step ms", "compute", "Ulysses", "routing", "speedup", "why"):
         table.add_column(name, justify="left" if name in ("topology", "why") else "right")
     shown = ranked[:top]
-    baseline = next((s for s in ranked if s.topology.max_bag_size == 1), None)
-    if baseline is not None and baseline not in shown:
-        shown = [*shown, baseline]
-    for s in shown:
+    # Always listed: the single-GPU baseline and auto.
+    for always in (
+        next((s for s in ranked if not s.auto and s.max_bag_size == 1), None),
+        next((s for s in ranked if s.auto), None),
+    ):
+        if always is not None and always not in shown:
+            shown = [*shown, always]
+    for s in sorted(shown, key=ranked.index):
         table.add_row(
             str(ranked.index(s) + 1),
-            str(s.topology),
+            s.name,
             f"{s.step_ms:.1f}",
             f"{s.compute_ms:.1f}",
             f"{s.ulysses_ms:.1f}",
-            f"{s.balancing_ms:.1f}",
+            f"{s.routing_ms:.1f}",
             f"{s.speedup:.2f}×",
             s.reasons(best),
         )
     console.print(table)
+    if auto and auto_sizes(gpus, max_bag, comm) is None:
+        console.print(f"auto not ranked: {gpus} GPUs do not cut into nodes of {node_size}")
     console.print(
-        f"suggested: [bold]{best.topology}[/bold] — modelled {best.step_ms:.1f} ms/step vs "
+        f"suggested: [bold]{best.name}[/bold] — modelled {best.step_ms:.1f} ms/step vs "
         f"{best.unbalanced_ms:.1f} ms unbalanced ({best.speedup:.2f}×). speedup = unbalanced "
-        "step time / modelled step time; compute/Ulysses are the slowest GPU's, all layers."
+        "step time / modelled step time; compute/Ulysses/routing are the slowest GPU's, all "
+        "layers."
     )
 
 

@@ -1,26 +1,21 @@
-"""Suggest a topology: enumerate the bag layouts that fit N GPUs, simulate each on a data
-mix and rank them by a modelled step time that charges for communication, so bigger
-bags are not free.
+"""Suggest a topology: enumerate the bag layouts that fit N GPUs, plan each of them, and
+``topology="auto"`` (which picks every step's partition), on the same sampled steps of a
+data mix, and rank them by modelled step time, communication included, so bigger bags
+are not free.
 
-Cost model (all per training step, forward pass; backward scales compute and
-communication alike, so it does not change the ranking):
-
-- compute of GPU i per layer: ``load_i / tflops`` seconds, where ``load_i`` is its
-  workload after balancing (``(24·L·d² + γ·4·L²·d)/1e12`` summed over its share of the
-  sequences, i.e. TFLOPs of one layer) and ``tflops`` the sustained TFLOP/s of one GPU;
-- Ulysses all-to-all of GPU i per layer in a bag of g > 1 GPUs: 4 all-to-alls (q, k, v
-  to head shards, the output back), each sending ``(g-1)/g`` of its ``T_i`` tokens of
-  ``d`` values: ``4·(g-1)/g·T_i·d·bytes / bandwidth``;
-- a layer takes ``max_i (compute_i + ulysses_i)`` (GPUs wait for the slowest);
-- balancing (route + reverse_route, once per step): ``2·max_i max(sent_i, received_i)
-  ·d·bytes / bandwidth``;
-- step = ``layers · layer + balancing``. The unbalanced baseline is
-  ``layers · max_i load_before_i / tflops`` (no bags, no communication).
+The cost has one home, `knapformer.planning.communication.plan_cost` (docs/concepts.md,
+"Communication and the layout floor"): per layer, forward, each GPU's compute (its load
+after balancing at ``CommModel.tflops``) plus its Ulysses exchanges (node link or
+network, ``CommModel.intra_gbs`` / ``inter_gbs``) plus its share of route and reverse
+route; the slowest GPU sets the step, times ``CommModel.layers``. The unbalanced
+baseline is the slowest GPU's own compute, no communication. Backward scales compute
+and communication alike, so it does not change the ranking.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -30,74 +25,76 @@ from knapformer.contract.limits import MAX_GPUS, MAX_SIM_STEPS, check_count
 from knapformer.contract.plan import RoutingPlan
 from knapformer.contract.topology import Topology
 from knapformer.errors import KnapformerError, OptionError
+from knapformer.planning.communication import CommModel, plan_cost
 from knapformer.planning.datamix import DataCode, mix_gpus, sample_lengths, scale_mix
-from knapformer.planning.planner import DEFAULT_SOLVER, plan_routing
+from knapformer.planning.partitions import allowed_sizes
+from knapformer.planning.planner import AUTO, DEFAULT_SOLVER, plan_routing
 from knapformer.planning.workload import WorkloadModel
 
-DEFAULT_TFLOPS = 400.0  # sustained bf16 TFLOP/s of one H100-class GPU (~40% of peak)
-DEFAULT_BANDWIDTH_GBS = 100.0  # all-to-all bandwidth per GPU, GB/s
-DEFAULT_LAYERS = 32
+DEFAULT_TOKEN_DIM = 3072
 _PARTS = 8  # mixed topologies split the GPUs in eighths between bag sizes
 
 
 @dataclass(frozen=True)
-class CostModel:
-    """Hardware figures that turn workloads and tokens into milliseconds (see module doc)."""
-
-    token_dim: int = 3072
-    dtype_bytes: int = 2
-    tflops: float = DEFAULT_TFLOPS
-    bandwidth_gbs: float = DEFAULT_BANDWIDTH_GBS
-    layers: int = DEFAULT_LAYERS
-
-    def __post_init__(self) -> None:
-        for name in ("token_dim", "dtype_bytes", "tflops", "bandwidth_gbs", "layers"):
-            value = getattr(self, name)
-            if not np.isfinite(value) or value <= 0:
-                raise KnapformerError(f"{name} must be a positive number, got {value}")
-
-    def bytes_ms(self, num_bytes: np.ndarray | float) -> np.ndarray | float:
-        return num_bytes / (self.bandwidth_gbs * 1e9) * 1e3
-
-    def step_cost(self, plan: RoutingPlan) -> StepCost:
-        """Modelled milliseconds of one step carried out as ``plan`` says."""
-        stats = plan.stats
-        sizes = np.array([len(b) for b in plan.bags], dtype=np.float64)[stats.gpu_bag]
-        token_bytes = self.token_dim * self.dtype_bytes
-        compute = stats.load_after / self.tflops * 1e3  # per layer, ms
-        ulysses = self.bytes_ms(4.0 * (sizes - 1) / sizes * stats.tokens_after * token_bytes)
-        layer = float(np.max(compute + ulysses))
-        slowest = int(np.argmax(compute + ulysses))
-        busiest = float(np.maximum(stats.tokens_sent, stats.tokens_received).max())
-        balancing = float(self.bytes_ms(2.0 * busiest * token_bytes))
-        return StepCost(
-            step_ms=self.layers * layer + balancing,
-            compute_ms=self.layers * float(compute[slowest]),
-            ulysses_ms=self.layers * float(ulysses[slowest]),
-            balancing_ms=balancing,
-            unbalanced_ms=self.layers * stats.makespan_before / self.tflops * 1e3,
-            imbalance_after=stats.imbalance_after,
-            makespan_over_lb=stats.makespan_over_lb,
-        )
-
-
-@dataclass(frozen=True)
 class StepCost:
-    step_ms: float  # modelled step time with balancing
-    compute_ms: float  # compute of the slowest GPU (all layers)
-    ulysses_ms: float  # Ulysses all-to-alls of the slowest GPU (all layers)
-    balancing_ms: float  # route + reverse_route
-    unbalanced_ms: float  # step time with no balancing at all
+    """Modelled milliseconds of one step carried out as its plan says (all layers, the
+    slowest GPU's parts: `knapformer.planning.communication.PlanCost`)."""
+
+    step_ms: float  # modelled step time with balancing, communication included
+    compute_ms: float  # compute of the slowest GPU
+    ulysses_ms: float  # its Ulysses exchanges
+    routing_ms: float  # its route + reverse_route
+    unbalanced_ms: float  # step time with no balancing at all (compute only)
     imbalance_after: float
     makespan_over_lb: float
+    topology: str  # the step's partition
+
+    @classmethod
+    def of(cls, plan: RoutingPlan, comm: CommModel) -> StepCost:
+        cost, stats = plan_cost(plan, comm), plan.stats
+        return cls(
+            step_ms=cost.step_ms,
+            compute_ms=cost.compute_ms,
+            ulysses_ms=cost.ulysses_ms,
+            routing_ms=cost.route_ms,
+            unbalanced_ms=float(comm.ms_of(stats.makespan_before, cost.scale)) * comm.layers,
+            imbalance_after=stats.imbalance_after,
+            makespan_over_lb=stats.makespan_over_lb,
+            topology=plan.topology,
+        )
+
+    @property
+    def comm_ms(self) -> float:
+        return self.ulysses_ms + self.routing_ms
 
 
 @dataclass
 class Suggestion:
-    """One ranked topology; figures are means over the simulated steps."""
+    """One ranked topology (``"auto"``: the per-step choice); figures are means over the
+    simulated steps."""
 
-    topology: Topology
+    topology: Topology | str
     costs: list[StepCost] = field(default_factory=list)
+
+    @property
+    def auto(self) -> bool:
+        return self.topology == AUTO
+
+    @property
+    def name(self) -> str:
+        return str(self.topology)
+
+    @property
+    def max_bag_size(self) -> int:
+        """The largest bag of any step."""
+        if not self.auto:
+            return self.topology.max_bag_size
+        return max((Topology.parse(c.topology).max_bag_size for c in self.costs), default=1)
+
+    @property
+    def partitions(self) -> Counter[str]:
+        """How many steps used each partition."""
+        return Counter(c.topology for c in self.costs)
 
     def _mean(self, name: str) -> float:
         return float(np.mean([getattr(c, name) for c in self.costs]))
@@ -115,8 +112,12 @@ class Suggestion:
         return self._mean("ulysses_ms")
 
     @property
-    def balancing_ms(self) -> float:
-        return self._mean("balancing_ms")
+    def routing_ms(self) -> float:
+        return self._mean("routing_ms")
+
+    @property
+    def comm_ms(self) -> float:
+        return self._mean("comm_ms")
 
     @property
     def unbalanced_ms(self) -> float:
@@ -134,10 +135,13 @@ class Suggestion:
     def reasons(self, best: Suggestion | None = None) -> str:
         """Why it ranks where it does, in a few words."""
         out = []
+        if self.auto:
+            picked = ", ".join(f"{t} ×{n}" for t, n in self.partitions.most_common())
+            out.append(f"chose {picked}")
         if self.imbalance_after > 1.05:
             if self._mean("makespan_over_lb") < 1.02:
                 out.append(
-                    f"longest sequences need bigger bags than {self.topology.max_bag_size} "
+                    f"longest sequences need bigger bags than {self.max_bag_size} "
                     f"GPU(s): load {self.imbalance_after:.2f}x the mean"
                 )
             else:
@@ -146,12 +150,10 @@ class Suggestion:
             out.append(f"balanced ({self.imbalance_after:.3f}x the mean)")
         share = self.ulysses_ms / self.step_ms if self.step_ms else 0.0
         out.append(
-            "no Ulysses cost"
-            if self.topology.max_bag_size == 1
-            else f"Ulysses {share:.0%} of the step"
+            "no Ulysses cost" if self.ulysses_ms == 0 else f"Ulysses {share:.0%} of the step"
         )
-        if self.balancing_ms > 0.01 * self.step_ms:
-            out.append(f"routing {self.balancing_ms / self.step_ms:.0%}")
+        if self.routing_ms > 0.01 * self.step_ms:
+            out.append(f"routing {self.routing_ms / self.step_ms:.0%}")
         if best is not None and best is not self:
             out.append(f"+{(self.step_ms / best.step_ms - 1):.1%} vs best")
         return "; ".join(out)
@@ -217,41 +219,69 @@ def fit_mix(codes: Sequence[DataCode], num_gpus: int) -> list[DataCode]:
     return scale_mix(codes, num_gpus // have)
 
 
+def auto_sizes(num_gpus: int, max_bag: int, comm: CommModel) -> tuple[int, ...] | None:
+    """The group sizes ``"auto"`` may use on ``num_gpus`` GPUs with bags of at most
+    ``max_bag`` (None when it cannot cut them into nodes of ``comm.node_size``)."""
+    sizes = tuple(1 << k for k in range(max_bag.bit_length()))
+    try:
+        return allowed_sizes(num_gpus, int(comm.node_size), sizes)[0]
+    except KnapformerError:
+        return None
+
+
 def suggest(
     codes: Sequence[DataCode],
     num_gpus: int,
     max_bag: int = 8,
     steps: int = 4,
     gamma: float = 0.4,
-    cost: CostModel | None = None,
+    comm: CommModel | None = None,
     solver: str = DEFAULT_SOLVER,
     seed: int = 0,
     topologies: Sequence[Topology] | None = None,
     on_topology: Callable[[int, int], None] | None = None,
+    token_dim: int = DEFAULT_TOKEN_DIM,
+    auto: bool = True,
 ) -> list[Suggestion]:
-    """Rank topologies by modelled step time, best first (ties: fewer, smaller bags first).
+    """Rank topologies by modelled step time under ``comm`` (default `CommModel`: the
+    NVLink-class figures), best first; ties: fixed before auto, fewer and smaller bags
+    first. With ``auto`` (and GPUs that `auto_sizes` can cut into nodes) ``"auto"`` is
+    ranked too, choosing among groups of at most ``max_bag`` GPUs.
 
-    Every topology is planned on the same ``steps`` sampled steps. ``on_topology(i, n)``
+    Every candidate is planned on the same ``steps`` sampled steps. ``on_topology(i, n)``
     reports progress.
     """
     check_options(num_gpus, max_bag, steps, seed)
-    cost = cost or CostModel()
+    comm = comm or CommModel()
     codes = fit_mix(codes, num_gpus)
-    candidates = list(topologies) if topologies else enumerate_topologies(num_gpus, max_bag)
+    candidates: list[Topology | str] = list(
+        topologies if topologies else enumerate_topologies(num_gpus, max_bag)
+    )
     for topo in candidates:
         if topo.num_gpus != num_gpus:
             raise KnapformerError(f"topology {topo} has {topo.num_gpus} GPUs, not {num_gpus}")
-    model = WorkloadModel(token_dim=cost.token_dim, gamma=gamma)
+    sizes = auto_sizes(num_gpus, max_bag, comm) if auto else None
+    if sizes is not None:
+        candidates.append(AUTO)
+    model = WorkloadModel(token_dim=token_dim, gamma=gamma)
     rng = np.random.default_rng(seed)
     batches = [sample_lengths(codes, rng) for _ in range(steps)]
     out = []
     for i, topo in enumerate(candidates):
         suggestion = Suggestion(topo)
+        extra = {} if topo != AUTO else {"comm": comm, "group_sizes": sizes}
         for step, lengths in enumerate(batches):
-            plan = plan_routing(lengths, topo, model, solver=solver, step=step)
-            suggestion.costs.append(cost.step_cost(plan))
+            plan = plan_routing(lengths, topo, model, solver=solver, step=step, **extra)
+            suggestion.costs.append(StepCost.of(plan, comm))
         out.append(suggestion)
         if on_topology is not None:
             on_topology(i + 1, len(candidates))
-    out.sort(key=lambda s: (round(s.step_ms, 9), s.topology.max_bag_size, s.topology.bag_sizes))
+    out.sort(
+        key=lambda s: (
+            round(s.step_ms, 9),
+            s.auto,
+            s.max_bag_size,
+            () if s.auto else s.topology.bag_sizes,
+        )
+    )
     return out
