@@ -97,3 +97,43 @@ def test_cli_user_errors_are_one_line(capsys):
     assert err.startswith("error: topology g8n2") and err.count("\n") == 1
     assert main(["simulate", "--data-codes", "g8b4x", "--topology", "g8n1"]) == 1
     assert "data code 'g8b4x'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("cluster", ["nvlink", "pcie"])
+def test_auto_is_simulated_beside_fixed_topologies_with_comm_apart(cluster):
+    from knapformer.planning.communication import CommModel
+
+    comm = CommModel.cluster(cluster)
+    result = simulate(parse_mix("joint"), ["g8n4", "g4n8", "auto"], steps=2,
+                      solvers=["knapformer"], comm=comm)  # fmt: skip
+    auto = result.get("auto")
+    assert auto.topology == "auto" and len(auto.partitions) == 2
+    for name in ("g8n4", "g4n8"):
+        fixed = result.get(name)
+        assert fixed.partitions == [name, name]
+        # auto's step is never slower than a fixed layout of its family, step by step
+        for a, f in zip(auto.step_ms, fixed.step_ms, strict=True):
+            assert a <= f * (1 + 1e-9), (name, cluster)
+    for s in result.summaries:
+        for step, compute, comm_ms in zip(s.step_ms, s.compute_ms, s.comm_ms, strict=True):
+            assert step == pytest.approx(compute + comm_ms) and comm_ms >= 0
+    # Slower links cost the fixed groups of 8 more than the choice that avoids them.
+    assert result.get("g8n4").mean_comm_ms > auto.mean_comm_ms
+
+
+def test_auto_needs_gpus_that_cut_into_nodes():
+    with pytest.raises(ValueError, match="not a multiple of 8"):
+        simulate(parse_mix("g12b4i256f1s0"), ["auto"], steps=1)
+
+
+def test_cli_simulates_and_records_auto(tmp_path, capsys):
+    out = tmp_path / "whatif"
+    args = ["--topology", "g8n4", "auto", "--steps", "2", "--solver", "knapformer", "--cluster"]
+    code = main(["simulate", "--data-codes", "joint", *args, "pcie", "--out", str(out)])
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "modelled step, ms" in text and "pcie: 25 GB/s in a node of 8" in text
+    assert {p.name for p in out.iterdir()} == {"g8n4-knapformer", "auto-knapformer"}
+    plans = read_plans(out / "auto-knapformer" / "plans.jsonl").plans
+    assert [p.policy for p in plans] == ["auto", "auto"]
+    assert all(p.solver_options["comm"]["intra_gbs"] == 25.0 for p in plans)

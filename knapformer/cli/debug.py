@@ -130,12 +130,35 @@ def replay(
 
 
 # -------------------------------------------------------------------- simulate
+def _comm_options(cluster: str, intra_gbs, inter_gbs, node_size, tflops, layers, dtype_bytes):
+    """The `CommModel` of the cluster options (a cluster class's figures, overridden)."""
+    from knapformer.planning.communication import CommModel
+
+    given = {"intra_gbs": intra_gbs, "inter_gbs": inter_gbs, "node_size": node_size,
+             "tflops": tflops, "layers": layers, "dtype_bytes": dtype_bytes}  # fmt: skip
+    return CommModel.cluster(cluster, **{k: v for k, v in given.items() if v is not None})
+
+
+def _comm_line(comm) -> str:
+    return (
+        f"{comm.intra_gbs:g} GB/s in a node of {comm.node_size}, {comm.inter_gbs:g} GB/s across · "
+        f"{comm.tflops:g} TFLOP/s · {comm.layers} layers"
+    )
+
+
+_CLUSTER_HELP = "nominal link figures: nvlink, infiniband or pcie (planning/communication.py)"
+
+
 def simulate(
     data_codes: str = typer.Option(
         ..., "--data-codes", help="mix name (lowres, mixres, joint) or codes gGbBiIfFsS,..."
     ),
     topology: list[str] = typer.Option(
-        ..., "--topology", "-t", help="topology to try: --topology g8n4 g4n8, or repeat the flag"
+        ...,
+        "--topology",
+        "-t",
+        help="topology to try: --topology g8n4 g4n8 auto, or repeat the flag (auto: each "
+        "step's own partition, groups inside nodes of --node-size GPUs)",
     ),
     more: list[str] | None = typer.Argument(
         None, metavar="[TOPOLOGY]...", help="more topologies (after --topology T)"
@@ -147,6 +170,8 @@ def simulate(
         ["knapformer", "greedy"], "--solver", help="solver(s) to compare"
     ),
     dtype_bytes: int = typer.Option(2, "--dtype-bytes", help="bytes per value (bf16 = 2)"),
+    cluster: str = typer.Option("nvlink", help=_CLUSTER_HELP),
+    node_size: int = typer.Option(8, "--node-size", help="GPUs per node"),
     seed: int = typer.Option(0, help="random seed of the data sampler"),
     out: Path | None = typer.Option(
         None,
@@ -157,7 +182,9 @@ def simulate(
     """Simulate a data mix over steps, topologies and solvers (what-if, no GPUs).
 
     Prints per topology and solver the modelled step time (makespan) without and with
-    balancing, speedup, imbalance, moved tokens and bytes, and max tokens per GPU.
+    balancing, speedup, imbalance, the modelled milliseconds of a step (the slowest GPU's
+    compute + communication, at --cluster's figures), moved tokens and bytes, and max
+    tokens per GPU.
     """
     from knapformer.contract.plan_io import write_jsonl
     from knapformer.planning.datamix import parse_mix
@@ -166,8 +193,9 @@ def simulate(
 
     codes = parse_mix(data_codes)
     topologies = [t for arg in [*topology, *(more or [])] for t in arg.replace(",", " ").split()]
+    comm = _comm_options(cluster, None, None, node_size, None, None, None)
     # Everything that can be wrong is checked before simulating, the --out folder included.
-    topos = check_options(codes, topologies, steps, solver, dtype_bytes, seed)
+    topos = check_options(codes, topologies, steps, solver, dtype_bytes, seed, comm)
     files = None
     if out is not None:
         files = run_files(out, list(dict.fromkeys(run_name(t, s) for t in topos for s in solver)))
@@ -185,10 +213,11 @@ def simulate(
             dtype_bytes=dtype_bytes,
             on_plan=(lambda plan: plans[plan.run].append(plan)) if files else None,
             on_step=lambda i: on_progress(i + 1, steps),
+            comm=comm,
         )
     table = Table(
         title=f"{data_codes} on {result.num_gpus} GPUs · {steps} steps · d={d_model} γ={gamma} "
-        "· means per step",
+        f"· {cluster}: {_comm_line(comm)} · means per step",
         title_justify="left",
     )
     for name in (
@@ -214,11 +243,11 @@ def simulate(
     console.print(table)
     console.print(
         "step time = makespan (workload units) unbalanced → balanced; imbalance = max/mean "
-        "load; comm = route + "
-        "reverse_route bytes per step over all GPUs "
+        "load; comm = route + reverse_route bytes per step over all GPUs "
         f"(moved tokens × 2 × d × {dtype_bytes} B); max tokens/GPU is the peak after routing "
         f"(before: {max(s.max_tokens_per_gpu_before for s in result.summaries):,})"
     )
+    console.print(_modelled_table(result, f"{cluster}: {_comm_line(comm)}"))
     if files:
         count = 0
         for run, path in files.items():
@@ -232,26 +261,31 @@ def simulate(
         console.print(f"view them with: knapformer dashboard {out}", soft_wrap=True)
 
 
-# --------------------------------------------------------------------- suggest
-def _comm_options(cluster: str, intra_gbs, inter_gbs, node_size, tflops, layers, dtype_bytes):
-    """The `CommModel` of the cluster options (a cluster class's figures, overridden)."""
-    from knapformer.planning.communication import CommModel
+def _modelled_table(result, figures: str) -> Table:
+    """The modelled step of every topology and solver, compute and communication apart,
+    with the partitions auto chose."""
+    from collections import Counter
 
-    given = {"intra_gbs": intra_gbs, "inter_gbs": inter_gbs, "node_size": node_size,
-             "tflops": tflops, "layers": layers, "dtype_bytes": dtype_bytes}  # fmt: skip
-    return CommModel.cluster(cluster, **{k: v for k, v in given.items() if v is not None})
-
-
-def _comm_line(comm) -> str:
-    return (
-        f"{comm.intra_gbs:g} GB/s in a node of {comm.node_size}, {comm.inter_gbs:g} GB/s across · "
-        f"{comm.tflops:g} TFLOP/s · {comm.layers} layers"
+    table = Table(
+        title=f"modelled step, ms (the slowest GPU, all layers) · {figures}", title_justify="left"
     )
+    for name in ("topology", "solver", "step", "compute", "comm", "partitions"):
+        table.add_column(name, justify="right" if name in ("step", "compute", "comm") else "left")
+    for s in result.summaries:
+        used = Counter(s.partitions).most_common()
+        table.add_row(
+            s.topology,
+            s.solver,
+            f"{s.mean_step_ms:.1f}",
+            f"{s.mean_compute_ms:.1f}",
+            f"{s.mean_comm_ms:.1f}",
+            ", ".join(f"{t} ×{n}" for t, n in used) if len(used) > 1 or s.topology != used[0][0]
+            else "fixed",
+        )  # fmt: skip
+    return table
 
 
-_CLUSTER_HELP = "nominal link figures: nvlink, infiniband or pcie (planning/communication.py)"
-
-
+# --------------------------------------------------------------------- suggest
 def suggest(
     data_codes: str = typer.Option(
         ..., "--data-codes", help="mix name (lowres, mixres, joint) or codes gGbBiIfFsS,..."

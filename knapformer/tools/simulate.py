@@ -4,7 +4,12 @@ several topologies and solvers, no process group involved.
 Every topology and solver sees the *same* sampled lengths at a step, so their figures
 compare like with like. Step time is modelled as the makespan (largest per-GPU
 workload): without balancing every GPU computes its own sequences alone; with
-balancing each GPU computes workload / g of every sequence of its bag of g GPUs.
+balancing each GPU computes workload / g of every sequence of its bag of g GPUs. Beside
+it, the modelled milliseconds of `knapformer.planning.communication.plan_cost` under one
+`CommModel`: compute and communication (Ulysses + route) of the slowest GPU, all layers.
+
+The topology ``"auto"`` lets the planner choose every step's partition (aligned groups
+inside nodes of ``comm.node_size`` GPUs), priced with the same `CommModel`.
 
 Each (topology, solver) is one run named ``<topology>-<solver>`` (`run_name`): its plans
 share step numbers with the other runs, so they are written to separate files,
@@ -25,15 +30,27 @@ from knapformer.contract.plan import RoutingPlan
 from knapformer.contract.runfiles import RUNS_LAYOUT, run_file
 from knapformer.contract.topology import Topology, as_topology
 from knapformer.errors import KnapformerError, OptionError
+from knapformer.planning.communication import CommModel, plan_cost
 from knapformer.planning.datamix import DataCode, mix_gpus, sample_lengths
-from knapformer.planning.planner import DEFAULT_SOLVER, SOLVERS, check_solver, plan_routing
+from knapformer.planning.partitions import allowed_sizes
+from knapformer.planning.planner import AUTO, DEFAULT_SOLVER, SOLVERS, check_solver, plan_routing
 from knapformer.planning.workload import WorkloadModel
 
 
-def check_fits(topology: Topology | str, codes: Sequence[DataCode]) -> Topology:
-    """The topology, if its GPU count equals the mix's; else a `KnapformerError` naming both."""
-    topo = as_topology(topology)
+def _is_auto(topology: Topology | str) -> bool:
+    return isinstance(topology, str) and topology.strip() == AUTO
+
+
+def check_fits(
+    topology: Topology | str, codes: Sequence[DataCode], comm: CommModel | None = None
+) -> Topology | str:
+    """The topology (``"auto"`` when the mix's GPUs cut into nodes of ``comm.node_size``),
+    if its GPU count equals the mix's; else a `KnapformerError` naming both."""
     need = mix_gpus(codes)
+    if _is_auto(topology):
+        allowed_sizes(need, int((comm or CommModel()).node_size))  # names what does not fit
+        return AUTO
+    topo = as_topology(topology)
     if topo.num_gpus != need:
         raise KnapformerError(
             f"topology {topo} has {topo.num_gpus} GPUs but the data mix fills {need}; "
@@ -45,7 +62,7 @@ def check_fits(topology: Topology | str, codes: Sequence[DataCode]) -> Topology:
 def run_name(topology: Topology | str, solver: str) -> str:
     """The run of one topology and solver: its plans' ``run`` and its folder in a folder of
     runs (`run_files`)."""
-    return f"{as_topology(topology)}-{solver}"
+    return f"{AUTO if _is_auto(topology) else as_topology(topology)}-{solver}"
 
 
 def check_options(
@@ -55,9 +72,10 @@ def check_options(
     solvers: Sequence[str],
     dtype_bytes: int = 2,
     seed: int = 0,
-) -> list[Topology]:
-    """The parsed topologies, once all options are valid; else a `KnapformerError` naming
-    the value."""
+    comm: CommModel | None = None,
+) -> list[Topology | str]:
+    """The parsed topologies (``"auto"`` as such), once all options are valid; else a
+    `KnapformerError` naming the value."""
     if steps <= 0:
         raise OptionError(f"`steps` must be positive, got {steps}")
     check_count(steps, MAX_SIM_STEPS, "`steps`")
@@ -69,7 +87,7 @@ def check_options(
         check_solver(solver, None)
     if not topologies:
         raise OptionError("give at least one `topology`")
-    return [check_fits(t, codes) for t in topologies]
+    return [check_fits(t, codes, comm) for t in topologies]
 
 
 def run_files(out: str | Path, runs: Sequence[str]) -> dict[str, Path]:
@@ -121,7 +139,9 @@ class TopologySummary:
     Per-step figures are means over steps except where the name says ``max``.
     ``speedup`` is total makespan before / total makespan after (a step-time ratio).
     Communication counts the balancing all-to-alls (route and reverse_route): every
-    moved token travels twice, ``token_dim * dtype_bytes`` bytes each way.
+    moved token travels twice, ``token_dim * dtype_bytes`` bytes each way. ``step_ms``,
+    ``compute_ms``, ``comm_ms``: the modelled step (`plan_cost`) and the slowest GPU's
+    compute and communication; ``partitions``: each step's topology (auto's change).
     """
 
     topology: str
@@ -137,9 +157,18 @@ class TopologySummary:
     max_tokens_per_gpu_before: int = 0
     plan_ms: list[float] = field(default_factory=list)
     bytes_per_token: int = 0
+    step_ms: list[float] = field(default_factory=list)
+    compute_ms: list[float] = field(default_factory=list)
+    comm_ms: list[float] = field(default_factory=list)
+    partitions: list[str] = field(default_factory=list)
 
-    def add(self, plan: RoutingPlan) -> None:
+    def add(self, plan: RoutingPlan, comm: CommModel | None = None) -> None:
         stats = plan.stats
+        cost = plan_cost(plan, comm or CommModel())
+        self.step_ms.append(cost.step_ms)
+        self.compute_ms.append(cost.compute_ms)
+        self.comm_ms.append(cost.comm_ms)
+        self.partitions.append(plan.topology)
         self.steps += 1
         self.makespan_before.append(stats.makespan_before)
         self.makespan_after.append(stats.makespan_after)
@@ -194,6 +223,18 @@ class TopologySummary:
         return 2.0 * self.mean_moved_tokens * self.bytes_per_token
 
     @property
+    def mean_step_ms(self) -> float:
+        return float(np.mean(self.step_ms))
+
+    @property
+    def mean_compute_ms(self) -> float:
+        return float(np.mean(self.compute_ms))
+
+    @property
+    def mean_comm_ms(self) -> float:
+        return float(np.mean(self.comm_ms))
+
+    @property
     def mean_plan_ms(self) -> float:
         return float(np.mean(self.plan_ms)) if self.plan_ms else float("nan")
 
@@ -205,7 +246,7 @@ class SimulationResult:
     num_gpus: int
 
     def get(self, topology: str, solver: str = DEFAULT_SOLVER) -> TopologySummary:
-        key = str(as_topology(topology))
+        key = AUTO if _is_auto(topology) else str(as_topology(topology))
         for summary in self.summaries:
             if summary.topology == key and summary.solver == solver:
                 return summary
@@ -223,13 +264,17 @@ def simulate(
     dtype_bytes: int = 2,
     on_plan: Callable[[RoutingPlan], None] | None = None,
     on_step: Callable[[int], None] | None = None,
+    comm: CommModel | None = None,
 ) -> SimulationResult:
     """Plan ``steps`` sampled steps of the mix with every topology and solver.
 
-    ``on_plan`` receives every plan (e.g. to record it; ``run`` is `run_name` of its
-    topology and solver, ``step`` the simulated step); ``on_step(i)`` is called after step i.
+    ``comm`` (default `CommModel`, its ``dtype_bytes`` set to ``dtype_bytes``) prices every
+    plan and the choices of ``"auto"``. ``on_plan`` receives every plan (e.g. to record it;
+    ``run`` is `run_name` of its topology and solver, ``step`` the simulated step);
+    ``on_step(i)`` is called after step i.
     """
-    topos = check_options(codes, topologies, steps, solvers, dtype_bytes, seed)
+    topos = check_options(codes, topologies, steps, solvers, dtype_bytes, seed, comm)
+    comm = (comm or CommModel()).with_(dtype_bytes=dtype_bytes)
     model = WorkloadModel(token_dim=token_dim, gamma=gamma)
     summaries = {
         (str(t), s): TopologySummary(str(t), s, bytes_per_token=token_dim * dtype_bytes)
@@ -240,10 +285,11 @@ def simulate(
     for step in range(steps):
         lengths = sample_lengths(codes, rng)
         for (topo, solver), summary in summaries.items():
+            extra = {"comm": comm} if topo == AUTO else {}
             plan = plan_routing(
-                lengths, topo, model, solver=solver, step=step, run=run_name(topo, solver)
+                lengths, topo, model, solver=solver, step=step, run=run_name(topo, solver), **extra
             )
-            summary.add(plan)
+            summary.add(plan, comm)
             if on_plan is not None:
                 on_plan(plan)
         if on_step is not None:
