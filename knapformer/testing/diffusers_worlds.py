@@ -67,6 +67,8 @@ WAN_PROMPTS = {
 
 # name: (topology, options). Every combination the integration promises, and a
 # deliberately broken integration (Ulysses skipped) that the comparison must catch.
+# "bf16": model, inputs and loss weights in bfloat16, compared with the unmodified model
+# run in bfloat16 (bags, so Ulysses and packing change the reduction order).
 VARIANTS = {
     4: {
         "flux": {
@@ -74,11 +76,15 @@ VARIANTS = {
             "replicas+plan_ahead": ("g2n1", {"plan_ahead": True}),
             "fsdp2+checkpointing": ("g4n1", {"fsdp": True, "checkpointing": True}),
             "broken": ("g1n2+g2n1", {"broken": True}),
+            "bf16": ("g1n2+g2n1", {"bf16": True}),
+            "bf16+broken": ("g1n2+g2n1", {"bf16": True, "broken": True}),
         },
         "wan": {
             "bags+checkpointing": ("g1n2+g2n1", {"checkpointing": True}),
             "replicas+fsdp2+plan_ahead": ("g2n1", {"fsdp": True, "plan_ahead": True}),
             "broken": ("g1n2+g2n1", {"broken": True}),
+            "bf16": ("g1n2+g2n1", {"bf16": True}),
+            "bf16+broken": ("g1n2+g2n1", {"bf16": True, "broken": True}),
         },
     },
     8: {
@@ -95,18 +101,48 @@ def _randomised(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def flux_model() -> torch.nn.Module:
+def flux_model(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The fp32 weights, rounded to ``dtype``: every dtype's model is the same one."""
     from diffusers import FluxTransformer2DModel
 
     torch.manual_seed(0)
-    return _randomised(FluxTransformer2DModel(**FLUX_CONFIG))
+    return _randomised(FluxTransformer2DModel(**FLUX_CONFIG)).to(dtype)
 
 
-def wan_model() -> torch.nn.Module:
+def wan_model(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     from diffusers import WanTransformer3DModel
 
     torch.manual_seed(0)
-    return _randomised(WanTransformer3DModel(**WAN_CONFIG))
+    return _randomised(WanTransformer3DModel(**WAN_CONFIG)).to(dtype)
+
+
+def dtype_of(options: dict) -> torch.dtype:
+    return torch.bfloat16 if options.get("bf16") else torch.float32
+
+
+def cast(samples: list[list[tuple]], dtype: torch.dtype, keep: tuple[int, ...] = ()):
+    """``flux_samples`` / ``wan_samples`` with every floating-point field in ``dtype`` but
+    the fields at ``keep``, as the pipelines do: Flux's casts its RoPE ids (small integers,
+    exact in bf16) and timestep, Wan's keeps the timestep fp32 (`WAN_KEEP`)."""
+    return [
+        [
+            tuple(t.to(dtype) if t.is_floating_point() and i not in keep else t
+                  for i, t in enumerate(s))
+            for s in per_rank
+        ]
+        for per_rank in samples
+    ]  # fmt: skip
+
+
+WAN_KEEP = (1,)  # Wan's timestep, in [0, 1000): bf16 would move it by up to 2
+
+
+def _flux_timestep(gen: torch.Generator) -> torch.Tensor:
+    """A timestep in [0, 1] that stays exact in bf16 through Flux's own
+    ``timestep.to(dtype) * 1000``: a random one moves by up to 4 (of 1000) there, and the
+    random weights' time embedding turns that into an O(1) change, hiding the arithmetic
+    noise floor that the bf16 comparison measures."""
+    return 2.0 ** -torch.randint(0, 5, (), generator=gen).float()
 
 
 def flux_samples(world: int) -> list[list[tuple]]:
@@ -122,7 +158,7 @@ def flux_samples(world: int) -> list[list[tuple]]:
                     torch.randn(li, 8, generator=gen),
                     torch.randn(lt, 12, generator=gen),
                     torch.randn(8, generator=gen),
-                    torch.rand((), generator=gen),
+                    _flux_timestep(gen),
                     torch.randint(0, 8, (li, 3), generator=gen).float(),
                     torch.zeros(lt, 3),
                     torch.randn(li, 8, generator=gen),
@@ -149,24 +185,27 @@ def wan_samples(world: int) -> list[list[tuple]]:
     return out
 
 
-def flux_batch(samples: list[tuple]):
-    """A rank's `FluxBatch` (an empty one for a rank without samples)."""
+def flux_batch(samples: list[tuple], dtype: torch.dtype = torch.float32):
+    """A rank's `FluxBatch` (an empty one of ``dtype`` for a rank without samples)."""
     from knapformer.integrations.diffusers import FluxBatch
 
     if not samples:
-        empty = torch.zeros(0, 3)
-        return FluxBatch(torch.zeros(0, 8), [], torch.zeros(0, 12), [], torch.zeros(0, 8),
-                         torch.zeros(0), empty, empty)  # fmt: skip
+        empty = torch.zeros(0, 3, dtype=dtype)
+        return FluxBatch(torch.zeros(0, 8, dtype=dtype), [], torch.zeros(0, 12, dtype=dtype),
+                         [], torch.zeros(0, 8, dtype=dtype), torch.zeros(0, dtype=dtype),
+                         empty, empty)  # fmt: skip
     return FluxBatch.pack(*[[s[i] for s in samples] for i in range(6)])
 
 
-def wan_batch(samples: list[tuple]):
+def wan_batch(samples: list[tuple], dtype: torch.dtype = torch.float32):
     from knapformer.integrations.diffusers import WanBatch
 
     return WanBatch(
         [s[0] for s in samples],
         torch.stack([s[1] for s in samples]) if samples else torch.zeros(0),
-        torch.stack([s[2] for s in samples]) if samples else torch.zeros(0, WAN_TEXT_LEN, 16),
+        torch.stack([s[2] for s in samples])
+        if samples
+        else torch.zeros(0, WAN_TEXT_LEN, 16, dtype=dtype),
     )
 
 
@@ -196,14 +235,16 @@ def _balancer(topology: str, options: dict):
 
 
 def _summed_grads(model, world: int, fsdp: bool) -> dict[str, torch.Tensor]:
+    """Summed in fp32, so that a bf16 comparison measures the model, not this sum."""
     import torch.distributed as dist
 
     grads = {}
     for name, p in model.named_parameters():
         g = p.grad
         if fsdp:
-            g = g.full_tensor() * world  # FSDP2 averages over the mesh
+            g = g.full_tensor().float() * world  # FSDP2 averages over the mesh
         else:
+            g = g.float()
             dist.all_reduce(g)
         grads[name] = g
     return grads
@@ -215,16 +256,17 @@ def run_flux_variant(rank: int, world: int, topology: str, options: dict) -> dic
     routed here held text tokens only."""
     from knapformer.integrations.diffusers import BalancedFlux
 
-    model = flux_model()
+    dtype = dtype_of(options)
+    model = flux_model(dtype)
     blocks = (*model.transformer_blocks, *model.single_transformer_blocks)
     model = _prepared(model, world, blocks, options)
     balanced = BalancedFlux(model)
     bal = _balancer(topology, options)
-    mine = flux_samples(world)[rank]
-    batch = flux_batch(mine)
+    mine = cast(flux_samples(world), dtype)[rank]
+    batch = flux_batch(mine, dtype)
     bal.plan_routing(batch.seq_lens, FLUX_D)
     out = balanced(batch, bal)
-    weights = torch.cat([s[6] for s in mine]) if mine else torch.zeros(0, 8)
+    weights = torch.cat([s[6] for s in mine]) if mine else torch.zeros(0, 8, dtype=dtype)
     (out * weights).sum().backward()
     text_only = _text_only_chunk(bal, world)
     grads = _summed_grads(model, world, options.get("fsdp", False))
@@ -249,12 +291,13 @@ def run_wan_variant(rank: int, world: int, topology: str, options: dict) -> dict
     video's output ``(4, F, H, W)`` and the gradients summed over the world."""
     from knapformer.integrations.diffusers import BalancedWan
 
-    model = wan_model()
+    dtype = dtype_of(options)
+    model = wan_model(dtype)
     model = _prepared(model, world, model.blocks, options)
     balanced = BalancedWan(model)
     bal = _balancer(topology, options)
-    mine = wan_samples(world)[rank]
-    batch = wan_batch(mine)
+    mine = cast(wan_samples(world), dtype, WAN_KEEP)[rank]
+    batch = wan_batch(mine, dtype)
     bal.plan_routing(batch.seq_lens(balanced.patch_size), WAN_D)
     out = balanced(batch, bal)  # (T, C * patch): a rank without samples has 0 rows
     weights = balanced.patchify([s[3] for s in mine])
