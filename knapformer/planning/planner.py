@@ -366,17 +366,21 @@ def _solve_mixed(bag_sizes, lengths, workload, src_pos, speed, max_tokens, per_t
     empty = lengths == 0
     step.bag[empty] = step.home_bag[empty]
     load = np.zeros(len(shape.size))
-    order = _descending(workload, np.flatnonzero(~empty))
-    if len(order) > _ONE_BY_ONE:
-        heavy = workload[order] > _HEAVY_FRACTION * floor
-        load = _place_priced(order[heavy], step, load, prices, floor)
-        rest = order[~heavy]
+    placed = np.flatnonzero(~empty)
+    if len(placed) > _ONE_BY_ONE:
+        # Only the heavy ones and the pool need the descending order (the bulk pass sorts
+        # by home bag itself): sorting every sequence would cost more than the rest.
+        heavy = workload[placed] > _HEAVY_FRACTION * floor
+        load = _place_priced(_descending(workload, placed[heavy]), step, load, prices, floor)
+        rest = placed[~heavy]
         load = _stay_home_priced(rest, step, load, prices, floor)
-        pool = rest[step.bag[rest] < 0]
+        pool = _descending(workload, rest[step.bag[rest] < 0])
         if len(pool) > _AUTO_POUR and max_tokens is None:
             load = _pour(pool, step, load, prices)
             pool = pool[step.bag[pool] < 0]
         order = pool
+    else:
+        order = _descending(workload, placed)
     _place_priced(order, step, load, prices, floor)
     _exchange_across(step, prices, floor, max_tokens)
     layout.load[:] = np.bincount(step.bag, weights=workload, minlength=len(shape.size))
@@ -401,9 +405,17 @@ def _place_priced(order, step: _Step, load: np.ndarray, prices: _Prices, level: 
             heaps.setdefault(key, []).append((p, b))
     for heap in heaps.values():
         heapq.heapify(heap)
+    heappush = heapq.heappush
+    # Each bag's two heaps: a new entry goes to both when the bag's load grows.
+    bag_heaps = [
+        (heaps[(class_of_bag[b], -2)], heaps[(class_of_bag[b], bag_node[b])])
+        for b in range(len(per))
+    ]
     capped = layout.max_tokens is not None
     limit = level * (1 + _EPS)
     intra, inter = prices.intra, prices.inter
+    heappop = heapq.heappop
+    tries: dict[int, list] = {}  # per source node: (class, size, its two heaps) to try
     rows = zip(order.tolist(), step.workload[order].tolist(), step.lengths[order].tolist(),
                step.home_bag[order].tolist(), prices.src_node[order].tolist(),
                strict=True)  # fmt: skip
@@ -417,22 +429,29 @@ def _place_priced(order, step: _Step, load: np.ndarray, prices: _Prices, level: 
                 b, cost, sent = h, home_cost, 0.0
                 chosen.append(b)
                 load[b] += cost
-                _update(heaps, per, load, weight, class_of_bag, bag_node, b)
+                per[b] = p = load[b] / weight[b]
+                for heap in bag_heaps[b]:
+                    heappush(heap, (p, b))
                 if capped:
                     layout.add(b, 0.0, length, 0)
                 continue
         b, lowest, cost, sent = -1, np.inf, 0.0, 0.0
         if at_home:
             b, lowest, cost = h, (load[h] + home_cost) / weight[h], home_cost
-        for c, g in enumerate(class_size):
+        tried = tries.get(node)
+        if tried is None:
+            tried = tries[node] = [
+                (c, g, [heap for heap in (heaps.get((c, -2)), heaps.get((c, node))) if heap])
+                for c, g in enumerate(class_size)
+            ]
+        for c, g, class_heaps in tried:
             if g > length and c > 0:
                 break  # groups larger than the sequence (the smallest always may)
-            for where in (-2, node):
-                heap = heaps.get((c, where))
-                if not heap:
-                    continue
+            for heap in class_heaps:
                 if room is None:
-                    top = _live_top(heap, per)[1]
+                    while heap[0][0] != per[heap[0][1]]:  # `_live_top`, inlined
+                        heappop(heap)
+                    top = heap[0][1]
                 else:
                     live = [e for e in heap if room[e[1]] and e[0] == per[e[1]]]
                     if not live:
@@ -443,27 +462,27 @@ def _place_priced(order, step: _Step, load: np.ndarray, prices: _Prices, level: 
                 route = (intra if bag_node[top] == node else inter) * length
                 value = (load[top] + w + kap[top] * length + route) / weight[top]
                 if h >= 0:
-                    value = max(value, (load[h] + route) / weight[h])
+                    sender = (load[h] + route) / weight[h]
+                    if sender > value:
+                        value = sender
                 if value < lowest:
                     b, lowest, cost, sent = top, value, w + kap[top] * length + route, route
         if b < 0:
             raise layout.infeasible(seq, length)
         chosen.append(b)
         load[b] += cost
-        _update(heaps, per, load, weight, class_of_bag, bag_node, b)
+        per[b] = p = load[b] / weight[b]
+        for heap in bag_heaps[b]:
+            heappush(heap, (p, b))
         if sent and h >= 0:
             load[h] += sent
-            _update(heaps, per, load, weight, class_of_bag, bag_node, h)
+            per[h] = p = load[h] / weight[h]
+            for heap in bag_heaps[h]:
+                heappush(heap, (p, h))
         if capped:
             layout.add(b, 0.0, length, 0)
     step.bag[order] = chosen
     return np.asarray(load)
-
-
-def _update(heaps, per, load, weight, class_of_bag, bag_node, b) -> None:
-    per[b] = load[b] / weight[b]
-    for key in ((class_of_bag[b], -2), (class_of_bag[b], bag_node[b])):
-        heapq.heappush(heaps[key], (per[b], b))
 
 
 def _stay_home_priced(seqs, step: _Step, load: np.ndarray, prices: _Prices, level: float):
@@ -556,7 +575,12 @@ def _exchange_across(step: _Step, prices: _Prices, floor: float, max_tokens) -> 
     members = [part.tolist() for part in np.split(by_bag, cuts)]
     small = num_bags <= _AUTO_ALL and len(lengths) <= _AUTO_ALL_SEQUENCES
     partners = num_bags - 1 if small else min(_AUTO_PARTNERS, num_bags - 1)
-    sample = lambda m: _spread_sample(m, workload, _AUTO_MEMBERS)  # noqa: E731
+    samples: dict[int, np.ndarray] = {}  # each bag's `_spread_sample`, until it changes
+
+    def sample(bag: int) -> np.ndarray:
+        if bag not in samples:
+            samples[bag] = _spread_sample(members[bag], workload, _AUTO_MEMBERS)
+        return samples[bag]
 
     def priced(seq, bag):
         """(price in ``bag``, what its home bag pays for sending) of sequences ``seq``."""
@@ -569,10 +593,10 @@ def _exchange_across(step: _Step, prices: _Prices, floor: float, max_tokens) -> 
         a = int(np.argmax(per))
         if per[a] <= stop or not members[a]:
             break
-        lightest = np.argsort(per, kind="stable")[: partners + 1]
+        lightest = _least(per, partners + 1)
         lightest = lightest[lightest != a][:partners]
-        ma = sample(members[a])
-        cols = [np.append(sample(members[b]), -1) for b in lightest.tolist()]
+        ma = sample(a)
+        cols = [np.append(sample(b), -1) for b in lightest.tolist()]
         mb = np.concatenate(cols)
         b = np.repeat(lightest, [len(c) for c in cols])
         real = mb >= 0
@@ -619,9 +643,20 @@ def _exchange_across(step: _Step, prices: _Prices, floor: float, max_tokens) -> 
                 step.bag[seq] = to
                 members[src].remove(seq)
                 members[to].append(seq)
+                samples.pop(src, None)
+                samples.pop(to, None)
         per[touched_list] = new_per
     if max_tokens is not None:
         layout.bag_tokens[:] = tokens.astype(np.int64)
+
+
+def _least(values: np.ndarray, k: int) -> np.ndarray:
+    """The first ``k`` of ``np.argsort(values, kind="stable")`` without sorting them all:
+    every value up to the k-th smallest, then a stable sort of those few."""
+    if k >= len(values):
+        return np.argsort(values, kind="stable")
+    some = np.flatnonzero(values <= np.partition(values, k - 1)[k - 1])
+    return some[np.argsort(values[some], kind="stable")[:k]]
 
 
 def _spread_sample(members: list[int], workload: np.ndarray, most: int) -> np.ndarray:
