@@ -146,6 +146,7 @@ def mixed_partitions(
     sizes: tuple[int, ...],
     per_token: dict[int, float],
     node_size: int,
+    eff: np.ndarray | None = None,
 ) -> list[Candidate]:
     """Mixed partitions worth solving for this step (none when one group size is best for
     every sequence): the bisection's (module doc), and the same with the groups of its
@@ -153,9 +154,11 @@ def mixed_partitions(
     Deterministic.
 
     ``workload``, ``lengths``, ``src_pos`` (n,): each sequence's compute, tokens and source
-    GPU position; ``per_token[g]``: Ulysses cost per token in a g-GPU group.
+    GPU position; ``per_token[g]``: Ulysses cost per token in a g-GPU group; ``eff``: their
+    `effective_workloads` where the caller has them already.
     """
-    eff = effective_workloads(workload, lengths, sizes, per_token)
+    if eff is None:
+        eff = effective_workloads(workload, lengths, sizes, per_token)
     size = np.asarray(sizes, dtype=np.float64)
     whole = [
         max(float(eff[j].sum()) / num_gpus, float(eff[j].max(initial=0.0)) / g)
