@@ -673,6 +673,8 @@ class _LazyMembers(dict):
 def _least(values: np.ndarray, k: int) -> np.ndarray:
     """The first ``k`` of ``np.argsort(values, kind="stable")`` without sorting them all:
     every value up to the k-th smallest, then a stable sort of those few."""
+    if k <= 0:
+        return np.zeros(0, dtype=np.int64)
     if k >= len(values):
         return np.argsort(values, kind="stable")
     some = np.flatnonzero(values <= np.partition(values, k - 1)[k - 1])
@@ -1131,10 +1133,11 @@ def _level_makespan(step: _Step, max_rounds: int | None = None, tolerance=None) 
     members = _Members(step.bag, step.lengths, step.workload, num_bags)
     one_size = len(layout.class_size) == 1
     for _ in range(4 * num_bags if max_rounds is None else max_rounds):
-        by_load = per_gpu.argsort(kind="stable").tolist()
         num_over = min(int(np.count_nonzero(per_gpu > stop)), _LEVEL_PARTNERS)
-        over = by_load[::-1][:num_over]
-        partners = by_load[: num_bags - num_over][:_LEVEL_PARTNERS]
+        # The ends of the stable ascending order, without sorting every bag: the most
+        # loaded (ties: the later bag first) and the least loaded that are not over.
+        over = (num_bags - 1 - _least(-per_gpu[::-1], num_over)).tolist()
+        partners = _least(per_gpu, min(_LEVEL_PARTNERS, num_bags - num_over)).tolist()
         if not over or not partners:
             return
         moves = _best_exchanges(
