@@ -23,7 +23,7 @@ from knapformer.visualization.straggler_figures import (
 )
 
 from knapformer.contract.plan_io import read_plans
-from knapformer.contract.stats import StepSummary, linear_share, summarize
+from knapformer.contract.stats import StepSummary, bag_runs, linear_share, summarize
 from knapformer.diagnosis.measured import measure
 from knapformer.diagnosis.stragglers import analyse, rank_steps, row_medians
 from knapformer.planning.planner import plan_routing
@@ -383,3 +383,26 @@ def test_tokens_view_draws_the_cap_and_the_topology_timeline_its_runs(steps50):
     assert "2 topologies, 2 changes" in fig.layout.title.text
     assert [t.name for t in fig.data] == ["g1n4+g2n2", "g2n2+g4n1"]
     assert fig.layout.shapes[0].x0 == summaries[2].step
+
+
+def test_topology_timeline_keys_steps_by_where_their_bags_sat(steps50):
+    from knapformer.visualization.figures import topology_figure, topology_runs
+
+    assert bag_runs([[0], [1], [2], [3], [4, 5, 6, 7]]) == "g1@0-3 g4@4-7"
+    assert bag_runs([[0, 1, 2, 3], [4], [5], [6, 7]]) == "g4@0-3 g1@4-5 g2@6-7"
+    assert summarize(steps50[0].plan).bags == bag_runs(steps50[0].plan.bags)
+    # One topology string, the group of 4 first on ranks 4-7, then on 0-3, then back.
+    where = ["g1@0-3 g4@4-7", "g1@0-3 g4@4-7", "g4@0-3 g1@4-7", "g1@0-3 g4@4-7"]
+    summaries = [
+        dataclasses.replace(summarize(r.plan), topology="g1n4+g4n1", bags=b)
+        for r, b in zip(steps50[:4], where, strict=True)
+    ]
+    late, early = "g1n4+g4n1 @ g1@0-3 g4@4-7", "g1n4+g4n1 @ g4@0-3 g1@4-7"
+    assert topology_runs(summaries) == [(late, 0, 1), (early, 2, 2), (late, 3, 3)]
+    fig = topology_figure(summaries)
+    assert "1 topology in 2 placements, 2 changes" in fig.layout.title.text
+    assert [t.name for t in fig.data] == [late, early]
+    assert list(fig.layout.yaxis.categoryarray) == [late, early]
+    # The same placement throughout: one row, labelled by the topology alone.
+    same = [dataclasses.replace(s, bags=where[0]) for s in summaries]
+    assert topology_runs(same) == [("g1n4+g4n1", 0, 3)]

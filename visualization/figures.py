@@ -675,30 +675,63 @@ def selection_shapes(summaries: list[StepSummary], selected: int | None) -> list
     ]
 
 
+_LABEL_CHARS = 64  # a row label's placement is cut here (a 1,024-GPU layout is long)
+
+
+def partition_labels(summaries: list[StepSummary]) -> list[str]:
+    """Each step's row on the partition timeline: its topology string, and where its bags
+    sat (`StepSummary.bags`, "g1n4+g4n1 @ g4@0-3 g1@4-7") wherever that topology appears
+    with bags in more than one place in ``summaries``: the same string with the big group
+    moved is a change. Distinct placements always get distinct labels."""
+    keys = [(s.topology or "?", s.bags) for s in summaries]
+    placements: dict[str, dict] = {}
+    for topo, bags in keys:
+        placements.setdefault(topo, {})[bags] = None
+    label_of: dict[tuple, str] = {}
+    used: set[str] = set()
+    for key in dict.fromkeys(keys):
+        topo, bags = key
+        label = topo
+        if len(placements[topo]) > 1:
+            where = bags or "?"
+            if len(where) > _LABEL_CHARS:
+                where = where[: _LABEL_CHARS - 1] + "…"
+            label = f"{topo} @ {where}"
+        base, k = label, 2
+        while label in used:  # two long placements cut to one prefix
+            label, k = f"{base} ({k})", k + 1
+        used.add(label)
+        label_of[key] = label
+    return [label_of[key] for key in keys]
+
+
 def topology_runs(summaries: list[StepSummary]) -> list[tuple[str, int, int]]:
-    """Runs of consecutive steps on one partition: (topology, first index, last index)
-    into ``summaries`` ("?" where a summary does not say)."""
+    """Runs of consecutive steps on one partition (topology and placement of its bags):
+    (row label of `partition_labels`, first index, last index) into ``summaries`` ("?"
+    where a summary does not say)."""
     runs: list[tuple[str, int, int]] = []
-    for i, s in enumerate(summaries):
-        topo = s.topology or "?"
-        if runs and runs[-1][0] == topo:
-            runs[-1] = (topo, runs[-1][1], i)
+    for i, label in enumerate(partition_labels(summaries)):
+        if runs and runs[-1][0] == label:
+            runs[-1] = (label, runs[-1][1], i)
         else:
-            runs.append((topo, i, i))
+            runs.append((label, i, i))
     return runs
 
 
 def topology_figure(
     summaries: list[StepSummary], selected: int | None = None, validate: bool = True
 ) -> go.Figure:
-    """Which partition (topology string) each step used: one row per topology, a bar over
-    the steps of each run of steps that used it, the selected step (an index into
-    ``summaries``) marked. Drawn from runs of steps, so a long run costs a few points."""
+    """Which partition each step used: one row per partition (its topology string, and
+    where its bags sat where the same string was placed differently: `partition_labels`),
+    a bar over the steps of each run of steps that used it, the selected step (an index
+    into ``summaries``) marked. Drawn from runs of steps, so a long run costs a few
+    points."""
     if not summaries:
         return empty_figure("no steps yet", validate)
     x_of = [i if s.step is None else s.step for i, s in enumerate(summaries)]
-    rows = list(dict.fromkeys(s.topology or "?" for s in summaries))
     runs = topology_runs(summaries)
+    rows = list(dict.fromkeys(name for name, _, _ in runs))
+    topologies = len({s.topology or "?" for s in summaries})
     data = []
     for k, topo in enumerate(rows):
         xs, ys, index = [], [], []
@@ -722,9 +755,10 @@ def topology_figure(
             }
         )
     changes = len(runs) - 1
+    placed = f" in {len(rows)} placements" if len(rows) > topologies else ""
     title = (
-        f"Partition per step · {len(rows)} topolog{'y' if len(rows) == 1 else 'ies'}, "
-        f"{changes} change{'' if changes == 1 else 's'}"
+        f"Partition per step · {topologies} topolog{'y' if topologies == 1 else 'ies'}"
+        f"{placed}, {changes} change{'' if changes == 1 else 's'}"
     )
     layout = {
         "title": {"text": title},

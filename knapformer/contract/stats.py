@@ -299,6 +299,7 @@ class StepSummary:
     has_measurements: bool
     step_ms: float | None = None  # measured wall time of the step: the longest rank's "step"
     topology: str | None = None  # the partition the step used ("g1n4+g2n2")
+    bags: str | None = None  # where its bags sat, `bag_runs` ("g1@0-3 g4@4-7")
 
 
 def summarize(plan: RoutingPlan, line: int | None = None) -> StepSummary:
@@ -324,7 +325,21 @@ def summarize(plan: RoutingPlan, line: int | None = None) -> StepSummary:
         has_measurements=bool(m is not None and m.per_rank_ms),
         step_ms=measured_step_ms(m),
         topology=plan.topology,
+        bags=bag_runs(plan.bags),
     )
+
+
+def bag_runs(bags: list[list[int]]) -> str:
+    """Where a plan's bags sit, compactly: each run of consecutive bags of one size as
+    ``g<size>@<first rank>-<last rank>``, e.g. ``"g1@0-3 g4@4-7"`` (four single GPUs, then
+    a bag of 4). Two plans with one topology string but bags in other places differ here."""
+    runs: list[list[int]] = []  # [size, first rank, last rank]
+    for bag in bags:
+        if runs and runs[-1][0] == len(bag):
+            runs[-1][2] = bag[-1]
+        else:
+            runs.append([len(bag), bag[0], bag[-1]])
+    return " ".join(f"g{g}@{a}-{b}" if a != b else f"g{g}@{a}" for g, a, b in runs)
 
 
 def measured_step_ms(m: Measurements | None) -> float | None:
