@@ -491,12 +491,7 @@ def _stay_home_priced(seqs, step: _Step, load: np.ndarray, prices: _Prices, leve
     loads."""
     layout, lengths, home = step.layout, step.lengths, step.home_bag
     seqs = seqs[(home[seqs] >= 0) & (layout.size[np.maximum(home[seqs], 0)] <= lengths[seqs])]
-    # np.lexsort((-workload, home)), in two stable passes: the second sorts small ints
-    # (a radix sort), which is faster than lexsort's.
-    by_w = np.argsort(-step.workload[seqs], kind="stable")
-    key = home[seqs[by_w]]
-    order = seqs[by_w[np.argsort(key.astype(np.int16) if len(layout.size) < 2**15 else key,
-                                 kind="stable")]]  # fmt: skip
+    order = _by_home_heaviest_first(seqs, home, step.workload, len(layout.size))
     hb = home[order]
     cost = (step.workload[order] + prices.kappa[hb] * lengths[order]
             + 2 * prices.route(order, hb, hb, layout.size, lengths[order]))  # fmt: skip
@@ -1099,7 +1094,7 @@ def _stay_home_in_bulk(seqs: np.ndarray, step: _Step) -> None:
     layout, lengths, workload, home_bag = step.layout, step.lengths, step.workload, step.home_bag
     seqs = seqs[home_bag[seqs] >= 0]
     light = seqs[layout.size[home_bag[seqs]] <= lengths[seqs]]
-    order = light[np.lexsort((-workload[light], home_bag[light]))]
+    order = _by_home_heaviest_first(light, home_bag, workload, len(layout.size))
     hb = home_bag[order]
     room = layout.capacity - layout.load
     stays = _prefix_within_groups(workload[order], hb, room[hb])
@@ -1110,6 +1105,15 @@ def _stay_home_in_bulk(seqs: np.ndarray, step: _Step) -> None:
     stay_ids = order[stays]
     step.bag[stay_ids] = hb[stays]
     layout.add_many(hb[stays], workload[stay_ids], lengths[stay_ids])
+
+
+def _by_home_heaviest_first(seqs, home, workload, num_bags) -> np.ndarray:
+    """``seqs`` ordered by home bag, heaviest first within one (ties by id): what
+    ``seqs[np.lexsort((-workload[seqs], home[seqs]))]`` gives, in two stable passes, the
+    second over small ints (a radix sort, faster than lexsort's)."""
+    by_w = seqs[np.argsort(-workload[seqs], kind="stable")]
+    key = home[by_w]
+    return by_w[np.argsort(key.astype(np.int16) if num_bags < 2**15 else key, kind="stable")]
 
 
 def _level_makespan(step: _Step, max_rounds: int | None = None, tolerance=None) -> None:
