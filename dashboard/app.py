@@ -23,6 +23,8 @@
   predicted and of waiting (colour scale without the warm-up steps), and compute vs
   waiting per rank, over the measured steps up to the shown one; the header names the
   run's current straggler (`_header_cards`).
+- what each step lost against an ideal one (`_step_loss_view`): the loss's parts per
+  measured step up to the shown one (`diagnosis.step_loss`), beside the straggler views.
 
 Every callback names its outputs (dicts of `Output`), and figures are built by
 `visualization.figures` and `visualization.straggler_figures`.
@@ -74,12 +76,14 @@ from knapformer.visualization.straggler_figures import (
     flagged_ranks,
     heatmap_steps,
     ratio_heatmap,
+    step_loss_figure,
     wait_heatmap,
 )
 
 from knapformer.contract.runfiles import RUNS_LAYOUT
 from knapformer.contract.stats import before_after
 from knapformer.contract.units import LoadUnit
+from knapformer.diagnosis.step_loss import step_losses
 from knapformer.diagnosis.stragglers import WINDOW, analyse, describe, rank_steps
 
 TICK_MS = 500
@@ -245,6 +249,7 @@ def _layout(runs: Runs) -> html.Div:
                         html.Div(dcc.Graph(id="wait-heatmap"), style=_HALF),
                     ),
                     dcc.Graph(id="compute-wait"),
+                    dcc.Graph(id="step-loss"),
                 ],
                 id="straggler-box",
                 style=_HIDDEN,
@@ -414,6 +419,7 @@ def create_app(path: str | Path) -> Dash:
     _sequence_table(app, runs, timed)
     _pick_sequence(app, timed)
     _straggler_views(app, runs, timed)
+    _step_loss_view(app, runs, timed)
     return app
 
 
@@ -814,6 +820,23 @@ def _straggler_views(app: Dash, runs: Runs, timed: Callable) -> None:
             "scatter": compute_wait_figure(report, rank_steps(recent), validate=False),
             "style": {"display": "block"},
         }
+
+
+def _step_loss_view(app: Dash, runs: Runs, timed: Callable) -> None:
+    @app.callback(
+        output={"figure": Output("step-loss", "figure")},
+        inputs={"selection": Input("selection", "data")},
+    )
+    @timed
+    def step_loss_view(selection):
+        store = runs.store(selection["run"]) if _key(selection) else None
+        window = []
+        if store is not None:
+            window = store.measured(selection["index"], HEATMAP_STEPS, selection["reset"])
+        if not window:
+            raise PreventUpdate  # the straggler box is hidden
+        figure = step_loss_figure(step_losses(window), _run_start(store), validate=False)
+        return {"figure": figure}
 
 
 def _run_start(store: PlanStore) -> int | None:

@@ -18,6 +18,8 @@ import pytest
 from knapformer.visualization.browser import find_chromium, launch_chromium
 
 from knapformer.contract.plan_io import parse_plan_line, write_jsonl
+from knapformer.diagnosis.measured import measure
+from knapformer.diagnosis.step_loss import PARTS, step_losses
 from knapformer.planning.datamix import parse_mix, sample_lengths
 from knapformer.planning.planner import plan_routing
 from knapformer.planning.workload import WorkloadModel
@@ -633,6 +635,36 @@ def test_per_rank_views_at_8_ranks_show_where_each_step_went(page):
     slow = next(t for t in scatter if t["name"] == "slow GPU")
     assert slow["x"][0] > 1.8 * max(ok["x"]) and slow["y"][0] < min(ok["y"])
     assert np.ptp(ok["y"]) > 0 and np.ptp(ok["x"]) > 0
+
+
+@pytest.mark.parametrize(("run", "ranks"), [("measured", 8), ("measured64", 64)])
+def test_step_loss_shows_what_each_step_lost(page, runs_dir, run, ranks):
+    lines = (runs_dir / run / "plans.jsonl").read_text().splitlines()
+    plans = [parse_plan_line(line) for line in lines]
+    assert len(plans[0].gpus) == ranks
+    losses = step_losses([measure(p).figures() for p in plans])
+    span = f"steps 0–{len(plans) - 1}"
+
+    def drawn():
+        """the step-loss graph shows the run's measured steps"""
+        title = _figure(page, "step-loss")["title"] or ""
+        return title.startswith("What each step lost") and span in title
+
+    _switch_to(page, run, drawn)
+    assert page.locator("#step-loss .bars path").count() > 0
+    shown = _stack(page, "step-loss")
+    for part, name in zip(PARTS, list(shown)[: len(PARTS)], strict=True):
+        want = [getattr(loss, part) for loss in losses]
+        np.testing.assert_allclose(shown[name], want, rtol=1e-6, atol=1e-6)
+    measured = [loss.measured_ms for loss in losses]
+    np.testing.assert_allclose(shown["measured step"], measured, rtol=1e-6)
+    assert np.median(shown["slow ranks"]) > 0  # the slow rank's excess compute
+    top = page.evaluate(
+        "() => document.querySelector('#step-loss .js-plotly-plot')._fullLayout.yaxis.range[1]"
+    )
+    assert top >= max(measured[2:])
+    if run == "measured64":  # the 6-second set-up step is left off the scale
+        assert top < 0.1 * measured[0]
 
 
 def test_per_rank_views_at_64_ranks_label_the_flagged_rank(page, runs_dir):

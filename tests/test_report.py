@@ -72,6 +72,7 @@ def test_default_is_the_last_plan_and_measurements_add_a_view(tmp_path, plan8_pa
         "ratio-heatmap": 1,
         "wait-heatmap": 1,
         "compute-wait": 1,
+        "step-loss": 1,
     }
 
 
@@ -95,7 +96,12 @@ def test_report_holds_the_dashboards_straggler_views(tmp_path, capsys, topology,
     # the slow rank is labelled on both heatmaps' rank axes, and named in the scatter
     result = read_plans(source, on_error="raise")
     _page, figures = build_report(result)
-    assert [f.view for f in figures][-3:] == ["ratio-heatmap", "wait-heatmap", "compute-wait"]
+    assert [f.view for f in figures][-4:] == [
+        "ratio-heatmap",
+        "wait-heatmap",
+        "compute-wait",
+        "step-loss",
+    ]
     verdict, views = straggler_views([measure(p).figures() for p in plans], 0)
     assert verdict.startswith(f"slow_gpu: rank {slow}")
     by_view = dict(views)
@@ -103,6 +109,13 @@ def test_report_holds_the_dashboards_straggler_views(tmp_path, capsys, topology,
         assert str(slow) in by_view[name].layout.yaxis.ticktext
     slow_points = next(t for t in by_view["compute-wait"].data if t.name == "slow GPU")
     assert [int(r) for r, _ in slow_points.customdata] == [slow]
+    # what each step lost: the slow rank's excess compute is its largest part
+    assert _views(page)["step-loss"] == 1
+    loss = {t.name: np.asarray(t.y, dtype=float) for t in by_view["step-loss"].data}
+    assert len(loss["measured step"]) == len(plans)
+    assert np.median(loss["slow ranks"]) > 0.5 * np.median(
+        loss["measured step"] - loss["ideal step"]
+    )
 
 
 def test_legacy_plan_report(tmp_path, legacy_path, capsys):

@@ -17,6 +17,7 @@ from knapformer.visualization.axes import rank_ticks
 from knapformer.visualization.figures import build_figure
 
 from knapformer.diagnosis.measured import RankFigures
+from knapformer.diagnosis.step_loss import PARTS, StepLoss, describe_loss, step_losses, summarise
 from knapformer.diagnosis.stragglers import (
     RankSteps,
     StragglerReport,
@@ -144,10 +145,15 @@ def warm_columns(m: RankSteps, run_start: int | None) -> np.ndarray:
     """(s,) bool: the columns of ``m`` past the run's warm-up, i.e. steps from
     ``run_start + WARMUP_STEPS`` on (``run_start``: the run's first step; None: all
     columns count). When every column is warm-up, all of them count."""
+    return _warm(_steps_x(m), run_start)
+
+
+def _warm(steps: list[int], run_start: int | None) -> np.ndarray:
+    """(s,) bool: which of ``steps`` are past the warm-up (`warm_columns`)."""
     if run_start is None:
-        return np.ones(len(m.steps), dtype=bool)
-    warm = np.array([s >= run_start + WARMUP_STEPS for s in _steps_x(m)], dtype=bool)
-    return warm if warm.any() else np.ones(len(m.steps), dtype=bool)
+        return np.ones(len(steps), dtype=bool)
+    warm = np.array([s >= run_start + WARMUP_STEPS for s in steps], dtype=bool)
+    return warm if warm.any() else np.ones(len(steps), dtype=bool)
 
 
 def wait_heatmap(
@@ -339,6 +345,91 @@ def compute_wait_figure(report: StragglerReport, m: RankSteps, validate: bool = 
     return build_figure(data, layout, validate)
 
 
+#: Name and colour of each part of a step's loss (`step_loss.PARTS`), bottom to top.
+LOSS_STYLE = {
+    "layout_floor": ("layout floor", palette.LAYOUT_FLOOR),
+    "solver_gap": ("solver gap", palette.DATA_IMBALANCE),
+    "slow_ranks": ("slow ranks", palette.SLOWER),
+    "input": ("input", palette.SLOW_INPUT),
+    "communication": ("communication", palette.SLOW_LINK),
+    "other": ("other", palette.TRANSFER),
+}
+
+
+def step_loss_figure(
+    losses: list[StepLoss], run_start: int | None = None, validate: bool = True
+) -> go.Figure:
+    """What each step lost against an ideal one (`knapformer.diagnosis.step_loss`): per
+    step, the ideal (a line), and on top of it the parts of the loss stacked in `PARTS`
+    order (bars, ms), up to the measured step (a line): the last part, ``other``, closes
+    the stack on it (drawn downwards when negative: the parts overlapped). The y range
+    leaves out the run's warm-up steps (`warm_columns`; ``run_start``: the run's first
+    step), whose set-up waits would flatten the rest; the title gives the medians over the
+    warm steps (`describe_loss`)."""
+    x = [i if loss.step is None else loss.step for i, loss in enumerate(losses)]
+    warm = _warm(x, run_start)
+    measured = np.array([loss.measured_ms for loss in losses], dtype=float)
+    ideal = np.array([loss.ideal_ms for loss in losses], dtype=float)
+    base = np.nan_to_num(ideal)
+    data: list[dict] = []
+    low, high = [base], [base]  # every bar's bottom and top, for the y range
+    for part in PARTS:
+        name, color = LOSS_STYLE[part]
+        y = np.array([getattr(loss, part) for loss in losses], dtype=float)
+        data.append(
+            {
+                "type": "bar",
+                "x": x,
+                "y": y,
+                "base": base.copy(),
+                "name": name,
+                "marker": {"color": color},
+                "hovertemplate": f"step %{{x}} · {name}: %{{y:,.3r}} ms<extra></extra>",
+            }
+        )
+        base = base + np.nan_to_num(y)
+        low.append(base)
+        high.append(base)
+    for name, y, style in (
+        ("ideal step", ideal, {"color": palette.MODEL_FIT, "dash": "dash"}),
+        ("measured step", measured, {"color": palette.STEP_TIME}),
+    ):
+        data.append(
+            {
+                "type": "scatter",
+                "x": x,
+                "y": y,
+                "mode": "lines+markers",
+                "name": name,
+                "line": style,
+                "hovertemplate": f"step %{{x}} · {name}: %{{y:,.3r}} ms<extra></extra>",
+            }
+        )
+        high.append(np.nan_to_num(y))
+    shown_low = np.concatenate([v[warm] for v in low]) if len(x) else np.zeros(1)
+    shown_high = np.concatenate([v[warm] for v in high]) if len(x) else np.ones(1)
+    lo, hi = min(0.0, float(shown_low.min())), float(shown_high.max())
+    pad = 0.05 * max(hi - lo, 1e-9)
+    title = "What each step lost against an ideal one (ms)"
+    if len(x):
+        title += f" · {f'step {x[0]}' if len(x) == 1 else f'steps {x[0]}–{x[-1]}'}"
+    warm_losses = [loss for loss, w in zip(losses, warm, strict=True) if w]
+    title += f"<br><sup>{describe_loss(summarise(warm_losses))}"
+    if not warm.all():
+        title += "; warm-up steps left out of the scale"
+    layout = {
+        "title": {"text": title + "</sup>"},
+        "barmode": "overlay",
+        "bargap": 0.15,
+        "xaxis": {"title": {"text": "step"}},
+        "yaxis": {"title": {"text": "ms"}, "range": [lo, hi + pad]},
+        "height": 420,
+        "margin": {"l": 70, "r": 20, "t": 80, "b": 50},
+        "legend": {"orientation": "h", "y": -0.2},
+    }
+    return build_figure(data, layout, validate)
+
+
 #: What a verdict line says when every rank is ok.
 NO_STRAGGLER = "none: every rank as predicted"
 
@@ -354,7 +445,8 @@ def straggler_views(
     """The verdict line and the straggler figures (view name, figure) of a window of
     measured steps, as the dashboard shows them: the compute-ratio and wait heatmaps
     (flagged ranks labelled; the wait scale without the warm-up of a run starting at step
-    ``run_start``) and compute vs waiting per rank. For the static report."""
+    ``run_start``), compute vs waiting per rank, and what each step lost against an ideal
+    one (`step_loss_figure`). For the static report."""
     report = analyse(window, None)
     flagged = flagged_ranks(report)
     m = rank_steps(window)
@@ -364,4 +456,5 @@ def straggler_views(
         ("ratio-heatmap", ratio_heatmap(m, validate, flagged)),
         ("wait-heatmap", wait_heatmap(m, validate, flagged, run_start)),
         ("compute-wait", compute_wait_figure(report, m, validate)),
+        ("step-loss", step_loss_figure(step_losses(window, m), run_start, validate)),
     ]
