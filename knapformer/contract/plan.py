@@ -322,8 +322,12 @@ class RoutingPlan(BaseModel):
         "the history cost model learns it); None: every GPU nominal",
     )
     solver: Text
+    # Left out of the JSON while None, so plans of fixed bags read the same as before it
+    # existed (and in readers that predate it).
     policy: Literal["fixed", "auto"] | None = Field(
-        None, description='what chose the bags: "auto" (the planner, each step) or fixed'
+        None,
+        description='what chose the bags: "auto" (the planner, each step) or fixed',
+        exclude_if=lambda value: value is None,
     )
     solver_options: SolverOptions = Field(default_factory=dict)  # type: ignore[arg-type]
     sequences: Sequences
