@@ -72,3 +72,14 @@ def test_plans_without_measurements_are_one_line(steps50_path):
     done = run("stragglers", str(steps50_path))
     assert done.returncode == 1
     assert done.stderr.count("\n") == 1 and "measured a compute phase" in done.stderr
+
+
+def test_skipped_records_are_counted_on_stderr_and_json_stays_one_document(slow_run, tmp_path):
+    lines = plans_file(slow_run).read_text().splitlines()
+    path = tmp_path / "plans.jsonl"
+    path.write_text("\n".join([lines[0], "{not json", *lines[1:], '{"schema_version": 2}']) + "\n")
+    done = run("stragglers", str(path), "--json")
+    assert done.returncode == 0, done.stderr
+    assert len(json.loads(done.stdout)) == 8
+    assert done.stderr.startswith("skipped 2 unreadable record(s) (first: ")
+    assert done.stderr.count("\n") == 1 and ":2" in done.stderr

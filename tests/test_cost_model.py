@@ -145,8 +145,9 @@ def test_nominal_speeds_are_not_recorded_and_bad_speeds_are_named():
     assert plan.gpu_speed is None
     with pytest.raises(ValueError, match="gpu_speed has 3 values for 2 GPUs"):
         plan_routing([[10], [20]], "g1n2", MODEL, gpu_speed=[1.0, 1.0, 1.0])
-    with pytest.raises(ValueError, match="finite and > 0"):
-        plan_routing([[10], [20]], "g1n2", MODEL, gpu_speed=[1.0, 0.0])
+    for bad in (0.0, 5e-324, 1e4, float("nan")):  # outside what a plan file may hold
+        with pytest.raises(ValueError, match=r"must lie in 0.001..1000"):
+            plan_routing([[10], [20]], "g1n2", MODEL, gpu_speed=[1.0, bad])
     record = plan_routing([[10], [20]], "g1n2", MODEL, gpu_speed=[1.0, 0.5]).model_dump()
     record["gpu_speed"] = [1.0, -1.0]
     with pytest.raises(ValueError, match="gpu_speed of GPU"):

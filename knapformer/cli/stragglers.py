@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from collections import deque
 from pathlib import Path
 
@@ -65,7 +66,11 @@ def stragglers(
             f"steps up to {MAX_STEP:,}"
         )
     path = single_run(plans)
-    figures, count = _measured_figures(path, window or None)
+    figures, count, skipped = _measured_figures(path, window or None)
+    if skipped:
+        # On stderr, so that --json stays one document.
+        count_bad, first = skipped
+        print(f"skipped {count_bad:,} unreadable record(s) (first: {first})", file=sys.stderr)
     if not figures:
         raise UserError(
             f"{path}: none of its {count} plan(s) measured a compute phase "
@@ -88,14 +93,18 @@ def stragglers(
     console.print(f"what a step lost (--loss per step): {describe_loss(summarise(losses))}")
 
 
-def _measured_figures(path: Path, window: int | None) -> tuple[list[RankFigures], int]:
-    """The per-rank figures of the last ``window`` measured plans of ``path`` (all: None)
-    and how many plans it holds; the file is streamed, so a long run is never held whole.
-    A file with no plan at all is a one-line `UserError` naming its first problem."""
+def _measured_figures(
+    path: Path, window: int | None
+) -> tuple[list[RankFigures], int, tuple[int, Problem] | None]:
+    """The per-rank figures of the last ``window`` measured plans of ``path`` (all: None),
+    how many plans it holds, and how many records were skipped with the first of them; the
+    file is streamed, so a long run is never held whole. A file with no plan at all is a
+    one-line `UserError` naming its first problem."""
     kept: deque[RankFigures] = deque(maxlen=window)
-    count, first_problem = 0, None
+    count, problems, first_problem = 0, 0, None
     for item in iter_plan_file(path):
         if isinstance(item, Problem):
+            problems += 1
             first_problem = first_problem or item
             continue
         count += 1
@@ -104,7 +113,7 @@ def _measured_figures(path: Path, window: int | None) -> tuple[list[RankFigures]
             kept.append(measured.figures())
     if not count:
         raise UserError(str(first_problem) if first_problem else f"{path}: no plan")
-    return list(kept), count
+    return list(kept), count, (problems, first_problem) if first_problem else None
 
 
 def _fmt(value: float, spec: str = "") -> str:

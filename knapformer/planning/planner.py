@@ -58,7 +58,13 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from knapformer import __version__
-from knapformer.contract.limits import MAX_SEQ_LENGTH, MAX_SEQUENCES, check_count
+from knapformer.contract.limits import (
+    MAX_GPU_SPEED,
+    MAX_SEQ_LENGTH,
+    MAX_SEQUENCES,
+    MIN_GPU_SPEED,
+    check_count,
+)
 from knapformer.contract.plan import Measurements, RoutingPlan
 from knapformer.contract.stats import lower_bound
 from knapformer.contract.topology import Topology, as_topology
@@ -714,8 +720,14 @@ def check_speed(gpu_speed: ArrayLike | None, num_gpus: int) -> np.ndarray | None
             f"gpu_speed has {speed.size} values for {num_gpus} GPUs: it must hold {num_gpus} "
             f"finite positive speeds, one per GPU, got {speed.tolist()}"
         )
-    if not (np.isfinite(speed).all() and (speed > 0).all()):
-        raise KnapformerError(f"gpu_speed values must be finite and > 0, got {speed.tolist()}")
+    # The bounds a plan file may hold: a plan planned outside them would not read back.
+    if not (
+        np.isfinite(speed).all() and ((speed >= MIN_GPU_SPEED) & (speed <= MAX_GPU_SPEED)).all()
+    ):
+        raise KnapformerError(
+            f"gpu_speed values must lie in {MIN_GPU_SPEED:g}..{MAX_GPU_SPEED:g} "
+            f"(knapformer.contract.limits), got {speed.tolist()}"
+        )
     return None if (speed == 1.0).all() else speed
 
 
