@@ -30,7 +30,9 @@ from knapformer.testing.processes import CLI, ROOT
 pytestmark = pytest.mark.browser
 
 CHROMIUM = find_chromium()
-LIVE_WITHIN_S = 5.0
+# How long a view may take to follow a change before a test gives up: generous, because the
+# machine's load varies tenfold; a wait returns as soon as its check holds.
+LIVE_WITHIN_S = 60.0
 WIDE64 = "g1n16+g2n8+g4n4+g8n2"  # 64 GPUs in 30 bags
 WIDE128 = "g1n32+g2n16+g4n8+g8n4"  # 128 GPUs in 60 bags: the most shown GPU by GPU
 WIDE256 = "g1n64+g2n32+g4n16+g8n8"  # 256 GPUs in 120 bags: shown bag by bag
@@ -140,7 +142,7 @@ def page(runs_dir):
         try:
             pg = browser.new_page(viewport={"width": 1400, "height": 1600})
             pg.goto(handle.url)
-            pg.wait_for_selector("#bag-load .main-svg .bars", timeout=30_000)
+            pg.wait_for_selector("#bag-load .main-svg .bars", timeout=120_000)
             yield pg
         finally:
             browser.close()
@@ -480,7 +482,7 @@ def test_idle_ticks_complete_no_callback(page):
         page.wait_for_timeout(1000)  # lets the page tick (and Playwright dispatch events)
         return callbacks() == before
 
-    _wait_for(settled, timeout=15)
+    _wait_for(settled, timeout=LIVE_WITHIN_S)
     before = callbacks()
     page.wait_for_timeout(2 * 1000)  # four ticks
     assert callbacks() == before
@@ -490,7 +492,7 @@ def test_idle_ticks_complete_no_callback(page):
 def _switch_to(page, run: str, ready) -> None:
     page.locator("#run-picker").click()
     page.get_by_text(run, exact=True).last.click()
-    _wait_for(ready, timeout=15)
+    _wait_for(ready)
 
 
 def _labels(page, graph_id: str) -> list[dict]:
