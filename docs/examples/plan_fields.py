@@ -24,6 +24,8 @@ def type_name(annotation: typing.Any, metadata: list[typing.Any]) -> str:
         if schema and schema.get("type") == "array":
             return {"integer": "int", "number": "float"}[schema["items"]["type"]] + "[]"
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Annotated:  # checked text and the like: the type they annotate
+        return type_name(args[0], list(args[1:]))
     if origin in (typing.Union, types.UnionType):
         return " | ".join(type_name(a, []) for a in args)
     if origin is typing.Literal:
