@@ -1,6 +1,6 @@
-"""Benchmark: rank → position lookups of `knapformer.contract.positions.GpuPositions` against the dense
-table indexed by the largest rank that it replaced (memory by rank value: 8 GB for a
-rank of 10⁹).
+"""Benchmark: rank → position lookups of `knapformer.contract.positions.GpuPositions`
+against the dense table indexed by the largest rank that it replaced (memory by rank
+value: 8 GB for a rank of 10⁹).
 
 The router looks up the source and destination of every chunk of every step, so the
 common layouts must stay as fast as the old table. Each row looks up 60 random member
