@@ -182,7 +182,7 @@ def test_unusable_output_folders_are_one_line(tmp_path, capsys):
         assert main(["tensorboard", str(DEMO), "--logdir", str(blocker)]) == 1
         assert "exists and is not a folder" in one_error_line(capsys)
         assert main(["tensorboard", str(DEMO), "--logdir", str(blocker / "x")]) == 1
-        assert "cannot create: Not a directory" in one_error_line(capsys)
+        assert "cannot create the --logdir folder" in one_error_line(capsys)
     report = tmp_path / "r.html"
     assert main(["report", str(DEMO), "-o", str(report), "--png", str(blocker)]) == 1
     assert "exists and is not a folder" in one_error_line(capsys)

@@ -35,21 +35,3 @@ def check_output_file(out: str | Path, suffix: str) -> Path:
     except OSError as err:
         raise KnapformerError(f"cannot write {str(out)!r}: {err.strerror or err}") from None
     return out
-
-
-def check_output_folder(folder: str | Path) -> Path:
-    """``folder`` as a Path once files can be written in it (it is created); else a
-    `KnapformerError` naming the folder and what is wrong."""
-    folder = Path(folder)
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:
-        raise KnapformerError(f"{str(folder)!r} exists and is not a folder") from None
-    except OSError as err:
-        raise KnapformerError(f"cannot create {str(folder)!r}: {err.strerror or err}") from None
-    try:
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError as err:
-        raise KnapformerError(f"cannot write in {str(folder)!r}: {err.strerror or err}") from None
-    return folder

@@ -12,7 +12,7 @@ from knapformer.cli.errors import UserError
 from knapformer.cli.extras import require
 from knapformer.contract.plan import RoutingPlan
 from knapformer.contract.plan_io import plans_in_range, read_plans
-from knapformer.contract.runfiles import RUNS_LAYOUT, every_run, safe_name
+from knapformer.contract.runfiles import RUNS_LAYOUT, every_run, safe_name, writable_folder
 
 PLANS_HELP = f"plan file (JSON, JSONL or legacy JSON) or a folder of runs ({RUNS_LAYOUT})"
 STEPS_HELP = "steps A:B (inclusive; A: or :B open) to export (default: every plan)"
@@ -49,12 +49,7 @@ def run_folders(logdir: Path, names: list[str]) -> dict[str, Path]:
     """Run name -> its own folder in ``logdir``: a `safe_name` (a run read from a plan never
     names a path outside ``logdir``), made unique; ``logdir`` is created (`UserError` when
     it cannot be)."""
-    try:
-        logdir.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:
-        raise UserError(f"--logdir {logdir} exists and is not a folder") from None
-    except OSError as err:
-        raise UserError(f"--logdir {logdir}: cannot create: {err.strerror or err}") from None
+    writable_folder(logdir, "`logdir`")
     folders: dict[str, Path] = {}
     used: set[str] = set()
     for name in names:

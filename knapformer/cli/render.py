@@ -14,6 +14,7 @@ import typer
 from knapformer.cli.errors import UserError, text_option
 from knapformer.cli.extras import require
 from knapformer.cli.plans import PLAN_ARGUMENT, read_plan_file
+from knapformer.contract.runfiles import writable_folder
 from knapformer.visualization.layout import MIN_TEXT_PX
 from knapformer.visualization.render import (
     DEFAULT_QUALITY,  # no manim import: that waits for a render
@@ -97,7 +98,6 @@ def report(
     """Write a report with the dashboard's plotly figures: self-contained HTML, or a PDF
     printed by headless Chromium."""
     require("dashboard", "knapformer report", "plotly")
-    from knapformer.visualization.output import check_output_folder
     from knapformer.visualization.report import (
         browser_problem,
         export_pngs,
@@ -114,7 +114,7 @@ def report(
         if not out.parent.exists():
             raise UserError(f"output directory {str(out.parent)!r} does not exist")
     if png is not None:  # before writing the report: --png must name a usable folder
-        check_output_folder(png)
+        writable_folder(png, "`png`")
     result = read_plan_file(plans)
     with tempfile.TemporaryDirectory(prefix="knapformer-report-") as scratch:
         html = Path(scratch) / "report.html" if pdf else out

@@ -21,11 +21,12 @@ The recorder, the demo, the simulator and the dashboard all name files through h
 from __future__ import annotations
 
 import re
+import tempfile
 from pathlib import Path
 
 from knapformer.contract.legacy import LEGACY_KEYS
 from knapformer.contract.plan import RoutingPlan
-from knapformer.errors import KnapformerError
+from knapformer.errors import KnapformerError, OptionError
 
 PLANS_FILE = "plans.jsonl"
 #: How a folder of runs is laid out, for help texts and messages.
@@ -198,3 +199,24 @@ def single_run(path: str | Path) -> Path:
     raise KnapformerError(
         f"{path} holds {len(runs)} runs ({shown}): give one of their files, e.g. {first}"
     )
+
+
+def writable_folder(folder: str | Path, option: str = "") -> Path:
+    """``folder`` as a Path once files can be written in it (created with its parents);
+    else an `OptionError` naming the option (e.g. "`out`", shown as its flag on the
+    command line), the folder and what is wrong: checked before long work, not after."""
+    folder = Path(folder)
+    what = f"the {option} folder {str(folder)!r}" if option else repr(str(folder))
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise OptionError(f"{what} exists and is not a folder") from None
+    except OSError as err:
+        raise OptionError(f"cannot create {what}: {err.strerror or err}") from None
+    try:
+        # A real write, not os.access: access checks say yes to root on read-only mounts.
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as err:
+        raise OptionError(f"cannot write in {what}: {err.strerror or err}") from None
+    return folder

@@ -18,7 +18,6 @@ one run per folder of ``OUT`` (`run_files`), the layout the dashboard picks runs
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +26,7 @@ import numpy as np
 
 from knapformer.contract.limits import MAX_SIM_STEPS, check_count
 from knapformer.contract.plan import RoutingPlan
-from knapformer.contract.runfiles import RUNS_LAYOUT, run_file
+from knapformer.contract.runfiles import RUNS_LAYOUT, run_file, writable_folder
 from knapformer.contract.topology import Topology, as_topology
 from knapformer.errors import KnapformerError, OptionError
 from knapformer.planning.communication import CommModel, plan_cost
@@ -104,20 +103,7 @@ def run_files(out: str | Path, runs: Sequence[str]) -> dict[str, Path]:
             f"`out` is a folder (one {RUNS_LAYOUT} per run, named <topology>-<solver>), "
             f"not a plan file: {str(out)!r}"
         )
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:
-        raise OptionError(f"`out` {str(out)!r} exists and is not a folder") from None
-    except OSError as err:
-        raise OptionError(f"cannot create the `out` folder {str(out)!r}: {err.strerror}") from None
-    try:
-        # A real write, not os.access: access checks say yes to root even on read-only mounts.
-        with tempfile.TemporaryFile(dir=out):
-            pass
-    except OSError as err:
-        raise OptionError(
-            f"cannot write in the `out` folder {str(out)!r}: {err.strerror}"
-        ) from None
+    writable_folder(out, "`out`")
     files = {}
     for run in runs:
         path = run_file(out, run)
