@@ -58,12 +58,13 @@ from rich.console import Console
 from rich.table import Table
 
 from knapformer.contract.plan_io import read_plans
-from knapformer.local.models import DiTBlock, ToyDiT, positions_in_sequences
+from knapformer.local.models import DiTBlock, ToyDiT
 from knapformer.planning.planner import plan_routing
 from knapformer.planning.workload import WorkloadModel
 from knapformer.runtime.balancer import SequenceBalancer
 from knapformer.runtime.recorder import PlanRecorder
 from knapformer.runtime.router import RoutingTables, _from_bytes, _to_bytes
+from knapformer.tools.block_benchmark import time_block
 from knapformer.tools.calibrate import Calibration, calibrate_lengths
 
 PARTS = ("balancer", "fit", "pack")
@@ -361,7 +362,7 @@ def fit_workload(device: torch.device, sizes: Sizes) -> tuple[dict, Calibration]
     points = []
     for length in sizes.lengths:
         n = max(1, sizes.tokens_per_measurement // length)
-        times = _block_times(block, [length] * n, d, dtype, device, sizes)
+        times = time_block(block, [length] * n, d, dtype, device, sizes.warmup, sizes.repeats)
         ms = statistics.median(times)
         points.append(
             {
@@ -391,19 +392,6 @@ def fit_workload(device: torch.device, sizes: Sizes) -> tuple[dict, Calibration]
         "points": points,
     }
     return result, cal
-
-
-def _block_times(block, seq_lens, d, dtype, device, sizes) -> list[float]:
-    x = torch.randn(sum(seq_lens), d, device=device, dtype=dtype, requires_grad=True)
-    pos = positions_in_sequences(seq_lens, device)
-    grad = torch.randn_like(x)
-
-    def forward_backward() -> None:
-        block.zero_grad(set_to_none=True)
-        x.grad = None
-        block(x, pos, seq_lens).backward(grad)
-
-    return time_ms(forward_backward, device, sizes.warmup, sizes.repeats)
 
 
 def _forward_flops(length: int, d: int) -> float:

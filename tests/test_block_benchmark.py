@@ -26,14 +26,14 @@ def modelled_times(monkeypatch):
     """Run the block once per length, as measured, but report the times of a block that
     follows the workload model exactly (ms = K_MS x workload at GAMMA): the fit is then
     known, whatever the machine's load."""
-    real = block_benchmark._times
+    real = block_benchmark.time_block
 
     def times(block, seq_lens, d, dtype, device, warmup, repeats):
         real(block, seq_lens, d, dtype, device, 0, 1)
         ms = K_MS * float(WorkloadModel(d, GAMMA).workload(seq_lens).sum())
         return [ms * f for f in (1.0, 1.1, 0.9)][:repeats]
 
-    monkeypatch.setattr(block_benchmark, "_times", times)
+    monkeypatch.setattr(block_benchmark, "time_block", times)
 
 
 def test_each_length_is_timed_on_a_batch_and_fitted(modelled_times):

@@ -91,7 +91,7 @@ def benchmark_block(
     points = []
     for length in sorted({int(n) for n in lengths}):
         n = max(1, tokens // length)
-        times = _times(block, [length] * n, token_dim, dtype, device, warmup, repeats)
+        times = time_block(block, [length] * n, token_dim, dtype, device, warmup, repeats)
         points.append(BlockPoint(length, n, statistics.median(times), tuple(times)))
         if on_point is not None:
             on_point(points[-1])
@@ -122,7 +122,9 @@ def _check(token_dim, heads, lengths, device, tokens, warmup, repeats) -> None:
         raise KnapformerError(f"--device {device}: this torch sees no CUDA GPU")
 
 
-def _times(block, seq_lens, d, dtype, device, warmup, repeats) -> list[float]:
+def time_block(block, seq_lens, d, dtype, device, warmup, repeats) -> list[float]:
+    """ms of each of ``repeats`` forward + backward passes of ``block`` over sequences of
+    ``seq_lens`` (one packed (sum(seq_lens), d) input), after ``warmup`` untimed ones."""
     x = torch.randn(sum(seq_lens), d, device=device, dtype=dtype, requires_grad=True)
     pos = positions_in_sequences(seq_lens, device)
     grad = torch.randn_like(x)
