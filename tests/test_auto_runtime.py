@@ -17,8 +17,8 @@ import torch.distributed as dist
 
 from knapformer.planning.communication import CommModel
 from knapformer.testing.dist_helpers import run_world
+from knapformer.testing.toy_world import D_MODEL, toy_data, toy_model
 
-D_MODEL, HEADS, LAYERS = 32, 8, 2
 WORLD, NODE = 8, 4
 # Links fast enough that splitting a long sequence pays at this tiny token width.
 COMM = CommModel(intra_gbs=3000.0, inter_gbs=750.0)
@@ -39,20 +39,6 @@ STEPS = [
 ]
 
 
-def _model():
-    from knapformer.local.models import ToyDiT
-
-    torch.manual_seed(0)
-    return ToyDiT(D_MODEL, HEADS, LAYERS).double()
-
-
-def _data(lengths: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    total = sum(sum(x) for x in lengths)
-    gen = torch.Generator().manual_seed(1)
-    x = torch.randn(total, D_MODEL, generator=gen, dtype=torch.float64)
-    return x, torch.randn(total, D_MODEL, generator=gen, dtype=torch.float64)
-
-
 def _rows(lengths: list[list[int]], rank: int) -> slice:
     start = sum(sum(x) for x in lengths[:rank])
     return slice(start, start + sum(lengths[rank]))
@@ -60,8 +46,8 @@ def _rows(lengths: list[list[int]], rank: int) -> slice:
 
 def _reference(lengths: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """One process, every sequence, no balancer: outputs and flat parameter gradients."""
-    model = _model()
-    x, w = _data(lengths)
+    model = toy_model()
+    x, w = toy_data(lengths)
     out = model(x, [n for per in lengths for n in per])
     (out * w).sum().backward()
     return out.detach(), torch.cat([p.grad.reshape(-1) for p in model.parameters()])
@@ -72,14 +58,14 @@ def _step(bal, lengths: list[list[int]], rank: int) -> dict:
     res: dict = {"topology": plan.topology, "bags": plan.bags, "policy": plan.policy}
     res["my_bag"] = bal.my_bag
     res["ulysses_group"] = None if bal.tables.bag is None else bal.tables.bag.size
-    x, w = _data(lengths)
+    x, w = toy_data(lengths)
     rows = _rows(lengths, rank)
     # route -> reverse_route is the identity, features bit-exact
     ids = torch.arange(rows.start, rows.stop, dtype=torch.int64) + (1 << 40)
     _, y, routed_ids = bal.route(x[rows], ids)
     _, back, back_ids = bal.reverse_route(y, routed_ids)
     res["identity"] = torch.equal(back, x[rows]) and torch.equal(back_ids, ids)
-    model = _model()
+    model = toy_model()
     out = model(x[rows], lengths[rank], balancer=bal)
     (out * w[rows]).sum().backward()
     flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
@@ -157,7 +143,7 @@ def _worker(rank: int, world: int) -> dict:
         if i + 1 < len(STEPS):
             ahead.prefetch(STEPS[i + 1][rank], D_MODEL)
         plan = ahead.plan_routing(lengths[rank], D_MODEL)
-        x, _ = _data(lengths)
+        x, _ = toy_data(lengths)
         rows = _rows(lengths, rank)
         _, y, _ = ahead.route(x[rows])
         _, back, _ = ahead.reverse_route(y)

@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 from knapformer.contract.plan import RECORDED_PHASES
 from knapformer.testing.dist_helpers import run_world
+from knapformer.testing.toy_world import D_MODEL, LAYERS, toy_data, toy_model
 
-D_MODEL, HEADS, LAYERS = 32, 8, 2
 HEAVY = 600  # tokens of one sequence heavier than any bag's fair share
 
 
@@ -31,21 +31,6 @@ def _lengths(world: int, case: str) -> list[list[int]]:
     if world > 1:
         out[1] = []  # a rank with no sequences
     return out
-
-
-def _model():
-    from knapformer.local.models import ToyDiT
-
-    torch.manual_seed(0)
-    return ToyDiT(D_MODEL, HEADS, LAYERS).double()
-
-
-def _data(lengths: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    total = sum(sum(x) for x in lengths)
-    gen = torch.Generator().manual_seed(1)
-    x = torch.randn(total, D_MODEL, generator=gen, dtype=torch.float64)
-    w = torch.randn(total, D_MODEL, generator=gen, dtype=torch.float64)
-    return x, w
 
 
 def _local_rows(lengths: list[list[int]], rank: int) -> slice:
@@ -108,7 +93,7 @@ def _check_step(bal, lengths, counter, rank) -> dict:
     plan = plan.validated()  # the emitted plan satisfies every invariant
 
     # --- route -> reverse_route identity, features bit-exact
-    x_all, _ = _data(lengths)
+    x_all, _ = toy_data(lengths)
     x = x_all[_local_rows(lengths, rank)].float()
     seq_of_token = torch.repeat_interleave(
         torch.arange(len(mine)), torch.tensor(mine, dtype=torch.int64)
@@ -162,8 +147,8 @@ def _check_step(bal, lengths, counter, rank) -> dict:
     counter.take()
 
     # --- reference model with the balancer
-    model = _model()
-    x_all, w_all = _data(lengths)
+    model = toy_model()
+    x_all, w_all = toy_data(lengths)
     rows = _local_rows(lengths, rank)
     out = model(x_all[rows], mine, balancer=bal)
     res["fwd_calls"], _ = counter.take()
@@ -275,8 +260,8 @@ def _worker(rank: int, world: int, topologies: list[str]) -> dict:
 
 def _reference(lengths: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """One process, all sequences, no balancer: outputs and flat parameter gradients."""
-    model = _model()
-    x, w = _data(lengths)
+    model = toy_model()
+    x, w = toy_data(lengths)
     out = model(x, [n for per in lengths for n in per])
     (out * w).sum().backward()
     return out.detach(), torch.cat([p.grad.reshape(-1) for p in model.parameters()])

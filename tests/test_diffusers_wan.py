@@ -18,6 +18,7 @@ from knapformer.testing.diffusers_worlds import (
     VARIANTS,
     WAN_KEEP,
     cast,
+    check_bf16_variants,
     dtype_of,
     trained,
     wan_model,
@@ -91,18 +92,5 @@ def test_wan_bf16_balanced_within_noise_floor(tmp_path_factory):
     bf16 = _reference(4, torch.bfloat16)
     out_floor, grad_floor = _worst(bf16[0], [bf16[1]], _reference(4))
     assert max(out_floor, grad_floor) < FLOOR_LIMIT, (out_floor, grad_floor)
-    checked = 0
-    for name, (_, options) in VARIANTS[4]["wan"].items():
-        if dtype_of(options) != torch.bfloat16:
-            continue
-        worst_out, worst_grad = _worst(*_of(results, name), bf16)
-        within = worst_out <= out_floor and worst_grad <= grad_floor
-        if options.get("broken"):
-            assert not within, "skipping the Ulysses exchange went unnoticed in bf16"
-            continue
-        checked += 1
-        assert within, (
-            f"{name}: outputs differ by {worst_out:.2e} (floor {out_floor:.2e}), "
-            f"gradients by {worst_grad:.2e} (floor {grad_floor:.2e})"
-        )
-    assert checked
+    worst_of = lambda name: _worst(*_of(results, name), bf16)  # noqa: E731
+    assert check_bf16_variants(VARIANTS[4]["wan"], worst_of, (out_floor, grad_floor))

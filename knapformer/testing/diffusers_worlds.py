@@ -11,6 +11,7 @@ world per world size, once per process (the Flux and the Wan test share it).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -321,3 +322,28 @@ def trained(world: int, workdir: Path) -> list[dict[str, dict[str, Any]]]:
     """Every variant of `VARIANTS[world]`, run in one gloo world of ``world`` ranks (once
     per process): by rank, ``{"flux" | "wan": {variant: result}}``."""
     return run_world(_worker, world, workdir)
+
+
+def check_bf16_variants(
+    variants: dict, worst_of: Callable[[str], tuple[float, float]], floor: tuple[float, float]
+) -> int:
+    """Assert each bf16 variant of ``variants`` (name -> (world options, options)) is no
+    further from the unmodified model in bf16 than bf16 is from fp32 (``floor``: outputs,
+    gradients), and each broken one further; ``worst_of(name)`` gives the variant's worst
+    (output, gradient) difference. Returns how many sound variants were checked."""
+    out_floor, grad_floor = floor
+    checked = 0
+    for name, (_, options) in variants.items():
+        if dtype_of(options) != torch.bfloat16:
+            continue
+        worst_out, worst_grad = worst_of(name)
+        within = worst_out <= out_floor and worst_grad <= grad_floor
+        if options.get("broken"):
+            assert not within, "skipping the Ulysses exchange went unnoticed in bf16"
+            continue
+        checked += 1
+        assert within, (
+            f"{name}: outputs differ by {worst_out:.2e} (floor {out_floor:.2e}), "
+            f"gradients by {worst_grad:.2e} (floor {grad_floor:.2e})"
+        )
+    return checked
