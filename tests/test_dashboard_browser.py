@@ -490,7 +490,12 @@ def test_idle_ticks_complete_no_callback(page):
 
 
 def _switch_to(page, run: str, ready) -> None:
+    search = page.locator("input.dash-dropdown-search")
+    page.keyboard.press("Escape")  # a list left open would close on the click below
     page.locator("#run-picker").click()
+    _wait_for(lambda: search.count() and search.last.is_visible())
+    # The open list renders only the runs near the chosen one: search, as a user would.
+    search.last.fill(run)
     page.get_by_text(run, exact=True).last.click()
     _wait_for(ready)
 
