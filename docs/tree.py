@@ -21,8 +21,10 @@ FOLDERS = {
     "knapformer/planning": "layer 2, planning: workload model, planner, history, data mixes",
     "knapformer/diagnosis": "layer 3, diagnosis: measured figures and straggler verdicts",
     "knapformer/runtime": "layer 4, the torch side: balancer, exchanges, timing, recorder",
-    "knapformer/local": "layer 5, worker processes on this machine (launcher, demo)",
-    "knapformer/tools": "layer 6, offline tools over plans and the planner",
+    "knapformer/integrations": "layer 5, balanced forwards of other libraries' models",
+    "knapformer/integrations/diffusers": "diffusers' Flux and Wan (extra `diffusers`)",
+    "knapformer/local": "layer 6, worker processes on this machine (launcher, demo)",
+    "knapformer/tools": "layer 7, offline tools over plans and the planner",
     "knapformer/cli": "the `knapformer` command, one module per command group (top layer)",
     "knapformer/testing": "helpers shared by the tests and the benchmarks",
     "dashboard": "reader, installed as knapformer.dashboard: the live web dashboard",
@@ -43,7 +45,7 @@ def first_sentence(path: Path) -> str:
 
 
 def folder_lines(folder: str, what: str) -> list[str]:
-    lines = [f"{folder}/".ljust(NAME_WIDTH) + what]
+    lines = [f"{folder}/".ljust(NAME_WIDTH - 1) + " " + what]
     modules = sorted((ROOT / folder).glob("*.py"))
     for path in modules:
         summary = first_sentence(path)

@@ -2,7 +2,8 @@
 
 Layers, lowest first (docs/development.md, "Layers"):
 
-    errors < contract < planning < diagnosis < runtime < local < tools < readers < cli
+    errors < contract < planning < diagnosis < runtime < integrations < local < tools < readers
+    < cli
 
 A module may import its own layer and any layer below it. The readers
 (``knapformer.dashboard``, ``knapformer.visualization``) see the plan contract,
