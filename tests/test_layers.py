@@ -1,6 +1,6 @@
 """The layer rule of the package, read from the source: every import points down.
 
-Layers, lowest first (docs/development.md, "Layers"):
+Layers, lowest first (docs/concepts.md, "Layers and rules"):
 
     errors < contract < planning < diagnosis < runtime < integrations < local < tools < readers
     < cli
