@@ -59,7 +59,7 @@ test: system-deps browser-deps $(VENV)/.installed
 # The live demo: 8 CPU workers train a toy DiT with the balancer, record every plan to
 # runs/demo/plans.jsonl and serve the dashboard on http://127.0.0.1:8050 (Ctrl-C stops).
 demo: system-deps $(VENV)/.installed-all
-	@echo "==> starting the demo (8 CPU workers; Ctrl-C stops)"
+	@echo "==> starting the demo (Ctrl-C stops; DEMO_ARGS=... passes options)"
 	$(VENV)/bin/knapformer demo $(DEMO_ARGS)
 
 lint: $(VENV)/.installed
