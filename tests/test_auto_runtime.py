@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from knapformer.planning.communication import CommModel
 from knapformer.testing.dist_helpers import run_world
-from knapformer.testing.toy_world import D_MODEL, toy_data, toy_model
+from knapformer.testing.toy_world import D_MODEL, toy_data, toy_model, toy_reference
 
 WORLD, NODE = 8, 4
 # Links fast enough that splitting a long sequence pays at this tiny token width.
@@ -42,15 +42,6 @@ STEPS = [
 def _rows(lengths: list[list[int]], rank: int) -> slice:
     start = sum(sum(x) for x in lengths[:rank])
     return slice(start, start + sum(lengths[rank]))
-
-
-def _reference(lengths: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """One process, every sequence, no balancer: outputs and flat parameter gradients."""
-    model = toy_model()
-    x, w = toy_data(lengths)
-    out = model(x, [n for per in lengths for n in per])
-    (out * w).sum().backward()
-    return out.detach(), torch.cat([p.grad.reshape(-1) for p in model.parameters()])
 
 
 def _step(bal, lengths: list[list[int]], rank: int) -> dict:
@@ -165,7 +156,7 @@ def test_auto_topology_is_exact_and_changes_every_step(tmp_path):
     mixed = results[0]["steps"][2]["bags"]
     assert mixed == [[0, 1, 2, 3], [4, 5], [6], [7]]  # rank order, not smallest-first
     for step, lengths in enumerate(STEPS):
-        ref_out, ref_grad = _reference(lengths)
+        ref_out, ref_grad = toy_reference(lengths)
         for rank, res in enumerate(results):
             r, where = res["steps"][step], f"step {step} rank {rank}"
             assert r["policy"] == "auto" and r["bags"] == results[0]["steps"][step]["bags"]

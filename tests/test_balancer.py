@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from knapformer.contract.plan import RECORDED_PHASES
 from knapformer.testing.dist_helpers import run_world
-from knapformer.testing.toy_world import D_MODEL, LAYERS, toy_data, toy_model
+from knapformer.testing.toy_world import D_MODEL, LAYERS, toy_data, toy_model, toy_reference
 
 HEAVY = 600  # tokens of one sequence heavier than any bag's fair share
 
@@ -258,15 +258,6 @@ def _worker(rank: int, world: int, topologies: list[str]) -> dict:
     return results
 
 
-def _reference(lengths: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """One process, all sequences, no balancer: outputs and flat parameter gradients."""
-    model = toy_model()
-    x, w = toy_data(lengths)
-    out = model(x, [n for per in lengths for n in per])
-    (out * w).sum().backward()
-    return out.detach(), torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-
-
 WORLDS = {
     1: ["g1n1"],
     2: ["g2n1", "g1n2"],
@@ -281,7 +272,7 @@ WORLDS = {
 )
 def test_balancer_on_gloo(world, tmp_path):
     results = run_world(_worker, world, tmp_path, WORLDS[world])
-    refs = {case: _reference(_lengths(world, case)) for case in ("mixed", "single")}
+    refs = {case: toy_reference(_lengths(world, case)) for case in ("mixed", "single")}
     for topo in WORLDS[world]:
         from knapformer.contract.topology import Topology
 

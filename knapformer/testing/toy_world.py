@@ -24,3 +24,13 @@ def toy_data(lengths: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(total, D_MODEL, generator=gen, dtype=torch.float64)
     return x, torch.randn(total, D_MODEL, generator=gen, dtype=torch.float64)
+
+
+def toy_reference(lengths: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One process, every sequence of ``lengths``, no balancer: the (T, D_MODEL) outputs
+    and the flat parameter gradients of the weighted-sum loss a balanced run must match."""
+    model = toy_model()
+    x, w = toy_data(lengths)
+    out = model(x, [n for per in lengths for n in per])
+    (out * w).sum().backward()
+    return out.detach(), torch.cat([p.grad.reshape(-1) for p in model.parameters()])
