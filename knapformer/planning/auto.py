@@ -1,0 +1,502 @@
+"""The ``topology="auto"`` solver: each step, a partition of the balance group into
+aligned GPU groups and the sequences' places in it, minimising the modelled step time with
+communication (docs/concepts.md, "Communication and the layout floor").
+
+`solve_auto` prices candidate partitions (`knapformer.planning.partitions`) by the
+slowest GPU's compute + Ulysses + route (`knapformer.planning.communication`) and keeps
+the best, beside the whole-family layouts gXnY that the planner's fixed solver places (so
+a step is never slower than under the best fixed layout of the family). The planner
+(`plan_routing`) is the entry point; the solve state it shares with this module is in
+`knapformer.planning.bags`.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import numpy as np
+
+from knapformer.errors import KnapformerError
+from knapformer.planning.bags import (
+    EPS,
+    HEAVY_FRACTION,
+    ONE_BY_ONE,
+    BagLayout,
+    Step,
+    bag_shape,
+    bag_speeds,
+    by_home_heaviest_first,
+    chunk_table,
+    descending,
+    least,
+    prefix_within_groups,
+)
+from knapformer.planning.communication import CommModel, communication_loads
+from knapformer.planning.partitions import (
+    effective_workloads,
+    mixed_partitions,
+    partition_floor,
+)
+from knapformer.planning.workload import WorkloadModel
+
+_AUTO_MOVES = 128  # exchanges of the refinement pass, per mixed partition
+_AUTO_MOVES_LARGE = 24  # in a large step (where sequences are fine-grained)
+_AUTO_PARTNERS = 8  # least-loaded bags tried per exchange (every bag up to _AUTO_ALL)
+_AUTO_ALL = 64
+_AUTO_ALL_SEQUENCES = 512
+_AUTO_MEMBERS = 32  # members of a bag scored per exchange (a spread sample beyond)
+_AUTO_STOP = 1e-4  # the refinement stops this close to the partition floor
+_AUTO_POUR = 2048  # a larger pool is poured into the bags' room at once, not one by one
+_TIE = 1e-9
+
+
+def solve_auto(lengths, workload, src_pos, speed, max_tokens, solve_fixed, model, comm, sizes,
+               node_size, num_gpus) -> Step:  # fmt: skip
+    """Choose the step's partition into aligned groups and place the sequences in it,
+    minimising the modelled step time: the slowest GPU's compute + Ulysses + route
+    (`_modelled_makespan`).
+
+    Candidates: the mixed partitions of `mixed_partitions`, each solved as one problem
+    over all its bags (`_solve_mixed`), and the whole-family layouts gXnY, solved exactly
+    as a fixed topology is (the chosen solver, compute-only): the step is then never
+    slower than under the best fixed layout of the family. A fixed layout whose floor
+    with Ulysses (max(total / N, largest sequence / g), a lower bound on its modelled
+    time) cannot beat the best found is not solved. Ties (within 1e-9) go to the fewer
+    moved tokens; a candidate that breaks the token cap is skipped. The returned step's
+    layout is the chosen partition's (bags in position order).
+    """
+    scale = float(model.scale)
+    per_token = {g: comm.ulysses_per_token(model.token_dim, g, scale) for g in sizes}
+    eff = effective_workloads(workload, lengths, sizes, per_token)
+    floor = partition_floor(eff, lengths, sizes, num_gpus)
+    best: list = [None, None]  # step, (makespan, moved tokens)
+    failure = None
+
+    def consider(solve) -> None:
+        nonlocal failure
+        try:
+            step = solve()
+        except KnapformerError as err:
+            failure = failure or err
+            return
+        step.chunks = chunk_table(step)
+        key = (_modelled_makespan(step, model, comm, speed), _moved_estimate(step))
+        held = best[1]
+        if (held is None or key[0] < held[0] * (1 - _TIE)
+                or (key[0] <= held[0] * (1 + _TIE) and key[1] < held[1])):  # fmt: skip
+            best[:] = [step, key]
+
+    mixed = mixed_partitions(workload, lengths, src_pos, num_gpus, sizes, per_token, node_size, eff)
+    # Variants only pay off where sequences are coarse (few per GPU); a large step solves one.
+    for cand in mixed[: None if len(lengths) <= _AUTO_ALL_SEQUENCES else 1]:
+        consider(lambda c=cand: _solve_mixed(
+            c.bag_sizes, lengths, workload, src_pos, speed, max_tokens, per_token, floor,
+            comm, model))  # fmt: skip
+    whole = sorted(
+        (max(float(eff[j].sum()) / num_gpus, float(eff[j].max(initial=0.0)) / g), g)
+        for j, g in enumerate(sizes)
+        if num_gpus % g == 0
+    )
+    for bound, g in whole:
+        # Speeds change what a layout can reach: every layout is solved then.
+        if speed is None and best[1] is not None and bound > best[1][0] * (1 + _TIE):
+            continue
+        shape = bag_shape((g,) * (num_gpus // g))
+        consider(lambda s=shape: solve_fixed(s))
+    if best[0] is None:
+        raise failure or KnapformerError("topology 'auto' found no partition for the step")
+    return best[0]
+
+
+def _modelled_makespan(step: Step, model: WorkloadModel, comm: CommModel, speed) -> float:
+    """The largest per-GPU load of ``step`` (its chunk table made), communication included:
+    what `plan_cost` gives the plan it becomes, computed before the plan exists."""
+    layout, lengths, workload = step.layout, step.lengths, step.workload
+    seq, pos, _, length = step.chunks
+    n = len(layout.shape.bag_of_pos)
+    share = np.where(lengths > 0, model.linear_share(lengths), 0.0)
+    per_token = np.divide(workload * share, lengths, out=np.zeros(len(lengths)),
+                          where=lengths > 0)  # fmt: skip
+    linear = np.bincount(pos, weights=per_token[seq] * length, minlength=n)
+    attention = np.bincount(step.bag, weights=workload * (1.0 - share), minlength=len(layout.size))
+    compute = linear + (attention / layout.size)[layout.shape.bag_of_pos]
+    if speed is not None:
+        compute = compute / speed
+    tokens = np.bincount(pos, weights=length, minlength=n)
+    ulysses, route = communication_loads(
+        comm, model.token_dim, float(model.scale), layout.size[layout.shape.bag_of_pos], tokens,
+        step.src_pos[seq], pos, length,
+    )  # fmt: skip
+    return float((compute + ulysses + route).max(initial=0.0))
+
+
+@dataclass(frozen=True)
+class _Prices:
+    """What a sequence costs in each bag of a mixed partition, per layer, in workload
+    units: ``kappa`` (num_bags,) Ulysses per token; ``link`` (n, ...) via `route`: the route
+    per moved token (both ends alike) between its source GPU and a bag, over the node link
+    when the bag is in the source's node, else over the network."""
+
+    kappa: np.ndarray
+    bag_node: np.ndarray  # (num_bags,) node of each bag; -1: spans nodes
+    src_node: np.ndarray  # (n,)
+    intra: float
+    inter: float
+
+    @classmethod
+    def of(cls, shape, src_pos, per_token, comm, model):
+        node = int(comm.node_size)
+        per_token_route = [
+            float(comm.work_of(model.token_dim * comm.dtype_bytes / (gbs * 1e9), model.scale))
+            / comm.layers
+            for gbs in (comm.intra_gbs, comm.inter_gbs)
+        ]
+        bag_node = np.where(shape.size > node, -1, shape.start // node)
+        return cls(np.array([per_token[int(g)] for g in shape.size]), bag_node,
+                   np.where(src_pos >= 0, src_pos // node, -2), *per_token_route)  # fmt: skip
+
+    def route(self, seqs, bags, home, size, lengths):
+        """Per (sequence, bag) pair (broadcast): tokens that leave the source times the
+        route per token: all of them away from home, (g-1)/g at home."""
+        per = np.where(self.bag_node[bags] == self.src_node[seqs], self.intra, self.inter)
+        moved = np.where(bags == home, (size[bags] - 1) / size[bags], 1.0) * lengths
+        return per * moved
+
+
+def _solve_mixed(bag_sizes, lengths, workload, src_pos, speed, max_tokens, per_token,
+                 floor, comm, model) -> Step:  # fmt: skip
+    """One problem over all bags of a mixed partition, each sequence priced at the bag it
+    is in (`_Prices`: ``W + k_g*L`` plus the route its receivers pay; its source GPU's bag
+    pays the sending; a bag's per-GPU time is its priced load / its weight).
+
+    Largest first, a sequence stays in its home bag while that keeps the bag under
+    ``floor`` (`partition_floor`), else goes where the larger of its bag's and its home
+    bag's per-GPU time ends lowest (LPT across sizes, among the least loaded bag of each
+    size overall and in its source's node; a tie to the smaller group). In a large step
+    only the heavy sequences go one by one: the others stay home in bulk, and a large
+    remainder is poured into the bags' room at one water level (`_pour`).
+    `_exchange_across` then evens out the top.
+    """
+    shape = bag_shape(tuple(bag_sizes))
+    layout = BagLayout(shape, floor, max_tokens, bag_speeds(shape, speed), even=True)
+    step = Step.start(shape, lengths, workload, src_pos, layout)
+    prices = _Prices.of(shape, src_pos, per_token, comm, model)
+    empty = lengths == 0
+    step.bag[empty] = step.home_bag[empty]
+    load = np.zeros(len(shape.size))
+    placed = np.flatnonzero(~empty)
+    if len(placed) > ONE_BY_ONE:
+        # Only the heavy ones and the pool need the descending order (the bulk pass sorts
+        # by home bag itself): sorting every sequence would cost more than the rest.
+        heavy = workload[placed] > HEAVY_FRACTION * floor
+        load = _place_priced(descending(workload, placed[heavy]), step, load, prices, floor)
+        rest = placed[~heavy]
+        load = _stay_home_priced(rest, step, load, prices, floor)
+        pool = descending(workload, rest[step.bag[rest] < 0])
+        if len(pool) > _AUTO_POUR and max_tokens is None:
+            load = _pour(pool, step, load, prices)
+            pool = pool[step.bag[pool] < 0]
+        order = pool
+    else:
+        order = descending(workload, placed)
+    _place_priced(order, step, load, prices, floor)
+    _exchange_across(step, prices, floor, max_tokens)
+    layout.load[:] = np.bincount(step.bag, weights=workload, minlength=len(shape.size))
+    return step
+
+
+def _place_priced(order, step: Step, load: np.ndarray, prices: _Prices, level: float):
+    """Place ``order`` one by one (see `_solve_mixed`); ``load`` (num_bags,): each bag's
+    priced load so far. Returns the new loads."""
+    layout = step.layout
+    if order.size == 0:
+        return load
+    size, weight, kap = layout.size.tolist(), layout.weight.tolist(), prices.kappa.tolist()
+    bag_node = prices.bag_node.tolist()
+    class_size, class_of_bag = layout.class_size.tolist(), layout.shape.class_of_bag
+    load = load.tolist()
+    per = [x / w for x, w in zip(load, weight, strict=True)]
+    # The least loaded bag of each size: overall, and in each node.
+    heaps: dict[tuple[int, int], list[tuple[float, int]]] = {}
+    for b, p in enumerate(per):
+        for key in ((class_of_bag[b], -2), (class_of_bag[b], bag_node[b])):
+            heaps.setdefault(key, []).append((p, b))
+    for heap in heaps.values():
+        heapq.heapify(heap)
+    heappush = heapq.heappush
+    # Each bag's two heaps: a new entry goes to both when the bag's load grows.
+    bag_heaps = [
+        (heaps[(class_of_bag[b], -2)], heaps[(class_of_bag[b], bag_node[b])])
+        for b in range(len(per))
+    ]
+    capped = layout.max_tokens is not None
+    limit = level * (1 + EPS)
+    intra, inter = prices.intra, prices.inter
+    heappop = heapq.heappop
+    tries: dict[int, list] = {}  # per source node: (class, size, its two heaps) to try
+    rows = zip(order.tolist(), step.workload[order].tolist(), step.lengths[order].tolist(),
+               step.home_bag[order].tolist(), prices.src_node[order].tolist(),
+               strict=True)  # fmt: skip
+    chosen = []
+    for seq, w, length, h, node in rows:
+        room = layout.token_room(length).tolist() if capped else None
+        at_home = h >= 0 and size[h] <= length and (room is None or room[h])
+        if at_home:
+            home_cost = w + kap[h] * length + 2 * intra * length * (size[h] - 1) / size[h]
+            if (load[h] + home_cost) / weight[h] <= limit:
+                b, cost, sent = h, home_cost, 0.0
+                chosen.append(b)
+                load[b] += cost
+                per[b] = p = load[b] / weight[b]
+                for heap in bag_heaps[b]:
+                    heappush(heap, (p, b))
+                if capped:
+                    layout.add(b, 0.0, length, 0)
+                continue
+        b, lowest, cost, sent = -1, np.inf, 0.0, 0.0
+        if at_home:
+            b, lowest, cost = h, (load[h] + home_cost) / weight[h], home_cost
+        tried = tries.get(node)
+        if tried is None:
+            tried = tries[node] = [
+                (c, g, [heap for heap in (heaps.get((c, -2)), heaps.get((c, node))) if heap])
+                for c, g in enumerate(class_size)
+            ]
+        for c, g, class_heaps in tried:
+            if g > length and c > 0:
+                break  # groups larger than the sequence (the smallest always may)
+            for heap in class_heaps:
+                if room is None:
+                    while heap[0][0] != per[heap[0][1]]:  # `_live_top`, inlined
+                        heappop(heap)
+                    top = heap[0][1]
+                else:
+                    live = [e for e in heap if room[e[1]] and e[0] == per[e[1]]]
+                    if not live:
+                        continue
+                    top = min(live)[1]
+                if top == h:
+                    continue
+                route = (intra if bag_node[top] == node else inter) * length
+                value = (load[top] + w + kap[top] * length + route) / weight[top]
+                if h >= 0:
+                    sender = (load[h] + route) / weight[h]
+                    if sender > value:
+                        value = sender
+                if value < lowest:
+                    b, lowest, cost, sent = top, value, w + kap[top] * length + route, route
+        if b < 0:
+            raise layout.infeasible(seq, length)
+        chosen.append(b)
+        load[b] += cost
+        per[b] = p = load[b] / weight[b]
+        for heap in bag_heaps[b]:
+            heappush(heap, (p, b))
+        if sent and h >= 0:
+            load[h] += sent
+            per[h] = p = load[h] / weight[h]
+            for heap in bag_heaps[h]:
+                heappush(heap, (p, h))
+        if capped:
+            layout.add(b, 0.0, length, 0)
+    step.bag[order] = chosen
+    return np.asarray(load)
+
+
+def _stay_home_priced(seqs, step: Step, load: np.ndarray, prices: _Prices, level: float):
+    """Within each home bag, the largest of ``seqs`` stay while the bag's priced load stays
+    under ``level`` per GPU (one vectorised pass, as `_stay_home_in_bulk`). Returns the new
+    loads."""
+    layout, lengths, home = step.layout, step.lengths, step.home_bag
+    seqs = seqs[(home[seqs] >= 0) & (layout.size[np.maximum(home[seqs], 0)] <= lengths[seqs])]
+    order = by_home_heaviest_first(seqs, home, step.workload, len(layout.size))
+    hb = home[order]
+    cost = (step.workload[order] + prices.kappa[hb] * lengths[order]
+            + 2 * prices.route(order, hb, hb, layout.size, lengths[order]))  # fmt: skip
+    stays = prefix_within_groups(cost, hb, (level * layout.weight - load)[hb])
+    if layout.max_tokens is not None:
+        token_room = layout.max_tokens * layout.size[hb] - layout.bag_tokens[hb]
+        stays &= prefix_within_groups(lengths[order].astype(np.float64), hb, token_room)
+    step.bag[order[stays]] = hb[stays]
+    if layout.max_tokens is not None:
+        layout.add_many(hb[stays], np.zeros(int(stays.sum())), lengths[order[stays]])
+    return load + np.bincount(hb[stays], weights=cost[stays], minlength=len(load))
+
+
+def _pour(pool, step: Step, load: np.ndarray, prices: _Prices) -> np.ndarray:
+    """Pour many small sequences into the bags' room at one water level: bags of the
+    smallest groups first (no Ulysses), each sequence where the running sum of the pool's
+    costs puts its middle. The level is the least at which the whole pool fits. Sequences
+    shorter than some group are left unplaced (placed one by one after). Returns the new
+    loads (route priced over the network, on both ends)."""
+    layout, lengths, workload = step.layout, step.lengths, step.workload
+    pool = pool[lengths[pool] >= layout.class_size[-1]]
+    if pool.size == 0:
+        return load
+    kappa = prices.kappa
+    by_class = np.argsort(layout.size, kind="stable")  # bags, smallest groups first
+    base = workload[pool].sum()
+    # A bag's room in the pool's own units (cost without Ulysses): its priced room over the
+    # pool's mean inflation in that group.
+    inflation = 1.0 + (kappa[by_class] + prices.inter) * lengths[pool].sum() / base
+    weight = layout.weight[by_class]
+    held = load[by_class]
+
+    def room(level: float) -> np.ndarray:
+        return np.maximum(0.0, level * weight - held) / inflation
+
+    lo, hi = 0.0, float((held.sum() + base * inflation.max()) / weight.sum()) + held.max()
+    for _ in range(50):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (lo, mid) if room(mid).sum() >= base else (mid, hi)
+    ends = np.cumsum(room(hi))
+    cost = workload[pool]
+    middle = np.cumsum(cost) - 0.5 * cost
+    slot = np.minimum(np.searchsorted(ends, middle, side="right"), len(ends) - 1)
+    bags = by_class[slot]
+    step.bag[pool] = bags
+    sent = prices.inter * lengths[pool]
+    load = load + np.bincount(bags, weights=cost + kappa[bags] * lengths[pool] + sent,
+                              minlength=len(load))  # fmt: skip
+    home = step.home_bag[pool]
+    return load + np.bincount(home[home >= 0], weights=sent[home >= 0], minlength=len(load))
+
+
+def _exchange_across(step: Step, prices: _Prices, floor: float, max_tokens) -> None:
+    """Exchanges between bags of any sizes, each sequence re-priced at its new bag
+    (`_Prices`): the most loaded bag moves one sequence to, or swaps one with, whichever of
+    the least loaded bags (every bag in a step of at most ``_AUTO_ALL`` bags and
+    ``_AUTO_ALL_SEQUENCES`` sequences, else ``_AUTO_PARTNERS``)
+    evens the two out best, while that lowers the larger of the two and leaves the
+    sequences' home bags (which pay the sending) below it (at most ``_AUTO_MOVES``
+    exchanges; stops within ``_AUTO_STOP`` of ``floor``). All pairs of a move are scored
+    in one vectorised pass."""
+    layout = step.layout
+    size, weight, kappa = layout.size, layout.weight, prices.kappa
+    num_bags = len(size)
+    if num_bags < 2:
+        return
+    lengths = step.lengths.astype(np.float64)
+    workload, home = step.workload, step.home_bag
+    all_seqs = np.arange(len(lengths))
+    route = prices.route(all_seqs, step.bag, home, size, lengths)
+    away = (step.bag != home) & (home >= 0)
+    price = workload + kappa[step.bag] * lengths + np.where(away, route, 2 * route)
+    load = np.bincount(step.bag, weights=price, minlength=num_bags)
+    load += np.bincount(home[away], weights=route[away], minlength=num_bags)
+    tokens = np.bincount(step.bag, weights=lengths, minlength=num_bags)
+    per = load / weight
+    stop = floor * (1 + _AUTO_STOP)
+    placed = np.flatnonzero(step.lengths > 0)
+    # A stable sort of small ints is a radix sort (the same order, much faster).
+    bag_key = step.bag[placed].astype(np.int16 if num_bags < 2**15 else np.int64)
+    by_bag = placed[np.argsort(bag_key, kind="stable")]
+    cuts = np.searchsorted(step.bag[by_bag], np.arange(num_bags + 1)).tolist()
+    members = _LazyMembers(by_bag, cuts)  # each bag's list, made when first asked for
+    small = num_bags <= _AUTO_ALL and len(lengths) <= _AUTO_ALL_SEQUENCES
+    partners = num_bags - 1 if small else min(_AUTO_PARTNERS, num_bags - 1)
+    samples: dict[int, np.ndarray] = {}  # each bag's `_spread_sample`, until it changes
+
+    def sample(bag: int) -> np.ndarray:
+        if bag not in samples:
+            samples[bag] = _spread_sample(members[bag], workload, _AUTO_MEMBERS)
+        return samples[bag]
+
+    def priced(seq, bag):
+        """(price in ``bag``, what its home bag pays for sending) of sequences ``seq``."""
+        r = prices.route(seq, bag, home[seq], size, lengths[seq])
+        there = bag == home[seq]
+        return (workload[seq] + kappa[bag] * lengths[seq] + np.where(there, 2 * r, r),
+                np.where(there | (home[seq] < 0), 0.0, r))  # fmt: skip
+
+    for _ in range(_AUTO_MOVES if small else _AUTO_MOVES_LARGE):
+        a = int(np.argmax(per))
+        if per[a] <= stop or not members[a]:
+            break
+        lightest = least(per, partners + 1)
+        lightest = lightest[lightest != a][:partners]
+        ma = sample(a)
+        cols = [np.append(sample(b), -1) for b in lightest.tolist()]
+        mb = np.concatenate(cols)
+        b = np.repeat(lightest, [len(c) for c in cols])
+        real = mb >= 0
+        mbi = np.maximum(mb, 0)
+        lj = np.where(real, lengths[mbi], 0.0)
+        into_a = np.where(real, priced(mbi, np.full(len(mbi), a))[0], 0.0)
+        out_b = np.where(real, price[mbi], 0.0)
+        li = lengths[ma][:, None]
+        into_b = priced(ma[:, None], b[None, :])[0]  # (len(ma), len(b)), broadcast
+        new_a = per[a] + (into_a[None, :] - price[ma][:, None]) / weight[a]
+        new_b = per[b][None, :] + (into_b - out_b[None, :]) / weight[b][None, :]
+        ok = (li >= size[b][None, :]) & ((lj >= size[a]) | ~real)[None, :]
+        if max_tokens is not None:
+            ok &= np.ceil((tokens[b][None, :] + li - lj[None, :]) / size[b][None, :]) <= max_tokens
+            ok &= np.ceil((tokens[a] - li + lj[None, :]) / size[a]) <= max_tokens
+        value = np.where(ok, np.maximum(new_a, new_b), np.inf)
+        i, j = divmod(int(value.argmin()), value.shape[1])
+        if not value[i, j] < per[a] * (1 - _TIE):
+            break
+        dst, before = int(b[j]), per[a]
+        undo = (load.copy(), tokens.copy(), price.copy())
+        moves = [(int(ma[i]), a, dst), (int(mb[j]), dst, a)]
+        touched = {a, dst}
+        for seq, src, to in moves:
+            if seq < 0:
+                continue
+            old_sent = priced(np.array([seq]), np.array([src]))[1][0]
+            new_price, new_sent = (x[0] for x in priced(np.array([seq]), np.array([to])))
+            load[src] -= price[seq]
+            load[to] += new_price
+            price[seq] = new_price
+            tokens[src] -= lengths[seq]
+            tokens[to] += lengths[seq]
+            if home[seq] >= 0:
+                load[home[seq]] += new_sent - old_sent
+                touched.add(int(home[seq]))
+        touched_list = list(touched)
+        new_per = load[touched_list] / weight[touched_list]
+        if new_per.max() >= before * (1 - _TIE):  # a home bag rose to the top: undo, stop
+            load, tokens, price = undo
+            break
+        for seq, src, to in moves:
+            if seq >= 0:
+                step.bag[seq] = to
+                members[src].remove(seq)
+                members[to].append(seq)
+                samples.pop(src, None)
+                samples.pop(to, None)
+        per[touched_list] = new_per
+    if max_tokens is not None:
+        layout.bag_tokens[:] = tokens.astype(np.int64)
+
+
+class _LazyMembers(dict):
+    """Bag -> its sequence ids (a list), cut from ``by_bag`` (ids sorted by bag; bag b's
+    run is ``cuts[b]:cuts[b + 1]``) when first asked for: an exchange pass reads few bags."""
+
+    def __init__(self, by_bag: np.ndarray, cuts: list[int]):
+        super().__init__()
+        self.by_bag, self.cuts = by_bag, cuts
+
+    def __missing__(self, bag: int) -> list[int]:
+        self[bag] = part = self.by_bag[self.cuts[bag] : self.cuts[bag + 1]].tolist()
+        return part
+
+
+def _spread_sample(members: list[int], workload: np.ndarray, most: int) -> np.ndarray:
+    """``members`` as an array, or ``most`` of them spread evenly over their workloads
+    (a large bag's exchanges are then scored on a sample from light to heavy)."""
+    m = np.asarray(members, dtype=np.int64)
+    if len(m) <= most:
+        return m
+    m = m[np.argsort(workload[m], kind="stable")]
+    return m[np.linspace(0, len(m) - 1, most).round().astype(np.int64)]
+
+
+def _moved_estimate(step: Step) -> float:
+    """Tokens that leave their GPU: all of a sequence placed away from home, (g-1)/g of one
+    at home in a g-GPU bag."""
+    g = step.layout.size[step.bag].astype(np.float64)
+    home = step.bag == step.home_bag
+    return float(np.sum(step.lengths * np.where(home, (g - 1) / g, 1.0)))

@@ -1,0 +1,270 @@
+"""The state of one planning solve, shared by the fixed-topology solvers (planner.py) and
+the ``topology="auto"`` solver (auto.py): a layout's static bag arrays (`BagShape`), its
+mutable loads and token counts (`BagLayout`), where each sequence goes (`Step`), the chunk
+table a placement becomes (`chunk_table`), and the orderings both solvers sort by.
+
+Per-bag state read item by item stays in Python lists where numpy's per-call overhead
+would dominate; static per-topology arrays are cached (`bag_shape`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from knapformer.errors import KnapformerError
+
+EPS = 1e-12
+HEAVY_FRACTION = 0.25  # of one GPU's capacity: placed before the bulk "stay home" pass
+ONE_BY_ONE = 128  # steps of at most this many sequences are placed one by one
+
+
+class BagShape:
+    """Static arrays of a topology (read-only, cached): bag sizes, first GPU position of
+    each bag, bag of each GPU position, the distinct sizes and each bag's size class."""
+
+    def __init__(self, bag_sizes: tuple[int, ...]):
+        self.size = np.asarray(bag_sizes, dtype=np.int64)
+        self.start = (np.cumsum(self.size) - self.size).astype(np.int64)
+        self.bag_of_pos = np.repeat(np.arange(len(self.size)), self.size)
+        self.class_size = np.unique(self.size)
+        self.class_of_bag_array = np.searchsorted(self.class_size, self.size)
+        self.class_of_bag = self.class_of_bag_array.tolist()  # read item by item
+        self.positions = np.arange(int(self.size.sum()))
+        for arr in (
+            self.size,
+            self.start,
+            self.bag_of_pos,
+            self.class_size,
+            self.class_of_bag_array,
+            self.positions,
+        ):
+            arr.flags.writeable = False
+
+
+@lru_cache(maxsize=64)
+def bag_shape(bag_sizes: tuple[int, ...]) -> BagShape:
+    return BagShape(bag_sizes)
+
+
+class BagLayout:
+    """A topology's bags plus the mutable per-bag load and token state of a solve.
+
+    ``weight`` is a bag's GPUs times the speed of its slowest GPU (the bag size when every
+    GPU is nominal): its capacity is ``weight * gpu_capacity`` and ``load / weight`` the
+    modelled time of each of its GPUs. ``even``: chunks spread a bag's tokens evenly over
+    its GPUs (the default solver); else the published round-robin remainder (greedy).
+    """
+
+    def __init__(
+        self,
+        shape: BagShape,
+        gpu_capacity: float,
+        max_tokens: int | None,
+        bag_speed: np.ndarray | None,
+        even: bool,
+    ):
+        self.shape = shape
+        self.size, self.start, self.class_size = shape.size, shape.start, shape.class_size
+        self.weight = self.size.astype(np.float64)
+        if bag_speed is not None:
+            self.weight = self.weight * bag_speed
+        self.gpu_capacity = float(gpu_capacity)
+        self.capacity = self.weight * self.gpu_capacity
+        self.load = np.zeros(len(self.size))
+        self.max_tokens = max_tokens
+        self.even = even
+        if max_tokens is not None:
+            self.bag_tokens = np.zeros(len(self.size), dtype=np.int64)
+            self.tokens = np.zeros(len(shape.bag_of_pos), dtype=np.int64)  # round-robin only
+
+    def per_gpu_time(self) -> np.ndarray:
+        """(num_bags,) modelled time of each GPU of each bag."""
+        return self.load / self.weight
+
+    def makespan(self) -> float:
+        return float(self.per_gpu_time().max(initial=0.0))
+
+    def candidate_keys(self, workload: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """Per sequence, the range (lo, hi) of bag-size classes that may take it, as lo*K+hi.
+
+        Candidates: capacity >= workload and size <= length; if none, the largest bags.
+        (Capacity by size class at nominal speed: slower bags are then avoided through
+        their higher occupancy.)
+        """
+        k = len(self.class_size)
+        if k == 1:  # one bag size (the usual topology): every bag is a candidate
+            return np.zeros(len(workload), dtype=np.int64)
+        lo = np.searchsorted(self.class_size * self.gpu_capacity * (1 + EPS), workload, "left")
+        hi = np.searchsorted(self.class_size, lengths, "right") - 1
+        empty = lo > hi
+        lo = np.where(empty, k - 1, lo)
+        hi = np.where(empty, k - 1, hi)
+        return lo * k + hi
+
+    def bag_max_tokens(self) -> np.ndarray:
+        """(num_bags,) tokens on the fullest GPU of each bag (under a token cap)."""
+        if self.even:  # an even spread leaves every GPU of the bag within one token
+            return -(-self.bag_tokens // self.size)
+        return np.maximum.reduceat(self.tokens, self.start)
+
+    def token_room(self, length: int) -> np.ndarray:
+        """Which bags can take a sequence of ``length`` tokens under the cap (round-robin:
+        conservatively, as if its remainder landed on the fullest GPU)."""
+        if self.even:
+            return -(-(self.bag_tokens + length) // self.size) <= self.max_tokens
+        need = length // self.size + length % self.size
+        return self.bag_max_tokens() + need <= self.max_tokens
+
+    def add(self, bag: int, workload: float, length: int, rem: int, sign: int = 1) -> None:
+        """Account a sequence placed in ``bag`` (``sign=-1`` takes it out again); ``rem``
+        is its remainder chunk under round-robin."""
+        self.load[bag] += sign * workload
+        if self.max_tokens is not None:
+            self.bag_tokens[bag] += sign * length
+            if not self.even:
+                g, s = int(self.size[bag]), int(self.start[bag])
+                self.tokens[s : s + g] += sign * (length // g)
+                self.tokens[s + rem] += sign * (length % g)
+
+    def add_many(self, bag: np.ndarray, workload: np.ndarray, lengths: np.ndarray) -> None:
+        """Vectorised ``add`` of sequences placed in ``bag`` (each (m,)), even spread."""
+        self.load += np.bincount(bag, weights=workload, minlength=len(self.size))
+        if self.max_tokens is not None:
+            self.bag_tokens += np.bincount(bag, weights=lengths, minlength=len(self.size)).astype(
+                np.int64
+            )
+
+    def over_token_cap(self) -> bool:
+        return self.max_tokens is not None and bool((self.bag_max_tokens() > self.max_tokens).any())
+
+    def infeasible(self, seq: int, length: int) -> KnapformerError:
+        return KnapformerError(
+            f"max_tokens_per_gpu={self.max_tokens} is infeasible: sequence {seq} "
+            f"({length} tokens) fits no bag (most-loaded GPU already holds "
+            f"{int(self.bag_max_tokens().max())} tokens)"
+        )
+
+
+@dataclass
+class Step:
+    """The state of one solve: the step's sequences (read-only) and where they go."""
+
+    lengths: np.ndarray  # (n,) tokens
+    workload: np.ndarray  # (n,)
+    src_pos: np.ndarray  # (n,) position of each sequence's source GPU
+    home_bag: np.ndarray  # (n,) bag holding that GPU
+    layout: BagLayout
+    bag: np.ndarray  # (n,) assigned bag; -1 while unplaced
+    rem: np.ndarray  # (n,) round-robin only: the chunk that takes the L % g remainder
+    chunks: tuple | None = None  # `chunk_table`, once made (auto prices candidates by it)
+
+    @classmethod
+    def start(cls, shape, lengths, workload, src_pos, layout) -> Step:
+        n = len(lengths)
+        bag = np.full(n, -1, dtype=np.int64)
+        # A source position of -1: the sequence comes from a GPU outside these bags (one
+        # size class of an auto partition), so it has no home bag.
+        home = np.where(src_pos >= 0, shape.bag_of_pos[src_pos], -1)
+        return cls(lengths, workload, src_pos, home, layout, bag,
+                   np.zeros(n, dtype=np.int64))  # fmt: skip
+
+    def move(self, seq: int, dst: int) -> None:
+        """Move a placed sequence to bag ``dst`` (even spread: no remainder to track)."""
+        w, length = float(self.workload[seq]), int(self.lengths[seq])
+        self.layout.add(int(self.bag[seq]), w, length, 0, sign=-1)
+        self.layout.add(dst, w, length, 0)
+        self.bag[seq] = dst
+
+
+def descending(workload: np.ndarray, seq: np.ndarray) -> np.ndarray:
+    """``seq`` ordered by workload, largest first; ties by sequence id (stable)."""
+    return seq[np.argsort(-workload[seq], kind="stable")]
+
+
+def bag_speeds(shape: BagShape, speed: np.ndarray | None) -> np.ndarray | None:
+    """(num_bags,) speed of each bag's slowest GPU, or None when every GPU is nominal."""
+    return None if speed is None else np.minimum.reduceat(speed, shape.start)
+
+
+def by_home_heaviest_first(seqs, home, workload, num_bags) -> np.ndarray:
+    """``seqs`` ordered by home bag, heaviest first within one (ties by id): what
+    ``seqs[np.lexsort((-workload[seqs], home[seqs]))]`` gives, in two stable passes, the
+    second over small ints (a radix sort, faster than lexsort's)."""
+    by_w = seqs[np.argsort(-workload[seqs], kind="stable")]
+    key = home[by_w]
+    return by_w[np.argsort(key.astype(np.int16) if num_bags < 2**15 else key, kind="stable")]
+
+
+def prefix_within_groups(values: np.ndarray, group: np.ndarray, room: np.ndarray) -> np.ndarray:
+    """For rows sorted by ``group``: True while the running sum within the group <= room."""
+    if values.size == 0:
+        return np.zeros(0, dtype=bool)
+    total = np.cumsum(values)
+    starts = np.flatnonzero(np.concatenate([[True], group[1:] != group[:-1]]))
+    before = np.concatenate([[0.0], total[:-1]])[starts]
+    group_start_sum = np.repeat(before, np.diff(np.concatenate([starts, [values.size]])))
+    return total - group_start_sum <= room * (1 + EPS)
+
+
+def chunk_table(step: Step):
+    """Split each sequence into one chunk per GPU of its bag (zero-length chunks dropped).
+
+    Returns (seq, dst GPU position, offset, length), ordered by sequence then chunk
+    index; chunk k of a sequence goes to the k-th GPU of its bag. Each chunk gets
+    ``L // g`` tokens; the ``L % g`` remainder goes, under round-robin, all to chunk
+    ``rem`` (the published rule), else one token each to the next GPUs of a cycle that
+    runs through the bag's sequences in id order, so every GPU of a bag ends within one
+    token of the others (the remainder never piles onto one GPU).
+    """
+    layout, lengths, bag = step.layout, step.lengths, step.bag
+    g = layout.size[bag]
+    quot = lengths // g
+    ends = np.cumsum(g)
+    first = ends - g  # row of each sequence's chunk 0
+    rows = np.arange(int(ends[-1]) if ends.size else 0)
+    k = rows - np.repeat(first, g)  # chunk index within its sequence
+    length = np.repeat(quot, g)
+    if layout.even:
+        rem = lengths - quot * g
+        start = np.repeat(_cycle_starts(bag, rem, g), g)
+        length += (k - start) % np.repeat(g, g) < np.repeat(rem, g)
+    else:
+        length[first + step.rem] += lengths - quot * g
+    pos = np.repeat(layout.start[bag], g) + k
+    offset = np.cumsum(length) - length
+    offset -= np.repeat(offset[first] if first.size else first, g)  # within the sequence
+    idx = np.repeat(np.arange(len(lengths)), g)
+    if quot.size and quot.min() == 0:  # some sequence is shorter than its bag
+        keep = length > 0
+        idx, pos, offset, length = idx[keep], pos[keep], offset[keep], length[keep]
+    return idx, pos, offset, length
+
+
+def _cycle_starts(bag: np.ndarray, rem: np.ndarray, size: np.ndarray) -> np.ndarray:
+    """(n,) where each sequence's remainder starts in its bag's cycle: the remainders of the
+    bag's earlier sequences (id order), summed, modulo the bag size."""
+    # A stable sort of small ints is a radix sort (same order as on int64, much faster).
+    order = np.argsort(bag.astype(np.int16) if bag.size and bag.max() < 2**15 else bag,
+                       kind="stable")  # fmt: skip
+    r = rem[order]
+    before = np.cumsum(r) - r  # exclusive running sum over all bags
+    group_start = np.ones(len(order), dtype=bool)
+    group_start[1:] = bag[order][1:] != bag[order][:-1]
+    base = np.maximum.accumulate(np.where(group_start, before, 0))
+    starts = np.empty_like(rem)
+    starts[order] = (before - base) % size[order]
+    return starts
+
+
+def least(values: np.ndarray, k: int) -> np.ndarray:
+    """The first ``k`` of ``np.argsort(values, kind="stable")`` without sorting them all:
+    every value up to the k-th smallest, then a stable sort of those few."""
+    if k <= 0:
+        return np.zeros(0, dtype=np.int64)
+    if k >= len(values):
+        return np.argsort(values, kind="stable")
+    some = np.flatnonzero(values <= np.partition(values, k - 1)[k - 1])
+    return some[np.argsort(values[some], kind="stable")[:k]]
