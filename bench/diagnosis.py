@@ -15,13 +15,11 @@ expected for each kind (`EXPECTED`) is that kind's own: ``input`` is ``slow_inpu
 the ``slow_host`` issue 21 lists for "input pipeline, GC, CPU contention", because the
 ``data`` phase tells a late batch apart from other host work and says what to fix.
 
-``link`` is named of an exchange scope, not of a rank: every rank of a synchronous
-all-to-all waits for a slow link alike, so the timings say which exchanges are slow
-(`knapformer.diagnosis.stragglers.LinkVerdict`), not whose link. A link run is a hit
-when a scope the injected rank takes part in is named ``slow_link`` (on g1n4: the
-group's routing; in a bag: usually that bag's Ulysses exchanges, which move most of its
-bytes) and no rank gets a ``slow_*`` verdict; naming a scope the injected rank is not in
-is a false alarm.
+``link`` is named of the injected rank through the link probe, which the demo runs
+every step (``--link-probe-every 1``; `knapformer.contract.probe`): pairs of ranks
+exchange alone, so a slow link slows only its own rank's pairs. An exchange scope named
+``slow_link`` (the no-probe fallback, `knapformer.diagnosis.stragglers.LinkVerdict`) that
+the injected rank is not in is a false alarm.
 
 After every recorded step, `knapformer stragglers` (`analyse` over the steps so far) is
 asked who is slow. Printed: one row per run, then a confusion matrix of the injected kind
@@ -135,12 +133,10 @@ def run(case: Case, steps: int, out: Path) -> Outcome:
     slow, expected = case.slow_rank, EXPECTED.get(case.kind or "")
 
     def verdict_of(named: dict[int, str], links: list[tuple[int, ...]]) -> str:
-        """The injected rank's verdict (a link: of a scope it is in); clean: the worst."""
+        """The injected rank's verdict; clean: the worst of any rank or scope."""
         if slow is None:
             worst = [*named.values(), *(["slow_link"] if links else [])]
             return min(worst, key=VERDICTS.index, default="ok")
-        if case.kind == "link" and any(slow in scope for scope in links):
-            return "slow_link"
         return named.get(slow, "ok")
 
     first = next(

@@ -135,7 +135,8 @@ def test_compute_is_the_step_without_collectives_data_and_host_work(run):
         outside = np.asarray(ms["data"]) + host_ms(ms, WORLD)  # planning, recording
         assert (host_ms(ms, WORLD) > 0).all()
         np.testing.assert_allclose(ms["compute"], np.asarray(ms["step"]) - inside - outside)
-        assert set(COLLECTIVE_PHASES) <= set(ms)  # a 2-GPU bag: Ulysses exchanges too
+        # a 2-GPU bag: Ulysses exchanges too; no link probe unless asked for
+        assert set(COLLECTIVE_PHASES) - {"probe"} <= set(ms) and "probe" not in ms
 
 
 def test_the_slow_rank_computes_longer_and_the_others_wait_for_it(run):

@@ -52,6 +52,6 @@ ANIMATION_MUTED_TEXT = "#adb5bd"
 HOST_WORK = "#91a7ff"
 DATA_WAIT = "#d0bfff"
 TRANSFER = "#adb5bd"
-WAITING = ("#ffd43b", "#f08c00", "#e8590c", "#c92a2a", "#a61e4d", "#862e9c")
+WAITING = ("#ffd43b", "#f08c00", "#e8590c", "#c92a2a", "#a61e4d", "#862e9c", "#5f3dc4")
 #: The tokens-per-GPU cap line.
 CAP = "#c92a2a"

@@ -34,6 +34,14 @@ def straggler_rules() -> Table:
     table.add_row(
         "min_steps", f"{THRESHOLDS.min_steps}", "measured steps before any verdict but ok"
     )
+    table.add_row(
+        "link_bandwidth",
+        f"{THRESHOLDS.link_bandwidth:g}",
+        "link probe: relative bandwidth (1 = its peers' links) at or below which a probe is slow",
+    )
+    table.add_row(
+        "min_probes", f"{THRESHOLDS.min_probes}", "link probes before a rank can be slow_link"
+    )
     return table
 
 

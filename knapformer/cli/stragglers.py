@@ -190,10 +190,11 @@ def _summary(report: StragglerReport, measured: int) -> str:
         f"verdicts (each needs its figure in ≥ {th.persistence:.0%} of steps, and costing "
         f"≥ {th.material:.0%} of the step): slow_gpu when the rate (affine model) is "
         f"≥ {th.slow_ratio:g}× the group's; slow_host / slow_input when host work / the wait "
-        "for data exceed the group's median; slow_link (of an exchange scope: the group's "
-        "routing or one bag's Ulysses exchanges, never one rank) when its time with nobody "
-        f"waiting is ≥ {th.link_cost:g}× the compute it serves; layout_floor / data_imbalance "
-        "when the predicted load "
+        "for data exceed the group's median; slow_link when the link probe shows its links "
+        f"moving ≤ {th.link_bandwidth:g}× its peers' bandwidth in ≥ {th.min_probes} probes (an "
+        "exchange scope, the group's routing or one bag's Ulysses exchanges, when its time "
+        f"with nobody waiting is ≥ {th.link_cost:g}× the compute it serves); layout_floor / "
+        "data_imbalance when the predicted load "
         f"is ≥ {th.heavy_load:g}× the ideal, at the layout floor or above it"
     )
     return "\n".join(lines)

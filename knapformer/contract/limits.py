@@ -51,6 +51,10 @@ MAX_REPLAY_VALUES = 2**28
 MAX_RECORD_BYTES = 512 * 2**20
 #: Measured phases of one plan (``measurements.per_rank_ms``): the balancer records 12.
 MAX_PHASES = 64
+#: Rounds of one step's link probe (`knapformer.contract.probe`), and the bytes it sends
+#: each way per exchange (1 GiB: far beyond what a probe needs to saturate a link).
+MAX_PROBE_ROUNDS = 64
+MAX_PROBE_BYTES = 2**30
 #: Characters of one text field (run, solver, topology, planner version, phase name).
 MAX_TEXT_CHARS = 1024
 
@@ -61,9 +65,11 @@ MAX_TEXT_CHARS = 1024
 # in at most 8 per-GPU maps. Memory to parse a record is then what the largest plan
 # needs, whatever the file holds.
 #: Values (numbers, strings, containers) of one JSON record.
-MAX_RECORD_VALUES = 5 * MAX_SEQUENCES + 6 * MAX_CHUNKS + (8 + MAX_PHASES) * MAX_GPUS
+MAX_RECORD_VALUES = (
+    5 * MAX_SEQUENCES + 6 * MAX_CHUNKS + (9 + MAX_PHASES + MAX_PROBE_ROUNDS) * MAX_GPUS
+)
 #: Objects and arrays of one JSON record.
-MAX_RECORD_CONTAINERS = 8 * MAX_GPUS + 2 * MAX_PHASES + 256
+MAX_RECORD_CONTAINERS = 8 * MAX_GPUS + 2 * MAX_PHASES + 2 * MAX_PROBE_ROUNDS + 256
 #: Nesting of one JSON record: a plan is 4 levels deep (plan, measurements, per_rank_ms,
 #: a phase's times), a list of plans one more.
 MAX_RECORD_DEPTH = 8

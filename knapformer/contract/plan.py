@@ -58,6 +58,7 @@ from knapformer.contract.limits import (
     text_problem,
 )
 from knapformer.contract.positions import GpuPositions, gpu_positions
+from knapformer.contract.probe import LinkProbe
 from knapformer.contract.stats import PlanStats, compute_stats
 from knapformer.contract.topology import Topology
 from knapformer.errors import KnapformerError
@@ -215,7 +216,10 @@ BALANCER_PHASES = ("plan", "route", "pre_attn", "post_attn", "reverse_route")
 #: collective is waiting for the last rank to arrive plus the transfer itself; the rank
 #: that arrived last waited least, so its wait is taken as t_i - min_j t_j and the last
 #: arrival is argmin_j t_j (no clocks are compared across ranks). docs/concepts.md.
-COLLECTIVE_PHASES = ("gather", "route", "pre_attn", "post_attn", "reverse_route", "allreduce")
+COLLECTIVE_PHASES = (
+    "gather", "route", "pre_attn", "post_attn", "reverse_route", "allreduce",
+    "probe",  # the link probe's exchanges (`knapformer.contract.probe`), when it runs
+)  # fmt: skip
 #: The collectives of `COLLECTIVE_PHASES` that run among the GPUs of one bag (the Ulysses
 #: exchanges); the others span the whole balance group. A rank of a 1-GPU bag exchanges
 #: with nobody, so it waits for nobody there either.
@@ -226,6 +230,7 @@ RECORDED_PHASES = (
     *BALANCER_PHASES[1:],
     "gather",
     "allreduce",
+    "probe",
     "forward_backward",
     "optimizer",
     # what a training loop reports of its host side: waiting for its next batch, and other
@@ -259,6 +264,11 @@ class Measurements(BaseModel):
     per_rank_ms: dict[Text, list[float]] = Field(
         default_factory=dict,
         description="phase name (e.g. route, forward_backward, step) -> ms per GPU of `gpus`",
+    )
+    link_probe: LinkProbe | None = Field(
+        None,
+        description="the step's pairwise link timings (knapformer.contract.probe)",
+        exclude_if=lambda value: value is None,  # plans without a probe read as before
     )
 
     @model_validator(mode="after")
@@ -657,6 +667,8 @@ def _measurement_problem(plan: RoutingPlan) -> str | None:
         problem = figure_problem(values, where, 0.0, MAX_MEASURED_MS, unit=" ms")
         if problem is not None:
             return problem
+    if measured.link_probe is not None:
+        return measured.link_probe.problem(len(plan.gpus))
     return None
 
 

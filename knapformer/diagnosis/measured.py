@@ -33,6 +33,11 @@ The definitions every straggler view uses (the CLI, the dashboard, the report):
   the longest compute among its ranks (the compute the exchanges serve; the step is at
   least that long). Every rank of a synchronous exchange waits for a slow link alike, so
   timings tell which exchanges are slow, never whose link it is.
+- **probed links** of a step (`ProbedLinks`), when the balancer ran its link probe
+  (`knapformer.contract.probe`): each pair that exchanged alone in a round, with the
+  shorter of its two ends' times (a slow link slows both ends; a rank descheduled for a
+  moment slows only its own) and the bandwidth that gives. Unlike the all-to-alls, these
+  say whose link is slow.
 - **layout floor** of a step: the largest sequence's workload over the largest bag, over
   the mean load (1.00 = the ideal): no plan on these bags can make the step shorter.
   A rank **at the floor** holds that much load itself.
@@ -51,6 +56,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from knapformer.contract.plan import BAG_COLLECTIVES, COLLECTIVE_PHASES, RoutingPlan
+from knapformer.contract.probe import LinkProbe, probe_partners
 from knapformer.contract.units import LoadUnit
 
 #: The collectives that move tokens (the routing all-to-alls and the Ulysses exchanges):
@@ -119,6 +125,46 @@ def link_steps(
     return tuple(out)
 
 
+@dataclass(frozen=True, slots=True)
+class ProbedLinks:
+    """The pairs one step's link probe timed, one entry per pair and round (see the
+    module doc). Arrays are (k,)."""
+
+    a: np.ndarray  # int32 rank
+    b: np.ndarray  # int32 rank, its partner
+    ms: np.ndarray  # float32: the shorter of the two ends' times
+    cross_node: np.ndarray  # bool: a and b are on different hosts
+    bytes: int  # sent each way
+
+    @property
+    def gbps(self) -> np.ndarray:
+        """(k,) GB/s each way (NaN for a time of 0)."""
+        with np.errstate(divide="ignore"):
+            return np.where(self.ms > 0, self.bytes / (self.ms.astype(np.float64) * 1e6), np.nan)
+
+
+def probed_links(probe: LinkProbe, gpus: Sequence[int]) -> ProbedLinks:
+    """The pairs of ``probe``, a plan's `LinkProbe` over ``gpus``."""
+    n = len(gpus)
+    ranks, node = np.asarray(gpus, dtype=np.int32), np.asarray(probe.node)
+    a, b, ms = [], [], []
+    for round_index, row in zip(probe.rounds, probe.ms, strict=True):
+        partner = probe_partners(n, round_index)
+        first = np.flatnonzero(partner > np.arange(n))  # each pair once
+        times = np.asarray(row, dtype=np.float64)
+        a.append(first)
+        b.append(partner[first])
+        ms.append(np.minimum(times[first], times[partner[first]]))
+    a_pos, b_pos = (np.concatenate(x) if x else np.zeros(0, np.int64) for x in (a, b))
+    return ProbedLinks(
+        a=ranks[a_pos],
+        b=ranks[b_pos],
+        ms=(np.concatenate(ms) if ms else np.zeros(0)).astype(np.float32),
+        cross_node=node[a_pos] != node[b_pos],
+        bytes=probe.bytes,
+    )
+
+
 def host_ms(per_rank: Mapping[str, Sequence[float]], n: int) -> np.ndarray:
     """(n,) each rank's host work that is not the model's: ``plan`` without the gather it
     includes, ``record`` and the loop's ``host`` phase (0 for what was not measured)."""
@@ -155,6 +201,7 @@ class MeasuredStep:
     floor_load: float  # the layout floor over the mean load (1.00 = the ideal)
     at_floor: np.ndarray  # (n,) bool: its predicted load reaches the floor
     links: tuple[LinkStep, ...] = ()  # the exchange scopes (`link_steps`)
+    probed: ProbedLinks | None = None  # the link probe's pairs, when it ran
 
     @property
     def total_wait_ms(self) -> np.ndarray:
@@ -187,6 +234,7 @@ class MeasuredStep:
             floor_load=self.floor_load,
             at_floor=self.at_floor,
             links=self.links,
+            probed=self.probed,
         )
 
 
@@ -213,6 +261,7 @@ class RankFigures:
     floor_load: float = float("nan")
     at_floor: np.ndarray | None = None  # (n,) bool
     links: tuple[LinkStep, ...] = ()  # the exchange scopes (`link_steps`)
+    probed: ProbedLinks | None = None  # the link probe's pairs, when it ran
 
     @property
     def compute_ratio(self) -> np.ndarray:
@@ -299,6 +348,7 @@ def measure(plan: RoutingPlan) -> MeasuredStep | None:
         floor_load=floor_load,
         at_floor=at_floor,
         links=link_steps(per_rank, plan.gpus, plan.bags, compute),
+        probed=None if m.link_probe is None else probed_links(m.link_probe, plan.gpus),
     )
 
 

@@ -17,13 +17,15 @@ threshold in at least `Thresholds.persistence` of the rank's steps, median inclu
   the group's median by `Thresholds.material` of the step.
 - ``slow_input``: its wait for the next batch (``data`` phase) exceeds the group's
   median by `Thresholds.material` of the step.
-- ``slow_link`` is a verdict of an **exchange scope**, never of one rank (`LinkVerdict`):
-  the group's routing all-to-alls, or one bag's Ulysses exchanges, whose no-wait time
-  (the least any of its ranks spent in each: the last to arrive waited for nobody) is at
-  least `Thresholds.link_cost` times the longest compute it serves. Every rank of a synchronous
-  exchange waits for a slow link alike, so the timings say which exchanges are slow and
-  which ranks take part (for a rank of a multi-GPU bag: its bag), not whose link it is.
-  Per-peer timings (p2p sends) would be needed for that.
+- ``slow_link``: the link probe (`knapformer.contract.probe`, when the balancer runs
+  it) shows the rank's links moving at most `Thresholds.link_bandwidth` of the
+  bandwidth of its peers' links of the same kind (`knapformer.diagnosis.probed`), in at
+  least `Thresholds.min_probes` probes. Only the probe can name a rank: in an all-to-all
+  every peer waits for a slow link alike. Without it, the timings still say which
+  **exchange scope** is slow (`LinkVerdict`: the group's routing all-to-alls, or one
+  bag's Ulysses exchanges, whose no-wait time, the least any of its ranks spent in each,
+  is at least `Thresholds.link_cost` times the longest compute it serves), not whose
+  link it is.
 - ``layout_floor``: its predicted load is at least `Thresholds.heavy_load` times the
   ideal because it holds the step's layout floor: a sequence no bag of this topology can
   split further. Only other bags help (``knapformer suggest``).
@@ -46,6 +48,7 @@ from typing import Literal
 import numpy as np
 
 from knapformer.diagnosis.measured import RankFigures
+from knapformer.diagnosis.probed import relative_bandwidth
 from knapformer.planning.compute_model import DEPARTURE, ComputeFit, fit_compute
 
 Verdict = Literal[
@@ -60,7 +63,7 @@ DECIDED_BY: dict[str, str] = {
     "slow_gpu": "ratio",
     "slow_host": "host_excess_ms",
     "slow_input": "data_excess_ms",
-    "slow_link": "link_cost",
+    "slow_link": "link_bandwidth",
     "layout_floor": "predicted_load",
     "data_imbalance": "predicted_load",
     "ok": "ratio",
@@ -90,6 +93,13 @@ class Thresholds:
     #: as the compute it serves) names no healthy scope, at the price of missing milder
     #: links. A bag across nodes may be this slow by design (then the layout is to change)
     link_cost: float = 1.0
+    #: relative bandwidth in the link probe (1 = as fast as its peers' links of the same
+    #: kind) at or below which a probe counts as slow for a rank: a link at half speed or
+    #: worse. Probe noise on a loaded CPU host moves single pairs by 2-10x, single ranks'
+    #: medians by well under 2x
+    link_bandwidth: float = 0.5
+    #: probes a rank needs before it can be named ``slow_link``
+    min_probes: int = 2
 
 
 THRESHOLDS = Thresholds()
@@ -122,6 +132,9 @@ class RankVerdict:
     exchange_excess_ms: float = 0.0
     bandwidth: float = float("nan")  # routed values per ms relative to the group's median
     at_floor_steps: int = 0  # steps in which it holds the layout floor
+    link_bandwidth: float = float("nan")  # in the link probe, relative to its peers' (1)
+    slow_probes: int = 0  # probes with link_bandwidth at or below the threshold
+    probes: int = 0  # probes it took part in
     decided_by: str = "ratio"  # the field that decided the verdict
 
     def as_dict(self) -> dict:
@@ -316,6 +329,11 @@ def describe(r: RankVerdict) -> str:
         why = (
             f"waits {r.data_ms:.0f} ms per step for data, {_ms(r.data_excess_ms)} over the group's"
         )
+    elif r.verdict == "slow_link":
+        why = (
+            f"its links move {r.link_bandwidth:.2f}× the bandwidth of its peers' (link "
+            f"probe), in {r.slow_probes} of {r.probes} probes"
+        )
     elif r.verdict == "layout_floor":
         why = (
             f"the plan gives it {r.predicted_load:.2f}× the ideal load, the layout floor "
@@ -337,7 +355,10 @@ def _ms(value: float) -> str:
 
 def _severity(r: RankVerdict) -> float:
     value = getattr(r, r.decided_by)
-    return value if np.isfinite(value) else 0.0
+    if not np.isfinite(value):
+        return 0.0
+    # a link is the worse the less it moves
+    return 1.0 / max(value, 1e-9) if r.decided_by == "link_bandwidth" else value
 
 
 def analyse(
@@ -373,6 +394,11 @@ def analyse(
         # NaN compares False: absent steps never count
         slow_each = (m.ratio >= th.slow_ratio) & (compute_excess >= material)
         heavy_each = m.predicted_load >= th.heavy_load
+    bandwidth_steps = relative_bandwidth(figures, m.ranks)  # (r, s)
+    probes = np.isfinite(bandwidth_steps).sum(axis=1)
+    with np.errstate(invalid="ignore"):
+        slow_link_each = bandwidth_steps <= th.link_bandwidth
+    link_bandwidth = row_medians(bandwidth_steps)
     slow_steps = (m.ratio >= th.slow_ratio).sum(axis=1)
     heavy_steps = heavy_each.sum(axis=1)
     ratio, load = row_medians(m.ratio), row_medians(m.predicted_load)
@@ -391,8 +417,9 @@ def analyse(
             verdict: persistent(excess[name] >= material, steps)
             for verdict, name in (("slow_host", "host"), ("slow_input", "data"))
         },
-        # A scope's verdict, never a rank's (`link_verdicts`)
-        "slow_link": np.zeros(len(m.ranks), dtype=bool),
+        "slow_link": (probes >= th.min_probes)
+        & (slow_link_each.sum(axis=1) >= th.persistence * np.maximum(probes, 1))
+        & (link_bandwidth <= th.link_bandwidth),
         "layout_floor": persistent(heavy_each & m.at_floor, steps) & (load >= th.heavy_load),
         "data_imbalance": persistent(heavy_each, steps) & (load >= th.heavy_load),
     }  # fmt: skip
@@ -418,6 +445,9 @@ def analyse(
         "exchange_excess_ms": _zeros(row_medians(excess["exchange"])),
         "bandwidth": bandwidth.tolist(),
         "at_floor_steps": m.at_floor.sum(axis=1).tolist(),
+        "link_bandwidth": link_bandwidth.tolist(),
+        "slow_probes": slow_link_each.sum(axis=1).tolist(),
+        "probes": probes.tolist(),
     }
     verdicts = []
     for i, rank in enumerate(m.ranks.tolist()):

@@ -96,6 +96,11 @@ class DemoConfig:
         "where --slow-rank loses its time: gpu (its compute), host (CPU work outside the "
         "compute), input (its next batch comes late), link (its token exchanges)",
     )
+    link_probe_every: int = _option(
+        1,
+        "time a short exchange between pairs of ranks every k-th step (0: never), so that "
+        "`knapformer stragglers` can name a rank whose link is slow",
+    )
     cost_model: str = _option(
         "modelled",
         "modelled: the workload model; history: also learn each GPU's speed from its "
@@ -118,6 +123,7 @@ class DemoConfig:
         check_count(self.steps, MAX_STEP, "`steps`")  # 0: until Ctrl-C
         check_count(self.world_size, MAX_WORLD, "`world_size`", low=1)  # CPU processes
         check_count(self.every, MAX_STEP, "`every`", low=1)
+        check_count(self.link_probe_every, MAX_STEP, "`link_probe_every`")
         check_count(self.n_layers, MAX_LAYERS, "`n_layers`", low=1)
         check_count(self.seed, MAX_SEED, "`seed`")
         if not (math.isfinite(self.length_scale) and 0 < self.length_scale <= 1):

@@ -68,6 +68,8 @@ __all__ = [
     "train",
 ]
 
+#: Bytes each way of the demo's link probe: a millisecond or so a round on CPU gloo.
+DEMO_PROBE_BYTES = 2**20
 _LATENT_RANK = 8  # tokens of a sequence are noisy views of one latent of this size
 _GRACE_S = 5.0  # Ctrl-C -> SIGTERM -> SIGKILL
 _STALL_S = 30.0  # no rank starts a step for this long: name the one to blame
@@ -167,6 +169,7 @@ def train(
     recorder = PlanRecorder(plans_file(cfg.out), every=cfg.every) if cfg.record else None
     options = {"recorder": recorder, "run": cfg.run, "cost_model": cfg.cost_model}
     options["plan_ahead"] = cfg.plan_ahead
+    options |= {"link_probe_every": cfg.link_probe_every, "link_probe_bytes": DEMO_PROBE_BYTES}
     if cfg.auto:
         options["node_size"] = cfg.node_size
     if cfg.slow_rank == rank:

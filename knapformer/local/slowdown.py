@@ -18,13 +18,14 @@ at the points of the step where a slow rank makes the group wait (before
   compute is untouched.
 - ``input``: the next batch comes that much later (timed by the training loop as the
   ``data`` phase, see `SlowBalancer.wait_for_input`), as a slow data loader.
-- ``link``: every token exchange of the rank (``torch.distributed.all_to_all_single``,
-  inside the balancer's timed ``route`` / ``pre_attn`` / ``post_attn`` / ``reverse_route``)
-  takes longer in proportion to the bytes it moves, as a link slow per byte would: the
-  delay per byte is what the previous step owed over the bytes it moved (the first step
-  loses nothing). Its peers wait inside the same exchanges, so every rank of the
-  exchange sees it take longer: timings cannot say whose link it is, only which
-  exchanges (the group's routing, or one bag's Ulysses exchanges) are slow.
+- ``link``: every exchange of the rank (``torch.distributed.all_to_all_single``,
+  inside the balancer's timed ``route`` / ``pre_attn`` / ``post_attn`` / ``reverse_route``,
+  and the link probe's ``batch_isend_irecv``) takes longer in proportion to the bytes it
+  moves, as a link slow per byte would: the delay per byte is what the previous step owed
+  over the bytes it moved (the first step loses nothing; a step that routes nothing pays
+  in its probe). Its peers wait inside the same exchanges, so in an all-to-all every rank
+  sees it take longer; only the link probe, which times one pair at a time, tells whose
+  link it is (`knapformer.contract.probe`).
 
 Sleeping at the end of the step instead would put the slowdown behind every exchange,
 where no plan could shorten it and no peer would wait for it.
@@ -59,10 +60,12 @@ class SlowBalancer(SequenceBalancer):
         self._bytes = 0  # bytes the exchanges moved in this step (link)
         self._ms_per_byte = 0.0  # the link's delay, from the step before (link)
         self.lost_ms = 0.0  # time lost so far, by every kind (what it injected)
-        self._all_to_all = None
+        self._originals: dict[str, object] = {}  # the torch.distributed calls a link holds back
         if slow_kind == "link":
-            self._all_to_all = dist.all_to_all_single
+            for name in ("all_to_all_single", "batch_isend_irecv"):
+                self._originals[name] = getattr(dist, name)
             dist.all_to_all_single = self._held_all_to_all
+            dist.batch_isend_irecv = self._held_p2p
 
     def plan_routing(self, *args, **kwargs):
         if self._since is None:
@@ -103,19 +106,27 @@ class SlowBalancer(SequenceBalancer):
         return self._pay()
 
     def close(self) -> None:
-        if self._all_to_all is not None:
-            dist.all_to_all_single = self._all_to_all
-            self._all_to_all = None
         super().close()
+        for name, original in self._originals.items():
+            setattr(dist, name, original)
+        self._originals.clear()
 
     def _held_all_to_all(self, output, input, *args, **kwargs):
-        moved = output.numel() * output.element_size() + input.numel() * input.element_size()
+        self._hold_back([output, input])
+        return self._originals["all_to_all_single"](output, input, *args, **kwargs)
+
+    def _held_p2p(self, ops):
+        self._hold_back([op.tensor for op in ops])
+        return self._originals["batch_isend_irecv"](ops)
+
+    def _hold_back(self, tensors) -> None:
+        """Sleep for the bytes ``tensors`` move at the link's delay per byte."""
+        moved = sum(t.numel() * t.element_size() for t in tensors)
         self._bytes += moved
         delay = moved * self._ms_per_byte
         if delay > 0:
             time.sleep(delay / 1e3)
             self.lost_ms += delay
-        return self._all_to_all(output, input, *args, **kwargs)
 
     def _pay(self) -> float:
         owed, self._owed_ms = self._owed_ms, 0.0

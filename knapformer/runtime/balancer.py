@@ -87,6 +87,12 @@ from knapformer.runtime.gather import (  # GatherHead and the two tuples are re-
     StepRequest,
 )
 from knapformer.runtime.groups import BalanceGroups, BalanceLayout, group_device
+from knapformer.runtime.link_probe import (
+    DEFAULT_PROBE_BYTES,
+    DEFAULT_PROBE_ROUNDS,
+    LinkProber,
+    check_probe_options,
+)
 from knapformer.runtime.router import (
     BagTables,
     Features,
@@ -152,6 +158,14 @@ class SequenceBalancer:
         cross_node: ``"auto"`` only: allow sizes above ``node_size`` (whole nodes).
         comm: ``"auto"`` only: the `CommModel` (or a cluster name of
             `knapformer.planning.communication.CLUSTERS`) that prices communication.
+        link_probe_every: every this many steps (0: never, the default), time a short
+            exchange between pairs of ranks, a pair at a time per rank
+            (`knapformer.runtime.link_probe`), and store it in the plan: it is what lets
+            ``knapformer stragglers`` name the rank whose link is slow. Costs a barrier
+            and one exchange per round.
+        link_probe_bytes: bytes each way per probed exchange (default 8 MiB).
+        link_probe_rounds: rounds per probe (default 7: each pair of 8 ranks once); a
+            larger group is covered over several probes.
     """
 
     def __init__(
@@ -175,6 +189,9 @@ class SequenceBalancer:
         max_group: int | None = None,
         cross_node: bool = False,
         comm: CommModel | str | None = None,
+        link_probe_every: int = 0,
+        link_probe_bytes: int = DEFAULT_PROBE_BYTES,
+        link_probe_rounds: int = DEFAULT_PROBE_ROUNDS,
     ) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
@@ -193,6 +210,8 @@ class SequenceBalancer:
             cost_model=cost_model, gpu_speed=gpu_speed, time_scale=time_scale, phases=phases,
             node_size=node_size, group_sizes=tuple(group_sizes), min_group=min_group,
             max_group=max_group, cross_node=cross_node, comm=comm,
+            link_probe_every=link_probe_every, link_probe_bytes=link_probe_bytes,
+            link_probe_rounds=link_probe_rounds,
         )  # fmt: skip
         problem = None
         try:
@@ -226,6 +245,10 @@ class SequenceBalancer:
         history = SpeedHistory(layout.gpus_per_replica) if cost_model == "history" else None
         planner = StepPlanner(options, self.groups, self.device, self._timer, self.phases, history)
         self._path: StepPath = AheadPath(planner) if plan_ahead else SyncPath(planner)
+        self._prober = LinkProber(
+            self.groups.group, self.groups.group_ranks, device, link_probe_every,
+            link_probe_bytes, link_probe_rounds,
+        )  # fmt: skip
         self._planner = planner
         self._finished = False
         self._closed = False
@@ -339,6 +362,9 @@ class SequenceBalancer:
             self._timer.open(plan.step, started, begin)
             self._timer.add("plan", elapsed)
             self._timer.add("gather", planned.gather_ms)
+            if self._prober.due(plan.step):
+                with marks.mark(marks.PROBE), self._timer.timed("probe"):
+                    plan.measurements.link_probe = self._prober.probe()
             self._record(planned.measured, plan)
         return plan
 
@@ -639,6 +665,9 @@ def _checked_options(
     WorkloadModel(1, given["gamma"])  # validates gamma now rather than at the first step
     for phase in given["phases"]:
         _check_added_phase(phase)
+    check_probe_options(
+        given["link_probe_every"], given["link_probe_bytes"], given["link_probe_rounds"]
+    )
     options = PlannerOptions(
         topology=topology,
         gamma=float(given["gamma"]),

@@ -3,7 +3,8 @@ block with one of them only while a profiler runs.
 
 A trace of a balanced step then reads ``knapformer.plan`` (gather and solve),
 ``knapformer.route``, ``knapformer.pre_attn`` / ``knapformer.post_attn`` (Ulysses, per
-layer), ``knapformer.reverse_route``, and inside them ``knapformer.wait.<collective>``:
+layer), ``knapformer.reverse_route``, ``knapformer.probe`` (the link probe, when it
+runs), and inside them ``knapformer.wait.<collective>``:
 the time spent waiting in one collective (``all_gather``, ``all_to_all``, ``barrier``,
 ``plan_ahead``: the training thread waiting for the plan-ahead thread).
 """
@@ -20,6 +21,7 @@ ROUTE = "knapformer.route"
 PRE_ATTN = "knapformer.pre_attn"
 POST_ATTN = "knapformer.post_attn"
 REVERSE_ROUTE = "knapformer.reverse_route"
+PROBE = "knapformer.probe"
 WAIT = "knapformer.wait."  # + the collective's name
 
 
