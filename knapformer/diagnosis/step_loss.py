@@ -23,8 +23,8 @@ The difference is split into, in ms (each >= 0):
   last rank has its batch);
 - ``communication``: the exchanges' time with nobody waiting (the least any rank spent
   in them) above the ideal exchanges;
-- ``other``: what is left (the gradient all-reduce's transfer, the optimizer, what no
-  figure names; negative when the parts overlap).
+- ``other``: what is left (the gradient all-reduce's transfer, the optimizer, the link
+  probe when it ran, what no figure names; negative when the parts overlap).
 
 Pure numpy, no readers: the CLI, the dashboard and the report all use it.
 """
