@@ -49,6 +49,8 @@ _AUTO_MEMBERS = 32  # members of a bag scored per exchange (a spread sample beyo
 _AUTO_STOP = 1e-4  # the refinement stops this close to the partition floor
 _AUTO_POUR = 2048  # a larger pool is poured into the bags' room at once, not one by one
 _TIE = 1e-9
+_REFINE_ROUNDS = 12  # GPU-exact refinement rounds of a small step (`_refine`)
+_REFINE_PARTNERS = 8  # least loaded bags whose sequences it tries swapping with
 
 
 def solve_auto(lengths, workload, src_pos, speed, max_tokens, solve_fixed, model, comm, sizes,
@@ -89,10 +91,16 @@ def solve_auto(lengths, workload, src_pos, speed, max_tokens, solve_fixed, model
 
     mixed = mixed_partitions(workload, lengths, src_pos, num_gpus, sizes, per_token, node_size, eff)
     # Variants only pay off where sequences are coarse (few per GPU); a large step solves one.
-    for cand in mixed[: None if len(lengths) <= _AUTO_ALL_SEQUENCES else 1]:
+    small = len(lengths) <= _AUTO_ALL_SEQUENCES and num_gpus <= _AUTO_ALL
+    for cand in mixed[: None if small else 1]:
         consider(lambda c=cand: _solve_mixed(
             c.bag_sizes, lengths, workload, src_pos, speed, max_tokens, per_token, floor,
             comm, model))  # fmt: skip
+    if small and best[0] is not None:  # the best mixed partition, GPU-exact
+        refined = _refine(best[0], model, comm, speed, max_tokens)
+        if refined is not best[0]:
+            best[:] = [refined, (_modelled_makespan(refined, model, comm, speed),
+                                 _moved_estimate(refined))]  # fmt: skip
     whole = sorted(
         (max(float(eff[j].sum()) / num_gpus, float(eff[j].max(initial=0.0)) / g), g)
         for j, g in enumerate(sizes)
@@ -112,6 +120,20 @@ def solve_auto(lengths, workload, src_pos, speed, max_tokens, solve_fixed, model
 def _modelled_makespan(step: Step, model: WorkloadModel, comm: CommModel, speed) -> float:
     """The largest per-GPU load of ``step`` (its chunk table made), communication included:
     what `plan_cost` gives the plan it becomes, computed before the plan exists."""
+    layout = step.layout
+    seq, pos, _, length = step.chunks
+    compute, tokens = _compute_per_gpu(step, model, speed)
+    ulysses, route = communication_loads(
+        comm, model.token_dim, float(model.scale), layout.size[layout.shape.bag_of_pos], tokens,
+        step.src_pos[seq], pos, length,
+    )  # fmt: skip
+    return float((compute + ulysses + route).max(initial=0.0))
+
+
+def _compute_per_gpu(step: Step, model: WorkloadModel, speed) -> tuple[np.ndarray, np.ndarray]:
+    """(compute, tokens), each (num_gpus,), of ``step``'s chunk table: each GPU's linear part
+    of its own tokens plus 1/g of the attention of every sequence of its bag, over its
+    speed."""
     layout, lengths, workload = step.layout, step.lengths, step.workload
     seq, pos, _, length = step.chunks
     n = len(layout.shape.bag_of_pos)
@@ -123,12 +145,17 @@ def _modelled_makespan(step: Step, model: WorkloadModel, comm: CommModel, speed)
     compute = linear + (attention / layout.size)[layout.shape.bag_of_pos]
     if speed is not None:
         compute = compute / speed
-    tokens = np.bincount(pos, weights=length, minlength=n)
-    ulysses, route = communication_loads(
-        comm, model.token_dim, float(model.scale), layout.size[layout.shape.bag_of_pos], tokens,
-        step.src_pos[seq], pos, length,
-    )  # fmt: skip
-    return float((compute + ulysses + route).max(initial=0.0))
+    return compute, np.bincount(pos, weights=length, minlength=n)
+
+
+def _route_per_token(comm: CommModel, model: WorkloadModel) -> tuple[float, float]:
+    """Workload units (per layer) a GPU pays per token it sends or returns over the node's
+    link and over the network."""
+    return tuple(
+        float(comm.work_of(model.token_dim * comm.dtype_bytes / (gbs * 1e9), model.scale))
+        / comm.layers
+        for gbs in (comm.intra_gbs, comm.inter_gbs)
+    )
 
 
 @dataclass(frozen=True)
@@ -147,11 +174,7 @@ class _Prices:
     @classmethod
     def of(cls, shape, src_pos, per_token, comm, model):
         node = int(comm.node_size)
-        per_token_route = [
-            float(comm.work_of(model.token_dim * comm.dtype_bytes / (gbs * 1e9), model.scale))
-            / comm.layers
-            for gbs in (comm.intra_gbs, comm.inter_gbs)
-        ]
+        per_token_route = _route_per_token(comm, model)
         bag_node = np.where(shape.size > node, -1, shape.start // node)
         return cls(np.array([per_token[int(g)] for g in shape.size]), bag_node,
                    np.where(src_pos >= 0, src_pos // node, -2), *per_token_route)  # fmt: skip
@@ -201,6 +224,13 @@ def _solve_mixed(bag_sizes, lengths, workload, src_pos, speed, max_tokens, per_t
     else:
         order = descending(workload, placed)
     _place_priced(order, step, load, prices, floor)
+    if len(placed) > ONE_BY_ONE and max_tokens is None:
+        pool = _shave(step, prices)
+        if pool.size:
+            load = _priced_loads(step, prices)[1]
+            if len(pool) > _AUTO_POUR:
+                load = _pour(pool, step, load, prices)
+            _place_priced(pool[step.bag[pool] < 0], step, load, prices, floor)
     _exchange_across(step, prices, floor, max_tokens)
     layout.load[:] = np.bincount(step.bag, weights=workload, minlength=len(shape.size))
     return step
@@ -363,6 +393,48 @@ def _pour(pool, step: Step, load: np.ndarray, prices: _Prices) -> np.ndarray:
     return load + np.bincount(home[home >= 0], weights=sent[home >= 0], minlength=len(load))
 
 
+def _priced_loads(step: Step, prices: _Prices) -> tuple[np.ndarray, np.ndarray]:
+    """(price (n,) of each sequence in its bag (0 while unplaced), priced load (num_bags,)):
+    ``W + k_g*L`` plus the route its receivers pay (twice at home, where the bag also sends),
+    and each home bag the sending of its sequences placed away."""
+    layout, home = step.layout, step.home_bag
+    num_bags = len(layout.size)
+    lengths = step.lengths.astype(np.float64)
+    placed = step.bag >= 0
+    bag = np.where(placed, step.bag, 0)
+    route = prices.route(np.arange(len(lengths)), bag, home, layout.size, lengths)
+    away = (bag != home) & (home >= 0) & placed
+    price = step.workload + prices.kappa[bag] * lengths + np.where(away, route, 2 * route)
+    price[~placed] = 0.0
+    load = np.bincount(bag, weights=price, minlength=num_bags)
+    load += np.bincount(home[away], weights=route[away], minlength=num_bags)
+    return price, load
+
+
+def _shave(step: Step, prices: _Prices) -> np.ndarray:
+    """Take the lightest sequences out of every bag above the mean priced per-GPU time until
+    it is at most that mean (sequences that fit any bag only), in one vectorised pass: the
+    bulk passes of a large step leave whole size classes above or below the mean, which a
+    few exchanges cannot even out. Returns them, unplaced (bag -1), heaviest first."""
+    layout = step.layout
+    price, load = _priced_loads(step, prices)
+    mean = float(load.sum() / layout.weight.sum())
+    excess = load - mean * layout.weight
+    movable = (step.lengths >= layout.class_size[-1]) & (step.bag >= 0)
+    movable &= excess[np.maximum(step.bag, 0)] > 0
+    seqs = np.flatnonzero(movable)
+    if seqs.size == 0:
+        return seqs
+    order = by_home_heaviest_first(seqs, step.bag, -step.workload, len(layout.size))
+    bags = step.bag[order]
+    # Lightest first within each bag, while the middle of each one's running price stays
+    # within the bag's excess (the nearest cut: sequences often outweigh the excess).
+    cost = price[order]
+    out = order[prefix_within_groups(cost, bags, excess[bags] + 0.5 * cost)]
+    step.bag[out] = -1
+    return descending(step.workload, out)
+
+
 def _exchange_across(step: Step, prices: _Prices, floor: float, max_tokens) -> None:
     """Exchanges between bags of any sizes, each sequence re-priced at its new bag
     (`_Prices`): the most loaded bag moves one sequence to, or swaps one with, whichever of
@@ -379,12 +451,7 @@ def _exchange_across(step: Step, prices: _Prices, floor: float, max_tokens) -> N
         return
     lengths = step.lengths.astype(np.float64)
     workload, home = step.workload, step.home_bag
-    all_seqs = np.arange(len(lengths))
-    route = prices.route(all_seqs, step.bag, home, size, lengths)
-    away = (step.bag != home) & (home >= 0)
-    price = workload + kappa[step.bag] * lengths + np.where(away, route, 2 * route)
-    load = np.bincount(step.bag, weights=price, minlength=num_bags)
-    load += np.bincount(home[away], weights=route[away], minlength=num_bags)
+    price, load = _priced_loads(step, prices)
     tokens = np.bincount(step.bag, weights=lengths, minlength=num_bags)
     per = load / weight
     stop = floor * (1 + _AUTO_STOP)
@@ -500,3 +567,128 @@ def _moved_estimate(step: Step) -> float:
     g = step.layout.size[step.bag].astype(np.float64)
     home = step.bag == step.home_bag
     return float(np.sum(step.lengths * np.where(home, (g - 1) / g, 1.0)))
+
+
+def _refine(step: Step, model: WorkloadModel, comm: CommModel, speed, max_tokens) -> Step:
+    """GPU-exact refinement of a small step (its chunk table made): the bag-level prices
+    spread a sequence's sending over its home bag, but one GPU sends it, and a long video
+    sent to another node puts that GPU above its bag. Each round scores, on every GPU at
+    once, moving one sequence of the slowest GPU's bag (or one it sends) to any bag, or
+    swapping it with one of the least loaded bags' sequences, and applies the one that
+    lowers the slowest GPU most (or, at an equal top, the load above the mean). Chunks are
+    scored as L/g tokens each; the result is kept only where its exact modelled makespan
+    (`_modelled_makespan`) is lower. Returns the better step."""
+    layout, lengths, workload, home = step.layout, step.lengths, step.workload, step.home_bag
+    shape, size = layout.shape, layout.size
+    num_gpus = len(shape.bag_of_pos)
+    before = _modelled_makespan(step, model, comm, speed)
+    compute, tokens = _compute_per_gpu(step, model, speed)
+    kappa = np.array([comm.ulysses_per_token(model.token_dim, int(g), model.scale) for g in size])
+    base = compute + kappa[shape.bag_of_pos] * tokens
+    seq, pos, _, length = step.chunks
+    src = step.src_pos
+    node = np.arange(num_gpus) // int(comm.node_size)
+    away = src[seq] != pos
+    across = node[src[seq]] != node[pos]
+    ends = [np.concatenate([src[seq][m], pos[m]]) for m in (away & ~across, away & across)]
+    weights = [np.tile(length[m].astype(np.float64), 2) for m in (away & ~across, away & across)]
+    intra, inter = (
+        np.bincount(e, weights=w, minlength=num_gpus) for e, w in zip(ends, weights, strict=True)
+    )
+    ci, ce = _route_per_token(comm, model)
+    inv_speed = np.ones(num_gpus) if speed is None else 1.0 / speed
+    bag = step.bag.copy()
+    bag_tokens = np.bincount(bag, weights=lengths, minlength=len(size))
+    fl = lengths.astype(np.float64)
+    gpu = np.arange(num_gpus)
+    smallest = layout.class_size[0]
+
+    def deltas(seqs, to):
+        """(base, intra, inter) changes (k, num_gpus) of moving ``seqs`` to bags ``to``."""
+        frm = bag[seqs]
+        ell, w, sig = fl[seqs][:, None], workload[seqs][:, None], src[seqs]
+        in_a = shape.bag_of_pos[None, :] == frm[:, None]
+        in_b = shape.bag_of_pos[None, :] == to[:, None]
+        ga, gb = size[frm][:, None], size[to][:, None]
+        d_base = (in_b * (w / gb * inv_speed + kappa[to][:, None] * ell / gb)
+                  - in_a * (w / ga * inv_speed + kappa[frm][:, None] * ell / ga))  # fmt: skip
+        recv = (in_b * (ell / gb) - in_a * (ell / ga)) * (gpu[None, :] != sig[:, None])
+        same = node[None, :] == node[sig][:, None]
+        d_in, d_out = recv * same, recv * ~same
+        rows = np.arange(len(seqs))
+        d_in[rows, sig] += d_in.sum(1)
+        d_out[rows, sig] += d_out.sum(1)
+        return d_base, d_in, d_out
+
+    def allowed(seqs, to):
+        ok = (lengths[seqs] >= size[to]) | (size[to] == smallest)
+        return ok & (to != bag[seqs]) & (lengths[seqs] > 0)
+
+    for _ in range(_REFINE_ROUNDS):
+        load = base + np.maximum(intra * ci, inter * ce)
+        top = float(load.max())
+        mean = float(load.mean())
+        spill = float(np.square(np.maximum(load - mean, 0.0)).sum())
+        p = int(load.argmax())
+        a = int(shape.bag_of_pos[p])
+        mine = np.flatnonzero(((bag == a) | ((src == p) & (bag != a))) & (lengths > 0))
+        per_bag = np.maximum.reduceat(load, layout.start)
+        light = least(per_bag, min(_REFINE_PARTNERS + 1, len(size)))
+        light = light[light != a][:_REFINE_PARTNERS]
+        theirs = np.flatnonzero(np.isin(bag, light) & (lengths > 0))
+        # Moves to every bag, then swaps with the light bags' sequences.
+        s1 = np.repeat(mine, len(size))
+        t1 = np.tile(np.arange(len(size)), len(mine))
+        keep = allowed(s1, t1)
+        s1, t1 = s1[keep], t1[keep]
+        s2 = np.repeat(mine, len(theirs))
+        o2 = np.tile(theirs, len(mine))
+        keep = (bag[s2] != bag[o2]) & allowed(s2, bag[o2]) & allowed(o2, bag[s2])
+        s2, o2 = s2[keep], o2[keep]
+        db, di, de = deltas(np.concatenate([s1, s2]), np.concatenate([t1, bag[o2]]))
+        if len(o2):
+            xb, xi, xe = deltas(o2, bag[s2])
+            db[len(s1) :] += xb
+            di[len(s1) :] += xi
+            de[len(s1) :] += xe
+        if not len(db):
+            break
+        new = base + db + np.maximum((intra + di) * ci, (inter + de) * ce)
+        if max_tokens is not None:
+            moved_to = np.concatenate([t1, bag[o2]])
+            moved = np.concatenate([s1, s2])
+            gain = fl[moved] - np.concatenate([np.zeros(len(s1)), fl[o2]])
+            ok = np.ceil((bag_tokens[moved_to] + gain) / size[moved_to]) <= max_tokens
+            ok &= np.ceil((bag_tokens[bag[moved]] - gain) / size[bag[moved]]) <= max_tokens
+            new[~ok] = np.inf
+        worst = new.max(1)
+        score = np.square(np.maximum(new - mean, 0.0)).sum(1)
+        better = worst < top * (1 - 1e-9)
+        if not better.any():
+            better = (worst <= top * (1 + 1e-12)) & (score < spill * (1 - 1e-9))
+            if not better.any():
+                break
+            k = int(np.flatnonzero(better)[np.argmin(score[better])])
+        else:
+            k = int(np.argmin(np.where(better, worst, np.inf)))
+        base, intra, inter = base + db[k], intra + di[k], inter + de[k]
+        if k < len(s1):
+            moves = [(int(s1[k]), int(t1[k]))]
+        else:
+            j = k - len(s1)
+            moves = [(int(s2[j]), int(bag[o2[j]])), (int(o2[j]), int(bag[s2[j]]))]
+        for x, to in moves:
+            bag_tokens[bag[x]] -= fl[x]
+            bag_tokens[to] += fl[x]
+        for x, to in moves:
+            bag[x] = to
+    if np.array_equal(bag, step.bag):
+        return step
+    refined = Step(lengths, workload, src, home, layout, bag, step.rem)
+    refined.chunks = chunk_table(refined)
+    if _modelled_makespan(refined, model, comm, speed) < before * (1 - _TIE):
+        layout.load[:] = np.bincount(bag, weights=workload, minlength=len(size))
+        if max_tokens is not None:
+            layout.bag_tokens[:] = bag_tokens.astype(np.int64)
+        return refined
+    return step

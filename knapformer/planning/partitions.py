@@ -168,18 +168,11 @@ def mixed_partitions(
     found = _mixed(eff, size, lengths, num_gpus, sizes, whole)
     if found is None:
         return []
-    groups, seq_class = found
-    variants = [groups]
-    top = int(np.flatnonzero(groups)[-1])
-    if top > 0 and top + 1 < len(sizes) and sizes[top + 1] == 2 * sizes[top] and groups[top] > 1:
-        merged = groups.copy()
-        merged[top + 1] += merged[top] // 2
-        merged[top] %= 2
-        variants.append(merged)
     out = []
-    for counts in variants:
+    for counts, seq_class in found:
         bag_sizes = _place(counts, sizes, num_gpus, node_size, eff, seq_class, src_pos)
-        out.append(Candidate(bag_sizes))
+        if Candidate(bag_sizes) not in out:
+            out.append(Candidate(bag_sizes))
     return out
 
 
@@ -238,9 +231,82 @@ def _mixed(eff, size, lengths, num_gpus, sizes, whole):
     groups[0] += (num_gpus - used) // sizes[0]  # spare GPUs go to the smallest groups
     if (groups[1:] == 0).all():
         return None  # no bigger group needed: that is the smallest whole-family layout
-    seq_class = np.zeros(eff.shape[1], dtype=np.int64)
-    seq_class[big] = cls
-    return groups, seq_class
+
+    def counts(cls: np.ndarray) -> np.ndarray:
+        """Groups per size for big sequences of classes ``cls`` at ``hi`` (as `demand`),
+        the spare GPUs in the smallest groups."""
+        load = np.bincount(cls, weights=big_eff[cls, np.arange(len(big))], minlength=len(size))
+        alone = big_per_gpu[cls, np.arange(len(big))] > 0.5 * hi
+        out = np.maximum(
+            np.ceil(load / (size * hi) - 1e-9), np.bincount(cls[alone], minlength=len(size))
+        ).astype(np.int64)
+        out[0] = (num_gpus - int((out[1:] * size[1:]).sum())) // sizes[0]
+        return out
+
+    def waste(groups: np.ndarray, cls: np.ndarray) -> float:
+        """Work the step costs at ``hi`` under ``groups``: the big sequences at their class,
+        every bigger group's room filled with short ones at its inflation, the remaining short
+        ones alone (lower: less Ulysses paid)."""
+        load = np.bincount(cls, weights=big_eff[cls, np.arange(len(big))], minlength=len(size))
+        room = np.maximum(groups * size * hi - load, 0.0)[1:]
+        filled = np.minimum(room / inflation[1:], fill_base[1:])
+        return float(load[1:].sum() + (filled * inflation[1:]).sum()
+                     + max(0.0, load[0] + x0_small - filled.sum()))  # fmt: skip
+
+    variants = [(groups, cls)]
+    top = int(np.flatnonzero(groups)[-1])
+    if top > 0 and top + 1 < len(sizes) and sizes[top + 1] == 2 * sizes[top] and groups[top] > 1:
+        merged = groups.copy()
+        merged[top + 1] += merged[top] // 2
+        merged[top] %= 2
+        variants.append((merged, cls))
+        packed = _absorb(cls, top, merged, big_eff, size, hi)
+        if packed is not None:
+            # The shared groups as packed; the lower classes' groups for what is left.
+            repacked = counts(np.where(packed >= top, 0, packed))
+            repacked[top:] = merged[top:]
+            repacked[0] = (num_gpus - int((repacked[1:] * size[1:]).sum())) // sizes[0]
+            if repacked[0] >= 0:
+                variants.append((repacked, packed))
+    # The cheapest first (a large step solves only that one); ties keep the order above.
+    scores = [waste(g, c) for g, c in variants]
+    out = []
+    for i in sorted(range(len(variants)), key=lambda i: scores[i]):
+        seq_class = np.zeros(eff.shape[1], dtype=np.int64)
+        seq_class[big] = variants[i][1]
+        out.append((variants[i][0], seq_class))
+    return out
+
+
+def _absorb(cls, top, merged, big_eff, size, target):
+    """Big sequences' classes when the class-``top`` sequences share ``merged``'s groups of
+    twice their size (and the odd one left of their own size) and the lower classes' big
+    sequences move into those groups' room where they fit: each lower group so emptied
+    goes back to the smallest size, whose GPUs pay no exchange. Largest first, each to the
+    least loaded group it fits (the top ones) or the fullest (the lower ones). None when a
+    top sequence fits no group."""
+    bins = np.repeat([top + 1, top], [merged[top + 1], merged[top]])
+    cap = size[bins] * target * (1 + 1e-9)
+    held = np.zeros(len(bins))
+    out = cls.copy()
+    tops = np.flatnonzero(cls == top)
+    for x in tops[np.argsort(-big_eff[top + 1, tops], kind="stable")].tolist():
+        cost = big_eff[bins, x]
+        fit = np.flatnonzero(held + cost <= cap)
+        if fit.size == 0:
+            return None
+        b = int(fit[np.argmin(held[fit] / size[bins[fit]])])
+        held[b] += cost[b]
+        out[x] = bins[b]
+    lower = np.flatnonzero((cls > 0) & (cls < top))
+    for x in lower[np.argsort(-big_eff[0, lower], kind="stable")].tolist():
+        cost = big_eff[bins, x]
+        fit = np.flatnonzero(held + cost <= cap)
+        if fit.size:
+            b = int(fit[np.argmax(held[fit] / cap[fit])])
+            held[b] += cost[b]
+            out[x] = bins[b]
+    return None if np.array_equal(out, cls) else out
 
 
 def _place(groups, sizes, num_gpus, node_size, eff, seq_class, src_pos):
