@@ -37,7 +37,11 @@ Targets (exit 1 when one is missed):
 - the speeds the history cost model would learn (`recorded_speeds`) for every healthy
   rank (every rank but a slow ``gpu``) stay within 10 % of 1 at every step.
 
-    .venv/bin/python bench/diagnosis.py [--quick] [--steps 12]
+    .venv/bin/python bench/diagnosis.py [--quick] [--steps 12] [--kinds gpu link]
+        [--sizes default heavy] [--no-clean]
+
+A subset (``--kinds``, ``--sizes``, ``--no-clean``) is for looking at one part; the
+targets hold for the whole matrix.
 """
 
 from __future__ import annotations
@@ -102,13 +106,14 @@ class Outcome:
         return self.first is not None and self.first <= NAMED_BY and self.final == expected
 
 
-def cases(quick: bool) -> list[Case]:
+def cases(quick: bool, kinds=SLOW_KINDS, sizes=tuple(SIZES), clean=True) -> list[Case]:
     if quick:  # the case of issue 21, and the same regime clean
         return [Case("default", "g1n4", 4, "gpu", 2.0), Case("default", "g1n4", 4, None, 1.0)]
     out = []
-    for size, (topology, world) in itertools.product(SIZES, REGIMES):
-        out += [Case(size, topology, world, k, f) for k in SLOW_KINDS for f in FACTORS]
-        out.append(Case(size, topology, world, None, 1.0))
+    for size, (topology, world) in itertools.product(sizes, REGIMES):
+        out += [Case(size, topology, world, k, f) for k in kinds for f in FACTORS]
+        if clean:
+            out.append(Case(size, topology, world, None, 1.0))
     return out
 
 
@@ -165,11 +170,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="two runs: issue 21's case, clean")
     parser.add_argument("--steps", type=int, default=12, help="steps of each run")
+    parser.add_argument(
+        "--kinds", nargs="+", choices=SLOW_KINDS, default=SLOW_KINDS, help="slow kinds to run"
+    )
+    parser.add_argument("--sizes", nargs="+", choices=tuple(SIZES), default=tuple(SIZES))
+    parser.add_argument("--no-clean", action="store_true", help="leave out the clean runs")
     args = parser.parse_args()
     console = Console(width=160)
     outcomes = []
     with tempfile.TemporaryDirectory(prefix="knapformer-diagnosis-") as tmp:
-        for i, case in enumerate(cases(args.quick)):
+        chosen = cases(args.quick, tuple(args.kinds), tuple(args.sizes), not args.no_clean)
+        for i, case in enumerate(chosen):
             outcome = run(case, args.steps, Path(tmp) / str(i))
             outcomes.append(outcome)
             console.print(

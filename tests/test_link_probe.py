@@ -183,3 +183,23 @@ def test_a_slow_link_is_named_on_its_rank_and_a_slow_gpu_is_not_a_slow_link(runs
     gpu = _named(runs["gpu"])
     assert "slow_link" not in gpu.values(), gpu
     assert all(rank == SLOW for rank, v in gpu.items() if v.startswith("slow_")), gpu
+
+
+def _odd_worker(rank: int, world: int) -> list[dict]:
+    """Three steps on 3 ranks (one idles each round), probing every step."""
+    from knapformer.runtime.balancer import SequenceBalancer
+
+    bal = SequenceBalancer("g1n3", link_probe_every=1, link_probe_bytes=2**12)
+    probes = [bal.plan_routing([8 + rank], token_dim=4).measurements.link_probe for _ in range(3)]
+    bal.close()
+    return [p.model_dump() for p in probes]
+
+
+def test_an_odd_group_leaves_one_rank_out_of_each_round_and_covers_every_pair(tmp_path):
+    probes = run_world(_odd_worker, 3, tmp_path)
+    assert probes[0] == probes[1] == probes[2]  # every rank attaches the same probe
+    for probe in probes[0]:
+        assert probe["rounds"] == [0, 1, 2]
+        for r, row in zip(probe["rounds"], probe["ms"], strict=True):
+            idle = probe_partners(3, r) < 0
+            assert [v == 0 for v in row] == idle.tolist()

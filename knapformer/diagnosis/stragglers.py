@@ -98,8 +98,9 @@ class Thresholds:
     #: worse. Probe noise on a loaded CPU host moves single pairs by 2-10x, single ranks'
     #: medians by well under 2x
     link_bandwidth: float = 0.5
-    #: probes a rank needs before it can be named ``slow_link``
-    min_probes: int = 2
+    #: probes a rank needs before it can be named ``slow_link`` (as many as steps for
+    #: any other verdict: two probes, one of them noisy, would split the vote)
+    min_probes: int = 3
 
 
 THRESHOLDS = Thresholds()

@@ -9,7 +9,9 @@ arrives late (a slow GPU, a busy host) delays nobody's timed exchange. Inside a 
 rank sends ``bytes`` to its partner and receives as many from it
 (`torch.distributed.batch_isend_irecv`, which NCCL runs as one group: no deadlock), and
 times that alone; on CUDA the stream is synchronised around it (a probe is rare, so the
-cost of exact times is). Every rank's times are then all-gathered, so every rank attaches
+cost of exact times is). The first time a round runs, its exchange is made once untimed
+first: a backend connects a pair at its first exchange (gloo, NCCL's p2p channels), which
+would read as a slow link. Every rank's times are then all-gathered, so every rank attaches
 the same `LinkProbe` to its plan.
 """
 
@@ -66,6 +68,7 @@ class LinkProber:
         self.total_rounds = probe_round_count(len(self.ranks))
         self.rounds_per_probe = min(rounds, self.total_rounds)
         self._next_round = 0
+        self._warm: set[int] = set()  # rounds whose pairs have exchanged once
         self.node = _host_indices(group, len(self.ranks)) if self.enabled else []
         # float32 so that NCCL, gloo and every device move it; its size is what counts.
         count = max(nbytes // 4, 1)
@@ -103,19 +106,27 @@ class LinkProber:
         the group calls it, partner or not, for the barrier."""
         _barrier(self.group, self.device)
         partner = int(probe_partners(len(self.ranks), round_index)[self.position])
-        if partner < 0:
+        peer = self.ranks[partner] if partner >= 0 else None
+        if round_index not in self._warm:  # every rank, idle or not: the barrier is collective
+            if peer is not None:
+                self._exchange(peer)
+            _barrier(self.group, self.device)
+            self._warm.add(round_index)
+        if peer is None:
             return 0.0
-        peer = self.ranks[partner]
         self._sync()
         began = time.perf_counter()
+        self._exchange(peer)
+        self._sync()
+        return (time.perf_counter() - began) * 1e3
+
+    def _exchange(self, peer: int) -> None:
         ops = [
             dist.P2POp(dist.isend, self._send, peer, self.group),
             dist.P2POp(dist.irecv, self._recv, peer, self.group),
         ]
         for request in dist.batch_isend_irecv(ops):
             request.wait()
-        self._sync()
-        return (time.perf_counter() - began) * 1e3
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
