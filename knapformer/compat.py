@@ -42,7 +42,8 @@ import torch.distributed as dist
 
 from knapformer.contract.legacy import LEGACY_KEYS, plan_to_legacy
 from knapformer.contract.plan import RoutingPlan
-from knapformer.contract.topology import Topology
+from knapformer.contract.topology import Topology, as_topology
+from knapformer.errors import KnapformerError
 from knapformer.planning.workload import WorkloadModel
 from knapformer.runtime.balancer import SequenceBalancer as _Balancer
 from knapformer.runtime.router import Features, Group
@@ -104,7 +105,8 @@ class SequenceBalancer:
     """The research code's balancer interface, backed by `knapformer.runtime.balancer`.
 
     Args:
-        bag_specs: compute bags, e.g. ``"g1n2+g2n1+g4n1"``.
+        bag_specs: compute bags, e.g. ``"g1n2+g2n1+g4n1"``, or ``"auto"`` (the planner chooses
+            each step's bags; the bag views then follow the latest plan).
         gamma: attention weight of the workload model (the research code's 1.0).
         solver: ``"greedy"`` (the research code's algorithm) or ``"knapformer"``.
         process_group, max_tokens_per_gpu, recorder, run: as for
@@ -166,7 +168,27 @@ class SequenceBalancer:
 
     @property
     def topology(self) -> Topology:
-        return self.balancer.topology
+        """The compute bags: the constructor's, or under ``"auto"`` the latest plan's (the
+        planner chooses each step's; a `KnapformerError` before the first plan)."""
+        if self.balancer.auto is None:
+            return self.balancer.topology
+        return as_topology(self._require_auto_plan().topology)
+
+    def _require_auto_plan(self) -> RoutingPlan:
+        plan = self.balancer.last_plan
+        if plan is None:
+            raise KnapformerError(
+                "topology 'auto' chooses each step's bags: they are known once "
+                "plan_routing(...) has been called"
+            )
+        return plan
+
+    def _bags(self) -> list[list[int]]:
+        """GPU ids of each bag, by bag id (under ``"auto"``: the latest plan's bags, in
+        their plan order)."""
+        if self.balancer.auto is None:
+            return self.topology.bags(self.balance_gpu_ids)
+        return [list(b) for b in self._require_auto_plan().bags]
 
     @property
     def this_gpu_id(self) -> int:
@@ -193,7 +215,7 @@ class SequenceBalancer:
     @property
     def parsed_bag_specs(self) -> list[tuple[int, int]]:
         """``(GPUs per bag, number of such bags)``, smallest bags first."""
-        sizes = self.topology.bag_sizes
+        sizes = [len(b) for b in self._bags()]
         return [(g, sizes.count(g)) for g in sorted(set(sizes))]
 
     @property
@@ -205,8 +227,8 @@ class SequenceBalancer:
     def bag_gpu_options2bag_ids(self) -> dict[int, list[int]]:
         """Bag size -> ids of the bags of that size."""
         out: dict[int, list[int]] = {g: [] for g in self.bag_gpu_options}
-        for bag_id, size in enumerate(self.topology.bag_sizes):
-            out[size].append(bag_id)
+        for bag_id, gpus in enumerate(self._bags()):
+            out[len(gpus)].append(bag_id)
         return out
 
     @property
@@ -214,9 +236,9 @@ class SequenceBalancer:
         """Bag id -> its process group, for this rank's own bag of several GPUs; None for a
         bag of one GPU and for the bags this rank is not in (no collective of theirs runs
         here)."""
-        bags = self.topology.bags(self.balance_gpu_ids)
+        bags = self._bags()
         mine = self.balancer.my_bag
-        return {b: (self.balancer.groups.my_bag_group if gpus == mine else None)
+        return {b: (self.balancer.groups.bag_group(mine) if gpus == mine else None)
                 for b, gpus in enumerate(bags)}  # fmt: skip
 
     @property
@@ -236,7 +258,7 @@ class SequenceBalancer:
                 views = self._summary_dict() if name in LEGACY_KEYS else self._plan_views()
                 return views[name]
             if name in ("bag_id2gpu_ids", "gpu_id2bag_id"):  # the bags are known up front
-                bags = self.topology.bags(self.balance_gpu_ids)
+                bags = self._bags()
                 if name == "bag_id2gpu_ids":
                     return dict(enumerate(bags))
                 return {g: b for b, gpus in enumerate(bags) for g in gpus}
@@ -461,7 +483,7 @@ class _UlyssesBag:
 
     def __init__(self, owner: SequenceBalancer, bag_id: int, gpu_ids: list[int]):
         self.bag_id, self.gpu_ids, self.this_gpu_id = bag_id, gpu_ids, owner.this_gpu_id
-        self.process_group = owner.balancer.groups.my_bag_group
+        self.process_group = owner.balancer.groups.bag_group(gpu_ids)
         self.pre_attn, self.post_attn = owner.pre_attn, owner.post_attn
 
 

@@ -22,6 +22,7 @@ from knapformer.compat import (
 )
 from knapformer.contract.legacy import LEGACY_KEYS, plan_from_legacy
 from knapformer.contract.plan import RoutingPlan
+from knapformer.errors import KnapformerError
 from knapformer.planning.planner import plan_routing
 from knapformer.planning.workload import WorkloadModel
 from knapformer.testing.dist_helpers import run_world
@@ -48,7 +49,14 @@ def _attribute_error(fn) -> str:
     return "no error"
 
 
-def _step(bal: SequenceBalancer, rank: int, step: int, as_tensor: bool, lines: LogLines) -> dict:
+def _step(
+    bal: SequenceBalancer,
+    rank: int,
+    step: int,
+    as_tensor: bool,
+    lines: LogLines,
+    heads: int = HEADS,
+) -> dict:
     lens = _lengths(step)[rank]
     given = torch.tensor(lens) if as_tensor else lens  # int64, as the original's test gives
     plan = bal.plan_routing(given, TOKEN_DIM)
@@ -60,7 +68,7 @@ def _step(bal: SequenceBalancer, rank: int, step: int, as_tensor: bool, lines: L
     x = torch.randn(sum(lens), TOKEN_DIM, dtype=torch.float64)
     pos = torch.arange(sum(lens), dtype=torch.int64)
     chunk_lens, y, (y_pos,) = bal.route(x, [pos])
-    q = torch.randn(y.shape[0], HEADS, HEAD_DIM, dtype=torch.float64)
+    q = torch.randn(y.shape[0], heads, HEAD_DIM, dtype=torch.float64)
     attn_lens, q2, _, _ = bal.pre_attn(q, q, q)
     attn_lens_again = bal.pre_attn(q, q, q)[0]
     post_lens, q_back = bal.post_attn(q2)
@@ -291,3 +299,44 @@ def test_print_imbalance_logs_the_current_plans_figures(gloo_results):
             assert float(b) == pytest.approx(st.max_min_after, abs=1e-4)
             texts.append(step["printed"])
         assert texts[0] != texts[1]
+
+
+def _auto_worker(rank: int, world: int) -> dict:
+    lines = capture("knapformer.compat")
+    bal = SequenceBalancer("auto")
+    try:
+        _ = bal.topology
+        before = "no error"
+    except KnapformerError as err:
+        before = str(err)
+    steps = []
+    for step in range(2):
+        out = _step(bal, rank, step, False, lines, heads=WORLD)  # every bag size divides it
+        out |= {
+            "topology": str(bal.topology),
+            "bags": bal.bag_id2gpu_ids,
+            "by_size": bal.bag_gpu_options2bag_ids,
+            "groups": {b: g is not None for b, g in bal.bag_id2process_group.items()},
+        }
+        steps.append(out)
+    bal.close()
+    return {"before": before, "steps": steps}
+
+
+def test_auto_topology_runs_and_its_views_follow_each_plan(tmp_path):
+    """``SequenceBalancer("auto")``: the bags are unknown (a clear error) before the first
+    plan, then every bag view is the latest plan's, and routing round-trips exactly."""
+    results = run_world(_auto_worker, WORLD, tmp_path)
+    for rank, res in enumerate(results):
+        assert "topology 'auto'" in res["before"] and "plan_routing" in res["before"]
+        for out in res["steps"]:
+            plan = out["plan"]
+            assert plan.policy == "auto" and out["topology"] == plan.topology
+            assert out["bags"] == {b: list(g) for b, g in enumerate(plan.bags)}
+            sizes = {g: [b for b, gpus in enumerate(plan.bags) if len(gpus) == g]
+                     for g in sorted({len(gpus) for gpus in plan.bags})}  # fmt: skip
+            assert out["by_size"] == sizes
+            mine = next(b for b, gpus in enumerate(plan.bags) if rank in gpus)
+            multi = {b: b == mine and len(gpus) > 1 for b, gpus in enumerate(plan.bags)}
+            assert out["groups"] == multi
+            assert out["round_trip"] and out["attention_round_trip"] and out["equal_all"]
