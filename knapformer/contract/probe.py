@@ -3,9 +3,10 @@
 A synchronous all-to-all cannot say whose link is slow: every peer waits for the slow
 transfer alike. The probe can. In each round of a round-robin schedule every GPU of the
 balance group exchanges ``bytes`` each way with exactly one partner (or idles, for an odd
-count), and times that exchange alone; rounds are separated by a barrier, so a late rank
-never shows in another pair's time. A slow link then slows every pair of its own rank and
-no other pair, whatever the rank's peers do.
+count) and times that exchange alone: the least of a few back to back, since a rank
+descheduled for a moment slows one of them and a slow link every one. Rounds are
+separated by a barrier, so a late rank never shows in another pair's time. A slow link
+then slows every pair of its own rank and no other pair, whatever the rank's peers do.
 
 The schedule is the circle method: for ``m`` = the GPU count rounded up to even, round
 ``r`` (0 <= r < m - 1) pairs position ``m - 1`` with ``r`` and ``(r + i) mod (m - 1)``
