@@ -453,7 +453,22 @@ def _exchange_across(step: Step, prices: _Prices, floor: float, max_tokens) -> N
     workload, home = step.workload, step.home_bag
     price, load = _priced_loads(step, prices)
     tokens = np.bincount(step.bag, weights=lengths, minlength=num_bags)
-    per = load / weight
+    # One GPU sends a sequence placed away from it, not its bag: a bag's slowest GPU is its
+    # spread load plus the most any of its GPUs sends, less that GPU's share of the sends.
+    src_gpu = step.src_pos
+    away = (step.bag != home) & (home >= 0) & (step.lengths > 0)
+    sent = np.where(away, prices.route(np.arange(len(lengths)), step.bag, home, size, lengths), 0.0)
+    num_gpus = len(layout.shape.bag_of_pos)
+    gpu_sends = np.bincount(src_gpu[away], weights=sent[away], minlength=num_gpus)
+    bag_sends = np.bincount(home[away], weights=sent[away], minlength=num_bags)
+
+    def uneven(bags) -> np.ndarray:
+        most = np.array([gpu_sends[layout.start[b] : layout.start[b] + size[b]].max()
+                         for b in bags])  # fmt: skip
+        return most - bag_sends[bags] / weight[bags]
+
+    extra = np.maximum.reduceat(gpu_sends, layout.start) - bag_sends / weight
+    per = load / weight + extra
     stop = floor * (1 + _AUTO_STOP)
     placed = np.flatnonzero(step.lengths > 0)
     # A stable sort of small ints is a radix sort (the same order, much faster).
@@ -505,7 +520,8 @@ def _exchange_across(step: Step, prices: _Prices, floor: float, max_tokens) -> N
         if not value[i, j] < per[a] * (1 - _TIE):
             break
         dst, before = int(b[j]), per[a]
-        undo = (load.copy(), tokens.copy(), price.copy())
+        undo = (load.copy(), tokens.copy(), price.copy(), gpu_sends.copy(), bag_sends.copy(),
+                extra.copy())  # fmt: skip
         moves = [(int(ma[i]), a, dst), (int(mb[j]), dst, a)]
         touched = {a, dst}
         for seq, src, to in moves:
@@ -520,11 +536,14 @@ def _exchange_across(step: Step, prices: _Prices, floor: float, max_tokens) -> N
             tokens[to] += lengths[seq]
             if home[seq] >= 0:
                 load[home[seq]] += new_sent - old_sent
+                gpu_sends[src_gpu[seq]] += new_sent - old_sent
+                bag_sends[home[seq]] += new_sent - old_sent
                 touched.add(int(home[seq]))
         touched_list = list(touched)
-        new_per = load[touched_list] / weight[touched_list]
+        extra[touched_list] = uneven(touched_list)
+        new_per = load[touched_list] / weight[touched_list] + extra[touched_list]
         if new_per.max() >= before * (1 - _TIE):  # a home bag rose to the top: undo, stop
-            load, tokens, price = undo
+            load, tokens, price, gpu_sends, bag_sends, extra = undo
             break
         for seq, src, to in moves:
             if seq >= 0:
