@@ -393,8 +393,9 @@ def _pour(pool, step: Step, load: np.ndarray, prices: _Prices) -> np.ndarray:
     return load + np.bincount(home[home >= 0], weights=sent[home >= 0], minlength=len(load))
 
 
-def _priced_loads(step: Step, prices: _Prices) -> tuple[np.ndarray, np.ndarray]:
-    """(price (n,) of each sequence in its bag (0 while unplaced), priced load (num_bags,)):
+def _priced_loads(step: Step, prices: _Prices) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(price (n,) of each sequence in its bag (0 while unplaced), priced load (num_bags,),
+    sent (n,): what each sequence placed away from its home bag costs that bag to send):
     ``W + k_g*L`` plus the route its receivers pay (twice at home, where the bag also sends),
     and each home bag the sending of its sequences placed away."""
     layout, home = step.layout, step.home_bag
@@ -407,8 +408,9 @@ def _priced_loads(step: Step, prices: _Prices) -> tuple[np.ndarray, np.ndarray]:
     price = step.workload + prices.kappa[bag] * lengths + np.where(away, route, 2 * route)
     price[~placed] = 0.0
     load = np.bincount(bag, weights=price, minlength=num_bags)
-    load += np.bincount(home[away], weights=route[away], minlength=num_bags)
-    return price, load
+    sent = np.where(away, route, 0.0)
+    load += np.bincount(np.maximum(home, 0), weights=sent, minlength=num_bags)
+    return price, load, sent
 
 
 def _shave(step: Step, prices: _Prices) -> np.ndarray:
@@ -417,7 +419,7 @@ def _shave(step: Step, prices: _Prices) -> np.ndarray:
     bulk passes of a large step leave whole size classes above or below the mean, which a
     few exchanges cannot even out. Returns them, unplaced (bag -1), heaviest first."""
     layout = step.layout
-    price, load = _priced_loads(step, prices)
+    price, load, _ = _priced_loads(step, prices)
     mean = float(load.sum() / layout.weight.sum())
     excess = load - mean * layout.weight
     movable = (step.lengths >= layout.class_size[-1]) & (step.bag >= 0)
@@ -451,16 +453,14 @@ def _exchange_across(step: Step, prices: _Prices, floor: float, max_tokens) -> N
         return
     lengths = step.lengths.astype(np.float64)
     workload, home = step.workload, step.home_bag
-    price, load = _priced_loads(step, prices)
+    price, load, sent = _priced_loads(step, prices)
     tokens = np.bincount(step.bag, weights=lengths, minlength=num_bags)
     # One GPU sends a sequence placed away from it, not its bag: a bag's slowest GPU is its
     # spread load plus the most any of its GPUs sends, less that GPU's share of the sends.
     src_gpu = step.src_pos
-    away = (step.bag != home) & (home >= 0) & (step.lengths > 0)
-    sent = np.where(away, prices.route(np.arange(len(lengths)), step.bag, home, size, lengths), 0.0)
     num_gpus = len(layout.shape.bag_of_pos)
-    gpu_sends = np.bincount(src_gpu[away], weights=sent[away], minlength=num_gpus)
-    bag_sends = np.bincount(home[away], weights=sent[away], minlength=num_bags)
+    gpu_sends = np.bincount(np.maximum(src_gpu, 0), weights=sent, minlength=num_gpus)
+    bag_sends = np.bincount(np.maximum(home, 0), weights=sent, minlength=num_bags)
 
     def uneven(bags) -> np.ndarray:
         most = np.array([gpu_sends[layout.start[b] : layout.start[b] + size[b]].max()

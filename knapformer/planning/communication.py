@@ -198,9 +198,9 @@ def communication_loads(comm, token_dim, scale, group_size, tokens_after, src, d
     each chunk's source and destination GPU positions and tokens. The planner prices its
     candidate partitions with it before a plan exists (`plan_cost` for a plan)."""
     n = len(group_size)
-    per_size = {int(g): comm.ulysses_per_token(token_dim, int(g), scale)
-                for g in np.unique(group_size)}  # fmt: skip
-    per_token = np.array([per_size[int(g)] for g in group_size]) if n else np.zeros(0)
+    sizes, size_of = np.unique(np.asarray(group_size), return_inverse=True)
+    per_size = np.array([comm.ulysses_per_token(token_dim, int(g), scale) for g in sizes])
+    per_token = per_size[size_of] if n else np.zeros(0)
     ulysses = per_token * tokens_after  # a link's speed does not follow the GPU's
     away = src != dst
     src, dst, length = src[away], dst[away], np.asarray(length)[away].astype(np.float64)
