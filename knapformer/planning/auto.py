@@ -59,9 +59,11 @@ def solve_auto(lengths, workload, src_pos, speed, max_tokens, solve_fixed, model
     minimising the modelled step time: the slowest GPU's compute + Ulysses + route
     (`_modelled_makespan`).
 
-    Candidates: the mixed partitions of `mixed_partitions`, each solved as one problem
-    over all its bags (`_solve_mixed`), and the whole-family layouts gXnY, solved exactly
-    as a fixed topology is (the chosen solver, compute-only): the step is then never
+    Candidates: the mixed partitions of `mixed_partitions` (every one in a small step, the
+    cheapest in a large one), each solved as one problem over all its bags (`_solve_mixed`;
+    in a small step the best is then refined GPU by GPU, `_refine`), and the whole-family
+    layouts gXnY, solved by ``solve_fixed(shape)`` exactly as a fixed topology is (the
+    chosen solver, compute-only; the planner's, handed in): the step is then never
     slower than under the best fixed layout of the family. A fixed layout whose floor
     with Ulysses (max(total / N, largest sequence / g), a lower bound on its modelled
     time) cannot beat the best found is not solved. Ties (within 1e-9) go to the fewer

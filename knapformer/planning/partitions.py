@@ -14,8 +14,10 @@ per token, `CommModel.ulysses_per_token`), spread evenly over the group's GPUs. 
 target per-GPU time T every sequence takes the smallest group size that brings it under
 T; the GPUs each size needs follow, short sequences fill what rounding to whole groups
 leaves over in the big groups, and the smallest T whose GPUs fit the group is found by
-bisection (only the few sequences above the mean take part in it). The planner solves
-these beside the whole-family layouts (``gXnY``) and keeps the best (planner.py).
+bisection (only the few sequences above the mean take part in it). Variants merge the
+largest groups in pairs and pack the lower classes' long sequences into their room
+(`_absorb`). The auto solver solves these beside the whole-family layouts (``gXnY``) and
+keeps the best (auto.py).
 """
 
 from __future__ import annotations
@@ -149,9 +151,10 @@ def mixed_partitions(
     eff: np.ndarray | None = None,
 ) -> list[Candidate]:
     """Mixed partitions worth solving for this step (none when one group size is best for
-    every sequence): the bisection's (module doc), and the same with the groups of its
-    largest size merged in pairs (fewer, larger groups: coarse sequences share them).
-    Deterministic.
+    every sequence): the bisection's (module doc), the same with the groups of its
+    largest size merged in pairs (fewer, larger groups: coarse sequences share them), and
+    the merged groups packed with the lower classes' long sequences (`_absorb`), cheapest
+    first by the work each costs at the bisection's time. Deterministic.
 
     ``workload``, ``lengths``, ``src_pos`` (n,): each sequence's compute, tokens and source
     GPU position; ``per_token[g]``: Ulysses cost per token in a g-GPU group; ``eff``: their
@@ -177,8 +180,9 @@ def mixed_partitions(
 
 
 def _mixed(eff, size, lengths, num_gpus, sizes, whole):
-    """Group counts per size of the best mixed partition by the bisection of the module doc
-    and each sequence's size class, or None."""
+    """(group counts per size, each sequence's size class) of the bisection's partition
+    and of its variants (`mixed_partitions`), cheapest first; None when no mixed partition
+    is worth solving."""
     if len(sizes) < 2 or not whole or eff.shape[1] == 0:
         return None
     per_gpu = eff / size[:, None]
