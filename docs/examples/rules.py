@@ -37,7 +37,7 @@ def straggler_rules() -> Table:
     table.add_row(
         "link_bandwidth",
         f"{THRESHOLDS.link_bandwidth:g}",
-        "link probe: relative bandwidth (1 = its peers' links) at or below which a probe is slow",
+        "link probe: fastest link over the group's at or below which a probe is slow",
     )
     table.add_row(
         "min_probes", f"{THRESHOLDS.min_probes}", "link probes before a rank can be slow_link"

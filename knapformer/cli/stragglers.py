@@ -134,6 +134,9 @@ def _table(report: StragglerReport) -> Table:
         table.add_column(name, justify="right" if name != "verdict" else "left")
     for name in ("compute\n(ms)", "rate\n(× group)", "wait\n(ms)", "times\nlast", "steps"):
         table.add_column(name, justify="right")
+    probed = any(r.probes for r in report.ranks)
+    if probed:  # only runs with the link probe have the figure
+        table.add_column("link\n(× peers)", justify="right")
     shown = report.ranks if len(report.ranks) <= _ALL_RANKS_UP_TO else report.named
     for r in shown:
         style = "bold red" if r.verdict.startswith("slow_") else None
@@ -148,6 +151,7 @@ def _table(report: StragglerReport) -> Table:
             _fmt(r.wait_ms),
             str(r.last_arrivals),
             str(r.steps),
+            *([_fmt(r.link_bandwidth, ".2f")] if probed else []),
             style=style,
         )
     return table
@@ -190,8 +194,8 @@ def _summary(report: StragglerReport, measured: int) -> str:
         f"verdicts (each needs its figure in ≥ {th.persistence:.0%} of steps, and costing "
         f"≥ {th.material:.0%} of the step): slow_gpu when the rate (affine model) is "
         f"≥ {th.slow_ratio:g}× the group's; slow_host / slow_input when host work / the wait "
-        "for data exceed the group's median; slow_link when the link probe shows its links "
-        f"moving ≤ {th.link_bandwidth:g}× its peers' bandwidth in ≥ {th.min_probes} probes (an "
+        "for data exceed the group's median; slow_link when in the link probe its fastest link "
+        f"moves ≤ {th.link_bandwidth:g}× the group's, in ≥ {th.min_probes} probes (an "
         "exchange scope, the group's routing or one bag's Ulysses exchanges, when its time "
         f"with nobody waiting is ≥ {th.link_cost:g}× the compute it serves); layout_floor / "
         "data_imbalance when the predicted load "

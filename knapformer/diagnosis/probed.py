@@ -1,70 +1,52 @@
 """Whose link is slow: each rank's bandwidth in the link probe, relative to the group's.
 
 The link probe (`knapformer.contract.probe`) times pairs of ranks that exchange alone, so
-a slow link slows exactly the pairs of its own rank. For a rank ``r`` and a probed step,
-each of its pairs is compared with the typical pair of the same kind (inside a node, or
-across nodes) that ``r`` takes no part in: the median bandwidth of those pairs over the
-window, so that ``r``'s own slowness never sets its reference. The rank's **relative
-bandwidth** in the step is the median over its pairs of that ratio (1 = as fast as its
-peers' links; 0.1 = a tenth of it).
+a slow link slows exactly the pairs of its own rank. Per probed step and per kind of
+link (inside a node, across nodes), a rank's **best link** is the fastest of its pairs
+of that kind, and its **relative bandwidth** is that over the median of every rank's
+best link of the kind (the least over the kinds it has pairs of): 1 = as fast as the
+group's links, 0.1 = a tenth of it.
 
-Why this localises: a healthy rank meets the slow one in at most one pair per round, so
-its median stays near 1, while every pair of the slow rank is slow. With two ranks there
-is one pair and nothing to compare it with (NaN): the probe cannot say which end is
-slow, and no rank is named. A GPU count of 3 or more can.
+Why the best link: a healthy rank has at least one healthy partner in a probe of three or
+more ranks, so its best link is a healthy one, while every pair of the slow rank is slow
+and so is its best. Noise only ever slows a pair (a descheduled end), which the best
+link of a healthy rank shrugs off. With two ranks both have the same single pair: the
+probe cannot say which end is slow, both come out 1, and no rank is named.
 
 Pure numpy over `knapformer.diagnosis.measured.RankFigures`.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 
 import numpy as np
 
 from knapformer.diagnosis.measured import RankFigures
 
-#: Above this many ranks, a rank's pairs are a negligible share of all pairs: the
-#: reference is then the median of every pair of the kind, which is far cheaper.
-_EXACT_UP_TO = 32
-
 
 def relative_bandwidth(figures: Sequence[RankFigures], ranks: np.ndarray) -> np.ndarray:
-    """(r, s) each rank's relative bandwidth (the module doc) in each step of
-    ``figures``; NaN where the step ran no probe, the rank had no pair in it, or no pair
-    without it is known."""
+    """(r, s) each rank's relative bandwidth (the module doc) in each step of ``figures``
+    for ``ranks`` (sorted); NaN where the step ran no probe or the rank had no pair."""
     out = np.full((len(ranks), len(figures)), np.nan)
-    probed = [(s, f.probed) for s, f in enumerate(figures) if f.probed is not None]
-    if not probed:
-        return out
-    step = np.concatenate([np.full(len(p.a), s) for s, p in probed])
-    a = np.concatenate([p.a for _, p in probed])
-    b = np.concatenate([p.b for _, p in probed])
-    cross = np.concatenate([p.cross_node for _, p in probed])
-    gbps = np.concatenate([p.gbps for _, p in probed])
-    known = np.isfinite(gbps)
-    step, a, b, cross, gbps = step[known], a[known], b[known], cross[known], gbps[known]
-    exact = len(ranks) <= _EXACT_UP_TO
-    overall = {kind: _median(gbps[cross == kind]) for kind in (False, True)}
-    for i, rank in enumerate(ranks.tolist()):
-        mine = (a == rank) | (b == rank)
-        if not mine.any():
+    for s, f in enumerate(figures):
+        p = f.probed
+        if p is None or not len(p.a):
             continue
-        if exact:
-            reference = {kind: _median(gbps[~mine & (cross == kind)]) for kind in (False, True)}
-        else:
-            reference = overall
-        ref = np.where(cross[mine], reference[True], reference[False])
-        ratio = gbps[mine] / ref
-        for s in np.unique(step[mine]):
-            values = ratio[step[mine] == s]
-            if np.isfinite(values).any():
-                out[i, s] = np.nanmedian(values)
+        gbps = p.gbps
+        for kind in (False, True):
+            take = (p.cross_node == kind) & np.isfinite(gbps)
+            if not take.any():
+                continue
+            best = np.full(len(ranks), -np.inf)
+            for end in (p.a[take], p.b[take]):
+                at = np.searchsorted(ranks, end).clip(max=len(ranks) - 1)
+                known = ranks[at] == end  # a rank outside ``ranks`` is not this analysis's
+                np.maximum.at(best, at[known], gbps[take][known])
+            has = np.isfinite(best)
+            reference = float(np.median(best[has]))
+            if reference <= 0:
+                continue
+            relative = np.where(has, best / reference, np.nan)
+            out[:, s] = np.fmin(out[:, s], relative)  # the worse kind; NaN: the other's
     return out
-
-
-def _median(values: np.ndarray) -> float:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # no pair of the kind: NaN
-        return float(np.median(values)) if values.size else float("nan")

@@ -17,10 +17,10 @@ threshold in at least `Thresholds.persistence` of the rank's steps, median inclu
   the group's median by `Thresholds.material` of the step.
 - ``slow_input``: its wait for the next batch (``data`` phase) exceeds the group's
   median by `Thresholds.material` of the step.
-- ``slow_link``: the link probe (`knapformer.contract.probe`, when the balancer runs
-  it) shows the rank's links moving at most `Thresholds.link_bandwidth` of the
-  bandwidth of its peers' links of the same kind (`knapformer.diagnosis.probed`), in at
-  least `Thresholds.min_probes` probes. Only the probe can name a rank: in an all-to-all
+- ``slow_link``: in the link probe (`knapformer.contract.probe`, when the balancer runs
+  it) even the rank's fastest link moves at most `Thresholds.link_bandwidth` of what
+  the group's typical rank's fastest link of the same kind moves
+  (`knapformer.diagnosis.probed`), in at least `Thresholds.min_probes` probes. Only the probe can name a rank: in an all-to-all
   every peer waits for a slow link alike. Without it, the timings still say which
   **exchange scope** is slow (`LinkVerdict`: the group's routing all-to-alls, or one
   bag's Ulysses exchanges, whose no-wait time, the least any of its ranks spent in each,
@@ -93,10 +93,10 @@ class Thresholds:
     #: as the compute it serves) names no healthy scope, at the price of missing milder
     #: links. A bag across nodes may be this slow by design (then the layout is to change)
     link_cost: float = 1.0
-    #: relative bandwidth in the link probe (1 = as fast as its peers' links of the same
-    #: kind) at or below which a probe counts as slow for a rank: a link at half speed or
-    #: worse. Probe noise on a loaded CPU host moves single pairs by 2-10x, single ranks'
-    #: medians by well under 2x
+    #: relative bandwidth in the link probe (its fastest link over the group's typical
+    #: fastest link of the same kind) at or below which a probe counts as slow for a rank:
+    #: a link at half speed or worse. Noise only slows pairs (a descheduled end), which a
+    #: healthy rank's fastest link shrugs off
     link_bandwidth: float = 0.5
     #: probes a rank needs before it can be named ``slow_link`` (as many as steps for
     #: any other verdict: two probes, one of them noisy, would split the vote)
@@ -332,8 +332,8 @@ def describe(r: RankVerdict) -> str:
         )
     elif r.verdict == "slow_link":
         why = (
-            f"its links move {r.link_bandwidth:.2f}× the bandwidth of its peers' (link "
-            f"probe), in {r.slow_probes} of {r.probes} probes"
+            f"its fastest link moves {r.link_bandwidth:.2f}× the group's (link probe), in "
+            f"{r.slow_probes} of {r.probes} probes"
         )
     elif r.verdict == "layout_floor":
         why = (

@@ -245,6 +245,9 @@ def train(
             balancer.add_timing("optimizer", (done - opt_start) * 1e3)
 
             if report is not None:
+                # Host work of the reporting rank alone (the plan's stats, the message to
+                # the launcher): timed as `host`, or it would read as this rank's compute.
+                report_start = time.perf_counter()
                 stats = plan.stats
                 world_elems = group_elems * balancer.num_replicas
                 report(
@@ -259,6 +262,7 @@ def train(
                         times=dict(balancer.timings),
                     )
                 )
+                balancer.add_timing("host", (time.perf_counter() - report_start) * 1e3)
             step += 1
             if flat[-1] > 0:
                 break

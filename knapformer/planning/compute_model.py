@@ -68,9 +68,10 @@ TOLERANCE = 1.15
 #: (noise), and once the history cost model has equalised every rank's compute, a huge
 #: overhead would "explain" equal times for unequal work and hide the slow rank.
 MAX_OVERHEAD = 3.0
-#: A rank whose rate is this far from the group's (slower or faster) in a step departs
-#: from it in that step: above the step-to-step noise of a busy host (tens of %), below
-#: an injected or real slowdown worth acting on. The straggler diagnosis's `slow_ratio`.
+#: A rank whose compute is this far from what the group's line predicts for its work
+#: (slower or faster) in a step departs from the group in that step: above the
+#: step-to-step noise of a busy host (tens of %), below an injected or real slowdown worth
+#: acting on. The straggler diagnosis's `slow_ratio` (there, of the rate).
 DEPARTURE = 1.3
 #: The share of a window's steps a rank must depart in (the same way) before its speed
 #: is taken for other than nominal; and the fewest steps that can show it.
@@ -96,6 +97,7 @@ class ComputeFit:
     rate_steps: np.ndarray  # (r, s) the rate in each step
     predicted_ms: np.ndarray  # (r, s) compute a rank at the group's rate would take
     agrees: np.ndarray | None = None  # (r,) bool: on the group's line (within TOLERANCE)
+    cost_steps: np.ndarray | None = None  # (r, s) measured / predicted compute in each step
 
     @property
     def speed(self) -> np.ndarray:
@@ -108,27 +110,45 @@ class ComputeFit:
 
     @property
     def departs(self) -> np.ndarray:
-        """(r,) bool: the rank's rate departs from the group's by `DEPARTURE` (the same
-        way) in at least `PERSISTENCE` of its rated steps, at least `MIN_STEPS` of them,
-        and in its median: a difference the window shows, not noise of a few steps."""
-        rate = self.rate_steps
-        counted = np.isfinite(rate).sum(axis=1)
-        with np.errstate(invalid="ignore"):
-            slow = (rate >= DEPARTURE).sum(axis=1), self.rate >= DEPARTURE
-            fast = (rate <= 1 / DEPARTURE).sum(axis=1), self.rate <= 1 / DEPARTURE
-        enough = (counted >= MIN_STEPS) & np.isfinite(self.rate)
-        need = PERSISTENCE * np.maximum(counted, 1)
-        return enough & (((slow[0] >= need) & slow[1]) | ((fast[0] >= need) & fast[1]))
+        """(r,) bool: the rank's compute departs from what the group's line predicts for
+        its work by `DEPARTURE` (the same way) in at least `PERSISTENCE` of its measured
+        steps, at least `MIN_STEPS` of them, and in its median: a difference the window
+        shows, not noise of a few steps.
+
+        Judged on the compute, not on the rate: a rank's rate is its compute less the
+        overhead, over its work, so the step-to-step noise of a lightly loaded rank's
+        compute shows in its rate magnified by (overhead + work) / work (1.6x for a rank
+        given 60 % of the median work at the demo's overhead). On 4 ranks of g1n2+g2n1, a
+        20 % noise of a 1-GPU bag's compute made its rate depart in 2 of 10 clean runs."""
+        if self.cost_steps is None:  # a fit made by hand, without them: the rate
+            return self.rate_departs
+        return _persistent(self.cost_steps, self.cost)
+
+    @property
+    def rate_departs(self) -> np.ndarray:
+        """(r,) bool: as `departs`, of the rate: the rank's time per unit of work departs
+        from the group's. What keeps a rank learnt slow (`learnt`): once the planner gives
+        it less work, its compute nears the group's and no longer departs, its rate does."""
+        return _persistent(self.rate_steps, self.rate)
 
     @property
     def learnt_speed(self) -> np.ndarray:
+        """(r,) the speed the history cost model plans with, for a window seen alone:
+        `learnt` with no rank learnt slow before."""
+        return self.learnt(None)
+
+    def learnt(self, slow_before: np.ndarray | None) -> np.ndarray:
         """(r,) the speed the history cost model plans with: the inverse of the rate for a
-        rank that `departs` from the group as slower, 1 for every other. A window too
-        short or too noisy to tell a rank apart leaves it nominal, so a healthy rank is
-        never fed by the noise of a few steps. Never faster than 1: on measured runs a
-        "fast" rank was a lightly loaded one whose fixed overhead the window could not
+        rank slower than the group that `departs` from it, or that was learnt slow before
+        (``slow_before``, (r,) bool) and whose rate still departs; 1 for every other. A
+        window too short or too noisy to tell a rank apart leaves it nominal, so a healthy
+        rank is never fed by the noise of a few steps. Never faster than 1: on measured runs
+        a "fast" rank was a lightly loaded one whose fixed overhead the window could not
         separate, and feeding it more work would make it the straggler."""
-        return np.where(self.departs & (self.speed < 1.0), self.speed, 1.0)
+        slow = self.departs
+        if slow_before is not None:
+            slow = slow | (np.asarray(slow_before, dtype=bool) & self.rate_departs)
+        return np.where(slow & (self.speed < 1.0), self.speed, 1.0)
 
     def as_dict(self) -> dict:
         """Plain JSON-ready values (NaN as None)."""
@@ -161,7 +181,7 @@ def fit_compute(work: ArrayLike, compute_ms: ArrayLike) -> ComputeFit:
         nan_r, nan_s = np.full(r, np.nan), np.full(s, np.nan)
         return ComputeFit(0.0, 0.0, False, "no measured step", nan_s, nan_r, nan_r,
                           np.full((r, s), np.nan), np.full((r, s), np.nan),
-                          np.zeros(r, dtype=bool))  # fmt: skip
+                          np.zeros(r, dtype=bool), np.full((r, s), np.nan))  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN rows: NaN, on purpose
         work_r, compute_r = np.nanmedian(w, axis=1), np.nanmedian(c, axis=1)  # (r,)
@@ -185,7 +205,8 @@ def fit_compute(work: ArrayLike, compute_ms: ArrayLike) -> ComputeFit:
         predicted = scale * (overhead + w)  # (r, s)
         rate_steps = (c / scale - overhead) / w
         rate = np.nanmedian(rate_steps, axis=1)
-        cost = np.nanmedian(c / predicted, axis=1)
+        cost_steps = c / predicted
+        cost = np.nanmedian(cost_steps, axis=1)
         overhead_ms = float(np.nanmedian(scale * overhead))
     note = (
         f"overhead {overhead_ms:.3g} ms per step, fitted on the line {int(agrees.sum())} of "
@@ -205,7 +226,21 @@ def fit_compute(work: ArrayLike, compute_ms: ArrayLike) -> ComputeFit:
         rate_steps=rate_steps,
         predicted_ms=predicted,
         agrees=agrees,
+        cost_steps=cost_steps,
     )
+
+
+def _persistent(figure: np.ndarray, median: np.ndarray) -> np.ndarray:
+    """(r,) bool: ``figure`` (r, s), a rank's ratio to the group's in each step, is at
+    least `DEPARTURE` (or at most its inverse) in `PERSISTENCE` of the rank's finite
+    steps, at least `MIN_STEPS` of them, and ``median`` (r,) is too, the same way."""
+    counted = np.isfinite(figure).sum(axis=1)
+    with np.errstate(invalid="ignore"):
+        slow = (figure >= DEPARTURE).sum(axis=1), median >= DEPARTURE
+        fast = (figure <= 1 / DEPARTURE).sum(axis=1), median <= 1 / DEPARTURE
+    enough = (counted >= MIN_STEPS) & np.isfinite(median)
+    need = PERSISTENCE * np.maximum(counted, 1)
+    return enough & (((slow[0] >= need) & slow[1]) | ((fast[0] >= need) & fast[1]))
 
 
 def _spread(work: np.ndarray) -> float:

@@ -7,11 +7,12 @@ Each measured step gives every GPU a point: the work its plan gave it
 ``compute`` (ms; `knapformer.runtime.timing`). Over the last ``window`` steps the affine
 compute model (`knapformer.planning.compute_model.fit_compute`: a fixed overhead shared by
 the group plus a rate per GPU) is fitted, and a GPU's speed is the inverse of its rate
-relative to the group's once it departs from it persistently (`ComputeFit.learnt_speed`:
-by 30 % in 3 of 4 of at least 5 of the window's steps; until then it stays 1), rounded to two
-significant digits and kept within ``bounds`` (steady plans; the same number in JSON and
-on every rank). During the first ``warmup`` measured steps nothing is learnt and the
-planner assumes nominal speeds.
+relative to the group's once its compute departs from the group's line persistently
+(`ComputeFit.learnt`: by 30 % in 3 of 4 of at least 5 of the window's steps; until then it
+stays 1), and for as long after as its rate departs (given less work, its compute nears
+the others' while its rate stays), rounded to two significant digits and kept within
+``bounds`` (steady plans; the same number in JSON and on every rank). During the first
+``warmup`` measured steps nothing is learnt and the planner assumes nominal speeds.
 
 Why affine: every step has a fixed cost (launches, norms, the optimizer, Python). Divided
 by the work (a line through the origin) it makes a lightly loaded GPU look slow, which the
@@ -78,6 +79,8 @@ class SpeedHistory:
         self._work: dict[int, np.ndarray] = {}  # per step, until it is learnt
         self._compute: dict[int, np.ndarray] = {}
         self._learnt_upto = -1
+        self._speeds: list[float] | None = None  # learnt after the latest observed step
+        self._slow = np.zeros(num_gpus, dtype=bool)  # GPUs learnt slower than the group
 
     def planned(self, step: int, work: ArrayLike) -> None:
         """The workload (num_gpus,) the plan of ``step`` gave each GPU (`step_work`)."""
@@ -115,18 +118,23 @@ class SpeedHistory:
             return
         self._recent.append((np.where(valid, work, np.nan), np.where(valid, compute, np.nan)))
         self.observed += 1
+        if self.observed >= max(self.warmup, 1):
+            self._learn()
+
+    def _learn(self) -> None:
+        """Fit the window; a GPU learnt slow stays so while its rate departs."""
+        work = np.stack([w for w, _ in self._recent], axis=1)  # (num_gpus, steps)
+        compute = np.stack([c for _, c in self._recent], axis=1)
+        speed = fit_compute(work, compute).learnt(self._slow)
+        low, high = self.bounds
+        rounded = [min(max(float(f"{s:.2g}"), low), high) for s in speed]
+        self._slow = np.asarray(rounded) < 1.0
+        self._speeds = None if all(s == 1.0 for s in rounded) else rounded
 
     def speeds(self) -> list[float] | None:
         """Each GPU's speed (1 = the median GPU), or None while warming up or when every
         GPU comes out nominal."""
-        if self.observed < max(self.warmup, 1):
-            return None
-        work = np.stack([w for w, _ in self._recent], axis=1)  # (num_gpus, steps)
-        compute = np.stack([c for _, c in self._recent], axis=1)
-        speed = fit_compute(work, compute).learnt_speed
-        low, high = self.bounds
-        rounded = [min(max(float(f"{s:.2g}"), low), high) for s in speed]
-        return None if all(s == 1.0 for s in rounded) else rounded
+        return None if self._speeds is None else list(self._speeds)
 
 
 def step_work(plan: RoutingPlan) -> np.ndarray:
