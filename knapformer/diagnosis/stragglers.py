@@ -20,12 +20,12 @@ threshold in at least `Thresholds.persistence` of the rank's steps, median inclu
 - ``slow_link``: in the link probe (`knapformer.contract.probe`, when the balancer runs
   it) even the rank's fastest link moves at most `Thresholds.link_bandwidth` of what
   the group's typical rank's fastest link of the same kind moves
-  (`knapformer.diagnosis.probed`), in at least `Thresholds.min_probes` probes. Only the probe can name a rank: in an all-to-all
-  every peer waits for a slow link alike. Without it, the timings still say which
-  **exchange scope** is slow (`LinkVerdict`: the group's routing all-to-alls, or one
-  bag's Ulysses exchanges, whose no-wait time, the least any of its ranks spent in each,
-  is at least `Thresholds.link_cost` times the longest compute it serves), not whose
-  link it is.
+  (`knapformer.diagnosis.probed`), in at least `Thresholds.min_probes` probes. Only the
+  probe can name a rank: in an all-to-all every peer waits for a slow link alike.
+  Without it, the timings still say which **exchange scope** is slow (`LinkVerdict`:
+  the group's routing all-to-alls, or one bag's Ulysses exchanges, whose no-wait time,
+  the least any of its ranks spent in each, is at least `Thresholds.link_cost` times the
+  longest compute it serves), not whose link it is.
 - ``layout_floor``: its predicted load is at least `Thresholds.heavy_load` times the
   ideal because it holds the step's layout floor: a sequence no bag of this topology can
   split further. Only other bags help (``knapformer suggest``).
