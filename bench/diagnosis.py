@@ -54,6 +54,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 from footer import print_load, print_targets
 from rich.console import Console
 from rich.table import Table
@@ -99,6 +100,8 @@ class Outcome:
     # scope the injected rank is not in)
     worst_speed: float  # largest |1 - learnt speed| of a healthy rank, over the run
     seconds: float
+    step_ms: float  # median step (ms), median over ranks
+    probe_ms: float  # median time in the link probe per step, median over ranks
 
     @property
     def hit(self) -> bool:
@@ -163,7 +166,11 @@ def run(case: Case, steps: int, out: Path) -> Outcome:
         (abs(1 - s[r]) for s in recorded_speeds(plans).values() if s for r in healthy),
         default=0.0,
     )
-    return Outcome(case, first, final, alarms, worst, seconds)
+    step_ms, probe_ms = (
+        float(np.median([np.median(p.measurements.per_rank_ms.get(phase, [0.0])) for p in plans]))
+        for phase in ("step", "probe")
+    )
+    return Outcome(case, first, final, alarms, worst, seconds, step_ms, probe_ms)
 
 
 def main() -> int:
@@ -199,7 +206,8 @@ def _runs_table(outcomes: list[Outcome]) -> Table:
     table = Table(
         title="each run: the injected rank, what the diagnosis said", title_justify="left"
     )
-    for col in ("run", "expected", "named after", "at the end", "false alarms", "speed off 1"):
+    for col in ("run", "expected", "named after", "at the end", "false alarms", "speed off 1",
+                "step (ms)", "probe (ms)"):  # fmt: skip
         table.add_column(col, justify="left" if col in ("run", "expected") else "right")
     for o in outcomes:
         table.add_row(
@@ -209,6 +217,8 @@ def _runs_table(outcomes: list[Outcome]) -> Table:
             o.final,
             ", ".join(map(str, sorted(o.alarms))) or "none",
             f"{o.worst_speed:.0%}",
+            f"{o.step_ms:.0f}",
+            f"{o.probe_ms:.1f}",
             style=None if (o.hit or o.case.kind is None) and not o.alarms else "red",
         )
     return table
