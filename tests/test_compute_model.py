@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from knapformer.planning.compute_model import SEPARATION, fit_compute
+from knapformer.planning.compute_model import DEPARTURE, SEPARATION, fit_compute
 
 
 def _window(rates, work, overhead_ms=20.0, ms_per_work=100.0, noise=0.03, load=None, seed=0):
@@ -109,3 +109,35 @@ def test_a_healthy_demo_shaped_window_names_nobody_and_learns_nominal_speeds():
         fit = fit_compute(*_measured_shape(seed, steps=8, noise=0.1, slow=1.0))
         assert (fit.speed == 1.0).sum() >= 3
         assert np.all(fit.rate < 1.3)
+
+
+def _light_rank_window(excess: float, steps: int = 8):
+    """5 ranks, two lightly loaded (0.6 and 0.55 of the median work, as the 1-GPU bags of
+    the demo's g1n2+g2n1), with a fixed overhead of 0.4 work units. Rank 0's compute is
+    ``excess`` times the group's line in every step but the first."""
+    work = np.tile(np.array([0.6, 0.55, 1.0, 1.4, 1.4])[:, None], (1, steps))
+    compute = 30.0 * (0.4 + work)
+    compute[0, 1:] *= excess
+    return work, compute
+
+
+def test_a_light_ranks_compute_noise_is_not_taken_for_a_slow_rate():
+    # Its rate is its compute less the overhead over its small work: a 25 % excess of
+    # compute reads as a rate of 1.4. The compute does not depart by 30 %: nominal.
+    fit = fit_compute(*_light_rank_window(1.25))
+    assert fit.rate[0] > DEPARTURE and fit.rate_departs[0]
+    assert not fit.departs.any()
+    assert fit.learnt_speed.tolist() == [1.0] * 5
+    # A rank whose compute departs (1.5x) is learnt, at the inverse of its rate.
+    fit = fit_compute(*_light_rank_window(1.5))
+    assert fit.departs.tolist() == [True, False, False, False, False]
+    assert fit.learnt_speed[0] == pytest.approx(1 / fit.rate[0])
+    assert fit.learnt_speed[0] < 0.6
+
+
+def test_a_rank_learnt_slow_stays_learnt_while_its_rate_departs():
+    fit = fit_compute(*_light_rank_window(1.25))  # the rate departs, the compute does not
+    held = fit.learnt(np.array([True, False, False, False, False]))
+    assert held[0] == pytest.approx(1 / fit.rate[0]) and held[0] < 0.8
+    assert held[1:].tolist() == [1.0] * 4
+    assert fit.learnt(np.array([False, True, False, False, False])).tolist() == [1.0] * 5

@@ -14,6 +14,7 @@ from knapformer.planning.datamix import parse_mix, sample_lengths
 from knapformer.planning.history import (
     LAG_STEPS,
     SPEED_BOUNDS,
+    WINDOW_STEPS,
     SpeedHistory,
     recorded_speeds,
     step_work,
@@ -85,6 +86,30 @@ def test_a_window_too_short_or_too_noisy_to_tell_leaves_every_gpu_nominal():
         compute[step % 4] *= 1.6
         noisy.observe(work, compute)
         assert noisy.speeds() is None, step
+
+
+def test_a_slow_gpu_given_less_work_stays_learnt():
+    # compute = 10 x (overhead 2 + rate x work); GPU 2 runs at rate 2.5. Given its share,
+    # its compute is 1.5x what its work predicts: learnt, at 1 / 2.5. Given less work
+    # (as the planner then does), its compute is only 1.25x the prediction, which alone
+    # would not be learnt, but its rate still departs, so it stays learnt: the planner
+    # does not hand the work back and take it away again.
+    def compute(work):
+        return 10.0 * (2.0 + np.array([1.0, 1.0, 2.5, 1.0]) * work)
+
+    shared, relieved = np.array([1.0, 0.5, 1.0, 1.5]), np.array([1.0, 0.5, 0.4, 1.5])
+    history = SpeedHistory(4, warmup=1)
+    for _ in range(MIN_STEPS):
+        history.observe(shared, compute(shared))
+    learnt = pytest.approx([1.0, 1.0, 0.4, 1.0], abs=0.02)
+    assert history.speeds() == learnt
+    for _ in range(2 * WINDOW_STEPS):
+        history.observe(relieved, compute(relieved))
+        assert history.speeds() == learnt
+    fresh = SpeedHistory(4, warmup=1)
+    for _ in range(MIN_STEPS):
+        fresh.observe(relieved, compute(relieved))
+    assert fresh.speeds() is None
 
 
 def test_equal_gpus_are_nominal():
