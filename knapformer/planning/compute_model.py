@@ -118,8 +118,10 @@ class ComputeFit:
         Judged on the compute, not on the rate: a rank's rate is its compute less the
         overhead, over its work, so the step-to-step noise of a lightly loaded rank's
         compute shows in its rate magnified by (overhead + work) / work (1.6x for a rank
-        given 60 % of the median work at the demo's overhead). On 4 ranks of g1n2+g2n1, a
-        20 % noise of a 1-GPU bag's compute made its rate depart in 2 of 10 clean runs."""
+        given 60 % of the median work at the demo's overhead). In clean demo runs on 4
+        ranks of g1n2+g2n1 (2 cores), judged on the rate a healthy 1-GPU-bag rank was
+        learnt slow in 10 of 69 runs; judged on the compute, in 2 (where its compute was
+        1.5x the line's for 5 steps running, another job's CPU contention)."""
         if self.cost_steps is None:  # a fit made by hand, without them: the rate
             return self.rate_departs
         return _persistent(self.cost_steps, self.cost)
