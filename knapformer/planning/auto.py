@@ -12,7 +12,6 @@ a step is never slower than under the best fixed layout of the family). The plan
 
 from __future__ import annotations
 
-import bisect
 import heapq
 from dataclasses import dataclass
 
@@ -234,7 +233,6 @@ def _solve_mixed(bag_sizes, lengths, workload, src_pos, speed, max_tokens, per_t
             if len(pool) > _AUTO_POUR:
                 load = _pour(pool, step, load, prices)
             _place_priced(pool[step.bag[pool] < 0], step, load, prices, floor)
-        _fill_gaps(step, prices)
     _exchange_across(step, prices, floor, max_tokens)
     layout.load[:] = np.bincount(step.bag, weights=workload, minlength=len(shape.size))
     return step
@@ -715,85 +713,3 @@ def _refine(step: Step, model: WorkloadModel, comm: CommModel, speed, max_tokens
             layout.bag_tokens[:] = bag_tokens.astype(np.int64)
         return refined
     return step
-
-
-def _fill_gaps(step: Step, prices: _Prices) -> None:
-    """Even the size classes out before the exchanges of a large step. A single GPU's load
-    moves in steps of whole sequences, so placement leaves many single GPUs below the mean
-    priced per-GPU time (``level``) and the bigger groups, which move in 1/g steps, above
-    it. Each single GPU with room, most room first, takes the sequence of a bigger group
-    above the level that fills the room best, alone or in exchange for one of its own."""
-    layout, home, workload = step.layout, step.home_bag, step.workload
-    size, weight = layout.size, layout.weight
-    smallest = layout.class_size[0]
-    price, load, _ = _priced_loads(step, prices)
-    level = float(load.sum() / weight.sum())
-    singles = np.flatnonzero(size == smallest)
-    over = (size > smallest) & (load > level * weight)
-    placed = (step.bag >= 0) & (step.lengths > 0)
-    donors = np.flatnonzero(placed & over[np.maximum(step.bag, 0)])
-    if donors.size == 0 or singles.size == 0:
-        return
-    kappa, bag_node, src_node = prices.kappa.tolist(), prices.bag_node.tolist(), prices.src_node
-    lengths = step.lengths.tolist()
-    # Keyed by the most a sequence can cost on a single GPU: away, over the network.
-    key = workload[donors] + (kappa[int(singles[0])] + prices.inter) * step.lengths[donors]
-    by_key = np.argsort(key, kind="stable")
-    keys, ids = key[by_key].tolist(), donors[by_key].tolist()
-    in_single = np.flatnonzero(placed & (size[np.maximum(step.bag, 0)] == smallest))
-    in_single = in_single[np.argsort(step.bag[in_single], kind="stable")]
-    cuts = [*np.searchsorted(step.bag[in_single], singles).tolist(), len(in_single)]
-    members = {int(b): in_single[cuts[k] : cuts[k + 1]].tolist() for k, b in enumerate(singles)}
-    load, price, wl, size_l = load.tolist(), price.tolist(), weight.tolist(), size.tolist()
-    bag = step.bag.tolist()
-    homes, w = home.tolist(), workload.tolist()
-
-    def cost(seq: int, b: int) -> tuple[float, float]:
-        """(price of ``seq`` in bag ``b``, what its home bag pays for sending it): `_Prices`
-        in plain floats."""
-        h, g, length = homes[seq], size_l[b], lengths[seq]
-        per = prices.intra if bag_node[b] == src_node[seq] else prices.inter
-        route = per * length * ((g - 1) / g if b == h else 1.0)
-        there = b == h
-        return w[seq] + kappa[b] * length + (2 * route if there else route), (
-            0.0 if there or h < 0 else route
-        )
-
-    def move(seq: int, dst: int) -> None:
-        src, h = bag[seq], homes[seq]
-        new_price, new_sent = cost(seq, dst)
-        load[src] -= price[seq]
-        load[dst] += new_price
-        if h >= 0:
-            load[h] += new_sent - cost(seq, src)[1]
-        price[seq] = new_price
-        bag[seq] = dst
-
-    def above(seq: int) -> bool:
-        return load[bag[seq]] > level * wl[bag[seq]]
-
-    for r in sorted(members, key=lambda b: load[b] - level * wl[b]):
-        room = level * wl[r] - load[r]
-        if room <= 0 or not keys:
-            continue
-        best = (room, -1, -1)  # (room left, sequence given back or -1, donor id)
-        for out in [-1, *members[r]]:
-            gives = price[out] if out >= 0 else 0.0
-            i = bisect.bisect_right(keys, room + gives) - 1
-            while i >= 0 and not above(ids[i]):
-                i -= 1
-            if i >= 0 and room + gives - keys[i] < best[0]:
-                best = (room + gives - keys[i], out, ids[i])
-        _, out, d = best
-        if d < 0:
-            continue
-        i = ids.index(d)
-        ids.pop(i)
-        keys.pop(i)
-        donor = bag[d]
-        move(d, r)
-        members[r].append(d)
-        if out >= 0:
-            move(out, donor)
-            members[r].remove(out)
-    step.bag[:] = bag
