@@ -1,6 +1,9 @@
-"""The ``topology="auto"`` solver: each step, a partition of the balance group into
-aligned GPU groups and the sequences' places in it, minimising the modelled step time with
-communication (docs/concepts.md, "Communication and the layout floor").
+"""The ``topology="auto"`` solver: each step's GPU groups and sequence places, by modelled
+time with communication.
+
+Each step it chooses a partition of the balance group into aligned GPU groups and the
+sequences' places in it, minimising the modelled step time with communication
+(docs/concepts.md, "Communication and the layout floor").
 
 `solve_auto` prices candidate partitions (`knapformer.planning.partitions`) by the
 slowest GPU's compute + Ulysses + route (`knapformer.planning.communication`) and keeps

@@ -1,7 +1,9 @@
-"""The state of one planning solve, shared by the fixed-topology solvers (planner.py) and
-the ``topology="auto"`` solver (auto.py): a layout's static bag arrays (`BagShape`), its
-mutable loads and token counts (`BagLayout`), where each sequence goes (`Step`), the chunk
-table a placement becomes (`chunk_table`), and the orderings both solvers sort by.
+"""The state of one planning solve, shared by the fixed-topology and the auto solvers.
+
+The fixed-topology solvers (planner.py) and the ``topology="auto"`` solver (auto.py) share
+a layout's static bag arrays (`BagShape`), its mutable loads and token counts
+(`BagLayout`), where each sequence goes (`Step`), the chunk table a placement becomes
+(`chunk_table`), and the orderings both solvers sort by.
 
 Per-bag state read item by item stays in Python lists where numpy's per-call overhead
 would dominate; static per-topology arrays are cached (`bag_shape`).
