@@ -133,7 +133,7 @@ class RankVerdict:
     exchange_excess_ms: float = 0.0
     bandwidth: float = float("nan")  # routed values per ms relative to the group's median
     at_floor_steps: int = 0  # steps in which it holds the layout floor
-    link_bandwidth: float = float("nan")  # in the link probe, relative to its peers' (1)
+    link_bandwidth: float = float("nan")  # probe: its fastest link over the group's (1)
     slow_probes: int = 0  # probes with link_bandwidth at or below the threshold
     probes: int = 0  # probes it took part in
     decided_by: str = "ratio"  # the field that decided the verdict
