@@ -161,8 +161,8 @@ class SequenceBalancer:
         link_probe_every: every this many steps (0: never, the default), time a short
             exchange between pairs of ranks, a pair at a time per rank
             (`knapformer.runtime.link_probe`), and store it in the plan: it is what lets
-            ``knapformer stragglers`` name the rank whose link is slow. Costs two
-            barriers and a few exchanges per round.
+            ``knapformer stragglers`` name the rank whose link is slow. Costs a barrier
+            and a few exchanges per round.
         link_probe_bytes: bytes each way per probed exchange (default 8 MiB).
         link_probe_rounds: rounds per probe (default 7: each pair of 8 ranks once); a
             larger group is covered over several probes.
