@@ -52,6 +52,16 @@ _AUTO_MEMBERS = 32  # members of a bag scored per exchange (a spread sample beyo
 _AUTO_STOP = 1e-4  # the refinement stops this close to the partition floor
 _AUTO_POUR = 2048  # a larger pool is poured into the bags' room at once, not one by one
 _TIE = 1e-9
+# A coarse large step (`_is_coarse`): few sequences per GPU and many GPUs in the smaller groups.
+_COARSE_PER_GPU = 8  # sequences per GPU, at most
+_COARSE_SHARE = 1 / 8  # of the GPUs in groups smaller than the largest, at least
+_EVEN_ROUNDS = 4  # rounds of `_even_classes`
+_EVEN_TRIES = 4  # distinct costs tried per sequence of a bag outside the band
+_EVEN_BAND = 6e-4  # the band's width, of the mean per-GPU time
+_LEVEL_ROUNDS = 6  # rounds of `_level`
+_LEVEL_DONORS = 32  # most loaded bags that exchange in one round
+_LEVEL_PARTNERS = 4  # least loaded bags offered to each
+_LEVEL_MEMBERS = 12  # members of a bag scored (a spread sample beyond)
 _REFINE_ROUNDS = 12  # GPU-exact refinement rounds of a small step (`_refine`)
 _REFINE_PARTNERS = 8  # least loaded bags whose sequences it tries swapping with
 
@@ -191,6 +201,16 @@ class _Prices:
         moved = np.where(bags == home, (size[bags] - 1) / size[bags], 1.0) * lengths
         return per * moved
 
+    def cost(self, step: Step, lengths: np.ndarray, seq, bag):
+        """(price, sent) of sequences ``seq`` in bags ``bag`` (broadcast): ``W + k_g*L`` plus
+        the route its receivers pay (twice at home, where the bag also sends), and what its
+        home bag pays to send it (0 at home). ``lengths``: the step's, as floats."""
+        home = step.home_bag[seq]
+        r = self.route(seq, bag, home, step.layout.size, lengths[seq])
+        there = bag == home
+        return (step.workload[seq] + self.kappa[bag] * lengths[seq] + np.where(there, 2 * r, r),
+                np.where(there | (home < 0), 0.0, r))  # fmt: skip
+
 
 def _solve_mixed(bag_sizes, lengths, workload, src_pos, speed, max_tokens, per_token,
                  floor, comm, model) -> Step:  # fmt: skip
@@ -204,7 +224,8 @@ def _solve_mixed(bag_sizes, lengths, workload, src_pos, speed, max_tokens, per_t
     size overall and in its source's node; a tie to the smaller group). In a large step
     only the heavy sequences go one by one: the others stay home in bulk, and a large
     remainder is poured into the bags' room at one water level (`_pour`).
-    `_exchange_across` then evens out the top.
+    `_exchange_across` then evens out the top; in a coarse large step (`_is_coarse`),
+    `_even_out` does instead.
     """
     shape = bag_shape(tuple(bag_sizes))
     layout = BagLayout(shape, floor, max_tokens, bag_speeds(shape, speed), even=True)
@@ -236,7 +257,10 @@ def _solve_mixed(bag_sizes, lengths, workload, src_pos, speed, max_tokens, per_t
             if len(pool) > _AUTO_POUR:
                 load = _pour(pool, step, load, prices)
             _place_priced(pool[step.bag[pool] < 0], step, load, prices, floor)
-    _exchange_across(step, prices, floor, max_tokens)
+    if _is_coarse(step, len(placed)):
+        _even_out(step, prices, floor, max_tokens)
+    else:
+        _exchange_across(step, prices, floor, max_tokens)
     layout.load[:] = np.bincount(step.bag, weights=workload, minlength=len(shape.size))
     return step
 
@@ -452,7 +476,7 @@ def _exchange_across(step: Step, prices: _Prices, floor: float, max_tokens) -> N
     exchanges; stops within ``_AUTO_STOP`` of ``floor``). All pairs of a move are scored
     in one vectorised pass."""
     layout = step.layout
-    size, weight, kappa = layout.size, layout.weight, prices.kappa
+    size, weight = layout.size, layout.weight
     num_bags = len(size)
     if num_bags < 2:
         return
@@ -492,10 +516,7 @@ def _exchange_across(step: Step, prices: _Prices, floor: float, max_tokens) -> N
 
     def priced(seq, bag):
         """(price in ``bag``, what its home bag pays for sending) of sequences ``seq``."""
-        r = prices.route(seq, bag, home[seq], size, lengths[seq])
-        there = bag == home[seq]
-        return (workload[seq] + kappa[bag] * lengths[seq] + np.where(there, 2 * r, r),
-                np.where(there | (home[seq] < 0), 0.0, r))  # fmt: skip
+        return prices.cost(step, lengths, seq, bag)
 
     for _ in range(_AUTO_MOVES if small else _AUTO_MOVES_LARGE):
         a = int(np.argmax(per))
@@ -560,6 +581,271 @@ def _exchange_across(step: Step, prices: _Prices, floor: float, max_tokens) -> N
         per[touched_list] = new_per
     if max_tokens is not None:
         layout.bag_tokens[:] = tokens.astype(np.int64)
+
+
+def _is_coarse(step: Step, placed: int) -> bool:
+    """A large step whose GPUs hold few sequences each (at most ``_COARSE_PER_GPU``) and
+    whose smaller groups hold at least ``_COARSE_SHARE`` of the GPUs: a one-GPU bag there
+    takes whole sequences of many milliseconds, which the placement cannot even out
+    finely and one exchange at a time cannot either (`_even_out`). Where GPUs hold many
+    short sequences, the pour and the exchange pass already reach the mean."""
+    layout = step.layout
+    num_gpus = len(layout.shape.bag_of_pos)
+    if placed <= _AUTO_ALL_SEQUENCES and len(layout.size) <= _AUTO_ALL:
+        return False  # a small step is refined exactly instead (`_refine`)
+    smaller = int(layout.size[layout.size < layout.size.max()].sum())
+    return placed <= _COARSE_PER_GPU * num_gpus and smaller >= _COARSE_SHARE * num_gpus
+
+
+def _even_out(step: Step, prices: _Prices, floor: float, max_tokens) -> None:
+    """The coarse step's last passes: the size classes brought to the mean
+    (`_even_classes`), then many disjoint exchanges between the most and the least loaded
+    bags (`_level`). Where that leaves the bag-level makespan above what placement
+    reached, placement's assignment is kept and `_exchange_across` runs on it instead."""
+    before = step.bag.copy()
+    top = _bag_makespan(step, prices)
+    _even_classes(step, prices, max_tokens)
+    _level(step, prices, floor, max_tokens)
+    if _bag_makespan(step, prices) > top * (1 + _TIE):
+        step.bag[:] = before
+        if max_tokens is not None:
+            lengths = step.lengths.astype(np.float64)
+            step.layout.bag_tokens[:] = np.bincount(before, weights=lengths,
+                                                    minlength=len(step.layout.size))  # fmt: skip
+        _exchange_across(step, prices, floor, max_tokens)
+
+
+def _bag_makespan(step: Step, prices: _Prices) -> float:
+    """The largest priced per-GPU time of any bag, its sending GPU counted."""
+    _, load, sent = _priced_loads(step, prices)
+    return float((load / step.layout.weight + _sender_extra(step, sent)).max(initial=0.0))
+
+
+def _sender_extra(step: Step, sent: np.ndarray) -> np.ndarray:
+    """(num_bags,) how far each bag's slowest GPU sits above the bag's spread load: one GPU
+    sends each of its sequences placed away, not the whole bag (per GPU, workload units)."""
+    layout = step.layout
+    num_gpus = len(layout.shape.bag_of_pos)
+    gpu_sends = np.bincount(np.maximum(step.src_pos, 0), weights=sent, minlength=num_gpus)
+    bag_sends = np.bincount(np.maximum(step.home_bag, 0), weights=sent, minlength=len(layout.size))
+    return np.maximum.reduceat(gpu_sends, layout.start) - bag_sends / layout.weight
+
+
+def _level(step: Step, prices: _Prices, floor: float, max_tokens) -> None:
+    """Final leveling of a large step, many disjoint exchanges a round: the ``_LEVEL_DONORS``
+    most loaded bags above the mean each get ``_LEVEL_PARTNERS`` of the least loaded bags
+    (the most loaded donor the least loaded ones, dealt round-robin: no bag serves two
+    donors) and move one sequence to, or swap one with, whichever of them evens the two
+    out best, while that lowers the larger of the two below the donor. Sequences are
+    re-priced at their new bags (`_Prices`); a bag's slowest GPU counts its sending
+    (`_sender_extra`). The best assignment seen (by the bag-level makespan) is kept."""
+    layout = step.layout
+    size, weight = layout.size, layout.weight
+    num_bags = len(size)
+    lengths = step.lengths.astype(np.float64)
+    workload = step.workload
+    tokens = np.bincount(step.bag, weights=lengths, minlength=num_bags)
+    placed = np.flatnonzero(step.lengths > 0)
+    best_bag, best_top = None, np.inf
+
+    def priced(seq, bag):
+        return prices.cost(step, lengths, seq, bag)[0]
+
+    for _ in range(_LEVEL_ROUNDS + 1):
+        price, load, sent = _priced_loads(step, prices)
+        per = load / weight + _sender_extra(step, sent)
+        top = float(per.max())
+        if top < best_top * (1 - _TIE):
+            best_bag, best_top = step.bag.copy(), top
+        mean = float(load.sum() / weight.sum())
+        if top <= floor * (1 + _AUTO_STOP):
+            break
+        donors = least(-per, _LEVEL_DONORS)
+        donors = donors[per[donors] > mean]
+        takers = least(per, len(donors) * (_LEVEL_PARTNERS + 1))
+        takers = takers[~np.isin(takers, donors)][: len(donors) * _LEVEL_PARTNERS]
+        k = min(len(donors), len(takers))
+        if k == 0:
+            break
+        donors = donors[:k]
+        p = len(takers) // k
+        takers = takers[: k * p].reshape(p, k).T  # (k, p): donor d gets takers d, d+k, ...
+        # Each bag's members, lightest first, and a spread sample of them per bag.
+        order = placed[np.lexsort((workload[placed], step.bag[placed]))]
+        cuts = np.searchsorted(step.bag[order], np.arange(num_bags + 1))
+        ma = _member_sample(order, cuts, donors, _LEVEL_MEMBERS)  # (k, s)
+        mb = _member_sample(order, cuts, takers.ravel(), _LEVEL_MEMBERS)
+        mb = np.concatenate([mb, np.full((len(mb), 1), -1)], axis=1).reshape(k, p, -1)
+        ra, rb = ma >= 0, mb >= 0
+        mai, mbi = np.maximum(ma, 0), np.maximum(mb, 0)
+        a_, b_ = donors[:, None, None, None], takers[:, None, :, None]  # (k, 1, 1|p, 1)
+        into_b = priced(mai[:, :, None, None], b_)  # (k, s, p, 1)
+        into_a = np.where(rb, priced(mbi, donors[:, None, None]), 0.0)[:, None]  # (k, 1, p, t)
+        out_a = np.where(ra, price[mai], 0.0)[:, :, None, None]
+        out_b = np.where(rb, price[mbi], 0.0)[:, None]
+        new_a = per[a_] + (into_a - out_a) / weight[a_]
+        new_b = per[b_] + (into_b - out_b) / weight[b_]
+        li = lengths[mai][:, :, None, None]
+        lj = np.where(rb, lengths[mbi], 0.0)[:, None]
+        ok = ra[:, :, None, None] & (li >= size[b_]) & ((lj >= size[a_]) | ~rb[:, None])
+        if max_tokens is not None:
+            ok &= np.ceil((tokens[b_] + li - lj) / size[b_]) <= max_tokens
+            ok &= np.ceil((tokens[a_] - li + lj) / size[a_]) <= max_tokens
+        value = np.where(ok, np.maximum(new_a, new_b), np.inf).reshape(k, -1)
+        pick = value.argmin(axis=1)
+        gain = value[np.arange(k), pick] < per[donors] * (1 - _TIE)
+        if not gain.any():
+            break
+        pp, t = mb.shape[1:]
+        i, rest = np.divmod(pick, pp * t)
+        j, q = np.divmod(rest, t)
+        rows = np.arange(k)
+        x, y = ma[rows, i][gain], mb[rows, j, q][gain]
+        a, b = donors[gain], takers[rows, j][gain]
+        step.bag[x] = b
+        np.add.at(tokens, a, -lengths[x])
+        np.add.at(tokens, b, lengths[x])
+        swap = y >= 0
+        step.bag[y[swap]] = a[swap]
+        np.add.at(tokens, b[swap], -lengths[y[swap]])
+        np.add.at(tokens, a[swap], lengths[y[swap]])
+    step.bag[:] = best_bag
+    if max_tokens is not None:
+        layout.bag_tokens[:] = np.bincount(step.bag, weights=lengths, minlength=num_bags)
+
+
+def _even_classes(step: Step, prices: _Prices, max_tokens) -> None:
+    """Bring the bags of the smaller groups into the band [mean, mean + band] of per-GPU
+    time, in a few vectorised rounds (``band``: ``_EVEN_BAND`` of the mean).
+
+    A g-GPU bag takes a sequence's cost over g GPUs, so placement leaves the bags of one
+    GPU scattered by up to a whole sequence around the mean while the largest groups,
+    which take 1/g of each, sit above it on average: no exchange of the top bag alone
+    evens that out. Here every smaller bag outside the band swaps one of its sequences
+    for (or takes) one of a largest-group bag's, or of a smaller bag above the band, whose
+    cost brings it into the band, as close to its top as it gets: load moves between the
+    size classes in steps as fine as the differences between sequences, not their sizes.
+    Candidates are found by bisection on their cost (the ``_EVEN_TRIES`` nearest distinct
+    costs, the least loaded donor of each), then priced exactly (`_Prices`); a donor of
+    the largest size may not end above the band's top unless it already was, a smaller
+    one must end nearer the band. Each bag and sequence takes part in one exchange a round.
+    """
+    layout = step.layout
+    size, weight, kappa = layout.size, layout.weight, prices.kappa
+    top_size = int(size.max())
+    if not (size < top_size).any():
+        return
+    lengths = step.lengths.astype(np.float64)
+    workload = step.workload
+    num_bags = len(size)
+    live = step.lengths > 0
+    kappa_of = {int(g): float(kappa[int(np.argmax(size == g))]) for g in layout.class_size}
+
+    def priced(seq, bag):
+        return prices.cost(step, lengths, seq, bag)[0]
+
+    for _ in range(_EVEN_ROUNDS):
+        price, load, sent = _priced_loads(step, prices)
+        per = load / weight + _sender_extra(step, sent)
+        mean = float(load.sum() / weight.sum())
+        band = _EVEN_BAND * mean
+        target = mean + band
+        bag = step.bag
+        bag_of = np.where(live, bag, 0)
+        outside = (per < target - band) | (per > target)
+        pool = np.flatnonzero(live & ((size == top_size) | (per > target))[bag_of])
+        tokens = np.bincount(bag_of, weights=np.where(live, lengths, 0.0), minlength=num_bags)
+        changed = False
+        for g in layout.class_size[:-1].tolist():
+            takers = np.flatnonzero((size == g) & outside)
+            cand = pool[step.lengths[pool] >= g]
+            if not takers.size or not cand.size:
+                continue
+            # Candidates by what each costs in a g-GPU bag of another node (most are), the
+            # least loaded donor first among equal costs (sequences' costs repeat).
+            key = workload[cand] + (kappa_of[g] + prices.inter) * lengths[cand]
+            order = np.lexsort((per[bag[cand]], key))
+            cand, key = cand[order], key[order]
+            run = np.flatnonzero(np.concatenate([[True], key[1:] != key[:-1]]))
+            is_taker = np.zeros(num_bags, dtype=bool)
+            is_taker[takers] = True
+            mine = np.flatnonzero(live & is_taker[bag_of])
+            # Each taker's sequences, and one empty slot per taker (a move, not a swap).
+            j = np.concatenate([mine, np.full(len(takers), -1)])
+            b = np.concatenate([bag[mine], takers])
+            jj = np.maximum(j, 0)
+            out_j = np.where(j >= 0, price[jj], 0.0)
+            lo = out_j + (target - band - per[b]) * weight[b]
+            hi = out_j + (target - per[b]) * weight[b]
+            u = (np.searchsorted(key[run], hi, "right") - 1)[:, None] - np.arange(_EVEN_TRIES)
+            first = run[np.maximum(u, 0)]
+            ok = (u >= 0) & (key[first] >= lo[:, None]) & (bag[cand[first]] != b[:, None])
+            rows, cols = np.nonzero(ok)
+            if not rows.size:
+                continue
+            j, jj, b, i = j[rows], jj[rows], b[rows], cand[first[rows, cols]]
+            a = bag[i]
+            into_a = np.where(j >= 0, priced(jj, a), 0.0)
+            out_j = np.where(j >= 0, price[jj], 0.0)
+            new_b = per[b] + (priced(i, b) - out_j) / weight[b]
+            new_a = per[a] + (into_a - price[i]) / weight[a]
+            big = size[a] == top_size
+            good = (np.abs(new_b - target) < np.abs(per[b] - target)) & (new_b <= target + band)
+            good &= (j < 0) | (step.lengths[jj] >= size[a])
+            good &= np.where(big, new_a <= np.maximum(per[a], target),
+                             np.abs(new_a - target) < np.abs(per[a] - target))  # fmt: skip
+            if max_tokens is not None:
+                shift = lengths[i] - np.where(j >= 0, lengths[jj], 0.0)
+                good &= np.ceil((tokens[b] + shift) / size[b]) <= max_tokens
+                good &= np.ceil((tokens[a] - shift) / size[a]) <= max_tokens
+            sel = np.flatnonzero(good)
+            if not sel.size:
+                continue
+            # The exchanges closest to the band's top first; each bag takes part in one (a
+            # largest-group donor in several, but one under a token cap), each sequence
+            # moves once.
+            sel = sel[np.argsort(np.abs(new_b[sel] - target), kind="stable")]
+            sel = sel[_first_each(b[sel])]
+            sel = sel[_first_each(i[sel])]
+            used = np.zeros(num_bags, dtype=bool)
+            shared = big & (max_tokens is None)
+            keep = []
+            for k, bk, ak, sh in zip(sel.tolist(), b[sel].tolist(), a[sel].tolist(),
+                                     shared[sel].tolist(), strict=True):  # fmt: skip
+                if used[bk] or (used[ak] and not sh):
+                    continue
+                used[bk] = True
+                if not sh:
+                    used[ak] = True
+                keep.append(k)
+            sel = np.asarray(keep, dtype=np.int64)
+            swap = sel[j[sel] >= 0]
+            bag[j[swap]] = a[swap]
+            bag[i[sel]] = b[sel]
+            pool = pool[~np.isin(pool, i[sel])]
+            changed = True
+        if not changed:
+            break
+
+
+def _first_each(values: np.ndarray) -> np.ndarray:
+    """Positions of the first occurrence of each distinct value of ``values``, in order."""
+    order = np.argsort(values, kind="stable")
+    v = values[order]
+    return np.sort(order[np.concatenate([[True], v[1:] != v[:-1]])]) if len(v) else order
+
+
+def _member_sample(order: np.ndarray, cuts: np.ndarray, bags: np.ndarray, most: int):
+    """(len(bags), most) sequence ids of each of ``bags`` (-1 pads): all of a bag's members
+    when it has at most ``most``, else ``most`` spread evenly from its lightest to its
+    heaviest. ``order``: placed sequences sorted by bag, lightest first; bag b's run is
+    ``cuts[b]:cuts[b + 1]``."""
+    first, count = cuts[bags], cuts[bags + 1] - cuts[bags]
+    q = np.arange(most)
+    spread = np.round(q[None, :] * ((count[:, None] - 1) / max(most - 1, 1))).astype(np.int64)
+    offset = np.where(count[:, None] > most, spread, q[None, :])
+    valid = q[None, :] < count[:, None]
+    return np.where(valid, order[np.minimum(first[:, None] + offset, len(order) - 1)], -1)
 
 
 class _LazyMembers(dict):
