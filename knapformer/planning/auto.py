@@ -603,10 +603,8 @@ def _even_out(step: Step, prices: _Prices, floor: float, max_tokens) -> None:
     bags (`_level`). Where that leaves the bag-level makespan above what placement
     reached, placement's assignment is kept and `_exchange_across` runs on it instead."""
     before = step.bag.copy()
-    top = _bag_makespan(step, prices)
-    _even_classes(step, prices, max_tokens)
-    _level(step, prices, floor, max_tokens)
-    if _bag_makespan(step, prices) > top * (1 + _TIE):
+    top = _even_classes(step, prices, max_tokens)
+    if _level(step, prices, floor, max_tokens) > top * (1 + _TIE):
         step.bag[:] = before
         if max_tokens is not None:
             lengths = step.lengths.astype(np.float64)
@@ -631,14 +629,15 @@ def _sender_extra(step: Step, sent: np.ndarray) -> np.ndarray:
     return np.maximum.reduceat(gpu_sends, layout.start) - bag_sends / layout.weight
 
 
-def _level(step: Step, prices: _Prices, floor: float, max_tokens) -> None:
+def _level(step: Step, prices: _Prices, floor: float, max_tokens) -> float:
     """Final leveling of a large step, many disjoint exchanges a round: the ``_LEVEL_DONORS``
     most loaded bags above the mean each get ``_LEVEL_PARTNERS`` of the least loaded bags
     (the most loaded donor the least loaded ones, dealt round-robin: no bag serves two
     donors) and move one sequence to, or swap one with, whichever of them evens the two
     out best, while that lowers the larger of the two below the donor. Sequences are
     re-priced at their new bags (`_Prices`); a bag's slowest GPU counts its sending
-    (`_sender_extra`). The best assignment seen (by the bag-level makespan) is kept."""
+    (`_sender_extra`). The best assignment seen (by the bag-level makespan) is kept;
+    returns its bag-level makespan."""
     layout = step.layout
     size, weight = layout.size, layout.weight
     num_bags = len(size)
@@ -646,24 +645,27 @@ def _level(step: Step, prices: _Prices, floor: float, max_tokens) -> None:
     workload = step.workload
     tokens = np.bincount(step.bag, weights=lengths, minlength=num_bags)
     placed = np.flatnonzero(step.lengths > 0)
+    by_weight = placed[np.argsort(workload[placed], kind="stable")]  # lightest first
     best_bag, best_top = None, np.inf
 
     def priced(seq, bag):
         return prices.cost(step, lengths, seq, bag)[0]
 
-    for _ in range(_LEVEL_ROUNDS + 1):
+    for round_ in range(_LEVEL_ROUNDS + 1):
         price, load, sent = _priced_loads(step, prices)
         per = load / weight + _sender_extra(step, sent)
         top = float(per.max())
         if top < best_top * (1 - _TIE):
             best_bag, best_top = step.bag.copy(), top
         mean = float(load.sum() / weight.sum())
-        if top <= floor * (1 + _AUTO_STOP):
+        if round_ == _LEVEL_ROUNDS or top <= floor * (1 + _AUTO_STOP):
             break
         donors = least(-per, _LEVEL_DONORS)
         donors = donors[per[donors] > mean]
         takers = least(per, len(donors) * (_LEVEL_PARTNERS + 1))
-        takers = takers[~np.isin(takers, donors)][: len(donors) * _LEVEL_PARTNERS]
+        is_donor = np.zeros(num_bags, dtype=bool)
+        is_donor[donors] = True
+        takers = takers[~is_donor[takers]][: len(donors) * _LEVEL_PARTNERS]
         k = min(len(donors), len(takers))
         if k == 0:
             break
@@ -671,7 +673,9 @@ def _level(step: Step, prices: _Prices, floor: float, max_tokens) -> None:
         p = len(takers) // k
         takers = takers[: k * p].reshape(p, k).T  # (k, p): donor d gets takers d, d+k, ...
         # Each bag's members, lightest first, and a spread sample of them per bag.
-        order = placed[np.lexsort((workload[placed], step.bag[placed]))]
+        key = step.bag[by_weight]  # a stable sort of small ints is a radix sort
+        order = by_weight[np.argsort(key.astype(np.int16) if num_bags < 2**15 else key,
+                                     kind="stable")]  # fmt: skip
         cuts = np.searchsorted(step.bag[order], np.arange(num_bags + 1))
         ma = _member_sample(order, cuts, donors, _LEVEL_MEMBERS)  # (k, s)
         mb = _member_sample(order, cuts, takers.ravel(), _LEVEL_MEMBERS)
@@ -712,9 +716,10 @@ def _level(step: Step, prices: _Prices, floor: float, max_tokens) -> None:
     step.bag[:] = best_bag
     if max_tokens is not None:
         layout.bag_tokens[:] = np.bincount(step.bag, weights=lengths, minlength=num_bags)
+    return best_top
 
 
-def _even_classes(step: Step, prices: _Prices, max_tokens) -> None:
+def _even_classes(step: Step, prices: _Prices, max_tokens) -> float:
     """Bring the bags of the smaller groups into the band [mean, mean + band] of per-GPU
     time, in a few vectorised rounds (``band``: ``_EVEN_BAND`` of the mean).
 
@@ -729,12 +734,13 @@ def _even_classes(step: Step, prices: _Prices, max_tokens) -> None:
     costs, the least loaded donor of each), then priced exactly (`_Prices`); a donor of
     the largest size may not end above the band's top unless it already was, a smaller
     one must end nearer the band. Each bag and sequence takes part in one exchange a round.
+    Returns the bag-level makespan (`_bag_makespan`) of the step as it was handed in.
     """
     layout = step.layout
     size, weight, kappa = layout.size, layout.weight, prices.kappa
     top_size = int(size.max())
     if not (size < top_size).any():
-        return
+        return _bag_makespan(step, prices)
     lengths = step.lengths.astype(np.float64)
     workload = step.workload
     num_bags = len(size)
@@ -744,9 +750,11 @@ def _even_classes(step: Step, prices: _Prices, max_tokens) -> None:
     def priced(seq, bag):
         return prices.cost(step, lengths, seq, bag)[0]
 
+    handed = None
     for _ in range(_EVEN_ROUNDS):
         price, load, sent = _priced_loads(step, prices)
         per = load / weight + _sender_extra(step, sent)
+        handed = float(per.max()) if handed is None else handed
         mean = float(load.sum() / weight.sum())
         band = _EVEN_BAND * mean
         target = mean + band
@@ -822,10 +830,13 @@ def _even_classes(step: Step, prices: _Prices, max_tokens) -> None:
             swap = sel[j[sel] >= 0]
             bag[j[swap]] = a[swap]
             bag[i[sel]] = b[sel]
-            pool = pool[~np.isin(pool, i[sel])]
+            moved = np.zeros(len(live), dtype=bool)
+            moved[i[sel]] = True
+            pool = pool[~moved[pool]]
             changed = True
         if not changed:
             break
+    return handed
 
 
 def _first_each(values: np.ndarray) -> np.ndarray:
