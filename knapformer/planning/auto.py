@@ -487,16 +487,14 @@ def _exchange_across(step: Step, prices: _Prices, floor: float, max_tokens) -> N
     # One GPU sends a sequence placed away from it, not its bag: a bag's slowest GPU is its
     # spread load plus the most any of its GPUs sends, less that GPU's share of the sends.
     src_gpu = step.src_pos
-    num_gpus = len(layout.shape.bag_of_pos)
-    gpu_sends = np.bincount(np.maximum(src_gpu, 0), weights=sent, minlength=num_gpus)
-    bag_sends = np.bincount(np.maximum(home, 0), weights=sent, minlength=num_bags)
+    gpu_sends, bag_sends = _sends(step, sent)
 
     def uneven(bags) -> np.ndarray:
         most = np.array([gpu_sends[layout.start[b] : layout.start[b] + size[b]].max()
                          for b in bags])  # fmt: skip
         return most - bag_sends[bags] / weight[bags]
 
-    extra = np.maximum.reduceat(gpu_sends, layout.start) - bag_sends / weight
+    extra = _uneven_sends(layout, gpu_sends, bag_sends)
     per = load / weight + extra
     stop = floor * (1 + _AUTO_STOP)
     placed = np.flatnonzero(step.lengths > 0)
@@ -620,12 +618,24 @@ def _bag_makespan(step: Step, prices: _Prices) -> float:
 
 
 def _sender_extra(step: Step, sent: np.ndarray) -> np.ndarray:
-    """(num_bags,) how far each bag's slowest GPU sits above the bag's spread load: one GPU
-    sends each of its sequences placed away, not the whole bag (per GPU, workload units)."""
+    """(num_bags,) how far each bag's slowest GPU sits above the bag's spread load, given
+    ``sent`` (n,) (`_priced_loads`): one GPU sends each of its sequences placed away, not
+    the whole bag (per GPU, workload units)."""
+    return _uneven_sends(step.layout, *_sends(step, sent))
+
+
+def _sends(step: Step, sent: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """What each GPU (num_gpus,) and each home bag (num_bags,) pays to send its sequences
+    placed away (``sent`` (n,), `_priced_loads`)."""
     layout = step.layout
     num_gpus = len(layout.shape.bag_of_pos)
     gpu_sends = np.bincount(np.maximum(step.src_pos, 0), weights=sent, minlength=num_gpus)
     bag_sends = np.bincount(np.maximum(step.home_bag, 0), weights=sent, minlength=len(layout.size))
+    return gpu_sends, bag_sends
+
+
+def _uneven_sends(layout: BagLayout, gpu_sends: np.ndarray, bag_sends: np.ndarray) -> np.ndarray:
+    """(num_bags,) each bag's most sending GPU less the bag's sends spread over its GPUs."""
     return np.maximum.reduceat(gpu_sends, layout.start) - bag_sends / layout.weight
 
 
