@@ -190,7 +190,7 @@ class MeasuredStep:
     last_arrival: dict[str, np.ndarray]  # phase -> (n,) bool: arrived last among its peers
     predicted_share: np.ndarray  # (n,) work_after / total work, sums to 1
     predicted_load: np.ndarray  # (n,) load_after / mean_load
-    step_ms: np.ndarray | None  # (n,) the whole step, when measured
+    step_ms: np.ndarray | None  # (n,) the whole step less the link probe, when measured
     straggler: int | None  # rank the others waited for (see the module doc)
     shown_total: float  # total work of the step in the plan's `LoadUnit`
     load_axis: str  # what that unit is called on an axis
@@ -314,6 +314,10 @@ def measure(plan: RoutingPlan) -> MeasuredStep | None:
     total_wait = sum(wait_ms.values(), np.zeros(n))
     straggler = int(plan.gpus[int(np.argmin(total_wait))]) if total_wait.sum() > 0 else None
     step_ms = per_rank.get("step")
+    if step_ms is not None and "probe" in per_rank:
+        # The link probe is a diagnostic, not training: what "matters" is of the step
+        # training takes, and a probe run every step must not dilute it.
+        step_ms = np.maximum(np.asarray(step_ms, float) - np.nan_to_num(per_rank["probe"]), 0)
     unit = LoadUnit.of(plan)
     exchange = sum(
         (np.nan_to_num(np.asarray(per_rank[p], float)) for p in EXCHANGES if p in per_rank),

@@ -68,8 +68,8 @@ __all__ = [
     "train",
 ]
 
-#: Bytes each way of the demo's link probe: a millisecond or so a round on CPU gloo.
-DEMO_PROBE_BYTES = 2**20
+#: Bytes each way of the demo's link probe: well under a millisecond a round on CPU gloo.
+DEMO_PROBE_BYTES = 2**18
 _LATENT_RANK = 8  # tokens of a sequence are noisy views of one latent of this size
 _GRACE_S = 5.0  # Ctrl-C -> SIGTERM -> SIGKILL
 _STALL_S = 30.0  # no rank starts a step for this long: name the one to blame

@@ -22,10 +22,11 @@ at the points of the step where a slow rank makes the group wait (before
   inside the balancer's timed ``route`` / ``pre_attn`` / ``post_attn`` / ``reverse_route``,
   and the link probe's ``batch_isend_irecv``) takes longer in proportion to the bytes it
   moves, as a link slow per byte would: the delay per byte is what the previous step owed
-  over the bytes it moved (the first step loses nothing; a step that routes nothing pays
-  in its probe). Its peers wait inside the same exchanges, so in an all-to-all every rank
-  sees it take longer; only the link probe, which times one pair at a time, tells whose
-  link it is (`knapformer.contract.probe`).
+  over the bytes its token exchanges moved (the first step loses nothing; a step that
+  routes nothing sets it by its probe's bytes), and the probe pays it too. Its peers wait
+  inside the same exchanges, so in an all-to-all every rank sees it take longer; only the
+  link probe, which times one pair at a time, tells whose link it is
+  (`knapformer.contract.probe`).
 
 Sleeping at the end of the step instead would put the slowdown behind every exchange,
 where no plan could shorten it and no peer would wait for it.
@@ -57,7 +58,8 @@ class SlowBalancer(SequenceBalancer):
         self._since: tuple[float, float] | None = None  # (host clock, ms not compute)
         self._ended_steps_ms = 0.0  # time that was not compute, in the steps that ended
         self._owed_ms = 0.0  # time the next batch is held back (input), the step owes (link)
-        self._bytes = 0  # bytes the exchanges moved in this step (link)
+        self._bytes = 0  # bytes the token exchanges moved in this step (link)
+        self._probe_bytes = 0  # bytes the link probe moved in this step (link)
         self._ms_per_byte = 0.0  # the link's delay, from the step before (link)
         self.lost_ms = 0.0  # time lost so far, by every kind (what it injected)
         self._originals: dict[str, object] = {}  # the torch.distributed calls a link holds back
@@ -73,9 +75,10 @@ class SlowBalancer(SequenceBalancer):
         # The step's timings start afresh: keep what the ending one spent outside compute.
         self._ended_steps_ms += self._in_step()
         if self.slow_kind == "link":  # a new step: its delay per byte is the last one's
-            if self._bytes:
-                self._ms_per_byte = self._owed_ms / self._bytes
-            self._owed_ms, self._bytes = 0.0, 0
+            moved = self._bytes or self._probe_bytes  # the probe alone: nothing was routed
+            if moved:
+                self._ms_per_byte = self._owed_ms / moved
+            self._owed_ms, self._bytes, self._probe_bytes = 0.0, 0, 0
         return super().plan_routing(*args, **kwargs)
 
     def reverse_route(self, seqs, features=None):
@@ -112,21 +115,21 @@ class SlowBalancer(SequenceBalancer):
         self._originals.clear()
 
     def _held_all_to_all(self, output, input, *args, **kwargs):
-        self._hold_back([output, input])
+        self._bytes += self._hold_back([output, input])
         return self._originals["all_to_all_single"](output, input, *args, **kwargs)
 
     def _held_p2p(self, ops):
-        self._hold_back([op.tensor for op in ops])
+        self._probe_bytes += self._hold_back([op.tensor for op in ops])
         return self._originals["batch_isend_irecv"](ops)
 
-    def _hold_back(self, tensors) -> None:
-        """Sleep for the bytes ``tensors`` move at the link's delay per byte."""
+    def _hold_back(self, tensors) -> int:
+        """Sleep for the bytes ``tensors`` move at the link's delay per byte; returns them."""
         moved = sum(t.numel() * t.element_size() for t in tensors)
-        self._bytes += moved
         delay = moved * self._ms_per_byte
         if delay > 0:
             time.sleep(delay / 1e3)
             self.lost_ms += delay
+        return moved
 
     def _pay(self) -> float:
         owed, self._owed_ms = self._owed_ms, 0.0

@@ -37,7 +37,7 @@ DEFAULT_PROBE_BYTES = 8 * 2**20
 #: Rounds per probe by default: every pair of an 8-GPU node in one probe.
 DEFAULT_PROBE_ROUNDS = 7
 #: Timed exchanges per round; the least is kept (the module doc).
-REPEATS = 5
+REPEATS = 3
 
 
 def check_probe_options(every: int, nbytes: int, rounds: int) -> None:
