@@ -52,6 +52,7 @@ _AUTO_MEMBERS = 32  # members of a bag scored per exchange (a spread sample beyo
 _AUTO_STOP = 1e-4  # the refinement stops this close to the partition floor
 _AUTO_POUR = 2048  # a larger pool is poured into the bags' room at once, not one by one
 _TIE = 1e-9
+_NONE = np.array([-1])  # an exchange's empty slot: a move, not a swap
 # A coarse large step (`_is_coarse`): few sequences per GPU and many GPUs in the smaller groups.
 _COARSE_PER_GPU = 8  # sequences per GPU, at most
 _COARSE_SHARE = 1 / 8  # of the GPUs in groups smaller than the largest, at least
@@ -490,9 +491,7 @@ def _exchange_across(step: Step, prices: _Prices, floor: float, max_tokens) -> N
     gpu_sends, bag_sends = _sends(step, sent)
 
     def uneven(bags) -> np.ndarray:
-        most = np.array([gpu_sends[layout.start[b] : layout.start[b] + size[b]].max()
-                         for b in bags])  # fmt: skip
-        return most - bag_sends[bags] / weight[bags]
+        return np.maximum.reduceat(gpu_sends, layout.start)[bags] - bag_sends[bags] / weight[bags]
 
     extra = _uneven_sends(layout, gpu_sends, bag_sends)
     per = load / weight + extra
@@ -523,16 +522,18 @@ def _exchange_across(step: Step, prices: _Prices, floor: float, max_tokens) -> N
         lightest = least(per, partners + 1)
         lightest = lightest[lightest != a][:partners]
         ma = sample(a)
-        cols = [np.append(sample(b), -1) for b in lightest.tolist()]
-        mb = np.concatenate(cols)
-        b = np.repeat(lightest, [len(c) for c in cols])
+        cols = [sample(b) for b in lightest.tolist()]
+        mb = np.concatenate([x for c in cols for x in (c, _NONE)])  # -1: a move, no swap
+        col = np.repeat(np.arange(len(cols)), [len(c) + 1 for c in cols])  # partner of each
+        b = lightest[col]
         real = mb >= 0
         mbi = np.maximum(mb, 0)
         lj = np.where(real, lengths[mbi], 0.0)
         into_a = np.where(real, priced(mbi, np.full(len(mbi), a))[0], 0.0)
         out_b = np.where(real, price[mbi], 0.0)
         li = lengths[ma][:, None]
-        into_b = priced(ma[:, None], b[None, :])[0]  # (len(ma), len(b)), broadcast
+        # (len(ma), len(b)): priced once per partner bag, then spread over its columns.
+        into_b = priced(ma[:, None], lightest[None, :])[0][:, col]
         new_a = per[a] + (into_a[None, :] - price[ma][:, None]) / weight[a]
         new_b = per[b][None, :] + (into_b - out_b[None, :]) / weight[b][None, :]
         ok = (li >= size[b][None, :]) & ((lj >= size[a]) | ~real)[None, :]
@@ -548,11 +549,13 @@ def _exchange_across(step: Step, prices: _Prices, floor: float, max_tokens) -> N
                 extra.copy())  # fmt: skip
         moves = [(int(ma[i]), a, dst), (int(mb[j]), dst, a)]
         touched = {a, dst}
-        for seq, src, to in moves:
-            if seq < 0:
-                continue
-            old_sent = priced(np.array([seq]), np.array([src]))[1][0]
-            new_price, new_sent = (x[0] for x in priced(np.array([seq]), np.array([to])))
+        moves = [m for m in moves if m[0] >= 0]
+        seqs, srcs, tos = (np.array(x) for x in zip(*moves, strict=True))
+        old_sents = priced(seqs, srcs)[1].tolist()
+        new_prices, new_sents = (x.tolist() for x in priced(seqs, tos))
+        for (seq, src, to), old_sent, new_price, new_sent in zip(
+            moves, old_sents, new_prices, new_sents, strict=True
+        ):
             load[src] -= price[seq]
             load[to] += new_price
             price[seq] = new_price
