@@ -77,6 +77,9 @@ DEPARTURE = 1.3
 #: is taken for other than nominal; and the fewest steps that can show it.
 PERSISTENCE = 0.75
 MIN_STEPS = 5
+#: How close (in caps: one rank off a line costs 1) a line that puts other ranks off it
+#: may fit for the window to be `ComputeFit.ambiguous`.
+RIVAL = 0.25
 #: Candidate overheads of the refinement, times `MAX_OVERHEAD` x the median work.
 _GRID = np.concatenate([[0.0], np.geomspace(1e-3, 1.0, 61)])
 _ROUNDS = 4  # refinements of the agreeing set (it settles in one or two)
@@ -98,6 +101,9 @@ class ComputeFit:
     predicted_ms: np.ndarray  # (r, s) compute a rank at the group's rate would take
     agrees: np.ndarray | None = None  # (r,) bool: on the group's line (within TOLERANCE)
     cost_steps: np.ndarray | None = None  # (r, s) measured / predicted compute in each step
+    #: another line, with as many ranks off it but other ones, fits within `RIVAL` caps of
+    #: this one's: the window cannot say which ranks are off (`rival_line`)
+    ambiguous: bool = False
 
     @property
     def speed(self) -> np.ndarray:
@@ -147,9 +153,11 @@ class ComputeFit:
         rank is never fed by the noise of a few steps. Never faster than 1: on measured runs
         a "fast" rank was a lightly loaded one whose fixed overhead the window could not
         separate, and feeding it more work would make it the straggler."""
-        slow = self.departs
+        held = np.zeros(len(self.rate), dtype=bool)
         if slow_before is not None:
-            slow = slow | (np.asarray(slow_before, dtype=bool) & self.rate_departs)
+            held = np.asarray(slow_before, dtype=bool) & self.rate_departs
+        # An ambiguous window learns no new slow rank: which one it is, it cannot say.
+        slow = held if self.ambiguous else self.departs | held
         return np.where(slow & (self.speed < 1.0), self.speed, 1.0)
 
     def as_dict(self) -> dict:
@@ -194,6 +202,7 @@ def fit_compute(work: ArrayLike, compute_ms: ArrayLike) -> ComputeFit:
         if not separable:
             lines = [(0.0, slope) for overhead, slope in lines if overhead == 0.0]
         overhead, slope = _consensus(w, c, lines)
+        ambiguous = rival_line(w, c, lines, (overhead, slope))
         agrees = _agreeing(w, c, overhead, slope)
         for _ in range(_ROUNDS):
             if separable and agrees.sum() >= 2:
@@ -229,6 +238,7 @@ def fit_compute(work: ArrayLike, compute_ms: ArrayLike) -> ComputeFit:
         predicted_ms=predicted,
         agrees=agrees,
         cost_steps=cost_steps,
+        ambiguous=ambiguous,
     )
 
 
@@ -296,6 +306,29 @@ def _consensus(w: np.ndarray, c: np.ndarray, lines: list[tuple]) -> tuple[float,
         return (round(float(np.minimum(res**2, cap).sum()) / cap, 6), -line[0])
 
     return min(lines, key=score)
+
+
+def rival_line(w: np.ndarray, c: np.ndarray, lines: list[tuple], chosen: tuple) -> bool:
+    """Whether a line of ``lines`` puts as many ranks off it as ``chosen`` does, but other
+    ones, and fits within `RIVAL` caps of it (the scores of `_consensus`). Measured on
+    g1n4 with rank 2 slowed 2x (2 cores): the line through the origin and ranks 1-3
+    (rank 0 off) beat the one that left rank 2 off by 0.1 cap, and the history model
+    learnt the healthy rank 0 slow."""
+    cap = np.log(TOLERANCE) ** 2
+
+    def off_and_score(line: tuple) -> tuple[frozenset, float]:
+        res = _residuals(w, c, *line)
+        capped = np.minimum(np.where(np.isfinite(res), res**2, 0.0), cap)
+        return frozenset(np.flatnonzero(capped >= cap).tolist()), float(capped.sum()) / cap
+
+    off, score = off_and_score(chosen)
+    if not off:
+        return False
+    for line in lines:
+        other, other_score = off_and_score(line)
+        if len(other) == len(off) and other != off and other_score <= score + RIVAL:
+            return True
+    return False
 
 
 def _slope(w: np.ndarray, c: np.ndarray, overhead: float) -> float:
