@@ -39,7 +39,8 @@ WIDE256 = "g1n64+g2n32+g4n16+g8n8"  # 256 GPUs in 120 bags: shown bag by bag
 CAP64 = 6_000  # max_tokens_per_gpu of the measured 64-GPU run (its GPUs hold ~5,300)
 ALTERNATING = ("g1n4+g2n2", "g2n2+g4n1")
 # A real `knapformer demo --topology auto` run: this mix's one video rank sits near the
-# point where a group of 4 pays, so its partition changes between steps 0, 1 and 2, 3.
+# point where a group of 4 pays, so its partition changes between steps 0 and 1 (g1n8,
+# then g1n4+g4n1).
 AUTO_DEMO = ["demo", "--topology", "auto", "--world-size", "8", "--steps", "4",
              "--data-codes", "g7b2i512f1s0,g1b1i256f57s1", "--no-dashboard"]  # fmt: skip
 
@@ -733,7 +734,7 @@ def test_views_follow_each_steps_own_partition(page, runs_dir, run, steps):
     names = [p.topology for p in plans]
     changes = sum(a != b for a, b in pairwise(names))
     _switch_to(page, run, lambda: page.inner_text("#stat-steps") == str(len(plans)))
-    title = f"{len(set(names))} topologies, {changes} changes"
+    title = f"{len(set(names))} topologies, {changes} change{'' if changes == 1 else 's'}"
     _wait_for(lambda: title in _figure(page, "topology-timeline")["title"])
     assert set(_ticks(page, "topology-timeline", "y")) == set(names)
     for step in steps:
