@@ -23,8 +23,9 @@
   predicted and of waiting (colour scale without the warm-up steps), and compute vs
   waiting per rank, over the measured steps up to the shown one; the header names the
   run's current straggler (`_header_cards`).
-- what each step lost against an ideal one (`_step_loss_view`): the loss's parts per
-  measured step up to the shown one (`diagnosis.step_loss`), beside the straggler views.
+- what each step lost against an ideal one (in `_straggler_views`, from the same
+  measured steps): the loss's parts per measured step up to the shown one
+  (`diagnosis.step_loss`).
 
 Every callback names its outputs (dicts of `Output`), and figures are built by
 `visualization.figures` and `visualization.straggler_figures`.
@@ -419,7 +420,6 @@ def create_app(path: str | Path) -> Dash:
     _sequence_table(app, runs, timed)
     _pick_sequence(app, timed)
     _straggler_views(app, runs, timed)
-    _step_loss_view(app, runs, timed)
     return app
 
 
@@ -798,6 +798,7 @@ def _straggler_views(app: Dash, runs: Runs, timed: Callable) -> None:
             "ratio": Output("ratio-heatmap", "figure"),
             "wait": Output("wait-heatmap", "figure"),
             "scatter": Output("compute-wait", "figure"),
+            "loss": Output("step-loss", "figure"),
             "style": Output("straggler-box", "style"),
         },
         inputs={"selection": Input("selection", "data")},
@@ -809,34 +810,22 @@ def _straggler_views(app: Dash, runs: Runs, timed: Callable) -> None:
         if store is not None:
             window = store.measured(selection["index"], HEATMAP_STEPS, selection["reset"])
         if not window:
-            return {"ratio": no_update, "wait": no_update, "scatter": no_update, "style": _HIDDEN}
+            return {
+                "ratio": no_update, "wait": no_update, "scatter": no_update, "loss": no_update,
+                "style": _HIDDEN,
+            }  # fmt: skip
         recent = window[-WINDOW:]
+        start = _run_start(store)
         report = analyse(recent)
         flagged = flagged_ranks(report)
         heat = rank_steps(window[-heatmap_steps(len(window[-1].gpus)) :])
         return {
             "ratio": ratio_heatmap(heat, False, flagged),
-            "wait": wait_heatmap(heat, False, flagged, _run_start(store)),
+            "wait": wait_heatmap(heat, False, flagged, start),
             "scatter": compute_wait_figure(report, rank_steps(recent), validate=False),
+            "loss": step_loss_figure(step_losses(window), start, validate=False),
             "style": {"display": "block"},
         }
-
-
-def _step_loss_view(app: Dash, runs: Runs, timed: Callable) -> None:
-    @app.callback(
-        output={"figure": Output("step-loss", "figure")},
-        inputs={"selection": Input("selection", "data")},
-    )
-    @timed
-    def step_loss_view(selection):
-        store = runs.store(selection["run"]) if _key(selection) else None
-        window = []
-        if store is not None:
-            window = store.measured(selection["index"], HEATMAP_STEPS, selection["reset"])
-        if not window:
-            raise PreventUpdate  # the straggler box is hidden
-        figure = step_loss_figure(step_losses(window), _run_start(store), validate=False)
-        return {"figure": figure}
 
 
 def _run_start(store: PlanStore) -> int | None:
