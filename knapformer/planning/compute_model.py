@@ -102,7 +102,7 @@ class ComputeFit:
     agrees: np.ndarray | None = None  # (r,) bool: on the group's line (within TOLERANCE)
     cost_steps: np.ndarray | None = None  # (r, s) measured / predicted compute in each step
     #: another line, with as many ranks off it but other ones, fits within `RIVAL` caps of
-    #: this one's: the window cannot say which ranks are off (`rival_line`)
+    #: this one's: the window cannot say which ranks are off (`_rival_line`)
     ambiguous: bool = False
 
     @property
@@ -201,8 +201,10 @@ def fit_compute(work: ArrayLike, compute_ms: ArrayLike) -> ComputeFit:
         separable = _spread(work_r[known]) >= SEPARATION
         if not separable:
             lines = [(0.0, slope) for overhead, slope in lines if overhead == 0.0]
-        overhead, slope = _consensus(w, c, lines)
-        ambiguous = rival_line(w, c, lines, (overhead, slope))
+        fits = _line_fits(w, c, lines)
+        best = _consensus(lines, fits)
+        overhead, slope = lines[best]
+        ambiguous = _rival_line(fits, best)
         agrees = _agreeing(w, c, overhead, slope)
         for _ in range(_ROUNDS):
             if separable and agrees.sum() >= 2:
@@ -293,42 +295,37 @@ def _agreeing(w: np.ndarray, c: np.ndarray, overhead: float, slope: float) -> np
     return np.isfinite(res) & (np.abs(res) <= np.log(TOLERANCE))
 
 
-def _consensus(w: np.ndarray, c: np.ndarray, lines: list[tuple]) -> tuple[float, float]:
-    """The line of ``lines`` the ranks agree with best: the least sum over ranks of the
-    squared log residual, each capped at log(`TOLERANCE`)² (a rank off the line costs
-    the same however far off, so one slow rank cannot pull the line); ties: the larger
-    overhead (every step has a fixed cost; the origin is the special case)."""
+def _line_fits(w: np.ndarray, c: np.ndarray, lines: list[tuple]) -> list[tuple]:
+    """Per line of ``lines``: how well the ranks agree with it, in caps (the sum over
+    ranks of the squared log residual, each capped at log(`TOLERANCE`)²: a rank off the
+    line costs 1 however far off, so one slow rank cannot pull the line), and the ranks
+    off it (at the cap)."""
     cap = np.log(TOLERANCE) ** 2
-
-    def score(line: tuple[float, float]) -> tuple:
-        res = _residuals(w, c, *line)
-        res = res[np.isfinite(res)]
-        return (round(float(np.minimum(res**2, cap).sum()) / cap, 6), -line[0])
-
-    return min(lines, key=score)
-
-
-def rival_line(w: np.ndarray, c: np.ndarray, lines: list[tuple], chosen: tuple) -> bool:
-    """Whether a line of ``lines`` puts as many ranks off it as ``chosen`` does, but other
-    ones, and fits within `RIVAL` caps of it (the scores of `_consensus`). Measured on
-    g1n4 with rank 2 slowed 2x (2 cores): the line through the origin and ranks 1-3
-    (rank 0 off) beat the one that left rank 2 off by 0.1 cap, and the history model
-    learnt the healthy rank 0 slow."""
-    cap = np.log(TOLERANCE) ** 2
-
-    def off_and_score(line: tuple) -> tuple[frozenset, float]:
+    fits = []
+    for line in lines:
         res = _residuals(w, c, *line)
         capped = np.minimum(np.where(np.isfinite(res), res**2, 0.0), cap)
-        return frozenset(np.flatnonzero(capped >= cap).tolist()), float(capped.sum()) / cap
+        fits.append((float(capped.sum()) / cap, frozenset(np.flatnonzero(capped >= cap).tolist())))
+    return fits
 
-    off, score = off_and_score(chosen)
-    if not off:
-        return False
-    for line in lines:
-        other, other_score = off_and_score(line)
-        if len(other) == len(off) and other != off and other_score <= score + RIVAL:
-            return True
-    return False
+
+def _consensus(lines: list[tuple], fits: list[tuple]) -> int:
+    """The index of the line the ranks agree with best (`_line_fits`); ties: the larger
+    overhead (every step has a fixed cost; the origin is the special case)."""
+    return min(range(len(lines)), key=lambda i: (round(fits[i][0], 6), -lines[i][0]))
+
+
+def _rival_line(fits: list[tuple], chosen: int) -> bool:
+    """Whether another line puts as many ranks off it as line ``chosen`` does, but other
+    ones, and fits within `RIVAL` caps of it (`_line_fits`). Measured on g1n4 with rank 2
+    slowed 2x (2 cores): the line through the origin and ranks 1-3 (rank 0 off) beat the
+    one that left rank 2 off by 0.1 cap, and the history model learnt the healthy rank 0
+    slow."""
+    score, off = fits[chosen]
+    return bool(off) and any(
+        len(other) == len(off) and other != off and other_score <= score + RIVAL
+        for other_score, other in fits
+    )
 
 
 def _slope(w: np.ndarray, c: np.ndarray, overhead: float) -> float:
