@@ -4,7 +4,8 @@ Per measured step (the figures of `knapformer.diagnosis.measured`, the window's 
 compute model of `knapformer.diagnosis.stragglers.rank_steps`):
 
 - **measured**: the step's wall time (the median over ranks of ``step``; they end it
-  together, in the gradient all-reduce);
+  together, in the gradient all-reduce), less the link probe when it ran (a diagnostic,
+  not training: `knapformer.diagnosis.measured`);
 - **ideal**: the total compute spread evenly at the group's rate (the mean over ranks of
   what a rank at the group's rate takes for the work the plan gave it), plus the token
   exchanges of a typical rank at the group's median bandwidth (values moved over time
@@ -23,8 +24,8 @@ The difference is split into, in ms (each >= 0):
   last rank has its batch);
 - ``communication``: the exchanges' time with nobody waiting (the least any rank spent
   in them) above the ideal exchanges;
-- ``other``: what is left (the gradient all-reduce's transfer, the optimizer, the link
-  probe when it ran, what no figure names; negative when the parts overlap).
+- ``other``: what is left (the gradient all-reduce's transfer, the optimizer, what no
+  figure names; negative when the parts overlap).
 
 Pure numpy, no readers: the CLI, the dashboard and the report all use it.
 """

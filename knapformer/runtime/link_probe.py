@@ -69,7 +69,7 @@ class LinkProber:
         check_probe_options(every, nbytes, rounds)
         self.group, self.ranks, self.device = group, list(ranks), device
         self.position = self.ranks.index(dist.get_rank())
-        self.every, self.nbytes = every, nbytes
+        self.every = every
         self.total_rounds = probe_round_count(len(self.ranks))
         self.rounds_per_probe = min(rounds, self.total_rounds)
         self._next_round = 0
@@ -94,10 +94,10 @@ class LinkProber:
         rounds = [(self._next_round + k) % self.total_rounds for k in range(self.rounds_per_probe)]
         self._next_round = (rounds[-1] + 1) % self.total_rounds
         mine = torch.tensor([self._round(r) for r in rounds], dtype=torch.float64)
-        gathered = [torch.empty_like(mine) for _ in self.ranks]
         # float64 on the group's device: NCCL gathers CUDA tensors only
-        on_device = [g.to(self.device) for g in gathered]
-        dist.all_gather(on_device, mine.to(self.device), group=self.group)
+        mine = mine.to(self.device)
+        on_device = [torch.empty_like(mine) for _ in self.ranks]
+        dist.all_gather(on_device, mine, group=self.group)
         table = torch.stack([g.cpu() for g in on_device], dim=1)  # (rounds, gpus)
         return LinkProbe(
             bytes=self._send.numel() * 4,
