@@ -96,6 +96,9 @@ pictures: system-deps browser-deps $(VENV)/.installed
 #   make gpu-check GPU_PY=python3 GPU_CHECK_OUT=/some/folder
 GPU_PY ?= $(PY)
 GPU_CHECK_OUT ?= runs/gpu-check
+# Another Python gets the project installed here (the readers install as knapformer.*
+# packages, which a plain source tree on PYTHONPATH does not give), without dependencies.
+GPU_SITE ?= runs/gpu-site
 GPU_TESTS := $(wildcard tests/test_*_gpu.py)
 
 gpu-check:
@@ -107,9 +110,13 @@ gpu-check:
 gpu-check-run: $(if $(filter $(PY),$(GPU_PY)),system-deps $(VENV)/.installed)
 	@cuda=$$($(GPU_PY) -c 'import torch; print(int(torch.cuda.is_available()))') || exit 1; \
 	if [ "$$cuda" != 1 ]; then $(GPU_PY) bench/gpu.py; exit 0; fi; \
-	export PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" GPU_CHECK_OUT="$(GPU_CHECK_OUT)"; \
-	tests=0; $(GPU_PY) -m pytest -q -p no:cacheprovider -m gpu $(GPU_TESTS) || tests=$$?; \
-	$(GPU_PY) -c 'import sys; from knapformer.cli import main; sys.exit(main(sys.argv[1:]))' calibrate --benchmark || tests=$$?; \
+	site="$(CURDIR)"; if [ "$(GPU_PY)" != "$(PY)" ]; then \
+	  echo "==> installing the project (no dependencies) into $(GPU_SITE) for $(GPU_PY)"; \
+	  rm -rf "$(GPU_SITE)" && $(GPU_PY) -m pip install -q --no-deps --no-build-isolation \
+	    --no-index --target "$(GPU_SITE)" . || exit 1; site="$(abspath $(GPU_SITE))"; fi; \
+	export PYTHONPATH="$$site$${PYTHONPATH:+:$$PYTHONPATH}" GPU_CHECK_OUT="$(GPU_CHECK_OUT)"; \
+	tests=0; $(GPU_PY) -P -m pytest -q -p no:cacheprovider -m gpu $(GPU_TESTS) || tests=$$?; \
+	$(GPU_PY) -P -c 'import sys; from knapformer.cli import main; sys.exit(main(sys.argv[1:]))' calibrate --benchmark || tests=$$?; \
 	$(GPU_PY) bench/gpu.py || exit $$?; exit $$tests
 
 samples: $(VENV)/.installed

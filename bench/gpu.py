@@ -644,6 +644,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}"
     )
+    parser.add_argument(
+        "--show",
+        type=Path,
+        metavar="JSON",
+        help="measure nothing: print the tables of a recorded gpu-check.json",
+    )
     args = parser.parse_args(argv)
     args.parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     unknown = sorted(set(args.parts) - set(PARTS))
@@ -652,8 +658,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def show_recorded(path: Path, console: Console) -> int:
+    """The tables of a gpu-check.json written by an earlier run (a GPU's, shown where
+    there is none); exit status 1 when that run failed."""
+    report = json.loads(path.read_text(encoding="utf-8"))
+    env = report["environment"]
+    console.print(
+        f"recorded {report['when']} on {env.get('gpu', env['device'])}: torch {env['torch']}"
+        + (f", CUDA {env['cuda']}, NCCL {env['nccl']}" if "cuda" in env else "")
+    )
+    shows = {"balancer": print_balancer, "fit": print_fit, "pack": print_pack}
+    for name, show in shows.items():
+        if name in report and "error" not in report[name]:
+            show(console, report[name])
+    for failure in report["failures"]:
+        console.print(f"[bold red]  {failure}[/]")
+    console.print("GPU check passed" if report["ok"] else "[bold red]GPU CHECK FAILED[/]")
+    return 0 if report["ok"] else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.show is not None:
+        return show_recorded(args.show, Console(width=140))
     if args.device == "cuda" and not torch.cuda.is_available():
         print(needs_cuda_line())
         return 0

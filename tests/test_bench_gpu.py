@@ -98,6 +98,25 @@ def test_quick_cpu_run_pack_figures(quick_run):
             assert r["vs_gather"] == pytest.approx(gather["ms"] / r["ms"])
 
 
+def test_show_prints_a_recorded_run_and_its_verdict(quick_run, tmp_path):
+    _, out = quick_run
+    report = json.loads((out / "gpu-check.json").read_text())
+    proc = _run([sys.executable, str(BENCH), "--show", str(out / "gpu-check.json")])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"recorded {report['when']} on cpu" in proc.stdout
+    for title in ("1. balancer on gloo", "2. DiT block", "3. router packing"):
+        assert title in proc.stdout
+    assert f"γ = {report['fit']['gamma']:.4g}" in proc.stdout
+    assert proc.stdout.rstrip().endswith("GPU check passed")
+    # a failed run reads as failed: its failures listed, exit status 1
+    report |= {"ok": False, "failures": ["pack: not bit-exact"]}
+    failed = tmp_path / "failed.json"
+    failed.write_text(json.dumps(report))
+    proc = _run([sys.executable, str(BENCH), "--show", str(failed)])
+    assert proc.returncode == 1
+    assert "pack: not bit-exact" in proc.stdout and "GPU CHECK FAILED" in proc.stdout
+
+
 @no_cuda
 def test_without_cuda_the_bench_says_so_in_one_line(tmp_path):
     proc = _run([sys.executable, str(BENCH), "--out", str(tmp_path / "out")])

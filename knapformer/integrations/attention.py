@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from knapformer.runtime.router import host_to_device
+
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: list[int]):
     """Attention within each sequence. ``q, k, v``: ``(T, H, D)`` -> ``(T, H, D)``.
@@ -27,7 +29,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: list[
             by_len.setdefault(n, []).append(start)
     pieces, index = [], []
     for n, group in by_len.items():
-        idx = torch.tensor(group, device=q.device)[:, None] + torch.arange(n, device=q.device)
+        starts_t = host_to_device(torch.tensor(group), q.device)  # no host wait on a GPU
+        idx = starts_t[:, None] + torch.arange(n, device=q.device)
         idx = idx.reshape(-1)
         # (B, n, H, D) -> (B, H, n, D) as SDPA expects
         qs, ks, vs = (

@@ -502,7 +502,7 @@ class SequenceBalancer:
         tensors = _inputs(x, name, features, rows, holder)
         timer = partial(self._timer.timed, phase)
         with timer():
-            check_same_rows(phase, tensors, self.group, self.group_ranks)
+            check_same_rows(phase, tensors, self.groups.host, self.group_ranks)
         outs = exchange(tensors, send, recv, self.group, **index, timer=timer)
         return outs[0], unflatten_features(features, outs[1:])
 

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from knapformer.contract.positions import gpu_positions
 from knapformer.errors import KnapformerError
-from knapformer.runtime.router import Group
+from knapformer.runtime.router import Group, host_to_device
 
 if TYPE_CHECKING:
     from knapformer.runtime.balancer import SequenceBalancer
@@ -70,10 +70,10 @@ def sequence_tables(balancer: SequenceBalancer) -> SequenceTables:
     identity = bool(np.array_equal(gathered, np.arange(len(gathered))))
     device = balancer.device
     built = SequenceTables(
-        index=torch.from_numpy(index).to(device),
+        index=host_to_device(torch.from_numpy(index), device),
         counts=np.bincount(src_pos, minlength=len(gpus)).astype(np.int64).tolist(),
         position=int(pos[np.asarray([balancer.rank])][0]),
-        order=None if identity else torch.from_numpy(np.argsort(gathered)).to(device),
+        order=None if identity else host_to_device(torch.from_numpy(np.argsort(gathered)), device),
     )
     _CACHE[balancer] = (tables, built)
     return built

@@ -142,14 +142,18 @@ class BalanceGroups:
     """The sub-groups of one `BalanceLayout`, made by `create` (collective over the
     default group). ``group``: the balance group to run the step's collectives on (the
     parent group itself when it holds one replica); ``side``: the plan-ahead thread's gloo
-    group over the balance group's ranks, or None; ``timeout``: the parent group's, given
-    to every group and wait of the balancer."""
+    group over the balance group's ranks, or None; ``host``: the group that checks the
+    routed rows' layout (`knapformer.runtime.router.check_same_rows`) with CPU tensors:
+    ``group`` itself when its backend has gloo, else a gloo group over the same ranks, so
+    that the check never makes the host wait for the GPU; ``timeout``: the parent group's,
+    given to every group and wait of the balancer."""
 
     layout: BalanceLayout
     parent: Group
     timeout: datetime.timedelta
     group: Group = None
     side: Group = None
+    host: Group = None
     _bag_groups: dict[tuple[int, ...], Group] = field(default_factory=dict)
     _owned: list[dist.ProcessGroup] = field(default_factory=list)  # creation order
 
@@ -165,6 +169,13 @@ class BalanceGroups:
                 made = groups._new(ranks)
                 if made is not None:
                     groups.group = made
+        groups.host = groups.group
+        if not carries_cpu(parent):
+            # Reading an NCCL check's answer would wait for every kernel queued before it.
+            for ranks in layout.replicas:
+                made = groups._new(ranks, backend="gloo")
+                if made is not None:
+                    groups.host = made
         for bag in layout.bags:
             if len(bag) > 1:
                 made = groups._new(bag)
@@ -252,7 +263,13 @@ class BalanceGroups:
                 continue
             with suppress(ValueError):
                 dist.destroy_process_group(made)
-        self.group, self.side = self.parent, None
+        self.group, self.side, self.host = self.parent, None, None
+
+
+def carries_cpu(group: Group) -> bool:
+    """Whether ``group``'s collectives take CPU tensors (gloo, alone or beside NCCL as in
+    ``"cpu:gloo,cuda:nccl"``)."""
+    return "gloo" in str(dist.get_backend(group))
 
 
 def group_device(group: Group) -> torch.device:

@@ -166,9 +166,19 @@ def token_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.repeat(np.asarray(starts, dtype=np.int64) - begin, lengths) + np.arange(total)
 
 
+def host_to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``t`` (built on the host) on ``device``. To a GPU it goes through pinned memory, so
+    that the copy is queued like a kernel: from pageable memory the host would wait for it
+    and for everything queued before it."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def _index_tensor(device: torch.device):
     def convert(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)
+        return host_to_device(torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)), device)
 
     return convert
 
@@ -290,21 +300,22 @@ _DTYPES = tuple(sorted({v for v in vars(torch).values() if isinstance(v, torch.d
 def check_same_rows(
     call: str, tensors: Sequence[torch.Tensor], group: Group, ranks: Sequence[int]
 ) -> None:
-    """Collective over ``group`` (global ``ranks``, in group order): raise on every rank
-    alike unless every rank's ``tensors`` (the token tensor, then its features) have the
-    same values per row, dtypes and trailing shapes. One small all-to-all of a header:
-    each rank sends every peer its token tensor's width and dtype and a digest of its
-    features' layout."""
+    """Collective over ``group`` (global ``ranks``, in group order; a group that carries
+    CPU tensors): raise on every rank alike unless every rank's ``tensors`` (the token
+    tensor, then its features) have the same values per row, dtypes and trailing shapes.
+    One small all-to-all of a header on the host: each rank sends every peer its token
+    tensor's width and dtype and a digest of its features' layout. Nothing of it touches
+    the GPU, so a route never waits for the kernels queued before it."""
     x = tensors[0]
     width = int(np.prod(x.shape[1:], dtype=np.int64))
     layout = ";".join(f"{t.dtype}:{tuple(t.shape[1:])}" for t in tensors[1:])
     digest = int.from_bytes(hashlib.blake2b(layout.encode(), digest_size=7).digest(), "little")
     mine = [width, _DTYPES.index(x.dtype), len(tensors) - 1, digest]
-    send = torch.tensor([mine] * len(ranks), dtype=torch.int64, device=x.device)
+    send = torch.tensor([mine] * len(ranks), dtype=torch.int64)
     got = torch.empty_like(send)
     with wait("all_to_all"):
         dist.all_to_all_single(got, send, group=group)
-    table = [tuple(row) for row in got.cpu().tolist()]
+    table = [tuple(row) for row in got.tolist()]
     rows: dict[tuple[int, int], list[int]] = {}
     feats: dict[tuple[int, int], list[int]] = {}
     for rank, (w, dtype, count, dig) in zip(ranks, table, strict=True):

@@ -65,6 +65,10 @@ WAN_PROMPTS = {
     4: [[6, 2], [4], [3, 5], []],
     8: [[6, 2], [4], [3, 5], [], [1], [], [6], [2]],
 }
+# One rank (tests/test_diffusers_gpu.py: one GPU) holds all the samples of four.
+for _table in (FLUX_SAMPLES, WAN_VIDEOS, WAN_PROMPTS):
+    _table[1] = [[s for per_rank in _table[4] for s in per_rank]]
+del _table
 
 # name: (topology, options). Every combination the integration promises, and a
 # deliberately broken integration (Ulysses skipped) that the comparison must catch.
@@ -119,6 +123,15 @@ def wan_model(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
 
 def dtype_of(options: dict) -> torch.dtype:
     return torch.bfloat16 if options.get("bf16") else torch.float32
+
+
+def device_of(options: dict) -> torch.device:
+    """Where a variant runs: ``options["device"]`` ("cuda" on an NCCL world), else CPU."""
+    return torch.device(options.get("device", "cpu"))
+
+
+def _on(samples: list[tuple], device: torch.device) -> list[tuple]:
+    return [tuple(t.to(device) for t in s) for s in samples]
 
 
 def cast(samples: list[list[tuple]], dtype: torch.dtype, keep: tuple[int, ...] = ()):
@@ -218,7 +231,7 @@ def _prepared(model, world: int, blocks, options: dict):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh("cpu", (world,))
+        mesh = init_device_mesh(device_of(options).type, (world,))
         for block in blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -247,7 +260,7 @@ def _summed_grads(model, world: int, fsdp: bool) -> dict[str, torch.Tensor]:
         else:
             g = g.float()
             dist.all_reduce(g)
-        grads[name] = g
+        grads[name] = g.cpu()
     return grads
 
 
@@ -257,13 +270,13 @@ def run_flux_variant(rank: int, world: int, topology: str, options: dict) -> dic
     routed here held text tokens only."""
     from knapformer.integrations.diffusers import BalancedFlux
 
-    dtype = dtype_of(options)
-    model = flux_model(dtype)
+    dtype, device = dtype_of(options), device_of(options)
+    model = flux_model(dtype).to(device)
     blocks = (*model.transformer_blocks, *model.single_transformer_blocks)
     model = _prepared(model, world, blocks, options)
     balanced = BalancedFlux(model)
     bal = _balancer(topology, options)
-    mine = cast(flux_samples(world), dtype)[rank]
+    mine = _on(cast(flux_samples(world), dtype)[rank], device)
     batch = flux_batch(mine, dtype)
     bal.plan_routing(batch.seq_lens, FLUX_D)
     out = balanced(batch, bal)
@@ -272,7 +285,7 @@ def run_flux_variant(rank: int, world: int, topology: str, options: dict) -> dic
     text_only = _text_only_chunk(bal, world)
     grads = _summed_grads(model, world, options.get("fsdp", False))
     bal.close()
-    return {"out": out.detach(), "grads": grads, "text_only": text_only}
+    return {"out": out.detach().cpu(), "grads": grads, "text_only": text_only}
 
 
 def _text_only_chunk(bal, world: int) -> bool:
@@ -292,12 +305,12 @@ def run_wan_variant(rank: int, world: int, topology: str, options: dict) -> dict
     video's output ``(4, F, H, W)`` and the gradients summed over the world."""
     from knapformer.integrations.diffusers import BalancedWan
 
-    dtype = dtype_of(options)
-    model = wan_model(dtype)
+    dtype, device = dtype_of(options), device_of(options)
+    model = wan_model(dtype).to(device)
     model = _prepared(model, world, model.blocks, options)
     balanced = BalancedWan(model)
     bal = _balancer(topology, options)
-    mine = cast(wan_samples(world), dtype, WAN_KEEP)[rank]
+    mine = _on(cast(wan_samples(world), dtype, WAN_KEEP)[rank], device)
     batch = wan_batch(mine, dtype)
     bal.plan_routing(batch.seq_lens(balanced.patch_size), WAN_D)
     out = balanced(batch, bal)  # (T, C * patch): a rank without samples has 0 rows
@@ -306,7 +319,7 @@ def run_wan_variant(rank: int, world: int, topology: str, options: dict) -> dict
     outs = balanced.unpatchify(out, batch)
     grads = _summed_grads(model, world, options.get("fsdp", False))
     bal.close()
-    return {"outs": [o.detach() for o in outs], "grads": grads}
+    return {"outs": [o.detach().cpu() for o in outs], "grads": grads}
 
 
 def _worker(rank: int, world: int) -> dict[str, dict[str, Any]]:

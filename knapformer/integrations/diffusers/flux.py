@@ -29,7 +29,14 @@ from torch import nn
 
 from knapformer.errors import KnapformerError
 from knapformer.integrations.diffusers.internals import _unwrapped, check_flux
-from knapformer.integrations.diffusers.packed import Tokens, call, install, modulate
+from knapformer.integrations.diffusers.packed import (
+    Tokens,
+    call,
+    install,
+    modulate,
+    sample_of_token,
+)
+from knapformer.runtime.router import host_to_device
 
 if TYPE_CHECKING:
     from knapformer.runtime.balancer import SequenceBalancer
@@ -100,7 +107,7 @@ def _joint_positions(text_lens: list[int], image_lens: list[int], device: torch.
     lens = torch.tensor(pairs, dtype=torch.int64)
     stream = torch.repeat_interleave(torch.arange(len(lens)) % 2, lens)
     rows = torch.arange(len(stream))
-    return rows[stream == 0].to(device), rows[stream == 1].to(device)
+    return host_to_device(rows[stream == 0], device), host_to_device(rows[stream == 1], device)
 
 
 class BalancedFlux(nn.Module):
@@ -160,10 +167,7 @@ def _model_forward(model, batch: FluxBatch, balancer):
     norm_out = model.norm_out
     emb = norm_out.linear(norm_out.silu(temb).to(x.dtype))
     scale, shift = torch.chunk(emb, 2, dim=1)
-    sample = torch.repeat_interleave(
-        torch.arange(len(batch.image_lens), device=x.device),
-        torch.as_tensor(batch.image_lens, dtype=torch.int64, device=x.device),
-    )
+    sample = sample_of_token(batch.image_lens, x.device)
     x = modulate(norm_out.norm(x), scale[sample], shift[sample])
     return model.proj_out(x)
 

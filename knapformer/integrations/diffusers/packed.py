@@ -11,7 +11,7 @@ model) gets an instance ``forward`` that runs a packed function when it is hande
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from knapformer.integrations.attention import attention
 from knapformer.runtime.conditioning import gather_sequences, sequence_index
+from knapformer.runtime.router import host_to_device
 
 if TYPE_CHECKING:
     from knapformer.runtime.balancer import SequenceBalancer
@@ -48,6 +49,13 @@ def install(module: nn.Module) -> None:
     module._knapformer_dispatch = True
 
 
+def sample_of_token(lens: Sequence[int], device: torch.device) -> torch.Tensor:
+    """``(sum(lens),)`` int64: the sample each row of a packed batch belongs to, built on
+    the host (from ``lens``, never from a device tensor) and queued to ``device``."""
+    lens_t = torch.as_tensor(list(lens), dtype=torch.int64)
+    return host_to_device(torch.repeat_interleave(torch.arange(len(lens_t)), lens_t), device)
+
+
 def call(module: nn.Module, fn: Callable[..., Any], *args: Any, checkpointed: bool = False):
     """``fn(module, *args)`` through ``module.__call__`` (its hooks run), optionally under
     non-reentrant activation checkpointing (recomputed in backward, hooks and all)."""
@@ -72,10 +80,7 @@ class Tokens:
     def route(self, x: torch.Tensor, features: Any) -> tuple[torch.Tensor, Any]:
         """``x (T_local, d)`` and per-token features -> the rows this rank computes."""
         if self.balancer is None:
-            self._seq = torch.repeat_interleave(
-                torch.arange(len(self.local_lens), device=x.device),
-                torch.as_tensor(self.local_lens, dtype=torch.int64, device=x.device),
-            )
+            self._seq = sample_of_token(self.local_lens, x.device)
             self.chunk_lens = self.local_lens
             return x, features
         self.chunk_lens, x, features = self.balancer.route(x, features)

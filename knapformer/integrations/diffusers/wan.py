@@ -31,7 +31,14 @@ from torch import nn
 
 from knapformer.errors import KnapformerError
 from knapformer.integrations.diffusers.internals import _unwrapped, check_wan
-from knapformer.integrations.diffusers.packed import Tokens, call, install, modulate
+from knapformer.integrations.diffusers.packed import (
+    Tokens,
+    call,
+    install,
+    modulate,
+    sample_of_token,
+)
+from knapformer.runtime.router import host_to_device
 
 if TYPE_CHECKING:
     from knapformer.runtime.balancer import SequenceBalancer
@@ -62,7 +69,7 @@ def _grid(latent: torch.Tensor, patch_size) -> torch.Tensor:
     """``(tokens, 3)`` int64 (frame, row, column) of each patch, in Wan's flatten order."""
     f, h, w = (n // p for n, p in zip(latent.shape[1:], patch_size, strict=True))
     axes = torch.meshgrid(torch.arange(f), torch.arange(h), torch.arange(w), indexing="ij")
-    return torch.stack(axes, dim=-1).reshape(-1, 3).to(latent.device)
+    return host_to_device(torch.stack(axes, dim=-1).reshape(-1, 3), latent.device)
 
 
 class BalancedWan(nn.Module):
@@ -111,7 +118,7 @@ def _model_forward(model, batch: WanBatch, balancer, patch_size):
     if not batch.latents:  # still run every module (zero rows): every rank's graph alike
         empty = embed.weight.new_zeros((0, embed.in_channels, *patch_size))
         toks.append(embed(empty).flatten(2).transpose(1, 2).reshape(0, embed.out_channels))
-        grids.append(torch.zeros(0, 3, dtype=torch.int64))
+        grids.append(torch.zeros(0, 3, dtype=torch.int64, device=embed.weight.device))
     x, pos = torch.cat(toks), torch.cat(grids)
     temb, tproj, text, _ = model.condition_embedder(batch.timestep, batch.text)
     tproj = tproj.unflatten(1, (6, -1))  # (S, 6, D)
@@ -127,9 +134,7 @@ def _model_forward(model, batch: WanBatch, balancer, patch_size):
 
     shift, scale = (model.scale_shift_table + temb[:, None]).chunk(2, dim=1)  # (S, 1, D)
     lens = [t.shape[0] for t in toks] if batch.latents else []
-    sample = torch.repeat_interleave(
-        torch.arange(len(lens), device=x.device), torch.tensor(lens, dtype=torch.int64)
-    )
+    sample = sample_of_token(lens, x.device)
     x = (model.norm_out(x.float()) * (1 + scale[sample, 0]) + shift[sample, 0]).type_as(x)
     return model.proj_out(x)
 
