@@ -39,7 +39,7 @@ Targets (exit 1 when one is missed):
   rank (every rank but a slow ``gpu``) stay within 10 % of 1 at every step.
 
     .venv/bin/python bench/diagnosis.py [--quick] [--steps 12] [--kinds gpu link]
-        [--sizes default heavy] [--no-clean]
+        [--sizes default heavy] [--no-clean] [--keep DIR]
 
 A subset (``--kinds``, ``--sizes``, ``--no-clean``) is for looking at one part; the
 targets hold for the whole matrix.
@@ -52,6 +52,8 @@ import itertools
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,6 +102,7 @@ class Outcome:
     alarms: set[int]  # ranks named slow_* that were not injected, at any step (-1: a link
     # scope the injected rank is not in)
     worst_speed: float  # largest |1 - learnt speed| of a healthy rank, over the run
+    worst_rank: int | None  # the healthy rank it was of (None: every one stayed at 1)
     seconds: float
     step_ms: float  # median step (ms), median over ranks
     probe_ms: float  # time in the link probe per step, on average over the steps
@@ -163,9 +166,9 @@ def run(case: Case, steps: int, out: Path) -> Outcome:
         alarms.add(-1)  # a slow link named where the injected rank takes no part
     final = verdict_of(*timeline[-1][1:]) if timeline else "ok"
     healthy = [r for r in range(case.world) if not (case.kind == "gpu" and r == slow)]
-    worst = max(
-        (abs(1 - s[r]) for s in recorded_speeds(plans).values() if s for r in healthy),
-        default=0.0,
+    worst, worst_rank = max(
+        ((abs(1 - s[r]), r) for s in recorded_speeds(plans).values() if s for r in healthy),
+        default=(0.0, None),
     )
 
     def per_step(phase: str) -> list[float]:  # median over ranks; 0 where not run
@@ -173,7 +176,8 @@ def run(case: Case, steps: int, out: Path) -> Outcome:
 
     # the probe's cost per step on average (it skips steps); the step's median
     step_ms, probe_ms = float(np.median(per_step("step"))), float(np.mean(per_step("probe")))
-    return Outcome(case, first, final, alarms, worst, seconds, step_ms, probe_ms)
+    worst_rank = worst_rank if worst > 0 else None
+    return Outcome(case, first, final, alarms, worst, worst_rank, seconds, step_ms, probe_ms)
 
 
 def main() -> int:
@@ -185,13 +189,16 @@ def main() -> int:
     )
     parser.add_argument("--sizes", nargs="+", choices=tuple(SIZES), default=tuple(SIZES))
     parser.add_argument("--no-clean", action="store_true", help="leave out the clean runs")
+    parser.add_argument(
+        "--keep", type=Path, help="keep each run's plans in DIR/<run> (default: a temporary folder)"
+    )
     args = parser.parse_args()
     console = Console(width=160)
     outcomes = []
-    with tempfile.TemporaryDirectory(prefix="knapformer-diagnosis-") as tmp:
+    with _runs_folder(args.keep) as folder:
         chosen = cases(args.quick, tuple(args.kinds), tuple(args.sizes), not args.no_clean)
-        for i, case in enumerate(chosen):
-            outcome = run(case, args.steps, Path(tmp) / str(i))
+        for case in chosen:
+            outcome = run(case, args.steps, folder / case.label().replace(" ", "_"))
             outcomes.append(outcome)
             console.print(
                 f"{case.label():<48} named after {outcome.first} step(s), at the end "
@@ -203,6 +210,17 @@ def main() -> int:
     console.print(f"{len(outcomes)} runs of {args.steps} steps took {took:.0f} s")
     print_load(console)
     return print_targets(console, check_targets(outcomes))
+
+
+@contextmanager
+def _runs_folder(keep: Path | None) -> Iterator[Path]:
+    """``keep`` (made if missing), else a temporary folder removed afterwards."""
+    if keep is not None:
+        keep.mkdir(parents=True, exist_ok=True)
+        yield keep
+        return
+    with tempfile.TemporaryDirectory(prefix="knapformer-diagnosis-") as tmp:
+        yield Path(tmp)
 
 
 def _runs_table(outcomes: list[Outcome]) -> Table:
@@ -219,7 +237,7 @@ def _runs_table(outcomes: list[Outcome]) -> Table:
             "never" if o.first is None else f"{o.first} steps",
             o.final,
             ", ".join(map(str, sorted(o.alarms))) or "none",
-            f"{o.worst_speed:.0%}",
+            f"{o.worst_speed:.0%}" + ("" if o.worst_rank is None else f" (rank {o.worst_rank})"),
             f"{o.step_ms:.0f}",
             f"{o.probe_ms:.1f}",
             style=None if (o.hit or o.case.kind is None) and not o.alarms else "red",

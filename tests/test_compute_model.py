@@ -141,3 +141,36 @@ def test_a_rank_learnt_slow_stays_learnt_while_its_rate_departs():
     assert held[0] == pytest.approx(1 / fit.rate[0]) and held[0] < 0.8
     assert held[1:].tolist() == [1.0] * 4
     assert fit.learnt(np.array([False, True, False, False, False])).tolist() == [1.0] * 5
+
+
+def test_a_rank_whose_slowness_costs_little_is_not_learnt_slow():
+    # Rank 0 holds a sliver of the work: twice the line's compute is 15 ms of 162 (the
+    # longest), below MATERIAL; the same factor on rank 2 costs 102 ms and is learnt.
+    work = np.tile(np.array([0.1, 1.0, 3.0, 5.0, 5.0])[:, None], (1, 8))
+    for slow, learnt in ((0, False), (2, True)):
+        compute = 30.0 * (0.4 + work)
+        compute[slow] *= 2.0
+        fit = fit_compute(work, compute)
+        assert fit.departs[slow] and fit.departs.sum() == 1
+        assert fit.material[slow] == learnt and fit.material.sum() == learnt
+        assert (fit.learnt_speed[slow] < 0.6) == learnt
+        assert np.delete(fit.learnt_speed, slow).tolist() == [1.0] * 4
+
+
+def test_an_ambiguous_window_learns_no_slow_rank():
+    # Five steps of a clean g1n4 demo run on 2 cores (rank 2 holds a sequence no bag can
+    # split): the line through ranks 1-3 leaves the light rank 0 off it (its small batches
+    # cost more per unit of work than the workload model says), and a line with a larger
+    # overhead through ranks 0, 1 and 3 leaves rank 2 off it instead, fitting as well.
+    share = [
+        [0.031, 0.043, 0.035, 0.045, 0.037],
+        [0.133, 0.136, 0.147, 0.127, 0.141],
+        [0.714, 0.706, 0.700, 0.716, 0.713],
+        [0.121, 0.115, 0.119, 0.111, 0.108],
+    ]
+    compute = [[13.1, 10.9, 11.6, 10.8, 9.1], [19.6, 17.8, 15.4, 13.8, 15.7],
+               [76.0, 76.9, 57.8, 63.6, 62.3], [18.5, 14.5, 14.9, 13.2, 12.4]]  # fmt: skip
+    fit = fit_compute(share, compute)
+    assert fit.ambiguous and "ambiguous" in fit.note
+    assert fit.rate[2] >= DEPARTURE  # the line chosen would read rank 2 as slow
+    assert fit.learnt_speed.tolist() == [1.0] * 4

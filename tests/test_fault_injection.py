@@ -5,8 +5,6 @@ link), so each verdict has the evidence it is decided by."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -36,12 +34,11 @@ def _worker(rank: int, world: int) -> dict:
         model = ToyDiT(D, HEADS, 1)
         timings, lost = [], []
         for step in range(STEPS):
-            began = time.perf_counter()
-            if rank == SLOW:
-                bal.wait_for_input()
-            lengths = [5 + (3 * rank + step) % 7, 20 + rank]
-            x = torch.randn(sum(lengths), D)
-            bal.add_timing("data", (time.perf_counter() - began) * 1e3)
+            with bal.timed("data"):
+                if rank == SLOW:
+                    bal.wait_for_input()
+                lengths = [5 + (3 * rank + step) % 7, 20 + rank]
+                x = torch.randn(sum(lengths), D)
             before = bal.lost_ms if rank == SLOW else 0.0
             bal.plan_routing(lengths, token_dim=D)
             if step >= 2:  # the step before has ended: its timings are final

@@ -406,3 +406,25 @@ def test_topology_timeline_keys_steps_by_where_their_bags_sat(steps50):
     # The same placement throughout: one row, labelled by the topology alone.
     same = [dataclasses.replace(s, bags=where[0]) for s in summaries]
     assert topology_runs(same) == [("g1n4+g4n1", 0, 3)]
+
+
+def test_phase_breakdown_shows_host_data_and_descheduled_beside_compute(plan8):
+    from knapformer.visualization.phase_figures import DESCHEDULED_PART, step_parts
+
+    # The timer's compute holds none of host work, the wait for data or (on the CPU) the
+    # time the thread waited for a core: each is its own part and the stack is the step.
+    plan = with_measurements(plan8, np.random.default_rng(4))
+    per_rank = dict(plan.measurements.per_rank_ms)
+    n = len(plan.gpus)
+    extra = {"data": np.full(n, 3.0), "host": np.arange(n, dtype=float),
+             "descheduled": np.linspace(1.0, 8.0, n)}  # fmt: skip
+    for name, ms in extra.items():
+        per_rank[name] = ms.tolist()
+    per_rank["step"] = (np.asarray(per_rank["step"]) + sum(extra.values())).tolist()
+    measured = plan.model_copy(
+        update={"measurements": plan.measurements.model_copy(update={"per_rank_ms": per_rank})}
+    )
+    parts = step_parts(measured)
+    np.testing.assert_allclose(sum(parts.parts.values()), parts.step_ms)
+    np.testing.assert_allclose(parts.parts[DESCHEDULED_PART], extra["descheduled"])
+    np.testing.assert_allclose(parts.parts["compute (model and the rest)"], per_rank["compute"])

@@ -6,7 +6,6 @@ add no collective, and the history cost model taking work off a slow rank of the
 from __future__ import annotations
 
 import json
-import time
 from collections import Counter
 
 import numpy as np
@@ -16,6 +15,7 @@ import torch
 from knapformer.contract.plan import COLLECTIVE_PHASES
 from knapformer.contract.plan_io import read_plans
 from knapformer.planning.history import recorded_speeds
+from knapformer.testing.cpu_work import burn_cpu
 from knapformer.testing.dist_helpers import run_world
 
 WORLD = 4
@@ -53,8 +53,9 @@ class _Count:
 
 
 def _steps(rank: int, counter: _Count, measured: bool, out: str) -> dict:
-    """STEPS training steps of a ToyDiT through the balancer; rank SLOW_RANK sleeps in its
-    compute. ``measured``: with a recorder, the history cost model and an extra phase."""
+    """STEPS training steps of a ToyDiT through the balancer; rank SLOW_RANK burns CPU time
+    in its compute (on the CPU, a slower device). ``measured``: with a recorder, the
+    history cost model and an extra phase."""
     from knapformer.local.models import ToyDiT
     from knapformer.runtime.balancer import SequenceBalancer
     from knapformer.runtime.recorder import PlanRecorder
@@ -78,7 +79,7 @@ def _steps(rank: int, counter: _Count, measured: bool, out: str) -> dict:
         out_ = model(torch.randn(sum(lengths), D), lengths, bal)
         out_.square().mean().backward()
         if rank == SLOW_RANK:
-            time.sleep(SLOW_S)  # a slow GPU: its peers wait for it in the all-reduce
+            burn_cpu(SLOW_S * 1e3)  # a slow GPU: its peers wait for it in the all-reduce
         flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
         bal.all_reduce(flat)
         bal.add_timing("data", 1.0)
@@ -134,7 +135,10 @@ def test_compute_is_the_step_without_collectives_data_and_host_work(run):
         inside = sum(np.asarray(ms[p]) for p in COLLECTIVE_PHASES if p in ms)
         outside = np.asarray(ms["data"]) + host_ms(ms, WORLD)  # planning, recording
         assert (host_ms(ms, WORLD) > 0).all()
-        np.testing.assert_allclose(ms["compute"], np.asarray(ms["step"]) - inside - outside)
+        # On the CPU the compute is the thread's CPU time in it, the rest is `descheduled`.
+        wall = np.asarray(ms["step"]) - inside - outside
+        np.testing.assert_allclose(np.asarray(ms["compute"]) + ms["descheduled"], wall)
+        assert (np.asarray(ms["compute"]) <= wall + 1e-9).all()
         # a 2-GPU bag: Ulysses exchanges too; no link probe unless asked for
         assert set(COLLECTIVE_PHASES) - {"probe"} <= set(ms) and "probe" not in ms
 
@@ -145,11 +149,11 @@ def test_the_slow_rank_computes_longer_and_the_others_wait_for_it(run):
         ms = plan.measurements.per_rank_ms
         compute, allreduce = np.asarray(ms["compute"]), np.asarray(ms["allreduce"])
         others = [r for r in range(WORLD) if r != SLOW_RANK]
-        # The sleep is compute on the slow rank and waiting in the all-reduce elsewhere.
+        # The burn is compute on the slow rank and waiting in the all-reduce elsewhere.
         assert compute.argmax() == SLOW_RANK, (plan.step, compute)
         assert allreduce.argmin() == SLOW_RANK, (plan.step, allreduce)  # the last to arrive
-        # A sleep never ends early and sits outside every collective: whatever the load,
-        # the slow rank's compute holds all of it, and every other rank waited for it.
+        # The burn takes at least its CPU time and sits outside every collective: whatever
+        # the load, the slow rank's compute holds all of it, and every other rank waited.
         assert compute[SLOW_RANK] >= SLOW_S * 1e3, (plan.step, compute)
         wait = allreduce - allreduce.min()
         assert (wait[others] > 0).all(), (plan.step, wait)

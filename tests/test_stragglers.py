@@ -134,3 +134,42 @@ def test_as_dict_is_plain_json_with_missing_figures_as_null():
     assert {"rank", "verdict", "predicted_share", "measured_ms", "ratio", "wait_ms"} <= set(rows[0])
     idle = dataclasses.replace(report.ranks[0], ratio=float("nan"))
     assert idle.as_dict()["ratio"] is None
+
+
+def test_an_ambiguous_window_names_no_rank_slow_by_its_rate():
+    from knapformer.diagnosis.measured import RankFigures
+
+    # The window of tests/test_compute_model.py's ambiguous case (a clean g1n4 demo run):
+    # two lines fit as well, one with rank 2 off it, one with rank 0. Rank 2 is named for
+    # the layout floor it holds, and nobody slow_gpu.
+    share = np.array(
+        [
+            [0.031, 0.043, 0.035, 0.045, 0.037],
+            [0.133, 0.136, 0.147, 0.127, 0.141],
+            [0.714, 0.706, 0.700, 0.716, 0.713],
+            [0.121, 0.115, 0.119, 0.111, 0.108],
+        ]
+    )
+    compute = np.array(
+        [
+            [13.1, 10.9, 11.6, 10.8, 9.1],
+            [19.6, 17.8, 15.4, 13.8, 15.7],
+            [76.0, 76.9, 57.8, 63.6, 62.3],
+            [18.5, 14.5, 14.9, 13.2, 12.4],
+        ]
+    )
+    figures = [
+        RankFigures(step=s, gpus=np.arange(4, dtype=np.int32), phase="compute",
+                    compute_ms=compute[:, s], predicted_share=share[:, s],
+                    predicted_load=4 * share[:, s], wait_ms=compute[:, s].max() - compute[:, s],
+                    straggler=2, shown_total=1.0, load_axis="work",
+                    step_ms=np.full(4, 1.2 * compute[:, s].max()), floor_load=4 * share[2, s],
+                    at_floor=np.arange(4) == 2)
+        for s in range(5)
+    ]  # fmt: skip
+    report = analyse(figures)
+    assert report.fit.ambiguous
+    assert _named(report) == {2: "layout_floor"}
+    # the same window with rank 2 at 1.6x in every step is not ambiguous: named
+    slow = [dataclasses.replace(f, compute_ms=f.compute_ms * [1, 1, 1.6, 1]) for f in figures]
+    assert _named(analyse(slow)) == {2: "slow_gpu"}

@@ -51,6 +51,7 @@ ANIMATION_MUTED_TEXT = "#adb5bd"
 #: (in `knapformer.contract.plan.COLLECTIVE_PHASES` order).
 HOST_WORK = "#91a7ff"
 DATA_WAIT = "#d0bfff"
+DESCHEDULED = "#c5f6fa"  # on the CPU: the thread ready to compute, waiting for a core
 TRANSFER = "#adb5bd"
 WAITING = ("#ffd43b", "#f08c00", "#e8590c", "#c92a2a", "#a61e4d", "#862e9c", "#5f3dc4")
 #: The tokens-per-GPU cap line.

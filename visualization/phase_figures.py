@@ -3,10 +3,10 @@ inside collectives and the waiting in each collective, for one step or a window.
 
 Built from `knapformer.diagnosis.measured`, which defines every part: compute, host
 work (planning without its gather, recording, the loop's ``host`` phase), the wait for
-the next batch (``data``), the time in a collective and the wait in it. Host work and
-the wait for data lie inside compute (the step minus the time inside collectives), so
-they are shown apart from it, and when the measured compute phase is ``compute`` the
-stack of a rank adds up to its measured ``step``.
+the next batch (``data``), on the CPU the time the thread waited for a core
+(``descheduled``), the time in a collective and the wait in it. The recorded
+``compute`` holds none of the others (`knapformer.runtime.timing`), so when it is the
+measured compute phase the stack of a rank adds up to its measured ``step``.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ _WAIT_COLOR = dict(zip(COLLECTIVE_PHASES, palette.WAITING, strict=True))
 TRANSFER_PART = "transfer in collectives"
 HOST_PART = "host work (planning, recording, loop)"
 DATA_PART = "waiting for data"
+DESCHEDULED_PART = "waiting for a core (CPU)"
 
 
 @dataclass(frozen=True)
@@ -53,19 +54,18 @@ def step_parts(plan: RoutingPlan) -> RankPhases | None:
     n = len(plan.gpus)
     parts: dict[str, np.ndarray] = {}
     colors: dict[str, str] = {}
-    compute = measured.compute_ms.copy()
-    if measured.phase == "compute":  # host work and the wait for data are inside it
+    if measured.phase == "compute":  # the step's other parts lie outside it
         for name, ms, color in (
             (HOST_PART, measured.host_ms, palette.HOST_WORK),
             (DATA_PART, measured.data_ms, palette.DATA_WAIT),
+            (DESCHEDULED_PART, measured.descheduled_ms, palette.DESCHEDULED),
         ):
             if np.any(ms > 0):
                 parts[name], colors[name] = ms, color
-                compute = compute - ms
         name = "compute (model and the rest)"
     else:
         name = f"compute ({measured.phase})"
-    parts = {name: np.clip(compute, 0.0, None), **parts}
+    parts = {name: np.clip(measured.compute_ms, 0.0, None), **parts}
     colors[name] = palette.AFTER
     if measured.collective_ms:
         transfer = sum(

@@ -239,7 +239,10 @@ RECORDED_PHASES = (
     "host",
     "step",
     # step minus the time inside COLLECTIVE_PHASES, data and host work: what the GPU took
+    # (on the CPU: the training thread's CPU time in it, `knapformer.runtime.timing`)
     "compute",
+    # on the CPU: the rest of that time by the wall clock, the thread waiting for a core
+    "descheduled",
 )
 #: Which measured phase stands for a GPU's compute, best first: a true compute time, then
 #: the parts of a step that are mostly compute, and the whole step (routing and waiting

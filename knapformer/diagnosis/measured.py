@@ -64,6 +64,9 @@ from knapformer.contract.units import LoadUnit
 EXCHANGES = ("route", "pre_attn", "post_attn", "reverse_route")
 #: The phase a training loop times its wait for the next batch in (host clock).
 DATA_PHASE = "data"
+#: On the CPU, the part of a step's compute by the wall clock that its thread waited for
+#: a core (`knapformer.runtime.timing`).
+DESCHEDULED_PHASE = "descheduled"
 #: The phase a training loop times its other host work in (logging, bookkeeping).
 HOST_PHASE = "host"
 
@@ -170,10 +173,15 @@ def host_ms(per_rank: Mapping[str, Sequence[float]], n: int) -> np.ndarray:
     includes, ``record`` and the loop's ``host`` phase (0 for what was not measured)."""
 
     def phase(name: str) -> np.ndarray:
-        values = per_rank.get(name)
-        return np.zeros(n) if values is None else np.nan_to_num(np.asarray(values, float))
+        return _phase_or_zero(per_rank, name, n)
 
     return np.maximum(phase("plan") - phase("gather"), 0.0) + phase("record") + phase(HOST_PHASE)
+
+
+def _phase_or_zero(per_rank: Mapping[str, Sequence[float]], name: str, n: int) -> np.ndarray:
+    """(n,) every rank's ms in phase ``name``; 0 where it was not measured."""
+    values = per_rank.get(name)
+    return np.zeros(n) if values is None else np.nan_to_num(np.asarray(values, float))
 
 
 @dataclass(frozen=True)
@@ -196,6 +204,9 @@ class MeasuredStep:
     load_axis: str  # what that unit is called on an axis
     data_ms: np.ndarray  # (n,) waiting for the next batch (0: not measured)
     host_ms: np.ndarray  # (n,) host work that is not the model's (`host_ms`)
+    #: (n,) on the CPU, what the wall clock counted beyond the compute's CPU time: the
+    #: thread waiting for a core (`knapformer.runtime.timing`; 0 where not measured)
+    descheduled_ms: np.ndarray
     exchange_ms: np.ndarray  # (n,) time in the token exchanges (`EXCHANGES`)
     exchange_values: np.ndarray  # (n,) values the routing moved from and to it, both ways
     floor_load: float  # the layout floor over the mean load (1.00 = the ideal)
@@ -229,6 +240,7 @@ class MeasuredStep:
             step_ms=None if self.step_ms is None else self.step_ms.astype(np.float32),
             data_ms=self.data_ms.astype(np.float32),
             host_ms=self.host_ms.astype(np.float32),
+            descheduled_ms=self.descheduled_ms.astype(np.float32),
             exchange_ms=self.exchange_ms.astype(np.float32),
             exchange_values=self.exchange_values.astype(np.float32),
             floor_load=self.floor_load,
@@ -256,6 +268,7 @@ class RankFigures:
     step_ms: np.ndarray | None = None  # (n,) float32, when measured
     data_ms: np.ndarray | None = None  # (n,) float32 (None: figures of an older version)
     host_ms: np.ndarray | None = None  # (n,) float32
+    descheduled_ms: np.ndarray | None = None  # (n,) float32
     exchange_ms: np.ndarray | None = None  # (n,) float32
     exchange_values: np.ndarray | None = None  # (n,) float32
     floor_load: float = float("nan")
@@ -329,8 +342,8 @@ def measure(plan: RoutingPlan) -> MeasuredStep | None:
     floor = biggest / float(st.bag_capacity.max()) if st.bag_capacity.size else 0.0
     floor_load = floor / mean_load if mean_load > 0 else float("nan")
     at_floor = (st.load_after >= 0.99 * floor) & (floor_load > 1.0)
-    data = per_rank.get(DATA_PHASE)
     compute = np.asarray(per_rank[phase], dtype=np.float64)
+    descheduled = _phase_or_zero(per_rank, DESCHEDULED_PHASE, n)
     return MeasuredStep(
         step=plan.step,
         gpus=np.asarray(plan.gpus, dtype=np.int64),
@@ -345,13 +358,15 @@ def measure(plan: RoutingPlan) -> MeasuredStep | None:
         straggler=straggler,
         shown_total=st.total_load * unit.factor,
         load_axis=unit.axis_title,
-        data_ms=np.zeros(n) if data is None else np.nan_to_num(np.asarray(data, float)),
+        data_ms=_phase_or_zero(per_rank, DATA_PHASE, n),
         host_ms=host_ms(per_rank, n),
+        descheduled_ms=descheduled,
         exchange_ms=exchange,
         exchange_values=values,
         floor_load=floor_load,
         at_floor=at_floor,
-        links=link_steps(per_rank, plan.gpus, plan.bags, compute),
+        # the compute the exchanges serve by the wall clock (the step is at least that long)
+        links=link_steps(per_rank, plan.gpus, plan.bags, compute + descheduled),
         probed=None if m.link_probe is None else probed_links(m.link_probe, plan.gpus),
     )
 

@@ -10,9 +10,11 @@ threshold in at least `Thresholds.persistence` of the rank's steps, median inclu
 
 - ``slow_gpu``: its rate is at least `Thresholds.slow_ratio` times the group's, and the
   time that costs (measured compute minus what a rank at the group's rate would take for
-  its work) is at least `Thresholds.material` of the step. The hardware (throttling,
-  another job) is slow, not the data; a rank given little work is not slow for its fixed
-  overhead (the affine model takes it apart).
+  its work, by the wall clock: on the CPU, times what the rank waited for a core) is at
+  least `Thresholds.material` of the step. The hardware (throttling, another job) is
+  slow, not the data; a rank given little work is not slow for its fixed overhead (the
+  affine model takes it apart). A window whose fit is ambiguous (`ComputeFit.ambiguous`:
+  another line, with other ranks off it, fits about as well) names no rank slow_gpu.
 - ``slow_host``: its host work (planning, recording, the loop's ``host`` phase) exceeds
   the group's median by `Thresholds.material` of the step.
 - ``slow_input``: its wait for the next batch (``data`` phase) exceeds the group's
@@ -49,7 +51,7 @@ import numpy as np
 
 from knapformer.diagnosis.measured import RankFigures
 from knapformer.diagnosis.probed import relative_bandwidth
-from knapformer.planning.compute_model import DEPARTURE, ComputeFit, fit_compute
+from knapformer.planning.compute_model import DEPARTURE, MATERIAL, ComputeFit, fit_compute
 
 Verdict = Literal[
     "slow_gpu", "slow_host", "slow_input", "slow_link", "layout_floor", "data_imbalance", "ok"
@@ -81,7 +83,7 @@ class Thresholds:
     heavy_load: float = 1.1
     #: excess time, as a share of the group's median step, that makes a figure matter: a
     #: rank is named only for what costs the step at least this much
-    material: float = 0.1
+    material: float = MATERIAL
     #: fraction of the window's measured steps that must agree for a verdict
     persistence: float = 0.6
     #: measured steps a rank needs before it can get any verdict but ``ok``
@@ -233,13 +235,14 @@ class RankSteps:
     step_ms: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # (r, s)
     data_ms: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # (r, s)
     host_ms: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # (r, s)
+    descheduled_ms: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # (r, s)
     exchange_ms: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # (r, s)
     exchange_values: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # (r, s)
     at_floor: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), bool))  # (r, s)
     floor_load: np.ndarray = field(default_factory=lambda: np.zeros(0))  # (s,)
 
 
-_OPTIONAL = ("step_ms", "data_ms", "host_ms", "exchange_ms", "exchange_values")
+_OPTIONAL = ("step_ms", "data_ms", "host_ms", "descheduled_ms", "exchange_ms", "exchange_values")
 
 
 def rank_steps(figures: Sequence[RankFigures]) -> RankSteps:
@@ -279,6 +282,7 @@ def rank_steps(figures: Sequence[RankFigures]) -> RankSteps:
         step_ms=out["step_ms"],
         data_ms=out["data_ms"],
         host_ms=out["host_ms"],
+        descheduled_ms=out["descheduled_ms"],
         exchange_ms=out["exchange_ms"],
         exchange_values=out["exchange_values"],
         at_floor=at_floor,
@@ -389,7 +393,11 @@ def analyse(
                                  ("exchange", m.exchange_ms))
         }  # fmt: skip
         predicted = fit.predicted_ms * (m.ratio * 0 + 1)  # (r, s), NaN where unrated
-        compute_excess = m.compute_ms - predicted
+        # By the wall clock: on the CPU the compute is the thread's CPU time, and each ms
+        # of it took as much longer as the rank waited for a core (`descheduled`).
+        stretch = (m.compute_ms + np.nan_to_num(m.descheduled_ms)) / m.compute_ms
+        stretch = np.where(np.isfinite(stretch) & (m.compute_ms > 0), stretch, 1.0)
+        compute_excess = (m.compute_ms - predicted) * stretch
         values_per_ms = m.exchange_values / m.exchange_ms
         bandwidth = row_medians(values_per_ms / np.nanmedian(values_per_ms, axis=0))
         # NaN compares False: absent steps never count
@@ -413,7 +421,10 @@ def analyse(
         )
 
     flags = {
-        "slow_gpu": persistent(slow_each, rated_steps) & (ratio >= th.slow_ratio),
+        # An ambiguous window (another line, with other ranks off it, fits about as well)
+        # names no rank slow by its rate, as the history cost model learns none from it.
+        "slow_gpu": persistent(slow_each, rated_steps) & (ratio >= th.slow_ratio)
+        & (fit is None or not fit.ambiguous),
         **{
             verdict: persistent(excess[name] >= material, steps)
             for verdict, name in (("slow_host", "host"), ("slow_input", "data"))

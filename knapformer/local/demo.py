@@ -199,13 +199,13 @@ def train(
         while cfg.steps == 0 or step < cfg.steps:
             report_progress(step)  # the launcher's watchdog names a rank that stalls
             started = time.perf_counter()
-            if cfg.slow_rank == rank:
-                balancer.wait_for_input()  # a slow loader (slow_kind input only)
-            lengths, seed = batch(step)
-            noisy, target = _flow_batch(lengths, mixing, torch.Generator().manual_seed(seed))
             # Waiting for the batch ends the step before (from one plan to the next): a
             # step's `data` is the wait for the batch of the step after it.
-            balancer.add_timing("data", (time.perf_counter() - started) * 1e3)
+            with balancer.timed("data"):
+                if cfg.slow_rank == rank:
+                    balancer.wait_for_input()  # a slow loader (slow_kind input only)
+                lengths, seed = batch(step)
+                noisy, target = _flow_batch(lengths, mixing, torch.Generator().manual_seed(seed))
             plan = balancer.plan_routing(lengths, token_dim=d_model)
             if cfg.steps == 0 or step + 1 < cfg.steps:
                 # The next batch is known now: with plan_ahead its plan is made while this
@@ -247,22 +247,21 @@ def train(
             if report is not None:
                 # Host work of the reporting rank alone (the plan's stats, the message to
                 # the launcher): timed as `host`, or it would read as this rank's compute.
-                report_start = time.perf_counter()
-                stats = plan.stats
-                world_elems = group_elems * balancer.num_replicas
-                report(
-                    StepReport(
-                        step=plan.step,
-                        loss=float(flat[-2]) / world_elems,
-                        imbalance_before=float(stats.imbalance_before),
-                        imbalance_after=float(stats.imbalance_after),
-                        moved_tokens=int(stats.moved_tokens),
-                        tokens=int(stats.total_tokens),
-                        step_ms=(done - started) * 1e3,
-                        times=dict(balancer.timings),
+                with balancer.timed("host"):
+                    stats = plan.stats
+                    world_elems = group_elems * balancer.num_replicas
+                    report(
+                        StepReport(
+                            step=plan.step,
+                            loss=float(flat[-2]) / world_elems,
+                            imbalance_before=float(stats.imbalance_before),
+                            imbalance_after=float(stats.imbalance_after),
+                            moved_tokens=int(stats.moved_tokens),
+                            tokens=int(stats.total_tokens),
+                            step_ms=(done - started) * 1e3,
+                            times=dict(balancer.timings),
+                        )
                     )
-                )
-                balancer.add_timing("host", (time.perf_counter() - report_start) * 1e3)
             step += 1
             if flat[-1] > 0:
                 break

@@ -2,17 +2,22 @@
 fault would put it, so that the diagnosis can be checked against a known answer.
 
 Every kind loses the same time: ``factor - 1`` times the rank's measured compute (the
-step without its collectives, data wait and host work) since the last injection, taken
-at the points of the step where a slow rank makes the group wait (before
-``reverse_route``, the forward pass's last exchange, and when the training loop calls
-`SlowBalancer.lag`, before the gradient all-reduce). Where the time goes is the kind:
+step without its collectives, data wait and host work; ``gpu`` by the thread's CPU
+clock, the others by the wall clock) since the last injection, taken at the points of
+the step where a slow rank makes the group wait (before ``reverse_route``, the forward
+pass's last exchange, and when the training loop calls `SlowBalancer.lag`, before the
+gradient all-reduce). Where the time goes is the kind:
 
-- ``gpu``: a sleep in the middle of the compute, as a throttled GPU or another job on
-  it. It scales the whole measured compute, its fixed part included: on a GPU the fixed
-  part is mostly kernels too (norms, the optimizer), and a throttled GPU runs those
-  slower as well. The affine model (`knapformer.planning.compute_model`) then sees a rate
-  of at least ``factor``; only Python's own dispatch, which a slow GPU does not slow,
-  is scaled here when it should not be, and that errs towards naming the rank.
+- ``gpu``: a slower device in the middle of the compute, as a throttled GPU or another
+  job on it: the thread waits ``factor - 1`` times the CPU time it computed, as for a
+  device computing meanwhile, and tells the timer so (`StepTimer.add_device`: on the CPU
+  the compute is the thread's CPU time, which a wait does not count). A wait, not a busy
+  loop: a slow GPU slows no other GPU, and a busy loop would take the cores the other
+  workers share. It scales the whole measured compute, its fixed part included: on a GPU
+  the fixed part is mostly kernels too (norms, the optimizer), and a throttled GPU runs
+  those slower as well. The affine model (`knapformer.planning.compute_model`) then sees
+  a rate of at least ``factor``; only Python's own dispatch, which a slow GPU does not
+  slow, is scaled here when it should not be, and that errs towards naming the rank.
 - ``host``: the CPU burns the time as host work (timed as the ``host`` phase), as a
   garbage collection, a busy logger or another process on its cores would. The device's
   compute is untouched.
@@ -42,6 +47,7 @@ from knapformer.contract.plan import COLLECTIVE_PHASES
 from knapformer.diagnosis.measured import DATA_PHASE, HOST_PHASE, host_ms
 from knapformer.local.config import SLOW_KINDS
 from knapformer.runtime.balancer import SequenceBalancer
+from knapformer.runtime.timing import cpu_clock_ms
 
 
 class SlowBalancer(SequenceBalancer):
@@ -55,8 +61,10 @@ class SlowBalancer(SequenceBalancer):
         super().__init__(*args, **kwargs)
         self.slow_factor = float(slow_factor)
         self.slow_kind = slow_kind
-        self._since: tuple[float, float] | None = None  # (host clock, ms not compute)
+        # (host clock, ms not compute, CPU clock, CPU ms not compute) at the last injection
+        self._since: tuple[float, float, float, float] | None = None
         self._ended_steps_ms = 0.0  # time that was not compute, in the steps that ended
+        self._ended_steps_cpu = 0.0  # the same by the CPU clock
         self._owed_ms = 0.0  # time the next batch is held back (input), the step owes (link)
         self._bytes = 0  # bytes the token exchanges moved in this step (link)
         self._probe_bytes = 0  # bytes the link probe moved in this step (link)
@@ -74,6 +82,7 @@ class SlowBalancer(SequenceBalancer):
             self._mark()
         # The step's timings start afresh: keep what the ending one spent outside compute.
         self._ended_steps_ms += self._in_step()
+        self._ended_steps_cpu += self._timer.outside_cpu_ms()
         if self.slow_kind == "link":  # a new step: its delay per byte is the last one's
             moved = self._bytes or self._probe_bytes  # the probe alone: nothing was routed
             if moved:
@@ -88,17 +97,23 @@ class SlowBalancer(SequenceBalancer):
     def lag(self) -> None:
         """Lose ``slow_factor - 1`` times the compute since the last call, as the kind says."""
         if self._since is not None:
-            began, outside = self._since
-            compute = (time.perf_counter() - began) * 1e3 - (self._outside() - outside)
-            owed = max(compute, 0.0) * (self.slow_factor - 1)
-            if self.slow_kind != "link":  # the link's loss is counted as its exchanges pay
-                self.lost_ms += owed
+            began, outside, cpu_began, cpu_outside = self._since
             if self.slow_kind == "gpu":
+                cpu = cpu_clock_ms() - cpu_began - (self._outside_cpu() - cpu_outside)
+                owed = max(cpu, 0.0) * (self.slow_factor - 1)
                 time.sleep(owed / 1e3)
-            elif self.slow_kind == "host":
-                self.add_timing(HOST_PHASE, _burn(owed))
-            else:  # input, link: paid where the batch or the exchanges come
-                self._owed_ms += owed
+                self._timer.add_device(owed)
+                self.lost_ms += owed
+            else:
+                compute = (time.perf_counter() - began) * 1e3 - (self._outside() - outside)
+                owed = max(compute, 0.0) * (self.slow_factor - 1)
+                if self.slow_kind == "host":
+                    with self.timed(HOST_PHASE):
+                        _burn(owed)
+                else:  # input, link: paid where the batch or the exchanges come
+                    self._owed_ms += owed
+                if self.slow_kind != "link":  # the link's is counted as its exchanges pay
+                    self.lost_ms += owed
         self._mark()
 
     def wait_for_input(self) -> float:
@@ -138,11 +153,15 @@ class SlowBalancer(SequenceBalancer):
         return owed
 
     def _mark(self) -> None:
-        self._since = (time.perf_counter(), self._outside())
+        self._since = (time.perf_counter(), self._outside(), cpu_clock_ms(), self._outside_cpu())
 
     def _outside(self) -> float:
         """Ms spent outside compute (collectives, data, host work) since the first step."""
         return self._ended_steps_ms + self._in_step()
+
+    def _outside_cpu(self) -> float:
+        """The same by the thread's CPU clock."""
+        return self._ended_steps_cpu + self._timer.outside_cpu_ms()
 
     def _in_step(self) -> float:
         timings = self.timings

@@ -80,6 +80,11 @@ MIN_STEPS = 5
 #: How close (in caps: one rank off a line costs 1) a line that puts other ranks off it
 #: may fit for the window to be `ComputeFit.ambiguous`.
 RIVAL = 0.25
+#: A rank is learnt slow only when what that costs (its compute beyond the line's, the
+#: median over the window) is at least this share of the longest compute: a lightly
+#: loaded rank off the line by its small-batch inefficiency costs the step nothing. The
+#: straggler diagnosis's `material` (there, of the step).
+MATERIAL = 0.1
 #: Candidate overheads of the refinement, times `MAX_OVERHEAD` x the median work.
 _GRID = np.concatenate([[0.0], np.geomspace(1e-3, 1.0, 61)])
 _ROUNDS = 4  # refinements of the agreeing set (it settles in one or two)
@@ -133,6 +138,20 @@ class ComputeFit:
         return _persistent(self.cost_steps, self.cost)
 
     @property
+    def material(self) -> np.ndarray:
+        """(r,) bool: the rank's compute beyond what the group's line predicts for its
+        work (median over the steps) is at least `MATERIAL` of the longest compute (the
+        median over the steps of the slowest rank's); True for a fit made by hand."""
+        if self.cost_steps is None:
+            return np.ones(len(self.rate), dtype=bool)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN rows: not material
+            compute = self.cost_steps * self.predicted_ms
+            excess = np.nanmedian(compute - self.predicted_ms, axis=1)
+            longest = float(np.nanmedian(np.nanmax(compute, axis=0)))
+        return np.nan_to_num(excess, nan=-np.inf) >= MATERIAL * longest
+
+    @property
     def rate_departs(self) -> np.ndarray:
         """(r,) bool: as `departs`, of the rate: the rank's time per unit of work departs
         from the group's. What keeps a rank learnt slow (`learnt`): once the planner gives
@@ -157,7 +176,7 @@ class ComputeFit:
         if slow_before is not None:
             held = np.asarray(slow_before, dtype=bool) & self.rate_departs
         # An ambiguous window learns no new slow rank: which one it is, it cannot say.
-        slow = held if self.ambiguous else self.departs | held
+        slow = held if self.ambiguous else (self.departs & self.material) | held
         return np.where(slow & (self.speed < 1.0), self.speed, 1.0)
 
     def as_dict(self) -> dict:
@@ -228,6 +247,8 @@ def fit_compute(work: ArrayLike, compute_ms: ArrayLike) -> ComputeFit:
         else f"overhead not separable: every rank's median work is within {SEPARATION:.0%} "
         "of the others' (taken as 0; with equal work it does not change which rank is slow)"
     )
+    if ambiguous:
+        note += "; ambiguous: another line, with other ranks off it, fits about as well"
     return ComputeFit(
         overhead=float(overhead),
         overhead_ms=overhead_ms,

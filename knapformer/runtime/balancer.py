@@ -112,7 +112,7 @@ from knapformer.runtime.step_paths import (
     StepPlanner,
     SyncPath,
 )
-from knapformer.runtime.timing import DERIVED_PHASES, GatheredStep, StepTimer
+from knapformer.runtime.timing import DERIVED_PHASES, GatheredStep, StepTimer, cpu_clock_ms
 
 __all__ = ["GATHERING_CALLS", "LOCAL_CHECKS", "GatherHead", "SequenceBalancer"]
 
@@ -294,11 +294,31 @@ class SequenceBalancer:
         finished = self._timer.last_finished
         return {} if finished is None else dict(finished.values())
 
-    def add_timing(self, phase: str, ms: float) -> None:
+    def add_timing(self, phase: str, ms: float, cpu_ms: float | None = None) -> None:
         """Add a user-measured phase (e.g. ``"forward_backward"``; `knapformer.contract.plan` names
-        the phases recorded by default, ``phases=`` adds more) to this step's timings."""
+        the phases recorded by default, ``phases=`` adds more) to this step's timings;
+        ``cpu_ms``: the training thread's CPU time in it, when known (`timed` measures
+        both)."""
         _check_added_phase(phase)
-        self._timer.add(phase, ms)
+        self._timer.add(phase, ms, cpu_ms)
+
+    @contextmanager
+    def timed(self, phase: str) -> Iterator[None]:
+        """Time host work of the training loop as ``phase`` (``"data"``, ``"host"`` or one
+        added with ``phases=``) by the wall clock and the thread's CPU clock::
+
+            with balancer.timed("data"):
+                batch = next(loader)
+
+        On the CPU a step's ``compute`` is the thread's CPU time outside the collectives
+        and such phases (`knapformer.runtime.timing`); a phase added with `add_timing`
+        alone is taken out at its wall time."""
+        _check_added_phase(phase)
+        began, cpu = time.perf_counter(), cpu_clock_ms()
+        try:
+            yield
+        finally:
+            self._timer.add(phase, (time.perf_counter() - began) * 1e3, cpu_clock_ms() - cpu)
 
     @contextmanager
     def collective(self, phase: str = "allreduce") -> Iterator[None]:
@@ -349,9 +369,9 @@ class SequenceBalancer:
         """
         self._require_training()
         with marks.mark(marks.PLAN):
-            started, wall = time.perf_counter(), time.time()
+            started, wall, cpu = time.perf_counter(), time.time(), cpu_clock_ms()
             begin = self._timer.boundary()
-            self._timer.close(started, begin)  # the previous step ends here
+            self._timer.close(started, begin, cpu)  # the previous step ends here
             request = StepRequest.of(local_seq_lens, token_dim, packed_seqs)
             planned, waited = self._path.plan(request, begin)
             plan = planned.plan
@@ -359,9 +379,9 @@ class SequenceBalancer:
             elapsed = (time.perf_counter() - started) * 1e3 - waited
             plan.time = wall
             plan.measurements.plan_ms = elapsed  # what training paid: planning and the gather
-            self._timer.open(plan.step, started, begin)
-            self._timer.add("plan", elapsed)
-            self._timer.add("gather", planned.gather_ms)
+            self._timer.open(plan.step, started, begin, cpu)
+            self._timer.add("plan", elapsed, cpu_clock_ms() - cpu)
+            self._timer.add("gather", planned.gather_ms, 0.0)  # its CPU time is the plan's
             if self._prober.due(plan.step):
                 with marks.mark(marks.PROBE), self._timer.timed("probe"):
                     plan.measurements.link_probe = self._prober.probe()
@@ -395,7 +415,7 @@ class SequenceBalancer:
             return
         # The last step ends here (call finish right after it): it gets its wall time,
         # and with it its compute, like every other step.
-        self._timer.close(time.perf_counter(), self._timer.boundary())
+        self._timer.close(time.perf_counter(), self._timer.boundary(), cpu_clock_ms())
         for measured in self._path.finish():
             self._deliver(measured)
         self._finished = True
@@ -409,10 +429,10 @@ class SequenceBalancer:
             return
         # Timed on the host whatever the device: what training pays for recording,
         # recorded with the step like any phase.
-        began = time.perf_counter()
+        began, cpu = time.perf_counter(), cpu_clock_ms()
         self._deliver(measured)
         self._hold(plan)
-        self._timer.add("record", (time.perf_counter() - began) * 1e3)
+        self._timer.add("record", (time.perf_counter() - began) * 1e3, cpu_clock_ms() - cpu)
 
     def _deliver(self, measured: GatheredStep | None) -> None:
         """Every rank's measurements of a step arrived: keep them, attach them to that

@@ -13,8 +13,16 @@ time inside the collectives, the ``data`` wait and the host work
 its input or spent on host work of its own (docs/concepts.md).
 
 On CUDA the host work is also asynchronous to the device, so this still counts host
-time that overlaps kernels as not compute; on the CPU host and device are one and the
-same and cannot be separated further.
+time that overlaps kernels as not compute. On the CPU the device is the training thread
+itself: ``compute`` is its CPU time (``time.thread_time``) over the step less its CPU
+time in those phases, and ``descheduled`` is what the wall clock counted on top of that,
+the time the thread was ready to compute but waited for a core (more ranks than cores,
+another process on them). Four ranks on two cores share them, so a rank that ends its
+work early leaves its core to the others and the wall clock makes the heavily loaded
+rank look fast per unit of work; its CPU time does not. A phase added by hand without
+its CPU time (`StepTimer.add`) is taken out of the CPU time at its wall time. A device
+the thread waits for without running (the demo's slowed GPU, `knapformer.local.slowdown`)
+declares that time with `StepTimer.add_device`: it is the device's compute too.
 
 Clocks: on the CPU ``time.perf_counter``. On CUDA the work is asynchronous, so
 collectives and step boundaries are CUDA events, read only once a later point of the
@@ -38,12 +46,20 @@ import numpy as np
 import torch
 
 from knapformer.contract.plan import COLLECTIVE_PHASES, RECORDED_PHASES, Measurements, RoutingPlan
-from knapformer.diagnosis.measured import DATA_PHASE, host_ms
+from knapformer.diagnosis.measured import DATA_PHASE, HOST_PHASE, host_ms
 
 log = logging.getLogger(__name__)
 
 #: Phases derived when a step ends (never added by hand).
-DERIVED_PHASES = ("step", "compute")
+DERIVED_PHASES = ("step", "compute", "descheduled")
+#: What is not the device's compute: the collectives, the wait for data and host work
+#: (`knapformer.diagnosis.measured.host_ms`: ``plan``, less the ``gather`` it holds).
+_OUTSIDE = (*COLLECTIVE_PHASES, DATA_PHASE, "plan", "record", HOST_PHASE)
+
+
+def cpu_clock_ms() -> float:
+    """The calling thread's CPU time in ms: what it ran, not the time it waited."""
+    return time.thread_time() * 1e3
 
 
 @dataclass
@@ -59,6 +75,9 @@ class FinishedStep:
     ended: float  # host clock at the step's end (the next step's start, or finish())
     begin: Any = None  # CUDA event at the step's start
     end: Any = None  # CUDA event at the step's end
+    cpu_step: float | None = None  # on the CPU: the thread's CPU ms over the step
+    cpu: dict[str, float] = field(default_factory=dict)  # CPU ms of phases that timed it
+    device_ms: float = 0.0  # on the CPU: a waited-for device's time (`StepTimer.add_device`)
     _values: dict[str, float] | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -84,6 +103,12 @@ class FinishedStep:
         host = {p: [v] for p, v in values.items()}
         outside = values.get(DATA_PHASE, 0.0) + float(host_ms(host, 1)[0])
         values["compute"] = max(values["step"] - waited - outside, 0.0)
+        if self.cpu_step is not None:
+            outside = sum(self.cpu.get(p, values[p]) for p in _OUTSIDE if p in values)
+            busy = self.cpu_step - outside + self.device_ms
+            wall = values["compute"]
+            values["compute"] = min(max(busy, 0.0), wall)
+            values["descheduled"] = wall - values["compute"]
         return values
 
     def row(self, phases: Iterable[str]) -> list[float]:
@@ -129,8 +154,11 @@ class _OpenStep:
     step: int
     started: float
     begin: Any
+    cpu_started: float | None = None
+    device_ms: float = 0.0
     host: dict[str, float] = field(default_factory=dict)
     events: list[tuple[str, Any, Any]] = field(default_factory=list)
+    cpu: dict[str, float] = field(default_factory=dict)
 
 
 class StepTimer:
@@ -138,7 +166,8 @@ class StepTimer:
     they have been sent to the other ranks.
 
     ``device``: where the work runs (CUDA events on a CUDA device, host clocks
-    otherwise). ``phases``: what travels to the other ranks, in row order
+    otherwise, and there the training thread's CPU clock too, `cpu_clock_ms`).
+    ``phases``: what travels to the other ranks, in row order
     (`knapformer.contract.plan.RECORDED_PHASES` and any extra names); a phase added with `add`
     that is not among them is kept in `current` but not sent (one warning).
     """
@@ -162,16 +191,21 @@ class StepTimer:
         event.record()
         return event
 
-    def open(self, step: int, started: float, begin: Any) -> None:
-        """Start timing ``step``, begun at host time ``started`` (CUDA event ``begin``)."""
-        self._open = _OpenStep(step, started, begin)
+    def open(self, step: int, started: float, begin: Any, cpu: float | None = None) -> None:
+        """Start timing ``step``, begun at host time ``started`` (CUDA event ``begin``;
+        ``cpu``: the thread's `cpu_clock_ms` then, used on the CPU)."""
+        self._open = _OpenStep(step, started, begin, None if self.cuda else cpu)
 
-    def close(self, now: float, end: Any = None) -> FinishedStep | None:
-        """End the open step at host time ``now`` (CUDA event ``end``): the next step's
-        start, or the end of training. Returns it; None when none was open."""
+    def close(self, now: float, end: Any = None, cpu: float | None = None) -> FinishedStep | None:
+        """End the open step at host time ``now`` (CUDA event ``end``; ``cpu``: the thread's
+        `cpu_clock_ms`): the next step's start, or the end of training. Returns it; None
+        when none was open."""
         step, self._open = self._open, None
         if step is None:
             return None
+        cpu_step = None
+        if step.cpu_started is not None and cpu is not None:
+            cpu_step = cpu - step.cpu_started
         done = FinishedStep(
             step.step,
             step.host,
@@ -180,6 +214,9 @@ class StepTimer:
             now,
             step.begin,
             end,
+            cpu_step,
+            step.cpu,
+            step.device_ms,
         )
         with self._changed:
             self._finished[step.step] = done
@@ -188,8 +225,9 @@ class StepTimer:
             self._changed.notify_all()
         return done
 
-    def add(self, phase: str, ms: float) -> None:
-        """Add ``ms`` to ``phase`` of the open step (ignored while no step is open)."""
+    def add(self, phase: str, ms: float, cpu_ms: float | None = None) -> None:
+        """Add ``ms`` to ``phase`` of the open step (ignored while no step is open), and
+        ``cpu_ms``, the thread's CPU time in it, when known."""
         if phase not in self.phases and phase not in self._warned:
             self._warned.add(phase)
             log.warning(
@@ -201,11 +239,14 @@ class StepTimer:
         if self._open is not None:
             host = self._open.host
             host[phase] = host.get(phase, 0.0) + float(ms)
+            if cpu_ms is not None:
+                cpu = self._open.cpu
+                cpu[phase] = cpu.get(phase, 0.0) + float(cpu_ms)
 
     @contextmanager
     def timed(self, phase: str) -> Iterator[None]:
         """Time the block as ``phase`` of the open step: events on CUDA (read later),
-        ``perf_counter`` otherwise."""
+        ``perf_counter`` and the thread's CPU clock otherwise."""
         if self.cuda:
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
@@ -215,9 +256,25 @@ class StepTimer:
             if self._open is not None:
                 self._open.events.append((phase, start, end))  # atomic: backward threads
         else:
-            began = time.perf_counter()
+            began, cpu = time.perf_counter(), cpu_clock_ms()
             yield
-            self.add(phase, (time.perf_counter() - began) * 1e3)
+            self.add(phase, (time.perf_counter() - began) * 1e3, cpu_clock_ms() - cpu)
+
+    def add_device(self, ms: float) -> None:
+        """On the CPU: ``ms`` the thread waited, outside every phase, for a device that
+        computed meanwhile (an emulated accelerator): compute, though the thread's CPU
+        clock does not count it. Ignored on CUDA (events time the device) and while no
+        step is open."""
+        if self._open is not None and self._open.cpu_started is not None:
+            self._open.device_ms += float(ms)
+
+    def outside_cpu_ms(self) -> float:
+        """The open step's CPU ms so far in phases that are not compute (their wall ms
+        where their CPU time is not known); 0 while none is open or on CUDA."""
+        step = self._open
+        if step is None or step.cpu_started is None:
+            return 0.0
+        return sum(step.cpu.get(p, step.host.get(p, 0.0)) for p in _OUTSIDE)
 
     def current(self) -> dict[str, float]:
         """The open step's ms per phase so far (on CUDA this waits for its events)."""

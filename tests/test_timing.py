@@ -1,0 +1,79 @@
+"""On the CPU a step's compute is the training thread's CPU time in it, and what the wall
+clock counted beyond that is ``descheduled`` (knapformer/runtime/timing.py)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from knapformer.runtime.timing import StepTimer, cpu_clock_ms
+from knapformer.testing.cpu_work import burn_cpu
+
+BURN_MS, SLEEP_MS = 40.0, 60.0
+
+
+def _step(timer: StepTimer, body) -> dict[str, float]:
+    """One step of ``timer`` around ``body(timer)``; its derived values."""
+    timer.open(0, time.perf_counter(), timer.boundary(), cpu_clock_ms())
+    body(timer)
+    return timer.close(time.perf_counter(), timer.boundary(), cpu_clock_ms()).values()
+
+
+def test_a_sleep_is_not_compute_and_cpu_work_is():
+    def body(_):
+        burn_cpu(BURN_MS)
+        time.sleep(SLEEP_MS / 1e3)  # ready to run nothing: the wall clock only
+
+    values = _step(StepTimer(torch.device("cpu")), body)
+    # CPU time never runs ahead of the wall clock, and the burn took at least BURN_MS of it
+    assert BURN_MS <= values["compute"] < BURN_MS + SLEEP_MS
+    assert values["descheduled"] >= SLEEP_MS * 0.9  # the sleep (timer granularity aside)
+    assert values["compute"] + values["descheduled"] == np.float64(values["step"])
+
+
+def test_phases_outside_compute_leave_it_by_their_cpu_time():
+    def body(timer):
+        with timer.timed("route"):  # a collective: not compute, by its own CPU time
+            burn_cpu(BURN_MS)
+        burn_cpu(BURN_MS)
+        began = time.perf_counter()
+        time.sleep(SLEEP_MS / 1e3)  # a wait for data that used no CPU
+        timer.add("data", (time.perf_counter() - began) * 1e3, cpu_ms=0.0)
+
+    values = _step(StepTimer(torch.device("cpu")), body)
+    assert values["route"] >= BURN_MS
+    # the second burn alone: with the route's CPU time in it, it would be 2 x BURN_MS
+    assert BURN_MS <= values["compute"] < 2 * BURN_MS
+    wall = values["step"] - values["route"] - values["data"]
+    assert values["compute"] + values["descheduled"] == np.float64(wall)
+
+
+def test_a_phase_added_without_its_cpu_time_leaves_at_its_wall_time():
+    def body(timer):
+        burn_cpu(BURN_MS)
+        timer.add("data", 1000 * BURN_MS)  # far more than the step's CPU time
+
+    values = _step(StepTimer(torch.device("cpu")), body)
+    assert values["compute"] == 0.0  # never below 0
+
+
+def test_without_a_cpu_clock_the_compute_is_the_wall_clocks():
+    timer = StepTimer(torch.device("cpu"))
+    timer.open(0, time.perf_counter(), None)  # no CPU clock given: nothing to subtract
+    time.sleep(SLEEP_MS / 1e3)
+    values = timer.close(time.perf_counter()).values()
+    assert values["compute"] == values["step"] >= SLEEP_MS * 0.9
+    assert "descheduled" not in values
+
+
+def test_a_device_the_thread_waits_for_is_compute():
+    def body(timer):
+        burn_cpu(BURN_MS)
+        time.sleep(SLEEP_MS / 1e3)  # an emulated device computes meanwhile
+        timer.add_device(SLEEP_MS)
+
+    values = _step(StepTimer(torch.device("cpu")), body)
+    assert values["compute"] >= BURN_MS + SLEEP_MS
+    assert values["compute"] + values["descheduled"] == np.float64(values["step"])
