@@ -148,7 +148,7 @@ def figure_problem(
     arr = np.asarray(values, dtype=np.float64)
     with np.errstate(invalid="ignore"):
         tiny = (arr != 0) & (np.abs(arr) < MIN_FIGURE)
-        bad = ~np.isfinite(arr) | (arr < low) | (arr > high) | tiny | (~zero & (arr == 0))
+        bad = ~np.isfinite(arr) | (arr < low) | (arr > high) | tiny | ((not zero) & (arr == 0))
     if not bad.any():
         return None
     index = int(np.flatnonzero(bad.reshape(-1))[0])

@@ -483,9 +483,13 @@ def _zeros(values: np.ndarray) -> list[float]:
 
 def row_medians(matrix: np.ndarray) -> np.ndarray:
     """(r,) the median of each row's finite values (NaN for a row with none)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN rows: NaN, said here
-        return np.nanmedian(matrix, axis=1) if matrix.size else np.full(len(matrix), np.nan)
+    out = np.full(len(matrix), np.nan)
+    # Only rows with a value: an all-NaN row would warn, and silencing warnings is not
+    # thread-safe (the dashboard analyses in its server's threads).
+    some = np.isfinite(matrix).any(axis=1) if matrix.size else np.zeros(len(matrix), bool)
+    if some.any():
+        out[some] = np.nanmedian(matrix[some], axis=1)
+    return out
 
 
 def named_over_run(
