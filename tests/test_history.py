@@ -23,12 +23,15 @@ from knapformer.planning.planner import plan_routing
 from knapformer.planning.workload import WorkloadModel
 
 WORK = np.array([4.0, 4.0, 4.0, 4.0])
+#: Measured steps until a slow GPU is learnt: the fewest a window needs to show it, and
+#: one more, since two windows in a row must show it.
+LEARNT_AFTER = MIN_STEPS + 1
 
 
 def test_nothing_is_learnt_during_the_warm_up():
-    history = SpeedHistory(4, warmup=MIN_STEPS + 1)
+    history = SpeedHistory(4, warmup=LEARNT_AFTER)
     slow = np.array([10.0, 10.0, 20.0, 10.0])
-    for _ in range(MIN_STEPS):
+    for _ in range(LEARNT_AFTER):  # the warm-up, then the first window that shows it
         history.observe(WORK, slow)
         assert history.speeds() is None
     history.observe(WORK, slow)
@@ -38,7 +41,7 @@ def test_nothing_is_learnt_during_the_warm_up():
 def test_speed_is_work_per_ms_relative_to_the_median_gpu():
     history = SpeedHistory(4, warmup=1)
     # GPU 1 got twice the work and took twice as long: as fast as the others.
-    for _ in range(MIN_STEPS):
+    for _ in range(LEARNT_AFTER):
         history.observe([4.0, 8.0, 4.0, 2.0], [10.0, 20.0, 10.0, 10.0])
     assert history.speeds() == [1.0, 1.0, 1.0, 0.5]
 
@@ -53,7 +56,7 @@ def test_one_slow_step_moves_nothing():
 
 def test_speeds_are_bounded():
     history = SpeedHistory(4, warmup=1)
-    for _ in range(MIN_STEPS):
+    for _ in range(LEARNT_AFTER):
         history.observe(WORK, [10.0, 10.0, 10_000.0, 0.001])
     low, _ = SPEED_BOUNDS
     # a GPU that looks faster than the group is never fed more (`ComputeFit.learnt_speed`)
@@ -62,7 +65,7 @@ def test_speeds_are_bounded():
 
 def test_gpus_without_work_or_time_give_no_figure():
     history = SpeedHistory(5, warmup=1)
-    for _ in range(MIN_STEPS):
+    for _ in range(LEARNT_AFTER):
         history.observe([0.0, 4.0, 4.0, 4.0, 4.0], [1.0, 10.0, np.nan, 20.0, 10.0])
     assert history.speeds() == [1.0, 1.0, 1.0, 0.5, 1.0]  # unseen GPUs stay nominal
     # A step with a single usable GPU says nothing about relative speed.
@@ -99,7 +102,7 @@ def test_a_slow_gpu_given_less_work_stays_learnt():
 
     shared, relieved = np.array([1.0, 0.5, 1.0, 1.5]), np.array([1.0, 0.5, 0.4, 1.5])
     history = SpeedHistory(4, warmup=1)
-    for _ in range(MIN_STEPS):
+    for _ in range(LEARNT_AFTER):
         history.observe(shared, compute(shared))
     learnt = pytest.approx([1.0, 1.0, 0.4, 1.0], abs=0.02)
     assert history.speeds() == learnt
@@ -107,7 +110,7 @@ def test_a_slow_gpu_given_less_work_stays_learnt():
         history.observe(relieved, compute(relieved))
         assert history.speeds() == learnt
     fresh = SpeedHistory(4, warmup=1)
-    for _ in range(MIN_STEPS):
+    for _ in range(LEARNT_AFTER):
         fresh.observe(relieved, compute(relieved))
     assert fresh.speeds() is None
 
@@ -149,9 +152,9 @@ def _closed_loop(steps: int, true_speed: np.ndarray, overhead_ms: float, seed: i
 def test_a_slow_gpu_gets_less_work_in_a_closed_loop_with_the_planner():
     true_speed = np.array([1.0, 1.0, 0.5, 1.0, 1.0, 1.0, 1.0, 1.0])  # GPU 2: half speed
     plans = _closed_loop(16, true_speed, overhead_ms=5.0)
-    # Plan MIN_STEPS + 1 is the first made after MIN_STEPS measured steps (the lag is 2):
-    # the fewest that can show a GPU departs from the group.
-    first = MIN_STEPS + LAG_STEPS - 1
+    # Plan LEARNT_AFTER + 1 is the first made after LEARNT_AFTER measured steps (the lag
+    # is 2): the fewest that can show, in two windows in a row, that a GPU departs.
+    first = LEARNT_AFTER + LAG_STEPS - 1
     assert [p.gpu_speed is None for p in plans[: first + 1]] == [True] * first + [False]
     learnt = plans[-1].gpu_speed
     assert learnt[2] == pytest.approx(0.5, abs=0.1)
@@ -173,3 +176,16 @@ def test_recorded_speeds_recompute_a_runs_speeds_from_its_plans():
     read_back = [RoutingPlan.model_validate_json(p.model_dump_json()) for p in plans]
     assert recorded_speeds(read_back) == {p.step: p.gpu_speed for p in plans}
     assert any(p.gpu_speed is not None for p in plans)
+
+
+def test_one_window_alone_learns_no_slow_gpu():
+    # The first window that can show it (MIN_STEPS steps) does, but a window's figures can
+    # be tilted by the noise of the lightly loaded GPUs: a GPU is learnt slow only when
+    # the next window says so too.
+    history = SpeedHistory(4, warmup=1)
+    slow = np.array([10.0, 10.0, 20.0, 10.0])
+    for _ in range(MIN_STEPS):
+        history.observe(WORK, slow)
+    assert history.speeds() is None
+    history.observe(WORK, slow)
+    assert history.speeds() == [1.0, 1.0, 0.5, 1.0]

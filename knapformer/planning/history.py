@@ -8,11 +8,12 @@ Each measured step gives every GPU a point: the work its plan gave it
 compute model (`knapformer.planning.compute_model.fit_compute`: a fixed overhead shared by
 the group plus a rate per GPU) is fitted, and a GPU's speed is the inverse of its rate
 relative to the group's once its compute departs from the group's line persistently
-(`ComputeFit.learnt`: by 30 % in 3 of 4 of at least 5 of the window's steps; until then it
-stays 1), and for as long after as its rate departs (given less work, its compute nears
-the others' while its rate stays), rounded to two significant digits and kept within
-``bounds`` (steady plans; the same number in JSON and on every rank). During the first
-``warmup`` measured steps nothing is learnt and the planner assumes nominal speeds.
+(`ComputeFit.learnt`: by 30 % in 3 of 4 of at least 5 of the window's steps, in two
+windows in a row; until then it stays 1), and for as long after as its rate departs
+(given less work, its compute nears the others' while its rate stays), rounded to two
+significant digits and kept within ``bounds`` (steady plans; the same number in JSON and
+on every rank). During the first ``warmup`` measured steps nothing is learnt and the
+planner assumes nominal speeds.
 
 Why affine: every step has a fixed cost (launches, norms, the optimizer, Python). Divided
 by the work (a line through the origin) it makes a lightly loaded GPU look slow, which the
@@ -81,6 +82,7 @@ class SpeedHistory:
         self._learnt_upto = -1
         self._speeds: list[float] | None = None  # learnt after the latest observed step
         self._slow = np.zeros(num_gpus, dtype=bool)  # GPUs learnt slower than the group
+        self._candidate = np.zeros(num_gpus, dtype=bool)  # new slow GPUs of the last window
 
     def planned(self, step: int, work: ArrayLike) -> None:
         """The workload (num_gpus,) the plan of ``step`` gave each GPU (`step_work`)."""
@@ -126,6 +128,12 @@ class SpeedHistory:
         work = np.stack([w for w, _ in self._recent], axis=1)  # (num_gpus, steps)
         compute = np.stack([c for _, c in self._recent], axis=1)
         speed = fit_compute(work, compute).learnt(self._slow)
+        # A GPU is learnt slow only once two windows in a row say so: in one window the
+        # step-to-step noise of the lightly loaded GPUs can tilt the group's line, and
+        # then the heavily loaded one seems to depart. One step later for a slow GPU.
+        new = (speed < 1.0) & ~self._slow
+        speed = np.where(new & ~self._candidate, 1.0, speed)
+        self._candidate = new
         low, high = self.bounds
         rounded = [min(max(float(f"{s:.2g}"), low), high) for s in speed]
         self._slow = np.asarray(rounded) < 1.0
