@@ -187,7 +187,13 @@ def _summary(report: StragglerReport, measured: int) -> str:
     lines += [describe(r) for r in report.named]
     lines += [describe_link(v) for v in report.slow_links]
     if not report.named and not report.slow_links and measured >= th.min_steps:
-        lines.append("no straggler: every rank takes about the time the plan predicts")
+        if report.fit is not None and report.fit.ambiguous:
+            lines.append(
+                "no straggler named: the compute model cannot tell which ranks are off its "
+                "line (ambiguous, below); read the rate column"
+            )
+        else:
+            lines.append("no straggler: every rank takes about the time the plan predicts")
     if report.fit is not None and report.fit.note:
         lines.append(f"compute model: {report.fit.note}")
     lines.append(

@@ -161,8 +161,9 @@ class BalanceGroups:
     def create(
         cls, layout: BalanceLayout, parent: Group = None, plan_ahead: bool = False
     ) -> BalanceGroups:
-        """Create every sub-group ``layout`` needs: balance groups (when replicated), the
-        bag groups of bags of more than one GPU, and with ``plan_ahead`` the side groups."""
+        """Create every sub-group ``layout`` needs: balance groups (when replicated), gloo
+        host groups (when ``parent`` carries no CPU tensors), the bag groups of bags of
+        more than one GPU, and with ``plan_ahead`` the side groups."""
         groups = cls(layout, parent, group_timeout(parent), group=parent)
         if layout.replicated:
             for ranks in layout.replicas:
