@@ -14,8 +14,9 @@ import torch
 
 from knapformer.contract.plan import COLLECTIVE_PHASES
 from knapformer.contract.plan_io import read_plans
+from knapformer.local.slowdown import burn
 from knapformer.planning.history import recorded_speeds
-from knapformer.testing.cpu_work import burn_cpu
+from knapformer.runtime.timing import cpu_clock_ms
 from knapformer.testing.dist_helpers import run_world
 
 WORLD = 4
@@ -79,7 +80,7 @@ def _steps(rank: int, counter: _Count, measured: bool, out: str) -> dict:
         out_ = model(torch.randn(sum(lengths), D), lengths, bal)
         out_.square().mean().backward()
         if rank == SLOW_RANK:
-            burn_cpu(SLOW_S * 1e3)  # a slow GPU: its peers wait for it in the all-reduce
+            burn(SLOW_S * 1e3, cpu_clock_ms)  # a slow GPU: its peers wait for it
         flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
         bal.all_reduce(flat)
         bal.add_timing("data", 1.0)

@@ -8,8 +8,8 @@ import time
 import numpy as np
 import torch
 
+from knapformer.local.slowdown import burn
 from knapformer.runtime.timing import StepTimer, cpu_clock_ms
-from knapformer.testing.cpu_work import burn_cpu
 
 BURN_MS, SLEEP_MS = 40.0, 60.0
 
@@ -23,7 +23,7 @@ def _step(timer: StepTimer, body) -> dict[str, float]:
 
 def test_a_sleep_is_not_compute_and_cpu_work_is():
     def body(_):
-        burn_cpu(BURN_MS)
+        burn(BURN_MS, cpu_clock_ms)
         time.sleep(SLEEP_MS / 1e3)  # ready to run nothing: the wall clock only
 
     values = _step(StepTimer(torch.device("cpu")), body)
@@ -36,8 +36,8 @@ def test_a_sleep_is_not_compute_and_cpu_work_is():
 def test_phases_outside_compute_leave_it_by_their_cpu_time():
     def body(timer):
         with timer.timed("route"):  # a collective: not compute, by its own CPU time
-            burn_cpu(BURN_MS)
-        burn_cpu(BURN_MS)
+            burn(BURN_MS, cpu_clock_ms)
+        burn(BURN_MS, cpu_clock_ms)
         began = time.perf_counter()
         time.sleep(SLEEP_MS / 1e3)  # a wait for data that used no CPU
         timer.add("data", (time.perf_counter() - began) * 1e3, cpu_ms=0.0)
@@ -52,7 +52,7 @@ def test_phases_outside_compute_leave_it_by_their_cpu_time():
 
 def test_a_phase_added_without_its_cpu_time_leaves_at_its_wall_time():
     def body(timer):
-        burn_cpu(BURN_MS)
+        burn(BURN_MS, cpu_clock_ms)
         timer.add("data", 1000 * BURN_MS)  # far more than the step's CPU time
 
     values = _step(StepTimer(torch.device("cpu")), body)
@@ -70,7 +70,7 @@ def test_without_a_cpu_clock_the_compute_is_the_wall_clocks():
 
 def test_a_device_the_thread_waits_for_is_compute():
     def body(timer):
-        burn_cpu(BURN_MS)
+        burn(BURN_MS, cpu_clock_ms)
         time.sleep(SLEEP_MS / 1e3)  # an emulated device computes meanwhile
         timer.add_device(SLEEP_MS)
 

@@ -40,6 +40,7 @@ where no plan could shorten it and no peer would wait for it.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch.distributed as dist
 
@@ -47,7 +48,7 @@ from knapformer.contract.plan import COLLECTIVE_PHASES
 from knapformer.diagnosis.measured import DATA_PHASE, HOST_PHASE, host_ms
 from knapformer.local.config import SLOW_KINDS
 from knapformer.runtime.balancer import SequenceBalancer
-from knapformer.runtime.timing import cpu_clock_ms
+from knapformer.runtime.timing import cpu_clock_ms, wall_clock_ms
 
 
 class SlowBalancer(SequenceBalancer):
@@ -109,7 +110,7 @@ class SlowBalancer(SequenceBalancer):
                 owed = max(compute, 0.0) * (self.slow_factor - 1)
                 if self.slow_kind == "host":
                     with self.timed(HOST_PHASE):
-                        _burn(owed)
+                        burn(owed)
                 else:  # input, link: paid where the batch or the exchanges come
                     self._owed_ms += owed
                 if self.slow_kind != "link":  # the link's is counted as its exchanges pay
@@ -170,11 +171,11 @@ class SlowBalancer(SequenceBalancer):
         return collectives + timings.get(DATA_PHASE, 0.0) + host
 
 
-def _burn(ms: float) -> float:
-    """Keep the CPU busy for ``ms``; returns the ms it took."""
-    began = time.perf_counter()
-    end = began + ms / 1e3
+def burn(ms: float, clock: Callable[[], float] = wall_clock_ms) -> float:
+    """Keep the thread busy until ``clock`` (ms: the wall clock, or `cpu_clock_ms` for
+    ``ms`` of its own CPU time) has advanced by ``ms``; returns the wall-clock ms it took."""
+    began, end = wall_clock_ms(), clock() + ms
     x = 0
-    while time.perf_counter() < end:
+    while clock() < end:
         x += 1
-    return (time.perf_counter() - began) * 1e3
+    return wall_clock_ms() - began

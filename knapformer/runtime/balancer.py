@@ -314,11 +314,8 @@ class SequenceBalancer:
         and such phases (`knapformer.runtime.timing`); a phase added with `add_timing`
         alone is taken out at its wall time."""
         _check_added_phase(phase)
-        began, cpu = time.perf_counter(), cpu_clock_ms()
-        try:
+        with self._timer.host_timed(phase):
             yield
-        finally:
-            self._timer.add(phase, (time.perf_counter() - began) * 1e3, cpu_clock_ms() - cpu)
 
     @contextmanager
     def collective(self, phase: str = "allreduce") -> Iterator[None]:
@@ -429,10 +426,9 @@ class SequenceBalancer:
             return
         # Timed on the host whatever the device: what training pays for recording,
         # recorded with the step like any phase.
-        began, cpu = time.perf_counter(), cpu_clock_ms()
-        self._deliver(measured)
-        self._hold(plan)
-        self._timer.add("record", (time.perf_counter() - began) * 1e3, cpu_clock_ms() - cpu)
+        with self._timer.host_timed("record"):
+            self._deliver(measured)
+            self._hold(plan)
 
     def _deliver(self, measured: GatheredStep | None) -> None:
         """Every rank's measurements of a step arrived: keep them, attach them to that

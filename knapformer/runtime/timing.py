@@ -62,6 +62,17 @@ def cpu_clock_ms() -> float:
     return time.thread_time() * 1e3
 
 
+def wall_clock_ms() -> float:
+    """The host's monotonic clock in ms."""
+    return time.perf_counter() * 1e3
+
+
+def _outside_cpu(cpu: dict[str, float], wall: dict[str, float]) -> float:
+    """CPU ms of a step's phases that are not compute (``cpu``), each phase whose CPU
+    time is not known at its wall ms (``wall``)."""
+    return sum(cpu.get(p, wall.get(p, 0.0)) for p in _OUTSIDE)
+
+
 @dataclass
 class FinishedStep:
     """The timings of one ended step. ``values()`` resolves its CUDA events (waiting for
@@ -104,8 +115,7 @@ class FinishedStep:
         outside = values.get(DATA_PHASE, 0.0) + float(host_ms(host, 1)[0])
         values["compute"] = max(values["step"] - waited - outside, 0.0)
         if self.cpu_step is not None:
-            outside = sum(self.cpu.get(p, values[p]) for p in _OUTSIDE if p in values)
-            busy = self.cpu_step - outside + self.device_ms
+            busy = self.cpu_step - _outside_cpu(self.cpu, values) + self.device_ms
             wall = values["compute"]
             values["compute"] = min(max(busy, 0.0), wall)
             values["descheduled"] = wall - values["compute"]
@@ -256,9 +266,18 @@ class StepTimer:
             if self._open is not None:
                 self._open.events.append((phase, start, end))  # atomic: backward threads
         else:
-            began, cpu = time.perf_counter(), cpu_clock_ms()
+            with self.host_timed(phase):
+                yield
+
+    @contextmanager
+    def host_timed(self, phase: str) -> Iterator[None]:
+        """Time the block as ``phase`` of the open step by the host's clocks, whatever the
+        device: the wall clock and the thread's CPU clock."""
+        began, cpu = wall_clock_ms(), cpu_clock_ms()
+        try:
             yield
-            self.add(phase, (time.perf_counter() - began) * 1e3, cpu_clock_ms() - cpu)
+        finally:
+            self.add(phase, wall_clock_ms() - began, cpu_clock_ms() - cpu)
 
     def add_device(self, ms: float) -> None:
         """On the CPU: ``ms`` the thread waited, outside every phase, for a device that
@@ -274,7 +293,7 @@ class StepTimer:
         step = self._open
         if step is None or step.cpu_started is None:
             return 0.0
-        return sum(step.cpu.get(p, step.host.get(p, 0.0)) for p in _OUTSIDE)
+        return _outside_cpu(step.cpu, step.host)
 
     def current(self) -> dict[str, float]:
         """The open step's ms per phase so far (on CUDA this waits for its events)."""
