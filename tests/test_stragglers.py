@@ -173,3 +173,46 @@ def test_an_ambiguous_window_names_no_rank_slow_by_its_rate():
     # the same window with rank 2 at 1.6x in every step is not ambiguous: named
     slow = [dataclasses.replace(f, compute_ms=f.compute_ms * [1, 1, 1.6, 1]) for f in figures]
     assert _named(analyse(slow)) == {2: "slow_gpu"}
+
+
+def test_nan_reduce_gives_nan_for_a_slice_without_values_and_never_warns():
+    import warnings
+
+    from knapformer.contract.nan_reduce import nan_reduce
+
+    m = np.array([[1.0, np.nan, 3.0], [np.nan, np.nan, np.nan]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rows = nan_reduce(np.nanmedian, m, axis=1)
+        cols = nan_reduce(np.nanmax, m, axis=0)
+        assert np.isnan(nan_reduce(np.nanmean, m[1]))
+        assert np.isnan(nan_reduce(np.nanmin, np.zeros(0)))
+        assert nan_reduce(np.nanmedian, np.zeros((0, 3)), axis=0).shape == (3,)
+    assert rows[0] == 2.0 and np.isnan(rows[1])
+    assert cols[0] == 1.0 and np.isnan(cols[1]) and cols[2] == 3.0
+    assert nan_reduce(np.nanmax, [np.inf, np.nan]) == np.inf  # only NaN means "no value"
+
+
+def test_the_diagnosis_never_touches_the_process_wide_warning_filters(monkeypatch):
+    """The dashboard analyses in its server's threads, where ``warnings.catch_warnings``
+    (process-wide filters) races. A window with ranks absent from a step and phases
+    nobody measured (all-NaN rows and columns) must analyse without it and warn nothing."""
+    import warnings
+
+    from knapformer.diagnosis.step_loss import step_losses, summarise
+    from knapformer.planning.compute_model import fit_compute
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("warnings.catch_warnings is not thread-safe")
+
+    a = _figures(measured_run(4, slow_rank=1, slow_factor=2.0, seed=13))
+    b = _figures(measured_run(1, topology="g1n4", codes="g4b4i256f1s0", seed=14))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        monkeypatch.setattr(warnings, "catch_warnings", refuse)
+        for window in (a + b, b, a[:1]):
+            report = analyse(window)
+            m = rank_steps(window)
+            summarise(step_losses(window, m))
+            fit_compute(m.predicted_shown, m.compute_ms).material  # noqa: B018
+        assert report.ranks

@@ -11,7 +11,6 @@ measured compute phase the stack of a rank adds up to its measured ``step``.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -21,6 +20,7 @@ from knapformer.visualization import palette
 from knapformer.visualization.axes import rank_ticks
 from knapformer.visualization.figures import build_figure
 
+from knapformer.contract.nan_reduce import nan_reduce
 from knapformer.contract.plan import COLLECTIVE_PHASES, RoutingPlan
 from knapformer.diagnosis.measured import measure
 
@@ -103,10 +103,9 @@ def window_parts(plans: Sequence[RoutingPlan]) -> RankPhases | None:
             sums[name][i, rows] = p.parts.get(name, 0.0)
         if p.step_ms is not None:
             steps[i, rows] = p.step_ms
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # a rank absent from every step: NaN
-        parts = {name: np.nanmean(v, axis=0) for name, v in sums.items()}
-        step_ms = np.nanmean(steps, axis=0) if np.isfinite(steps).any() else None
+    # a rank absent from every step: NaN
+    parts = {name: nan_reduce(np.nanmean, v, axis=0) for name, v in sums.items()}
+    step_ms = nan_reduce(np.nanmean, steps, axis=0) if np.isfinite(steps).any() else None
     return RankPhases(
         ranks=ranks,
         parts=parts,

@@ -32,12 +32,12 @@ Pure numpy, no readers: the CLI, the dashboard and the report all use it.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from knapformer.contract.nan_reduce import nan_reduce
 from knapformer.diagnosis.measured import RankFigures
 from knapformer.diagnosis.stragglers import RankSteps, rank_steps
 
@@ -84,29 +84,28 @@ def step_losses(figures: Sequence[RankFigures], m: RankSteps | None = None) -> l
     m = m if m is not None else rank_steps(figures)
     predicted = m.fit.predicted_ms if m.fit is not None else np.full(m.compute_ms.shape, np.nan)
     out = []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN columns: NaN, on purpose
+    with np.errstate(divide="ignore", invalid="ignore"):  # NaN marks what was not measured
         for col, f in enumerate(figures):
             compute, pred = m.compute_ms[:, col], predicted[:, col]
             taking = np.isfinite(compute)
             step = m.step_ms[:, col] if m.step_ms.size else np.full(len(compute), np.nan)
-            measured = float(np.nanmedian(step))
-            ideal_compute = float(np.nanmean(np.where(taking, pred, np.nan)))
+            measured = nan_reduce(np.nanmedian, step)
+            ideal_compute = nan_reduce(np.nanmean, np.where(taking, pred, np.nan))
             values, exchange = m.exchange_values[:, col], m.exchange_ms[:, col]
             moved = taking & (values > 0) & (exchange > 0)
             if moved.any():
                 bandwidth = float(np.median(values[moved] / exchange[moved]))
                 ideal_exchange = float(np.median(values[moved])) / bandwidth
-                no_wait = float(np.nanmin(exchange[moved]))
+                no_wait = nan_reduce(np.nanmin, exchange[moved])
             else:
                 ideal_exchange = no_wait = 0.0
             floor = max(float(f.floor_load), 1.0) if np.isfinite(f.floor_load) else 1.0
-            worst_load = float(np.nanmax(m.predicted_load[:, col]))
+            worst_load = _largest(m.predicted_load[:, col])
             data = np.nan_to_num(m.data_ms[:, col]) + np.nan_to_num(m.host_ms[:, col])
             parts = {
                 "layout_floor": (floor - 1.0) * ideal_compute,
                 "solver_gap": max(worst_load - floor, 0.0) * ideal_compute,
-                "slow_ranks": max(float(np.nanmax(compute) - np.nanmax(pred)), 0.0),
+                "slow_ranks": max(_largest(compute) - _largest(pred), 0.0),
                 "input": float(np.max(data[taking])) if taking.any() else 0.0,
                 "communication": max(no_wait - ideal_exchange, 0.0),
             }
@@ -127,16 +126,17 @@ def step_losses(figures: Sequence[RankFigures], m: RankSteps | None = None) -> l
     return out
 
 
+def _largest(values: np.ndarray) -> float:
+    """The largest value of ``values`` (NaN: none)."""
+    return nan_reduce(np.nanmax, values)
+
+
 def summarise(losses: Sequence[StepLoss]) -> dict[str, float]:
     """Medians over the steps: ``measured_ms``, ``ideal_ms``, ``lost_ms`` and every part."""
     if not losses:
         return {}
     names = ("measured_ms", "ideal_ms", "lost_ms", *PARTS)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        return {
-            name: float(np.nanmedian([getattr(loss, name) for loss in losses])) for name in names
-        }
+    return {name: nan_reduce(np.nanmedian, [getattr(x, name) for x in losses]) for name in names}
 
 
 def describe_loss(summary: dict[str, float]) -> str:

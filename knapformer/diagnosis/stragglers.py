@@ -42,13 +42,13 @@ collection, a late kernel launch) name nobody. Every threshold is in `THRESHOLDS
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 import numpy as np
 
+from knapformer.contract.nan_reduce import nan_reduce
 from knapformer.diagnosis.measured import RankFigures
 from knapformer.diagnosis.probed import relative_bandwidth
 from knapformer.planning.compute_model import DEPARTURE, MATERIAL, ComputeFit, fit_compute
@@ -181,9 +181,7 @@ def link_verdicts(figures: Sequence[RankFigures], th: Thresholds) -> list[LinkVe
     for (scope, ranks), links in seen.items():
         cost = np.array([link.cost for link in links])
         counted = int(np.isfinite(cost).sum())
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)
-            median = float(np.nanmedian(cost)) if counted else float("nan")
+        median = nan_reduce(np.nanmedian, cost)
         slow = int((cost >= th.link_cost).sum())
         is_slow = (
             counted >= th.min_steps and slow >= th.persistence * counted and median >= th.link_cost
@@ -380,15 +378,16 @@ def analyse(
     took_part = np.isfinite(m.compute_ms)  # (r, s); NaN marks a rank absent from a step
     rated = np.isfinite(m.ratio)
     steps, rated_steps = took_part.sum(axis=1), rated.sum(axis=1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN columns: NaN, on purpose
-        step_col = np.nanmax(m.step_ms, axis=0) if m.step_ms.size else np.zeros(0)
+    with np.errstate(divide="ignore", invalid="ignore"):  # NaN marks what was not measured
+        step_col = nan_reduce(np.nanmax, m.step_ms, axis=0) if m.step_ms.size else np.zeros(0)
         if not np.isfinite(step_col).any():  # no step measured: the longest compute
-            step_col = np.nanmax(m.compute_ms, axis=0) if m.compute_ms.size else step_col
-        step_ms = float(np.nanmedian(step_col)) if step_col.size else float("nan")
+            step_col = (
+                nan_reduce(np.nanmax, m.compute_ms, axis=0) if m.compute_ms.size else step_col
+            )
+        step_ms = nan_reduce(np.nanmedian, step_col)
         material = th.material * step_col  # (s,) ms that matter in each step
         excess = {
-            name: matrix - np.nanmedian(matrix, axis=0)
+            name: matrix - nan_reduce(np.nanmedian, matrix, axis=0)
             for name, matrix in (("host", m.host_ms), ("data", m.data_ms),
                                  ("exchange", m.exchange_ms))
         }  # fmt: skip
@@ -399,7 +398,7 @@ def analyse(
         stretch = np.where(np.isfinite(stretch) & (m.compute_ms > 0), stretch, 1.0)
         compute_excess = (m.compute_ms - predicted) * stretch
         values_per_ms = m.exchange_values / m.exchange_ms
-        bandwidth = row_medians(values_per_ms / np.nanmedian(values_per_ms, axis=0))
+        bandwidth = row_medians(values_per_ms / nan_reduce(np.nanmedian, values_per_ms, axis=0))
         # NaN compares False: absent steps never count
         slow_each = (m.ratio >= th.slow_ratio) & (compute_excess >= material)
         heavy_each = m.predicted_load >= th.heavy_load
@@ -482,14 +481,8 @@ def _zeros(values: np.ndarray) -> list[float]:
 
 
 def row_medians(matrix: np.ndarray) -> np.ndarray:
-    """(r,) the median of each row's finite values (NaN for a row with none)."""
-    out = np.full(len(matrix), np.nan)
-    # Only rows with a value: an all-NaN row would warn, and silencing warnings is not
-    # thread-safe (the dashboard analyses in its server's threads).
-    some = np.isfinite(matrix).any(axis=1) if matrix.size else np.zeros(len(matrix), bool)
-    if some.any():
-        out[some] = np.nanmedian(matrix[some], axis=1)
-    return out
+    """(r,) the median of each row's values (NaN for a row with none)."""
+    return nan_reduce(np.nanmedian, matrix, axis=1)
 
 
 def named_over_run(

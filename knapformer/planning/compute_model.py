@@ -50,11 +50,12 @@ the straggler diagnosis (`knapformer.diagnosis.stragglers`) judges ranks by it.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
 from numpy.typing import ArrayLike
+
+from knapformer.contract.nan_reduce import nan_reduce
 
 #: Ranks' median work must differ by this much (relative to the median rank's) for the
 #: fixed overhead to be told apart from the rate.
@@ -144,11 +145,9 @@ class ComputeFit:
         median over the steps of the slowest rank's); True for a fit made by hand."""
         if self.cost_steps is None:
             return np.ones(len(self.rate), dtype=bool)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN rows: not material
-            compute = self.cost_steps * self.predicted_ms
-            excess = np.nanmedian(compute - self.predicted_ms, axis=1)
-            longest = float(np.nanmedian(np.nanmax(compute, axis=0)))
+        compute = self.cost_steps * self.predicted_ms
+        excess = nan_reduce(np.nanmedian, compute - self.predicted_ms, axis=1)
+        longest = nan_reduce(np.nanmedian, nan_reduce(np.nanmax, compute, axis=0))
         return np.nan_to_num(excess, nan=-np.inf) >= MATERIAL * longest
 
     @property
@@ -211,9 +210,9 @@ def fit_compute(work: ArrayLike, compute_ms: ArrayLike) -> ComputeFit:
         return ComputeFit(0.0, 0.0, False, "no measured step", nan_s, nan_r, nan_r,
                           np.full((r, s), np.nan), np.full((r, s), np.nan),
                           np.zeros(r, dtype=bool), np.full((r, s), np.nan))  # fmt: skip
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN rows: NaN, on purpose
-        work_r, compute_r = np.nanmedian(w, axis=1), np.nanmedian(c, axis=1)  # (r,)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        work_r = nan_reduce(np.nanmedian, w, axis=1)  # (r,)
+        compute_r = nan_reduce(np.nanmedian, c, axis=1)
         known = np.isfinite(work_r) & np.isfinite(compute_r)
         typical = float(np.median(work_r[known]))
         lines = _candidates(work_r[known], compute_r[known], typical)
@@ -233,13 +232,13 @@ def fit_compute(work: ArrayLike, compute_ms: ArrayLike) -> ComputeFit:
             if (again == agrees).all():
                 break
             agrees = again if again.any() else agrees
-        scale = np.nanmedian(c[agrees] / (overhead + w[agrees]), axis=0)  # (s,)
+        scale = nan_reduce(np.nanmedian, c[agrees] / (overhead + w[agrees]), axis=0)  # (s,)
         predicted = scale * (overhead + w)  # (r, s)
         rate_steps = (c / scale - overhead) / w
-        rate = np.nanmedian(rate_steps, axis=1)
+        rate = nan_reduce(np.nanmedian, rate_steps, axis=1)
         cost_steps = c / predicted
-        cost = np.nanmedian(cost_steps, axis=1)
-        overhead_ms = float(np.nanmedian(scale * overhead))
+        cost = nan_reduce(np.nanmedian, cost_steps, axis=1)
+        overhead_ms = nan_reduce(np.nanmedian, scale * overhead)
     note = (
         f"overhead {overhead_ms:.3g} ms per step, fitted on the line {int(agrees.sum())} of "
         f"{int(known.sum())} ranks agree with (within {TOLERANCE - 1:.0%})"
@@ -307,7 +306,7 @@ def _candidates(work: np.ndarray, compute: np.ndarray, typical: float) -> list[t
 
 def _residuals(w: np.ndarray, c: np.ndarray, overhead: float, slope: float) -> np.ndarray:
     """(r,) each rank's median over steps of log(compute / the line's)."""
-    return np.nanmedian(np.log(c / (slope * (overhead + w))), axis=1)
+    return nan_reduce(np.nanmedian, np.log(c / (slope * (overhead + w))), axis=1)
 
 
 def _agreeing(w: np.ndarray, c: np.ndarray, overhead: float, slope: float) -> np.ndarray:
@@ -352,7 +351,8 @@ def _rival_line(fits: list[tuple], chosen: int) -> bool:
 def _slope(w: np.ndarray, c: np.ndarray, overhead: float) -> float:
     """The ms per unit of work that centres ranks ``w``, ``c`` (k, s) on the line with
     ``overhead``: the exp of the mean of their median log(compute / (overhead + work))."""
-    return float(np.exp(np.nanmean(np.nanmedian(np.log(c / (overhead + w)), axis=1))))
+    offsets = nan_reduce(np.nanmedian, np.log(c / (overhead + w)), axis=1)
+    return float(np.exp(nan_reduce(np.nanmean, offsets)))
 
 
 def _refine(w: np.ndarray, c: np.ndarray, typical: float) -> float:
@@ -361,8 +361,8 @@ def _refine(w: np.ndarray, c: np.ndarray, typical: float) -> float:
     grid = _GRID * MAX_OVERHEAD * typical
     losses = []
     for overhead in grid:
-        offsets = np.nanmedian(np.log(c / (overhead + w)), axis=1)
-        losses.append(float(np.nansum((offsets - np.nanmean(offsets)) ** 2)))
+        offsets = nan_reduce(np.nanmedian, np.log(c / (overhead + w)), axis=1)
+        losses.append(float(np.nansum((offsets - nan_reduce(np.nanmean, offsets)) ** 2)))
     return _middle_of_best(grid, np.asarray(losses))
 
 

@@ -1,0 +1,32 @@
+"""numpy's NaN-skipping reductions, NaN for a slice with no value, without a warning.
+
+``np.nanmedian`` and its kin warn on an all-NaN slice. A rank absent from every step of
+a window, or a step nobody measured, is such a slice on purpose, and silencing the warning
+with ``warnings.catch_warnings`` is not thread-safe: the dashboard analyses plans in its
+server's threads, where one thread's filter is lost or leaks into another's.
+`nan_reduce` never reaches numpy with an all-NaN slice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+
+def nan_reduce(
+    reduce: Callable[..., np.ndarray], values: np.ndarray, axis: int | None = None
+) -> np.ndarray | float:
+    """``reduce`` (``np.nanmedian``, ``np.nanmean``, ``np.nanmax``, ``np.nanmin``) of
+    ``values`` along ``axis``, NaN where a slice holds no value (not NaN); a float for
+    ``axis=None``."""
+    x = np.asarray(values, dtype=np.float64)
+    present = ~np.isnan(x)
+    if axis is None:
+        return float(reduce(x[present])) if present.any() else float("nan")
+    some = present.any(axis=axis)
+    if not some.any():
+        return np.full(some.shape, np.nan)
+    # Slices without a value are filled with zeros, which reduce quietly, then masked.
+    filled = np.where(np.expand_dims(some, axis), x, 0.0)
+    return np.where(some, reduce(filled, axis=axis), np.nan)
