@@ -44,11 +44,10 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from knapformer.contract.plan import COLLECTIVE_PHASES
-from knapformer.diagnosis.measured import DATA_PHASE, HOST_PHASE, host_ms
+from knapformer.diagnosis.measured import HOST_PHASE
 from knapformer.local.config import SLOW_KINDS
 from knapformer.runtime.balancer import SequenceBalancer
-from knapformer.runtime.timing import cpu_clock_ms, wall_clock_ms
+from knapformer.runtime.timing import cpu_clock_ms, outside_compute_ms, wall_clock_ms
 
 
 class SlowBalancer(SequenceBalancer):
@@ -165,10 +164,8 @@ class SlowBalancer(SequenceBalancer):
         return self._ended_steps_cpu + self._timer.outside_cpu_ms()
 
     def _in_step(self) -> float:
-        timings = self.timings
-        collectives = sum(timings.get(p, 0.0) for p in COLLECTIVE_PHASES)
-        host = float(host_ms({p: [v] for p, v in timings.items()}, 1)[0])
-        return collectives + timings.get(DATA_PHASE, 0.0) + host
+        """Ms the open step has spent outside compute so far."""
+        return outside_compute_ms(self.timings)
 
 
 def burn(ms: float, clock: Callable[[], float] = wall_clock_ms) -> float:

@@ -37,7 +37,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,6 +65,15 @@ def cpu_clock_ms() -> float:
 def wall_clock_ms() -> float:
     """The host's monotonic clock in ms."""
     return time.perf_counter() * 1e3
+
+
+def outside_compute_ms(values: Mapping[str, float]) -> float:
+    """Ms of a step's phases (``values``) that are not compute: waiting in collectives,
+    and the host's own work and the wait for data, which must not read as a slow GPU
+    either (a slow loader, a busy host)."""
+    waited = sum(values.get(p, 0.0) for p in COLLECTIVE_PHASES)
+    host = float(host_ms({p: [v] for p, v in values.items()}, 1)[0])
+    return waited + values.get(DATA_PHASE, 0.0) + host
 
 
 def _outside_cpu(cpu: dict[str, float], wall: dict[str, float]) -> float:
@@ -108,12 +117,7 @@ class FinishedStep:
             values["step"] = self.begin.elapsed_time(self.end)
         else:
             values["step"] = (self.ended - self.started) * 1e3
-        waited = sum(values.get(p, 0.0) for p in COLLECTIVE_PHASES)
-        # The host's own work and the wait for data are not the GPU's compute either:
-        # a slow loader or a busy host must not read as a slow GPU.
-        host = {p: [v] for p, v in values.items()}
-        outside = values.get(DATA_PHASE, 0.0) + float(host_ms(host, 1)[0])
-        values["compute"] = max(values["step"] - waited - outside, 0.0)
+        values["compute"] = max(values["step"] - outside_compute_ms(values), 0.0)
         if self.cpu_step is not None:
             busy = self.cpu_step - _outside_cpu(self.cpu, values) + self.device_ms
             wall = values["compute"]
