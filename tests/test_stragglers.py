@@ -216,3 +216,77 @@ def test_the_diagnosis_never_touches_the_process_wide_warning_filters(monkeypatc
             summarise(step_losses(window, m))
             fit_compute(m.predicted_shown, m.compute_ms).material  # noqa: B018
         assert report.ranks
+
+
+def _slow_bag_exchanges(plan, ranks: set[int], ms: float, slow_link: int | None = None):
+    """``plan`` with ``ms`` more in each Ulysses exchange for every rank of ``ranks`` (the
+    bag's exchanges slow by their timings), and a link probe of every round in which each
+    pair takes 1 ms, or 8 ms where ``slow_link`` is one end."""
+    from knapformer.contract.probe import LinkProbe, probe_partners, probe_round_count
+
+    per_rank = {k: list(v) for k, v in plan.measurements.per_rank_ms.items()}
+    for phase in ("pre_attn", "post_attn"):
+        for i, g in enumerate(plan.gpus):
+            if g in ranks:
+                per_rank[phase][i] += ms
+    n = len(plan.gpus)
+    rounds = list(range(probe_round_count(n)))
+    times = [
+        [8.0 if slow_link in (plan.gpus[i], plan.gpus[p]) else 1.0 for i, p in
+         enumerate(probe_partners(n, r))]
+        for r in rounds
+    ]  # fmt: skip
+    probe = LinkProbe(bytes=2**20, rounds=rounds, ms=times, node=[0] * n)
+    measurements = plan.measurements.model_copy(
+        update={"per_rank_ms": per_rank, "link_probe": probe}
+    )
+    return plan.model_copy(update={"measurements": measurements})
+
+
+def test_a_slow_bag_exchange_is_a_slow_link_scope_unless_the_probe_clears_its_ranks():
+    """The exchange-scope verdict is the timings' fallback; the link probe measures each
+    rank's links alone. Exchanges slow while the probe finds every link of the bag's
+    ranks healthy (on an oversubscribed host, peers waiting for a core) name nothing."""
+    from knapformer.diagnosis.stragglers import describe_link
+
+    plans = measured_run(8, seed=15)
+    bag = {2, 3}  # g1n2+g2n1+g4n1: the 2-GPU bag
+    assert any(set(b) == bag for b in plans[0].bags)
+
+    def scope(report):
+        return next(v for v in report.links if set(v.ranks) == bag)
+
+    timed_only = [
+        p.model_copy(update={"measurements": _slow_bag_exchanges(p, bag, 500.0).measurements
+                             .model_copy(update={"link_probe": None})})
+        for p in plans
+    ]  # fmt: skip
+    report = analyse(_figures(timed_only))
+    assert scope(report).verdict == "slow_link" and not scope(report).cleared_by_probe
+    assert [set(v.ranks) for v in report.slow_links] == [bag]
+
+    cleared = analyse(_figures([_slow_bag_exchanges(p, bag, 500.0) for p in plans]))
+    assert scope(cleared).verdict == "ok" and scope(cleared).cleared_by_probe
+    assert cleared.slow_links == [] and _named(cleared) == {}
+    assert "probe finds every link of these ranks healthy" in describe_link(scope(cleared))
+
+    # the probe finds rank 3's link slow: the rank is named, and its scope stays slow
+    slow = analyse(_figures([_slow_bag_exchanges(p, bag, 500.0, slow_link=3) for p in plans]))
+    assert _named(slow) == {3: "slow_link"}
+    assert scope(slow).verdict == "slow_link" and not scope(slow).cleared_by_probe
+
+
+def test_the_probe_never_clears_the_group_s_exchanges():
+    """The probe compares each rank's links with the group's: a network slow for every
+    rank looks healthy to it, so the group's slow routing all-to-alls stay named."""
+    plans = []
+    for p in measured_run(8, seed=16):
+        healthy_probe = _slow_bag_exchanges(p, set(), 0.0)
+        per_rank = dict(healthy_probe.measurements.per_rank_ms)
+        for phase in ("route", "reverse_route"):
+            per_rank[phase] = [t + 500.0 for t in per_rank[phase]]
+        m = healthy_probe.measurements.model_copy(update={"per_rank_ms": per_rank})
+        plans.append(p.model_copy(update={"measurements": m}))
+    report = analyse(_figures(plans))
+    assert [v.scope for v in report.slow_links] == ["group"]
+    assert not report.links[0].cleared_by_probe and _named(report) == {}

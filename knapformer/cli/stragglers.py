@@ -185,7 +185,7 @@ def _summary(report: StragglerReport, measured: int) -> str:
             f"only {measured} measured step(s): a verdict needs {th.min_steps} (all ranks ok)"
         )
     lines += [describe(r) for r in report.named]
-    lines += [describe_link(v) for v in report.slow_links]
+    lines += [describe_link(v) for v in report.slow_links + report.cleared_links]
     if not report.named and not report.slow_links and measured >= th.min_steps:
         if report.fit is not None and report.fit.ambiguous:
             lines.append(

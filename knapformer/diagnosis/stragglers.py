@@ -27,7 +27,12 @@ threshold in at least `Thresholds.persistence` of the rank's steps, median inclu
   Without it, the timings still say which **exchange scope** is slow (`LinkVerdict`:
   the group's routing all-to-alls, or one bag's Ulysses exchanges, whose no-wait time,
   the least any of its ranks spent in each, is at least `Thresholds.link_cost` times the
-  longest compute it serves), not whose link it is.
+  longest compute it serves), not whose link it is. When the probe has timed every
+  rank of a bag's scope and finds each one's links healthy (noise only slows a link, so
+  one probe can clear it), the scope is not named (`LinkVerdict.cleared_by_probe`): its
+  exchanges wait on something other than a link, such as peers waiting for a core on an
+  oversubscribed host. The probe compares ranks with each other, so it never clears the
+  group's scope: a network slow for every rank shows only there.
 - ``layout_floor``: its predicted load is at least `Thresholds.heavy_load` times the
   ideal because it holds the step's layout floor: a sequence no bag of this topology can
   split further. Only other bags help (``knapformer suggest``).
@@ -161,6 +166,9 @@ class LinkVerdict:
     slow_steps: int  # steps with cost >= link_cost
     steps: int
     decided_by: str = "link_cost"
+    #: slow by its timings, but the link probe measured every rank of the scope and
+    #: found each one's links healthy (so the verdict is ``ok``)
+    cleared_by_probe: bool = False
 
     def as_dict(self) -> dict:
         return {
@@ -169,14 +177,19 @@ class LinkVerdict:
         }
 
 
-def link_verdicts(figures: Sequence[RankFigures], th: Thresholds) -> list[LinkVerdict]:
+def link_verdicts(
+    figures: Sequence[RankFigures], th: Thresholds, healthy_links: frozenset[int] = frozenset()
+) -> list[LinkVerdict]:
     """Every exchange scope of ``figures`` and its verdict (`Thresholds.link_cost` in at
     least `Thresholds.persistence` of its steps, `Thresholds.min_steps` at least, and in
-    the median)."""
+    the median); a scope all of whose ranks are in ``healthy_links`` (the link probe
+    cleared them) is ``ok``, `LinkVerdict.cleared_by_probe`, unless it holds every rank:
+    the probe compares each rank's links with the group's, so it cannot clear them all."""
     seen: dict[tuple[str, tuple[int, ...]], list] = {}
     for f in figures:
         for link in f.links:
             seen.setdefault((link.scope, link.ranks), []).append(link)
+    everyone = {int(g) for f in figures for g in f.gpus}
     out = []
     for (scope, ranks), links in seen.items():
         cost = np.array([link.cost for link in links])
@@ -186,16 +199,18 @@ def link_verdicts(figures: Sequence[RankFigures], th: Thresholds) -> list[LinkVe
         is_slow = (
             counted >= th.min_steps and slow >= th.persistence * counted and median >= th.link_cost
         )
+        cleared = is_slow and set(ranks) <= healthy_links and set(ranks) != everyone
         out.append(
             LinkVerdict(
                 scope=scope,
                 ranks=list(ranks),
                 phases=list(links[0].phases),
-                verdict="slow_link" if is_slow else "ok",
+                verdict="slow_link" if is_slow and not cleared else "ok",
                 link_cost=median,
                 no_wait_ms=float(np.median([link.no_wait_ms for link in links])),
                 slow_steps=slow,
                 steps=len(links),
+                cleared_by_probe=cleared,
             )
         )
     return sorted(out, key=lambda v: (v.scope != "group", v.ranks))
@@ -204,12 +219,18 @@ def link_verdicts(figures: Sequence[RankFigures], th: Thresholds) -> list[LinkVe
 def describe_link(v: LinkVerdict) -> str:
     """``slow_link: bag of ranks 2, 3 (pre_attn, post_attn) — ...``."""
     where = "the group" if v.scope == "group" else "the bag"
+    why = (
+        "but the link probe finds every link of these ranks healthy: the exchanges wait "
+        "on something else (a peer waiting for a core, contention outside the links)"
+        if v.cleared_by_probe
+        else "whose link it is the timings cannot say (every rank of an exchange waits "
+        "for it alike)"
+    )
     return (
         f"{v.verdict}: {where} of ranks {', '.join(map(str, v.ranks))} "
         f"({', '.join(v.phases)}) — {v.no_wait_ms:.0f} ms per step in them with nobody "
         f"waiting, {v.link_cost:.2f}× the compute they serve, in {v.slow_steps} of "
-        f"{v.steps} steps; whose link it is the timings cannot say (every rank of an "
-        "exchange waits for it alike)"
+        f"{v.steps} steps; {why}"
     )
 
 
@@ -303,6 +324,11 @@ class StragglerReport:
     @property
     def slow_links(self) -> list[LinkVerdict]:
         return [v for v in self.links if v.verdict != "ok"]
+
+    @property
+    def cleared_links(self) -> list[LinkVerdict]:
+        """Scopes slow by their timings that the link probe cleared."""
+        return [v for v in self.links if v.cleared_by_probe]
 
     @property
     def named(self) -> list[RankVerdict]:
@@ -471,7 +497,10 @@ def analyse(
                 **{name: values[i] for name, values in columns.items()},
             )
         )
-    links = link_verdicts(figures, th)
+    # The probe times each rank's links alone, and noise only slows a link: one probe that
+    # finds a rank's links healthy clears them (naming one slow takes `min_probes`).
+    probed_healthy = (probes >= 1) & (link_bandwidth > th.link_bandwidth)
+    links = link_verdicts(figures, th, frozenset(m.ranks[probed_healthy].tolist()))
     return StragglerReport(verdicts, m.steps, m.phases, th, fit, step_ms, links)
 
 
