@@ -6,14 +6,15 @@ A matrix of live demo runs (`knapformer.local.demo`, CPU workers on gloo):
 - model sizes: the demo's default, and a heavier one (``--head-dim 64 --length-scale
   1/32``: more compute per token, fewer tokens);
 - topologies: g1n4 and g1n2+g2n1 on 4 ranks, g1n2+g2n1+g4n1 on 8;
-- a slow rank of each kind (``--slow-kind``: gpu, host, input, link) at factors 1.5 and 2,
+- a slow rank of each kind (``--slow-kind``: gpu, host, gc, input, link) at factors 1.5 and 2,
   and a clean run with no slow rank.
 
 The slow rank is rank 2 on 4 ranks (with g1n4 it also holds a video no bag can split:
 the layout floor, the case of issue 21) and rank 5 on 8 (in the 4-GPU bag). The verdict
 expected for each kind (`EXPECTED`) is that kind's own: ``input`` is ``slow_input``, not
 the ``slow_host`` issue 21 lists for "input pipeline, GC, CPU contention", because the
-``data`` phase tells a late batch apart from other host work and says what to fix.
+``data`` phase tells a late batch apart from other host work and says what to fix;
+``gc`` (garbage collections that no phase times) is ``slow_host``, as the issue lists it.
 
 ``link`` is named of the injected rank through the link probe, which the demo runs
 every second step (``--link-probe-every 2``, its default; `knapformer.contract.probe`):
@@ -69,7 +70,10 @@ from knapformer.local.config import SLOW_KINDS
 from knapformer.local.demo import DemoConfig, run_demo
 from knapformer.planning.history import recorded_speeds
 
-EXPECTED = {"gpu": "slow_gpu", "host": "slow_host", "input": "slow_input", "link": "slow_link"}
+EXPECTED = {
+    "gpu": "slow_gpu", "host": "slow_host", "gc": "slow_host", "input": "slow_input",
+    "link": "slow_link",
+}  # fmt: skip
 SIZES = {"default": {}, "heavy": {"head_dim": 64, "length_scale": 1 / 32}}
 REGIMES = (("g1n4", 4), ("g1n2+g2n1", 4), ("g1n2+g2n1+g4n1", 8))
 FACTORS = (1.5, 2.0)

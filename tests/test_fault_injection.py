@@ -1,7 +1,7 @@
 """Fault injection (`knapformer.local.slowdown`), on real gloo processes: every kind of
 slow rank loses its time where that fault would, and the measurements put it there
-(compute for gpu, host work for host, the data wait for input, the token exchanges for
-link), so each verdict has the evidence it is decided by."""
+(compute for gpu, host work for host, garbage collection for gc, the data wait for
+input, the token exchanges for link), so each verdict has the evidence it is decided by."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from knapformer.diagnosis.measured import EXCHANGES, host_ms
 from knapformer.testing.dist_helpers import run_world
 
 WORLD, TOPOLOGY, D, HEADS, STEPS, SLOW = 4, "g1n2+g2n1", 32, 4, 4, 1
-KINDS = ("gpu", "host", "input", "link")
+KINDS = ("gpu", "host", "gc", "input", "link")
 pytestmark = pytest.mark.timeout(300)
 
 
@@ -69,7 +69,10 @@ def test_the_lost_time_lands_in_the_phase_of_its_kind(results, kind):
         assert lost > 0
         exchanges = sum(t.get(p, 0.0) for p in EXCHANGES)
         host = float(host_ms({p: [v] for p, v in t.items()}, 1)[0])
-        where = {"gpu": t["compute"], "host": host, "input": t["data"], "link": exchanges}
+        where = {
+            "gpu": t["compute"], "host": host, "gc": t.get("gc", 0.0), "input": t["data"],
+            "link": exchanges,
+        }  # fmt: skip
         # time.sleep and the CPU burn take at least what they were asked for
         assert where[kind] >= 0.95 * lost, (kind, where, lost)
         if kind != "gpu":  # and none of it is taken for compute

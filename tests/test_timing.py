@@ -3,6 +3,7 @@ clock counted beyond that is ``descheduled`` (knapformer/runtime/timing.py)."""
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import numpy as np
@@ -77,3 +78,44 @@ def test_a_device_the_thread_waits_for_is_compute():
     values = _step(StepTimer(torch.device("cpu")), body)
     assert values["compute"] >= BURN_MS + SLEEP_MS
     assert values["compute"] + values["descheduled"] == np.float64(values["step"])
+
+
+def _cycles() -> list:
+    """A heap of 200,000 linked lists for the collector to traverse."""
+    heap = [[] for _ in range(200_000)]
+    for a, b in itertools.pairwise(heap):
+        a.append(b)
+    return heap
+
+
+def _collect_for(ms: float) -> None:
+    """Full collections until ``ms`` of wall time pass."""
+    import gc
+
+    began = time.perf_counter()
+    while (time.perf_counter() - began) * 1e3 < ms:
+        gc.collect()
+
+
+def test_garbage_collection_is_host_work_not_compute():
+    """A collection stops the training thread: recorded as ``gc`` (host work), out of the
+    compute; one inside a timed phase stays in that phase and out of ``gc``."""
+    heap = _cycles()  # built before the step: its allocations are not the step's
+
+    def body(timer):
+        burn(BURN_MS, cpu_clock_ms)
+        _collect_for(3 * BURN_MS)
+
+    values = _step(StepTimer(torch.device("cpu")), body)
+    assert values["gc"] >= 2.5 * BURN_MS  # the loop between collections aside
+    assert BURN_MS <= values["compute"] < 2 * BURN_MS  # the burn, not the collections
+    wall = values["step"] - values["gc"]
+    assert values["compute"] + values["descheduled"] == np.float64(wall)
+
+    def in_a_phase(timer):
+        with timer.timed("record"):
+            _collect_for(BURN_MS)
+
+    values = _step(StepTimer(torch.device("cpu")), in_a_phase)
+    assert values.get("gc", 0.0) < BURN_MS / 4 and values["record"] >= BURN_MS
+    assert len(heap) == 200_000

@@ -27,7 +27,7 @@ from knapformer.diagnosis.measured import measure
 #: Colour of each part, by name (the waits by collective).
 _WAIT_COLOR = dict(zip(COLLECTIVE_PHASES, palette.WAITING, strict=True))
 TRANSFER_PART = "transfer in collectives"
-HOST_PART = "host work (planning, recording, loop)"
+HOST_PART = "host work (planning, recording, loop, GC)"
 DATA_PART = "waiting for data"
 DESCHEDULED_PART = "waiting for a core (CPU)"
 

@@ -237,6 +237,8 @@ RECORDED_PHASES = (
     # host work (logging, bookkeeping); neither is the GPU's compute
     "data",
     "host",
+    # the time Python's garbage collector held the process, outside the other timed phases
+    "gc",
     "step",
     # step minus the time inside COLLECTIVE_PHASES, data and host work: what the GPU took
     # (on the CPU: the training thread's CPU time in it, `knapformer.runtime.timing`)

@@ -69,6 +69,9 @@ DATA_PHASE = "data"
 DESCHEDULED_PHASE = "descheduled"
 #: The phase a training loop times its other host work in (logging, bookkeeping).
 HOST_PHASE = "host"
+#: The time Python's garbage collector held the process during a step, outside every
+#: other timed phase (`knapformer.runtime.gc_clock`): host work too.
+GC_PHASE = "gc"
 
 
 #: The exchange scopes: the group's routing all-to-alls and a bag's Ulysses exchanges.
@@ -170,12 +173,14 @@ def probed_links(probe: LinkProbe, gpus: Sequence[int]) -> ProbedLinks:
 
 def host_ms(per_rank: Mapping[str, Sequence[float]], n: int) -> np.ndarray:
     """(n,) each rank's host work that is not the model's: ``plan`` without the gather it
-    includes, ``record`` and the loop's ``host`` phase (0 for what was not measured)."""
+    includes, ``record``, the loop's ``host`` phase and garbage collection (``gc``) (0 for
+    what was not measured)."""
 
     def phase(name: str) -> np.ndarray:
         return _phase_or_zero(per_rank, name, n)
 
-    return np.maximum(phase("plan") - phase("gather"), 0.0) + phase("record") + phase(HOST_PHASE)
+    planning = np.maximum(phase("plan") - phase("gather"), 0.0)
+    return planning + phase("record") + phase(HOST_PHASE) + phase(GC_PHASE)
 
 
 def _phase_or_zero(per_rank: Mapping[str, Sequence[float]], name: str, n: int) -> np.ndarray:
@@ -204,6 +209,7 @@ class MeasuredStep:
     load_axis: str  # what that unit is called on an axis
     data_ms: np.ndarray  # (n,) waiting for the next batch (0: not measured)
     host_ms: np.ndarray  # (n,) host work that is not the model's (`host_ms`)
+    gc_ms: np.ndarray  # (n,) of which garbage collection (`GC_PHASE`; 0: not measured)
     #: (n,) on the CPU, what the wall clock counted beyond the compute's CPU time: the
     #: thread waiting for a core (`knapformer.runtime.timing`; 0 where not measured)
     descheduled_ms: np.ndarray
@@ -240,6 +246,7 @@ class MeasuredStep:
             step_ms=None if self.step_ms is None else self.step_ms.astype(np.float32),
             data_ms=self.data_ms.astype(np.float32),
             host_ms=self.host_ms.astype(np.float32),
+            gc_ms=self.gc_ms.astype(np.float32),
             descheduled_ms=self.descheduled_ms.astype(np.float32),
             exchange_ms=self.exchange_ms.astype(np.float32),
             exchange_values=self.exchange_values.astype(np.float32),
@@ -268,6 +275,7 @@ class RankFigures:
     step_ms: np.ndarray | None = None  # (n,) float32, when measured
     data_ms: np.ndarray | None = None  # (n,) float32 (None: figures of an older version)
     host_ms: np.ndarray | None = None  # (n,) float32
+    gc_ms: np.ndarray | None = None  # (n,) float32, of host_ms
     descheduled_ms: np.ndarray | None = None  # (n,) float32
     exchange_ms: np.ndarray | None = None  # (n,) float32
     exchange_values: np.ndarray | None = None  # (n,) float32
@@ -360,6 +368,7 @@ def measure(plan: RoutingPlan) -> MeasuredStep | None:
         load_axis=unit.axis_title,
         data_ms=_phase_or_zero(per_rank, DATA_PHASE, n),
         host_ms=host_ms(per_rank, n),
+        gc_ms=_phase_or_zero(per_rank, GC_PHASE, n),
         descheduled_ms=descheduled,
         exchange_ms=exchange,
         exchange_values=values,

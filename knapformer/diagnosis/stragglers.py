@@ -134,6 +134,7 @@ class RankVerdict:
     compute_excess_ms: float = float("nan")  # measured - predicted compute
     host_ms: float = 0.0
     host_excess_ms: float = 0.0  # over the group's median
+    gc_ms: float = 0.0  # of host_ms: garbage collection
     data_ms: float = 0.0
     data_excess_ms: float = 0.0
     exchange_ms: float = 0.0
@@ -254,6 +255,7 @@ class RankSteps:
     step_ms: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # (r, s)
     data_ms: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # (r, s)
     host_ms: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # (r, s)
+    gc_ms: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # (r, s), of host_ms
     descheduled_ms: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # (r, s)
     exchange_ms: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # (r, s)
     exchange_values: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # (r, s)
@@ -261,7 +263,9 @@ class RankSteps:
     floor_load: np.ndarray = field(default_factory=lambda: np.zeros(0))  # (s,)
 
 
-_OPTIONAL = ("step_ms", "data_ms", "host_ms", "descheduled_ms", "exchange_ms", "exchange_values")
+_OPTIONAL = (
+    "step_ms", "data_ms", "host_ms", "gc_ms", "descheduled_ms", "exchange_ms", "exchange_values"
+)  # fmt: skip
 
 
 def rank_steps(figures: Sequence[RankFigures]) -> RankSteps:
@@ -301,6 +305,7 @@ def rank_steps(figures: Sequence[RankFigures]) -> RankSteps:
         step_ms=out["step_ms"],
         data_ms=out["data_ms"],
         host_ms=out["host_ms"],
+        gc_ms=out["gc_ms"],
         descheduled_ms=out["descheduled_ms"],
         exchange_ms=out["exchange_ms"],
         exchange_values=out["exchange_values"],
@@ -353,7 +358,11 @@ def describe(r: RankVerdict) -> str:
             f"step), in {r.slow_steps} of {r.steps} steps"
         )
     elif r.verdict == "slow_host":
-        why = f"host work {r.host_ms:.0f} ms per step, {_ms(r.host_excess_ms)} over the group's"
+        collected = f" (garbage collection {r.gc_ms:.0f} ms)" if r.gc_ms >= 0.5 else ""
+        why = (
+            f"host work {r.host_ms:.0f} ms per step{collected}, {_ms(r.host_excess_ms)} over "
+            "the group's"
+        )
     elif r.verdict == "slow_input":
         why = (
             f"waits {r.data_ms:.0f} ms per step for data, {_ms(r.data_excess_ms)} over the group's"
@@ -476,6 +485,7 @@ def analyse(
         "compute_excess_ms": row_medians(compute_excess).tolist(),
         "host_ms": _zeros(row_medians(m.host_ms)),
         "host_excess_ms": _zeros(row_medians(excess["host"])),
+        "gc_ms": _zeros(row_medians(m.gc_ms)),
         "data_ms": _zeros(row_medians(m.data_ms)),
         "data_excess_ms": _zeros(row_medians(excess["data"])),
         "exchange_ms": _zeros(row_medians(m.exchange_ms)),

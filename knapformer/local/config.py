@@ -34,7 +34,7 @@ MAX_HEAD_DIM = 256  # the widest heads of real DiTs; the model's d_model is head
 MAX_LAYERS = 64
 MAX_HEADS = 64  # heads the topology may ask for (a multiple of every bag size)
 #: Where an injected slow rank loses its time (`knapformer.local.slowdown`).
-SLOW_KINDS = ("gpu", "host", "input", "link")
+SLOW_KINDS = ("gpu", "host", "gc", "input", "link")
 MAX_SEED = 2**63 - 1  # numpy's seed sequence takes non-negative ints, torch's 64-bit ones
 
 
@@ -94,7 +94,8 @@ class DemoConfig:
     slow_kind: str = _option(
         "gpu",
         "where --slow-rank loses its time: gpu (its compute), host (CPU work outside the "
-        "compute), input (its next batch comes late), link (its token exchanges)",
+        "compute), gc (garbage collections), input (its next batch comes late), link (its "
+        "token exchanges)",
     )
     link_probe_every: int = _option(
         2,

@@ -19,8 +19,12 @@ gradient all-reduce). Where the time goes is the kind:
   a rate of at least ``factor``; only Python's own dispatch, which a slow GPU does not
   slow, is scaled here when it should not be, and that errs towards naming the rank.
 - ``host``: the CPU burns the time as host work (timed as the ``host`` phase), as a
-  garbage collection, a busy logger or another process on its cores would. The device's
-  compute is untouched.
+  busy logger or another process on its cores would. The device's compute is untouched.
+- ``gc``: Python's garbage collector runs full collections until the time is lost,
+  where no phase times them (a heap the collector walks for long, as in a training loop
+  that keeps many objects alive); the timer sees them through ``gc.callbacks`` (the
+  ``gc`` phase, `knapformer.runtime.gc_clock`). A full collection takes tens of ms in a
+  worker, so the loss is rounded up to whole collections.
 - ``input``: the next batch comes that much later (timed by the training loop as the
   ``data`` phase, see `SlowBalancer.wait_for_input`), as a slow data loader.
 - ``link``: every exchange of the rank (``torch.distributed.all_to_all_single``,
@@ -39,6 +43,7 @@ where no plan could shorten it and no peer would wait for it.
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable
 
@@ -110,6 +115,8 @@ class SlowBalancer(SequenceBalancer):
                 if self.slow_kind == "host":
                     with self.timed(HOST_PHASE):
                         burn(owed)
+                elif self.slow_kind == "gc":
+                    owed = collect(owed)
                 else:  # input, link: paid where the batch or the exchanges come
                     self._owed_ms += owed
                 if self.slow_kind != "link":  # the link's is counted as its exchanges pay
@@ -166,6 +173,15 @@ class SlowBalancer(SequenceBalancer):
     def _in_step(self) -> float:
         """Ms the open step has spent outside compute so far."""
         return outside_compute_ms(self.timings)
+
+
+def collect(ms: float) -> float:
+    """Run full garbage collections until ``ms`` of wall time have passed (at least one
+    when ``ms`` > 0); returns the wall-clock ms they took."""
+    began = wall_clock_ms()
+    while ms > 0 and wall_clock_ms() - began < ms:
+        gc.collect()
+    return wall_clock_ms() - began
 
 
 def burn(ms: float, clock: Callable[[], float] = wall_clock_ms) -> float:

@@ -46,7 +46,8 @@ import numpy as np
 import torch
 
 from knapformer.contract.plan import COLLECTIVE_PHASES, RECORDED_PHASES, Measurements, RoutingPlan
-from knapformer.diagnosis.measured import DATA_PHASE, HOST_PHASE, host_ms
+from knapformer.diagnosis.measured import DATA_PHASE, GC_PHASE, HOST_PHASE, host_ms
+from knapformer.runtime.gc_clock import gc_clock
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ log = logging.getLogger(__name__)
 DERIVED_PHASES = ("step", "compute", "descheduled")
 #: What is not the device's compute: the collectives, the wait for data and host work
 #: (`knapformer.diagnosis.measured.host_ms`: ``plan``, less the ``gather`` it holds).
-_OUTSIDE = (*COLLECTIVE_PHASES, DATA_PHASE, "plan", "record", HOST_PHASE)
+_OUTSIDE = (*COLLECTIVE_PHASES, DATA_PHASE, "plan", "record", HOST_PHASE, GC_PHASE)
 
 
 def cpu_clock_ms() -> float:
@@ -173,6 +174,8 @@ class _OpenStep:
     host: dict[str, float] = field(default_factory=dict)
     events: list[tuple[str, Any, Any]] = field(default_factory=list)
     cpu: dict[str, float] = field(default_factory=dict)
+    gc_at_open: tuple[float, float] = (0.0, 0.0)  # `GcClock.reading` when it opened
+    gc_in_phases: list[float] = field(default_factory=lambda: [0.0, 0.0])  # (wall, CPU) ms
 
 
 class StepTimer:
@@ -195,6 +198,8 @@ class StepTimer:
         self._closed_upto = -1  # the latest step that has ended
         self._changed = threading.Condition()
         self._warned: set[str] = set()
+        self._gc = gc_clock()
+        self._nesting = threading.local()  # per thread: timed phases open around it
 
     # ------------------------------------------------------------ the open step
     def boundary(self) -> Any:
@@ -209,6 +214,7 @@ class StepTimer:
         """Start timing ``step``, begun at host time ``started`` (CUDA event ``begin``;
         ``cpu``: the thread's `cpu_clock_ms` then, used on the CPU)."""
         self._open = _OpenStep(step, started, begin, None if self.cuda else cpu)
+        self._open.gc_at_open = self._gc.reading()
 
     def close(self, now: float, end: Any = None, cpu: float | None = None) -> FinishedStep | None:
         """End the open step at host time ``now`` (CUDA event ``end``; ``cpu``: the thread's
@@ -217,6 +223,7 @@ class StepTimer:
         step, self._open = self._open, None
         if step is None:
             return None
+        self._add_gc(step)
         cpu_step = None
         if step.cpu_started is not None and cpu is not None:
             cpu_step = cpu - step.cpu_started
@@ -265,7 +272,8 @@ class StepTimer:
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
             start.record()
-            yield
+            with self._gc_counted_in_phase():
+                yield
             end.record()
             if self._open is not None:
                 self._open.events.append((phase, start, end))  # atomic: backward threads
@@ -279,9 +287,36 @@ class StepTimer:
         device: the wall clock and the thread's CPU clock."""
         began, cpu = wall_clock_ms(), cpu_clock_ms()
         try:
-            yield
+            with self._gc_counted_in_phase():
+                yield
         finally:
             self.add(phase, wall_clock_ms() - began, cpu_clock_ms() - cpu)
+
+    @contextmanager
+    def _gc_counted_in_phase(self) -> Iterator[None]:
+        """Collections during the block are in the phase that times it: keep them out of
+        the step's ``gc`` (once, for the outermost of nested phases)."""
+        depth = getattr(self._nesting, "depth", 0)
+        step, (wall, cpu) = self._open, self._gc.reading()
+        self._nesting.depth = depth + 1
+        try:
+            yield
+        finally:
+            self._nesting.depth = depth
+            if step is not None and depth == 0:
+                now_wall, now_cpu = self._gc.reading()
+                step.gc_in_phases[0] += now_wall - wall
+                step.gc_in_phases[1] += now_cpu - cpu
+
+    def _add_gc(self, step: _OpenStep) -> None:
+        """Record as ``gc`` the collections since ``step`` opened outside its timed phases
+        (called on the thread that opened it, at its end)."""
+        wall, cpu = self._gc.reading()
+        wall -= step.gc_at_open[0] + step.gc_in_phases[0]
+        cpu -= step.gc_at_open[1] + step.gc_in_phases[1]
+        if wall > 0:
+            step.host[GC_PHASE] = step.host.get(GC_PHASE, 0.0) + wall
+            step.cpu[GC_PHASE] = step.cpu.get(GC_PHASE, 0.0) + max(cpu, 0.0)
 
     def add_device(self, ms: float) -> None:
         """On the CPU: ``ms`` the thread waited, outside every phase, for a device that

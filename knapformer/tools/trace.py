@@ -62,8 +62,8 @@ NESTED_PHASES = {
 #: The order phases run in a step, outermost phases only.
 STEP_ORDER = ("plan", "record", "forward_backward", "allreduce", "optimizer")
 #: Not slices: ``step`` is the length of a rank's step, ``compute`` and (on the CPU)
-#: ``descheduled`` are derived from it.
-SPAN_PHASES = ("step", "compute", "descheduled")
+#: ``descheduled`` are derived from it, and ``gc`` (garbage collection) is spread over it.
+SPAN_PHASES = ("step", "compute", "descheduled", "gc")
 UNMEASURED_SLOT_MS = 1.0
 #: Where every run's first step starts. Not 0: DevTools' Performance panel leaves events
 #: at timestamp 0 out of the trace's bounds.
