@@ -15,8 +15,8 @@ threshold in at least `Thresholds.persistence` of the rank's steps, median inclu
   slow, not the data; a rank given little work is not slow for its fixed overhead (the
   affine model takes it apart). A window whose fit is ambiguous (`ComputeFit.ambiguous`:
   another line, with other ranks off it, fits about as well) names no rank slow_gpu.
-- ``slow_host``: its host work (planning, recording, the loop's ``host`` phase) exceeds
-  the group's median by `Thresholds.material` of the step.
+- ``slow_host``: its host work (planning, recording, the loop's ``host`` phase, garbage
+  collection) exceeds the group's median by `Thresholds.material` of the step.
 - ``slow_input``: its wait for the next batch (``data`` phase) exceeds the group's
   median by `Thresholds.material` of the step.
 - ``slow_link``: in the link probe (`knapformer.contract.probe`, when the balancer runs
