@@ -272,7 +272,7 @@ class StepTimer:
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
             start.record()
-            with self._gc_counted_in_phase():
+            with self._gc_counted_in_phase(phase):
                 yield
             end.record()
             if self._open is not None:
@@ -287,15 +287,20 @@ class StepTimer:
         device: the wall clock and the thread's CPU clock."""
         began, cpu = wall_clock_ms(), cpu_clock_ms()
         try:
-            with self._gc_counted_in_phase():
+            with self._gc_counted_in_phase(phase):
                 yield
         finally:
             self.add(phase, wall_clock_ms() - began, cpu_clock_ms() - cpu)
 
     @contextmanager
-    def _gc_counted_in_phase(self) -> Iterator[None]:
-        """Collections during the block are in the phase that times it: keep them out of
-        the step's ``gc`` (once, for the outermost of nested phases)."""
+    def _gc_counted_in_phase(self, phase: str) -> Iterator[None]:
+        """Collections during a phase that is not compute (`_OUTSIDE`: a collective, host
+        work) are in that phase, which the compute already leaves out: keep them out of
+        the step's ``gc`` (once, for the outermost of nested phases). Those in a phase of
+        the compute (``forward_backward``) stay in ``gc``, and leave the compute."""
+        if phase not in _OUTSIDE:
+            yield
+            return
         depth = getattr(self._nesting, "depth", 0)
         step, (wall, cpu) = self._open, self._gc.reading()
         self._nesting.depth = depth + 1
