@@ -27,9 +27,9 @@ def _worker(rank: int, world: int) -> dict:
     out = {}
     for kind in KINDS:
         if rank == SLOW:
-            bal = SlowBalancer(TOPOLOGY, slow_factor=3.0, slow_kind=kind)
+            bal = SlowBalancer(TOPOLOGY, slow_factor=3.0, slow_kind=kind, time_gc=True)
         else:
-            bal = SequenceBalancer(TOPOLOGY)
+            bal = SequenceBalancer(TOPOLOGY, time_gc=True)
         torch.manual_seed(0)
         model = ToyDiT(D, HEADS, 1)
         timings, lost = [], []

@@ -106,7 +106,30 @@ def _collect_for(ms: float) -> None:
         gc.collect()
 
 
-def test_garbage_collection_is_host_work_not_compute():
+@pytest.fixture
+def gc_timer():
+    """A CPU step timer that times garbage collection; released after the test."""
+    timer = StepTimer(torch.device("cpu"), time_gc=True)
+    yield timer
+    timer.release()
+
+
+def test_the_collector_hook_is_installed_only_while_a_timer_asks_for_it():
+    before = list(gc.callbacks)
+    plain = StepTimer(torch.device("cpu"))
+    assert gc.callbacks == before  # off by default: see knapformer/runtime/gc_clock.py
+    a, b = (StepTimer(torch.device("cpu"), time_gc=True) for _ in range(2))
+    assert len(gc.callbacks) == len(before) + 1  # one hook, however many timers
+    a.release()
+    a.release()  # idempotent: b still holds it
+    assert len(gc.callbacks) == len(before) + 1
+    b.release()
+    assert gc.callbacks == before
+    plain.release()
+    assert gc.callbacks == before
+
+
+def test_garbage_collection_is_host_work_not_compute(gc_timer):
     """A collection stops the training thread: recorded as ``gc`` (host work), out of the
     compute; one inside a timed phase stays in that phase and out of ``gc``."""
     heap = _cycles()  # built before the step: its allocations are not the step's
@@ -115,7 +138,7 @@ def test_garbage_collection_is_host_work_not_compute():
         burn(BURN_MS, cpu_clock_ms)
         _collect_for(3 * BURN_MS)
 
-    values = _step(StepTimer(torch.device("cpu")), body)
+    values = _step(gc_timer, body)
     assert values["gc"] >= 2.5 * BURN_MS  # the loop between collections aside
     assert BURN_MS <= values["compute"] < 2 * BURN_MS  # the burn, not the collections
     wall = values["step"] - values["gc"]
@@ -125,12 +148,12 @@ def test_garbage_collection_is_host_work_not_compute():
         with timer.timed("record"):
             _collect_for(BURN_MS)
 
-    values = _step(StepTimer(torch.device("cpu")), in_a_phase)
+    values = _step(gc_timer, in_a_phase)
     assert values.get("gc", 0.0) < BURN_MS / 4 and values["record"] >= BURN_MS
     assert len(heap) == 200_000
 
 
-def test_a_collection_inside_a_phase_of_the_compute_leaves_the_compute():
+def test_a_collection_inside_a_phase_of_the_compute_leaves_the_compute(gc_timer):
     """``forward_backward`` is timed but is compute: a collection in it is still ``gc``."""
     heap = _cycles()
 
@@ -139,7 +162,7 @@ def test_a_collection_inside_a_phase_of_the_compute_leaves_the_compute():
             burn(BURN_MS, cpu_clock_ms)
             _collect_for(3 * BURN_MS)
 
-    values = _step(StepTimer(torch.device("cpu")), body)
+    values = _step(gc_timer, body)
     assert values["gc"] >= 2.5 * BURN_MS and values["forward_backward"] >= 4 * BURN_MS
     assert BURN_MS <= values["compute"] < 2 * BURN_MS
     assert len(heap) == 200_000

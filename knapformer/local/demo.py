@@ -170,6 +170,7 @@ def train(
     options = {"recorder": recorder, "run": cfg.run, "cost_model": cfg.cost_model}
     options["plan_ahead"] = cfg.plan_ahead
     options |= {"link_probe_every": cfg.link_probe_every, "link_probe_bytes": DEMO_PROBE_BYTES}
+    options["time_gc"] = True  # workers leave by the launcher's flag, not by Ctrl-C
     if cfg.auto:
         options["node_size"] = cfg.node_size
     if cfg.slow_rank == rank:

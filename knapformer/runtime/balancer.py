@@ -166,6 +166,11 @@ class SequenceBalancer:
         link_probe_bytes: bytes each way per probed exchange (default 8 MiB).
         link_probe_rounds: rounds per probe (default 7: each pair of 8 ranks once); a
             larger group is covered over several probes.
+        time_gc: record the time Python's garbage collector holds the process (outside
+            the timed phases) as the ``gc`` phase, host work: a rank slowed by long
+            collections is then ``slow_host``, not ``slow_gpu``. Off by default: while
+            on, a signal whose Python handler raises (Ctrl-C's ``KeyboardInterrupt``) is
+            lost if it arrives during a collection (`knapformer.runtime.gc_clock`).
     """
 
     def __init__(
@@ -192,6 +197,7 @@ class SequenceBalancer:
         link_probe_every: int = 0,
         link_probe_bytes: int = DEFAULT_PROBE_BYTES,
         link_probe_rounds: int = DEFAULT_PROBE_ROUNDS,
+        time_gc: bool = False,
     ) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
@@ -239,7 +245,7 @@ class SequenceBalancer:
         self.tables: RoutingTables | None = None
         #: Every rank's timings of the latest step whose measurements arrived.
         self.last_gathered: GatheredStep | None = None
-        self._timer = StepTimer(self.device, phases)
+        self._timer = StepTimer(self.device, phases, time_gc)
         self.phases: tuple[str, ...] = self._timer.phases
         self._held: dict[int, RoutingPlan] = {}  # plans waiting for their measurements
         history = SpeedHistory(layout.gpus_per_replica) if cost_model == "history" else None
@@ -620,6 +626,7 @@ class SequenceBalancer:
         if self._closed:
             return
         self._closed = True
+        self._timer.release()
         side_ended = self._path.close()
         if self.recorder is not None:
             for step in sorted(self._held):

@@ -47,7 +47,7 @@ import torch
 
 from knapformer.contract.plan import COLLECTIVE_PHASES, RECORDED_PHASES, Measurements, RoutingPlan
 from knapformer.diagnosis.measured import DATA_PHASE, GC_PHASE, HOST_PHASE, host_ms
-from knapformer.runtime.gc_clock import gc_clock
+from knapformer.runtime import gc_clock
 
 log = logging.getLogger(__name__)
 
@@ -187,9 +187,13 @@ class StepTimer:
     ``phases``: what travels to the other ranks, in row order
     (`knapformer.contract.plan.RECORDED_PHASES` and any extra names); a phase added with `add`
     that is not among them is kept in `current` but not sent (one warning).
+    ``time_gc``: record garbage collections outside the timed phases as ``gc``
+    (`knapformer.runtime.gc_clock`, which says why it is opt-in); `release` ends it.
     """
 
-    def __init__(self, device: torch.device, phases: Iterable[str] = ()) -> None:
+    def __init__(
+        self, device: torch.device, phases: Iterable[str] = (), time_gc: bool = False
+    ) -> None:
         self.cuda = device.type == "cuda"
         self.phases: tuple[str, ...] = tuple(dict.fromkeys([*RECORDED_PHASES, *phases]))
         self._open: _OpenStep | None = None
@@ -198,7 +202,7 @@ class StepTimer:
         self._closed_upto = -1  # the latest step that has ended
         self._changed = threading.Condition()
         self._warned: set[str] = set()
-        self._gc = gc_clock()
+        self._gc = gc_clock.acquire() if time_gc else None
         self._nesting = threading.local()  # per thread: timed phases open around it
 
     # ------------------------------------------------------------ the open step
@@ -214,7 +218,8 @@ class StepTimer:
         """Start timing ``step``, begun at host time ``started`` (CUDA event ``begin``;
         ``cpu``: the thread's `cpu_clock_ms` then, used on the CPU)."""
         self._open = _OpenStep(step, started, begin, None if self.cuda else cpu)
-        self._open.gc_at_open = self._gc.reading()
+        if self._gc is not None:
+            self._open.gc_at_open = self._gc.reading()
 
     def close(self, now: float, end: Any = None, cpu: float | None = None) -> FinishedStep | None:
         """End the open step at host time ``now`` (CUDA event ``end``; ``cpu``: the thread's
@@ -298,7 +303,7 @@ class StepTimer:
         work) are in that phase, which the compute already leaves out: keep them out of
         the step's ``gc`` (once, for the outermost of nested phases). Those in a phase of
         the compute (``forward_backward``) stay in ``gc``, and leave the compute."""
-        if phase not in _OUTSIDE:
+        if self._gc is None or phase not in _OUTSIDE:
             yield
             return
         depth = getattr(self._nesting, "depth", 0)
@@ -316,12 +321,20 @@ class StepTimer:
     def _add_gc(self, step: _OpenStep) -> None:
         """Record as ``gc`` the collections since ``step`` opened outside its timed phases
         (called on the thread that opened it, at its end)."""
+        if self._gc is None:
+            return
         wall, cpu = self._gc.reading()
         wall -= step.gc_at_open[0] + step.gc_in_phases[0]
         cpu -= step.gc_at_open[1] + step.gc_in_phases[1]
         if wall > 0:
             step.host[GC_PHASE] = step.host.get(GC_PHASE, 0.0) + wall
             step.cpu[GC_PHASE] = step.cpu.get(GC_PHASE, 0.0) + max(cpu, 0.0)
+
+    def release(self) -> None:
+        """Stop timing garbage collection (idempotent)."""
+        if self._gc is not None:
+            self._gc = None
+            gc_clock.release()
 
     def add_device(self, ms: float) -> None:
         """On the CPU: ``ms`` the thread waited, outside every phase, for a device that
