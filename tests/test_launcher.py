@@ -140,7 +140,16 @@ def test_a_deadline_stops_a_hung_world_and_names_the_frozen_rank():
     assert message.endswith("stopped at the 25 s deadline")
 
 
-def test_ctrl_c_sets_the_stop_flag_and_the_workers_leave_together():
+@pytest.fixture
+def ctrl_c_as_in_a_script():
+    """Python's own SIGINT handler for the test: a suite started as a background job
+    (``make test &``) inherits SIGINT ignored, and a Ctrl-C sent to it would never come."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_sets_the_stop_flag_and_the_workers_leave_together(ctrl_c_as_in_a_script):
     seen = []
 
     def on_message(rank, message):
