@@ -22,9 +22,10 @@ gradient all-reduce). Where the time goes is the kind:
   busy logger or another process on its cores would. The device's compute is untouched.
 - ``gc``: Python's garbage collector runs full collections until the time is lost,
   where no phase times them (a heap the collector walks for long, as in a training loop
-  that keeps many objects alive); the timer sees them through ``gc.callbacks`` (the
-  ``gc`` phase, `knapformer.runtime.gc_clock`). A full collection takes tens of ms in a
-  worker, so the loss is rounded up to whole collections.
+  that keeps many objects alive); a balancer made with ``time_gc=True``, as the demo's
+  are, sees them through ``gc.callbacks`` (the ``gc`` phase,
+  `knapformer.runtime.gc_clock`). A full collection takes tens of ms in a worker, so the
+  loss is rounded up to whole collections.
 - ``input``: the next batch comes that much later (timed by the training loop as the
   ``data`` phase, see `SlowBalancer.wait_for_input`), as a slow data loader.
 - ``link``: every exchange of the rank (``torch.distributed.all_to_all_single``,
