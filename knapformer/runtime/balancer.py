@@ -166,13 +166,14 @@ class SequenceBalancer:
         link_probe_bytes: bytes each way per probed exchange (default 8 MiB).
         link_probe_rounds: rounds per probe (default 7: each pair of 8 ranks once); a
             larger group is covered over several probes.
-        time_gc: record the time Python's garbage collector holds the process (outside
-            the timed phases) as the ``gc`` phase, host work: a rank slowed by long
-            collections is then ``slow_host``, not ``slow_gpu``. A collection inside a
-            phase timed with `timed` stays in it; one inside a phase you time yourself
-            and pass to `add_timing` counts in both. Off by default: while on, a signal
-            whose Python handler raises (Ctrl-C's ``KeyboardInterrupt``) is lost if it
-            arrives during a collection (`knapformer.runtime.gc_clock`).
+        time_gc: record the time Python's garbage collector holds the process as the
+            ``gc`` phase, host work: a rank slowed by long collections is then
+            ``slow_host``, not ``slow_gpu``. A collection inside the balancer's
+            collectives or a host phase timed with `timed` stays in that phase; one in a
+            phase you time yourself and pass to `add_timing` counts in both. Off by
+            default: while on, a signal whose Python handler raises (Ctrl-C's
+            ``KeyboardInterrupt``) is lost if it arrives during a collection
+            (`knapformer.runtime.gc_clock`).
     """
 
     def __init__(
