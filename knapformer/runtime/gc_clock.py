@@ -15,8 +15,10 @@ signal that arrives during a collection is handled by the first Python code that
 after it, which is the hook, and an exception raised there is swallowed (gc callbacks
 cannot raise). A handler that raises, as Ctrl-C's ``KeyboardInterrupt`` does, is then
 lost. Measured: 20 of 20 SIGINTs sent during 120 ms collections were lost with the hook
-installed, none without. Processes stopped by a flag or by SIGTERM's default action (as
-torchrun and the demo's launcher stop their workers) are not affected.
+installed, none without. A process stopped by a flag, or by SIGTERM's default action
+(no Python handler: torchrun's workers, unless the script installs one), is not
+affected. The demo's workers leave by the launcher's flag; their SIGTERM handler raises,
+and one lost there is followed by the launcher's SIGKILL after its grace period.
 """
 
 from __future__ import annotations
