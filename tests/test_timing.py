@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from knapformer.local.slowdown import burn
+from knapformer.local.slowdown import burn, collect
 from knapformer.runtime.timing import StepTimer, cpu_clock_ms
 
 BURN_MS, SLEEP_MS = 40.0, 60.0
@@ -99,13 +99,6 @@ def _cycles() -> list:
     return heap
 
 
-def _collect_for(ms: float) -> None:
-    """Full collections until ``ms`` of wall time pass."""
-    began = time.perf_counter()
-    while (time.perf_counter() - began) * 1e3 < ms:
-        gc.collect()
-
-
 @pytest.fixture
 def gc_timer():
     """A CPU step timer that times garbage collection; released after the test."""
@@ -136,7 +129,7 @@ def test_garbage_collection_is_host_work_not_compute(gc_timer):
 
     def body(timer):
         burn(BURN_MS, cpu_clock_ms)
-        _collect_for(3 * BURN_MS)
+        collect(3 * BURN_MS)
 
     values = _step(gc_timer, body)
     assert values["gc"] >= 2.5 * BURN_MS  # the loop between collections aside
@@ -146,7 +139,7 @@ def test_garbage_collection_is_host_work_not_compute(gc_timer):
 
     def in_a_phase(timer):
         with timer.timed("record"):
-            _collect_for(BURN_MS)
+            collect(BURN_MS)
 
     values = _step(gc_timer, in_a_phase)
     assert values.get("gc", 0.0) < BURN_MS / 4 and values["record"] >= BURN_MS
@@ -160,7 +153,7 @@ def test_a_collection_inside_a_phase_of_the_compute_leaves_the_compute(gc_timer)
     def body(timer):
         with timer.timed("forward_backward"):
             burn(BURN_MS, cpu_clock_ms)
-            _collect_for(3 * BURN_MS)
+            collect(3 * BURN_MS)
 
     values = _step(gc_timer, body)
     assert values["gc"] >= 2.5 * BURN_MS and values["forward_backward"] >= 4 * BURN_MS

@@ -72,6 +72,8 @@ HOST_PHASE = "host"
 #: The time Python's garbage collector held the process during a step, outside every
 #: other timed phase (`knapformer.runtime.gc_clock`): host work too.
 GC_PHASE = "gc"
+#: The phases of host work (`host_ms`; ``plan`` less the ``gather`` it holds).
+HOST_WORK_PHASES = ("plan", "record", HOST_PHASE, GC_PHASE)
 
 
 #: The exchange scopes: the group's routing all-to-alls and a bag's Ulysses exchanges.
@@ -180,7 +182,7 @@ def host_ms(per_rank: Mapping[str, Sequence[float]], n: int) -> np.ndarray:
         return _phase_or_zero(per_rank, name, n)
 
     planning = np.maximum(phase("plan") - phase("gather"), 0.0)
-    return planning + phase("record") + phase(HOST_PHASE) + phase(GC_PHASE)
+    return planning + sum((phase(p) for p in HOST_WORK_PHASES if p != "plan"), np.zeros(n))
 
 
 def _phase_or_zero(per_rank: Mapping[str, Sequence[float]], name: str, n: int) -> np.ndarray:

@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from knapformer.contract.plan import COLLECTIVE_PHASES, RECORDED_PHASES, Measurements, RoutingPlan
-from knapformer.diagnosis.measured import DATA_PHASE, GC_PHASE, HOST_PHASE, host_ms
+from knapformer.diagnosis.measured import DATA_PHASE, GC_PHASE, HOST_WORK_PHASES, host_ms
 from knapformer.runtime import gc_clock
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 DERIVED_PHASES = ("step", "compute", "descheduled")
 #: What is not the device's compute: the collectives, the wait for data and host work
 #: (`knapformer.diagnosis.measured.host_ms`: ``plan``, less the ``gather`` it holds).
-_OUTSIDE = (*COLLECTIVE_PHASES, DATA_PHASE, "plan", "record", HOST_PHASE, GC_PHASE)
+_OUTSIDE = (*COLLECTIVE_PHASES, DATA_PHASE, *HOST_WORK_PHASES)
 
 
 def cpu_clock_ms() -> float:
@@ -225,10 +225,10 @@ class StepTimer:
         """End the open step at host time ``now`` (CUDA event ``end``; ``cpu``: the thread's
         `cpu_clock_ms`): the next step's start, or the end of training. Returns it; None
         when none was open."""
-        step, self._open = self._open, None
-        if step is None:
+        if self._open is None:
             return None
-        self._add_gc(step)
+        self._add_gc()  # while the step is still open
+        step, self._open = self._open, None
         cpu_step = None
         if step.cpu_started is not None and cpu is not None:
             cpu_step = cpu - step.cpu_started
@@ -318,17 +318,17 @@ class StepTimer:
                 step.gc_in_phases[0] += now_wall - wall
                 step.gc_in_phases[1] += now_cpu - cpu
 
-    def _add_gc(self, step: _OpenStep) -> None:
-        """Record as ``gc`` the collections since ``step`` opened outside its timed phases
-        (called on the thread that opened it, at its end)."""
-        if self._gc is None:
+    def _add_gc(self) -> None:
+        """Add as ``gc`` the collections since the open step opened outside its timed
+        phases (called on the thread that opened it, at its end)."""
+        step = self._open
+        if self._gc is None or step is None:
             return
         wall, cpu = self._gc.reading()
         wall -= step.gc_at_open[0] + step.gc_in_phases[0]
         cpu -= step.gc_at_open[1] + step.gc_in_phases[1]
         if wall > 0:
-            step.host[GC_PHASE] = step.host.get(GC_PHASE, 0.0) + wall
-            step.cpu[GC_PHASE] = step.cpu.get(GC_PHASE, 0.0) + max(cpu, 0.0)
+            self.add(GC_PHASE, wall, max(cpu, 0.0))
 
     def release(self) -> None:
         """Stop timing garbage collection (idempotent)."""
