@@ -40,22 +40,24 @@ Targets (exit 1 when one is missed):
   rank (every rank but a slow ``gpu``) stay within 10 % of 1 at every step.
 
     .venv/bin/python bench/diagnosis.py [--quick] [--steps 12] [--kinds gpu link]
-        [--sizes default heavy] [--no-clean] [--keep DIR]
+        [--sizes default heavy] [--no-clean] [--keep DIR] [--rescore DIR]
 
 A subset (``--kinds``, ``--sizes``, ``--no-clean``) is for looking at one part; the
-targets hold for the whole matrix.
+targets hold for the whole matrix. ``--rescore DIR`` judges runs kept with ``--keep DIR``
+again, without running them: what a change to the diagnosis does to the same plans.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -79,6 +81,7 @@ REGIMES = (("g1n4", 4), ("g1n2+g2n1", 4), ("g1n2+g2n1+g4n1", 8))
 FACTORS = (1.5, 2.0)
 SLOW_RANK = {4: 2, 8: 5}
 NAMED_BY, HIT_RATE, SPEED_TOLERANCE = 10, 0.95, 0.10
+CASE_FILE = "case.json"  # what a kept run was, for --rescore
 
 
 @dataclass(frozen=True)
@@ -129,6 +132,7 @@ def cases(quick: bool, kinds=SLOW_KINDS, sizes=tuple(SIZES), clean=True) -> list
 
 
 def run(case: Case, steps: int, out: Path) -> Outcome:
+    """Run ``case`` live into ``out`` (its plans, and ``case.json`` for `--rescore`)."""
     cfg = DemoConfig(
         steps=steps,
         world_size=case.world,
@@ -143,6 +147,19 @@ def run(case: Case, steps: int, out: Path) -> Outcome:
     began = time.perf_counter()
     run_demo(cfg)
     seconds = time.perf_counter() - began
+    (out / CASE_FILE).write_text(json.dumps({**asdict(case), "seconds": seconds}))
+    return judge(case, out, seconds)
+
+
+def rejudge(folder: Path) -> Outcome:
+    """Judge a run kept by ``--keep`` again, with the diagnosis as it is now."""
+    fields = json.loads((folder / CASE_FILE).read_text())
+    seconds = fields.pop("seconds")
+    return judge(Case(**fields), folder, seconds)
+
+
+def judge(case: Case, out: Path, seconds: float) -> Outcome:
+    """What the diagnosis says of the run in ``out`` after each of its steps."""
     plans = read_plans(out / "plans.jsonl", on_error="raise").plans
     figures = [m.figures() for p in plans if (m := measure(p)) is not None]
     timeline = named_over_run(figures)
@@ -196,24 +213,48 @@ def main() -> int:
     parser.add_argument(
         "--keep", type=Path, help="keep each run's plans in DIR/<run> (default: a temporary folder)"
     )
+    parser.add_argument(
+        "--rescore",
+        type=Path,
+        metavar="DIR",
+        help="judge the runs kept in DIR (by --keep) again instead of running: the same "
+        "plans, the diagnosis as it is now",
+    )
     args = parser.parse_args()
     console = Console(width=160)
-    outcomes = []
-    with _runs_folder(args.keep) as folder:
-        chosen = cases(args.quick, tuple(args.kinds), tuple(args.sizes), not args.no_clean)
-        for case in chosen:
-            outcome = run(case, args.steps, folder / case.label().replace(" ", "_"))
-            outcomes.append(outcome)
-            console.print(
-                f"{case.label():<48} named after {outcome.first} step(s), at the end "
-                f"{outcome.final}, false alarms {sorted(outcome.alarms) or 'none'}, "
-                f"{outcome.seconds:.0f} s"
-            )
+    if args.rescore is not None:
+        kept = sorted(args.rescore.glob(f"*/{CASE_FILE}"))
+        if not kept:
+            parser.error(f"no run kept by --keep in {args.rescore} (no */{CASE_FILE})")
+        outcomes = [_printed(console, rejudge(f.parent)) for f in kept]
+    else:
+        with _runs_folder(args.keep) as folder:
+            chosen = cases(args.quick, tuple(args.kinds), tuple(args.sizes), not args.no_clean)
+            outcomes = [
+                _printed(console, run(c, args.steps, folder / c.label().replace(" ", "_")))
+                for c in chosen
+            ]
     console.print(_runs_table(outcomes), _confusion(outcomes))
     took = sum(o.seconds for o in outcomes)
-    console.print(f"{len(outcomes)} runs of {args.steps} steps took {took:.0f} s")
-    print_load(console)
+    if args.rescore is None:
+        console.print(f"{len(outcomes)} runs of {args.steps} steps took {took:.0f} s")
+        print_load(console)
+    else:
+        console.print(
+            f"{len(outcomes)} runs kept in {args.rescore}, judged again (they took {took:.0f} s "
+            "when they ran)"
+        )
     return print_targets(console, check_targets(outcomes))
+
+
+def _printed(console: Console, outcome: Outcome) -> Outcome:
+    """``outcome``, after a line on it (long matrices show their progress)."""
+    console.print(
+        f"{outcome.case.label():<48} named after {outcome.first} step(s), at the end "
+        f"{outcome.final}, false alarms {sorted(outcome.alarms) or 'none'}, "
+        f"{outcome.seconds:.0f} s"
+    )
+    return outcome
 
 
 @contextmanager

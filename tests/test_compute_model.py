@@ -174,3 +174,22 @@ def test_an_ambiguous_window_learns_no_slow_rank():
     assert fit.ambiguous and "ambiguous" in fit.note
     assert fit.rate[2] >= DEPARTURE  # the line chosen would read rank 2 as slow
     assert fit.learnt_speed.tolist() == [1.0] * 4
+
+
+def test_a_window_whose_lines_differ_by_less_than_its_noise_is_ambiguous():
+    # The first three steps of a g1n4 demo run (heavy model, 2 busy cores) with rank 2's
+    # GPU at 1.5x: the line that puts the light rank 0 off fits better than the true one
+    # (rank 2 off), by less than what the step-to-step scatter moves the scores by. It
+    # named the healthy rank 0 slow_gpu before the noise counted.
+    share = [[0.047, 0.064, 0.052], [0.195, 0.198, 0.209],
+             [0.607, 0.594, 0.592], [0.151, 0.144, 0.148]]  # fmt: skip
+    compute = [[78.3, 55.5, 44.8], [95.0, 103.3, 71.8],
+               [376.8, 314.1, 268.3], [81.8, 73.0, 56.4]]  # fmt: skip
+    fit = fit_compute(share, compute)
+    assert fit.agrees.tolist() == [False, True, True, True]
+    assert fit.ambiguous and fit.learnt_speed.tolist() == [1.0] * 4
+    # The same medians without the scatter: the better line wins on its score alone.
+    steady = np.median(np.asarray(compute), axis=1, keepdims=True).repeat(3, axis=1)
+    work = np.median(np.asarray(share), axis=1, keepdims=True).repeat(3, axis=1)
+    quiet = fit_compute(work, steady)
+    assert quiet.agrees.tolist() == [False, True, True, True] and not quiet.ambiguous

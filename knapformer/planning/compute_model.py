@@ -81,6 +81,14 @@ MIN_STEPS = 5
 #: How close (in caps: one rank off a line costs 1) a line that puts other ranks off it
 #: may fit for the window to be `ComputeFit.ambiguous`.
 RIVAL = 0.25
+#: ... or within this many times what the noise of the ranks' medians moves a score by
+#: (`_noise_caps`), when that is more: on a busy host a few steps cannot rank two lines
+#: whose scores differ by less than their noise. Measured on kept demo runs on 2 cores:
+#: g1n4 (heavy model) with rank 2 at 1.5x, after 3 steps the line with the healthy,
+#: lightly loaded rank 0 off beat the true one by 0.39 caps while the noise was 0.29
+#: caps, and rank 0 was named slow_gpu; at 2x the noise, no run of 94 named a healthy rank
+#: and none named the slow one later.
+NOISE_MARGIN = 2.0
 #: A rank is learnt slow only when what that costs (its compute beyond the line's, the
 #: median over the window) is at least this share of the longest compute: a lightly
 #: loaded rank off the line by its small-batch inefficiency costs the step nothing. The
@@ -108,7 +116,8 @@ class ComputeFit:
     agrees: np.ndarray | None = None  # (r,) bool: on the group's line (within TOLERANCE)
     cost_steps: np.ndarray | None = None  # (r, s) measured / predicted compute in each step
     #: another line, with as many ranks off it but other ones, fits within `RIVAL` caps of
-    #: this one's: the window cannot say which ranks are off (`_rival_line`)
+    #: this one's, or within the noise of the window's medians: the window cannot say
+    #: which ranks are off (`_rival_line`)
     ambiguous: bool = False
 
     @property
@@ -222,7 +231,7 @@ def fit_compute(work: ArrayLike, compute_ms: ArrayLike) -> ComputeFit:
         fits = _line_fits(w, c, lines)
         best = _consensus(lines, fits)
         overhead, slope = lines[best]
-        ambiguous = _rival_line(fits, best)
+        ambiguous = _rival_line(fits, best, _noise_caps(w, c, *lines[best]))
         agrees = _agreeing(w, c, overhead, slope)
         for _ in range(_ROUNDS):
             if separable and agrees.sum() >= 2:
@@ -335,15 +344,38 @@ def _consensus(lines: list[tuple], fits: list[tuple]) -> int:
     return min(range(len(lines)), key=lambda i: (round(fits[i][0], 6), -lines[i][0]))
 
 
-def _rival_line(fits: list[tuple], chosen: int) -> bool:
+def _noise_caps(w: np.ndarray, c: np.ndarray, overhead: float, slope: float) -> float:
+    """How much (in caps, `_line_fits`) the noise of the ranks' medians alone moves the
+    score of the line (``overhead``, ``slope``): the sum over the ranks on it of the
+    squared standard error of their median log residual. The scatter is pooled over those
+    ranks (it is the host's, and a few steps give each rank too few to judge alone), after
+    each step's common swing is taken out, as `fit_compute`'s per-step scale takes it."""
+    on = _agreeing(w, c, overhead, slope)
+    if on.sum() < 2:
+        return 0.0
+    res = np.log(c[on] / (slope * (overhead + w[on])))  # (k, s)
+    own = res - nan_reduce(np.nanmedian, res, axis=0)
+    counted = np.isfinite(own).sum(axis=1)
+    dof = int(np.maximum(counted - 1, 0).sum())
+    if dof < 1:
+        return 0.0
+    variance = float(np.nansum((own - nan_reduce(np.nanmean, own, axis=1)[:, None]) ** 2)) / dof
+    # the variance of a median of n normal values is (pi / 2) variance / n
+    se2 = np.pi / 2 * variance / np.maximum(counted[counted > 0], 1)
+    return float(se2.sum()) / np.log(TOLERANCE) ** 2
+
+
+def _rival_line(fits: list[tuple], chosen: int, noise: float) -> bool:
     """Whether another line puts as many ranks off it as line ``chosen`` does, but other
-    ones, and fits within `RIVAL` caps of it (`_line_fits`). Measured on g1n4 with rank 2
+    ones, and fits within `RIVAL` caps of it, or `NOISE_MARGIN` times ``noise`` caps
+    (`_noise_caps`) when that is more (`_line_fits`). Measured on g1n4 with rank 2
     slowed 2x (2 cores): the line through the origin and ranks 1-3 (rank 0 off) beat the
     one that left rank 2 off by 0.1 cap, and the history model learnt the healthy rank 0
     slow."""
     score, off = fits[chosen]
+    margin = max(RIVAL, NOISE_MARGIN * noise)
     return bool(off) and any(
-        len(other) == len(off) and other != off and other_score <= score + RIVAL
+        len(other) == len(off) and other != off and other_score <= score + margin
         for other_score, other in fits
     )
 
