@@ -59,9 +59,16 @@ def test_one_bad_step_names_nobody():
 
 
 def test_too_few_steps_for_a_verdict():
-    figures = _figures(measured_run(THRESHOLDS.min_steps, slow_rank=4, slow_factor=3.0))
+    # slow_gpu waits for `min_steps_gpu` steps, the other verdicts for `min_steps`.
+    assert THRESHOLDS.min_steps_gpu > THRESHOLDS.min_steps
+    figures = _figures(measured_run(THRESHOLDS.min_steps_gpu, slow_rank=4, slow_factor=3.0))
     assert _named(analyse(figures[:-1])) == {}
     assert _named(analyse(figures)) == {4: "slow_gpu"}
+    floor = _figures(
+        measured_run(THRESHOLDS.min_steps, topology="g1n4", codes="g1b1i1024f17s1,g3b4i256f1s0")
+    )
+    assert _named(analyse(floor[:-1])) == {}
+    assert _named(analyse(floor)) == {0: "layout_floor"}
 
 
 def test_a_rank_holding_a_sequence_no_bag_can_split_is_the_layout_floor_not_a_slow_gpu():

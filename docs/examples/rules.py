@@ -35,6 +35,11 @@ def straggler_rules() -> Table:
         "min_steps", f"{THRESHOLDS.min_steps}", "measured steps before any verdict but ok"
     )
     table.add_row(
+        "min_steps_gpu",
+        f"{THRESHOLDS.min_steps_gpu}",
+        "measured steps before slow_gpu (the rate's line needs them)",
+    )
+    table.add_row(
         "link_bandwidth",
         f"{THRESHOLDS.link_bandwidth:g}",
         "link probe: fastest link over the group's at or below which a probe is slow",

@@ -13,8 +13,10 @@ threshold in at least `Thresholds.persistence` of the rank's steps, median inclu
   its work, by the wall clock: on the CPU, times what the rank waited for a core) is at
   least `Thresholds.material` of the step. The hardware (throttling, another job) is
   slow, not the data; a rank given little work is not slow for its fixed overhead (the
-  affine model takes it apart). A window whose fit is ambiguous (`ComputeFit.ambiguous`:
-  another line, with other ranks off it, fits about as well) names no rank slow_gpu.
+  affine model takes it apart). It takes `Thresholds.min_steps_gpu` measured steps, more
+  than the other verdicts: the line the rate is read from needs them. A window whose fit
+  is ambiguous (`ComputeFit.ambiguous`: another line, with other ranks off it, fits about
+  as well, or within the noise of the window) names no rank slow_gpu.
 - ``slow_host``: its host work (planning, recording, the loop's ``host`` phase, garbage
   collection) exceeds the group's median by `Thresholds.material` of the step.
 - ``slow_input``: its wait for the next batch (``data`` phase) exceeds the group's
@@ -56,7 +58,13 @@ import numpy as np
 from knapformer.contract.nan_reduce import nan_reduce
 from knapformer.diagnosis.measured import RankFigures
 from knapformer.diagnosis.probed import relative_bandwidth
-from knapformer.planning.compute_model import DEPARTURE, MATERIAL, ComputeFit, fit_compute
+from knapformer.planning.compute_model import (
+    DEPARTURE,
+    MATERIAL,
+    MIN_STEPS,
+    ComputeFit,
+    fit_compute,
+)
 
 Verdict = Literal[
     "slow_gpu", "slow_host", "slow_input", "slow_link", "layout_floor", "data_imbalance", "ok"
@@ -93,6 +101,12 @@ class Thresholds:
     persistence: float = 0.6
     #: measured steps a rank needs before it can get any verdict but ``ok``
     min_steps: int = 3
+    #: ... and before it can be named ``slow_gpu``: as many as the history cost model needs
+    #: to learn a slow rank (`knapformer.planning.compute_model.MIN_STEPS`). The rate rests
+    #: on a line fitted through every rank's compute, which the first steps' warm-up and a
+    #: busy host move most on the lightly loaded ranks: in kept demo runs on 2 cores, g1n4
+    #: with rank 2 at 1.5x named the healthy rank 0 slow_gpu after 3 steps, never after 4
+    min_steps_gpu: int = MIN_STEPS
     #: an exchange scope whose no-wait time is this much of the longest compute it serves
     #: is link-bound (`LinkVerdict`): healthy exchanges on a loaded CPU/gloo host measure
     #: 0.1-0.4 and, in a busy test suite, 0.55 for most steps of a healthy bag (NVLink:
@@ -458,7 +472,7 @@ def analyse(
         # An ambiguous window (another line, with other ranks off it, fits about as well)
         # names no rank slow by its rate, as the history cost model learns none from it.
         "slow_gpu": persistent(slow_each, rated_steps) & (ratio >= th.slow_ratio)
-        & (fit is None or not fit.ambiguous),
+        & (rated_steps >= th.min_steps_gpu) & (fit is None or not fit.ambiguous),
         **{
             verdict: persistent(excess[name] >= material, steps)
             for verdict, name in (("slow_host", "host"), ("slow_input", "data"))
