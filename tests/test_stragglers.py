@@ -177,6 +177,11 @@ def test_an_ambiguous_window_names_no_rank_slow_by_its_rate():
     report = analyse(figures)
     assert report.fit.ambiguous
     assert _named(report) == {2: "layout_floor"}
+    # ... which kept rank 2 (its rate past slow_ratio on the line chosen) from slow_gpu;
+    # with every rate below it, the ambiguity withholds nothing (the CLI says "no straggler")
+    assert report.ranks[2].ratio >= THRESHOLDS.slow_ratio and report.withheld_by_ambiguity
+    below = [dataclasses.replace(r, ratio=min(r.ratio, 1.2)) for r in report.ranks]
+    assert not dataclasses.replace(report, ranks=below).withheld_by_ambiguity
     # the same window with rank 2 at 1.6x in every step is not ambiguous: named
     slow = [dataclasses.replace(f, compute_ms=f.compute_ms * [1, 1, 1.6, 1]) for f in figures]
     assert _named(analyse(slow)) == {2: "slow_gpu"}

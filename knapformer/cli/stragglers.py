@@ -187,7 +187,7 @@ def _summary(report: StragglerReport, measured: int) -> str:
     lines += [describe(r) for r in report.named]
     lines += [describe_link(v) for v in report.slow_links + report.cleared_links]
     if not report.named and not report.slow_links and measured >= th.min_steps:
-        if report.fit is not None and report.fit.ambiguous:
+        if report.withheld_by_ambiguity:
             lines.append(
                 "no straggler named: the compute model cannot tell which ranks are off its "
                 "line (ambiguous, below); read the rate column"

@@ -341,6 +341,17 @@ class StragglerReport:
     links: list[LinkVerdict] = field(default_factory=list)  # every exchange scope
 
     @property
+    def withheld_by_ambiguity(self) -> bool:
+        """Whether the fit's ambiguity kept a rank whose rate is past `slow_ratio` from
+        being named ``slow_gpu`` (an ambiguous window where every rate is below it names
+        nobody either way)."""
+        return (
+            self.fit is not None
+            and self.fit.ambiguous
+            and any(r.ratio >= self.thresholds.slow_ratio for r in self.ranks)
+        )
+
+    @property
     def slow_links(self) -> list[LinkVerdict]:
         return [v for v in self.links if v.verdict != "ok"]
 
