@@ -53,8 +53,12 @@ $(VENV)/.installed: pyproject.toml $(VENV)/.torch
 	@touch $@
 	@echo "==> set-up done"
 
+# Two pytest workers, one test file each at a time (--dist loadfile: a file's tests share
+# their fixtures and folders). Much of the suite waits (worker start-up, a browser, a
+# deadline), so two workers take about 7.5 minutes on 2 cores where one took 11.
+TEST_WORKERS ?= 2
 test: system-deps browser-deps $(VENV)/.installed
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # The live demo: 8 CPU workers train a toy DiT with the balancer, record every plan to
 # runs/demo/plans.jsonl and serve the dashboard on http://127.0.0.1:8050 (Ctrl-C stops).
