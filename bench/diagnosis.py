@@ -152,10 +152,17 @@ def run(case: Case, steps: int, out: Path) -> Outcome:
 
 
 def rejudge(folder: Path) -> Outcome:
-    """Judge a run kept by ``--keep`` again, with the diagnosis as it is now."""
-    fields = json.loads((folder / CASE_FILE).read_text())
-    seconds = fields.pop("seconds")
-    return judge(Case(**fields), folder, seconds)
+    """Judge a run kept by ``--keep`` again, with the diagnosis as it is now.
+
+    Raises `ValueError` naming the file when its ``case.json`` is not one `run` wrote."""
+    path = folder / CASE_FILE
+    try:
+        fields = json.loads(path.read_text(encoding="utf-8"))
+        seconds = float(fields.pop("seconds"))
+        case = Case(**fields)
+    except (ValueError, TypeError, KeyError, AttributeError) as err:
+        raise ValueError(f"{path}: not a case --keep wrote ({type(err).__name__}: {err})") from err
+    return judge(case, folder, seconds)
 
 
 def judge(case: Case, out: Path, seconds: float) -> Outcome:
@@ -226,7 +233,10 @@ def main() -> int:
         kept = sorted(args.rescore.glob(f"*/{CASE_FILE}"))
         if not kept:
             parser.error(f"no run kept by --keep in {args.rescore} (no */{CASE_FILE})")
-        outcomes = [_printed(console, rejudge(f.parent)) for f in kept]
+        try:
+            outcomes = [_printed(console, rejudge(f.parent)) for f in kept]
+        except ValueError as err:  # a kept run changed by hand (PlanFormatError is one)
+            parser.error(str(err))
     else:
         with _runs_folder(args.keep) as folder:
             chosen = cases(args.quick, tuple(args.kinds), tuple(args.sizes), not args.no_clean)

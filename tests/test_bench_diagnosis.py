@@ -56,3 +56,19 @@ def test_a_folder_without_kept_runs_is_refused(tmp_path):
     done = _rescore(tmp_path)
     assert done.returncode == 2
     assert "no run kept by --keep" in done.stderr and "case.json" in done.stderr
+
+
+def test_a_case_file_it_did_not_write_is_named_not_a_traceback(tmp_path):
+    _keep(tmp_path / "run", None)
+    (tmp_path / "run" / "case.json").write_text('{"size": "default", "seconds": 1}')
+    done = _rescore(tmp_path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert f"{tmp_path / 'run' / 'case.json'}: not a case --keep wrote" in done.stderr
+
+
+def test_a_kept_run_without_its_plans_is_named(tmp_path):
+    _keep(tmp_path / "run", None)
+    (tmp_path / "run" / "plans.jsonl").unlink()
+    done = _rescore(tmp_path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "plans.jsonl" in done.stderr
