@@ -452,8 +452,8 @@ def test_the_step_label_names_the_step_the_figures_show(page, live_file, lines50
             return f"step {step} · " in _figure(page, "bag-load")["title"]
 
         # one step at a time, each shown before the next is written: however slow the
-        # machine, the label changes once per step (a sleep between writes let a busy
-        # machine fold several into one update)
+        # machine, the label changes at least once per step (a sleep between writes let
+        # a busy machine fold several steps into one update)
         _wait_for(shown_now)
     shown = page.evaluate("window.__shown")
     assert len(shown) >= 4
