@@ -313,9 +313,14 @@ def _candidates(work: np.ndarray, compute: np.ndarray, typical: float) -> list[t
     return lines
 
 
+def _log_residuals(w: np.ndarray, c: np.ndarray, overhead: float, slope: float) -> np.ndarray:
+    """(r, s) log(compute / the line's) of each rank in each step."""
+    return np.log(c / (slope * (overhead + w)))
+
+
 def _residuals(w: np.ndarray, c: np.ndarray, overhead: float, slope: float) -> np.ndarray:
     """(r,) each rank's median over steps of log(compute / the line's)."""
-    return nan_reduce(np.nanmedian, np.log(c / (slope * (overhead + w))), axis=1)
+    return nan_reduce(np.nanmedian, _log_residuals(w, c, overhead, slope), axis=1)
 
 
 def _agreeing(w: np.ndarray, c: np.ndarray, overhead: float, slope: float) -> np.ndarray:
@@ -353,7 +358,7 @@ def _noise_caps(w: np.ndarray, c: np.ndarray, overhead: float, slope: float) -> 
     on = _agreeing(w, c, overhead, slope)
     if on.sum() < 2:
         return 0.0
-    res = np.log(c[on] / (slope * (overhead + w[on])))  # (k, s)
+    res = _log_residuals(w[on], c[on], overhead, slope)  # (k, s)
     own = res - nan_reduce(np.nanmedian, res, axis=0)
     counted = np.isfinite(own).sum(axis=1)
     dof = int(np.maximum(counted - 1, 0).sum())
