@@ -2,6 +2,8 @@
 
 Run: ``make docs`` (``python docs/make_docs.py``), ``make docs-bench``
 (``python docs/make_docs.py --bench``), or ``python docs/make_docs.py --check``.
+``--only REGEX`` regenerates just the blocks with a command that REGEX matches, e.g.
+``python docs/make_docs.py --bench --only bench/routing.py docs/performance.md``.
 
 An HTML comment right before a block says how the block is made:
 
@@ -549,20 +551,23 @@ def difference(recorded: str, fresh: str, block: Block) -> str:
 
 
 # ------------------------------------------------------------------------ updating
-def selected_blocks(files: Iterable[Path], bench: bool) -> Iterator[Block]:
+def selected_blocks(files: Iterable[Path], bench: bool, only: str | None = None) -> Iterator[Block]:
     """Blocks that a run regenerates: console-bench ones with ``bench``, the others
-    without."""
+    without; with ``only``, just those with a command that the regex ``only`` matches
+    (one benchmark of a page re-run without the others)."""
     for path in files:
         for block in find_blocks(path):
-            if (block.kind == "console-bench") == bench:
+            if (block.kind == "console-bench") != bench:
+                continue
+            if only is None or any(re.search(only, c) for c in block.commands):
                 yield block
 
 
-def update(files: Iterable[Path], bench: bool, log=None) -> list[Path]:
+def update(files: Iterable[Path], bench: bool, log=None, only: str | None = None) -> list[Path]:
     """Rewrite the selected blocks of ``files``; returns the files that changed."""
     changed = []
     for path in files:
-        blocks = [b for b in selected_blocks([path], bench)]
+        blocks = [b for b in selected_blocks([path], bench, only)]
         if not blocks:
             continue
         lines = path.read_text(encoding="utf-8").splitlines()
@@ -605,6 +610,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("files", nargs="*", type=Path, help="markdown files (default: all)")
     parser.add_argument("--bench", action="store_true", help="regenerate the benchmark blocks")
     parser.add_argument("--check", action="store_true", help="report stale blocks, exit 1 if any")
+    parser.add_argument(
+        "--only", metavar="REGEX", help="regenerate only blocks with a command matching REGEX"
+    )
     args = parser.parse_args(argv)
     files = [p.resolve() for p in args.files] or doc_files()
 
@@ -617,7 +625,7 @@ def main(argv: list[str] | None = None) -> int:
             for problem in problems:
                 print(problem)
             return 1 if problems else 0
-        changed = update(files, args.bench, log)
+        changed = update(files, args.bench, log, args.only)
     except DocsError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

@@ -135,6 +135,20 @@ def test_generator_writes_output_and_check_catches_edits(tmp_path):
     assert "+moved 7 tokens" in problem
 
 
+def test_only_regenerates_the_blocks_whose_command_matches(tmp_path):
+    page = _page(
+        tmp_path,
+        _console(["echo first"], recorded="old")
+        + "\n\n"
+        + _console(["echo second"], recorded="old"),
+    )
+    assert make_docs.update([page], bench=False, only=r"echo s") == [page]
+    text = page.read_text(encoding="utf-8")
+    assert "$ echo second\nsecond" in text, "the matching block is rewritten"
+    assert "$ echo first\n" not in text.split("```console")[1], "the other is left alone"
+    assert text.split("```console")[1].strip().startswith("old")
+
+
 def test_a_blocks_run_is_shared_with_its_outputs_and_files(tmp_path):
     runs = tmp_path / "runs.txt"
     write = f"echo run >> {runs}; mkdir -p runs/docs/out; echo kept > runs/docs/out/f.txt"
