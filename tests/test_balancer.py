@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from knapformer.contract.plan import RECORDED_PHASES
+from knapformer.contract.phases import RECORDED_PHASES
 from knapformer.testing.dist_helpers import run_world
 from knapformer.testing.toy_world import D_MODEL, LAYERS, toy_data, toy_model, toy_reference
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from knapformer.diagnosis.measured import EXCHANGES, host_ms
+from knapformer.contract.phases import EXCHANGES, host_ms
 from knapformer.testing.dist_helpers import run_world
 
 WORLD, TOPOLOGY, D, HEADS, STEPS, SLOW = 4, "g1n2+g2n1", 32, 4, 4, 1

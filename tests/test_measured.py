@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from knapformer.contract.plan import BAG_COLLECTIVES, COLLECTIVE_PHASES, Measurements
+from knapformer.contract.phases import BAG_COLLECTIVES, COLLECTIVE_PHASES
+from knapformer.contract.plan import Measurements
 from knapformer.contract.plan_io import read_plans
 from knapformer.contract.stats import summarize
 from knapformer.diagnosis.measured import compute_ratio, measure

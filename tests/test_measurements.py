@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from knapformer.contract.plan import COLLECTIVE_PHASES
+from knapformer.contract.phases import COLLECTIVE_PHASES
 from knapformer.contract.plan_io import read_plans
 from knapformer.local.slowdown import burn
 from knapformer.planning.history import recorded_speeds
@@ -126,7 +126,7 @@ def test_a_time_scale_makes_workloads_milliseconds(run):
 
 
 def test_compute_is_the_step_without_collectives_data_and_host_work(run):
-    from knapformer.diagnosis.measured import host_ms
+    from knapformer.contract.phases import host_ms
 
     plans, _ = run
     assert [p.step for p in plans] == list(range(STEPS))

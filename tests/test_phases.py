@@ -7,7 +7,8 @@ import pytest
 import torch
 from knapformer.visualization.straggler_figures import predicted_vs_measured_figure
 
-from knapformer.contract.plan import COMPUTE_PHASES, RECORDED_PHASES, Measurements
+from knapformer.contract.phases import COMPUTE_PHASES, RECORDED_PHASES
+from knapformer.contract.plan import Measurements
 from knapformer.contract.plan_io import read_plans, write_jsonl
 from knapformer.diagnosis.measured import measure
 from knapformer.diagnosis.stragglers import analyse, rank_steps

@@ -511,7 +511,7 @@ def _scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
 
 def test_tensorboard_scalars_are_written_live_by_the_writer_thread(tmp_path, plans, monkeypatch):
     pytest.importorskip("tensorboard")
-    import knapformer.diagnosis.scalars as scalars
+    import knapformer.contract.scalars as scalars
 
     threads: list[str] = []
     write_step = scalars.write_step

@@ -1,4 +1,4 @@
-"""`knapformer tensorboard` and `knapformer.diagnosis.scalars`: per-step scalars written with the
+"""`knapformer tensorboard` and `knapformer.contract.scalars`: per-step scalars written with the
 tensorboard package and read back from the event files."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from knapformer.cli import main
 from knapformer.contract.plan_io import read_plans, write_jsonl
-from knapformer.diagnosis.scalars import TAG_PREFIX, open_writer, step_figures, write_step
+from knapformer.contract.scalars import TAG_PREFIX, open_writer, step_figures, write_step
 from knapformer.planning.planner import plan_routing
 from knapformer.planning.workload import WorkloadModel
 

@@ -13,7 +13,7 @@ import pytest
 
 from knapformer.cli import main
 from knapformer.contract.plan_io import read_plans, write_jsonl
-from knapformer.diagnosis.scalars import step_figures
+from knapformer.contract.scalars import step_figures
 from knapformer.planning.planner import plan_routing
 from knapformer.planning.workload import WorkloadModel
 from knapformer.tools.trace import (

@@ -48,7 +48,7 @@ ANIMATION_TEXT = "#e9ecef"
 ANIMATION_MUTED_TEXT = "#adb5bd"
 #: The per-rank phase breakdown: compute parts in blues (the model's compute is AFTER),
 #: the transfer inside collectives in grey, and waiting, one warm colour per collective
-#: (in `knapformer.contract.plan.COLLECTIVE_PHASES` order).
+#: (in `knapformer.contract.phases.COLLECTIVE_PHASES` order).
 HOST_WORK = "#91a7ff"
 DATA_WAIT = "#d0bfff"
 DESCHEDULED = "#c5f6fa"  # on the CPU: the thread ready to compute, waiting for a core

@@ -21,7 +21,8 @@ from knapformer.visualization.axes import rank_ticks
 from knapformer.visualization.figures import build_figure
 
 from knapformer.contract.nan_reduce import nan_reduce
-from knapformer.contract.plan import COLLECTIVE_PHASES, RoutingPlan
+from knapformer.contract.phases import COLLECTIVE_PHASES
+from knapformer.contract.plan import RoutingPlan
 from knapformer.diagnosis.measured import measure
 
 #: Colour of each part, by name (the waits by collective).

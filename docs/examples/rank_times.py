@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from knapformer import read_plans
-from knapformer.contract.plan import COLLECTIVE_PHASES
+from knapformer.contract.phases import COLLECTIVE_PHASES
 from knapformer.contract.runfiles import single_run
 
 #: The phases shown, in this order when recorded: the whole step, what the rank computed,

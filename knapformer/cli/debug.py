@@ -14,7 +14,7 @@ from knapformer.cli.errors import UserError
 from knapformer.cli.extras import require
 from knapformer.cli.plans import PLAN_ARGUMENT
 from knapformer.cli.progress import progress
-from knapformer.contract.plan import COMPUTE_PHASES
+from knapformer.contract.phases import COMPUTE_PHASES
 from knapformer.contract.runfiles import PLANS_FILE
 from knapformer.contract.stats import before_after
 from knapformer.errors import KnapformerError
@@ -62,7 +62,7 @@ def replay(
     mismatch, naming the first difference.
     """
     from knapformer.cli.plans import read_step
-    from knapformer.contract.plan import BALANCER_PHASES
+    from knapformer.contract.phases import BALANCER_PHASES
     from knapformer.tools.replay import check_options
     from knapformer.tools.replay import replay as run_replay
 

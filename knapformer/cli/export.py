@@ -119,7 +119,7 @@ def tensorboard(
     """Write per-step scalars (imbalance before/after, moved fraction, plan ms, modelled
     speedup, measured max/mean compute) for TensorBoard, one TensorBoard run per run."""
     require("tensorboard", "knapformer tensorboard")
-    from knapformer.diagnosis.scalars import open_writer, write_step
+    from knapformer.contract.scalars import open_writer, write_step
 
     runs = read_runs(plans, steps)
     folders = run_folders(logdir, list(runs))

@@ -57,6 +57,7 @@ from knapformer.contract.limits import (
     figure_problem,
     text_problem,
 )
+from knapformer.contract.phases import compute_phase
 from knapformer.contract.positions import GpuPositions, gpu_positions
 from knapformer.contract.probe import LinkProbe
 from knapformer.contract.stats import PlanStats, compute_stats
@@ -202,62 +203,6 @@ class Chunks(_Columns):
     length: IntColumn = Field(description="tokens")
 
 
-# Phase names: the keys of ``Measurements.per_rank_ms``. The balancer, the recorder, replay,
-# calibration and the figures all take them from here.
-#: What `SequenceBalancer` times itself, in the order a step runs them.
-BALANCER_PHASES = ("plan", "route", "pre_attn", "post_attn", "reverse_route")
-#: What `SequenceBalancer` gathers from every rank by default, in row order: its own
-#: phases with handing plans to the recorder (``record``), what a training loop reports
-#: with ``balancer.add_timing`` (``forward_backward``, ``optimizer``) and the whole step
-#: (``step``, timed by the balancer from one plan to the next).
-#: Collectives timed on every rank (ms inside each, summed over the step's calls): the
-#: length all-gather, the routing all-to-alls, the Ulysses exchanges, and the gradient
-#: all-reduce when the training loop runs it through the balancer. Time inside a
-#: collective is waiting for the last rank to arrive plus the transfer itself; the rank
-#: that arrived last waited least, so its wait is taken as t_i - min_j t_j and the last
-#: arrival is argmin_j t_j (no clocks are compared across ranks). docs/concepts.md.
-COLLECTIVE_PHASES = (
-    "gather", "route", "pre_attn", "post_attn", "reverse_route", "allreduce",
-    "probe",  # the link probe's exchanges (`knapformer.contract.probe`), when it runs
-)  # fmt: skip
-#: The collectives of `COLLECTIVE_PHASES` that run among the GPUs of one bag (the Ulysses
-#: exchanges); the others span the whole balance group. A rank of a 1-GPU bag exchanges
-#: with nobody, so it waits for nobody there either.
-BAG_COLLECTIVES = ("pre_attn", "post_attn")
-RECORDED_PHASES = (
-    "plan",
-    "record",
-    *BALANCER_PHASES[1:],
-    "gather",
-    "allreduce",
-    "probe",
-    "forward_backward",
-    "optimizer",
-    # what a training loop reports of its host side: waiting for its next batch, and other
-    # host work (logging, bookkeeping); neither is the GPU's compute
-    "data",
-    "host",
-    # the time Python's garbage collector held the process, outside the other timed phases
-    "gc",
-    "step",
-    # step minus the time inside COLLECTIVE_PHASES, data and host work: what the GPU took
-    # (on the CPU: the training thread's CPU time in it, `knapformer.runtime.timing`)
-    "compute",
-    # on the CPU: the rest of that time by the wall clock, the thread waiting for a core
-    "descheduled",
-)
-#: Which measured phase stands for a GPU's compute, best first: a true compute time, then
-#: the parts of a step that are mostly compute, and the whole step (routing and waiting
-#: included) only when nothing better was measured.
-COMPUTE_PHASES = ("compute", "forward_backward", "forward", "attn", "step")
-
-
-def compute_phase(phases: Iterable[str]) -> str | None:
-    """The first of `COMPUTE_PHASES` among ``phases`` (None when none of them is)."""
-    present = set(phases)
-    return next((name for name in COMPUTE_PHASES if name in present), None)
-
-
 class Measurements(BaseModel):
     """Measured times of the step. ``per_rank_ms[phase][i]`` is for GPU ``gpus[i]``."""
 
@@ -286,8 +231,8 @@ class Measurements(BaseModel):
         return self
 
     def compute_phase(self) -> str | None:
-        """The measured phase that stands for each GPU's compute (`COMPUTE_PHASES` order);
-        None when no such phase was measured."""
+        """The measured phase that stands for each GPU's compute (in the order of
+        `knapformer.contract.phases.COMPUTE_PHASES`); None when none was measured."""
         return compute_phase(self.per_rank_ms)
 
 

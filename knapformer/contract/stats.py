@@ -18,14 +18,32 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import numpy as np
 
 from knapformer.contract.positions import gpu_positions
 
-if TYPE_CHECKING:
-    from knapformer.contract.plan import Measurements, RoutingPlan
+
+class RoutingPlan(Protocol):
+    """What the statistics read of a plan: `knapformer.contract.plan.RoutingPlan`, typed by
+    its shape so that the schema imports this module and not the other way round too."""
+
+    step: int | None
+    time: float | None
+    run: str | None
+    topology: str
+    gpus: list[int]
+    bags: list[list[int]]
+    token_dim: int | None
+    gamma: float | None
+    gpu_speed: list[float] | None
+    sequences: Any  # columns src_gpu, length, workload, bag (numpy arrays)
+    chunks: Any  # columns seq, src_gpu, dst_gpu, offset, length
+    measurements: Any  # `knapformer.contract.plan.Measurements` | None
+
+    @property
+    def stats(self) -> PlanStats: ...
 
 
 @dataclass(frozen=True)
@@ -342,9 +360,10 @@ def bag_runs(bags: list[list[int]]) -> str:
     return " ".join(f"g{g}@{a}-{b}" if a != b else f"g{g}@{a}" for g, a, b in runs)
 
 
-def measured_step_ms(m: Measurements | None) -> float | None:
-    """The measured wall time of a step: its longest rank's ``step`` phase (ranks end a
-    step together at the gradient all-reduce, so this is what the job waited)."""
+def measured_step_ms(m: Any) -> float | None:
+    """The measured wall time of a step (``m``: its `Measurements` or None): its longest
+    rank's ``step`` phase (ranks end a step together at the gradient all-reduce, so this
+    is what the job waited)."""
     times = None if m is None else m.per_rank_ms.get("step")
     return float(max(times)) if times else None
 

@@ -4,7 +4,7 @@ The definitions every straggler view uses (the CLI, the dashboard, the report):
 
 - **measured compute** of a rank: its time in the phase that stands for compute —
   ``compute`` (the step minus the time inside `COLLECTIVE_PHASES`) when it was recorded,
-  else the next of `COMPUTE_PHASES` that was (`knapformer.contract.plan.compute_phase`).
+  else the next of `COMPUTE_PHASES` that was (`knapformer.contract.phases.compute_phase`).
 - **time in a collective**: ``per_rank_ms[phase]`` for each of `COLLECTIVE_PHASES`.
   Time inside a collective is waiting for the last rank to arrive plus the transfer, so
   the rank that arrived last waited least: its **wait** is ``t_i - min_j t_j`` and the
@@ -55,29 +55,22 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from knapformer.contract.plan import BAG_COLLECTIVES, COLLECTIVE_PHASES, RoutingPlan
+from knapformer.contract.phases import (
+    BAG_COLLECTIVES,
+    COLLECTIVE_PHASES,
+    DATA,
+    DESCHEDULED,
+    EXCHANGES,
+    GC,
+    GROUP_EXCHANGES,
+    PROBE,
+    STEP,
+    host_ms,
+    phase_ms,
+)
+from knapformer.contract.plan import RoutingPlan
 from knapformer.contract.probe import LinkProbe, probe_partners
 from knapformer.contract.units import LoadUnit
-
-#: The collectives that move tokens (the routing all-to-alls and the Ulysses exchanges):
-#: what a slow link of one rank shows in.
-EXCHANGES = ("route", "pre_attn", "post_attn", "reverse_route")
-#: The phase a training loop times its wait for the next batch in (host clock).
-DATA_PHASE = "data"
-#: On the CPU, the part of a step's compute by the wall clock that its thread waited for
-#: a core (`knapformer.runtime.timing`).
-DESCHEDULED_PHASE = "descheduled"
-#: The phase a training loop times its other host work in (logging, bookkeeping).
-HOST_PHASE = "host"
-#: The time Python's garbage collector held the process during a step, outside every
-#: other timed phase (`knapformer.runtime.gc_clock`): host work too.
-GC_PHASE = "gc"
-#: The phases of host work (`host_ms`; ``plan`` less the ``gather`` it holds).
-HOST_WORK_PHASES = ("plan", "record", HOST_PHASE, GC_PHASE)
-
-
-#: The exchange scopes: the group's routing all-to-alls and a bag's Ulysses exchanges.
-GROUP_EXCHANGES = ("route", "reverse_route")
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,24 +166,6 @@ def probed_links(probe: LinkProbe, gpus: Sequence[int]) -> ProbedLinks:
     )
 
 
-def host_ms(per_rank: Mapping[str, Sequence[float]], n: int) -> np.ndarray:
-    """(n,) each rank's host work that is not the model's: ``plan`` without the gather it
-    includes, ``record``, the loop's ``host`` phase and garbage collection (``gc``) (0 for
-    what was not measured)."""
-
-    def phase(name: str) -> np.ndarray:
-        return _phase_or_zero(per_rank, name, n)
-
-    planning = np.maximum(phase("plan") - phase("gather"), 0.0)
-    return planning + sum((phase(p) for p in HOST_WORK_PHASES if p != "plan"), np.zeros(n))
-
-
-def _phase_or_zero(per_rank: Mapping[str, Sequence[float]], name: str, n: int) -> np.ndarray:
-    """(n,) every rank's ms in phase ``name``; 0 where it was not measured."""
-    values = per_rank.get(name)
-    return np.zeros(n) if values is None else np.nan_to_num(np.asarray(values, float))
-
-
 @dataclass(frozen=True)
 class MeasuredStep:
     """Per rank of one plan (arrays indexed by position in ``gpus``), from its
@@ -211,7 +186,7 @@ class MeasuredStep:
     load_axis: str  # what that unit is called on an axis
     data_ms: np.ndarray  # (n,) waiting for the next batch (0: not measured)
     host_ms: np.ndarray  # (n,) host work that is not the model's (`host_ms`)
-    gc_ms: np.ndarray  # (n,) of which garbage collection (`GC_PHASE`; 0: not measured)
+    gc_ms: np.ndarray  # (n,) of which garbage collection (``gc``; 0: not measured)
     #: (n,) on the CPU, what the wall clock counted beyond the compute's CPU time: the
     #: thread waiting for a core (`knapformer.runtime.timing`; 0 where not measured)
     descheduled_ms: np.ndarray
@@ -336,11 +311,11 @@ def measure(plan: RoutingPlan) -> MeasuredStep | None:
         collective_ms[name], wait_ms[name], last[name] = t, wait, is_last
     total_wait = sum(wait_ms.values(), np.zeros(n))
     straggler = int(plan.gpus[int(np.argmin(total_wait))]) if total_wait.sum() > 0 else None
-    step_ms = per_rank.get("step")
-    if step_ms is not None and "probe" in per_rank:
+    step_ms = per_rank.get(STEP)
+    if step_ms is not None and PROBE in per_rank:
         # The link probe is a diagnostic, not training: what "matters" is of the step
         # training takes, and a probe run every step must not dilute it.
-        step_ms = np.maximum(np.asarray(step_ms, float) - np.nan_to_num(per_rank["probe"]), 0)
+        step_ms = np.maximum(np.asarray(step_ms, float) - np.nan_to_num(per_rank[PROBE]), 0)
     unit = LoadUnit.of(plan)
     exchange = sum(
         (np.nan_to_num(np.asarray(per_rank[p], float)) for p in EXCHANGES if p in per_rank),
@@ -353,7 +328,7 @@ def measure(plan: RoutingPlan) -> MeasuredStep | None:
     floor_load = floor / mean_load if mean_load > 0 else float("nan")
     at_floor = (st.load_after >= 0.99 * floor) & (floor_load > 1.0)
     compute = np.asarray(per_rank[phase], dtype=np.float64)
-    descheduled = _phase_or_zero(per_rank, DESCHEDULED_PHASE, n)
+    descheduled = phase_ms(per_rank, DESCHEDULED, n)
     return MeasuredStep(
         step=plan.step,
         gpus=np.asarray(plan.gpus, dtype=np.int64),
@@ -368,9 +343,9 @@ def measure(plan: RoutingPlan) -> MeasuredStep | None:
         straggler=straggler,
         shown_total=st.total_load * unit.factor,
         load_axis=unit.axis_title,
-        data_ms=_phase_or_zero(per_rank, DATA_PHASE, n),
+        data_ms=phase_ms(per_rank, DATA, n),
         host_ms=host_ms(per_rank, n),
-        gc_ms=_phase_or_zero(per_rank, GC_PHASE, n),
+        gc_ms=phase_ms(per_rank, GC, n),
         descheduled_ms=descheduled,
         exchange_ms=exchange,
         exchange_values=values,

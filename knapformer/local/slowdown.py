@@ -50,7 +50,7 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from knapformer.diagnosis.measured import HOST_PHASE
+from knapformer.contract.phases import HOST
 from knapformer.local.config import SLOW_KINDS
 from knapformer.runtime.balancer import SequenceBalancer
 from knapformer.runtime.timing import cpu_clock_ms, outside_compute_ms, wall_clock_ms
@@ -114,7 +114,7 @@ class SlowBalancer(SequenceBalancer):
                 compute = (time.perf_counter() - began) * 1e3 - (self._outside() - outside)
                 owed = max(compute, 0.0) * (self.slow_factor - 1)
                 if self.slow_kind == "host":
-                    with self.timed(HOST_PHASE):
+                    with self.timed(HOST):
                         burn(owed)
                 elif self.slow_kind == "gc":
                     owed = collect(owed)

@@ -70,7 +70,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from knapformer.contract.plan import COLLECTIVE_PHASES, RoutingPlan
+from knapformer.contract.phases import COLLECTIVE_PHASES, DERIVED_PHASES
+from knapformer.contract.plan import RoutingPlan
 from knapformer.contract.topology import Topology, as_topology
 from knapformer.errors import KnapformerError
 from knapformer.planning.communication import CommModel
@@ -112,7 +113,7 @@ from knapformer.runtime.step_paths import (
     StepPlanner,
     SyncPath,
 )
-from knapformer.runtime.timing import DERIVED_PHASES, GatheredStep, StepTimer, cpu_clock_ms
+from knapformer.runtime.timing import GatheredStep, StepTimer, cpu_clock_ms
 
 __all__ = ["GATHERING_CALLS", "LOCAL_CHECKS", "GatherHead", "SequenceBalancer"]
 
@@ -149,7 +150,7 @@ class SequenceBalancer:
             every view of the plans, are then milliseconds.
         plan_ahead: gather and plan on a background thread over a gloo group of its own
             (see `prefetch`).
-        phases: timing phases to gather besides `knapformer.contract.plan.RECORDED_PHASES`
+        phases: timing phases to gather besides `knapformer.contract.phases.RECORDED_PHASES`
             (what you add with `add_timing`); the same on every rank.
         node_size: ``"auto"`` only: ranks per node (default: ``comm``'s, 8); a group never
             crosses a node unless ``cross_node``.
@@ -329,7 +330,7 @@ class SequenceBalancer:
     @contextmanager
     def collective(self, phase: str = "allreduce") -> Iterator[None]:
         """Time a collective the training loop runs itself as ``phase`` (one of
-        `knapformer.contract.plan.COLLECTIVE_PHASES`), so that it counts as waiting, not compute::
+        `knapformer.contract.phases.COLLECTIVE_PHASES`), so that it counts as waiting, not compute::
 
             with balancer.collective():  # e.g. around DDP's gradient synchronisation
                 ...

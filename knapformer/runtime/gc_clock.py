@@ -8,7 +8,7 @@ hundreds of ms: on a GPU the kernel queue drains meanwhile, on the CPU the train
 thread computes nothing. Either way it is host work, not the device's compute, and a
 rank whose collections are long is ``slow_host``, not ``slow_gpu``
 (`knapformer.runtime.timing` records it as the ``gc`` phase,
-`knapformer.diagnosis.measured.GC_PHASE`).
+`knapformer.contract.phases.GC`).
 
 Opt-in (``SequenceBalancer(..., time_gc=True)``), because of one CPython behaviour: a
 signal that arrives during a collection is handled by the first Python code that runs

@@ -16,13 +16,16 @@ from contextlib import AbstractContextManager, nullcontext
 import torch.autograd.profiler as _profiler
 from torch.profiler import record_function
 
-PLAN = "knapformer.plan"
-ROUTE = "knapformer.route"
-PRE_ATTN = "knapformer.pre_attn"
-POST_ATTN = "knapformer.post_attn"
-REVERSE_ROUTE = "knapformer.reverse_route"
-PROBE = "knapformer.probe"
-WAIT = "knapformer.wait."  # + the collective's name
+from knapformer.contract import phases
+
+PREFIX = "knapformer."  # + the phase's name (`knapformer.contract.phases`)
+PLAN = PREFIX + phases.PLAN
+ROUTE = PREFIX + phases.ROUTE
+PRE_ATTN = PREFIX + phases.PRE_ATTN
+POST_ATTN = PREFIX + phases.POST_ATTN
+REVERSE_ROUTE = PREFIX + phases.REVERSE_ROUTE
+PROBE = PREFIX + phases.PROBE
+WAIT = PREFIX + "wait."  # + the collective's name
 
 
 def mark(name: str) -> AbstractContextManager:

@@ -46,7 +46,7 @@ Guarantees (each one tested in ``tests/test_recorder*.py``):
 - ``close()`` flushes the queue; a recorder is a context manager and is closed at
   interpreter exit.
 - With ``tensorboard_dir``, the writer thread also writes each written plan's per-step
-  scalars (`knapformer.diagnosis.scalars`) to TensorBoard, live; never on the training thread. A
+  scalars (`knapformer.contract.scalars`) to TensorBoard, live; never on the training thread. A
   failure there logs one warning and stops the TensorBoard logging only.
 
 A plain sink: it never reads the balancer, runs no collective and times nothing. With a
@@ -357,7 +357,7 @@ class PlanRecorder:
     def _log_scalars(self, plan: RoutingPlan) -> None:
         """The plan's per-step scalars to TensorBoard (writer thread); on any failure one
         warning and no more TensorBoard logging (the JSONL goes on)."""
-        from knapformer.diagnosis.scalars import open_writer, write_step
+        from knapformer.contract.scalars import open_writer, write_step
 
         try:
             if self._tensorboard is None:

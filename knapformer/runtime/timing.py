@@ -2,13 +2,13 @@
 from waiting.
 
 A step runs from one ``plan_routing`` call to the next. Within it the balancer times
-every collective it owns (`knapformer.contract.plan.COLLECTIVE_PHASES`: the length gather, the
+every collective it owns (`knapformer.contract.phases.COLLECTIVE_PHASES`: the length gather, the
 routing all-to-alls forward and backward, the Ulysses exchanges, the gradient
 all-reduce run through it) and a few host phases (``plan``, ``record``); a training loop
 adds its own with ``add`` (``data``: waiting for the next batch; ``host``: other host
 work). When the step ends, ``step`` is its wall time and ``compute`` is ``step`` minus the
 time inside the collectives, the ``data`` wait and the host work
-(`knapformer.diagnosis.measured.host_ms`: planning without its gather, recording,
+(`knapformer.contract.phases.host_ms`: planning without its gather, recording,
 ``host``): what this rank's device computed, without the time it waited for its peers or
 its input or spent on host work of its own (docs/concepts.md).
 
@@ -45,17 +45,22 @@ from typing import Any
 import numpy as np
 import torch
 
-from knapformer.contract.plan import COLLECTIVE_PHASES, RECORDED_PHASES, Measurements, RoutingPlan
-from knapformer.diagnosis.measured import DATA_PHASE, GC_PHASE, HOST_WORK_PHASES, host_ms
+from knapformer.contract.phases import (
+    COLLECTIVE_PHASES,
+    DATA,
+    GC,
+    HOST_WORK_PHASES,
+    RECORDED_PHASES,
+    host_ms,
+)
+from knapformer.contract.plan import Measurements, RoutingPlan
 from knapformer.runtime import gc_clock
 
 log = logging.getLogger(__name__)
 
-#: Phases derived when a step ends (never added by hand).
-DERIVED_PHASES = ("step", "compute", "descheduled")
 #: What is not the device's compute: the collectives, the wait for data and host work
-#: (`knapformer.diagnosis.measured.host_ms`: ``plan``, less the ``gather`` it holds).
-_OUTSIDE = (*COLLECTIVE_PHASES, DATA_PHASE, *HOST_WORK_PHASES)
+#: (`knapformer.contract.phases.host_ms`: ``plan``, less the ``gather`` it holds).
+_OUTSIDE = (*COLLECTIVE_PHASES, DATA, *HOST_WORK_PHASES)
 
 
 def cpu_clock_ms() -> float:
@@ -74,7 +79,7 @@ def outside_compute_ms(values: Mapping[str, float]) -> float:
     either (a slow loader, a busy host)."""
     waited = sum(values.get(p, 0.0) for p in COLLECTIVE_PHASES)
     host = float(host_ms({p: [v] for p, v in values.items()}, 1)[0])
-    return waited + values.get(DATA_PHASE, 0.0) + host
+    return waited + values.get(DATA, 0.0) + host
 
 
 def _outside_cpu(cpu: dict[str, float], wall: dict[str, float]) -> float:
@@ -185,7 +190,7 @@ class StepTimer:
     ``device``: where the work runs (CUDA events on a CUDA device, host clocks
     otherwise, and there the training thread's CPU clock too, `cpu_clock_ms`).
     ``phases``: what travels to the other ranks, in row order
-    (`knapformer.contract.plan.RECORDED_PHASES` and any extra names); a phase added with `add`
+    (`knapformer.contract.phases.RECORDED_PHASES` and any extra names); a phase added with `add`
     that is not among them is kept in `current` but not sent (one warning).
     ``time_gc``: record garbage collections outside the timed phases as ``gc``
     (`knapformer.runtime.gc_clock`, which says why it is opt-in); `release` ends it.
@@ -328,7 +333,7 @@ class StepTimer:
         wall -= step.gc_at_open[0] + step.gc_in_phases[0]
         cpu -= step.gc_at_open[1] + step.gc_in_phases[1]
         if wall > 0:
-            self.add(GC_PHASE, wall, max(cpu, 0.0))
+            self.add(GC, wall, max(cpu, 0.0))
 
     def release(self) -> None:
         """Stop timing garbage collection (idempotent)."""

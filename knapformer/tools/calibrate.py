@@ -29,7 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from knapformer.contract.plan import COMPUTE_PHASES, RoutingPlan, compute_phase
+from knapformer.contract.phases import COMPUTE_PHASES, compute_phase
+from knapformer.contract.plan import RoutingPlan
 from knapformer.contract.plan_io import Problem, read_plans
 from knapformer.contract.runfiles import single_run
 from knapformer.contract.stats import terms_after
@@ -233,7 +234,7 @@ def calibrate_lengths(lengths, latencies, token_dim: int) -> Calibration:
 
 def pick_phase(plans: Sequence[RoutingPlan], phase: str | None) -> str:
     """The measured phase to fit: ``phase`` if given, else the phase that stands for
-    compute (`knapformer.contract.plan.compute_phase`) among those the plans measure."""
+    compute (`knapformer.contract.phases.compute_phase`) among those the plans measure."""
     seen: dict[str, None] = {}
     for plan in plans:
         if plan.measurements is not None:

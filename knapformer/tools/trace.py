@@ -49,21 +49,12 @@ from typing import Any
 
 import numpy as np
 
+from knapformer.contract.phases import NESTED_PHASES, SPAN_PHASES, STEP_ORDER
 from knapformer.contract.plan import RoutingPlan
+from knapformer.contract.scalars import step_figures
 from knapformer.contract.stats import gpu_bags
-from knapformer.diagnosis.scalars import step_figures
 from knapformer.errors import KnapformerError, file_error
 
-#: Phases that hold others when those fit inside them (see the module docstring).
-NESTED_PHASES = {
-    "plan": ("gather",),
-    "forward_backward": ("route", "pre_attn", "post_attn", "reverse_route"),
-}
-#: The order phases run in a step, outermost phases only.
-STEP_ORDER = ("plan", "record", "forward_backward", "allreduce", "optimizer")
-#: Not slices: ``step`` is the length of a rank's step, ``compute`` and (on the CPU)
-#: ``descheduled`` are derived from it, and ``gc`` (garbage collection) is spread over it.
-SPAN_PHASES = ("step", "compute", "descheduled", "gc")
 UNMEASURED_SLOT_MS = 1.0
 #: Where every run's first step starts. Not 0: DevTools' Performance panel leaves events
 #: at timestamp 0 out of the trace's bounds.
@@ -133,7 +124,7 @@ def layout_rank_step(times: dict[str, float]) -> tuple[float, list[Slice]]:
     return span, slices
 
 
-#: Counter track -> series -> figure of `knapformer.diagnosis.scalars.step_figures` (one home for
+#: Counter track -> series -> figure of `knapformer.contract.scalars.step_figures` (one home for
 #: what a step is summed up by; TensorBoard gets the same figures).
 COUNTERS = {
     "imbalance (max/mean load)": {"before": "imbalance_before", "after": "imbalance_after"},
