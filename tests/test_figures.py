@@ -6,6 +6,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+from knapformer.visualization import palette
 from knapformer.visualization.axes import LINE_PX
 from knapformer.visualization.figures import (
     TRAFFIC_PLOT_PX,
@@ -348,11 +349,21 @@ def test_phase_breakdown_adds_up_to_each_ranks_step(plan8):
     plans = [with_measurements(plan8, rng, slow_rank=5, slow_factor=2.0) for _ in range(3)]
     parts = step_parts(plans[-1])
     np.testing.assert_allclose(sum(parts.parts.values()), parts.step_ms)
-    assert next(iter(parts.parts)) == "compute (model and the rest)"
-    assert [p for p in parts.parts if p.startswith("waiting")] == [
-        f"waiting: {c}" for c in ("gather", "route", "pre_attn", "post_attn", "reverse_route",
-                                  "allreduce")
-    ]  # fmt: skip
+    assert next(iter(parts.parts)) == "compute (the model's)"
+    waits = [p for p in parts.parts if p.startswith("waiting:")]
+    assert waits == ["waiting: route, reverse_route", "waiting: pre_attn, post_attn",
+                     "waiting: gather", "waiting: allreduce"]  # fmt: skip
+    # every wait is hatched in the hue of its collective's group, its transfer solid
+    assert all(parts.styles[w].waiting for w in waits)
+    exchanges, sync = (set(palette.PHASE_GROUPS[g]) for g in ("exchanges", "sync"))
+    assert parts.styles["transfer: token exchanges"].color in exchanges
+    assert not parts.styles["transfer: token exchanges"].waiting
+    assert {parts.styles[w].color for w in waits[:2]} <= exchanges
+    assert {parts.styles[w].color for w in waits[2:]} <= sync
+    # at most eight hues, and no two groups share a shade
+    assert len(palette.PHASE_GROUPS) <= 8
+    shades = [c for group in palette.PHASE_GROUPS.values() for c in group]
+    assert len(shades) == len(set(shades))
     mean = window_parts(plans)
     np.testing.assert_allclose(sum(mean.parts.values()), mean.step_ms)
     fig = phase_figure(mean, {5: "slow GPU"})
@@ -427,4 +438,4 @@ def test_phase_breakdown_shows_host_data_and_descheduled_beside_compute(plan8):
     parts = step_parts(measured)
     np.testing.assert_allclose(sum(parts.parts.values()), parts.step_ms)
     np.testing.assert_allclose(parts.parts[DESCHEDULED_PART], extra["descheduled"])
-    np.testing.assert_allclose(parts.parts["compute (model and the rest)"], per_rank["compute"])
+    np.testing.assert_allclose(parts.parts["compute (the model's)"], per_rank["compute"])

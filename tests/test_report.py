@@ -92,7 +92,7 @@ def test_report_holds_the_dashboards_straggler_views(tmp_path, capsys, topology,
     _report(capsys, str(source), "-o", str(out))
     page = out.read_text()
     assert _views(page)["ratio-heatmap"] == _views(page)["wait-heatmap"] == 1
-    assert f"straggler: slow_gpu: rank {slow} — " in html.unescape(page)
+    assert f"straggler: slow_gpu: rank {slow} (major: costs " in html.unescape(page)
     # the slow rank is labelled on both heatmaps' rank axes, and named in the scatter
     result = read_plans(source, on_error="raise")
     _page, figures = build_report(result)

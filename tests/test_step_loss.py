@@ -39,7 +39,24 @@ def test_input_is_the_longest_wait_for_data():
         per_rank = plan.measurements.per_rank_ms
         per_rank["data"] = [0.0] * len(plan.gpus)
         per_rank["data"][2] = 40.0
-    assert all(loss.input == pytest.approx(40.0) for loss in _losses(plans))
+    assert all(loss.part_ms["input"] == pytest.approx(40.0) for loss in _losses(plans))
+
+
+def test_the_steps_fixed_costs_are_named_and_little_is_left_as_other():
+    plans = measured_run(10, noise=0.02, seed=4, optimizer_ms=12.0, untimed_ms=6.0)
+    losses = _losses(plans)
+    summary = summarise(losses)
+    assert summary["optimizer"] == pytest.approx(12.0, rel=0.1)
+    assert summary["untimed"] == pytest.approx(6.0, rel=0.1)  # the typical rank's
+    assert summary["allreduce"] == pytest.approx(3.0, rel=0.1)  # its transfer, no wait
+    assert summary["gather"] == pytest.approx(0.3, rel=0.1)
+    for loss in losses:
+        assert abs(loss.part_ms["other"]) <= 0.1 * loss.lost_ms, loss.parts()
+    # without those phases measured, the same time would be "other"
+    for plan in plans:
+        for phase in ("optimizer", "untimed", "allreduce", "gather"):
+            del plan.measurements.per_rank_ms[phase]
+    assert summarise(_losses(plans))["other"] > 15.0
 
 
 def test_stragglers_loss_prints_every_step_as_json(tmp_path, capsys):
@@ -51,4 +68,9 @@ def test_stragglers_loss_prints_every_step_as_json(tmp_path, capsys):
     assert [r["step"] for r in rows] == list(range(5))
     assert all(set(PARTS) <= set(r) and np.isfinite(r["lost_ms"]) for r in rows)
     assert main(["stragglers", str(path), "--loss"]) == 0
-    assert "lost" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "lost" in out
+    # every part shown is explained, and the ones that never counted are said to be 0
+    assert "slow ranks: the longest measured compute above" in out
+    assert "other: what no measured phase names" in out
+    assert "0 in every step, not shown:" in out and "optimizer" in out.split("not shown:")[1]

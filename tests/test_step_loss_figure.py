@@ -8,7 +8,7 @@ import pytest
 from knapformer.visualization.straggler_figures import WARMUP_STEPS, step_loss_figure
 
 from knapformer.diagnosis.measured import measure
-from knapformer.diagnosis.step_loss import PARTS, step_losses
+from knapformer.diagnosis.step_loss import PART_INFO, PARTS, step_losses
 from knapformer.testing.measured_plans import measured_run
 
 
@@ -34,18 +34,11 @@ def test_the_stacks_are_the_parts_from_the_ideal_up_to_the_measured_step(slow_ru
     losses = _losses(slow_run)
     fig = step_loss_figure(losses, run_start=0)
     bars = [t for t in fig.data if t.type == "bar"]
-    assert [t.name for t in bars] == [
-        "layout floor",
-        "solver gap",
-        "slow ranks",
-        "input",
-        "communication",
-        "other",
-    ]
+    assert [t.name for t in bars] == [PART_INFO[part].label for part in PARTS]
     base = np.array([loss.ideal_ms for loss in losses])
     for part, bar in zip(PARTS, bars, strict=True):
         assert list(bar.x) == [loss.step for loss in losses]
-        np.testing.assert_allclose(bar.y, [getattr(loss, part) for loss in losses])
+        np.testing.assert_allclose(bar.y, [loss.part_ms[part] for loss in losses])
         np.testing.assert_allclose(np.asarray(bar.base, dtype=float), base)
         base = base + np.asarray(bar.y)
     # the stack ends on the measured step; the lines are the measured and the ideal step
@@ -55,7 +48,7 @@ def test_the_stacks_are_the_parts_from_the_ideal_up_to_the_measured_step(slow_ru
     # rank 5 twice as slow: slow ranks is the tallest part of every step
     slow = np.asarray(bars[PARTS.index("slow_ranks")].y)
     assert np.all(slow >= np.max([np.abs(b.y) for b in bars if b.name != "slow ranks"], axis=0))
-    assert "slow_ranks" in fig.layout.title.text
+    assert "slow ranks" in fig.layout.title.text
 
 
 def test_the_warm_up_steps_are_left_out_of_the_y_range():

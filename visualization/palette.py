@@ -46,13 +46,19 @@ LAYOUT_FLOOR = "#495057"
 ANIMATION_BACKGROUND = "#101318"
 ANIMATION_TEXT = "#e9ecef"
 ANIMATION_MUTED_TEXT = "#adb5bd"
-#: The per-rank phase breakdown: compute parts in blues (the model's compute is AFTER),
-#: the transfer inside collectives in grey, and waiting, one warm colour per collective
-#: (in `knapformer.contract.phases.COLLECTIVE_PHASES` order).
-HOST_WORK = "#91a7ff"
-DATA_WAIT = "#d0bfff"
-DESCHEDULED = "#c5f6fa"  # on the CPU: the thread ready to compute, waiting for a core
-TRANSFER = "#adb5bd"
-WAITING = ("#ffd43b", "#f08c00", "#e8590c", "#c92a2a", "#a61e4d", "#862e9c", "#5f3dc4")
+#: Where a step's time goes (the per-rank phase stacks, a step's loss): one clearly
+#: distinct hue per group of phases, at most eight, shades within a group (darkest
+#: first). Time waiting in a collective is drawn hatched (`WAITING_PATTERN`) in the hue of
+#: the collective's group, its transfer solid.
+PHASE_GROUPS = {
+    "compute": ("#1864ab", "#4dabf7", "#a5d8ff"),  # the model's compute, the optimizer
+    "plan": ("#8d5524", "#d4a373"),  # what the plan leaves: layout floor, solver gap
+    "host": ("#6741d9", "#9775fa", "#d0bfff"),  # host work, waiting for data
+    "exchanges": ("#d9480f", "#ff922b", "#ffc078"),  # route, Ulysses, reverse route
+    "sync": ("#087f5b", "#38d9a9", "#96f2d7"),  # the length gather, the gradient all-reduce
+    "probe": ("#f59f00",),  # the link probe (a diagnostic)
+    "cpu": ("#495057", "#adb5bd", "#dee2e6"),  # waiting for a core, between phases, other
+}
+WAITING_PATTERN = "/"
 #: The tokens-per-GPU cap line.
 CAP = "#c92a2a"

@@ -1,12 +1,14 @@
-"""Where each rank's step went: per-rank stacked bars of compute parts, the transfer
-inside collectives and the waiting in each collective, for one step or a window.
+"""Where each rank's step went: per-rank stacked bars of its phases, for one step or a
+window, in at most eight hues (`knapformer.visualization.palette.PHASE_GROUPS`).
 
-Built from `knapformer.diagnosis.measured`, which defines every part: compute, host
-work (planning without its gather, recording, the loop's ``host`` phase), the wait for
-the next batch (``data``), on the CPU the time the thread waited for a core
-(``descheduled``), the time in a collective and the wait in it. The recorded
-``compute`` holds none of the others (`knapformer.runtime.timing`), so when it is the
-measured compute phase the stack of a rank adds up to its measured ``step``.
+Built from `knapformer.diagnosis.measured`, which defines every part: compute, the
+optimizer, host work (planning without its gather, recording, the loop's ``host`` phase,
+garbage collection), the wait for the next batch (``data``), on the CPU the time the
+thread waited for a core (``descheduled``), the time between the loop's phases
+(``untimed``), and for each collective the transfer (solid) and the wait for peers
+(hatched). The recorded ``compute`` holds none of the others (`knapformer.runtime.timing`),
+so when it is the measured compute phase the stack of a rank adds up to its measured
+``step``, the link probe included.
 """
 
 from __future__ import annotations
@@ -21,16 +23,50 @@ from knapformer.visualization.axes import rank_ticks
 from knapformer.visualization.figures import build_figure
 
 from knapformer.contract.nan_reduce import nan_reduce
-from knapformer.contract.phases import COLLECTIVE_PHASES
+from knapformer.contract.phases import (
+    ALLREDUCE,
+    GATHER,
+    GROUP_EXCHANGES,
+    OPTIMIZER,
+    POST_ATTN,
+    PRE_ATTN,
+    PROBE,
+    STEP,
+    UNTIMED,
+)
 from knapformer.contract.plan import RoutingPlan
-from knapformer.diagnosis.measured import measure
+from knapformer.diagnosis.measured import MeasuredStep, measure
 
-#: Colour of each part, by name (the waits by collective).
-_WAIT_COLOR = dict(zip(COLLECTIVE_PHASES, palette.WAITING, strict=True))
-TRANSFER_PART = "transfer in collectives"
 HOST_PART = "host work (planning, recording, loop, GC)"
 DATA_PART = "waiting for data"
 DESCHEDULED_PART = "waiting for a core (CPU)"
+UNTIMED_PART = "between phases (untimed)"
+OPTIMIZER_PART = "optimizer"
+PROBE_PART = "link probe"
+#: The collectives by group: (transfer part, group hue, [(wait part, its phases)]).
+_COLLECTIVES = (
+    ("transfer: token exchanges", "exchanges", (
+        ("waiting: route, reverse_route", GROUP_EXCHANGES),
+        ("waiting: pre_attn, post_attn", (PRE_ATTN, POST_ATTN)),
+    )),
+    ("transfer: gather, all-reduce", "sync", (
+        ("waiting: gather", (GATHER,)),
+        ("waiting: allreduce", (ALLREDUCE,)),
+    )),
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class PartStyle:
+    """How a part is drawn: its colour, hatched when it is time spent waiting."""
+
+    color: str
+    waiting: bool = False
+
+
+def _style(group: str, shade: int = 0, waiting: bool = False) -> PartStyle:
+    shades = palette.PHASE_GROUPS[group]
+    return PartStyle(shades[min(shade, len(shades) - 1)], waiting)
 
 
 @dataclass(frozen=True)
@@ -40,8 +76,8 @@ class RankPhases:
 
     ranks: np.ndarray  # (n,) GPU ranks, in the order the figure draws them
     parts: dict[str, np.ndarray]  # part name -> (n,) ms
-    colors: dict[str, str]  # part name -> colour
-    step_ms: np.ndarray | None  # (n,) the measured step
+    styles: dict[str, PartStyle]  # part name -> how it is drawn
+    step_ms: np.ndarray | None  # (n,) the measured step, the link probe included
     steps: list[int | None]  # the steps it covers
     phase: str  # the measured phase standing for compute
 
@@ -52,38 +88,71 @@ def step_parts(plan: RoutingPlan) -> RankPhases | None:
     measured = measure(plan)
     if measured is None:
         return None
-    n = len(plan.gpus)
     parts: dict[str, np.ndarray] = {}
-    colors: dict[str, str] = {}
+    styles: dict[str, PartStyle] = {}
+
+    def add(name: str, ms: np.ndarray, style: PartStyle) -> None:
+        if np.any(ms > 0):
+            parts[name], styles[name] = ms, style
+
+    per_rank = plan.measurements.per_rank_ms
     if measured.phase == "compute":  # the step's other parts lie outside it
-        for name, ms, color in (
-            (HOST_PART, measured.host_ms, palette.HOST_WORK),
-            (DATA_PART, measured.data_ms, palette.DATA_WAIT),
-            (DESCHEDULED_PART, measured.descheduled_ms, palette.DESCHEDULED),
-        ):
-            if np.any(ms > 0):
-                parts[name], colors[name] = ms, color
-        name = "compute (model and the rest)"
+        add("compute (the model's)", np.clip(measured.compute_ms, 0.0, None), _style("compute"))
+        if _optimizer_outside_compute(measured, per_rank):
+            add(OPTIMIZER_PART, measured.fixed_ms.get(OPTIMIZER, 0), _style("compute", 1))
+        add(HOST_PART, measured.host_ms, _style("host"))
+        add(DATA_PART, measured.data_ms, _style("host", 2))
+        add(DESCHEDULED_PART, measured.descheduled_ms, _style("cpu", 1))
+        add(UNTIMED_PART, measured.fixed_ms.get(UNTIMED, np.zeros(0)), _style("cpu", 0))
     else:
         name = f"compute ({measured.phase})"
-    parts = {name: np.clip(measured.compute_ms, 0.0, None), **parts}
-    colors[name] = palette.AFTER
-    if measured.collective_ms:
-        transfer = sum(
-            (measured.collective_ms[c] - measured.wait_ms[c] for c in measured.collective_ms),
-            np.zeros(n),
-        )
-        parts[TRANSFER_PART], colors[TRANSFER_PART] = transfer, palette.TRANSFER
-    for c, wait in measured.wait_ms.items():
-        parts[f"waiting: {c}"], colors[f"waiting: {c}"] = wait, _WAIT_COLOR[c]
+        parts[name], styles[name] = np.clip(measured.compute_ms, 0.0, None), _style("compute")
+    _add_collectives(measured, add)
+    step = per_rank.get(STEP)
     return RankPhases(
         ranks=measured.gpus,
         parts=parts,
-        colors=colors,
-        step_ms=measured.step_ms,
+        styles=styles,
+        step_ms=None if step is None else np.asarray(step, dtype=np.float64),
         steps=[plan.step],
         phase=measured.phase,
     )
+
+
+def _add_collectives(measured: MeasuredStep, add) -> None:
+    """The collectives' parts: per group, its transfer and the wait in each collective;
+    the link probe whole (a diagnostic)."""
+    n = len(measured.gpus)
+    collective, wait = measured.collective_ms, measured.wait_ms
+    for transfer_name, group, waits in _COLLECTIVES:
+        phases = [p for _, names in waits for p in names if p in collective]
+        transfer = sum((collective[p] - wait[p] for p in phases), np.zeros(n))
+        add(transfer_name, transfer, _style(group))
+        for shade, (name, names) in enumerate(waits, start=1):
+            ms = sum((wait[p] for p in names if p in wait), np.zeros(n))
+            add(name, ms, _style(group, shade, waiting=True))
+    if PROBE in collective:
+        add(PROBE_PART, collective[PROBE], _style("probe"))
+
+
+def _optimizer_outside_compute(measured: MeasuredStep, per_rank: dict) -> bool:
+    """Whether the recorded compute leaves the optimizer out (the timer does since the
+    optimizer became a phase of its own; recordings made before count it as compute):
+    the step, less everything else, has room for it on the median rank."""
+    optimizer = measured.fixed_ms.get(OPTIMIZER)
+    step = per_rank.get(STEP)
+    if optimizer is None or step is None:
+        return False
+    others = (
+        measured.compute_ms
+        + measured.descheduled_ms
+        + measured.host_ms
+        + measured.data_ms
+        + sum(measured.collective_ms.values(), np.zeros(len(measured.gpus)))
+        + measured.fixed_ms.get(UNTIMED, 0.0)
+    )
+    room = np.asarray(step, dtype=np.float64) - others
+    return bool(np.median(room - optimizer) > -0.5 * np.median(optimizer))
 
 
 def window_parts(plans: Sequence[RoutingPlan]) -> RankPhases | None:
@@ -94,7 +163,7 @@ def window_parts(plans: Sequence[RoutingPlan]) -> RankPhases | None:
         return None
     ranks = np.unique(np.concatenate([p.ranks for p in each]))
     names = list(dict.fromkeys(name for p in each for name in p.parts))
-    colors = {name: color for p in each for name, color in p.colors.items()}
+    styles = {name: style for p in each for name, style in p.styles.items()}
     sums = {name: np.full((len(each), len(ranks)), np.nan) for name in names}
     steps = np.full((len(each), len(ranks)), np.nan)
     for i, p in enumerate(each):
@@ -110,7 +179,7 @@ def window_parts(plans: Sequence[RoutingPlan]) -> RankPhases | None:
     return RankPhases(
         ranks=ranks,
         parts=parts,
-        colors=colors,
+        styles=styles,
         step_ms=step_ms,
         steps=[s for p in each for s in p.steps],
         phase=each[-1].phase,
@@ -126,11 +195,19 @@ def reorder(phases: RankPhases, ranks: Iterable[int]) -> RankPhases:
     return RankPhases(
         ranks=phases.ranks[index],
         parts={name: v[index] for name, v in phases.parts.items()},
-        colors=phases.colors,
+        styles=phases.styles,
         step_ms=None if phases.step_ms is None else phases.step_ms[index],
         steps=phases.steps,
         phase=phases.phase,
     )
+
+
+def _marker(style: PartStyle) -> dict:
+    """A bar's plotly marker: its colour, hatched when it is waiting."""
+    marker: dict = {"color": style.color}
+    if style.waiting:
+        marker["pattern"] = {"shape": palette.WAITING_PATTERN, "fgcolor": "#ffffff"}
+    return marker
 
 
 def _span(steps: list[int | None]) -> str:
@@ -161,7 +238,7 @@ def phase_figure(
             "x": slots,
             "y": ms,
             "name": name,
-            "marker": {"color": phases.colors[name]},
+            "marker": _marker(phases.styles[name]),
             "hovertext": names,
             "hovertemplate": "%{hovertext}<br>" + name + " %{y:,.2f} ms<extra></extra>",
         }

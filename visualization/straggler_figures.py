@@ -17,7 +17,14 @@ from knapformer.visualization.axes import rank_ticks
 from knapformer.visualization.figures import build_figure
 
 from knapformer.diagnosis.measured import RankFigures
-from knapformer.diagnosis.step_loss import PARTS, StepLoss, describe_loss, step_losses, summarise
+from knapformer.diagnosis.step_loss import (
+    PART_INFO,
+    PARTS,
+    StepLoss,
+    describe_loss,
+    step_losses,
+    summarise,
+)
 from knapformer.diagnosis.stragglers import (
     RankSteps,
     StragglerReport,
@@ -345,15 +352,31 @@ def compute_wait_figure(report: StragglerReport, m: RankSteps, validate: bool = 
     return build_figure(data, layout, validate)
 
 
-#: Name and colour of each part of a step's loss (`step_loss.PARTS`), bottom to top.
+#: The phase group, shade and hatching of each part of a step's loss (`step_loss.PARTS`,
+#: named by `step_loss.PART_INFO`), in the hues of the per-rank phase stacks.
 LOSS_STYLE = {
-    "layout_floor": ("layout floor", palette.LAYOUT_FLOOR),
-    "solver_gap": ("solver gap", palette.DATA_IMBALANCE),
-    "slow_ranks": ("slow ranks", palette.SLOWER),
-    "input": ("input", palette.SLOW_INPUT),
-    "communication": ("communication", palette.SLOW_LINK),
-    "other": ("other", palette.TRANSFER),
+    "layout_floor": ("plan", 0, False),
+    "solver_gap": ("plan", 1, False),
+    "slow_ranks": ("compute", 0, False),
+    "input": ("host", 2, False),
+    "host": ("host", 0, False),
+    "communication": ("exchanges", 0, False),
+    "exchange_waits": ("exchanges", 1, True),
+    "gather": ("sync", 1, False),
+    "allreduce": ("sync", 0, False),
+    "optimizer": ("compute", 1, False),
+    "descheduled": ("cpu", 1, False),
+    "untimed": ("cpu", 0, False),
+    "other": ("cpu", 2, False),
 }
+
+
+def _loss_marker(part: str) -> dict:
+    group, shade, waiting = LOSS_STYLE[part]
+    marker: dict = {"color": palette.PHASE_GROUPS[group][shade]}
+    if waiting:
+        marker["pattern"] = {"shape": palette.WAITING_PATTERN, "fgcolor": "#ffffff"}
+    return marker
 
 
 def step_loss_figure(
@@ -374,8 +397,8 @@ def step_loss_figure(
     data: list[dict] = []
     low, high = [base], [base]  # every bar's bottom and top, for the y range
     for part in PARTS:
-        name, color = LOSS_STYLE[part]
-        y = np.array([getattr(loss, part) for loss in losses], dtype=float)
+        name = PART_INFO[part].label
+        y = np.array([loss.part_ms[part] for loss in losses], dtype=float)
         data.append(
             {
                 "type": "bar",
@@ -383,7 +406,7 @@ def step_loss_figure(
                 "y": y,
                 "base": base.copy(),
                 "name": name,
-                "marker": {"color": color},
+                "marker": _loss_marker(part),
                 "hovertemplate": f"step %{{x}} · {name}: %{{y:,.3r}} ms<extra></extra>",
             }
         )

@@ -18,6 +18,7 @@ from knapformer.contract.runfiles import RUNS_LAYOUT, single_run
 from knapformer.contract.units import significant
 from knapformer.diagnosis.measured import RankFigures, measure
 from knapformer.diagnosis.step_loss import (
+    PART_INFO,
     PARTS,
     StepLoss,
     describe_loss,
@@ -83,7 +84,9 @@ def stragglers(
             print(json.dumps([item.as_dict() for item in losses], indent=1))
         else:
             console = Console(highlight=False, width=max(Console().width, 110))
-            console.print(_loss_table(losses), describe_loss(summarise(losses)))
+            shown = [name for name in PARTS if any(abs(x.part_ms[name]) >= 0.5 for x in losses)]
+            console.print(_loss_table(losses, shown), describe_loss(summarise(losses)))
+            console.print(_loss_legend(shown))
         return
     if as_json:
         print(json.dumps([r.as_dict() for r in report.ranks], indent=1))
@@ -157,21 +160,33 @@ def _table(report: StragglerReport) -> Table:
     return table
 
 
-def _loss_table(losses: list[StepLoss]) -> Table:
+def _loss_table(losses: list[StepLoss], parts: list[str]) -> Table:
+    """Per step: measured, ideal, lost and each of ``parts`` (ms)."""
     table = Table(
         title="what each step lost against an ideal one (ms): compute spread evenly at the "
         "group's rate, exchanges at its median bandwidth",
         title_justify="left",
     )
-    for name in ("step", "measured", "ideal", "lost", *PARTS):
-        table.add_column(name.replace("_", " "), justify="right")
+    for name in ("step", "measured", "ideal", "lost"):
+        table.add_column(name, justify="right")
+    for name in parts:
+        table.add_column(PART_INFO[name].label, justify="right")
     for item in losses:
         table.add_row(
             "–" if item.step is None else str(item.step),
             *(_fmt(v, ".0f") for v in (item.measured_ms, item.ideal_ms, item.lost_ms)),
-            *(_fmt(v, ".0f") for v in item.parts().values()),
+            *(_fmt(item.part_ms[name], ".0f") for name in parts),
         )
     return table
+
+
+def _loss_legend(parts: list[str]) -> str:
+    """What each shown part of the loss holds, one line each; the others were 0."""
+    lines = [f"  {PART_INFO[name].label}: {PART_INFO[name].meaning}" for name in parts]
+    hidden = [PART_INFO[name].label for name in PARTS if name not in parts]
+    if hidden:
+        lines.append(f"  (0 in every step, not shown: {', '.join(hidden)})")
+    return "the parts:\n" + "\n".join(lines)
 
 
 def _summary(report: StragglerReport, measured: int) -> str:
@@ -197,11 +212,12 @@ def _summary(report: StragglerReport, measured: int) -> str:
     if report.fit is not None and report.fit.note:
         lines.append(f"compute model: {report.fit.note}")
     lines.append(
-        f"verdicts (each needs its figure in ≥ {th.persistence:.0%} of steps, and costing "
-        f"≥ {th.material:.0%} of the step): slow_gpu when the rate (affine model) is "
-        f"≥ {th.slow_ratio:g}× the group's; slow_host / slow_input when host work / the wait "
-        "for data exceed the group's median; slow_link when in the link probe its fastest link "
-        f"moves ≤ {th.link_bandwidth:g}× the group's, in ≥ {th.min_probes} probes (an "
+        f"verdicts (each needs its figure in ≥ {th.persistence:.0%} of steps): slow_gpu when "
+        f"the rate (affine model) is ≥ {th.slow_ratio:g}× the group's (minor when it costs "
+        f"under {th.material:.0%} of the step); slow_host / slow_input when host work / the "
+        f"wait for data exceed the group's median by ≥ {th.material:.0%} of the step; "
+        "slow_link when in the link probe its fastest link moves ≤ "
+        f"{th.link_bandwidth:g}× the group's, in ≥ {th.min_probes} probes (an "
         "exchange scope, the group's routing or one bag's Ulysses exchanges, when its time "
         f"with nobody waiting is ≥ {th.link_cost:g}× the compute it serves); layout_floor / "
         "data_imbalance when the predicted load "

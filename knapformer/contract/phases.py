@@ -13,8 +13,10 @@ A step runs from one ``plan_routing`` call to the next. Its phases, by who times
   for the next batch), ``forward_backward``, ``optimizer``, ``host`` (other host work);
 - the timer's: ``gc`` (Python's garbage collector outside every other phase), and when
   the step ends, ``step`` (its wall time), ``compute`` (the step less the collectives,
-  the data wait and host work), on the CPU ``descheduled`` (the thread ready to compute
-  but waiting for a core).
+  the data wait, host work, the optimizer and ``untimed``), on the CPU ``descheduled``
+  (the thread ready to compute but waiting for a core) and ``untimed`` (the step's wall
+  time inside no timed phase: Python between the loop's phases; derived when the loop
+  times its ``forward_backward`` as a block, which then holds the compute).
 
 docs/concepts.md ("Measured times") explains how they add up to a step.
 """
@@ -43,6 +45,7 @@ GC = "gc"
 STEP = "step"
 COMPUTE = "compute"
 DESCHEDULED = "descheduled"
+UNTIMED = "untimed"
 
 # ------------------------------------------------------------------------ the groups
 #: What `SequenceBalancer` times itself, in the order a step runs them.
@@ -64,7 +67,18 @@ EXCHANGES = (ROUTE, PRE_ATTN, POST_ATTN, REVERSE_ROUTE)
 #: phase and garbage collection (`host_ms`). Neither it nor ``data`` is the GPU's compute.
 HOST_WORK_PHASES = (PLAN, RECORD, HOST, GC)
 #: Phases a step timer derives when a step ends (never added by hand).
-DERIVED_PHASES = (STEP, COMPUTE, DESCHEDULED)
+DERIVED_PHASES = (STEP, COMPUTE, DESCHEDULED, UNTIMED)
+#: What is not the device's compute: the collectives, the wait for data, host work, the
+#: optimizer step (the same on every rank whatever the plan gave it) and the time between
+#: the loop's phases.
+NOT_COMPUTE = (*COLLECTIVE_PHASES, DATA, *HOST_WORK_PHASES, OPTIMIZER, UNTIMED)
+#: The step's fixed costs, which no plan changes: the length gather, the gradient
+#: all-reduce, the optimizer step and the time between the loop's phases (what a step's
+#: loss names besides the plan's, the data's and the host's).
+FIXED_PHASES = (GATHER, ALLREDUCE, OPTIMIZER, UNTIMED)
+#: Phases of the training loop whose work runs on the device: ``balancer.timed`` times
+#: them with CUDA events on a GPU (the others by the host's clocks).
+DEVICE_PHASES = (FORWARD_BACKWARD, OPTIMIZER)
 #: What `SequenceBalancer` gathers from every rank by default, in row order.
 RECORDED_PHASES = (
     PLAN, RECORD, ROUTE, PRE_ATTN, POST_ATTN, REVERSE_ROUTE, GATHER, ALLREDUCE, PROBE,
@@ -83,9 +97,9 @@ NESTED_PHASES = {
 }
 #: The order phases run in a step, outermost phases only.
 STEP_ORDER = (PLAN, RECORD, FORWARD_BACKWARD, ALLREDUCE, OPTIMIZER)
-#: Not slices of a step: ``step`` is its length, ``compute`` and ``descheduled`` are
-#: derived from it, and ``gc`` is spread over it.
-SPAN_PHASES = (STEP, COMPUTE, DESCHEDULED, GC)
+#: Not slices of a step: ``step`` is its length, ``compute``, ``descheduled`` and
+#: ``untimed`` are derived from it, and ``gc`` is spread over it.
+SPAN_PHASES = (STEP, COMPUTE, DESCHEDULED, UNTIMED, GC)
 
 
 def compute_phase(phases: Iterable[str]) -> str | None:
@@ -98,6 +112,15 @@ def phase_ms(per_rank: Mapping[str, Sequence[float]], name: str, n: int) -> np.n
     """(n,) every rank's ms in phase ``name``; 0 where it was not measured."""
     values = per_rank.get(name)
     return np.zeros(n) if values is None else np.nan_to_num(np.asarray(values, float))
+
+
+def outside_compute_ms(values: Mapping[str, float]) -> float:
+    """Ms of one rank's step (``values``: phase -> ms) in `NOT_COMPUTE`: waiting in
+    collectives, the host's own work, the wait for data, the optimizer and the time
+    between phases, none of which may read as a slow GPU."""
+    host = float(host_ms({p: [v] for p, v in values.items()}, 1)[0])
+    others = (p for p in NOT_COMPUTE if p not in HOST_WORK_PHASES)
+    return host + sum(values.get(p, 0.0) for p in others)
 
 
 def host_ms(per_rank: Mapping[str, Sequence[float]], n: int) -> np.ndarray:

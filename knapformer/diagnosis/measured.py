@@ -61,6 +61,7 @@ from knapformer.contract.phases import (
     DATA,
     DESCHEDULED,
     EXCHANGES,
+    FIXED_PHASES,
     GC,
     GROUP_EXCHANGES,
     PROBE,
@@ -192,6 +193,9 @@ class MeasuredStep:
     descheduled_ms: np.ndarray
     exchange_ms: np.ndarray  # (n,) time in the token exchanges (`EXCHANGES`)
     exchange_values: np.ndarray  # (n,) values the routing moved from and to it, both ways
+    #: (n,) ms in each of `FIXED_PHASES` it measured: the length gather, the gradient
+    #: all-reduce, the optimizer and the time between the loop's phases
+    fixed_ms: dict[str, np.ndarray]
     floor_load: float  # the layout floor over the mean load (1.00 = the ideal)
     at_floor: np.ndarray  # (n,) bool: its predicted load reaches the floor
     links: tuple[LinkStep, ...] = ()  # the exchange scopes (`link_steps`)
@@ -206,6 +210,11 @@ class MeasuredStep:
     def compute_ratio(self) -> np.ndarray:
         """(n,) measured compute relative to the plan's prediction (see the module doc)."""
         return compute_ratio(self.compute_ms, self.predicted_share)
+
+    def _exchange_wait(self) -> np.ndarray:
+        """(n,) of ``exchange_ms``, the time each rank waited for its peers."""
+        waits = (self.wait_ms[p] for p in EXCHANGES if p in self.wait_ms)
+        return sum(waits, np.zeros(len(self.gpus)))
 
     def figures(self) -> RankFigures:
         """The compact per-rank figures the straggler analysis keeps for every step."""
@@ -226,7 +235,9 @@ class MeasuredStep:
             gc_ms=self.gc_ms.astype(np.float32),
             descheduled_ms=self.descheduled_ms.astype(np.float32),
             exchange_ms=self.exchange_ms.astype(np.float32),
+            exchange_wait_ms=self._exchange_wait().astype(np.float32),
             exchange_values=self.exchange_values.astype(np.float32),
+            fixed_ms={p: ms.astype(np.float32) for p, ms in self.fixed_ms.items()},
             floor_load=self.floor_load,
             at_floor=self.at_floor,
             links=self.links,
@@ -255,7 +266,9 @@ class RankFigures:
     gc_ms: np.ndarray | None = None  # (n,) float32, of host_ms
     descheduled_ms: np.ndarray | None = None  # (n,) float32
     exchange_ms: np.ndarray | None = None  # (n,) float32
+    exchange_wait_ms: np.ndarray | None = None  # (n,) float32, of exchange_ms: waiting
     exchange_values: np.ndarray | None = None  # (n,) float32
+    fixed_ms: dict[str, np.ndarray] | None = None  # phase of `FIXED_PHASES` -> (n,) float32
     floor_load: float = float("nan")
     at_floor: np.ndarray | None = None  # (n,) bool
     links: tuple[LinkStep, ...] = ()  # the exchange scopes (`link_steps`)
@@ -349,6 +362,7 @@ def measure(plan: RoutingPlan) -> MeasuredStep | None:
         descheduled_ms=descheduled,
         exchange_ms=exchange,
         exchange_values=values,
+        fixed_ms={p: phase_ms(per_rank, p, n) for p in FIXED_PHASES if p in per_rank},
         floor_load=floor_load,
         at_floor=at_floor,
         # the compute the exchanges serve by the wall clock (the step is at least that long)

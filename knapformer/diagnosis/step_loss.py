@@ -8,24 +8,18 @@ compute model of `knapformer.diagnosis.stragglers.rank_steps`):
   not training: `knapformer.diagnosis.measured`);
 - **ideal**: the total compute spread evenly at the group's rate (the mean over ranks of
   what a rank at the group's rate takes for the work the plan gave it), plus the token
-  exchanges of a typical rank at the group's median bandwidth (values moved over time
-  in the exchanges, median over ranks).
+  exchanges of a typical rank at the group's median bandwidth (values moved over the
+  time in the exchanges less the time waiting in them, median over ranks).
 
-The difference is split into, in ms (each >= 0):
-
-- ``layout_floor``: the layout floor above the ideal (the largest sequence over the
-  largest bag, `MeasuredStep.floor_load` - 1, times the ideal compute): no plan on these
-  bags can get it back, other bags can (``knapformer suggest``);
-- ``solver_gap``: the plan's largest predicted load above the floor (or above the ideal
-  when the floor is below it), times the ideal compute;
-- ``slow_ranks``: the longest measured compute above the longest the group's rate
-  predicts for the plan (a slow GPU, or any rank slower than its peers);
-- ``input``: the longest wait for data plus host work of a rank (the step ends when the
-  last rank has its batch);
-- ``communication``: the exchanges' time with nobody waiting (the least any rank spent
-  in them) above the ideal exchanges;
-- ``other``: what is left (the gradient all-reduce's transfer, the optimizer, what no
-  figure names; negative when the parts overlap).
+The difference is split into the parts of `PARTS`, in ms (each >= 0 but ``other``),
+which `PART_INFO` names and describes. The step is as long as its slowest path, so each
+part is the rank that sets the pace: the largest compute, data wait and host work; the
+transfer of a collective is the least any rank spent in it (the
+last to arrive waited for nobody). The optimizer and the time between phases, which
+every rank spends alike after the gradient all-reduce, count at their median (the step
+is the median rank's). ``other`` is what no measured phase names (negative when the
+parts overlap). The waiting inside collectives is no part: it is what the
+slowest rank's parts cost the others.
 
 Pure numpy, no readers: the CLI, the dashboard and the report all use it.
 """
@@ -33,16 +27,71 @@ Pure numpy, no readers: the CLI, the dashboard and the report all use it.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
 from knapformer.contract.nan_reduce import nan_reduce
+from knapformer.contract.phases import ALLREDUCE, DESCHEDULED, GATHER, OPTIMIZER, UNTIMED
 from knapformer.diagnosis.measured import RankFigures
 from knapformer.diagnosis.stragglers import RankSteps, rank_steps
 
-#: The parts of a step's loss, in the order a table or a stacked chart shows them.
-PARTS = ("layout_floor", "solver_gap", "slow_ranks", "input", "communication", "other")
+
+@dataclass(frozen=True)
+class Part:
+    """One part of a step's loss: how tables and sentences name it, and what it holds."""
+
+    label: str
+    meaning: str
+
+
+#: Every part of a step's loss, in the order a table or a stacked chart shows them
+#: (`StepLoss.parts`).
+PART_INFO = {
+    "layout_floor": Part(
+        "layout floor",
+        "the largest sequence over the largest bag, above the ideal load: no plan on "
+        "these bags gets it back, other bags can (knapformer suggest)",
+    ),
+    "solver_gap": Part("solver gap", "the plan's largest predicted load above the layout floor"),
+    "slow_ranks": Part(
+        "slow ranks",
+        "the longest measured compute above the longest the group's rate predicts for the "
+        "plan (a slow GPU, or any rank slower than its peers)",
+    ),
+    "input": Part("input", "the longest wait of a rank for its next batch (data)"),
+    "host": Part(
+        "host work",
+        "the most host work of a rank: planning without its gather, recording, the loop's "
+        "host phase, garbage collection",
+    ),
+    "communication": Part(
+        "communication",
+        "the longest time a rank's token exchanges took with nobody waiting (its time in "
+        "them less its wait for peers), above the ideal exchanges",
+    ),
+    "exchange_waits": Part(
+        "waiting in exchanges",
+        "the least any rank waited for its peers in the token exchanges: even the rank "
+        "that sets the pace arrives first at some, when peers are late by turns (noise; "
+        "on the CPU, peers waiting for a core)",
+    ),
+    GATHER: Part("length gather", "the transfer of the all-gather of lengths a step opens with"),
+    ALLREDUCE: Part("gradient all-reduce", "the transfer of the gradient all-reduce"),
+    OPTIMIZER: Part("optimizer", "the optimizer step (median over ranks)"),
+    DESCHEDULED: Part(
+        "waiting for a core",
+        "on the CPU, the longest compute by the wall clock above the longest by CPU time: "
+        "a rank ready to compute while its thread waited for a core",
+    ),
+    UNTIMED: Part(
+        "between phases",
+        "the time between the training loop's timed phases, inside none (median over "
+        "ranks; measured when the loop times its forward_backward as a block)",
+    ),
+    "other": Part("other", "what no measured phase names (negative: the parts overlap)"),
+}
+PARTS = tuple(PART_INFO)
 
 
 @dataclass(frozen=True)
@@ -54,25 +103,26 @@ class StepLoss:
     ideal_ms: float
     ideal_compute_ms: float
     ideal_exchange_ms: float
-    layout_floor: float
-    solver_gap: float
-    slow_ranks: float
-    input: float
-    communication: float
-    other: float
+    part_ms: dict[str, float] = field(default_factory=dict)  # every one of `PARTS`
 
     @property
     def lost_ms(self) -> float:
         return self.measured_ms - self.ideal_ms
 
     def parts(self) -> dict[str, float]:
-        return {name: getattr(self, name) for name in PARTS}
+        return {name: self.part_ms[name] for name in PARTS}
+
+    def figure(self, name: str) -> float:
+        """A figure by name: ``measured_ms``, ``ideal_ms``, ``lost_ms`` or a part."""
+        return self.part_ms[name] if name in self.part_ms else getattr(self, name)
 
     def as_dict(self) -> dict:
-        """Plain JSON-ready values (NaN as None)."""
+        """Plain JSON-ready values (NaN as None), the parts beside the totals."""
+        values = {k: v for k, v in asdict(self).items() if k != "part_ms"}
+        values |= {"lost_ms": self.lost_ms, **self.parts()}
         return {
             k: (None if isinstance(v, float) and not np.isfinite(v) else v)
-            for k, v in {**asdict(self), "lost_ms": self.lost_ms}.items()
+            for k, v in values.items()
         }
 
 
@@ -83,47 +133,63 @@ def step_losses(figures: Sequence[RankFigures], m: RankSteps | None = None) -> l
         return []
     m = m if m is not None else rank_steps(figures)
     predicted = m.fit.predicted_ms if m.fit is not None else np.full(m.compute_ms.shape, np.nan)
-    out = []
     with np.errstate(divide="ignore", invalid="ignore"):  # NaN marks what was not measured
-        for col, f in enumerate(figures):
-            compute, pred = m.compute_ms[:, col], predicted[:, col]
-            taking = np.isfinite(compute)
-            step = m.step_ms[:, col] if m.step_ms.size else np.full(len(compute), np.nan)
-            measured = nan_reduce(np.nanmedian, step)
-            ideal_compute = nan_reduce(np.nanmean, np.where(taking, pred, np.nan))
-            values, exchange = m.exchange_values[:, col], m.exchange_ms[:, col]
-            moved = taking & (values > 0) & (exchange > 0)
-            if moved.any():
-                bandwidth = float(np.median(values[moved] / exchange[moved]))
-                ideal_exchange = float(np.median(values[moved])) / bandwidth
-                no_wait = nan_reduce(np.nanmin, exchange[moved])
-            else:
-                ideal_exchange = no_wait = 0.0
-            floor = max(float(f.floor_load), 1.0) if np.isfinite(f.floor_load) else 1.0
-            worst_load = _largest(m.predicted_load[:, col])
-            data = np.nan_to_num(m.data_ms[:, col]) + np.nan_to_num(m.host_ms[:, col])
-            parts = {
-                "layout_floor": (floor - 1.0) * ideal_compute,
-                "solver_gap": max(worst_load - floor, 0.0) * ideal_compute,
-                "slow_ranks": max(_largest(compute) - _largest(pred), 0.0),
-                "input": float(np.max(data[taking])) if taking.any() else 0.0,
-                "communication": max(no_wait - ideal_exchange, 0.0),
-            }
-            parts = {k: (v if np.isfinite(v) else 0.0) for k, v in parts.items()}
-            ideal = ideal_compute + ideal_exchange
-            other = measured - ideal - sum(parts.values())
-            out.append(
-                StepLoss(
-                    step=f.step,
-                    measured_ms=measured,
-                    ideal_ms=ideal,
-                    ideal_compute_ms=ideal_compute,
-                    ideal_exchange_ms=ideal_exchange,
-                    other=other,
-                    **parts,
-                )
-            )
-    return out
+        return [_step_loss(f, m, predicted, col) for col, f in enumerate(figures)]
+
+
+def _step_loss(f: RankFigures, m: RankSteps, predicted: np.ndarray, col: int) -> StepLoss:
+    """The loss of the step in column ``col`` of ``m`` (its figures ``f``)."""
+    compute, pred = m.compute_ms[:, col], predicted[:, col]
+    taking = np.isfinite(compute)
+    step = m.step_ms[:, col] if m.step_ms.size else np.full(len(compute), np.nan)
+    measured = nan_reduce(np.nanmedian, step)
+    ideal_compute = nan_reduce(np.nanmean, np.where(taking, pred, np.nan))
+    values, exchange = m.exchange_values[:, col], m.exchange_ms[:, col]
+    # the bandwidth of what the exchanges moved, not of the time ranks waited in them
+    transfer = exchange - np.nan_to_num(m.exchange_wait_ms[:, col])
+    moved = taking & (values > 0) & (transfer > 0)
+    if moved.any():
+        bandwidth = float(np.median(values[moved] / transfer[moved]))
+        ideal_exchange = float(np.median(values[moved])) / bandwidth
+        no_wait = _largest(np.where(moved, transfer, np.nan))
+    else:
+        ideal_exchange = no_wait = 0.0
+    floor = max(float(f.floor_load), 1.0) if np.isfinite(f.floor_load) else 1.0
+    worst_load = _largest(m.predicted_load[:, col])
+
+    def fixed(phase: str) -> np.ndarray:
+        matrix = m.fixed_ms.get(phase)
+        return np.full(len(compute), np.nan) if matrix is None else matrix[:, col]
+
+    descheduled = np.nan_to_num(m.descheduled_ms[:, col]) if m.descheduled_ms.size else 0.0
+    parts = {
+        "layout_floor": (floor - 1.0) * ideal_compute,
+        "solver_gap": max(worst_load - floor, 0.0) * ideal_compute,
+        "slow_ranks": max(_largest(compute) - _largest(pred), 0.0),
+        "input": _largest(np.where(taking, m.data_ms[:, col], np.nan)),
+        "host": _largest(np.where(taking, m.host_ms[:, col], np.nan)),
+        "communication": max(no_wait - ideal_exchange, 0.0),
+        "exchange_waits": nan_reduce(
+            np.nanmin, np.where(taking, m.exchange_wait_ms[:, col], np.nan)
+        )
+        if m.exchange_wait_ms.size
+        else 0.0,
+        GATHER: nan_reduce(np.nanmin, fixed(GATHER)),
+        ALLREDUCE: nan_reduce(np.nanmin, fixed(ALLREDUCE)),
+        OPTIMIZER: nan_reduce(np.nanmedian, fixed(OPTIMIZER)),
+        DESCHEDULED: max(_largest(compute + descheduled) - _largest(compute), 0.0),
+        UNTIMED: nan_reduce(np.nanmedian, fixed(UNTIMED)),
+    }
+    parts = {k: (float(v) if np.isfinite(v) else 0.0) for k, v in parts.items()}
+    parts["other"] = measured - ideal_compute - ideal_exchange - sum(parts.values())
+    return StepLoss(
+        step=f.step,
+        measured_ms=measured,
+        ideal_ms=ideal_compute + ideal_exchange,
+        ideal_compute_ms=ideal_compute,
+        ideal_exchange_ms=ideal_exchange,
+        part_ms=parts,
+    )
 
 
 def _largest(values: np.ndarray) -> float:
@@ -136,7 +202,7 @@ def summarise(losses: Sequence[StepLoss]) -> dict[str, float]:
     if not losses:
         return {}
     names = ("measured_ms", "ideal_ms", "lost_ms", *PARTS)
-    return {name: nan_reduce(np.nanmedian, [getattr(x, name) for x in losses]) for name in names}
+    return {name: nan_reduce(np.nanmedian, [x.figure(name) for x in losses]) for name in names}
 
 
 def describe_loss(summary: dict[str, float]) -> str:
@@ -144,7 +210,9 @@ def describe_loss(summary: dict[str, float]) -> str:
     if not summary:
         return "no measured step"
     parts = sorted(PARTS, key=lambda name: -summary[name])
-    shown = ", ".join(f"{name} {summary[name]:.0f} ms" for name in parts if summary[name] >= 0.5)
+    shown = ", ".join(
+        f"{PART_INFO[name].label} {summary[name]:.0f} ms" for name in parts if summary[name] >= 0.5
+    )
     return (
         f"a step took {summary['measured_ms']:.0f} ms against an ideal "
         f"{summary['ideal_ms']:.0f} ms (medians): lost {summary['lost_ms']:.0f} ms to "

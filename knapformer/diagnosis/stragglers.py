@@ -8,12 +8,15 @@ collectives, time waiting for data, host work, time in the token exchanges, and 
 Every verdict names the figure that decided it, and each needs that figure beyond its
 threshold in at least `Thresholds.persistence` of the rank's steps, median included:
 
-- ``slow_gpu``: its rate is at least `Thresholds.slow_ratio` times the group's, and the
-  time that costs (measured compute minus what a rank at the group's rate would take for
-  its work, by the wall clock: on the CPU, times what the rank waited for a core) is at
-  least `Thresholds.material` of the step. The hardware (throttling, another job) is
-  slow, not the data; a rank given little work is not slow for its fixed overhead (the
-  affine model takes it apart). It takes `Thresholds.min_steps_gpu` measured steps, more
+- ``slow_gpu``: its rate is at least `Thresholds.slow_ratio` times the group's. The
+  hardware (throttling, another job) is slow, not the data; a rank given little work is
+  not slow for its fixed overhead (the affine model takes it apart). What it costs does
+  not decide whether it is named, only how severe it is (`RankVerdict.severity`): the
+  time its rate costs the step (measured compute minus what a rank at the group's rate
+  would take for its work, by the wall clock: on the CPU, with what the rank waited for
+  a core) is ``minor`` under `Thresholds.material` of the step. A GPU 1.5x slower than
+  its peers is a fault to hear about however little this model loses to it today. It
+  takes `Thresholds.min_steps_gpu` measured steps, more
   than the other verdicts: the line the rate is read from needs them. A window whose fit
   is ambiguous (`ComputeFit.ambiguous`: another line, with other ranks off it, fits about
   as well, or within the noise of the window) names no rank slow_gpu.
@@ -95,7 +98,8 @@ class Thresholds:
     #: predicted load (1.00 = the ideal) from which a step counts as overloaded by the plan
     heavy_load: float = 1.1
     #: excess time, as a share of the group's median step, that makes a figure matter: a
-    #: rank is named only for what costs the step at least this much
+    #: rank is named slow_host or slow_input only for what costs the step at least this
+    #: much; a slow_gpu costing less is named ``minor``
     material: float = MATERIAL
     #: fraction of the window's measured steps that must agree for a verdict
     persistence: float = 0.6
@@ -159,6 +163,13 @@ class RankVerdict:
     slow_probes: int = 0  # probes with link_bandwidth at or below the threshold
     probes: int = 0  # probes it took part in
     decided_by: str = "ratio"  # the field that decided the verdict
+    #: what its verdict costs the step, by the wall clock (ms per step): its compute excess
+    #: (with the time it waited for a core on the CPU), host excess or data excess
+    cost_ms: float = float("nan")
+    cost_share: float = float("nan")  # cost_ms over the group's median step
+    #: of a named rank: "major", or "minor" when the cost is under `Thresholds.material`
+    #: of the step ("" for ``ok``)
+    severity: str = ""
 
     def as_dict(self) -> dict:
         """Plain JSON-ready values (NaN as None)."""
@@ -272,13 +283,18 @@ class RankSteps:
     gc_ms: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # (r, s), of host_ms
     descheduled_ms: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # (r, s)
     exchange_ms: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # (r, s)
+    exchange_wait_ms: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # (r, s)
     exchange_values: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # (r, s)
     at_floor: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), bool))  # (r, s)
     floor_load: np.ndarray = field(default_factory=lambda: np.zeros(0))  # (s,)
+    #: phase of `knapformer.contract.phases.FIXED_PHASES` -> (r, s), where any step
+    #: measured it (NaN where a step did not)
+    fixed_ms: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 _OPTIONAL = (
-    "step_ms", "data_ms", "host_ms", "gc_ms", "descheduled_ms", "exchange_ms", "exchange_values"
+    "step_ms", "data_ms", "host_ms", "gc_ms", "descheduled_ms", "exchange_ms",
+    "exchange_wait_ms", "exchange_values",
 )  # fmt: skip
 
 
@@ -289,6 +305,7 @@ def rank_steps(figures: Sequence[RankFigures]) -> RankSteps:
     names = ("compute_ms", "wait_ms", "share", "load", "shown", *_OPTIONAL)
     out = {name: np.full(shape, np.nan) for name in names}
     at_floor = np.zeros(shape, dtype=bool)
+    fixed: dict[str, np.ndarray] = {}
     for col, f in enumerate(figures):
         rows = np.searchsorted(ranks, f.gpus)
         out["compute_ms"][rows, col] = f.compute_ms
@@ -302,6 +319,8 @@ def rank_steps(figures: Sequence[RankFigures]) -> RankSteps:
                 out[name][rows, col] = values
         if f.at_floor is not None:
             at_floor[rows, col] = f.at_floor
+        for phase, ms in (f.fixed_ms or {}).items():
+            fixed.setdefault(phase, np.full(shape, np.nan))[rows, col] = ms
     fit = fit_compute(out["share"], out["compute_ms"])
     return RankSteps(
         ranks=ranks.astype(np.int64),
@@ -322,9 +341,11 @@ def rank_steps(figures: Sequence[RankFigures]) -> RankSteps:
         gc_ms=out["gc_ms"],
         descheduled_ms=out["descheduled_ms"],
         exchange_ms=out["exchange_ms"],
+        exchange_wait_ms=out["exchange_wait_ms"],
         exchange_values=out["exchange_values"],
         at_floor=at_floor,
         floor_load=np.array([f.floor_load for f in figures], dtype=np.float64),
+        fixed_ms=fixed,
     )
 
 
@@ -362,10 +383,13 @@ class StragglerReport:
 
     @property
     def named(self) -> list[RankVerdict]:
-        """Ranks whose verdict is not ``ok``: the most actionable verdict first, then by
-        how far off."""
+        """Ranks whose verdict is not ``ok``: major ones first, then the most actionable
+        verdict, then by how far off."""
         bad = [r for r in self.ranks if r.verdict != "ok"]
-        return sorted(bad, key=lambda r: (VERDICTS.index(r.verdict), -_severity(r)))
+        return sorted(
+            bad,
+            key=lambda r: (r.severity == "minor", VERDICTS.index(r.verdict), -_severity(r)),
+        )
 
     @property
     def straggler(self) -> RankVerdict | None:
@@ -375,13 +399,16 @@ class StragglerReport:
 
 
 def describe(r: RankVerdict) -> str:
-    """One line naming a rank's verdict and the figure that decided it: ``slow_gpu: rank 5
-    — rate 2.04× the group's (+41 ms of compute per step), in 15 of 15 steps``."""
+    """One line naming a rank's verdict, what it costs and the figure that decided it:
+    ``slow_gpu: rank 5 (major: costs 41 ms per step, 20% of the step) — rate 2.04× the
+    group's, in 15 of 15 steps: +41 ms of compute per step over its share``."""
     if r.verdict == "slow_gpu":
         why = (
-            f"rate {r.ratio:.2f}× the group's ({_ms(r.compute_excess_ms)} of compute per "
-            f"step), in {r.slow_steps} of {r.steps} steps"
+            f"rate {r.ratio:.2f}× the group's, in {r.slow_steps} of {r.steps} steps: "
+            f"{_ms(r.compute_excess_ms)} of compute per step over its share"
         )
+        if np.isfinite(r.cost_ms) and abs(r.cost_ms - r.compute_excess_ms) >= 0.5:
+            why += f" ({_ms(r.cost_ms)} by the wall clock, waiting for a core included)"
     elif r.verdict == "slow_host":
         collected = f" (garbage collection {r.gc_ms:.0f} ms)" if r.gc_ms >= 0.5 else ""
         why = (
@@ -409,7 +436,15 @@ def describe(r: RankVerdict) -> str:
         )
     else:
         why = f"rate {r.ratio:.2f}× the group's (median of {r.steps} steps)"
-    return f"{r.verdict}: rank {r.rank} — {why}"
+    return f"{r.verdict}: rank {r.rank}{_cost(r)} — {why}"
+
+
+def _cost(r: RankVerdict) -> str:
+    """`` (minor: costs 8 ms per step, 6% of the step)``: what a named rank's verdict
+    costs the step, where it is measured in time."""
+    if not r.severity or not np.isfinite(r.cost_ms) or not np.isfinite(r.cost_share):
+        return ""
+    return f" ({r.severity}: costs {r.cost_ms:.0f} ms per step, {r.cost_share:.0%} of the step)"
 
 
 def _ms(value: float) -> str:
@@ -456,11 +491,12 @@ def analyse(
         # of it took as much longer as the rank waited for a core (`descheduled`).
         stretch = (m.compute_ms + np.nan_to_num(m.descheduled_ms)) / m.compute_ms
         stretch = np.where(np.isfinite(stretch) & (m.compute_ms > 0), stretch, 1.0)
-        compute_excess = (m.compute_ms - predicted) * stretch
+        compute_excess = m.compute_ms - predicted
+        wall_excess = compute_excess * stretch
         values_per_ms = m.exchange_values / m.exchange_ms
         bandwidth = row_medians(values_per_ms / nan_reduce(np.nanmedian, values_per_ms, axis=0))
         # NaN compares False: absent steps never count
-        slow_each = (m.ratio >= th.slow_ratio) & (compute_excess >= material)
+        slow_each = m.ratio >= th.slow_ratio
         heavy_each = m.predicted_load >= th.heavy_load
     bandwidth_steps = relative_bandwidth(figures, m.ranks)  # (r, s)
     probes = np.isfinite(bandwidth_steps).sum(axis=1)
@@ -521,14 +557,24 @@ def analyse(
         "slow_probes": slow_link_each.sum(axis=1).tolist(),
         "probes": probes.tolist(),
     }
+    costs = {
+        "slow_gpu": row_medians(wall_excess),
+        "slow_host": row_medians(excess["host"]),
+        "slow_input": row_medians(excess["data"]),
+    }
     verdicts = []
     for i, rank in enumerate(m.ranks.tolist()):
         verdict = next((v for v in VERDICTS[:-1] if flags[v][i]), "ok")
+        cost = float(costs[verdict][i]) if verdict in costs else float("nan")
+        share = cost / step_ms if np.isfinite(cost) and step_ms > 0 else float("nan")
         verdicts.append(
             RankVerdict(
                 rank=rank,
                 verdict=verdict,
                 decided_by=DECIDED_BY[verdict],
+                cost_ms=cost,
+                cost_share=share,
+                severity=_severity_of(verdict, share, th),
                 **{name: values[i] for name, values in columns.items()},
             )
         )
@@ -537,6 +583,14 @@ def analyse(
     probed_healthy = (probes >= 1) & (link_bandwidth > th.link_bandwidth)
     links = link_verdicts(figures, th, frozenset(m.ranks[probed_healthy].tolist()))
     return StragglerReport(verdicts, m.steps, m.phases, th, fit, step_ms, links)
+
+
+def _severity_of(verdict: str, share: float, th: Thresholds) -> str:
+    """ "minor" for a named rank whose verdict costs under `Thresholds.material` of the
+    step, "major" for the others named, "" for ``ok``."""
+    if verdict == "ok":
+        return ""
+    return "minor" if share < th.material else "major"
 
 
 def _zeros(values: np.ndarray) -> list[float]:

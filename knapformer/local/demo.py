@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from knapformer.contract.phases import DATA, FORWARD_BACKWARD, HOST, OPTIMIZER
 from knapformer.contract.runfiles import plans_file, remove_recording
 from knapformer.contract.stats import summary_line
 from knapformer.errors import file_error
@@ -202,7 +203,7 @@ def train(
             started = time.perf_counter()
             # Waiting for the batch ends the step before (from one plan to the next): a
             # step's `data` is the wait for the batch of the step after it.
-            with balancer.timed("data"):
+            with balancer.timed(DATA):
                 if cfg.slow_rank == rank:
                     balancer.wait_for_input()  # a slow loader (slow_kind input only)
                 lengths, seed = batch(step)
@@ -214,15 +215,14 @@ def train(
                 balancer.prefetch(batch(step + 1)[0], token_dim=d_model)
             group_elems = float(plan.sequences.length.sum()) * d_model
 
-            fb_start = time.perf_counter()
-            pred = model(noisy, lengths.tolist(), balancer)
-            sq_err = (pred - target).square().sum()
-            # Each rank's share of its group's mean loss, averaged over the replicas, so
-            # that summing gradients over all ranks gives the gradient of the mean.
-            (sq_err / (group_elems * balancer.num_replicas)).backward()
-            if cfg.slow_rank == rank:
-                balancer.lag()  # the backward pass's slowdown, before the all-reduce
-            fb_done = time.perf_counter()
+            with balancer.timed(FORWARD_BACKWARD):
+                pred = model(noisy, lengths.tolist(), balancer)
+                sq_err = (pred - target).square().sum()
+                # Each rank's share of its group's mean loss, averaged over the replicas,
+                # so that summing gradients over all ranks gives the gradient of the mean.
+                (sq_err / (group_elems * balancer.num_replicas)).backward()
+                if cfg.slow_rank == rank:
+                    balancer.lag()  # the backward pass's slowdown, before the all-reduce
 
             stopping = float(stop is not None and stop())
             flat = torch.cat(
@@ -238,17 +238,15 @@ def train(
                 n = p.numel()
                 p.grad.copy_(flat[offset : offset + n].view_as(p))
                 offset += n
-            opt_start = time.perf_counter()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=False)
+            with balancer.timed(OPTIMIZER):
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=False)
             done = time.perf_counter()
-            balancer.add_timing("forward_backward", (fb_done - fb_start) * 1e3)
-            balancer.add_timing("optimizer", (done - opt_start) * 1e3)
 
             if report is not None:
                 # Host work of the reporting rank alone (the plan's stats, the message to
                 # the launcher): timed as `host`, or it would read as this rank's compute.
-                with balancer.timed("host"):
+                with balancer.timed(HOST):
                     stats = plan.stats
                     world_elems = group_elems * balancer.num_replicas
                     report(

@@ -70,7 +70,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from knapformer.contract.phases import COLLECTIVE_PHASES, DERIVED_PHASES
+from knapformer.contract.phases import (
+    COLLECTIVE_PHASES,
+    DERIVED_PHASES,
+    DEVICE_PHASES,
+    OPTIMIZER,
+    PLAN,
+)
 from knapformer.contract.plan import RoutingPlan
 from knapformer.contract.topology import Topology, as_topology
 from knapformer.errors import KnapformerError
@@ -314,18 +320,42 @@ class SequenceBalancer:
 
     @contextmanager
     def timed(self, phase: str) -> Iterator[None]:
-        """Time host work of the training loop as ``phase`` (``"data"``, ``"host"`` or one
-        added with ``phases=``) by the wall clock and the thread's CPU clock::
+        """Time a part of the training loop as ``phase`` of this step, one line each::
 
-            with balancer.timed("data"):
+            with balancer.timed("data"):  # waiting for the next batch
                 batch = next(loader)
+            with balancer.timed("forward_backward"):
+                loss = model(batch, balancer).backward()
+            with balancer.timed("optimizer"):  # or balancer.time_optimizer(opt) once
+                opt.step()
 
-        On the CPU a step's ``compute`` is the thread's CPU time outside the collectives
-        and such phases (`knapformer.runtime.timing`); a phase added with `add_timing`
-        alone is taken out at its wall time."""
+        The device's phases (`knapformer.contract.phases.DEVICE_PHASES`) are timed with
+        CUDA events on a GPU, the others (``data``, ``host``, one added with ``phases=``)
+        by the host's wall and CPU clocks. A step's ``compute`` is what is left of it
+        outside the collectives, the data wait, host work and the optimizer
+        (`knapformer.runtime.timing`); when ``forward_backward`` is timed as a block,
+        the step's time inside no phase is ``untimed`` (on the CPU)."""
         _check_added_phase(phase)
-        with self._timer.host_timed(phase):
+        timer = self._timer.timed if phase in DEVICE_PHASES else self._timer.host_timed
+        with timer(phase):
             yield
+
+    def time_optimizer(self, optimizer: torch.optim.Optimizer) -> tuple[Any, Any]:
+        """Time every ``optimizer.step()`` as the step's ``optimizer`` phase, through the
+        optimizer's step hooks (instead of a ``timed`` block around each call). Returns
+        the two hook handles; ``handle.remove()`` undoes it."""
+        open_blocks: list[Any] = []
+
+        def before(*_: Any) -> None:
+            block = self.timed(OPTIMIZER)
+            block.__enter__()
+            open_blocks.append(block)
+
+        def after(*_: Any) -> None:
+            if open_blocks:
+                open_blocks.pop().__exit__(None, None, None)
+
+        return optimizer.register_step_pre_hook(before), optimizer.register_step_post_hook(after)
 
     @contextmanager
     def collective(self, phase: str = "allreduce") -> Iterator[None]:
@@ -387,7 +417,7 @@ class SequenceBalancer:
             plan.time = wall
             plan.measurements.plan_ms = elapsed  # what training paid: planning and the gather
             self._timer.open(plan.step, started, begin, cpu)
-            self._timer.add("plan", elapsed, cpu_clock_ms() - cpu)
+            self._timer.add(PLAN, elapsed, cpu_clock_ms() - cpu, outermost=True)
             self._timer.add("gather", planned.gather_ms, 0.0)  # its CPU time is the plan's
             if self._prober.due(plan.step):
                 with marks.mark(marks.PROBE), self._timer.timed("probe"):

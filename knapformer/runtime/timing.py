@@ -46,21 +46,20 @@ import numpy as np
 import torch
 
 from knapformer.contract.phases import (
-    COLLECTIVE_PHASES,
-    DATA,
+    COMPUTE,
+    DESCHEDULED,
+    FORWARD_BACKWARD,
     GC,
-    HOST_WORK_PHASES,
+    NOT_COMPUTE,
     RECORDED_PHASES,
-    host_ms,
+    STEP,
+    UNTIMED,
+    outside_compute_ms,
 )
 from knapformer.contract.plan import Measurements, RoutingPlan
 from knapformer.runtime import gc_clock
 
 log = logging.getLogger(__name__)
-
-#: What is not the device's compute: the collectives, the wait for data and host work
-#: (`knapformer.contract.phases.host_ms`: ``plan``, less the ``gather`` it holds).
-_OUTSIDE = (*COLLECTIVE_PHASES, DATA, *HOST_WORK_PHASES)
 
 
 def cpu_clock_ms() -> float:
@@ -73,19 +72,40 @@ def wall_clock_ms() -> float:
     return time.perf_counter() * 1e3
 
 
-def outside_compute_ms(values: Mapping[str, float]) -> float:
-    """Ms of a step's phases (``values``) that are not compute: waiting in collectives,
-    and the host's own work and the wait for data, which must not read as a slow GPU
-    either (a slow loader, a busy host)."""
-    waited = sum(values.get(p, 0.0) for p in COLLECTIVE_PHASES)
-    host = float(host_ms({p: [v] for p, v in values.items()}, 1)[0])
-    return waited + values.get(DATA, 0.0) + host
-
-
-def _outside_cpu(cpu: dict[str, float], wall: dict[str, float]) -> float:
+def _outside_cpu(cpu: Mapping[str, float], wall: Mapping[str, float]) -> float:
     """CPU ms of a step's phases that are not compute (``cpu``), each phase whose CPU
     time is not known at its wall ms (``wall``)."""
-    return sum(cpu.get(p, wall.get(p, 0.0)) for p in _OUTSIDE)
+    return sum(cpu.get(p, wall.get(p, 0.0)) for p in NOT_COMPUTE)
+
+
+@dataclass
+class Coverage:
+    """What the training thread's outermost timed phases of one step covered (on the
+    CPU): their wall and CPU ms, the garbage collections during them and, once the step
+    ended, those between them, and whether one of them was the ``forward_backward`` that
+    holds the compute. The rest of the step's wall time is ``untimed``: Python between
+    the loop's phases."""
+
+    wall: float = 0.0
+    cpu: float = 0.0
+    gc_in: list[float] = field(default_factory=lambda: [0.0, 0.0])  # (wall, CPU) ms
+    gc_between: tuple[float, float] = (0.0, 0.0)  # (wall, CPU) ms, set when the step ends
+    holds_compute: bool = False
+
+    def add(self, phase: str, wall: float, cpu: float) -> None:
+        self.wall += wall
+        self.cpu += cpu
+        self.holds_compute |= phase == FORWARD_BACKWARD
+
+    def untimed(self, step_wall: float, step_cpu: float) -> tuple[float, float] | None:
+        """(wall ms, CPU ms) of the step outside every outermost phase and every
+        collection between them; None when no phase held the compute (the time between
+        phases is then the compute's own: nothing tells them apart)."""
+        if not self.holds_compute:
+            return None
+        wall = max(step_wall - self.wall - self.gc_between[0], 0.0)
+        cpu = step_cpu - self.cpu - self.gc_between[1]
+        return wall, min(max(cpu, 0.0), wall)
 
 
 @dataclass
@@ -104,6 +124,7 @@ class FinishedStep:
     cpu_step: float | None = None  # on the CPU: the thread's CPU ms over the step
     cpu: dict[str, float] = field(default_factory=dict)  # CPU ms of phases that timed it
     device_ms: float = 0.0  # on the CPU: a waited-for device's time (`StepTimer.add_device`)
+    coverage: Coverage | None = None  # on the CPU: what its timed blocks covered
     _values: dict[str, float] | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -120,15 +141,20 @@ class FinishedStep:
             values[phase] = values.get(phase, 0.0) + start.elapsed_time(end)
         if self.begin is not None:
             self.end.synchronize()
-            values["step"] = self.begin.elapsed_time(self.end)
+            values[STEP] = self.begin.elapsed_time(self.end)
         else:
-            values["step"] = (self.ended - self.started) * 1e3
-        values["compute"] = max(values["step"] - outside_compute_ms(values), 0.0)
+            values[STEP] = (self.ended - self.started) * 1e3
+        cpu = dict(self.cpu)
+        if self.cpu_step is not None and self.coverage is not None:
+            untimed = self.coverage.untimed(values[STEP], self.cpu_step)
+            if untimed is not None:
+                values[UNTIMED], cpu[UNTIMED] = untimed
+        values[COMPUTE] = max(values[STEP] - outside_compute_ms(values), 0.0)
         if self.cpu_step is not None:
-            busy = self.cpu_step - _outside_cpu(self.cpu, values) + self.device_ms
-            wall = values["compute"]
-            values["compute"] = min(max(busy, 0.0), wall)
-            values["descheduled"] = wall - values["compute"]
+            busy = self.cpu_step - _outside_cpu(cpu, values) + self.device_ms
+            wall = values[COMPUTE]
+            values[COMPUTE] = min(max(busy, 0.0), wall)
+            values[DESCHEDULED] = wall - values[COMPUTE]
         return values
 
     def row(self, phases: Iterable[str]) -> list[float]:
@@ -181,6 +207,8 @@ class _OpenStep:
     cpu: dict[str, float] = field(default_factory=dict)
     gc_at_open: tuple[float, float] = (0.0, 0.0)  # `GcClock.reading` when it opened
     gc_in_phases: list[float] = field(default_factory=lambda: [0.0, 0.0])  # (wall, CPU) ms
+    thread: int = field(default_factory=threading.get_ident)  # the training thread
+    coverage: Coverage = field(default_factory=Coverage)
 
 
 class StepTimer:
@@ -248,6 +276,7 @@ class StepTimer:
             cpu_step,
             step.cpu,
             step.device_ms,
+            step.coverage if cpu_step is not None else None,
         )
         with self._changed:
             self._finished[step.step] = done
@@ -256,9 +285,13 @@ class StepTimer:
             self._changed.notify_all()
         return done
 
-    def add(self, phase: str, ms: float, cpu_ms: float | None = None) -> None:
+    def add(
+        self, phase: str, ms: float, cpu_ms: float | None = None, outermost: bool = False
+    ) -> None:
         """Add ``ms`` to ``phase`` of the open step (ignored while no step is open), and
-        ``cpu_ms``, the thread's CPU time in it, when known."""
+        ``cpu_ms``, the thread's CPU time in it, when known. ``outermost``: the phase
+        ran on the training thread inside no other timed phase (the step's coverage,
+        `Coverage`)."""
         if phase not in self.phases and phase not in self._warned:
             self._warned.add(phase)
             log.warning(
@@ -270,6 +303,8 @@ class StepTimer:
         if self._open is not None:
             host = self._open.host
             host[phase] = host.get(phase, 0.0) + float(ms)
+            if outermost:
+                self._open.coverage.add(phase, float(ms), float(cpu_ms or 0.0))
             if cpu_ms is not None:
                 cpu = self._open.cpu
                 cpu[phase] = cpu.get(phase, 0.0) + float(cpu_ms)
@@ -296,19 +331,41 @@ class StepTimer:
         """Time the block as ``phase`` of the open step by the host's clocks, whatever the
         device: the wall clock and the thread's CPU clock."""
         began, cpu = wall_clock_ms(), cpu_clock_ms()
+        outer = self._outermost()
+        gc_before = self._gc.reading() if outer is not None and self._gc is not None else None
+        depth = getattr(self._nesting, "blocks", 0)
+        self._nesting.blocks = depth + 1
         try:
             with self._gc_counted_in_phase(phase):
                 yield
         finally:
-            self.add(phase, wall_clock_ms() - began, cpu_clock_ms() - cpu)
+            self._nesting.blocks = depth
+            wall, cpu_ms = wall_clock_ms() - began, cpu_clock_ms() - cpu
+            if gc_before is not None and outer is self._open:
+                gc_wall, gc_cpu = self._gc.reading()
+                outer.coverage.gc_in[0] += gc_wall - gc_before[0]
+                outer.coverage.gc_in[1] += gc_cpu - gc_before[1]
+            self.add(phase, wall, cpu_ms, outermost=outer is not None and outer is self._open)
+
+    def _outermost(self) -> _OpenStep | None:
+        """The open step when a phase starting now is outermost: on the thread that opened
+        it, inside no other timed phase (None otherwise)."""
+        step = self._open
+        if (
+            step is None
+            or getattr(self._nesting, "blocks", 0)
+            or step.thread != threading.get_ident()
+        ):
+            return None
+        return step
 
     @contextmanager
     def _gc_counted_in_phase(self, phase: str) -> Iterator[None]:
-        """Collections during a phase that is not compute (`_OUTSIDE`: a collective, host
+        """Collections during a phase that is not compute (`NOT_COMPUTE`: a collective, host
         work) are in that phase, which the compute already leaves out: keep them out of
         the step's ``gc`` (once, for the outermost of nested phases). Those in a phase of
         the compute (``forward_backward``) stay in ``gc``, and leave the compute."""
-        if self._gc is None or phase not in _OUTSIDE:
+        if self._gc is None or phase not in NOT_COMPUTE:
             yield
             return
         depth = getattr(self._nesting, "depth", 0)
@@ -330,6 +387,9 @@ class StepTimer:
         if self._gc is None or step is None:
             return
         wall, cpu = self._gc.reading()
+        since_open = (wall - step.gc_at_open[0], cpu - step.gc_at_open[1])
+        coverage = step.coverage
+        coverage.gc_between = (since_open[0] - coverage.gc_in[0], since_open[1] - coverage.gc_in[1])
         wall -= step.gc_at_open[0] + step.gc_in_phases[0]
         cpu -= step.gc_at_open[1] + step.gc_in_phases[1]
         if wall > 0:

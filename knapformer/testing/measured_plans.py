@@ -32,11 +32,15 @@ def with_measurements(
     slow_factor: float = 1.0,
     noise: float = 0.05,
     speeds: dict[int, float] | None = None,
+    optimizer_ms: float = 0.0,
+    untimed_ms: float = 0.0,
 ) -> RoutingPlan:
     """``plan`` with ``measurements.per_rank_ms`` of every recorded phase of a step (plus
     ``compute``): compute ~ work at nominal speed, scaled so the mean rank takes
     ``mean_compute_ms``, with lognormal ``noise``; ``slow_rank`` takes ``slow_factor``
-    times as long; ``speeds`` (rank -> relative speed) slows several ranks at once."""
+    times as long; ``speeds`` (rank -> relative speed) slows several ranks at once.
+    ``optimizer_ms`` / ``untimed_ms`` (when > 0, with noise): an optimizer step after the
+    all-reduce and time between the loop's phases, each on every rank."""
     st = plan.stats
     n = len(plan.gpus)
     work = st.work_after
@@ -69,9 +73,14 @@ def with_measurements(
     times["reverse_route"] = transfer("reverse_route")
     clock = clock + times["reverse_route"]
     times["allreduce"] = clock.max() - clock + transfer("allreduce")
+    step = clock + times["allreduce"]
+    for name, ms in (("optimizer", optimizer_ms), ("untimed", untimed_ms)):
+        if ms > 0:
+            times[name] = ms * rng.lognormal(0.0, noise, n)
+            step = step + times[name]
     per_rank = {name: t.tolist() for name, t in times.items()}
     per_rank["compute"] = compute.tolist()
-    per_rank["step"] = (clock + times["allreduce"]).tolist()
+    per_rank["step"] = step.tolist()
     return plan.model_copy(update={"measurements": Measurements(plan_ms=1.0, per_rank_ms=per_rank)})
 
 
