@@ -7,25 +7,18 @@
 - header cards (`_header_cards`) and notices (`_notices`): drawn from the view.
 - step selection (`_step_selection`): slider, "go to step" (typed, Enter), "follow live"
   and timeline clicks decide which step is shown (the ``selection`` store).
-- timeline (`_timeline`): appends new steps with a `Patch` instead of resending the
-  whole figure, and marks the selected step.
-- per-step views (`_step_views`): run only when the shown step or the highlighted
-  sequence changes; they re-read that one plan and draw it. The step label comes with
-  the figures, so it always names the step they show.
-- sequence table (`_sequence_table`, `_pick_sequence`): one page at a time, sorted and
-  filtered on the server (`dashboard.table`); picking a row sets the ``highlight`` store.
-- per-rank views beside the load chart: where each rank's step went, for the shown step
-  and the mean of the last `PHASE_WINDOW` measured steps (`_phase_views`), and tokens
-  per GPU with the planner's cap (`_tokens_view`). The ranks the straggler verdict flags
-  (`_flagged`) are named on every per-rank figure.
-- partition per step (`_topology_view`): which topology each step used.
-- straggler views (`_straggler_views`): rank × step heatmaps of measured compute ÷
-  predicted and of waiting (colour scale without the warm-up steps), and compute vs
-  waiting per rank, over the measured steps up to the shown one; the header names the
-  run's current straggler (`_header_cards`).
-- what each step lost against an ideal one (in `_straggler_views`, from the same
-  measured steps): the loss's parts per measured step up to the shown one
-  (`diagnosis.step_loss`).
+- the per-step views (`knapformer.dashboard.step_frame`): the step's label, the load
+  chart, traffic, tokens per GPU, where each rank's step went (the shown step and the
+  mean of the last measured steps) and the straggler views up to it (rank × step
+  heatmaps, compute vs waiting, what each step lost), drawn by ONE callback from the
+  ``selection`` store, so that all of them show the same step. The step they drew goes to
+  the ``frame`` store.
+- timeline (`_timeline`) and partition per step (`_topology_view`): they mark the step in
+  ``frame``; the timeline appends new steps with a `Patch` instead of resending the whole
+  figure.
+- sequence table (`_sequence_table`, `_pick_sequence`): the sequences of the step in
+  ``frame``, one page at a time, sorted and filtered on the server (`dashboard.table`);
+  picking a row sets the ``highlight`` store.
 
 Every callback names its outputs (dicts of `Output`), and figures are built by
 `visualization.figures` and `visualization.straggler_figures`.
@@ -43,6 +36,7 @@ from typing import Any
 import flask
 from dash import Dash, Input, Output, Patch, State, ctx, dash_table, dcc, html, no_update
 from dash.exceptions import PreventUpdate
+from knapformer.dashboard import step_frame
 from knapformer.dashboard.guard import (
     guard_callbacks,
     is_int,
@@ -53,65 +47,32 @@ from knapformer.dashboard.guard import (
     optional,
     record,
 )
+from knapformer.dashboard.step_frame import key, plan_of, step_of
 from knapformer.dashboard.store import PlanStore, RequestGate, Runs, Snapshot
+from knapformer.dashboard.styles import CARD, HALF, HIDDEN, NOTICE, PICKER
 from knapformer.dashboard.table import query
-from knapformer.visualization.axes import gpu_axis
 from knapformer.visualization.figures import (
     SEQUENCE_COLUMNS,
-    bag_load_figure,
     empty_figure,
     selection_shapes,
     timeline_columns,
     timeline_figure,
     timeline_measured,
     timeline_mode,
-    tokens_figure,
     topology_figure,
-    traffic_figure,
 )
-from knapformer.visualization.phase_figures import phase_figure, reorder, step_parts, window_parts
-from knapformer.visualization.straggler_figures import (
-    HEATMAP_STEPS,
-    NO_STRAGGLER,
-    compute_wait_figure,
-    flagged_ranks,
-    heatmap_steps,
-    ratio_heatmap,
-    step_loss_figure,
-    wait_heatmap,
-)
+from knapformer.visualization.straggler_figures import NO_STRAGGLER
 
 from knapformer.contract.runfiles import RUNS_LAYOUT
 from knapformer.contract.stats import before_after
 from knapformer.contract.units import LoadUnit
-from knapformer.diagnosis.step_loss import step_losses
-from knapformer.diagnosis.stragglers import WINDOW, analyse, describe, rank_steps
+from knapformer.diagnosis.stragglers import WINDOW, analyse, describe
 
 TICK_MS = 500
 PAGE_LOAD_LINGER_S = 1.5
 PAGE_SIZE = 15
-#: Measured steps the window's phase breakdown averages (each is re-read from the file;
-#: the store caches 8 plans, the shown step's included).
-PHASE_WINDOW = 6
 _SHOWN_PROBLEMS = 8
-_HIDDEN = {"display": "none"}
-_CARD = {
-    "padding": "8px 14px",
-    "border": "1px solid #dee2e6",
-    "borderRadius": "6px",
-    "minWidth": "150px",
-}
-_PICKER = {"display": "flex", "alignItems": "center", "margin": "6px 0"}
-_HALF = {"flex": "1", "minWidth": "420px"}
 _COLUMN_NAMES = {"src_gpu": "source GPU"}  # else the column id
-_NOTICE = {
-    "padding": "8px 12px",
-    "margin": "8px 0",
-    "background": "#fff4e6",
-    "border": "1px solid #ffa94d",
-    "borderRadius": "6px",
-    "whiteSpace": "pre-wrap",
-}
 
 
 #: What each callback input and state may hold, by (component id, property): a request
@@ -127,6 +88,9 @@ CALLBACK_SHAPES = {
     ("run-picker", "options"): optional(is_list),
     ("client", "data"): record(required=False, run=optional(is_str), count=is_int),
     ("selection", "data"): optional(
+        record(run=optional(is_str), reset=optional(is_int), index=optional(is_int))
+    ),
+    ("frame", "data"): optional(
         record(run=optional(is_str), reset=optional(is_int), index=optional(is_int))
     ),
     ("view", "data"): optional(record(run=optional(is_str), notices=list_of(is_str))),
@@ -146,7 +110,7 @@ CALLBACK_SHAPES = {
 def _card(label: str, value_id: str) -> html.Div:
     return html.Div(
         [html.Div(label, style={"fontSize": "12px", "color": "#868e96"}), html.B(id=value_id)],
-        style=_CARD,
+        style=CARD,
     )
 
 
@@ -166,8 +130,10 @@ def _layout(runs: Runs) -> html.Div:
             dcc.Store(id="view"),
             # What the browser's timeline currently holds, so an update can append to it.
             dcc.Store(id="client", data={"run": None, "reset": None, "count": 0}),
-            # The step the per-step views show: run, reset counter, index.
+            # The step the per-step views are to show: run, reset counter, index.
             dcc.Store(id="selection", data=initial),
+            # The step they show (`step_frame`), which the timelines and the table follow.
+            dcc.Store(id="frame"),
             # The sequence whose chunks are highlighted: the step it belongs to, and its id.
             dcc.Store(id="highlight"),
             html.H2("KnapFormer routing plans", style={"margin": "4px 0"}),
@@ -177,7 +143,7 @@ def _layout(runs: Runs) -> html.Div:
                     dcc.Dropdown(id="run-picker", clearable=False, style={"width": "360px"}),
                 ],
                 id="run-picker-box",
-                style=_HIDDEN,
+                style=HIDDEN,
             ),
             html.Div(
                 [
@@ -190,7 +156,7 @@ def _layout(runs: Runs) -> html.Div:
                 ],
                 style={"display": "flex", "gap": "10px", "flexWrap": "wrap"},
             ),
-            html.Div(id="notice", role="alert", style=_HIDDEN),
+            html.Div(id="notice", role="alert", style=HIDDEN),
             html.Div(
                 [
                     html.Div(
@@ -229,31 +195,31 @@ def _layout(runs: Runs) -> html.Div:
                 ],
                 style={"margin": "0 8px"},
             ),
-            html.Div(id="detail-notice", role="alert", style=_HIDDEN),
+            html.Div(id="detail-notice", role="alert", style=HIDDEN),
             # Full width: the GPU label rule plans for a plot `axes.PLOT_PX` wide.
             dcc.Graph(id="bag-load", style={"height": "440px"}),
             _row(
-                html.Div(dcc.Graph(id="phase-step", style={"height": "440px"}), style=_HALF),
-                html.Div(dcc.Graph(id="phase-window", style={"height": "440px"}), style=_HALF),
+                html.Div(dcc.Graph(id="phase-step", style={"height": "440px"}), style=HALF),
+                html.Div(dcc.Graph(id="phase-window", style={"height": "440px"}), style=HALF),
             ),
             dcc.Graph(id="tokens", style={"height": "360px"}),
             _row(
-                html.Div(dcc.Graph(id="timeline"), style=_HALF),
-                html.Div(dcc.Graph(id="traffic", style={"height": "430px"}), style=_HALF),
+                html.Div(dcc.Graph(id="timeline"), style=HALF),
+                html.Div(dcc.Graph(id="traffic", style={"height": "430px"}), style=HALF),
             ),
             dcc.Graph(id="topology-timeline"),
             html.Div(
                 [
                     html.H4("Stragglers: measured compute apart from waiting"),
                     _row(
-                        html.Div(dcc.Graph(id="ratio-heatmap"), style=_HALF),
-                        html.Div(dcc.Graph(id="wait-heatmap"), style=_HALF),
+                        html.Div(dcc.Graph(id="ratio-heatmap"), style=HALF),
+                        html.Div(dcc.Graph(id="wait-heatmap"), style=HALF),
                     ),
                     dcc.Graph(id="compute-wait"),
                     dcc.Graph(id="step-loss"),
                 ],
                 id="straggler-box",
-                style=_HIDDEN,
+                style=HIDDEN,
             ),
             html.H4("Sequences of the step (select one to highlight its chunks)"),
             dash_table.DataTable(
@@ -318,12 +284,7 @@ def _marks(snap: Snapshot) -> dict:
     if n == 0:
         return {}
     picks = sorted({round(i * (n - 1) / 5) for i in range(6)})
-    return {i: str(_step_of(snap, i)) for i in picks}
-
-
-def _step_of(snap: Snapshot, index: int) -> int:
-    step = snap.summaries[index].step
-    return index if step is None else step
+    return {i: str(step_of(snap, i)) for i in picks}
 
 
 def _view(run: str | None, snap: Snapshot | None, path: Path) -> dict:
@@ -413,13 +374,10 @@ def create_app(path: str | Path) -> Dash:
     _notices(app, timed)
     _step_selection(app, runs, timed)
     _timeline(app, runs, timed)
-    _step_views(app, runs, timed)
-    _phase_views(app, runs, timed)
-    _tokens_view(app, runs, timed)
+    step_frame.register(app, runs, timed)
     _topology_view(app, runs, timed)
     _sequence_table(app, runs, timed)
     _pick_sequence(app, timed)
-    _straggler_views(app, runs, timed)
     return app
 
 
@@ -452,7 +410,7 @@ def _watch_runs(app: Dash, runs: Runs, path: Path, timed: Callable) -> None:
         new = {
             "options": [{"label": name, "value": name} for name in files],
             "value": run,
-            "style": _PICKER if len(files) > 1 else _HIDDEN,
+            "style": PICKER if len(files) > 1 else HIDDEN,
             "view": _view(run, store.snapshot() if store else None, path),
         }
         return _changed(new, {"options": options, "value": picked, "style": style, "view": view})
@@ -507,7 +465,7 @@ def _notices(app: Dash, timed: Callable) -> None:
         lines = view["notices"] if view else []
         return {
             "lines": [html.Div(line) for line in lines],
-            "style": _NOTICE if lines else _HIDDEN,
+            "style": NOTICE if lines else HIDDEN,
         }
 
 
@@ -577,7 +535,7 @@ def _step_selection(app: Dash, runs: Runs, timed: Callable) -> None:
             note = (
                 f"· following live ({n:,} steps)"
                 if following
-                else f"· not following live (newest: step {_step_of(snap, last)})"
+                else f"· not following live (newest: step {step_of(snap, last)})"
             )
         return {
             "last": last,
@@ -596,7 +554,7 @@ def _step_selection(app: Dash, runs: Runs, timed: Callable) -> None:
 def _typed_step(snap: Snapshot, typed: float) -> tuple[int, str]:
     """The index of the step a user typed, and a note when it is not in the run (then the
     nearest step is chosen)."""
-    steps = [_step_of(snap, i) for i in range(len(snap.summaries))]
+    steps = [step_of(snap, i) for i in range(len(snap.summaries))]
     wanted = int(typed)
     if wanted in steps:
         return steps.index(wanted), ""
@@ -607,7 +565,7 @@ def _typed_step(snap: Snapshot, typed: float) -> tuple[int, str]:
 def _timeline(app: Dash, runs: Runs, timed: Callable) -> None:
     @app.callback(
         output={"figure": Output("timeline", "figure"), "client": Output("client", "data")},
-        inputs={"view": Input("view", "data"), "selection": Input("selection", "data")},
+        inputs={"view": Input("view", "data"), "selection": Input("frame", "data")},
         state={"client": State("client", "data")},
     )
     @timed
@@ -652,83 +610,6 @@ def _timeline(app: Dash, runs: Runs, timed: Callable) -> None:
         return {"figure": figure, "client": new_client}
 
 
-def _plan(runs: Runs, selection: dict) -> tuple[Any, str | None]:
-    """The plan of the selected step, or None and why it cannot be shown."""
-    store = runs.store(selection["run"])
-    try:
-        if store is None:
-            raise LookupError(f"run {selection['run']!r} is gone")
-        return store.plan(selection["index"], selection["reset"]), None
-    except LookupError as err:
-        return None, f"cannot show this step: {err}"
-
-
-def _key(selection: dict | None) -> list | None:
-    """Which step a highlight belongs to."""
-    if not selection or selection.get("index") is None:
-        return None
-    return [selection.get("run"), selection.get("reset"), selection.get("index")]
-
-
-def _step_views(app: Dash, runs: Runs, timed: Callable) -> None:
-    @app.callback(
-        output={
-            "bag_load": Output("bag-load", "figure"),
-            "traffic": Output("traffic", "figure"),
-            "label": Output("step-label", "children"),
-            "notice": Output("detail-notice", "children"),
-            "notice_style": Output("detail-notice", "style"),
-        },
-        inputs={"selection": Input("selection", "data"), "highlight": Input("highlight", "data")},
-    )
-    @timed
-    def step_views(selection, highlight):
-        if _key(selection) is None:
-            empty = empty_figure("no steps yet", validate=False)
-            return {
-                "bag_load": empty,
-                "traffic": empty,
-                "label": "no steps yet",
-                "notice": "",
-                "notice_style": _HIDDEN,
-            }
-        plan, problem = _plan(runs, selection)
-        if plan is None:
-            return {
-                "bag_load": no_update,
-                "traffic": no_update,
-                "label": no_update,
-                "notice": problem,
-                "notice_style": _NOTICE,
-            }
-        seq = None
-        if highlight and highlight.get("key") == _key(selection):
-            seq = highlight.get("seq")
-            if not isinstance(seq, int) or not 0 <= seq < len(plan.sequences):
-                seq = None
-        return {
-            "bag_load": bag_load_figure(plan, seq, False, _flagged(runs, selection)),
-            "traffic": traffic_figure(plan, seq, validate=False),
-            "label": _label(runs, selection, plan),
-            "notice": "",
-            "notice_style": _HIDDEN,
-        }
-
-
-def _label(runs: Runs, selection: dict, plan: Any) -> str:
-    """What the per-step views show: ``step 7 · 8 of 50 · line 8``."""
-    store = runs.store(selection["run"])
-    snap = store.snapshot() if store else None
-    index = selection["index"]
-    step = index if plan.step is None else plan.step
-    label = f"step {step}"
-    if snap is not None and snap.reset == selection["reset"] and index < len(snap.summaries):
-        line = snap.summaries[index].line
-        label += f" · {index + 1:,} of {len(snap.summaries):,}"
-        label += f" · line {line:,}" if line is not None else ""
-    return label
-
-
 def _sequence_table(app: Dash, runs: Runs, timed: Callable) -> None:
     @app.callback(
         output={
@@ -739,7 +620,7 @@ def _sequence_table(app: Dash, runs: Runs, timed: Callable) -> None:
             "selected": Output("seq-table", "selected_rows"),
         },
         inputs={
-            "selection": Input("selection", "data"),
+            "selection": Input("frame", "data"),
             "page": Input("seq-table", "page_current"),
             "sort_by": Input("seq-table", "sort_by"),
             "filter_query": Input("seq-table", "filter_query"),
@@ -748,9 +629,9 @@ def _sequence_table(app: Dash, runs: Runs, timed: Callable) -> None:
     )
     @timed
     def sequence_table(selection, page, sort_by, filter_query, highlight):
-        if _key(selection) is None:
+        if key(selection) is None:
             return {"rows": [], "columns": no_update, "pages": 1, "page": 0, "selected": []}
-        plan, _problem = _plan(runs, selection)
+        plan, _problem = plan_of(runs, selection)
         if plan is None:
             raise PreventUpdate  # the step views say why
         # A new step, order or filter starts on the first page; paging keeps them.
@@ -758,7 +639,7 @@ def _sequence_table(app: Dash, runs: Runs, timed: Callable) -> None:
         rows, pages, _ids = query(
             plan, 0 if restart else page or 0, PAGE_SIZE, sort_by, filter_query
         )
-        mine = highlight and highlight.get("key") == _key(selection)
+        mine = highlight and highlight.get("key") == key(selection)
         picked = highlight.get("seq") if mine else None
         selected = [i for i, row in enumerate(rows) if row["id"] == picked]
         return {
@@ -776,7 +657,7 @@ def _pick_sequence(app: Dash, timed: Callable) -> None:
         inputs={"rows": Input("seq-table", "selected_rows")},
         state={
             "data": State("seq-table", "data"),
-            "selection": State("selection", "data"),
+            "selection": State("frame", "data"),
             "highlight": State("highlight", "data"),
         },
     )
@@ -786,136 +667,16 @@ def _pick_sequence(app: Dash, timed: Callable) -> None:
         # table moved to a page (or step) without the row, so the highlight stays.
         if not rows or not data or not 0 <= rows[0] < len(data):
             raise PreventUpdate
-        new = {"key": _key(selection), "seq": int(data[rows[0]]["id"])}
+        new = {"key": key(selection), "seq": int(data[rows[0]]["id"])}
         if new == highlight:
             raise PreventUpdate
         return {"highlight": new}
 
 
-def _straggler_views(app: Dash, runs: Runs, timed: Callable) -> None:
-    @app.callback(
-        output={
-            "ratio": Output("ratio-heatmap", "figure"),
-            "wait": Output("wait-heatmap", "figure"),
-            "scatter": Output("compute-wait", "figure"),
-            "loss": Output("step-loss", "figure"),
-            "style": Output("straggler-box", "style"),
-        },
-        inputs={"selection": Input("selection", "data")},
-    )
-    @timed
-    def straggler_views(selection):
-        store = runs.store(selection["run"]) if _key(selection) else None
-        window = []
-        if store is not None:
-            window = store.measured(selection["index"], HEATMAP_STEPS, selection["reset"])
-        if not window:
-            return {
-                "ratio": no_update, "wait": no_update, "scatter": no_update, "loss": no_update,
-                "style": _HIDDEN,
-            }  # fmt: skip
-        recent = window[-WINDOW:]
-        start = _run_start(store)
-        report = analyse(recent)
-        flagged = flagged_ranks(report)
-        heat = rank_steps(window[-heatmap_steps(len(window[-1].gpus)) :])
-        return {
-            "ratio": ratio_heatmap(heat, False, flagged),
-            "wait": wait_heatmap(heat, False, flagged, start),
-            "scatter": compute_wait_figure(report, rank_steps(recent), validate=False),
-            "loss": step_loss_figure(step_losses(window), start, validate=False),
-            "style": {"display": "block"},
-        }
-
-
-def _run_start(store: PlanStore) -> int | None:
-    """The first step of the run the store holds (where its warm-up is)."""
-    snap = store.snapshot()
-    return _step_of(snap, 0) if snap.summaries else None
-
-
-def _flagged(runs: Runs, selection: dict) -> dict[int, str]:
-    """The ranks flagged over the last `WINDOW` measured steps up to the selected one."""
-    store = runs.store(selection["run"])
-    window = store.measured(selection["index"], WINDOW, selection["reset"]) if store else []
-    return flagged_ranks(analyse(window)) if window else {}
-
-
-def _phase_views(app: Dash, runs: Runs, timed: Callable) -> None:
-    @app.callback(
-        output={
-            "step": Output("phase-step", "figure"),
-            "window": Output("phase-window", "figure"),
-        },
-        inputs={"selection": Input("selection", "data")},
-    )
-    @timed
-    def phase_views(selection):
-        if _key(selection) is None:
-            empty = empty_figure("no steps yet", validate=False)
-            return {"step": empty, "window": empty}
-        plan, _problem = _plan(runs, selection)
-        if plan is None:
-            raise PreventUpdate  # the step views say why
-        flagged = _flagged(runs, selection)
-        shown = step_parts(plan)
-        step = (
-            empty_figure("no per-rank times recorded for this step", validate=False)
-            if shown is None
-            else phase_figure(
-                reorder(shown, gpu_axis(plan).ranks),
-                flagged,
-                "Where each rank's step went (bag order)",
-                validate=False,
-            )
-        )
-        plans = _measured_plans(runs, selection, PHASE_WINDOW)
-        mean = window_parts(plans)
-        window = (
-            empty_figure("no measured steps up to this one", validate=False)
-            if mean is None
-            else phase_figure(mean, flagged, "Where each rank's steps went", validate=False)
-        )
-        return {"step": step, "window": window}
-
-
-def _measured_plans(runs: Runs, selection: dict, count: int) -> list[Any]:
-    """The plans of up to ``count`` measured steps ending at the selected one."""
-    store = runs.store(selection["run"])
-    snap = store.snapshot() if store else None
-    if snap is None or snap.reset != selection["reset"]:
-        return []
-    out = []
-    i = min(selection["index"], len(snap.summaries) - 1)
-    while i >= 0 and len(out) < count:
-        if snap.summaries[i].has_measurements:
-            try:
-                out.append(store.plan(i, selection["reset"]))
-            except LookupError:
-                break
-        i -= 1
-    return out[::-1]
-
-
-def _tokens_view(app: Dash, runs: Runs, timed: Callable) -> None:
-    @app.callback(
-        output={"figure": Output("tokens", "figure")},
-        inputs={"selection": Input("selection", "data")},
-    )
-    @timed
-    def tokens_view(selection):
-        if _key(selection) is None:
-            return {"figure": empty_figure("no steps yet", validate=False)}
-        plan, _problem = _plan(runs, selection)
-        if plan is None:
-            raise PreventUpdate  # the step views say why
-        return {"figure": tokens_figure(plan, False, _flagged(runs, selection))}
-
-
 def _topology_view(app: Dash, runs: Runs, timed: Callable) -> None:
     @app.callback(
         output={"figure": Output("topology-timeline", "figure")},
-        inputs={"view": Input("view", "data"), "selection": Input("selection", "data")},
+        inputs={"view": Input("view", "data"), "selection": Input("frame", "data")},
     )
     @timed
     def topology_view(view, selection):

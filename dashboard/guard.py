@@ -243,10 +243,17 @@ def _names_match(items: Any, expected: list[tuple[Any, str]]) -> bool:
         isinstance(items, list)
         and len(items) == len(expected)
         and all(
-            isinstance(item, dict) and (item.get("id"), item.get("property")) == name
+            isinstance(item, dict) and (item.get("id"), _property(item)) == name
             for item, name in zip(items, expected, strict=True)
         )
     )
+
+
+def _property(item: dict) -> Any:
+    """An item's property, without the ``@…`` mark Dash gives a second callback's output
+    of the same property (``allow_duplicate``)."""
+    prop = item.get("property")
+    return prop.split("@")[0] if isinstance(prop, str) else prop
 
 
 def _short(value: Any) -> str:

@@ -7,6 +7,7 @@ for the whole module; the tests run in file order and each appends to the growin
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -56,6 +57,13 @@ def lines50():
         .read_text()
         .splitlines()
     )
+
+
+#: A measured run the page follows live (its first steps are on disk when the server starts).
+FOLLOWED = measured_run(9, slow_rank=3, slow_factor=2.0, seed=5)
+#: The per-step views, drawn together for the step the label names (`step_frame`).
+PER_STEP_VIEWS = ("bag-load", "traffic", "tokens", "phase-step", "phase-window",
+                  "ratio-heatmap", "wait-heatmap", "compute-wait", "step-loss")  # fmt: skip
 
 
 def _measured64() -> list:
@@ -109,6 +117,7 @@ def runs_dir(tmp_path_factory, lines50):
     os.utime(root / "mixed8.json", (1e9, 1e9))  # older: the live run is the default
     for name, plans in (
         ("measured", measured_run(30, slow_rank=5, slow_factor=2.0, seed=1)),
+        ("live-measured", FOLLOWED[:3]),
         ("measured64", _measured64()),
         ("alternating", _alternating(6)),
         ("wide64", _wide_plans(WIDE64, "g32b8i256f1s0,g16b4i512f1s0,g16b2i1024f1s0", 2)),
@@ -622,8 +631,16 @@ def test_per_rank_views_at_8_ranks_show_where_each_step_went(page):
     _wait_for(lambda: "step 29" in _figure(page, "phase-step")["title"])
     step = _stack(page, "phase-step")
     parts = [name for name in step if name not in ("measured step", "flagged")]
-    assert parts[0] == "compute (model and the rest)"
-    assert "transfer in collectives" in parts and "waiting: allreduce" in parts
+    assert parts[0] == "compute (the model's)"
+    assert "transfer: gather, all-reduce" in parts and "waiting: allreduce" in parts
+    # waiting is drawn hatched, the rest solid
+    patterns = dict(
+        page.evaluate(
+            """() => document.querySelector('#phase-step .js-plotly-plot')._fullData.map(
+                t => [t.name, (t.marker && t.marker.pattern && t.marker.pattern.shape) || ''])"""
+        )
+    )
+    assert {p for p in parts if patterns[p]} == {p for p in parts if p.startswith("waiting:")}
     # the stack of every rank adds up to its measured step
     np.testing.assert_allclose(np.sum([step[p] for p in parts], axis=0), step["measured step"])
     flagged = next(t for t in _figure(page, "phase-step")["data"] if t["name"] == "flagged")
@@ -670,7 +687,7 @@ def test_step_loss_shows_what_each_step_lost(page, runs_dir, run, ranks):
     assert page.locator("#step-loss .bars path").count() > 0
     shown = _stack(page, "step-loss")
     for part, name in zip(PARTS, list(shown)[: len(PARTS)], strict=True):
-        want = [getattr(loss, part) for loss in losses]
+        want = [loss.part_ms[part] for loss in losses]
         np.testing.assert_allclose(shown[name], want, rtol=1e-6, atol=1e-6)
     measured = [loss.measured_ms for loss in losses]
     np.testing.assert_allclose(shown["measured step"], measured, rtol=1e-6)
@@ -792,3 +809,36 @@ def test_an_empty_run_shows_no_axes(page):
         assert page.locator(f"#{graph} .ytick").count() == 0
         assert "no steps yet" in page.locator(f"#{graph} text").all_text_contents()
     assert "%" not in " ".join(page.locator("#timeline text").all_text_contents())
+
+
+def _step_in_title(title: str) -> int | None:
+    """The step a figure's title says it shows: ``step 7``, or the last of ``steps 0–7``."""
+    found = re.search(r"step (\d+)|(\d+)–(\d+)", title or "")
+    return None if found is None else int(found.group(1) or found.group(3))
+
+
+def test_following_a_live_run_every_view_shows_the_labelled_step(page, runs_dir):
+    """While the page follows a live measured run, each time the label changes every
+    per-step view already shows the step it names (read right after the update)."""
+    live = runs_dir / "live-measured" / "plans.jsonl"
+    _switch_to(page, "live-measured", lambda: page.inner_text("#step-label").startswith("step 2"))
+    page.evaluate(
+        """(ids) => { window.__frames = [];
+        const label = document.querySelector('#step-label');
+        new MutationObserver(() => setTimeout(() => {
+            const titles = ids.map(id => {
+                const gd = document.querySelector('#' + id + ' .js-plotly-plot');
+                return gd && gd._fullLayout.title ? gd._fullLayout.title.text : null; });
+            window.__frames.push([label.textContent, titles]);
+        }, 0)).observe(label, {childList: true, subtree: true, characterData: true}); }""",
+        list(PER_STEP_VIEWS),
+    )
+    for plan in FOLLOWED[3:]:
+        _append(live, plan.model_dump_json())
+        _wait_for(lambda step=plan.step: page.inner_text("#step-label").startswith(f"step {step}"))
+    frames = page.evaluate("window.__frames")
+    assert len(frames) >= len(FOLLOWED) - 3
+    for label, titles in frames:
+        step = int(label.split(" · ")[0].removeprefix("step "))
+        shown = dict(zip(PER_STEP_VIEWS, map(_step_in_title, titles), strict=True))
+        assert set(shown.values()) == {step}, (label, shown)

@@ -92,7 +92,7 @@ def callbacks(server) -> list[dict]:
     out = []
     for dep in json.loads(text):
         outputs = [
-            dict(zip(("id", "property"), name.split("."), strict=True))
+            dict(zip(("id", "property"), name.split("@")[0].split("."), strict=True))
             for name in dep["output"].strip(".").split("...")
         ]
 
@@ -142,10 +142,8 @@ def test_well_formed_callbacks_are_answered(server, callbacks):
     for payload in callbacks:  # 204: the callback had nothing to update
         assert _post(server, payload)[0] in (200, 204), payload["output"]
     selection = {"run": "plans", "reset": 0, "index": 1}
-    details = _payload(
-        callbacks, "seq-table.page_current", None, also={"selection.data": selection}
-    )
-    details["changedPropIds"] = ["selection.data"]
+    details = _payload(callbacks, "seq-table.page_current", None, also={"frame.data": selection})
+    details["changedPropIds"] = ["frame.data"]
     status, text = _post(server, details)
     assert status == 200 and "seq-table" in text
 
@@ -181,19 +179,18 @@ def _malformed(callbacks) -> dict[str, object]:
             1.5,
             "Infinity",
         ),
-        "selection a list": _payload(
-            callbacks, "seq-table.page_current", also={"selection.data": [1]}
-        ),
-        "selection index text": _payload(
+        "frame a list": _payload(callbacks, "seq-table.page_current", also={"frame.data": [1]}),
+        "frame index text": _payload(
             callbacks,
             "seq-table.page_current",
-            also={"selection.data": {"run": "plans", "reset": 0, "index": "y"}},
+            also={"frame.data": {"run": "plans", "reset": 0, "index": "y"}},
         ),
-        "selection run a list": _payload(
+        "frame run a list": _payload(
             callbacks,
             "seq-table.page_current",
-            also={"selection.data": {"run": ["plans"], "reset": 0, "index": 0}},
+            also={"frame.data": {"run": ["plans"], "reset": 0, "index": 0}},
         ),
+        "selection a list": _payload(callbacks, "highlight.data", also={"selection.data": [1]}),
         "row ids text": _payload(callbacks, "seq-table.selected_rows", ["zz"]),
     }
 

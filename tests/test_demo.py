@@ -13,8 +13,10 @@ import time
 from dataclasses import FrozenInstanceError, fields
 from pathlib import Path
 
+import numpy as np
 import psutil
 import pytest
+from knapformer.visualization.phase_figures import step_parts
 
 from knapformer.cli import main
 from knapformer.contract.plan_io import read_plans
@@ -192,6 +194,11 @@ def test_demo_headless_records_measured_plans():
         assert ms["pre_attn"][:2] == [0.0, 0.0] and min(ms["pre_attn"][2:]) > 0
         # the whole step's time: at the next plan_routing, the last one's at finish()
         assert len(ms["step"]) == 8 and min(ms["step"]) > 0
+        # every millisecond of it is in a phase: the phase stack the views draw adds up to
+        # each rank's step, link-probe steps (0, 2, 4) included
+        stack = step_parts(plan)
+        assert "untimed" in ms and ("probe" in ms) == (plan.step % 2 == 0)
+        np.testing.assert_allclose(sum(stack.parts.values()), ms["step"], rtol=0.01)
     # The printed per-step lines describe the recorded plans.
     lines = [STEP_LINE.search(line) for line in printed.splitlines()]
     lines = [m for m in lines if m]

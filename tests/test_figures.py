@@ -340,6 +340,16 @@ def test_compute_wait_spreads_a_balanced_plans_ranks(plan8):
     # predicted work stacks them in one column; measured compute and wait do not
     assert np.ptp(row_medians(m.predicted_shown)) < 0.01 * np.median(m.predicted_shown)
     assert np.ptp(ok.x) > 1.0 and np.ptp(ok.y) > 1.0
+    # both axes start where the data does: every point inside, little room around them
+    points = [t for t in fig.data if t.type == "scatter" and t.mode != "lines"]
+    for axis, name in ((fig.layout.xaxis, "x"), (fig.layout.yaxis, "y")):
+        values = np.concatenate([np.asarray(getattr(t, name), float) for t in points])
+        low, high = axis.range
+        assert low <= values.min() and values.max() <= high
+        assert values.min() - low <= 0.1 * (high - low), (name, axis.range, values.min())
+        assert low >= 0
+    line = next(t for t in fig.data if t.mode == "lines")
+    assert min(line.y) >= fig.layout.yaxis.range[0] and min(line.x) >= fig.layout.xaxis.range[0]
 
 
 def test_phase_breakdown_adds_up_to_each_ranks_step(plan8):

@@ -281,3 +281,21 @@ def boundary_lines(axis: GpuAxis) -> list[dict]:
 def bag_lines(axis: GpuAxis) -> list[dict]:
     """Bag boundaries as vertical lines across a per-GPU chart in bag order."""
     return [_boundary(at, "x") for at in boundaries(axis)]
+
+
+#: Room left around the data on an axis fitted to it, as a share of the data's span.
+DATA_PAD = 0.08
+
+
+def data_range(values: np.ndarray) -> list[float] | None:
+    """[low, high] of an axis that starts where the data does: the values' span with a
+    little room (`DATA_PAD`), never below 0 for values that are not; None (plotly's
+    autorange) without a finite value."""
+    finite = np.asarray(values, dtype=np.float64)
+    finite = finite[np.isfinite(finite)]
+    if not finite.size:
+        return None
+    low, high = float(finite.min()), float(finite.max())
+    pad = DATA_PAD * ((high - low) or max(abs(high), 1.0))
+    bottom = low - pad
+    return [max(bottom, 0.0) if low >= 0 else bottom, high + pad]

@@ -13,7 +13,7 @@ import numpy as np
 import plotly.colors
 import plotly.graph_objects as go
 from knapformer.visualization import palette
-from knapformer.visualization.axes import rank_ticks
+from knapformer.visualization.axes import data_range, rank_ticks
 from knapformer.visualization.figures import build_figure
 
 from knapformer.diagnosis.measured import RankFigures
@@ -325,26 +325,28 @@ def compute_wait_figure(report: StragglerReport, m: RankSteps, validate: bool = 
             .replace("<extra>", "<br>measured ÷ predicted %{customdata[1]:.2f}<extra>")
         )
     ok = np.isfinite(x) & np.isfinite(y)
-    if ok.any():
+    x_range, y_range = data_range(x[ok]), data_range(y[ok])
+    if ok.any() and x_range is not None and y_range is not None:
         total = float(np.median(x[ok] + y[ok]))
-        lo = float(min(x[ok].min(), total - y[ok].max()))
-        hi = float(max(x[ok].max(), total))
-        data.append(
-            {
-                "type": "scatter",
-                "x": [lo, hi],
-                "y": [total - lo, total - hi],
-                "mode": "lines",
-                "name": f"same step time as the median rank ({total:,.1f} ms)",
-                "line": {"dash": "dash", "color": palette.MODEL_FIT},
-                "hoverinfo": "skip",
-            }
-        )
+        # the line x + y = total, inside the data's box (axes start where the data does)
+        lo, hi = max(x_range[0], total - y_range[1]), min(x_range[1], total - y_range[0])
+        if lo < hi:
+            data.append(
+                {
+                    "type": "scatter",
+                    "x": [lo, hi],
+                    "y": [total - lo, total - hi],
+                    "mode": "lines",
+                    "name": f"same step time as the median rank ({total:,.1f} ms)",
+                    "line": {"dash": "dash", "color": palette.MODEL_FIT},
+                    "hoverinfo": "skip",
+                }
+            )
     phases = ", ".join(m.phases)
     layout = {
         "title": {"text": f"Compute and waiting per rank · {_span(m)} (medians)"},
-        "xaxis": {"title": {"text": f"measured {phases} (ms)"}},
-        "yaxis": {"title": {"text": "waiting in collectives (ms)"}},
+        "xaxis": {"title": {"text": f"measured {phases} (ms)"}, "range": x_range},
+        "yaxis": {"title": {"text": "waiting in collectives (ms)"}, "range": y_range},
         "height": 420,
         "margin": {"l": 70, "r": 20, "t": 60, "b": 50},
         "legend": {"orientation": "h", "y": -0.2},

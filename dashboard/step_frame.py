@@ -1,0 +1,257 @@
+"""The dashboard's per-step views, drawn together for one step: the step's label, the load
+chart, traffic, tokens per GPU, where each rank's step went, and the straggler views up
+to it.
+
+One callback (`register`) draws them all from the ``selection`` store, so the page moves
+every one of them to a step at once: with a callback each, a slow view lagged behind
+while the page followed a live run (the load chart at one step, the phase chart at
+another, the label at a third). Its answer ends in the ``frame`` store, the step it drew,
+which the timeline, the topology timeline and the sequence table follow. Picking a
+sequence redraws the two views that highlight it (`_highlighted`), for the same step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from dash import Dash, Input, Output, State, no_update
+from dash.exceptions import PreventUpdate
+from knapformer.dashboard.store import PlanStore, Runs, Snapshot
+from knapformer.dashboard.styles import HIDDEN, NOTICE, SHOWN
+from knapformer.visualization.axes import gpu_axis
+from knapformer.visualization.figures import (
+    bag_load_figure,
+    empty_figure,
+    tokens_figure,
+    traffic_figure,
+)
+from knapformer.visualization.phase_figures import phase_figure, reorder, step_parts, window_parts
+from knapformer.visualization.straggler_figures import (
+    HEATMAP_STEPS,
+    compute_wait_figure,
+    flagged_ranks,
+    heatmap_steps,
+    ratio_heatmap,
+    step_loss_figure,
+    wait_heatmap,
+)
+
+from knapformer.diagnosis.step_loss import step_losses
+from knapformer.diagnosis.stragglers import WINDOW, analyse, rank_steps
+
+#: Measured steps the window's phase breakdown averages (each is re-read from the file;
+#: the store caches 8 plans, the shown step's included).
+PHASE_WINDOW = 6
+#: Each output of the frame, by the name the callback returns it under.
+OUTPUTS = {
+    "label": ("step-label", "children"),
+    "notice": ("detail-notice", "children"),
+    "notice_style": ("detail-notice", "style"),
+    "bag_load": ("bag-load", "figure"),
+    "traffic": ("traffic", "figure"),
+    "tokens": ("tokens", "figure"),
+    "phase_step": ("phase-step", "figure"),
+    "phase_window": ("phase-window", "figure"),
+    "ratio": ("ratio-heatmap", "figure"),
+    "wait": ("wait-heatmap", "figure"),
+    "scatter": ("compute-wait", "figure"),
+    "loss": ("step-loss", "figure"),
+    "straggler_style": ("straggler-box", "style"),
+    "frame": ("frame", "data"),
+}
+
+
+def register(app: Dash, runs: Runs, timed: Callable) -> None:
+    """The frame's callback and the highlight's."""
+
+    @app.callback(
+        output={name: Output(*target) for name, target in OUTPUTS.items()},
+        inputs={"selection": Input("selection", "data")},
+        state={"highlight": State("highlight", "data")},
+    )
+    @timed
+    def step_frame(selection, highlight):
+        return frame(runs, selection, highlight)
+
+    @app.callback(
+        output={
+            "bag_load": Output("bag-load", "figure", allow_duplicate=True),
+            "traffic": Output("traffic", "figure", allow_duplicate=True),
+        },
+        inputs={"highlight": Input("highlight", "data")},
+        state={"shown": State("frame", "data")},
+        prevent_initial_call=True,
+    )
+    @timed
+    def highlighted(highlight, shown):
+        return _highlighted(runs, shown, highlight)
+
+
+def frame(runs: Runs, selection: dict | None, highlight: dict | None) -> dict[str, Any]:
+    """Every per-step view of the selected step (`OUTPUTS`)."""
+    if key(selection) is None:
+        empty = empty_figure("no steps yet", validate=False)
+        out = {name: empty for name, (_, prop) in OUTPUTS.items() if prop == "figure"}
+        return out | {
+            "label": "no steps yet",
+            "notice": "",
+            "notice_style": HIDDEN,
+            "straggler_style": HIDDEN,
+            "frame": selection,
+        }
+    plan, problem = plan_of(runs, selection)
+    if plan is None:  # the views keep the step they show, and say why
+        out = {name: no_update for name in OUTPUTS}
+        return out | {"notice": problem, "notice_style": NOTICE}
+    window = _measured_window(runs, selection)
+    flagged = flagged_ranks(analyse(window[-WINDOW:])) if window else {}
+    seq = _highlighted_sequence(plan, selection, highlight)
+    return {
+        "label": _label(runs, selection, plan),
+        "notice": "",
+        "notice_style": HIDDEN,
+        "bag_load": bag_load_figure(plan, seq, False, flagged),
+        "traffic": traffic_figure(plan, seq, validate=False),
+        "tokens": tokens_figure(plan, False, flagged),
+        **_phase_views(runs, selection, plan, flagged),
+        **_straggler_views(runs, selection, window, flagged),
+        "frame": selection,
+    }
+
+
+def _highlighted(runs: Runs, shown: dict | None, highlight: dict | None) -> dict[str, Any]:
+    """The load chart and the traffic of the step on the page, with ``highlight``'s
+    sequence marked (only when it belongs to that step)."""
+    if key(shown) is None or not highlight or highlight.get("key") != key(shown):
+        raise PreventUpdate
+    plan, _problem = plan_of(runs, shown)
+    if plan is None:
+        raise PreventUpdate
+    seq = _highlighted_sequence(plan, shown, highlight)
+    window = _measured_window(runs, shown)[-WINDOW:]
+    flagged = flagged_ranks(analyse(window)) if window else {}
+    return {
+        "bag_load": bag_load_figure(plan, seq, False, flagged),
+        "traffic": traffic_figure(plan, seq, validate=False),
+    }
+
+
+def _highlighted_sequence(plan: Any, selection: dict, highlight: dict | None) -> int | None:
+    """The highlighted sequence when it belongs to the selected step (None otherwise)."""
+    if not highlight or highlight.get("key") != key(selection):
+        return None
+    seq = highlight.get("seq")
+    return seq if isinstance(seq, int) and 0 <= seq < len(plan.sequences) else None
+
+
+def _phase_views(runs: Runs, selection: dict, plan: Any, flagged: dict) -> dict[str, Any]:
+    """Where each rank's step went: the selected step (in bag order) and the mean of up to
+    `PHASE_WINDOW` measured steps ending at it."""
+    shown = step_parts(plan)
+    step = (
+        empty_figure("no per-rank times recorded for this step", validate=False)
+        if shown is None
+        else phase_figure(
+            reorder(shown, gpu_axis(plan).ranks),
+            flagged,
+            "Where each rank's step went (bag order)",
+            validate=False,
+        )
+    )
+    mean = window_parts(_measured_plans(runs, selection, PHASE_WINDOW))
+    window = (
+        empty_figure("no measured steps up to this one", validate=False)
+        if mean is None
+        else phase_figure(mean, flagged, "Where each rank's steps went", validate=False)
+    )
+    return {"phase_step": step, "phase_window": window}
+
+
+def _straggler_views(runs: Runs, selection: dict, window: list, flagged: dict) -> dict[str, Any]:
+    """The rank × step heatmaps, compute vs waiting and the step loss over the measured
+    steps up to the selected one (hidden without any)."""
+    if not window:
+        return {
+            "ratio": no_update, "wait": no_update, "scatter": no_update, "loss": no_update,
+            "straggler_style": HIDDEN,
+        }  # fmt: skip
+    recent = window[-WINDOW:]
+    start = _run_start(runs.store(selection["run"]))
+    heat = rank_steps(window[-heatmap_steps(len(window[-1].gpus)) :])
+    return {
+        "ratio": ratio_heatmap(heat, False, flagged),
+        "wait": wait_heatmap(heat, False, flagged, start),
+        "scatter": compute_wait_figure(analyse(recent), rank_steps(recent), validate=False),
+        "loss": step_loss_figure(step_losses(window), start, validate=False),
+        "straggler_style": SHOWN,
+    }
+
+
+# ---------------------------------------------------------------- the selected step
+def key(selection: dict | None) -> list | None:
+    """Which step a selection (or a highlight) is of: run, reset counter, index."""
+    if not selection or selection.get("index") is None:
+        return None
+    return [selection.get("run"), selection.get("reset"), selection.get("index")]
+
+
+def plan_of(runs: Runs, selection: dict) -> tuple[Any, str | None]:
+    """The plan of the selected step, or None and why it cannot be shown."""
+    store = runs.store(selection["run"])
+    try:
+        if store is None:
+            raise LookupError(f"run {selection['run']!r} is gone")
+        return store.plan(selection["index"], selection["reset"]), None
+    except LookupError as err:
+        return None, f"cannot show this step: {err}"
+
+
+def step_of(snap: Snapshot, index: int) -> int:
+    """The step number of the ``index``-th step a snapshot holds (its index if unnumbered)."""
+    step = snap.summaries[index].step
+    return index if step is None else step
+
+
+def _label(runs: Runs, selection: dict, plan: Any) -> str:
+    """What the per-step views show: ``step 7 · 8 of 50 · line 8``."""
+    store = runs.store(selection["run"])
+    snap = store.snapshot() if store else None
+    index = selection["index"]
+    step = index if plan.step is None else plan.step
+    label = f"step {step}"
+    if snap is not None and snap.reset == selection["reset"] and index < len(snap.summaries):
+        line = snap.summaries[index].line
+        label += f" · {index + 1:,} of {len(snap.summaries):,}"
+        label += f" · line {line:,}" if line is not None else ""
+    return label
+
+
+def _run_start(store: PlanStore | None) -> int | None:
+    """The first step of the run the store holds (where its warm-up is)."""
+    snap = store.snapshot() if store else None
+    return step_of(snap, 0) if snap and snap.summaries else None
+
+
+def _measured_window(runs: Runs, selection: dict) -> list:
+    """The figures of up to `HEATMAP_STEPS` measured steps ending at the selected one."""
+    store = runs.store(selection["run"])
+    return store.measured(selection["index"], HEATMAP_STEPS, selection["reset"]) if store else []
+
+
+def _measured_plans(runs: Runs, selection: dict, count: int) -> list[Any]:
+    """The plans of up to ``count`` measured steps ending at the selected one."""
+    store = runs.store(selection["run"])
+    snap = store.snapshot() if store else None
+    if snap is None or snap.reset != selection["reset"]:
+        return []
+    out = []
+    i = min(selection["index"], len(snap.summaries) - 1)
+    while i >= 0 and len(out) < count:
+        if snap.summaries[i].has_measurements:
+            try:
+                out.append(store.plan(i, selection["reset"]))
+            except LookupError:
+                break
+        i -= 1
+    return out[::-1]
