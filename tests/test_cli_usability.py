@@ -244,3 +244,27 @@ def test_help_wraps_each_paragraph_to_the_terminal_not_to_the_docstring():
     assert max(len(line) for line in lines) <= 60
     prose = [line for line in lines if "Re-plans" in line]
     assert prose and len(prose[0].rstrip()) > 40  # filled to the width, not cut short
+
+
+def test_the_command_alone_prints_its_commands_and_no_error():
+    done = run()
+    assert done.returncode == 0
+    assert "Commands" in done.stdout and "stragglers" in done.stdout
+    assert "error" not in done.stderr
+
+
+def test_every_command_writes_its_arguments_in_one_placeholder_style():
+    """Upper-case names; {NAME} required, [NAME] optional, ... for several."""
+    import typer.main
+
+    from knapformer.cli import app
+
+    names = sorted(typer.main.get_command(app).commands)  # type: ignore[attr-defined]
+    usage = {name: run(name, "--help").stdout for name in names}
+    placeholder = re.compile(r"^(\{[A-Z]+\}|\[[A-Z]+\])(\.\.\.)?$")
+    for name, text in usage.items():
+        line = next(line for line in text.splitlines() if "Usage:" in line)
+        arguments = line.split("[OPTIONS]", 1)[1].split()
+        assert all(placeholder.match(a) for a in arguments), (name, line)
+    assert "{PLAN}" in usage["animate"] and "{FILE}..." in usage["validate"]
+    assert "[TOPOLOGY]..." in usage["simulate"]

@@ -83,6 +83,8 @@ def _run(argv: list[str] | None) -> int:
         print("aborted", file=sys.stderr)
         return 130
     except UsageError as err:
+        if not err.format_message():  # no command at all: the help was printed, asked for
+            return 0
         # One line like every other error; where to look for the right usage.
         command = err.ctx.command_path if err.ctx is not None else "knapformer"
         print(f"error: {err.format_message()} (see: {command} --help)", file=sys.stderr)

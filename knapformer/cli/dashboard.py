@@ -19,6 +19,7 @@ def register(app: typer.Typer) -> None:
 def dashboard(
     path: Path = typer.Argument(
         ...,
+        metavar="PATH",
         help="plans: a .jsonl (followed live), a .json (ours or legacy), or a folder "
         f"of runs (each {RUNS_LAYOUT})",
     ),

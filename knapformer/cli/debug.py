@@ -46,7 +46,7 @@ def _bytes(n: float) -> str:
 
 # ---------------------------------------------------------------------- replay
 def replay(
-    file: Path = typer.Argument(..., help=PLAN_ARGUMENT),
+    file: Path = typer.Argument(..., metavar="PLAN", help=PLAN_ARGUMENT),
     step: int | None = typer.Option(None, help="step to replay (default: the last plan)"),
     dim: int | None = typer.Option(
         None, help="hidden size of the synthetic tokens (default 8/head)"
@@ -161,7 +161,7 @@ def simulate(
         "step's own partition, groups inside nodes of --node-size GPUs)",
     ),
     more: list[str] | None = typer.Argument(
-        None, metavar="[TOPOLOGY]...", help="more topologies (after --topology T)"
+        None, metavar="TOPOLOGY", help="more topologies (after --topology T)"
     ),
     steps: int = typer.Option(10, help="sampled steps"),
     d_model: int = typer.Option(3072, "--d-model", help="token dimension d"),
@@ -375,7 +375,9 @@ def suggest(
 # ------------------------------------------------------------------- calibrate
 def calibrate(
     file: Path | None = typer.Argument(
-        None, help="CSV with header length,latency (ms per sequence) or plans JSON/JSONL"
+        None,
+        metavar="FILE",
+        help="CSV with header length,latency (ms per sequence) or plans JSON/JSONL",
     ),
     token_dim: int | None = typer.Option(
         None,

@@ -68,7 +68,7 @@ def _count(n: int, noun: str) -> str:
 
 
 def trace(
-    plans: Path = typer.Argument(..., help=PLANS_HELP),
+    plans: Path = typer.Argument(..., metavar="PLANS", help=PLANS_HELP),
     out: Path = typer.Option(Path("trace.json"), "-o", "--out", help="output trace (.json)"),
     steps: str | None = typer.Option(None, help=STEPS_HELP),
     merge: Path | None = typer.Option(
@@ -112,7 +112,7 @@ def trace(
 
 
 def tensorboard(
-    plans: Path = typer.Argument(..., help=PLANS_HELP),
+    plans: Path = typer.Argument(..., metavar="PLANS", help=PLANS_HELP),
     logdir: Path = typer.Option(..., "--logdir", help="TensorBoard log folder (one run each)"),
     steps: str | None = typer.Option(None, help=STEPS_HELP),
 ) -> None:

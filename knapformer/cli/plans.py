@@ -37,7 +37,9 @@ PLAN_ARGUMENT = "plan file (JSON, JSONL or legacy JSON) or a run folder"
 
 def validate(
     files: list[Path] = typer.Argument(
-        ..., help="plan files (JSON, JSONL or legacy JSON) or run folders (every run checked)"
+        ...,
+        metavar="FILE",
+        help="plan files (JSON, JSONL or legacy JSON) or run folders (every run checked)",
     ),
 ) -> None:
     """Check plan files; print one line per problem as file:line: message (exit 1 if any).
@@ -81,7 +83,7 @@ def repeated_steps(steps: set[int]) -> str:
 
 
 def show(
-    file: Path = typer.Argument(..., help=PLAN_ARGUMENT),
+    file: Path = typer.Argument(..., metavar="PLAN", help=PLAN_ARGUMENT),
     step: int | None = typer.Option(None, help="step to show (default: the last plan)"),
 ) -> None:
     """Print a plan as a table per GPU: bag, tokens and load before/after, and its figures."""

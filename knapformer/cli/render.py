@@ -33,7 +33,7 @@ def register(app: typer.Typer) -> None:
 
 
 def animate(
-    plan: Annotated[Path, typer.Argument(help=PLAN_ARGUMENT)],
+    plan: Annotated[Path, typer.Argument(metavar="PLAN", help=PLAN_ARGUMENT)],
     out: Annotated[Path, typer.Option("-o", "--out", help="Output video (.mp4).")] = Path(
         "routing.mp4"
     ),
@@ -79,7 +79,7 @@ def animate(
 
 
 def report(
-    plans: Annotated[Path, typer.Argument(help=PLAN_ARGUMENT)],
+    plans: Annotated[Path, typer.Argument(metavar="PLANS", help=PLAN_ARGUMENT)],
     out: Annotated[
         Path,
         typer.Option(

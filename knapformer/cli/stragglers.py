@@ -43,7 +43,9 @@ def register(app: typer.Typer) -> None:
 
 def stragglers(
     plans: Path = typer.Argument(
-        ..., help=f"recorded plans with measurements: a .jsonl, or a run folder ({RUNS_LAYOUT})"
+        ...,
+        metavar="PLANS",
+        help=f"recorded plans with measurements: a .jsonl, or a run folder ({RUNS_LAYOUT})",
     ),
     window: int = typer.Option(
         WINDOW, help="analyse the last N measured steps (0: every step in the file)"
