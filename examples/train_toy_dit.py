@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 from pathlib import Path
 
 import numpy as np
@@ -57,6 +56,7 @@ def main() -> None:
 
     recorder = PlanRecorder(args.out / "plans.jsonl")  # (1) only rank 0 of a group writes
     balancer = SequenceBalancer(topology, recorder=recorder, run="toy")  # (2)
+    balancer.time_optimizer(optimizer)  # every optimizer.step() is a phase of its step
     for step in range(args.steps):
         rng = np.random.default_rng([step, rank])
         lengths = sample_lengths([codes[rank]], rng, args.length_scale)[0]
@@ -67,15 +67,14 @@ def main() -> None:
         noisy, target = ((1 - t) * latent + t * noise).to(device), (noise - latent).to(device)
 
         plan = balancer.plan_routing(lengths, token_dim=d_model)
-        began = time.perf_counter()
-        pred = model(noisy, lengths.tolist(), balancer)  # route -> blocks -> reverse_route
-        # This rank's share of the group's mean loss; summing gradients over the ranks
-        # (below) then gives the gradient of the mean over all tokens of all replicas.
-        elems = float(plan.sequences.length.sum()) * d_model * balancer.num_replicas
-        sq_err = (pred - target).square().sum()
-        optimizer.zero_grad()
-        (sq_err / elems).backward()
-        balancer.add_timing("forward_backward", (time.perf_counter() - began) * 1e3)
+        with balancer.timed("forward_backward"):
+            pred = model(noisy, lengths.tolist(), balancer)  # route -> blocks -> reverse_route
+            # This rank's share of the group's mean loss; summing gradients over the ranks
+            # (below) then gives the gradient of the mean over all tokens of all replicas.
+            elems = float(plan.sequences.length.sum()) * d_model * balancer.num_replicas
+            sq_err = (pred - target).square().sum()
+            optimizer.zero_grad()
+            (sq_err / elems).backward()
         grads = [p.grad for p in model.parameters()]
         flat = torch.cat([g.reshape(-1) for g in grads] + [sq_err.detach().reshape(1)])
         balancer.all_reduce(flat)  # data parallel (DDP would do the same), timed as waiting

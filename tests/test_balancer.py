@@ -198,6 +198,29 @@ def _errors(bal, world) -> dict[str, str]:
     return msgs
 
 
+def _timed_optimizer(topology: str) -> tuple[float, float]:
+    """The optimizer phase of a step whose ``opt.step()`` a balancer's hooks timed, and
+    of the step after the hooks were removed (0: not timed)."""
+    from knapformer.runtime.balancer import SequenceBalancer
+
+    bal = SequenceBalancer(topology)
+    param = torch.nn.Parameter(torch.zeros(3))
+    opt = torch.optim.SGD([param], lr=0.1)
+    handles = bal.time_optimizer(opt)
+    bal.plan_routing([4], D_MODEL)
+    param.grad = torch.ones(3)
+    opt.step()
+    bal.plan_routing([4], D_MODEL)  # ends the step whose opt.step() the hooks timed
+    hooked = bal.previous_timings.get("optimizer", 0.0)
+    for handle in handles:
+        handle.remove()
+    opt.step()
+    bal.plan_routing([4], D_MODEL)  # ends a step without the hooks
+    unhooked = bal.previous_timings.get("optimizer", 0.0)
+    bal.close()
+    return hooked, unhooked
+
+
 def _worker(rank: int, world: int, topologies: list[str]) -> dict:
     from knapformer.runtime.balancer import SequenceBalancer
 
@@ -236,6 +259,7 @@ def _worker(rank: int, world: int, topologies: list[str]) -> dict:
             )
         ]
         results[(topo, "group")] = (bal.group_ranks, bal.my_bag)
+        results[(topo, "optimizer")] = _timed_optimizer(topo)
         results[(topo, "errors")] = _errors(bal, world)
         own = list(bal.groups.owned())
         bal.close()
@@ -285,6 +309,9 @@ def test_balancer_on_gloo(world, tmp_path):
             )
             fair_share = work.sum() / t.num_gpus
             assert WorkloadModel(D_MODEL).workload(HEAVY) > t.max_bag_size * fair_share
+        for rank, res in enumerate(results):  # time_optimizer: its hooks time opt.step()
+            hooked, unhooked = res[(topo, "optimizer")]
+            assert hooked > 0 and unhooked == 0, (topo, rank, hooked, unhooked)
         for case in ("mixed", "single"):
             lengths = _lengths(world, case)
             ref_out, ref_grad = refs[case]

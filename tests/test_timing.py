@@ -159,3 +159,38 @@ def test_a_collection_inside_a_phase_of_the_compute_leaves_the_compute(gc_timer)
     assert values["gc"] >= 2.5 * BURN_MS and values["forward_backward"] >= 4 * BURN_MS
     assert BURN_MS <= values["compute"] < 2 * BURN_MS
     assert len(heap) == 200_000
+
+
+def test_time_between_timed_phases_is_untimed_and_leaves_the_compute():
+    """With the forward and backward pass timed as a block, the step's wall time inside
+    no phase is ``untimed``; it and the optimizer are not compute, and the phases add up
+    to the step."""
+
+    def body(timer):
+        with timer.host_timed("forward_backward"):
+            burn(BURN_MS, cpu_clock_ms)
+            with timer.host_timed("route"):  # nested: inside forward_backward's time
+                burn(BURN_MS / 4, cpu_clock_ms)
+        burn(BURN_MS / 2, cpu_clock_ms)  # Python between the loop's phases
+        time.sleep(SLEEP_MS / 1e3)  # ... and a wait there
+        with timer.host_timed("optimizer"):
+            burn(BURN_MS / 2, cpu_clock_ms)
+
+    values = _step(StepTimer(torch.device("cpu")), body)
+    assert values["untimed"] >= SLEEP_MS * 0.9 + BURN_MS / 2  # the wait and the work between
+    assert BURN_MS <= values["compute"] <= values["forward_backward"] - values["route"]
+    outside = ("route", "optimizer", "untimed")
+    total = values["compute"] + values["descheduled"] + sum(values[p] for p in outside)
+    assert total == pytest.approx(values["step"], rel=1e-9)
+
+
+def test_without_a_timed_forward_backward_nothing_is_untimed():
+    """Time between phases could then be the compute itself: it stays compute."""
+
+    def body(timer):
+        with timer.host_timed("data"):
+            time.sleep(SLEEP_MS / 10e3)
+        burn(BURN_MS, cpu_clock_ms)  # the model, untimed by this loop
+
+    values = _step(StepTimer(torch.device("cpu")), body)
+    assert "untimed" not in values and values["compute"] >= BURN_MS

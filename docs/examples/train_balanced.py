@@ -7,7 +7,6 @@ on a side channel while this one trains; the plans are the same.
 """
 
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -24,6 +23,7 @@ torch.manual_seed(0)  # same initial weights on every rank
 model = ToyDiT(d_model=D, n_heads=4, n_layers=2)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 balancer = SequenceBalancer("g1n2+g2n1", plan_ahead=AHEAD)  # bags [0] [1] [2,3]
+balancer.time_optimizer(opt)  # every opt.step() is the step's optimizer phase
 
 gen = torch.Generator().manual_seed(rank)
 batches = []  # this rank's packed batches: very different sequence lengths on different ranks
@@ -36,14 +36,13 @@ for step, (seq_lens, x, target) in enumerate(batches):
     plan = balancer.plan_routing(seq_lens, token_dim=D)  # same plan on every rank
     if step + 1 < STEPS:  # the loader knows the next batch: plan it while this one trains
         balancer.prefetch(batches[step + 1][0], token_dim=D)  # no-op without plan_ahead
-    began = time.perf_counter()
-    out = model(x, seq_lens, balancer=balancer)  # route -> blocks -> reverse_route
-    loss = torch.nn.functional.mse_loss(out, target, reduction="sum")  # rows match x
-    loss.backward()
-    balancer.add_timing("forward_backward", (time.perf_counter() - began) * 1e3)
+    with balancer.timed("forward_backward"):  # one line per phase of your loop
+        out = model(x, seq_lens, balancer=balancer)  # route -> blocks -> reverse_route
+        loss = torch.nn.functional.mse_loss(out, target, reduction="sum")  # rows match x
+        loss.backward()
     for p in model.parameters():  # data parallel: sum gradients over ranks, timed as waiting
         balancer.all_reduce(p.grad)
-    opt.step()
+    opt.step()  # timed as the optimizer phase (time_optimizer, above)
     opt.zero_grad()
     if rank == 0:
         s, before = plan.stats, balancer.previous_timings  # {} before the first step ended
