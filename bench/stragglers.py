@@ -1,24 +1,31 @@
-"""Benchmark: a slow rank, found and balanced away.
+"""Benchmark: a slow rank, found and balanced away, and how much of its cost is won back.
 
 The live demo at world size 8 (topology g1n2+g2n1+g4n1) with ``--slow-rank 5
---slow-factor 2`` (`knapformer.local.slowdown`: rank 5 sleeps as long again as it
-computes), with the ``modelled`` and the ``history`` cost model, in the same session and
-in the order modelled, history, history, modelled (a machine whose load drifts during
-the session then weighs on both alike). For each cost model:
+--slow-factor 2`` (`knapformer.local.slowdown`: rank 5's device takes as long again as
+it computes), with the ``modelled`` cost model (speeds unknown) and with ``history``
+(speeds learnt), and the same run with no slow rank (``healthy``), in one session in the
+order healthy, modelled, history, history, modelled, healthy (a machine whose load
+drifts during the session then weighs on each alike). For each:
 
 - the step at which `knapformer stragglers` (`knapformer.diagnosis.stragglers.analyse` over the
   plans recorded so far) first names rank 5, and the other ranks it names at any step
-  (its first run);
-- the median step time (the balancer's ``step``: from one ``plan_routing`` to the next,
-  the slowest rank) over the last half of each run, pooled over its two runs, and the
-  speed-up of history over modelled (modelled's step time / history's);
-- rank 5's share of the tokens over the last half, and the speed history learnt for it.
+  (its first run; none for the healthy runs);
+- over the last half of each run, pooled over its two runs, the median per step of the
+  slowest rank's compute (the phase ``compute``: the device's work, its time waiting for
+  a slow device included, without the collectives or waiting for a core) and of the step
+  time (the balancer's ``step``, from one ``plan_routing`` to the next, the slowest rank);
+- rank 5's share of the tokens and the speed history learnt for it.
 
-The machine's few cores are shared by the 8 workers, so the model is sized for compute
-to outweigh per-step overheads (``--head-dim``): sleeping is the slowdown that shows.
-Targets, printed PASS or FAIL under the table (exit 1 when one is missed): every run
-names rank 5 within 10 steps and names no other rank; history's median step time is at
-least 25 % below modelled's (1.25x).
+The **recovered share** is what the history cost model wins back of what the slow GPU
+costs: (slow, speeds unknown - slow, speeds learnt) / (slow, speeds unknown - healthy),
+on the slowest rank's compute, the part of a step a slow GPU lengthens. The step time is
+printed beside it, but eight workers share this machine's two cores, so most of a step
+is time the workers wait for a core (`descheduled`), which no plan shortens and the
+machine's load swings: it is not what this measures.
+
+Targets, printed PASS or FAIL under the table (exit 1 when one is missed): every slow
+run names rank 5 within 10 steps and names no other rank; no healthy run names any rank;
+the recovered share is at least 60 %.
 
     .venv/bin/python bench/stragglers.py [--steps 20] [--head-dim 64] [--length-scale 0.03125]
 """
@@ -34,11 +41,18 @@ from pathlib import Path
 import numpy as np
 from footer import print_load, print_targets
 
+from knapformer.contract.phases import COMPUTE, STEP
 from knapformer.contract.plan_io import read_plans
 from knapformer.local.demo import DemoConfig, run_demo
 
 WORLD, SLOW_RANK, SLOW_FACTOR = 8, 5, 2.0
-NAMED_BY, SPEEDUP = 10, 1.25  # targets: named within 10 steps; history ≥ 25 % faster
+NAMED_BY, RECOVERED = 10, 0.60  # targets: named within 10 steps; ≥ 60 % of the cost back
+ORDER = ("healthy", "modelled", "history", "history", "modelled", "healthy")
+LABELS = {
+    "healthy": "healthy (no slow rank)",
+    "modelled": "slow, speeds unknown (modelled)",
+    "history": "slow, speeds learnt (history)",
+}
 
 
 def first_named(plans) -> tuple[int | None, set[int]]:
@@ -60,31 +74,33 @@ def first_named(plans) -> tuple[int | None, set[int]]:
     return first, others
 
 
-def run(cost_model: str, args, out: Path) -> dict:
+def run(kind: str, args, out: Path) -> dict:
+    slow = kind != "healthy"
     cfg = DemoConfig(
         steps=args.steps,
         world_size=WORLD,
         out=out,
-        slow_rank=SLOW_RANK,
+        slow_rank=SLOW_RANK if slow else None,
         slow_factor=SLOW_FACTOR,
-        cost_model=cost_model,
+        cost_model="history" if kind == "history" else "modelled",
         head_dim=args.head_dim,
         length_scale=args.length_scale,
-        run=f"stragglers-{cost_model}",
+        run=f"stragglers-{kind}",
         # Without the link probe: it is not what this compares, and its fixed cost per
-        # step (a tenth to a fifth of a step of 8 CPU workers) would dilute the speed-up.
+        # step (a tenth to a fifth of a step of 8 CPU workers) would dilute the figures.
         link_probe_every=0,
     )
     began = time.perf_counter()
     run_demo(cfg)
     seconds = time.perf_counter() - began
     plans = read_plans(out / "plans.jsonl", on_error="raise").plans
-    last_half = [p for p in plans[len(plans) // 2 :] if "step" in p.measurements.per_rank_ms]
+    last_half = [p for p in plans[len(plans) // 2 :] if STEP in p.measurements.per_rank_ms]
     tokens = np.array([p.stats.tokens_after for p in last_half], dtype=np.float64)
     share = (tokens / tokens.sum(axis=1, keepdims=True)).mean(axis=0)
     first, others = first_named(plans)
     return {
-        "step_ms": [max(p.measurements.per_rank_ms["step"]) for p in last_half],
+        "step_ms": [max(p.measurements.per_rank_ms[STEP]) for p in last_half],
+        "compute_ms": [max(p.measurements.per_rank_ms[COMPUTE]) for p in last_half],
         "first": first,
         "others": others,
         "share": share[SLOW_RANK] / share.mean(),
@@ -95,76 +111,98 @@ def run(cost_model: str, args, out: Path) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=20, help="steps of each of the 4 runs")
+    parser.add_argument("--steps", type=int, default=20, help="steps of each of the 6 runs")
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--length-scale", type=float, default=1 / 32)
     args = parser.parse_args()
-    order = ("modelled", "history", "history", "modelled")
-    runs: dict[str, list[dict]] = {"modelled": [], "history": []}
+    runs: dict[str, list[dict]] = {kind: [] for kind in LABELS}
     with tempfile.TemporaryDirectory(prefix="knapformer-stragglers-") as tmp:
-        for i, cost_model in enumerate(order):
-            runs[cost_model].append(run(cost_model, args, Path(tmp) / f"{i}-{cost_model}"))
+        for i, kind in enumerate(ORDER):
+            runs[kind].append(run(kind, args, Path(tmp) / f"{i}-{kind}"))
 
     from rich.console import Console
     from rich.table import Table
 
     median = {
-        name: statistics.median(ms for r in rs for ms in r["step_ms"]) for name, rs in runs.items()
+        figure: {
+            kind: statistics.median(ms for r in rs for ms in r[figure]) for kind, rs in runs.items()
+        }
+        for figure in ("compute_ms", "step_ms")
     }
     table = Table(
         title=(
-            f"demo, world {WORLD}, --slow-rank {SLOW_RANK} --slow-factor {SLOW_FACTOR:g}, "
-            f"runs of {args.steps} steps in the order {', '.join(order)} (head dim "
-            f"{args.head_dim}, lengths x{args.length_scale:g})"
+            f"demo, world {WORLD}, rank {SLOW_RANK} {SLOW_FACTOR:g}x slow in the slow runs, "
+            f"runs of {args.steps} steps in the order {', '.join(ORDER)} (head dim "
+            f"{args.head_dim}, lengths x{args.length_scale:g}); ms: medians over the last "
+            "halves of both runs"
         )
     )
     for col in (
-        "cost model",
+        "run",
         "rank 5 first named at step",
         "other ranks named",
-        "median step ms (last halves)",
-        "each run",
-        "speed-up vs modelled",
+        "slowest rank's compute ms",
+        "step ms",
+        "each run (step ms)",
         "rank 5 tokens / mean",
         "rank 5 speed learnt",
     ):
-        table.add_column(col, justify="left" if col == "cost model" else "right")
-    for name, rs in runs.items():
+        table.add_column(col, justify="left" if col == "run" else "right")
+    for kind, rs in runs.items():
         first = rs[0]
         speed = "-" if first["speed"] is None else f"{first['speed'][SLOW_RANK]:.2f}"
+        named = "-" if kind == "healthy" else str(first["first"] or "never")
         table.add_row(
-            name,
-            "never" if first["first"] is None else str(first["first"]),
-            ", ".join(map(str, sorted(first["others"]))) or "none",
-            f"{median[name]:,.0f}",
+            LABELS[kind],
+            named,
+            ", ".join(map(str, sorted(set().union(*(r["others"] for r in rs))))) or "none",
+            f"{median['compute_ms'][kind]:,.0f}",
+            f"{median['step_ms'][kind]:,.0f}",
             " / ".join(f"{statistics.median(r['step_ms']):,.0f}" for r in rs),
-            f"{median['modelled'] / median[name]:.2f}x",
             f"{first['share']:.2f}",
             speed,
         )
-    console = Console(width=190)
+    console = Console(width=200)
     console.print(table)
+    shares = {figure: recovered(m) for figure, m in median.items()}
+    console.print(
+        f"recovered share, (slow, speeds unknown - slow, speeds learnt) / (slow, speeds "
+        f"unknown - healthy): {shares['compute_ms']:.0%} of the slowest rank's compute; "
+        f"{shares['step_ms']:.0%} of the step time (waiting for a core included)"
+    )
     took = sum(r["seconds"] for rs in runs.values() for r in rs)
-    console.print(f"4 runs took {took:.0f} s")
+    console.print(f"6 runs took {took:.0f} s")
     print_load(console)
-    return print_targets(console, check_targets(runs, median))
+    return print_targets(console, check_targets(runs, shares["compute_ms"]))
 
 
-def check_targets(runs: dict[str, list[dict]], median: dict[str, float]) -> list:
-    """The issue's targets: every run names rank 5 within 10 steps and no other rank;
-    history's median step time at least 25 % faster than modelled's."""
+def recovered(median: dict[str, float]) -> float:
+    """The share of the slow GPU's cost that learning speeds wins back (NaN when the slow
+    GPU cost nothing)."""
+    lost = median["modelled"] - median["healthy"]
+    return (median["modelled"] - median["history"]) / lost if lost > 0 else float("nan")
+
+
+def check_targets(runs: dict[str, list[dict]], share: float) -> list:
+    """Every slow run names rank 5 within 10 steps and no other rank; no healthy run
+    names a rank; history wins back at least 60 % of what the slow GPU costs."""
     checks = []
-    for name, rs in runs.items():
+    for kind, rs in runs.items():
         for i, r in enumerate(rs, 1):
-            first, others = r["first"], sorted(r["others"])
+            others = ", ".join(map(str, sorted(r["others"]))) or "none"
+            if kind == "healthy":
+                checks.append((f"healthy run {i}: ranks named: {others}", not r["others"]))
+                continue
+            first = r["first"]
             checks.append((
-                f"{name} run {i}: rank {SLOW_RANK} named at step {first} (≤ {NAMED_BY}), "
-                f"other ranks named: {', '.join(map(str, others)) or 'none'}",
-                first is not None and first <= NAMED_BY and not others,
+                f"{kind} run {i}: rank {SLOW_RANK} named at step {first} (≤ {NAMED_BY}), "
+                f"other ranks named: {others}",
+                first is not None and first <= NAMED_BY and not r["others"],
             ))  # fmt: skip
-    speedup = median["modelled"] / median["history"]
-    text = f"history {speedup:.2f}x faster than modelled (≥ {SPEEDUP:g}x)"
-    checks.append((text, speedup >= SPEEDUP))
+    checks.append((
+        f"history wins back {share:.0%} of what the slow GPU costs (≥ {RECOVERED:.0%})",
+        share >= RECOVERED,
+    ))  # fmt: skip
     return checks
 
 
