@@ -37,7 +37,10 @@ Targets (exit 1 when one is missed):
   (and still at the end) in at least 95 % of the slow runs;
 - no false alarm in any run, clean runs included;
 - the speeds the history cost model would learn (`recorded_speeds`) for every healthy
-  rank (every rank but a slow ``gpu``) stay within 10 % of 1 at every step.
+  rank (every rank but a slow ``gpu``) stay within 10 % of 1 at every step;
+- in every run, what no measured phase names (``other`` in `knapformer stragglers
+  --loss`, `knapformer.diagnosis.step_loss`) is at most 10 % of what the steps lost
+  against an ideal one (medians over the steps).
 
     .venv/bin/python bench/diagnosis.py [--quick] [--steps 12] [--kinds gpu link]
         [--sizes default heavy] [--no-clean] [--keep DIR] [--rescore DIR]
@@ -67,6 +70,7 @@ from rich.table import Table
 
 from knapformer.contract.plan_io import read_plans
 from knapformer.diagnosis.measured import measure
+from knapformer.diagnosis.step_loss import step_losses, summarise
 from knapformer.diagnosis.stragglers import VERDICTS, named_over_run
 from knapformer.local.config import SLOW_KINDS
 from knapformer.local.demo import DemoConfig, run_demo
@@ -80,7 +84,7 @@ SIZES = {"default": {}, "heavy": {"head_dim": 64, "length_scale": 1 / 32}}
 REGIMES = (("g1n4", 4), ("g1n2+g2n1", 4), ("g1n2+g2n1+g4n1", 8))
 FACTORS = (1.5, 2.0)
 SLOW_RANK = {4: 2, 8: 5}
-NAMED_BY, HIT_RATE, SPEED_TOLERANCE = 10, 0.95, 0.10
+NAMED_BY, HIT_RATE, SPEED_TOLERANCE, OTHER_SHARE = 10, 0.95, 0.10, 0.10
 CASE_FILE = "case.json"  # what a kept run was, for --rescore
 
 
@@ -113,6 +117,7 @@ class Outcome:
     seconds: float
     step_ms: float  # median step (ms), median over ranks
     probe_ms: float  # time in the link probe per step, on average over the steps
+    other_share: float  # the steps' loss that no phase names, over the loss (medians)
 
     @property
     def hit(self) -> bool:
@@ -205,7 +210,9 @@ def judge(case: Case, out: Path, seconds: float) -> Outcome:
     # the probe's cost per step on average (it skips steps); the step's median
     step_ms, probe_ms = float(np.median(per_step("step"))), float(np.mean(per_step("probe")))
     worst_rank = worst_rank if worst > 0 else None
-    return Outcome(case, first, final, alarms, worst, worst_rank, seconds, step_ms, probe_ms)
+    loss = summarise(step_losses(figures))
+    other = abs(loss["other"]) / loss["lost_ms"] if loss and loss["lost_ms"] > 0 else 0.0
+    return Outcome(case, first, final, alarms, worst, worst_rank, seconds, step_ms, probe_ms, other)
 
 
 def main() -> int:
@@ -283,7 +290,7 @@ def _runs_table(outcomes: list[Outcome]) -> Table:
         title="each run: the injected rank, what the diagnosis said", title_justify="left"
     )
     for col in ("run", "expected", "named after", "at the end", "false alarms", "speed off 1",
-                "step (ms)", "probe (ms/step)"):  # fmt: skip
+                "step (ms)", "probe (ms/step)", "other / lost"):  # fmt: skip
         table.add_column(col, justify="left" if col in ("run", "expected") else "right")
     for o in outcomes:
         table.add_row(
@@ -295,6 +302,7 @@ def _runs_table(outcomes: list[Outcome]) -> Table:
             f"{o.worst_speed:.0%}" + ("" if o.worst_rank is None else f" (rank {o.worst_rank})"),
             f"{o.step_ms:.0f}",
             f"{o.probe_ms:.1f}",
+            f"{o.other_share:.0%}",
             style=None if (o.hit or o.case.kind is None) and not o.alarms else "red",
         )
     return table
@@ -323,6 +331,8 @@ def check_targets(outcomes: list[Outcome]) -> list[tuple[str, bool]]:
     hits = sum(o.hit for o in slow)
     alarmed = [o.case.label() for o in outcomes if o.alarms]
     drifted = [o.case.label() for o in outcomes if o.worst_speed > SPEED_TOLERANCE]
+    unnamed = [o.case.label() for o in outcomes if o.other_share > OTHER_SHARE]
+    shares = sorted(o.other_share for o in outcomes)
     return [
         (
             f"injected rank named with the expected verdict within {NAMED_BY} steps in "
@@ -334,6 +344,11 @@ def check_targets(outcomes: list[Outcome]) -> list[tuple[str, bool]]:
             f"learnt speed of every healthy rank within {SPEED_TOLERANCE:.0%} of 1: off in "
             f"{', '.join(drifted) or 'no run'}",
             not drifted,
+        ),
+        (
+            f"what no phase names is ≤ {OTHER_SHARE:.0%} of what the steps lost (largest: "
+            f"{shares[-1] if shares else 0:.0%}): over in {', '.join(unnamed) or 'no run'}",
+            not unnamed,
         ),
     ]
 

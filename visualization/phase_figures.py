@@ -64,7 +64,8 @@ class PartStyle:
     waiting: bool = False
 
 
-def _style(group: str, shade: int = 0, waiting: bool = False) -> PartStyle:
+def part_style(group: str, shade: int = 0, waiting: bool = False) -> PartStyle:
+    """The style of a part in a group's hue (`palette.PHASE_GROUPS`), its ``shade``-th."""
     shades = palette.PHASE_GROUPS[group]
     return PartStyle(shades[min(shade, len(shades) - 1)], waiting)
 
@@ -97,16 +98,16 @@ def step_parts(plan: RoutingPlan) -> RankPhases | None:
 
     per_rank = plan.measurements.per_rank_ms
     if measured.phase == "compute":  # the step's other parts lie outside it
-        add("compute (the model's)", np.clip(measured.compute_ms, 0.0, None), _style("compute"))
+        add("compute (the model's)", np.clip(measured.compute_ms, 0.0, None), part_style("compute"))
         if _optimizer_outside_compute(measured, per_rank):
-            add(OPTIMIZER_PART, measured.fixed_ms.get(OPTIMIZER, 0), _style("compute", 1))
-        add(HOST_PART, measured.host_ms, _style("host"))
-        add(DATA_PART, measured.data_ms, _style("host", 2))
-        add(DESCHEDULED_PART, measured.descheduled_ms, _style("cpu", 1))
-        add(UNTIMED_PART, measured.fixed_ms.get(UNTIMED, np.zeros(0)), _style("cpu", 0))
+            add(OPTIMIZER_PART, measured.fixed_ms.get(OPTIMIZER, 0), part_style("compute", 1))
+        add(HOST_PART, measured.host_ms, part_style("host"))
+        add(DATA_PART, measured.data_ms, part_style("host", 2))
+        add(DESCHEDULED_PART, measured.descheduled_ms, part_style("cpu", 1))
+        add(UNTIMED_PART, measured.fixed_ms.get(UNTIMED, np.zeros(0)), part_style("cpu", 0))
     else:
         name = f"compute ({measured.phase})"
-        parts[name], styles[name] = np.clip(measured.compute_ms, 0.0, None), _style("compute")
+        parts[name], styles[name] = np.clip(measured.compute_ms, 0.0, None), part_style("compute")
     _add_collectives(measured, add)
     step = per_rank.get(STEP)
     return RankPhases(
@@ -127,12 +128,12 @@ def _add_collectives(measured: MeasuredStep, add) -> None:
     for transfer_name, group, waits in _COLLECTIVES:
         phases = [p for _, names in waits for p in names if p in collective]
         transfer = sum((collective[p] - wait[p] for p in phases), np.zeros(n))
-        add(transfer_name, transfer, _style(group))
+        add(transfer_name, transfer, part_style(group))
         for shade, (name, names) in enumerate(waits, start=1):
             ms = sum((wait[p] for p in names if p in wait), np.zeros(n))
-            add(name, ms, _style(group, shade, waiting=True))
+            add(name, ms, part_style(group, shade, waiting=True))
     if PROBE in collective:
-        add(PROBE_PART, collective[PROBE], _style("probe"))
+        add(PROBE_PART, collective[PROBE], part_style("probe"))
 
 
 def _optimizer_outside_compute(measured: MeasuredStep, per_rank: dict) -> bool:
@@ -202,7 +203,7 @@ def reorder(phases: RankPhases, ranks: Iterable[int]) -> RankPhases:
     )
 
 
-def _marker(style: PartStyle) -> dict:
+def bar_marker(style: PartStyle) -> dict:
     """A bar's plotly marker: its colour, hatched when it is waiting."""
     marker: dict = {"color": style.color}
     if style.waiting:
@@ -238,7 +239,7 @@ def phase_figure(
             "x": slots,
             "y": ms,
             "name": name,
-            "marker": _marker(phases.styles[name]),
+            "marker": bar_marker(phases.styles[name]),
             "hovertext": names,
             "hovertemplate": "%{hovertext}<br>" + name + " %{y:,.2f} ms<extra></extra>",
         }

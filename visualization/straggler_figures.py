@@ -15,6 +15,7 @@ import plotly.graph_objects as go
 from knapformer.visualization import palette
 from knapformer.visualization.axes import data_range, rank_ticks
 from knapformer.visualization.figures import build_figure
+from knapformer.visualization.phase_figures import bar_marker, part_style
 
 from knapformer.diagnosis.measured import RankFigures
 from knapformer.diagnosis.step_loss import (
@@ -354,31 +355,23 @@ def compute_wait_figure(report: StragglerReport, m: RankSteps, validate: bool = 
     return build_figure(data, layout, validate)
 
 
-#: The phase group, shade and hatching of each part of a step's loss (`step_loss.PARTS`,
-#: named by `step_loss.PART_INFO`), in the hues of the per-rank phase stacks.
+#: How each part of a step's loss (`step_loss.PARTS`, named by `step_loss.PART_INFO`) is
+#: drawn: in the hues of the per-rank phase stacks.
 LOSS_STYLE = {
-    "layout_floor": ("plan", 0, False),
-    "solver_gap": ("plan", 1, False),
-    "slow_ranks": ("compute", 0, False),
-    "input": ("host", 2, False),
-    "host": ("host", 0, False),
-    "communication": ("exchanges", 0, False),
-    "exchange_waits": ("exchanges", 1, True),
-    "gather": ("sync", 1, False),
-    "allreduce": ("sync", 0, False),
-    "optimizer": ("compute", 1, False),
-    "descheduled": ("cpu", 1, False),
-    "untimed": ("cpu", 0, False),
-    "other": ("cpu", 2, False),
+    "layout_floor": part_style("plan"),
+    "solver_gap": part_style("plan", 1),
+    "slow_ranks": part_style("compute"),
+    "input": part_style("host", 2),
+    "host": part_style("host"),
+    "communication": part_style("exchanges"),
+    "exchange_waits": part_style("exchanges", 1, waiting=True),
+    "gather": part_style("sync", 1),
+    "allreduce": part_style("sync"),
+    "optimizer": part_style("compute", 1),
+    "descheduled": part_style("cpu", 1),
+    "untimed": part_style("cpu"),
+    "other": part_style("cpu", 2),
 }
-
-
-def _loss_marker(part: str) -> dict:
-    group, shade, waiting = LOSS_STYLE[part]
-    marker: dict = {"color": palette.PHASE_GROUPS[group][shade]}
-    if waiting:
-        marker["pattern"] = {"shape": palette.WAITING_PATTERN, "fgcolor": "#ffffff"}
-    return marker
 
 
 def step_loss_figure(
@@ -408,7 +401,7 @@ def step_loss_figure(
                 "y": y,
                 "base": base.copy(),
                 "name": name,
-                "marker": _loss_marker(part),
+                "marker": bar_marker(LOSS_STYLE[part]),
                 "hovertemplate": f"step %{{x}} · {name}: %{{y:,.3r}} ms<extra></extra>",
             }
         )
