@@ -61,12 +61,11 @@ from knapformer.visualization.figures import (
     timeline_mode,
     topology_figure,
 )
-from knapformer.visualization.straggler_figures import NO_STRAGGLER
 
 from knapformer.contract.runfiles import RUNS_LAYOUT
 from knapformer.contract.stats import before_after
 from knapformer.contract.units import LoadUnit
-from knapformer.diagnosis.stragglers import WINDOW, analyse, describe
+from knapformer.diagnosis.stragglers import WINDOW, analyse, headline
 
 TICK_MS = 500
 PAGE_LOAD_LINGER_S = 1.5
@@ -451,8 +450,7 @@ def _straggler(store: PlanStore | None, snap: Snapshot | None) -> str:
     if store is None or snap is None or not snap.measured_steps:
         return "– (no measured steps)"
     window = store.measured(len(snap.summaries) - 1, WINDOW, snap.reset)
-    named = analyse(window).straggler if window else None
-    return describe(named) if named else NO_STRAGGLER
+    return headline(analyse(window)) if window else "– (no measured steps)"
 
 
 def _notices(app: Dash, timed: Callable) -> None:

@@ -302,3 +302,19 @@ def test_the_probe_never_clears_the_group_s_exchanges():
     report = analyse(_figures(plans))
     assert [v.scope for v in report.slow_links] == ["group"]
     assert not report.links[0].cleared_by_probe and _named(report) == {}
+
+
+def test_the_headline_never_calls_a_rank_past_the_slow_ratio_as_predicted():
+    from knapformer.diagnosis.stragglers import THRESHOLDS, headline
+
+    # rank 5 twice as slow, but only 3 measured steps: too few to name it slow_gpu yet
+    early = analyse([measure(p).figures() for p in measured_run(3, slow_rank=5, slow_factor=2)])
+    assert early.straggler is None
+    line = headline(early)
+    assert line.startswith("none named yet: rank 5's rate is") and "takes about" not in line
+    assert f"at least {THRESHOLDS.min_steps_gpu} measured steps" in line
+    # enough steps: named, with what it costs
+    late = analyse([measure(p).figures() for p in measured_run(8, slow_rank=5, slow_factor=2)])
+    assert headline(late).startswith("slow_gpu: rank 5 (major: costs ")
+    clean = analyse([measure(p).figures() for p in measured_run(8, noise=0.02)])
+    assert headline(clean) == "none: every rank takes about the time the plan predicts"

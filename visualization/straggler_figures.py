@@ -30,7 +30,7 @@ from knapformer.diagnosis.stragglers import (
     RankSteps,
     StragglerReport,
     analyse,
-    describe,
+    headline,
     rank_steps,
     row_medians,
 )
@@ -448,10 +448,6 @@ def step_loss_figure(
     return build_figure(data, layout, validate)
 
 
-#: What a verdict line says when every rank is ok.
-NO_STRAGGLER = "none: every rank as predicted"
-
-
 def flagged_ranks(report: StragglerReport) -> dict[int, str]:
     """Rank -> the name of its verdict, for the ranks ``report`` flags (not ``ok``)."""
     return {r.rank: VERDICT_STYLE[r.verdict][0] for r in report.named}
@@ -468,9 +464,7 @@ def straggler_views(
     report = analyse(window, None)
     flagged = flagged_ranks(report)
     m = rank_steps(window)
-    named = report.straggler
-    verdict = describe(named) if named else NO_STRAGGLER
-    return verdict, [
+    return headline(report), [
         ("ratio-heatmap", ratio_heatmap(m, validate, flagged)),
         ("wait-heatmap", wait_heatmap(m, validate, flagged, run_start)),
         ("compute-wait", compute_wait_figure(report, m, validate)),

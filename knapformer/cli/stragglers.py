@@ -31,6 +31,7 @@ from knapformer.diagnosis.stragglers import (
     analyse,
     describe,
     describe_link,
+    headline,
 )
 
 #: Up to this many ranks the table lists every rank; beyond, the named ones only.
@@ -204,13 +205,7 @@ def _summary(report: StragglerReport, measured: int) -> str:
     lines += [describe(r) for r in report.named]
     lines += [describe_link(v) for v in report.slow_links + report.cleared_links]
     if not report.named and not report.slow_links and measured >= th.min_steps:
-        if report.withheld_by_ambiguity:
-            lines.append(
-                "no straggler named: the compute model cannot tell which ranks are off its "
-                "line (ambiguous, below); read the rate column"
-            )
-        else:
-            lines.append("no straggler: every rank takes about the time the plan predicts")
+        lines.append(f"straggler: {headline(report)}")
     if report.fit is not None and report.fit.note:
         lines.append(f"compute model: {report.fit.note}")
     lines.append(

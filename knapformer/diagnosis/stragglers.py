@@ -439,6 +439,29 @@ def describe(r: RankVerdict) -> str:
     return f"{r.verdict}: rank {r.rank}{_cost(r)} — {why}"
 
 
+def headline(report: StragglerReport) -> str:
+    """The one line a header gives a window: its straggler (`describe`), or why no rank is
+    named. It never says every rank is as predicted while a rank's rate is past
+    `Thresholds.slow_ratio`: such a rank is named, or the line says why not yet."""
+    if report.straggler is not None:
+        return describe(report.straggler)
+    th = report.thresholds
+    if report.withheld_by_ambiguity:
+        return (
+            "none named: the compute model cannot tell which ranks are off its line "
+            "(ambiguous); read the rate column"
+        )
+    past = [r for r in report.ranks if np.isfinite(r.ratio) and r.ratio >= th.slow_ratio]
+    if past:
+        r = max(past, key=lambda v: v.ratio)
+        return (
+            f"none named yet: rank {r.rank}'s rate is {r.ratio:.2f}× the group's, past "
+            f"{th.slow_ratio:g}× in {r.slow_steps} of {r.steps} steps (slow_gpu needs "
+            f"{th.persistence:.0%} of at least {th.min_steps_gpu} measured steps)"
+        )
+    return "none: every rank takes about the time the plan predicts"
+
+
 def _cost(r: RankVerdict) -> str:
     """`` (minor: costs 8 ms per step, 6% of the step)``: what a named rank's verdict
     costs the step, where it is measured in time."""
