@@ -148,12 +148,11 @@ def _step_loss(f: RankFigures, m: RankSteps, predicted: np.ndarray, col: int) ->
     # the bandwidth of what the exchanges moved, not of the time ranks waited in them
     transfer = exchange - np.nan_to_num(m.exchange_wait_ms[:, col])
     moved = taking & (values > 0) & (transfer > 0)
+    ideal_exchange = 0.0  # nothing moved: an exchange's whole time is its overhead
     if moved.any():
         bandwidth = float(np.median(values[moved] / transfer[moved]))
         ideal_exchange = float(np.median(values[moved])) / bandwidth
-        no_wait = _largest(np.where(moved, transfer, np.nan))
-    else:
-        ideal_exchange = no_wait = 0.0
+    no_wait = _largest(np.where(taking, transfer, np.nan)) if taking.any() else 0.0
     floor = max(float(f.floor_load), 1.0) if np.isfinite(f.floor_load) else 1.0
     worst_load = _largest(m.predicted_load[:, col])
 

@@ -105,6 +105,12 @@ class Thresholds:
     persistence: float = 0.6
     #: measured steps a rank needs before it can get any verdict but ``ok``
     min_steps: int = 3
+    #: a rank's rate names it ``slow_gpu`` whatever that costs only when the plan gave it at
+    #: least this share of the median rank's work. On less, the model's small errors (a
+    #: cost per sequence, a launch overhead), which a typical rank's work dwarfs, become
+    #: large ratios: a clean g1n4 run on 2 cores read 1.76x for its lightest rank, on 4 %
+    #: of the work. Such a rank is named when what its rate costs is `material`
+    rate_work_share: float = 0.5
     #: ... and before it can be named ``slow_gpu``: as many as the history cost model needs
     #: to learn a slow rank (`knapformer.planning.compute_model.MIN_STEPS`). The rate rests
     #: on a line fitted through every rank's compute, which the first steps' warm-up and a
@@ -170,6 +176,9 @@ class RankVerdict:
     #: of a named rank: "major", or "minor" when the cost is under `Thresholds.material`
     #: of the step ("" for ``ok``)
     severity: str = ""
+    #: whether it was given enough work to name it by its rate alone
+    #: (`Thresholds.rate_work_share`)
+    rate_readable: bool = True
 
     def as_dict(self) -> dict:
         """Plain JSON-ready values (NaN as None)."""
@@ -454,10 +463,16 @@ def headline(report: StragglerReport) -> str:
     past = [r for r in report.ranks if np.isfinite(r.ratio) and r.ratio >= th.slow_ratio]
     if past:
         r = max(past, key=lambda v: v.ratio)
+        said = f"rank {r.rank}'s rate is {r.ratio:.2f}× the group's"
+        if not r.rate_readable:
+            return (
+                f"none named: {said}, on {r.predicted_share:.0%} of the work, too little to "
+                f"read a rate from (named when it costs {th.material:.0%} of the step)"
+            )
         return (
-            f"none named yet: rank {r.rank}'s rate is {r.ratio:.2f}× the group's, past "
-            f"{th.slow_ratio:g}× in {r.slow_steps} of {r.steps} steps (slow_gpu needs "
-            f"{th.persistence:.0%} of at least {th.min_steps_gpu} measured steps)"
+            f"none named yet: {said}, past {th.slow_ratio:g}× in {r.slow_steps} of "
+            f"{r.steps} steps (slow_gpu needs {th.persistence:.0%} of at least "
+            f"{th.min_steps_gpu} measured steps)"
         )
     return "none: every rank takes about the time the plan predicts"
 
@@ -518,8 +533,10 @@ def analyse(
         wall_excess = compute_excess * stretch
         values_per_ms = m.exchange_values / m.exchange_ms
         bandwidth = row_medians(values_per_ms / nan_reduce(np.nanmedian, values_per_ms, axis=0))
+        share = row_medians(m.predicted_share)
+        readable = share >= th.rate_work_share * nan_reduce(np.nanmedian, share)  # (r,)
         # NaN compares False: absent steps never count
-        slow_each = m.ratio >= th.slow_ratio
+        slow_each = (m.ratio >= th.slow_ratio) & (readable[:, None] | (wall_excess >= material))
         heavy_each = m.predicted_load >= th.heavy_load
     bandwidth_steps = relative_bandwidth(figures, m.ranks)  # (r, s)
     probes = np.isfinite(bandwidth_steps).sum(axis=1)
@@ -579,6 +596,7 @@ def analyse(
         "link_bandwidth": link_bandwidth.tolist(),
         "slow_probes": slow_link_each.sum(axis=1).tolist(),
         "probes": probes.tolist(),
+        "rate_readable": readable.tolist(),
     }
     costs = {
         "slow_gpu": row_medians(wall_excess),
