@@ -318,3 +318,42 @@ def test_the_headline_never_calls_a_rank_past_the_slow_ratio_as_predicted():
     assert headline(late).startswith("slow_gpu: rank 5 (major: costs ")
     clean = analyse([measure(p).figures() for p in measured_run(8, noise=0.02)])
     assert headline(clean) == "none: every rank takes about the time the plan predicts"
+
+
+def _window(share: np.ndarray, rate: np.ndarray, steps: int = 8, step_ms: float = 400.0):
+    """Measured figures of 4 ranks over ``steps`` steps: each rank's compute its share of
+    200 ms times its rate, plus 3 ms of overhead, with a little noise."""
+    from knapformer.diagnosis.measured import RankFigures
+
+    rng = np.random.default_rng(0)
+    balanced = np.ones(len(share))  # the plan's predicted load: as the ideal everywhere
+    out = []
+    for s in range(steps):
+        compute = 3.0 + 200.0 * share * rate * rng.lognormal(0.0, 0.02, len(share))
+        out.append(
+            RankFigures(step=s, gpus=np.arange(len(share), dtype=np.int32), phase="compute",
+                        compute_ms=compute, predicted_share=share, predicted_load=balanced,
+                        wait_ms=compute.max() - compute, straggler=int(np.argmax(compute)),
+                        shown_total=1.0, load_axis="work", step_ms=np.full(len(share), step_ms))
+        )  # fmt: skip
+    return out
+
+
+def test_a_rank_given_little_work_is_not_named_by_its_rate_alone():
+    from knapformer.diagnosis.stragglers import THRESHOLDS, headline
+
+    # rank 0 reads 1.8x on 4 % of the work: under half the median rank's work, its rate
+    # rests on too little to name it for what costs the step a few ms
+    light = analyse(_window(np.array([0.04, 0.14, 0.71, 0.11]), np.array([1.8, 1, 1, 1])))
+    r0 = light.ranks[0]
+    assert r0.ratio > 1.5 and not r0.rate_readable and r0.verdict == "ok"
+    assert "too little to read a rate from" in headline(light)
+    # the same rate on an equal share is named, however little it costs (minor)
+    equal = analyse(_window(np.full(4, 0.25), np.array([1.5, 1, 1, 1]), step_ms=2000.0))
+    assert equal.ranks[0].verdict == "slow_gpu" and equal.ranks[0].severity == "minor"
+    assert equal.ranks[0].cost_share < THRESHOLDS.material
+    # and a light rank whose rate costs the step enough is named after all
+    costly = analyse(
+        _window(np.array([0.04, 0.14, 0.71, 0.11]), np.array([4, 1, 1, 1]), step_ms=60.0)
+    )
+    assert costly.ranks[0].verdict == "slow_gpu" and costly.ranks[0].severity == "major"
