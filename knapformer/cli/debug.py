@@ -14,6 +14,7 @@ from knapformer.cli.errors import UserError
 from knapformer.cli.extras import require
 from knapformer.cli.plans import PLAN_ARGUMENT
 from knapformer.cli.progress import progress
+from knapformer.contract.output_file import output_file
 from knapformer.contract.phases import COMPUTE_PHASES
 from knapformer.contract.runfiles import PLANS_FILE
 from knapformer.contract.stats import before_after
@@ -440,9 +441,7 @@ def calibrate(
     if plot is not None:
         from knapformer.visualization.calibration import calibration_figure
 
-        try:
-            title = "DiT block benchmark" if file is None else str(file)
-            calibration_figure(cal, title=title).write_html(plot, include_plotlyjs=True)
-        except OSError as err:
-            raise UserError(f"{plot}: cannot write: {err.strerror or err}") from err
+        title = "DiT block benchmark" if file is None else str(file)
+        with output_file(plot) as f:
+            calibration_figure(cal, title=title).write_html(f, include_plotlyjs=True)
         console.print(f"wrote {plot}")

@@ -94,6 +94,19 @@ MIN_SCALE, MAX_SCALE = 1e-12, 1e12
 #: A plan's ``time`` (unix seconds): the end of year 9999.
 MAX_UNIX_TIME = 253_402_300_799.0
 
+# A profiler trace merged into a knapformer trace (`knapformer trace --merge`), one per
+# rank. Read one at a time, each parsed whole: its Python objects take ~5x its bytes.
+#: Bytes of one profiler trace, a ``.json.gz`` counted as it inflates: a few profiled
+#: steps of a large model (torch.profiler writes ~300 bytes per event).
+MAX_TRACE_BYTES = 64 * 2**20
+#: Objects and arrays, values and nesting of one profiler trace (an event is an object
+#: with an ``args`` object; torch.profiler's shapes nest 6 deep).
+MAX_TRACE_CONTAINERS = 2**20
+MAX_TRACE_VALUES = 2**23
+MAX_TRACE_DEPTH = 16
+#: |ts| and ``dur`` of a profiler event, µs: the end of year 9999 since the Unix epoch.
+MAX_TRACE_US = MAX_UNIX_TIME * 1e6
+
 _UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
 
 
