@@ -102,3 +102,49 @@ def test_the_table_refuses_what_no_option_may_be():
         for end in (bound.low, bound.high):
             value = int(end) if bound.whole else float(end)
             assert check_option(name, value) == value
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--lengths", ",".join(map(str, range(1, 5001)))],
+            "--lengths gives 5,000 lengths; at most 64",
+        ),
+        (["--lengths", "8," + "9" * 5000], "--lengths item is 99999"),
+        (["--lengths", "8,0"], "--lengths item must be at least 1"),
+        (["--token-dim", str(2**24), "--heads", "16"], "--token-dim of a benchmarked block is"),
+        (["--tokens", str(2**20), "--token-dim", "4096", "--heads", "32"], "a timed batch holds"),
+        (["--lengths", f"8,{2**20}", "--token-dim", "2048", "--heads", "16"], "a timed batch"),
+    ],
+    ids=["5000-lengths", "huge-length", "zero-length", "width", "tokens-x-width", "length-x-width"],
+)
+def test_the_block_benchmark_refuses_what_it_cannot_time_before_timing(capsys, args, message):
+    """Before: 5,000 lengths were still timing after 120 s (each is a batch of --tokens
+    tokens timed 7 times: ~2.3 s at d = 64 here, 3 h in all); widths and batches asked
+    allocations of 275 GB and 3.4 PB."""
+    assert main(["calibrate", "--benchmark", *args]) == 1
+    out, err = capsys.readouterr()
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1, err
+    assert "timing" not in out  # refused before the first batch
+
+
+def test_an_allocation_the_machine_refuses_is_one_line(capsys, monkeypatch):
+    from knapformer.tools import block_benchmark
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError(
+            "[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory: "
+            "you tried to allocate 295279001600 bytes. Error code 12"
+        )
+
+    monkeypatch.setattr(block_benchmark, "time_block", refuse)
+    assert (
+        main(["calibrate", "--benchmark", "--device", "cpu", "--token-dim", "64", "--heads", "4"])
+        == 1
+    )
+    err = capsys.readouterr().err
+    assert err == (
+        "error: the benchmark needs more memory than cpu has (it tried to allocate 275.0 GiB): "
+        "lower --tokens, the longest of --lengths or --token-dim\n"
+    )
