@@ -69,8 +69,10 @@ from knapformer.contract.topology import Topology
 from knapformer.errors import KnapformerError
 
 SCHEMA_VERSION = 2
-#: Versions this reader understands: 1 had no ``planner_version``.
+#: Versions this reader understands: 1 had no ``planner_version`` and no ``policy``.
 READABLE_SCHEMA_VERSIONS = (1, 2)
+#: Fields a schema-1 record cannot carry (written only by schema 2's writers).
+SCHEMA_2_FIELDS = ("planner_version", "policy")
 _MAX_IDS_IN_MESSAGE = 5
 _INT64 = (-(2**63), 2**63 - 1)
 
@@ -382,11 +384,12 @@ def layout_problem(plan: RoutingPlan, positions: GpuPositions | None = None) -> 
 
 def _field_problem(plan: RoutingPlan) -> str | None:
     """Scalars and table sizes within the bounds of `knapformer.contract.limits`."""
-    if plan.schema_version == 1 and plan.planner_version is not None:
-        return (
-            "planner_version is a field of schema 2, but the record says schema_version 1: "
-            "set schema_version to 2 or drop planner_version"
-        )
+    for name in SCHEMA_2_FIELDS:
+        if plan.schema_version == 1 and getattr(plan, name) is not None:
+            return (
+                f"{name} is a field of schema 2, but the record says schema_version 1: "
+                f"set schema_version to 2 or drop {name}"
+            )
     if plan.step is not None and abs(plan.step) > MAX_STEP:
         step = abbreviate(f"{plan.step:,}")
         return f"step {step} is beyond ±{MAX_STEP:,} (knapformer.contract.limits)"
