@@ -14,13 +14,14 @@ leave a thread and open files behind for each.
 from __future__ import annotations
 
 import os
+import stat
 import threading
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from knapformer.dashboard.tail import MAX_LINE_BYTES, JsonlTail, TailLine
+from knapformer.dashboard.tail import MAX_LINE_BYTES, NEW_FILE, JsonlTail, TailEvent, TailLine
 
 from knapformer.contract.plan import RoutingPlan
 from knapformer.contract.plan_io import PlanFormatError, Problem, parse_plan_line, read_plans
@@ -112,6 +113,9 @@ class PlanStore:
         self._gate = gate
         self.name = name or self.path.stem
         self.is_jsonl = self.path.suffix != ".json"
+        # Resolved once: a link named when following starts is followed; one put in the
+        # file's place later is refused (`dashboard.tail`).
+        self._source = Path(os.path.realpath(self.path))
         self._lock = threading.Lock()
         self._summaries: list[StepSummary] = []
         self._where: list[Location] = []
@@ -175,44 +179,75 @@ class PlanStore:
             self._poll_json()
             return False
         batch = self._tail.poll(_POLL_BYTES)
-        parsed: list[_Indexed] = []
-        problems: list[Problem] = []
+        items: list[tuple[int, _Indexed | Problem]] = []  # (file generation, what it holds)
         for line in batch.lines:
             try:
-                indexed = _index_line(line)
+                items.append((line.generation, _index_line(line)))
             except Exception as err:  # whatever a line holds, it costs that line only
-                problems.append(Problem(self.path.name, line.number, _reason(err)))
-                continue
-            parsed.append(indexed)
+                items.append((line.generation, Problem(self.path.name, line.number, _reason(err))))
         with self._lock:
+            fresh = None
             for event in batch.events:
-                if event.kind == "missing":
-                    self._missing = event.message
-                elif event.kind == "appeared":
-                    self._missing = None
-                elif event.kind == "removed":
-                    self._missing = f"{event.message}; waiting for it to reappear"
-                else:
-                    self._events.append(event.message)
-                    if event.kind == "truncated":
-                        self._clear()
-            self._add(parsed, problems)
+                self._note(event)
+                if event.kind in NEW_FILE:
+                    fresh = event.generation
+            if fresh is not None:  # a new file: what was read before is not part of it
+                self._clear()
+                items = [(generation, item) for generation, item in items if generation >= fresh]
+            self._add_items(items)
             self._indexing = batch.more
         return batch.more
 
+    def _note(self, event: TailEvent) -> None:
+        """What the follower reports about the file, kept for the page."""
+        if event.kind in ("missing", "refused"):
+            self._missing = event.message
+        elif event.kind == "removed":
+            self._missing = f"{event.message}; waiting for it to reappear"
+        else:  # a file is read again
+            self._missing = None
+            if event.kind != "appeared":
+                self._events.append(event.message)
+
+    def _add_items(self, items: list[tuple[int, _Indexed | Problem]]) -> None:
+        """Add lines in file order. The first plan of a new file generation (after a
+        rotation) must continue the steps shown; if it starts another run (a re-run moves
+        the old recording aside just as a rotation does), the earlier steps are dropped."""
+        for generation, item in items:
+            if isinstance(item, Problem):
+                self._add([], [item])
+                continue
+            if self._where and generation != self._where[-1].generation:
+                reason = _new_run(self._summaries[-1], item[0])
+                if reason is not None:
+                    self._events.append(
+                        f"{self.path.name} holds a new run ({reason}): the earlier steps are "
+                        "no longer shown"
+                    )
+                    self._clear()
+            self._add([item], [])
+
     def _poll_json(self) -> None:
         try:
-            st = os.stat(self.path)
+            st = os.lstat(self._source)  # a link put in the file's place is not read
         except OSError as err:
+            st, reason = None, f"cannot read {self.path}: {err.strerror}"
+        if st is not None and stat.S_ISLNK(st.st_mode):
+            reason = (
+                f"{self._source} is a symbolic link: the dashboard reads regular files only; "
+                "waiting for a regular file there"
+            )
+            st = None
+        if st is None:
             with self._lock:
-                self._missing = f"cannot read {self.path}: {err.strerror}"
+                self._missing = reason
                 self._indexing = False
             return
         stamp = (st.st_mtime_ns, st.st_size)
         if stamp == self._json_stamp:
             return
         self._json_stamp = stamp
-        result = read_plans(self.path, on_error="skip")
+        result = read_plans(self._source, on_error="skip")
         with self._lock:
             self._missing = None
             if self._summaries or self._problem_count:
@@ -317,6 +352,18 @@ class PlanStore:
             while len(self._cache) > _CACHE_PLANS:
                 self._cache.popitem(last=False)
             return plan
+
+
+def _new_run(last: StepSummary, first: StepSummary) -> str | None:
+    """Why the plan ``first``, the first of a new file, does not continue the run whose
+    last plan shown is ``last`` (None when it continues it)."""
+    if last.run != first.run and last.run is not None and first.run is not None:
+        return f"run {first.run!r} after run {last.run!r}"
+    if last.step is not None and first.step is not None and first.step <= last.step:
+        return f"it starts at step {first.step}, not after step {last.step}"
+    if last.time is not None and first.time is not None and first.time < last.time:
+        return "its first plan is older than the last one shown"
+    return None
 
 
 def _index_line(line: TailLine) -> _Indexed:
