@@ -34,6 +34,8 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from knapformer.contract.plan_io import file_kind
+
 _CHUNK = 1 << 20
 #: Longest line read into memory. A plan of a 4096-GPU step is a few MB; anything much
 #: longer is not a plan the dashboard could draw.
@@ -64,14 +66,6 @@ class TailEvent:
 #: Events after which the lines read belong to a new file whose start is unrelated to
 #: what was read before (the old lines are another run, or the same lines again).
 NEW_FILE = ("truncated", "replaced")
-
-_FILE_KINDS = (
-    (stat.S_ISDIR, "a folder"),
-    (stat.S_ISFIFO, "a FIFO"),
-    (stat.S_ISSOCK, "a socket"),
-    (stat.S_ISCHR, "a character device"),
-    (stat.S_ISBLK, "a block device"),
-)
 
 
 @dataclass
@@ -230,8 +224,7 @@ class JsonlTail:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
             os.close(fd)
-            kind = next((name for test, name in _FILE_KINDS if test(mode)), "not a file")
-            self._report_absent(batch, "refused", _refusal(self.path, kind))
+            self._report_absent(batch, "refused", _refusal(self.path, file_kind(mode)))
             return False
         self._file = os.fdopen(fd, "rb")
         self._inode = os.fstat(fd).st_ino

@@ -287,9 +287,7 @@ def test_a_file_removed_and_written_again_is_a_new_run(tmp_path, lines50):
     assert snap.notices == ["plans.jsonl is a new file; reading it from its start"]
 
 
-def test_a_link_to_a_device_in_the_files_place_is_a_notice_until_a_file_is_back(
-    tmp_path, lines50
-):
+def test_a_link_to_a_device_in_the_files_place_is_a_notice_until_a_file_is_back(tmp_path, lines50):
     path = tmp_path / "plans.jsonl"
     path.write_text("\n".join(lines50[:3]) + "\n")
     store = _store(path)

@@ -210,7 +210,6 @@ def test_a_line_too_long_to_read_is_reported_not_read(tmp_path, tail, monkeypatc
     assert tail.offset == 2 + huge + 1 + 2
 
 
-
 @pytest.mark.parametrize("target", ["/dev/zero", "/etc/passwd", "fifo", "dangling"])
 def test_a_link_or_a_device_put_in_the_files_place_is_refused_until_a_file_is_back(
     tmp_path, tail, target

@@ -200,6 +200,12 @@ _FILE_KINDS = (
 )
 
 
+def file_kind(mode: int) -> str:
+    """What a file of ``st_mode`` ``mode`` that is not a regular file is, for a message
+    (``a FIFO``, ``a character device``, ...)."""
+    return next((name for test, name in _FILE_KINDS if test(mode)), "not a file")
+
+
 def _open_regular_file(path: Path) -> BinaryIO:
     """``path`` opened for binary reading; `PlanFormatError` when it cannot be read or is
     not a regular file. Opened non-blocking, so a FIFO is recognised, not waited on."""
@@ -210,8 +216,7 @@ def _open_regular_file(path: Path) -> BinaryIO:
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)
-        kind = next((name for test, name in _FILE_KINDS if test(mode)), "not a file")
-        raise PlanFormatError(f"not a regular file ({kind})")
+        raise PlanFormatError(f"not a regular file ({file_kind(mode)})")
     return os.fdopen(fd, "rb")
 
 
