@@ -181,3 +181,19 @@ def test_the_alignment_predicate():
     assert is_aligned([0]) and is_aligned([4, 5, 6, 7]) and is_aligned([2, 3])
     assert not is_aligned([1, 2]) and not is_aligned([0, 1, 2]) and not is_aligned([5, 4])
     assert not is_aligned([0, 2])
+
+
+def test_a_legacy_summary_of_an_auto_step_reads_as_the_planners_choice():
+    """A legacy summary has no policy: bags where the topology would not lay them were
+    chosen for the step, so they are read (and replayed) as an auto plan's."""
+    from conftest import SAMPLES, auto_plan_record
+
+    from knapformer.contract.legacy import plan_from_legacy, plan_to_legacy
+    from knapformer.contract.plan import layout_problem
+
+    plan = RoutingPlan.model_validate(auto_plan_record())
+    assert plan.bags[0] == [0, 1, 2, 3] and plan.topology == "g1n4+g4n1"  # 4-GPU bag first
+    back = plan_from_legacy(json.loads(json.dumps(plan_to_legacy(plan))))
+    assert back.policy == "auto" and back.bags == plan.bags and layout_problem(back) is None
+    legacy = json.loads((SAMPLES / "legacy_mixed8.json").read_text())
+    assert plan_from_legacy(legacy).policy is None  # the research code's fixed layout
