@@ -117,9 +117,6 @@ class PlanStore:
         self._gate = gate
         self.name = name or self.path.stem
         self.is_jsonl = self.path.suffix != ".json"
-        # Resolved once: a link named when following starts is followed; one put in the
-        # file's place later is refused (`dashboard.tail`).
-        self._source = Path(os.path.realpath(self.path))
         self._lock = threading.Lock()
         self._summaries: list[StepSummary] = []
         self._where: list[Location] = []
@@ -233,12 +230,12 @@ class PlanStore:
 
     def _poll_json(self) -> None:
         try:
-            st = os.lstat(self._source)  # a link put in the file's place is not read
+            st = os.lstat(self.path)  # a link put in the file's place is not read
         except OSError as err:
             st, reason = None, f"cannot read {self.path}: {err.strerror}"
         if st is not None and stat.S_ISLNK(st.st_mode):
             reason = (
-                f"{self._source} is a symbolic link: the dashboard reads regular files only; "
+                f"{self.path} is a symbolic link: the dashboard reads regular files only; "
                 "waiting for a regular file there"
             )
             st = None
@@ -251,7 +248,7 @@ class PlanStore:
         if stamp == self._json_stamp:
             return
         self._json_stamp = stamp
-        result = read_plans(self._source, on_error="skip")
+        result = read_plans(self.path, on_error="skip")
         with self._lock:
             self._missing = None
             if self._summaries or self._problem_count:
@@ -395,7 +392,9 @@ class Runs:
     first asked for."""
 
     def __init__(self, path: str | os.PathLike, gate: RequestGate | None = None):
-        self.path = Path(path)
+        # A link the user names is followed to its file or folder, once: the files read
+        # are then regular files only, a link put in a file's place being refused.
+        self.path = Path(os.path.realpath(path))
         self.gate = gate
         self._stores: OrderedDict[str, PlanStore] = OrderedDict()  # least recently viewed first
         self._lock = threading.Lock()

@@ -18,8 +18,9 @@ It copes with what a recorder and the tools around it do to such a file:
   read from its start;
 - only regular files are read, checked at every open: a symbolic link (to ``/dev/zero``,
   to ``/etc/passwd``) or a device, FIFO or folder put in the file's place is reported
-  once (``refused``) and not opened; reading resumes when a regular file is back. The
-  path is resolved once, when following starts (a link the user names is followed).
+  once (``refused``) and not opened; reading resumes when a regular file is back. (A
+  link the user names on the command line is resolved before following starts:
+  `dashboard.store.Runs`.)
 - a last line that never ends (or a huge one): bytes after the last newline are scanned
   once, not on every poll, and not kept in memory; a line longer than `MAX_LINE_BYTES`
   is reported (``TailLine.too_long``) instead of read.
@@ -80,7 +81,7 @@ class JsonlTail:
     (a lock keeps a rotation from closing a handle under a concurrent read)."""
 
     def __init__(self, path: str | os.PathLike):
-        self.path = Path(os.path.realpath(path))
+        self.path = Path(path)
         self.generation = 0
         self.offset = 0  # bytes consumed: end of the last complete line
         self.line = 0  # complete lines consumed in this generation

@@ -258,15 +258,31 @@ def test_a_file_replaced_by_rename_is_a_new_file_and_a_rotation_is_not(tmp_path,
     assert [(ln.generation, ln.text) for ln in batch.lines] == [(2, "c1")]
 
 
-def test_a_link_named_when_following_starts_is_followed(tmp_path):
+def test_a_link_named_on_the_command_line_is_followed_and_one_found_in_a_folder_is_not(
+    tmp_path, steps50_path
+):
+    from knapformer.dashboard.store import Runs
+
+    from knapformer.testing.polling import wait_until
+
+    lines = steps50_path.read_text().splitlines()
     real = tmp_path / "real.jsonl"
-    _append(real, "x1\n")
+    _append(real, lines[0] + "\n")
     link = tmp_path / "link.jsonl"
     os.symlink(real, link)
-    followed = JsonlTail(link)
+    runs = Runs(link)  # what `knapformer dashboard link.jsonl` follows
     try:
-        assert [ln.text for ln in followed.poll().lines] == ["x1"]
-        _append(real, "x2\n")
-        assert [ln.text for ln in followed.poll().lines] == ["x2"]
+        store = runs.store(runs.default())  # followed by its own thread
+        wait_until(lambda: len(store.snapshot().summaries) == 1, 60, "the linked file read")
     finally:
-        followed.close()
+        runs.close()
+    folder = tmp_path / "runs"
+    (folder / "job").mkdir(parents=True)
+    os.symlink(real, folder / "job" / "plans.jsonl")
+    runs = Runs(folder)
+    try:
+        store = runs.store("job")
+        wait_until(lambda: "is a symbolic link (to " in store.snapshot().notices[0], 60)
+        assert store.snapshot().summaries == []
+    finally:
+        runs.close()
