@@ -171,10 +171,10 @@ def test_plans_the_planner_makes_in_every_layout_are_aligned():
             assert validated.bags == plan.bags
             positions = [[plan.gpus.index(r) for r in bag] for bag in plan.bags]
             assert all(is_aligned(p) for p in positions)
-            sizes = plan.solver_options["group_sizes"]
-            assert (
-                auto_layout_problem([np.array(p) for p in positions], num_gpus, sizes, node) is None
-            )
+            members = np.array([p for bag in positions for p in bag])
+            sizes = np.array([len(bag) for bag in positions])
+            recorded = plan.solver_options["group_sizes"]
+            assert auto_layout_problem(members, sizes, num_gpus, recorded, node) is None
 
 
 def test_the_alignment_predicate():

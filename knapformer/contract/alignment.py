@@ -72,7 +72,8 @@ def group_size_problem(size: int, num_gpus: int) -> str | None:
 
 
 def auto_layout_problem(
-    bag_positions: Sequence[np.ndarray],
+    members: np.ndarray,
+    bag_sizes: np.ndarray,
     num_gpus: int,
     group_sizes: Sequence[int] | None,
     node_size: int,
@@ -80,32 +81,49 @@ def auto_layout_problem(
     """Why a plan of ``policy: "auto"`` cannot run (None when it can), naming the field:
     its nodes (``solver_options.comm.node_size``), its group sizes
     (``solver_options.group_sizes``; when absent, its bags' sizes are the allowed ones),
-    each bag's size among them and each bag aligned. ``bag_positions``: per bag, the
-    positions of its GPUs in ``gpus``, in the order the bag lists them."""
+    each bag's size among them and each bag aligned. ``members`` (sum of ``bag_sizes``,):
+    the positions in ``gpus`` of every bag's GPUs, bag after bag, in the order each bag
+    lists them; ``bag_sizes`` (bags,). Checked in a few array passes, whatever the bag
+    count."""
     problem = node_problem(num_gpus, node_size)
     if problem is not None:
         field = "gpus" if is_power_of_two(node_size) else "solver_options.comm.node_size"
         return f"{field}: {problem} ({WHERE})"
-    sizes = sorted({len(bag) for bag in bag_positions} if group_sizes is None else group_sizes)
+    sizes = sorted(set(bag_sizes.tolist()) if group_sizes is None else set(group_sizes))
     for size in sizes:
         problem = group_size_problem(int(size), num_gpus)
         if problem is not None:
             where = "solver_options.group_sizes" if group_sizes is not None else "bag size"
             return f"{where}: {problem}; an auto plan's groups are aligned ({WHERE})"
-    allowed = set(sizes)
-    for index, positions in enumerate(bag_positions):
-        if len(positions) not in allowed:
-            return (
-                f"bags[{index}] holds {len(positions):,} GPUs; an auto plan's bags have the "
-                f"sizes of solver_options.group_sizes {sorted(allowed)}"
-            )
-        if not is_aligned(positions):
-            shown = ", ".join(map(str, positions[:8])) + (", …" if len(positions) > 8 else "")
-            return (
-                f"bags[{index}] is not aligned (positions {shown} in gpus): an auto plan's bag "
-                f"of g GPUs holds the g consecutive GPUs of gpus from a multiple of g ({WHERE})"
-            )
-    return None
+    outside = np.flatnonzero(~np.isin(bag_sizes, sizes))
+    if outside.size:
+        index = int(outside[0])
+        return (
+            f"bags[{index}] holds {int(bag_sizes[index]):,} GPUs; an auto plan's bags have "
+            f"the sizes of solver_options.group_sizes {sizes}"
+        )
+    index = _first_unaligned(members, bag_sizes)
+    if index is None:
+        return None
+    first = int(np.sum(bag_sizes[:index]))
+    positions = members[first : first + int(bag_sizes[index])].tolist()
+    shown = ", ".join(map(str, positions[:8])) + (", …" if len(positions) > 8 else "")
+    return (
+        f"bags[{index}] is not aligned (positions {shown} in gpus): an auto plan's bag of g "
+        f"GPUs holds the g consecutive GPUs of gpus from a multiple of g ({WHERE})"
+    )
+
+
+def _first_unaligned(members: np.ndarray, bag_sizes: np.ndarray) -> int | None:
+    """The first bag whose positions are not consecutive from a multiple of its size
+    (sizes are powers of two already)."""
+    ends = np.cumsum(bag_sizes)
+    starts = ends - bag_sizes
+    first = members[starts]
+    offset = np.arange(len(members)) - np.repeat(starts, bag_sizes)
+    wrong = members != np.repeat(first, bag_sizes) + offset
+    bad = (first % bag_sizes != 0) | np.logical_or.reduceat(wrong, starts)
+    return int(np.flatnonzero(bad)[0]) if bad.any() else None
 
 
 def fixed_layout_problem(topology: Topology, gpus: list[int], bags: list[list[int]]) -> str | None:

@@ -378,8 +378,11 @@ def layout_problem(plan: RoutingPlan, positions: GpuPositions | None = None) -> 
     positions = gpu_positions(plan.gpus) if positions is None else positions
     options = plan.solver_options
     node_size = (options.get("comm") or {}).get("node_size", DEFAULT_NODE_SIZE)
-    bags = [positions[np.asarray(bag, dtype=np.int64)] for bag in plan.bags]
-    return auto_layout_problem(bags, len(plan.gpus), options.get("group_sizes"), int(node_size))
+    sizes = np.fromiter(map(len, plan.bags), dtype=np.int64, count=len(plan.bags))
+    members = positions[np.fromiter(itertools.chain.from_iterable(plan.bags), dtype=np.int64)]
+    return auto_layout_problem(
+        members, sizes, len(plan.gpus), options.get("group_sizes"), int(node_size)
+    )
 
 
 def _field_problem(plan: RoutingPlan) -> str | None:
