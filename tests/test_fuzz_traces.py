@@ -40,6 +40,7 @@ HOSTILE: list[Any] = [
 ]  # fmt: skip
 LITERALS = ["NaN", "Infinity", "-Infinity", "1e400", "-1e999", "-0"]
 FIELDS = ["ph", "name", "pid", "tid", "ts", "dur", "id", "args", "cat", "bp"]
+META_ARGS: list[Any] = [None, [], "x", {}, {"name": None}, {"name": [1]}, {"name": 1e308}]
 
 
 def base_trace(rank: int) -> dict:
@@ -74,7 +75,12 @@ def base_trace(rank: int) -> dict:
 def _edit(rng: random.Random, doc: dict) -> str | None:
     """One structural edit in place; a literal to write in the text, when drawn."""
     events = doc.get("traceEvents")
-    kind = rng.choice(["field", "field", "event", "top", "rank", "nest", "literal", "drop"])
+    kind = rng.choice(["field", "field", "event", "top", "rank", "nest", "literal", "drop", "meta"])
+    if kind == "meta" and isinstance(events, list):  # names of processes and threads
+        metas = [e for e in events if isinstance(e, dict) and e.get("ph") == "M"]
+        if metas:
+            rng.choice(metas)["args"] = copy.deepcopy(rng.choice(META_ARGS))
+        return None
     if kind in ("field", "nest", "literal") and isinstance(events, list) and events:
         event = rng.choice(events)
         if not isinstance(event, dict):

@@ -135,9 +135,12 @@ def test_a_bad_trace_after_a_good_one_leaves_no_partial_output(run, capsys):
 
 
 def test_valid_traces_of_the_plans_ranks_are_merged(run, capsys):
+    nameless = {"ph": "M", "name": "process_name", "pid": 7, "args": None}  # null: no name
     files = {
         f"r{rank}.json.gz": gzip.compress(
-            json.dumps(_trace(_event(ts=5.0 + rank), distributedInfo={"rank": rank})).encode()
+            json.dumps(
+                _trace(nameless, _event(ts=5.0 + rank), distributedInfo={"rank": rank})
+            ).encode()
         )
         for rank in (0, 7)
     }

@@ -164,7 +164,7 @@ def _profiler_events(trace: dict[str, Any], rank: int, offset_us: float) -> list
 
 def _label(meta: dict[str, Any], fallback: Any) -> str:
     """The name a metadata event gives (text or a number), else ``fallback``'s."""
-    name = meta.get("args", {}).get("name")
+    name = (meta.get("args") or {}).get("name")  # "args": null is no name
     if isinstance(name, str | int | float) and not isinstance(name, bool):
         return str(name)
     return str(fallback)
