@@ -57,9 +57,10 @@ class TailLine:
 
 @dataclass(frozen=True, slots=True)
 class TailEvent:
-    kind: (
-        str  # "missing" | "refused" | "appeared" | "truncated" | "rotated" | "removed" | "replaced"
-    )
+    """What happened to the file: ``kind`` is one of missing, refused, appeared,
+    truncated, rotated, removed, replaced."""
+
+    kind: str
     message: str
     generation: int = 0  # the generation the file is in after the event
 
