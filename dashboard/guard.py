@@ -5,7 +5,8 @@
   ``localhost``, ``[::1]`` or the bound address itself, with any port (an SSH tunnel may
   use another one). A web page that points its own domain at 127.0.0.1 (DNS rebinding)
   is refused with 403, so it cannot read the plans. Bound elsewhere on purpose
-  (``--host 0.0.0.0``, already warned about), any name is answered.
+  (``--host 0.0.0.0``, already warned about), any name is answered. A ``Host`` that is
+  not a name with an optional port in 1..65535 (``127.0.0.1:99999``) is answered 400.
 - **Callback payloads.** A POST to Dash's callback endpoint must be a JSON object naming
   a registered callback, listing exactly that callback's inputs and state, each holding a
   value of the shape the app declares for it (`callback_shapes`); anything else is
@@ -34,7 +35,8 @@ LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
 #: Largest callback body read (the run picker sends its options back: ~40 bytes a run).
 MAX_BODY_BYTES = 16 << 20
 _CALLBACK_PATH = "/_dash-update-component"
-_HOST_HEADER = re.compile(r"(\[[0-9a-f:.]+\]|[a-z0-9.-]+)(?::[0-9]{1,5})?")
+_HOST_HEADER = re.compile(r"(\[[0-9a-f:.]+\]|[a-z0-9.-]+)(?::([0-9]{1,5}))?")
+_PORTS = range(1, 65536)
 
 Shape = Callable[[Any], bool]
 
@@ -61,9 +63,12 @@ def _as_host_header(host: str) -> str:
 
 
 def _host_name(header: str) -> str:
-    """The name of a ``Host`` header without its port, lower-cased ("" if malformed)."""
+    """The name of a ``Host`` header without its port, lower-cased ("" if malformed: not
+    a name, or a port outside 1..65535)."""
     match = _HOST_HEADER.fullmatch(header.strip().lower())
-    return match.group(1) if match else ""
+    if match is None or (match.group(2) is not None and int(match.group(2)) not in _PORTS):
+        return ""
+    return match.group(1)
 
 
 _SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
@@ -80,6 +85,12 @@ class HostGuard:
 
     def __call__(self, environ: dict, start_response: Callable) -> Iterable[bytes]:
         header = environ.get("HTTP_HOST", "")
+        if header and not _host_name(header):
+            return _refuse(
+                start_response,
+                "400 Bad Request",
+                f"Host {header[:100]!r} is not a host name with a port in 1..65535",
+            )
         if self.allowed is not None and _host_name(header) not in self.allowed:
             names = ", ".join(sorted(self.allowed))
             return _refuse(

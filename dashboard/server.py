@@ -47,7 +47,7 @@ def _warn_if_public(host: str) -> None:
         )
 
 
-def _check_free(host: str, port: int) -> None:
+def check_free(host: str, port: int) -> None:
     """Fail with one clear line before werkzeug would print its own advice and exit."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
@@ -73,7 +73,7 @@ def _make(path: str | Path, host: str, port: int):
     _warn_if_public(host)
     # One log line per request (a tick a second) would drown the console.
     logging.getLogger("werkzeug").setLevel(logging.WARNING)
-    _check_free(host, port)
+    check_free(host, port)
     app = create_app(path)
     app.server.wsgi_app = HostGuard(app.server.wsgi_app, allowed_hosts(host))
     try:

@@ -3,24 +3,29 @@
 A `PlanStore` keeps one `StepSummary` plus a file location per step (a few hundred bytes)
 and, for a step with measurements, its per-rank `RankFigures` (a few float32 per rank),
 never the plans themselves: a full plan is re-read and validated only when the user
-selects its step, and the last few are cached. A background thread per store follows
-the file (`dashboard.tail.JsonlTail`) so Dash callbacks only read a snapshot. A line that
-cannot be read as a plan, for whatever reason, costs that line only: it becomes a
-`Problem` and the lines after it are read. `Runs` follows at most `KEEP_STORES` runs at a
-time (the ones viewed most recently), so browsing a folder of thousands of runs does not
-leave a thread and open files behind for each.
+selects its step, and the last few are cached. That still grows with the run: about 1 KB
+a step, 2.5 KB more and 60 bytes per GPU for a measured one (docs/reliability.md). A
+background thread per store follows the file (`dashboard.tail.JsonlTail`) so Dash
+callbacks only read a snapshot. A line that cannot be read as a plan, for whatever
+reason, costs that line only: it becomes a `Problem` and the lines after it are read. A
+file that the follower reports as new (replaced, truncated), or whose first plan after a
+rotation does not continue the steps held (a re-run moved aside), is a new run: the
+steps held are dropped. `Runs` follows at most `KEEP_STORES` runs at a time (the ones
+viewed most recently), so browsing a folder of thousands of runs does not leave a thread
+and open files behind for each.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 import threading
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from knapformer.dashboard.tail import MAX_LINE_BYTES, JsonlTail, TailLine
+from knapformer.dashboard.tail import MAX_LINE_BYTES, NEW_FILE, JsonlTail, TailEvent, TailLine
 
 from knapformer.contract.plan import RoutingPlan
 from knapformer.contract.plan_io import PlanFormatError, Problem, parse_plan_line, read_plans
@@ -175,37 +180,68 @@ class PlanStore:
             self._poll_json()
             return False
         batch = self._tail.poll(_POLL_BYTES)
-        parsed: list[_Indexed] = []
-        problems: list[Problem] = []
+        items: list[tuple[int, _Indexed | Problem]] = []  # (file generation, what it holds)
         for line in batch.lines:
             try:
-                indexed = _index_line(line)
+                items.append((line.generation, _index_line(line)))
             except Exception as err:  # whatever a line holds, it costs that line only
-                problems.append(Problem(self.path.name, line.number, _reason(err)))
-                continue
-            parsed.append(indexed)
+                items.append((line.generation, Problem(self.path.name, line.number, _reason(err))))
         with self._lock:
+            fresh = None
             for event in batch.events:
-                if event.kind == "missing":
-                    self._missing = event.message
-                elif event.kind == "appeared":
-                    self._missing = None
-                elif event.kind == "removed":
-                    self._missing = f"{event.message}; waiting for it to reappear"
-                else:
-                    self._events.append(event.message)
-                    if event.kind == "truncated":
-                        self._clear()
-            self._add(parsed, problems)
+                self._note(event)
+                if event.kind in NEW_FILE:
+                    fresh = event.generation
+            if fresh is not None:  # a new file: what was read before is not part of it
+                self._clear()
+                items = [(generation, item) for generation, item in items if generation >= fresh]
+            self._add_items(items)
             self._indexing = batch.more
         return batch.more
 
+    def _note(self, event: TailEvent) -> None:
+        """What the follower reports about the file, kept for the page."""
+        if event.kind in ("missing", "refused"):
+            self._missing = event.message
+        elif event.kind == "removed":
+            self._missing = f"{event.message}; waiting for it to reappear"
+        else:  # a file is read again
+            self._missing = None
+            if event.kind != "appeared":
+                self._events.append(event.message)
+
+    def _add_items(self, items: list[tuple[int, _Indexed | Problem]]) -> None:
+        """Add lines in file order. The first plan of a new file generation (after a
+        rotation) must continue the steps shown; if it starts another run (a re-run moves
+        the old recording aside just as a rotation does), the earlier steps are dropped."""
+        for generation, item in items:
+            if isinstance(item, Problem):
+                self._add([], [item])
+                continue
+            if self._where and generation != self._where[-1].generation:
+                reason = _new_run(self._summaries[-1], item[0])
+                if reason is not None:
+                    self._events.append(
+                        f"{self.path.name} holds a new run ({reason}): the earlier steps are "
+                        "no longer shown"
+                    )
+                    self._clear()
+            self._add([item], [])
+
     def _poll_json(self) -> None:
         try:
-            st = os.stat(self.path)
+            st = os.lstat(self.path)  # a link put in the file's place is not read
         except OSError as err:
+            st, reason = None, f"cannot read {self.path}: {err.strerror}"
+        if st is not None and stat.S_ISLNK(st.st_mode):
+            reason = (
+                f"{self.path} is a symbolic link: the dashboard reads regular files only; "
+                "waiting for a regular file there"
+            )
+            st = None
+        if st is None:
             with self._lock:
-                self._missing = f"cannot read {self.path}: {err.strerror}"
+                self._missing = reason
                 self._indexing = False
             return
         stamp = (st.st_mtime_ns, st.st_size)
@@ -319,6 +355,18 @@ class PlanStore:
             return plan
 
 
+def _new_run(last: StepSummary, first: StepSummary) -> str | None:
+    """Why the plan ``first``, the first of a new file, does not continue the run whose
+    last plan shown is ``last`` (None when it continues it)."""
+    if last.run != first.run and last.run is not None and first.run is not None:
+        return f"run {first.run!r} after run {last.run!r}"
+    if last.step is not None and first.step is not None and first.step <= last.step:
+        return f"it starts at step {first.step}, not after step {last.step}"
+    if last.time is not None and first.time is not None and first.time < last.time:
+        return "its first plan is older than the last one shown"
+    return None
+
+
 def _index_line(line: TailLine) -> _Indexed:
     if line.too_long:
         raise PlanFormatError(
@@ -344,7 +392,9 @@ class Runs:
     first asked for."""
 
     def __init__(self, path: str | os.PathLike, gate: RequestGate | None = None):
-        self.path = Path(path)
+        # A link the user names is followed to its file or folder, once: the files read
+        # are then regular files only, a link put in a file's place being refused.
+        self.path = Path(os.path.realpath(path))
         self.gate = gate
         self._stores: OrderedDict[str, PlanStore] = OrderedDict()  # least recently viewed first
         self._lock = threading.Lock()

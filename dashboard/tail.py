@@ -10,8 +10,17 @@ It copes with what a recorder and the tools around it do to such a file:
 - rotation (``plans.jsonl`` renamed to ``plans.1.jsonl`` and a new ``plans.jsonl``
   started): the rest of the old file is drained through the still-open handle, then the
   new file is read from its start; the old file stays open so earlier records remain
-  readable by ``read_record``;
-- the file missing or removed while open: reported once, then picked up when it appears;
+  readable by ``read_record``. Whether the new file continues the run (a rotation by
+  size) or starts another (a re-run moves the old recording aside the same way) is for
+  the reader of the records to tell: the new file is a new ``generation``;
+- the file missing, removed or replaced by another while open: reported once; the file
+  that takes its place is a new file (``replaced``: none of the old lines belong to it),
+  read from its start;
+- only regular files are read, checked at every open: a symbolic link (to ``/dev/zero``,
+  to ``/etc/passwd``) or a device, FIFO or folder put in the file's place is reported
+  once (``refused``) and not opened; reading resumes when a regular file is back. (A
+  link the user names on the command line is resolved before following starts:
+  `dashboard.store.Runs`.)
 - a last line that never ends (or a huge one): bytes after the last newline are scanned
   once, not on every poll, and not kept in memory; a line longer than `MAX_LINE_BYTES`
   is reported (``TailLine.too_long``) instead of read.
@@ -19,10 +28,14 @@ It copes with what a recorder and the tools around it do to such a file:
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from knapformer.contract.plan_io import file_kind
 
 _CHUNK = 1 << 20
 #: Longest line read into memory. A plan of a 4096-GPU step is a few MB; anything much
@@ -44,8 +57,17 @@ class TailLine:
 
 @dataclass(frozen=True, slots=True)
 class TailEvent:
-    kind: str  # "missing" | "appeared" | "truncated" | "rotated" | "removed"
+    """What happened to the file: ``kind`` is one of missing, refused, appeared,
+    truncated, rotated, removed, replaced."""
+
+    kind: str
     message: str
+    generation: int = 0  # the generation the file is in after the event
+
+
+#: Events after which the lines read belong to a new file whose start is unrelated to
+#: what was read before (the old lines are another run, or the same lines again).
+NEW_FILE = ("truncated", "replaced")
 
 
 @dataclass
@@ -68,7 +90,9 @@ class JsonlTail:
         self._file = None  # binary handle of the current generation
         self._inode: int | None = None
         self._head = b""  # the file's first bytes as read (see `_unchanged`)
-        self._missing_reported = False
+        self._absent: str | None = None  # why no file is open, as last reported
+        self._had_file = False  # a file was opened before (a new one is a replacement)
+        self._rotated = False  # the last file left by rotation (the next one may continue it)
         self._old: dict[int, object] = {}  # generation -> open handle of a rotated file
         self._lock = threading.Lock()
 
@@ -81,42 +105,25 @@ class JsonlTail:
     def _poll(self, max_bytes: int | None) -> TailBatch:
         batch = TailBatch()
         try:
-            st = os.stat(self.path)
+            st = os.lstat(self.path)  # a link put in the file's place is another file
         except FileNotFoundError:
             st = None
         except OSError as err:
-            batch.events.append(TailEvent("missing", f"cannot read {self.path}: {err.strerror}"))
+            self._report_absent(batch, "missing", f"cannot read {self.path}: {err.strerror}")
             return batch
 
         if self._file is None:
             if st is None:
-                if not self._missing_reported:
-                    batch.events.append(TailEvent("missing", f"{self.path} does not exist yet"))
-                    self._missing_reported = True
+                self._report_absent(batch, "missing", f"{self.path} does not exist yet")
                 return batch
             if not self._open(batch):
                 return batch
-            if self._missing_reported:
-                batch.events.append(TailEvent("appeared", f"{self.path} appeared"))
-                self._missing_reported = False
         elif st is None or st.st_ino != self._inode:
-            # Renamed away or deleted: finish what the old handle still holds first.
+            # Renamed away, deleted or replaced: finish what the old handle still holds.
             self._read(batch, None)
-            where = _rotated_name(self.path, self._inode)
-            if where is not None:
-                batch.events.append(
-                    TailEvent(
-                        "rotated",
-                        f"{self.path.name} was rotated to {where.name} after line {self.line}",
-                    )
-                )
-            else:
-                batch.events.append(
-                    TailEvent("removed", f"{self.path} was removed after line {self.line}")
-                )
-            self._retire()
+            self._leave(batch, st is not None)
             if st is None:
-                self._missing_reported = True
+                self._absent = f"{self.path} does not exist yet"  # said: "removed"
                 return batch
             if not self._open(batch):
                 return batch
@@ -137,6 +144,27 @@ class JsonlTail:
         self._read(batch, max_bytes)
         return batch
 
+    def _leave(self, batch: TailBatch, replaced: bool) -> None:
+        """The followed file is no longer at the path: say where it went, keep its handle
+        for `read_record`, and start a new generation."""
+        where = _rotated_name(self.path, self._inode)
+        if where is not None:
+            kind, message = "rotated", f"{self.path.name} was rotated to {where.name}"
+        elif replaced:
+            kind, message = "removed", f"{self.path.name} was replaced by another file"
+        else:
+            kind, message = "removed", f"{self.path} was removed"
+        self._retire()
+        event = TailEvent(kind, f"{message} after line {self.line}", self.generation)
+        batch.events.append(event)
+        self._rotated = where is not None
+
+    def _report_absent(self, batch: TailBatch, kind: str, message: str) -> None:
+        """Say why no file is read, once per reason."""
+        if self._absent != message:
+            batch.events.append(TailEvent(kind, message, self.generation))
+            self._absent = message
+
     def _unchanged(self) -> bool:
         """Whether what was read is still there: a file truncated and written past the read
         offset between two polls is not smaller, but its first bytes (a plan's step and
@@ -149,8 +177,8 @@ class JsonlTail:
 
     def _restart(self, batch: TailBatch, message: str) -> None:
         """The same file, new content: a new generation read from byte 0."""
-        batch.events.append(TailEvent("truncated", message))
         self.generation += 1
+        batch.events.append(TailEvent("truncated", message, self.generation))
         self.offset = 0
         self.line = 0
         self._scanned = 0
@@ -183,16 +211,35 @@ class JsonlTail:
 
     # ---------------------------------------------------------------- internals
     def _open(self, batch: TailBatch) -> bool:
+        """Open the file at the path if it is a regular file (not a link, a device, a FIFO
+        or a folder: each is reported once and left unopened)."""
         try:
-            self._file = open(self.path, "rb")  # noqa: SIM115 — kept open across polls
+            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
         except OSError as err:
-            batch.events.append(TailEvent("missing", f"cannot open {self.path}: {err.strerror}"))
+            if err.errno == errno.ELOOP:
+                self._report_absent(
+                    batch, "refused", _refusal(self.path, f"a symbolic link{_target(self.path)}")
+                )
+            else:
+                self._report_absent(batch, "missing", f"cannot open {self.path}: {err.strerror}")
             return False
-        self._inode = os.fstat(self._file.fileno()).st_ino
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            os.close(fd)
+            self._report_absent(batch, "refused", _refusal(self.path, file_kind(mode)))
+            return False
+        self._file = os.fdopen(fd, "rb")
+        self._inode = os.fstat(fd).st_ino
         self.offset = 0
         self.line = 0
         self._scanned = 0
         self._head = b""
+        if self._had_file and not self._rotated:
+            message = f"{self.path.name} is a new file; reading it from its start"
+            batch.events.append(TailEvent("replaced", message, self.generation))
+        elif self._absent is not None:
+            batch.events.append(TailEvent("appeared", f"{self.path} appeared", self.generation))
+        self._absent, self._had_file, self._rotated = None, True, False
         return True
 
     def _retire(self) -> None:
@@ -257,13 +304,29 @@ class JsonlTail:
         self.offset += length + 1
 
 
+def _refusal(path: Path, what: str) -> str:
+    return (
+        f"{path} is {what}: the dashboard reads regular files only; waiting for a regular "
+        "file there"
+    )
+
+
+def _target(path: Path) -> str:
+    """`` (to TARGET)`` for a symbolic link, shortened; empty when unreadable."""
+    try:
+        target = os.readlink(path)
+    except OSError:
+        return ""
+    return f" (to {target[:200]})"
+
+
 def _rotated_name(path: Path, inode: int | None) -> Path | None:
     """The sibling (e.g. ``plans.1.jsonl``) that now holds the file with ``inode``."""
     if inode is None or not path.parent.is_dir():
         return None
     for sibling in path.parent.iterdir():
         try:
-            if sibling != path and sibling.stat().st_ino == inode:
+            if sibling != path and sibling.lstat().st_ino == inode:
                 return sibling
         except OSError:
             continue

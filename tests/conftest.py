@@ -1,7 +1,8 @@
-"""Shared fixtures: paths of the committed sample plans."""
+"""Shared fixtures: paths of the committed sample plans, and an auto plan made here."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -30,3 +31,15 @@ def steps50_path() -> Path:
 @pytest.fixture
 def legacy_path() -> Path:
     return SAMPLES / "legacy_mixed8.json"
+
+
+def auto_plan_record() -> dict:
+    """A plan whose bags the planner chose (``policy: "auto"``: group sizes, cluster
+    figures, aligned bags of two sizes), as JSON, with a fixed time so that what is made
+    from it is reproducible. No sample holds one."""
+    from knapformer.planning.planner import plan_routing
+    from knapformer.planning.workload import WorkloadModel
+
+    lengths = [[6000, 2000], [2000], [1700, 5], [1200], [900, 800], [600], [400], [300, 200]]
+    plan = plan_routing(lengths, "auto", WorkloadModel(3072), step=7, run="auto")
+    return json.loads(plan.model_copy(update={"time": 1.7e9}).model_dump_json())

@@ -87,7 +87,7 @@ def test_cli_prints_every_point_and_the_fit(modelled_times):
     ("args", "message"),
     [
         ((), "give a measurements FILE or --benchmark"),
-        (("--benchmark", "--lengths", "8,x"), "'x' is not a whole number of tokens"),
+        (("--benchmark", "--lengths", "8,x"), "--lengths item must be a whole number, got 'x'"),
         (("--benchmark", "--lengths", "8"), "give at least 2 different positive lengths"),
         (("--benchmark", "--token-dim", "30", "--heads", "4"), "heads of an even size"),
         (("--benchmark", "--device", "tpu"), "--device 'tpu': use cpu or cuda"),

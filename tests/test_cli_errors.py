@@ -47,10 +47,12 @@ def test_library_messages_name_arguments_and_the_cli_names_flags(plan8_path, cap
 
 
 def test_an_option_the_command_does_not_have_keeps_its_plain_name(capsys):
-    # suggest's cost model names its own field; the command's flag is --intra-gbs.
-    assert main(["suggest", "--data-codes", "joint", "--gpus", "32", "--intra-gbs", "0"]) == 1
+    # the planner's partition rule names its own field; the command's flag is --node-size.
+    assert main(["simulate", "--data-codes", "joint", "-t", "auto", "--node-size", "6"]) == 1
     err = capsys.readouterr().err
-    assert err.startswith("error: intra_gbs must be a positive number") and err.count("\n") == 1
+    assert (
+        err.startswith("error: node_size must be a positive power of two") and err.count("\n") == 1
+    )
 
 
 def test_unusable_files_the_user_names_are_one_line_errors(tmp_path, capsys):

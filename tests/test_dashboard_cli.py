@@ -50,7 +50,9 @@ def test_serves_the_page_and_warns_when_not_bound_to_localhost(steps50_path):
 def test_bad_port_is_a_one_line_error(steps50_path, capsys):
     assert main(["dashboard", str(steps50_path), "--port", "70000"]) == 1
     err = capsys.readouterr().err
-    assert err.strip() == "error: port 70000 is not in 0..65535"
+    assert err.strip() == (
+        "error: --port is 70,000; it must lie in 0..65,535 (knapformer.contract.limits)"
+    )
 
 
 def test_port_in_use_is_a_one_line_error(steps50_path, capsys):

@@ -60,8 +60,6 @@ def test_loopback_names_are_answered_with_any_port(server, host):
         "127.0.0.1.nip.io:{port}",
         "[::2]:{port}",
         "",
-        "localhost:{port},evil.example",  # two Host headers, as werkzeug joins them
-        "localhost:{port}/x",
     ],
 )
 def test_other_host_names_are_refused(server, host):
@@ -69,6 +67,24 @@ def test_other_host_names_are_refused(server, host):
         status, text = _request(server, "GET", path, host=host.format(port=server.port))
         assert status == 403, (path, status)
         assert "plans" not in text and "joint32" not in text
+
+
+@pytest.mark.parametrize(
+    "host",
+    [
+        "127.0.0.1:99999",  # before: answered 200
+        "localhost:0",
+        "127.0.0.1:65536",
+        "localhost:{port},evil.example",  # two Host headers, as werkzeug joins them
+        "localhost:{port}/x",
+        "localhost:",
+    ],
+)
+def test_a_host_that_is_not_a_name_and_a_valid_port_is_answered_400(server, host):
+    for path in ("/", "/api/status"):
+        status, text = _request(server, "GET", path, host=host.format(port=server.port))
+        assert status == 400 and "port in 1..65535" in text, (path, status, text)
+        assert "joint32" not in text
 
 
 def test_binding_elsewhere_on_purpose_answers_every_name():

@@ -253,3 +253,77 @@ def test_measured_steps_keep_their_per_rank_figures(tmp_path, lines50):
     )
     assert store.measured(6, 4, reset=snap.reset + 1) == []  # the file was reset since
     assert _store(tmp_path / "none.jsonl").snapshot().measured_steps == 0
+
+
+def test_a_rerun_moved_aside_like_a_rotation_is_a_new_run(tmp_path, lines50):
+    """A recorder that restarts its steps moves the old recording aside exactly as a
+    rotation by size does (``plans.1.jsonl``): the first plan of the new file tells them
+    apart. Before, the old steps stayed and the re-run was appended to them (issue 31)."""
+    path = tmp_path / "plans.jsonl"
+    path.write_text("\n".join(lines50[:6]) + "\n")
+    store = _store(path)
+    reset = store.snapshot().reset
+    os.rename(path, tmp_path / "plans.1.jsonl")
+    path.write_text("\n".join(lines50[:2]) + "\n")  # the re-run: steps 0, 1 again
+    store.poll()
+    snap = store.snapshot()
+    assert [s.step for s in snap.summaries] == [0, 1]
+    assert snap.reset != reset
+    assert any("holds a new run (it starts at step 0, not after step 5)" in n for n in snap.notices)
+    assert store.plan(1, snap.reset).step == 1
+
+
+def test_a_file_removed_and_written_again_is_a_new_run(tmp_path, lines50):
+    path = tmp_path / "plans.jsonl"
+    path.write_text("\n".join(lines50[:6]) + "\n")
+    store = _store(path)
+    path.unlink()
+    store.poll()
+    assert len(store.snapshot().summaries) == 6  # shown until something replaces them
+    path.write_text("\n".join(lines50[20:23]) + "\n")  # later steps, but a new file
+    store.poll()
+    snap = store.snapshot()
+    assert [s.step for s in snap.summaries] == [20, 21, 22]
+    assert snap.notices == ["plans.jsonl is a new file; reading it from its start"]
+
+
+def test_a_link_to_a_device_in_the_files_place_is_a_notice_until_a_file_is_back(tmp_path, lines50):
+    path = tmp_path / "plans.jsonl"
+    path.write_text("\n".join(lines50[:3]) + "\n")
+    store = _store(path)
+    os.symlink("/dev/zero", tmp_path / "link")
+    os.replace(tmp_path / "link", path)
+    assert store.poll() is False  # nothing to read: no busy loop on /dev/zero
+    notice = store.snapshot().notices[0]
+    assert notice.startswith(f"{path} is a symbolic link (to /dev/zero): the dashboard reads")
+    path.unlink()
+    path.write_text("\n".join(lines50[:2]) + "\n")
+    store.poll()
+    snap = store.snapshot()
+    assert [s.step for s in snap.summaries] == [0, 1]
+    assert not any("symbolic link" in n for n in snap.notices)
+
+
+def test_following_a_run_keeps_a_few_kilobytes_per_step(tmp_path):
+    """The bound docs/reliability.md states: ~1 KB per step, 2.5 KB more and 60 bytes per
+    GPU for a measured step (3.4 KB at 8 GPUs), never the plans themselves."""
+    import tracemalloc
+
+    from conftest import SAMPLES
+
+    lines = (SAMPLES / "demo.jsonl").read_text().splitlines()  # 8 GPUs, measured
+    path = tmp_path / "plans.jsonl"
+    steps = 600
+    with path.open("w") as f:
+        for step in range(steps):
+            record = json.loads(lines[step % len(lines)])
+            record["step"] = step
+            f.write(json.dumps(record) + "\n")
+    tracemalloc.start()
+    try:
+        store = _store(path)
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(store.snapshot().summaries) == steps
+    assert held / steps < 6 * 1024, held / steps  # measured: 3.4 KB; a plan is 4.4 KB here

@@ -3,9 +3,9 @@
 The contract (docs/reliability.md): whatever the bytes, `parse_plan_line` returns a valid,
 usable plan or raises `PlanFormatError` with a short one-line message, and ``validate`` /
 ``show`` exit 0 or 1 printing no traceback. Mutations start from the committed samples
-(ours, legacy, with measurements) and mix structural edits (hostile values at any path,
-dropped or unknown keys, cut or stretched columns) with textual ones (cuts, deep nesting,
-5,000-digit numbers, stray bytes).
+(ours, legacy, with measurements) and an auto plan (``policy: "auto"``), and mix
+structural edits (hostile values at any path, dropped or unknown keys, cut or stretched
+columns) with textual ones (cuts, deep nesting, 5,000-digit numbers, stray bytes).
 
 ``KNAPFORMER_FUZZ_EXAMPLES`` sets the parser's example count (default 5,000; the CLI runs
 a tenth of it); ``KNAPFORMER_FUZZ_RANDOM=1`` draws new examples instead of the fixed,
@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import auto_plan_record
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -50,13 +51,14 @@ def _bases() -> list[dict]:
     ]
     for name in ("demo.jsonl", "joint32_50steps.jsonl"):  # with measurements; 4 bag sizes
         docs.append(json.loads((SAMPLES / name).read_text().splitlines()[3]))
-    return docs
+    return [*docs, auto_plan_record()]
 
 
 BASES = _bases()
 HOSTILE: list[Any] = [
     2**63, 2**64, -(2**63) - 1, 2**63 - 1, 2**53 + 1, 2**31, 4 * 10**9, 10**9, 10**30, -1, 0,
-    1, 7, 1.5, 1e308, -1e308, float("inf"), float("nan"), True, None, "", "7", "g1n99999999999",
+    1, 3, 6, 7, 16384, 1.5, 1e308, -1e308, float("inf"), float("nan"), True, None, "", "7",
+    "g1n99999999999", "auto", "fixed", [3], [1, 2, 4, 16384], [[0, 2], [1, 3]],
     "g2n4", "x" * 300, [], {}, [[]], [0, 0], [2**63], [10**9, 0], {"0": [0]}, {"a": {"b": [1]}},
 ]  # fmt: skip
 

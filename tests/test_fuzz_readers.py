@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import auto_plan_record
 
 from knapformer.cli import main
 from knapformer.contract.plan_io import PlanFormatError, parse_plan_line
@@ -47,7 +48,7 @@ def _bases() -> list[dict]:
     ]
     for name, line in (("demo.jsonl", 3), ("demo.jsonl", 9), ("joint32_50steps.jsonl", 4)):
         docs.append(json.loads((SAMPLES / name).read_text().splitlines()[line]))
-    return docs
+    return [*docs, auto_plan_record()]
 
 
 BASES = _bases()
@@ -84,8 +85,9 @@ def mutate(rng: random.Random) -> str:
     literal = nest = None
     for _ in range(rng.randint(1, 3)):
         kind = rng.choice(
-            ["swap", "number", "type", "text", "measure", "nest", "literal", "run", "legacy"]
-        )
+            ["swap", "number", "type", "text", "measure", "nest", "literal", "run", "legacy",
+             "auto"]
+        )  # fmt: skip
         numbers = _numbers(doc)
         if kind == "swap" and not legacy and len(_columns(doc)) > 1:
             (t1, c1), (t2, c2) = rng.sample(_columns(doc), 2)
@@ -126,6 +128,8 @@ def mutate(rng: random.Random) -> str:
             _set(doc, rng.choice(numbers), "@@LITERAL@@")
         elif kind == "run" and not legacy:
             doc["run"] = rng.choice(["../../escape", "../x", "/tmp/abs-escape", "a/../../b"])
+        elif kind == "auto" and not legacy:
+            _unalign(rng, doc)
         elif kind == "legacy" and legacy:
             with contextlib.suppress(TypeError, KeyError, IndexError, AttributeError):
                 _contradict(rng, doc)  # an earlier edit may have broken the field it edits
@@ -145,6 +149,28 @@ def mutate(rng: random.Random) -> str:
     if rng.random() < 0.05:  # a key given twice
         text = text.replace('"gpus": ', '"gpus": [], "gpus": ', 1)
     return text
+
+
+def _unalign(rng: random.Random, doc: dict) -> None:
+    """An edit of what decides where bags may lie: the policy, the recorded group sizes and
+    node size, a bag's GPUs in another order or traded with another bag's."""
+    kind = rng.choice(["policy", "sizes", "node", "order", "trade"])
+    bags = [b for b in doc.get("bags", []) if isinstance(b, list)]
+    if kind == "policy":
+        doc["policy"] = rng.choice(["auto", "fixed", None])
+    elif kind == "sizes":
+        doc.setdefault("solver_options", {})["group_sizes"] = rng.choice(
+            [[3], [1, 2, 4, 16384], [1, 4], [2], [], [0], [1, 2, 4, 8, 16]]
+        )
+    elif kind == "node":
+        comm = doc.setdefault("solver_options", {}).setdefault("comm", {})
+        comm["node_size"] = rng.choice([6, 8.5, 2.0**70, 0, 1, 3])
+    elif kind == "order" and bags:
+        rng.choice(bags).reverse()
+    elif kind == "trade" and len(bags) > 1:
+        a, b = rng.sample(bags, 2)
+        if a and b:
+            a[0], b[0] = b[0], a[0]
 
 
 def _contradict(rng: random.Random, doc: dict) -> None:

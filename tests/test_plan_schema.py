@@ -49,7 +49,7 @@ def test_valid_plan_and_exact_json_round_trip():
     defaults = {"planner_version": None, "scale": None, "workload_unit": "model", "gpu_speed": None}
     assert json.loads(text) == {**small_plan_dict(), **defaults, "solver_options": {}}
     # policy is written only when set (a plan of fixed bags reads as before it existed)
-    auto = RoutingPlan.model_validate({**small_plan_dict(), "policy": "auto"})
+    auto = RoutingPlan.model_validate({**small_plan_dict(), "schema_version": 2, "policy": "auto"})
     assert json.loads(auto.model_dump_json())["policy"] == "auto"
     assert RoutingPlan.model_validate_json(auto.model_dump_json()).policy == "auto"
 

@@ -91,6 +91,10 @@ def test_long_text_and_problem_lines_with_odd_paths_print():
             ["gpus.0: Input should be a valid integer, got '0'"],
         ),
         (lambda r: r.update(schema_version=1), ["planner_version is a field of schema 2"]),
+        (
+            lambda r: r.update(schema_version=1, planner_version=None, policy="fixed"),
+            ["policy is a field of schema 2, but the record says schema_version 1"],
+        ),
         (lambda r: r.update(step=True), ["step: Input should be a valid integer, got True"]),
         (lambda r: r.update(step="3"), ["step: Input should be a valid integer, got '3'"]),
         (lambda r: r.update(gamma=False), ["gamma: Input should be a valid number, got False"]),
@@ -165,6 +169,11 @@ def test_negative_zero_reads_as_zero_and_huge_literals_are_named():
 
 
 # ------------------------------------------------------------ item 4: bounded figures
+def _probe(last_ms: float) -> dict:
+    """A link probe of PLAN8's 8 GPUs, one round, GPU 7's time ``last_ms``."""
+    return {"bytes": 1024, "rounds": [0], "ms": [[1.5] * 7 + [last_ms]], "node": [0] * 8}
+
+
 @pytest.mark.parametrize(
     "edit, fragments",
     [
@@ -185,6 +194,14 @@ def test_negative_zero_reads_as_zero_and_huge_literals_are_named():
         (lambda r: r.update(scale=1e-320), ["scale is 9.99989e-321; it must lie in 1e-12..1e+12"]),
         (lambda r: r.update(time=-1.0), ["time is -1"]),
         (lambda r: r["measurements"].update(plan_ms=-2.0), ["measurements.plan_ms is -2 ms"]),
+        (
+            lambda r: r["measurements"].update(link_probe=_probe(5e-324)),
+            ["measurements.link_probe.ms[0][7] is 4.94e-324 ms: a non-zero figure below 1e-30"],
+        ),
+        (
+            lambda r: r["measurements"].update(link_probe=_probe(1e-300)),
+            ["measurements.link_probe.ms[0][7] is 1e-300 ms: a non-zero figure below 1e-30"],
+        ),
     ],
 )
 def test_figures_beyond_their_bounds_are_refused(edit, fragments):

@@ -140,6 +140,8 @@ def test_file_removed_while_open(tmp_path, tail):
     _append(path, "again\n")
     batch = tail.poll()
     assert [(ln.number, ln.text) for ln in batch.lines] == [(1, "again")]
+    # A file that comes back is a new file: none of the old lines belong to it.
+    assert [(e.kind, e.generation) for e in batch.events] == [("replaced", 1)]
 
 
 def test_max_bytes_reads_in_slices(tmp_path, tail):
@@ -206,3 +208,81 @@ def test_a_line_too_long_to_read_is_reported_not_read(tmp_path, tail, monkeypatc
         (3, False, 1, "b"),
     ]
     assert tail.offset == 2 + huge + 1 + 2
+
+
+@pytest.mark.parametrize("target", ["/dev/zero", "/etc/passwd", "fifo", "dangling"])
+def test_a_link_or_a_device_put_in_the_files_place_is_refused_until_a_file_is_back(
+    tmp_path, tail, target
+):
+    """Before, a symlink to /dev/zero kept a core busy for ever and the run never updated
+    again, even after a regular file was put back; /etc/passwd was read as the run."""
+    path = tmp_path / "plans.jsonl"
+    _append(path, "old1\nold2\n")
+    assert len(tail.poll().lines) == 2
+    swapped = tmp_path / "swap"
+    if target == "fifo":
+        os.mkfifo(swapped)
+        os.replace(swapped, path)
+    else:
+        os.symlink(tmp_path / "nowhere" if target == "dangling" else target, swapped)
+        os.replace(swapped, path)
+    batch = tail.poll()
+    assert [e.kind for e in batch.events] == ["removed", "refused"]
+    assert "replaced by another file after line 2" in batch.events[0].message
+    refusal = batch.events[1].message
+    what = "a FIFO" if target == "fifo" else "a symbolic link (to "
+    assert f"{path} is {what}" in refusal and "reads regular files only" in refusal
+    for _ in range(3):  # refused once, not re-read on every poll
+        again = tail.poll()
+        assert again.lines == [] and again.events == [] and not again.more
+    path.unlink()
+    _append(path, "new1\n")
+    batch = tail.poll()
+    assert [(ln.generation, ln.text) for ln in batch.lines] == [(1, "new1")]
+    assert [e.kind for e in batch.events] == ["replaced"]
+
+
+def test_a_file_replaced_by_rename_is_a_new_file_and_a_rotation_is_not(tmp_path, tail):
+    path = tmp_path / "plans.jsonl"
+    _append(path, "a1\n")
+    tail.poll()
+    (tmp_path / "tmp").write_text("b1\n")
+    os.replace(tmp_path / "tmp", path)  # an editor's save, or a tool rewriting the file
+    batch = tail.poll()
+    assert [e.kind for e in batch.events] == ["removed", "replaced"]
+    assert [(ln.generation, ln.text) for ln in batch.lines] == [(1, "b1")]
+    os.rename(path, tmp_path / "plans.1.jsonl")
+    _append(path, "c1\n")
+    batch = tail.poll()
+    assert [e.kind for e in batch.events] == ["rotated"]  # whether it continues: the reader's
+    assert [(ln.generation, ln.text) for ln in batch.lines] == [(2, "c1")]
+
+
+def test_a_link_named_on_the_command_line_is_followed_and_one_found_in_a_folder_is_not(
+    tmp_path, steps50_path
+):
+    from knapformer.dashboard.store import Runs
+
+    from knapformer.testing.polling import wait_until
+
+    lines = steps50_path.read_text().splitlines()
+    real = tmp_path / "real.jsonl"
+    _append(real, lines[0] + "\n")
+    link = tmp_path / "link.jsonl"
+    os.symlink(real, link)
+    runs = Runs(link)  # what `knapformer dashboard link.jsonl` follows
+    try:
+        store = runs.store(runs.default())  # followed by its own thread
+        wait_until(lambda: len(store.snapshot().summaries) == 1, 60, "the linked file read")
+    finally:
+        runs.close()
+    folder = tmp_path / "runs"
+    (folder / "job").mkdir(parents=True)
+    os.symlink(real, folder / "job" / "plans.jsonl")
+    runs = Runs(folder)
+    try:
+        store = runs.store("job")
+        wait_until(lambda: "is a symbolic link (to " in store.snapshot().notices[0], 60)
+        assert store.snapshot().summaries == []
+    finally:
+        runs.close()

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import typer
 
+from knapformer.cli.bounds import bounded
 from knapformer.cli.errors import UserError, text_option
 from knapformer.cli.extras import require
 from knapformer.contract.runfiles import RUNS_LAYOUT
@@ -24,7 +25,7 @@ def dashboard(
         f"of runs (each {RUNS_LAYOUT})",
     ),
     host: str = typer.Option("127.0.0.1", help="address to bind; other than 127.0.0.1 warns"),
-    port: int = typer.Option(8050, help="TCP port (0 picks a free one)"),
+    port: int = typer.Option(8050, callback=bounded, help="TCP port (0 picks a free one)"),
 ) -> None:
     """Serve a live dashboard of routing plans: per-bag load, timeline, traffic, sequences."""
     text_option(host, "--host")

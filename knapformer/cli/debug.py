@@ -10,10 +10,12 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from knapformer.cli.bounds import bounded
 from knapformer.cli.errors import UserError
 from knapformer.cli.extras import require
 from knapformer.cli.plans import PLAN_ARGUMENT
 from knapformer.cli.progress import progress
+from knapformer.contract.output_file import output_file
 from knapformer.contract.phases import COMPUTE_PHASES
 from knapformer.contract.runfiles import PLANS_FILE
 from knapformer.contract.stats import before_after
@@ -47,12 +49,16 @@ def _bytes(n: float) -> str:
 # ---------------------------------------------------------------------- replay
 def replay(
     file: Path = typer.Argument(..., metavar="PLAN", help=PLAN_ARGUMENT),
-    step: int | None = typer.Option(None, help="step to replay (default: the last plan)"),
+    step: int | None = typer.Option(
+        None, callback=bounded, help="step to replay (default: the last plan)"
+    ),
     dim: int | None = typer.Option(
-        None, help="hidden size of the synthetic tokens (default 8/head)"
+        None, callback=bounded, help="hidden size of the synthetic tokens (default 8/head)"
     ),
     heads: int | None = typer.Option(
-        None, help="attention heads; a multiple of every bag size (default: smallest >= 4)"
+        None,
+        callback=bounded,
+        help="attention heads; a multiple of every bag size (default: smallest >= 4)",
     ),
 ) -> None:
     """Re-execute a recorded plan on one local CPU process per GPU (gloo) and check it.
@@ -163,16 +169,20 @@ def simulate(
     more: list[str] | None = typer.Argument(
         None, metavar="TOPOLOGY", help="more topologies (after --topology T)"
     ),
-    steps: int = typer.Option(10, help="sampled steps"),
-    d_model: int = typer.Option(3072, "--d-model", help="token dimension d"),
-    gamma: float = typer.Option(0.4, help="attention weight γ of the workload model"),
+    steps: int = typer.Option(10, callback=bounded, help="sampled steps"),
+    d_model: int = typer.Option(3072, "--d-model", callback=bounded, help="token dimension d"),
+    gamma: float = typer.Option(
+        0.4, callback=bounded, help="attention weight γ of the workload model"
+    ),
     solver: list[str] = typer.Option(
         ["knapformer", "greedy"], "--solver", help="solver(s) to compare"
     ),
-    dtype_bytes: int = typer.Option(2, "--dtype-bytes", help="bytes per value (bf16 = 2)"),
+    dtype_bytes: int = typer.Option(
+        2, "--dtype-bytes", callback=bounded, help="bytes per value (bf16 = 2)"
+    ),
     cluster: str = typer.Option("nvlink", help=_CLUSTER_HELP),
-    node_size: int = typer.Option(8, "--node-size", help="GPUs per node"),
-    seed: int = typer.Option(0, help="random seed of the data sampler"),
+    node_size: int = typer.Option(8, "--node-size", callback=bounded, help="GPUs per node"),
+    seed: int = typer.Option(0, callback=bounded, help="random seed of the data sampler"),
     out: Path | None = typer.Option(
         None,
         help=f"folder to record the plans in: {_run_files('OUT')} per run "
@@ -290,27 +300,39 @@ def suggest(
     data_codes: str = typer.Option(
         ..., "--data-codes", help="mix name (lowres, mixres, joint) or codes gGbBiIfFsS,..."
     ),
-    gpus: int = typer.Option(..., "--gpus", help="GPUs of one balance group"),
-    max_bag: int = typer.Option(8, "--max-bag", help="largest bag size (a power of two)"),
-    steps: int = typer.Option(4, help="sampled steps per topology"),
-    d_model: int = typer.Option(3072, "--d-model", help="token dimension d"),
-    gamma: float = typer.Option(0.4, help="attention weight γ"),
+    gpus: int = typer.Option(..., "--gpus", callback=bounded, help="GPUs of one balance group"),
+    max_bag: int = typer.Option(
+        8, "--max-bag", callback=bounded, help="largest bag size (a power of two)"
+    ),
+    steps: int = typer.Option(4, callback=bounded, help="sampled steps per topology"),
+    d_model: int = typer.Option(3072, "--d-model", callback=bounded, help="token dimension d"),
+    gamma: float = typer.Option(0.4, callback=bounded, help="attention weight γ"),
     cluster: str = typer.Option("nvlink", help=_CLUSTER_HELP),
     intra_gbs: float | None = typer.Option(
-        None, "--intra-gbs", help="GB/s per GPU inside a node (default: the cluster's)"
+        None,
+        "--intra-gbs",
+        callback=bounded,
+        help="GB/s per GPU inside a node (default: the cluster's)",
     ),
     inter_gbs: float | None = typer.Option(
-        None, "--inter-gbs", help="GB/s per GPU across nodes (default: the cluster's)"
+        None,
+        "--inter-gbs",
+        callback=bounded,
+        help="GB/s per GPU across nodes (default: the cluster's)",
     ),
-    node_size: int = typer.Option(8, "--node-size", help="GPUs per node"),
-    tflops: float = typer.Option(400.0, "--tflops", help="achieved TFLOP/s per GPU"),
-    layers: int = typer.Option(57, help="transformer layers"),
-    dtype_bytes: int = typer.Option(2, "--dtype-bytes", help="bytes per value (bf16 = 2)"),
+    node_size: int = typer.Option(8, "--node-size", callback=bounded, help="GPUs per node"),
+    tflops: float = typer.Option(
+        400.0, "--tflops", callback=bounded, help="achieved TFLOP/s per GPU"
+    ),
+    layers: int = typer.Option(57, callback=bounded, help="transformer layers"),
+    dtype_bytes: int = typer.Option(
+        2, "--dtype-bytes", callback=bounded, help="bytes per value (bf16 = 2)"
+    ),
     auto: bool = typer.Option(
         True, "--auto/--no-auto", help="rank topology auto (each step's own partition) too"
     ),
-    top: int = typer.Option(10, help="rows to print"),
-    seed: int = typer.Option(0, help="random seed of the data sampler"),
+    top: int = typer.Option(10, callback=bounded, help="rows to print"),
+    seed: int = typer.Option(0, callback=bounded, help="random seed of the data sampler"),
 ) -> None:
     """Rank the topologies of N GPUs, and auto, for a data mix by modelled step time.
 
@@ -382,6 +404,7 @@ def calibrate(
     token_dim: int | None = typer.Option(
         None,
         "--token-dim",
+        callback=bounded,
         help="model hidden size d (default: the plans' token_dim; with --benchmark 3072)",
     ),
     benchmark: bool = typer.Option(
@@ -389,13 +412,15 @@ def calibrate(
         "--benchmark",
         help="time a DiT block here (CUDA if available, else CPU) over --lengths and fit that",
     ),
-    heads: int = typer.Option(24, help="--benchmark: attention heads of the block"),
+    heads: int = typer.Option(
+        24, callback=bounded, help="--benchmark: attention heads of the block"
+    ),
     lengths: str = typer.Option(
         "256,512,1024,2048,4096,8192,16384,32768",
         help="--benchmark: comma-separated sequence lengths to time",
     ),
     device: str | None = typer.Option(None, help="--benchmark: cpu or cuda (default: cuda if any)"),
-    tokens: int = typer.Option(32768, help="--benchmark: tokens per timed batch"),
+    tokens: int = typer.Option(32768, callback=bounded, help="--benchmark: tokens per timed batch"),
     phase: str | None = typer.Option(
         None,
         help="measured phase of the plans to fit (default: the first measured of "
@@ -442,9 +467,7 @@ def calibrate(
     if plot is not None:
         from knapformer.visualization.calibration import calibration_figure
 
-        try:
-            title = "DiT block benchmark" if file is None else str(file)
-            calibration_figure(cal, title=title).write_html(plot, include_plotlyjs=True)
-        except OSError as err:
-            raise UserError(f"{plot}: cannot write: {err.strerror or err}") from err
+        title = "DiT block benchmark" if file is None else str(file)
+        with output_file(plot) as f:
+            calibration_figure(cal, title=title).write_html(f, include_plotlyjs=True)
         console.print(f"wrote {plot}")

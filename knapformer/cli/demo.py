@@ -36,14 +36,15 @@ def demo(
 ) -> None:
     """Train a small DiT on CPU workers with the balancer, record every plan, show it live."""
     cfg = DemoConfig(**options)  # bad options fail here, before anything starts
-    from knapformer.local.demo import format_report, run_demo  # imports torch
+    from knapformer.local.demo import format_report, prepare_out, run_demo  # imports torch
     from knapformer.local.launcher import WorkerFailed
     from knapformer.local.signals import ignoring_sigint
 
     topo = cfg.parsed_topology
     d_model, heads = cfg.model_dims
     plans = plans_file(cfg.out)
-    server = _start_dashboard(plans, port) if dashboard else None
+    # The earlier recording goes before the server starts: it must never read the old run.
+    server = _start_dashboard(plans, port, lambda: prepare_out(cfg)) if dashboard else None
     try:
         print(
             f"knapformer demo: {cfg.world_size} CPU workers (gloo), topology {topo}, "
@@ -130,15 +131,19 @@ def _options_line(cfg: DemoConfig) -> str:
     return "; ".join(parts)
 
 
-def _start_dashboard(plans: Path, port: int):
-    """The dashboard in a background thread, or ``None`` (headless) if it is unavailable."""
+def _start_dashboard(plans: Path, port: int, prepare: Callable[[], None]):
+    """The dashboard in a background thread, or ``None`` (headless) if it is unavailable.
+    ``prepare`` (removing the earlier recording) runs once the port is known to be free,
+    before the server reads anything."""
     try:
         require("dashboard", "the demo's dashboard")
     except MissingExtraError as err:
         print(f"{err}; running headless", flush=True)
         return None
-    from knapformer.dashboard.server import start_server
+    from knapformer.dashboard.server import check_free, start_server
 
+    check_free("127.0.0.1", port)  # a busy port fails before the old recording goes
+    prepare()
     return start_server(plans, host="127.0.0.1", port=port)
 
 

@@ -4,6 +4,7 @@ already watch (Perfetto / chrome://tracing / DevTools' Performance panel, and Te
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 import typer
@@ -88,13 +89,14 @@ def trace(
         raise UserError(f"output must be a .json file, not {str(out)!r}")
     runs = read_runs(plans, steps)
     built = build_trace(runs, source=str(plans))
+    profiled: Iterable[str] = ()
     if merge is not None:
         from knapformer.tools.profiler_merge import merge_profiler
 
         if len(runs) != 1:
             raise UserError(f"--merge takes one run; {plans} holds {len(runs)}: name its file")
-        built = merge_profiler(built, merge, next(iter(runs.values())))
-    written = write_trace(out, built)
+        built, profiled = merge_profiler(built, merge, next(iter(runs.values())))
+    written = write_trace(out, built, profiled)
     every = [p for run in runs.values() for p in run]
     measured = sum(1 for p in every if p.measurements is not None and p.measurements.per_rank_ms)
     print(

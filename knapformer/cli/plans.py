@@ -10,6 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from knapformer.cli.bounds import bounded
 from knapformer.cli.errors import UserError
 from knapformer.contract.plan import RoutingPlan
 from knapformer.contract.plan_io import (
@@ -84,7 +85,9 @@ def repeated_steps(steps: set[int]) -> str:
 
 def show(
     file: Path = typer.Argument(..., metavar="PLAN", help=PLAN_ARGUMENT),
-    step: int | None = typer.Option(None, help="step to show (default: the last plan)"),
+    step: int | None = typer.Option(
+        None, callback=bounded, help="step to show (default: the last plan)"
+    ),
 ) -> None:
     """Print a plan as a table per GPU: bag, tokens and load before/after, and its figures."""
     record, result = read_step(file, step)

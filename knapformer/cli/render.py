@@ -11,6 +11,7 @@ from typing import Annotated
 
 import typer
 
+from knapformer.cli.bounds import bounded
 from knapformer.cli.errors import UserError, text_option
 from knapformer.cli.extras import require
 from knapformer.cli.plans import PLAN_ARGUMENT, read_plan_file
@@ -38,7 +39,10 @@ def animate(
         "routing.mp4"
     ),
     step: Annotated[
-        int | None, typer.Option(help="Step to animate (default: the last plan of the file).")
+        int | None,
+        typer.Option(
+            callback=bounded, help="Step to animate (default: the last plan of the file)."
+        ),
     ] = None,
     steps: Annotated[
         str | None, typer.Option(help="Chain steps A:B (inclusive; A: or :B open) in one video.")

@@ -11,8 +11,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from knapformer.cli.bounds import bounded
 from knapformer.cli.errors import UserError
-from knapformer.contract.limits import MAX_STEP, abbreviate
 from knapformer.contract.plan_io import Problem, iter_plan_file
 from knapformer.contract.runfiles import RUNS_LAYOUT, single_run
 from knapformer.contract.units import significant
@@ -49,7 +49,9 @@ def stragglers(
         help=f"recorded plans with measurements: a .jsonl, or a run folder ({RUNS_LAYOUT})",
     ),
     window: int = typer.Option(
-        WINDOW, help="analyse the last N measured steps (0: every step in the file)"
+        WINDOW,
+        callback=bounded,
+        help="analyse the last N measured steps (0: every step in the file)",
     ),
     as_json: bool = typer.Option(
         False, "--json", help="print a JSON list of per-rank objects (rank, verdict, ...)"
@@ -64,11 +66,6 @@ def stragglers(
 ) -> None:
     """Name slow ranks: per rank, predicted share vs measured compute, waiting, and a verdict
     (slow_gpu, slow_host, slow_input, slow_link, layout_floor, data_imbalance or ok)."""
-    if not 0 <= window <= MAX_STEP:
-        raise UserError(
-            f"--window {abbreviate(f'{window:,}')} must be 0 (every step) or a number of "
-            f"steps up to {MAX_STEP:,}"
-        )
     path = single_run(plans)
     figures, count, skipped = _measured_figures(path, window or None)
     if skipped:

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from knapformer.contract.alignment import fixed_layout_problem
 from knapformer.contract.limits import MAX_RANK, MAX_SEQ_LENGTH, abbreviate
 from knapformer.contract.plan import RoutingPlan
 from knapformer.contract.topology import Topology
@@ -255,9 +256,13 @@ def _plan_from_legacy(summary: dict) -> RoutingPlan:
         if seq_bag[i] < 0:  # a zero-length sequence has no chunk: keep it at home
             seq_bag[i] = bag_of_gpu.get(seq_src[i], 0)
 
+    topology = Topology.from_bag_sizes([len(b) for b in bags])
     return RoutingPlan.model_validate(
         {
-            "topology": str(Topology.from_bag_sizes([len(b) for b in bags])),
+            "topology": str(topology),
+            # Bags not where the topology lays them were chosen for the step (an exported
+            # auto plan): validated, and replayed, as the planner's choice.
+            "policy": None if fixed_layout_problem(topology, gpus, bags) is None else "auto",
             "gpus": gpus,
             "bags": bags,
             "token_dim": None,

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
 
 import numpy as np
 
-from knapformer.errors import KnapformerError, OptionError
+from knapformer.errors import OptionError
 
 #: GPUs of one balance group (a plan's ``gpus``, a topology's bags): 4× the planner's
 #: 4,096-GPU target. Per-GPU views (the traffic heatmap) aggregate far below this.
@@ -93,6 +94,106 @@ MAX_GAMMA = 1e6
 MIN_SCALE, MAX_SCALE = 1e-12, 1e12
 #: A plan's ``time`` (unix seconds): the end of year 9999.
 MAX_UNIX_TIME = 253_402_300_799.0
+
+# A profiler trace merged into a knapformer trace (`knapformer trace --merge`), one per
+# rank. Read one at a time, each parsed whole: its Python objects take ~5x its bytes.
+#: Bytes of one profiler trace, a ``.json.gz`` counted as it inflates: a few profiled
+#: steps of a large model (torch.profiler writes ~300 bytes per event).
+MAX_TRACE_BYTES = 64 * 2**20
+#: Objects and arrays, values and nesting of one profiler trace (an event is an object
+#: with an ``args`` object; torch.profiler's shapes nest 6 deep).
+MAX_TRACE_CONTAINERS = 2**20
+MAX_TRACE_VALUES = 2**23
+MAX_TRACE_DEPTH = 16
+#: |ts| and ``dur`` of a profiler event, µs: the end of year 9999 since the Unix epoch.
+MAX_TRACE_US = MAX_UNIX_TIME * 1e6
+
+# The block benchmark (`knapformer calibrate --benchmark`): a batch holds
+# max(tokens, length) tokens of width token_dim, with ~20 activations of that size kept
+# for the backward pass.
+#: Distinct lengths one benchmark times: each is a batch of ``--tokens`` tokens timed 7
+#: times (2 warm-up, 5 timed), about a second each on a GPU at FLUX's width, so 64
+#: lengths are minutes; a fit of 2 parameters needs a handful.
+MAX_BENCH_LENGTHS = 64
+#: Tokens of one timed batch, and the longest sequence timed (4x the 2^18 tokens of a
+#: 2048 px, 85-frame video's latents).
+MAX_BENCH_TOKENS = 2**20
+#: Token values (tokens x width) of one timed batch: 4 GiB per fp32 activation, beyond
+#: which no GPU holds a block's backward pass.
+MAX_BENCH_VALUES = 2**30
+#: Width of a benchmarked block: twice the widest DiT's (8,192). Its weights, gradients
+#: and optimizer-free backward take ~100·d² bytes in fp32 (27 GB at this bound).
+MAX_BENCH_DIM = 16_384
+#: Attention heads of a benchmarked block or a replay (DiTs use 24..64).
+MAX_HEADS = 4096
+#: Transformer layers of a modelled step (`CommModel.layers`; FLUX has 57).
+MAX_LAYERS = 1024
+
+
+@dataclass(frozen=True)
+class Bound:
+    """The range of one numeric option (or recorded figure of the same meaning)."""
+
+    low: float
+    high: float
+    whole: bool = False  # a whole number (an int; a float of integral value is refused)
+    unit: str = ""  # follows the numbers in a message, e.g. " GB/s"
+
+
+#: Every numeric option of the command line, by parameter name, and the figures a plan
+#: records with the same meaning (its communication model, ``solver_options.comm``): each
+#: value is refused outside its range where it is parsed (`check_option`), so that no
+#: command overflows, allocates beyond the machine or prints inf. ``knapformer.cli.bounds``
+#: applies it to every option named here; a test fails for a numeric option missing.
+OPTION_BOUNDS: dict[str, Bound] = {
+    # the cluster a step is priced on (knapformer.planning.communication.CommModel)
+    "tflops": Bound(1e-3, 1e6, unit=" TFLOP/s"),
+    "intra_gbs": Bound(1e-3, 1e6, unit=" GB/s"),
+    "inter_gbs": Bound(1e-3, 1e6, unit=" GB/s"),
+    "node_size": Bound(1, MAX_GPUS, whole=True, unit=" GPUs"),
+    "layers": Bound(1, MAX_LAYERS, whole=True),
+    "dtype_bytes": Bound(1, 16, whole=True, unit=" bytes"),
+    # the workload model and what is sampled or planned
+    "d_model": Bound(1, MAX_TOKEN_DIM, whole=True),
+    "token_dim": Bound(1, MAX_TOKEN_DIM, whole=True),
+    "gamma": Bound(0, MAX_GAMMA),
+    "steps": Bound(1, MAX_SIM_STEPS, whole=True),
+    "seed": Bound(0, 2**63 - 1, whole=True),
+    "gpus": Bound(1, MAX_GPUS, whole=True),
+    "max_bag": Bound(1, MAX_GPUS, whole=True),
+    "top": Bound(1, MAX_RANK, whole=True),
+    # plans picked from a file, the benchmark and replay
+    "step": Bound(-MAX_STEP, MAX_STEP, whole=True),
+    "window": Bound(0, MAX_STEP, whole=True),
+    "heads": Bound(1, MAX_HEADS, whole=True),
+    "tokens": Bound(1, MAX_BENCH_TOKENS, whole=True),
+    "dim": Bound(1, MAX_TOKEN_DIM, whole=True),
+    "port": Bound(0, 65535, whole=True),
+}
+
+
+def check_option(name: str, value: float | None) -> float | None:
+    """``value`` when it lies in ``OPTION_BOUNDS[name]`` (None passes: not given); else
+    an `OptionError` naming the option, the value and the range."""
+    bound = OPTION_BOUNDS[name]
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise OptionError(f"`{name}` must be a number, got {abbreviate(repr(value))}")
+    if not bound.whole:
+        problem = figure_problem(value, f"`{name}`", bound.low, bound.high, unit=bound.unit)
+        if problem is not None:
+            raise OptionError(problem)
+        return value
+    if not isinstance(value, int):
+        raise OptionError(f"`{name}` must be a whole number, got {value!r}")
+    if not bound.low <= value <= bound.high:
+        raise OptionError(
+            f"`{name}` is {abbreviate(f'{value:,}', 32)}{bound.unit}; it must lie in "
+            f"{bound.low:,}..{bound.high:,}{bound.unit} (knapformer.contract.limits)"
+        )
+    return value
+
 
 _UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
 
@@ -185,9 +286,9 @@ def parse_count(digits: str, bound: int, what: str, low: int = 0) -> int:
     """The decimal ``digits`` as an int within ``low..bound``, never converting a
     string longer than the bound's (Python refuses more than 4,300 digits)."""
     if not (digits.isascii() and digits.isdigit()):
-        raise KnapformerError(f"{what} must be a whole number, got {abbreviate(repr(digits))}")
+        raise OptionError(f"{what} must be a whole number, got {abbreviate(repr(digits))}")
     if len(digits.lstrip("0")) > len(str(bound)):
-        raise KnapformerError(
+        raise OptionError(
             f"{what} is {abbreviate(digits, 24)}; at most {bound:,} is supported "
             "(knapformer.contract.limits)"
         )

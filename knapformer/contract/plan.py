@@ -33,8 +33,12 @@ from pydantic import (
     WithJsonSchema,
     model_validator,
 )
-from typing_extensions import TypedDict
 
+from knapformer.contract.alignment import (
+    DEFAULT_NODE_SIZE,
+    auto_layout_problem,
+    fixed_layout_problem,
+)
 from knapformer.contract.limits import (
     MAX_CHUNKS,
     MAX_GAMMA,
@@ -43,7 +47,6 @@ from knapformer.contract.limits import (
     MAX_MEASURED_MS,
     MAX_PHASES,
     MAX_RANK,
-    MAX_RANK_TOKENS,
     MAX_SCALE,
     MAX_SEQ_LENGTH,
     MAX_SEQUENCES,
@@ -60,13 +63,16 @@ from knapformer.contract.limits import (
 from knapformer.contract.phases import compute_phase
 from knapformer.contract.positions import GpuPositions, gpu_positions
 from knapformer.contract.probe import LinkProbe
+from knapformer.contract.solver_options import SolverOptions
 from knapformer.contract.stats import PlanStats, compute_stats
 from knapformer.contract.topology import Topology
 from knapformer.errors import KnapformerError
 
 SCHEMA_VERSION = 2
-#: Versions this reader understands: 1 had no ``planner_version``.
+#: Versions this reader understands: 1 had no ``planner_version`` and no ``policy``.
 READABLE_SCHEMA_VERSIONS = (1, 2)
+#: Fields a schema-1 record cannot carry (written only by schema 2's writers).
+SCHEMA_2_FIELDS = ("planner_version", "policy")
 _MAX_IDS_IN_MESSAGE = 5
 _INT64 = (-(2**63), 2**63 - 1)
 
@@ -236,20 +242,6 @@ class Measurements(BaseModel):
         return compute_phase(self.per_rank_ms)
 
 
-class SolverOptions(TypedDict, total=False):
-    """What the solver was asked besides the plan's inputs (a plain dict in the plan).
-    Known keys only: a new option is a new typed key here."""
-
-    __pydantic_config__ = ConfigDict(extra="forbid")  # type: ignore[misc]
-
-    #: Tokens a GPU may hold after routing (`plan_routing`'s cap).
-    max_tokens_per_gpu: Annotated[int, Field(ge=1, le=MAX_RANK_TOKENS * MAX_GPUS)]
-    #: topology "auto": the group sizes it chose from and the cluster figures it priced
-    #: communication with (knapformer.planning.communication.CommModel fields).
-    group_sizes: list[Annotated[int, Field(ge=1, le=MAX_GPUS)]]
-    comm: dict[Text, Annotated[float, Field(gt=0, allow_inf_nan=False)]]
-
-
 class RoutingPlan(BaseModel):
     """Where every token chunk of one training step goes. See docs/concepts.md."""
 
@@ -365,7 +357,8 @@ def _invariant_problems(plan: RoutingPlan) -> Iterator[str]:
     if problem is None:
         positions = gpu_positions(plan.gpus)
         problem = (
-            _sequence_problem(plan, positions)
+            layout_problem(plan, positions)
+            or _sequence_problem(plan, positions)
             or _chunk_problem(plan, positions)
             or _speed_problem(plan)
             or _measurement_problem(plan)
@@ -374,13 +367,32 @@ def _invariant_problems(plan: RoutingPlan) -> Iterator[str]:
         yield problem
 
 
+def layout_problem(plan: RoutingPlan, positions: GpuPositions | None = None) -> str | None:
+    """Why the plan's bags could not run (None when they can), naming the field: checked
+    against the plan's own policy (`knapformer.contract.alignment`): fixed bags as the
+    topology lays them; the planner's (``policy: "auto"``) by their group sizes, bag sizes
+    and alignment. ``positions``: `gpu_positions` of ``plan.gpus``, when known. The GPUs,
+    bags and topology are consistent (`_group_problem`)."""
+    if plan.policy != "auto":
+        return fixed_layout_problem(Topology.parse(plan.topology), plan.gpus, plan.bags)
+    positions = gpu_positions(plan.gpus) if positions is None else positions
+    options = plan.solver_options
+    node_size = (options.get("comm") or {}).get("node_size", DEFAULT_NODE_SIZE)
+    sizes = np.fromiter(map(len, plan.bags), dtype=np.int64, count=len(plan.bags))
+    members = positions[np.fromiter(itertools.chain.from_iterable(plan.bags), dtype=np.int64)]
+    return auto_layout_problem(
+        members, sizes, len(plan.gpus), options.get("group_sizes"), int(node_size)
+    )
+
+
 def _field_problem(plan: RoutingPlan) -> str | None:
     """Scalars and table sizes within the bounds of `knapformer.contract.limits`."""
-    if plan.schema_version == 1 and plan.planner_version is not None:
-        return (
-            "planner_version is a field of schema 2, but the record says schema_version 1: "
-            "set schema_version to 2 or drop planner_version"
-        )
+    for name in SCHEMA_2_FIELDS:
+        if plan.schema_version == 1 and getattr(plan, name) is not None:
+            return (
+                f"{name} is a field of schema 2, but the record says schema_version 1: "
+                f"set schema_version to 2 or drop {name}"
+            )
     if plan.step is not None and abs(plan.step) > MAX_STEP:
         step = abbreviate(f"{plan.step:,}")
         return f"step {step} is beyond ±{MAX_STEP:,} (knapformer.contract.limits)"

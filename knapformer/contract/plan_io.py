@@ -3,15 +3,17 @@
 Readers report problems as ``path:line: message`` and either skip the bad record or
 raise, as the caller chooses. No input makes them raise anything else: too deep, too long
 or too large records, FIFOs and undecodable bytes are problems like any other. A record's
-shape is counted before it is parsed (`knapformer.contract.record_shape`), and records
-are validated strictly (no boolean or string read as a number). JSON that Python reads
-but JSON does not allow — ``NaN``, ``Infinity``, an object with a key twice — is refused.
+shape is counted before it is parsed and JSON that Python reads but JSON does not allow
+(``NaN``, ``Infinity``, an object with a key twice) is refused
+(`knapformer.contract.strict_json`); records are validated strictly (no boolean or
+string read as a number).
 Nothing here knows about files growing live; the dashboard's tailer builds on
 ``parse_plan_line``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -19,7 +21,7 @@ import stat
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Literal, TextIO
+from typing import IO, Any, BinaryIO, Literal
 
 import numpy as np
 from pydantic import ValidationError
@@ -27,8 +29,15 @@ from pydantic_core import to_json
 
 from knapformer.contract.legacy import is_legacy, plan_from_legacy
 from knapformer.contract.limits import MAX_RECORD_BYTES, abbreviate, printable
+from knapformer.contract.output_file import output_file
 from knapformer.contract.plan import READABLE_SCHEMA_VERSIONS, SCHEMA_VERSION, RoutingPlan
-from knapformer.contract.record_shape import shape_problem
+from knapformer.contract.strict_json import (
+    TOO_DEEP,
+    TOO_LARGE,
+    JsonRecordError,
+    check_shape,
+    decode_json,
+)
 from knapformer.errors import KnapformerError, OptionError, file_error
 
 #: A file whose first lines are this many non-JSON-object lines is not read further.
@@ -114,60 +123,29 @@ def parse_plan_record(record: Any) -> RoutingPlan:
     except (KeyError, TypeError, IndexError, AttributeError) as err:  # malformed structure
         raise PlanFormatError(f"malformed record ({type(err).__name__}: {err})") from err
     except RecursionError:
-        raise PlanFormatError(_TOO_DEEP) from None
+        raise PlanFormatError(TOO_DEEP) from None
     except MemoryError:
-        raise PlanFormatError(_TOO_LARGE) from None
-
-
-_TOO_DEEP = "nested too deeply to read (a plan is a few levels deep)"
-_TOO_LARGE = "too large to hold in memory"
-
-
-class _NotJson(Exception):
-    """What Python's JSON reader accepts but JSON does not (raised by its hooks)."""
-
-
-def _constant(name: str) -> Any:
-    raise _NotJson(f"{name} is not a JSON number (write a finite number, or null)")
-
-
-def _object(pairs: list[tuple[str, Any]]) -> dict:
-    record = dict(pairs)
-    if len(record) != len(pairs):  # Python keeps the last value silently
-        seen: set[str] = set()
-        twice = next(key for key, _ in pairs if key in seen or seen.add(key))
-        raise _NotJson(f"key {abbreviate(repr(twice))} appears twice in one object")
-    return record
+        raise PlanFormatError(TOO_LARGE) from None
 
 
 def _checked(data: bytes) -> None:
-    """`PlanFormatError` when the record ``data`` holds more than a plan can
-    (`shape_problem`), before anything is parsed."""
-    problem = shape_problem(data)
-    if problem is not None:
-        raise PlanFormatError(problem)
+    """`PlanFormatError` when the record ``data`` holds more than a plan can, before
+    anything is parsed (`knapformer.contract.strict_json.check_shape`)."""
+    try:
+        check_shape(data)
+    except JsonRecordError as err:
+        raise PlanFormatError(str(err)) from None
 
 
 def _decode(text: str) -> Any:
-    """``json.loads``; its failures as `PlanFormatError` (``line`` set when known).
-    ``text``'s shape was checked (`_checked`)."""
+    """``text`` read strictly as JSON (`knapformer.contract.strict_json.decode_json`); its
+    failures as `PlanFormatError` (``line`` set when known). Its shape was checked."""
     try:
-        return json.loads(text, parse_constant=_constant, object_pairs_hook=_object)
-    except _NotJson as err:
-        raise PlanFormatError(f"not valid JSON ({err})") from None
-    except json.JSONDecodeError as err:
-        # Some messages end in "starting at": the column completes them.
-        reason = err.msg.removesuffix(" at")
-        problem = PlanFormatError(f"not valid JSON ({reason} at column {err.colno})")
-        problem.line = err.lineno
+        return decode_json(text)
+    except JsonRecordError as err:
+        problem = PlanFormatError(str(err))
+        problem.line = err.line
         raise problem from None
-    except RecursionError:
-        raise PlanFormatError(_TOO_DEEP) from None
-    except ValueError as err:  # Python refuses to convert ints of more than 4,300 digits
-        reason = str(err).split(";")[0]
-        raise PlanFormatError(f"holds a number too long to read ({reason})") from None
-    except MemoryError:
-        raise PlanFormatError(_TOO_LARGE) from None
 
 
 def parse_plan_line(text: str) -> RoutingPlan:
@@ -222,6 +200,12 @@ _FILE_KINDS = (
 )
 
 
+def file_kind(mode: int) -> str:
+    """What a file of ``st_mode`` ``mode`` that is not a regular file is, for a message
+    (``a FIFO``, ``a character device``, ...)."""
+    return next((name for test, name in _FILE_KINDS if test(mode)), "not a file")
+
+
 def _open_regular_file(path: Path) -> BinaryIO:
     """``path`` opened for binary reading; `PlanFormatError` when it cannot be read or is
     not a regular file. Opened non-blocking, so a FIFO is recognised, not waited on."""
@@ -232,8 +216,7 @@ def _open_regular_file(path: Path) -> BinaryIO:
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)
-        kind = next((name for test, name in _FILE_KINDS if test(mode)), "not a file")
-        raise PlanFormatError(f"not a regular file ({kind})")
+        raise PlanFormatError(f"not a regular file ({file_kind(mode)})")
     return os.fdopen(fd, "rb")
 
 
@@ -319,9 +302,11 @@ def _skip_line(handle: BinaryIO, chunk: int = 2**20) -> int:
 
 
 def write_jsonl(path: str | os.PathLike, plans: Iterable[RoutingPlan], append: bool = False) -> int:
-    """Write one plan per line; returns how many were written."""
+    """Write one plan per line; returns how many were written. A new file is written
+    whole or not at all (`knapformer.contract.output_file`); ``append`` adds to the end
+    of an existing one."""
     count = 0
-    with _open_for_writing(path, "a" if append else "w") as f:
+    with _writing(path, append) as f:
         for plan in plans:
             f.write(plan.model_dump_json() + "\n")
             count += 1
@@ -398,8 +383,8 @@ def _number_pieces(values: Any) -> Iterator[bytes]:
 def write_json(
     path: str | os.PathLike, plan: RoutingPlan | dict, indent: int | None = None
 ) -> None:
-    """Write one plan (or a legacy dict) as a JSON document."""
-    with _open_for_writing(path, "w") as f:
+    """Write one plan (or a legacy dict) as a JSON document, whole or not at all."""
+    with output_file(path) as f:
         if isinstance(plan, RoutingPlan):
             f.write(plan.model_dump_json(indent=indent))
         else:
@@ -407,10 +392,13 @@ def write_json(
         f.write("\n")
 
 
-def _open_for_writing(path: str | os.PathLike, mode: str) -> TextIO:
-    """``open(path, mode)``; a path the user cannot write to is a `KnapformerError`."""
+def _writing(path: str | os.PathLike, append: bool) -> contextlib.AbstractContextManager[IO[str]]:
+    """A file to append to, or a new one written whole (`output_file`); a path the user
+    cannot write to is a `KnapformerError`."""
+    if not append:
+        return output_file(path)
     try:
-        return open(path, mode, encoding="utf-8")
+        return open(path, "a", encoding="utf-8")
     except OSError as err:
         raise file_error(path, err, "cannot write") from err
 

@@ -23,7 +23,13 @@ from typing import Annotated
 import numpy as np
 from pydantic import BaseModel, Field
 
-from knapformer.contract.limits import MAX_GPUS, MAX_MEASURED_MS, MAX_PROBE_BYTES, MAX_PROBE_ROUNDS
+from knapformer.contract.limits import (
+    MAX_GPUS,
+    MAX_MEASURED_MS,
+    MAX_PROBE_BYTES,
+    MAX_PROBE_ROUNDS,
+    figure_problem,
+)
 
 
 def probe_round_count(num_gpus: int) -> int:
@@ -80,4 +86,8 @@ class LinkProbe(BaseModel):
                 return f"{where}.rounds[{k}] = {r}, but {num_gpus} GPUs have {rounds} rounds"
             if len(row) != num_gpus:
                 return f"{where}.ms[{k}] has {len(row)} values for {num_gpus} GPUs"
+            # A non-zero time below MIN_FIGURE (a subnormal) is noise, as every figure.
+            problem = figure_problem(row, f"{where}.ms[{k}]", 0.0, MAX_MEASURED_MS, unit=" ms")
+            if problem is not None:
+                return problem
         return None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -87,8 +88,7 @@ class Topology:
     def heads_for(self, at_least: int = 4) -> int:
         """The smallest head count >= ``at_least`` that every bag size divides (Ulysses
         splits the heads evenly across the GPUs of a bag)."""
-        lcm = math.lcm(*self.bag_sizes)
-        return lcm * max(1, math.ceil(at_least / lcm))
+        return heads_for(self.bag_sizes, at_least)
 
     def __str__(self) -> str:
         counts: dict[int, int] = {}
@@ -134,3 +134,10 @@ class Topology:
 
 def as_topology(topology: Topology | str) -> Topology:
     return topology if isinstance(topology, Topology) else Topology.parse(topology)
+
+
+def heads_for(bag_sizes: Iterable[int], at_least: int = 4) -> int:
+    """The smallest head count >= ``at_least`` that every size of ``bag_sizes`` divides
+    (Ulysses splits the heads evenly across the GPUs of a bag)."""
+    lcm = math.lcm(*bag_sizes)
+    return lcm * max(1, math.ceil(at_least / lcm))

@@ -99,6 +99,19 @@ def format_report(r: StepReport) -> str:
 
 
 # ------------------------------------------------------------------------ launcher
+def prepare_out(cfg: DemoConfig) -> None:
+    """Create the output folder and, when recording, remove an earlier recording there
+    (its steps restart at 0: a fresh file). Call it before serving the folder, so that a
+    reader never sees the old run (`run_demo` calls it too)."""
+    out = Path(cfg.out)  # cfg checked itself when it was made
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise file_error(out, err, "cannot create the folder") from err
+    if cfg.record:
+        remove_recording(plans_file(out))
+
+
 def run_demo(
     cfg: DemoConfig,
     on_report: Callable[[StepReport], None] | None = None,
@@ -110,13 +123,7 @@ def run_demo(
     when a worker dies, raises or stalls, ``KeyboardInterrupt`` on Ctrl-C (the workers
     finish the same step first); either way every worker is stopped first.
     """
-    out = Path(cfg.out)  # cfg checked itself when it was made
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise file_error(out, err, "cannot create the folder") from err
-    if cfg.record:
-        remove_recording(plans_file(out))  # its steps restart at 0: start a fresh file
+    prepare_out(cfg)
     reports: list[StepReport] = []
 
     def relay(rank: int, report: StepReport) -> None:

@@ -14,6 +14,7 @@ is `knapformer.tools.calibrate.calibrate_lengths` (the relative least-squares fi
 
 from __future__ import annotations
 
+import re
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -21,10 +22,22 @@ from dataclasses import dataclass, field
 
 import torch
 
-from knapformer.errors import KnapformerError
+from knapformer.contract.limits import (
+    MAX_BENCH_DIM,
+    MAX_BENCH_LENGTHS,
+    MAX_BENCH_TOKENS,
+    MAX_BENCH_VALUES,
+    abbreviate,
+    check_count,
+    check_option,
+    parse_count,
+)
+from knapformer.errors import KnapformerError, OptionError
 from knapformer.local.models import DiTBlock, positions_in_sequences
 from knapformer.tools.calibrate import Calibration, calibrate_lengths
 
+# What torch says it tried to allocate: "4294967296 bytes" (CPU), "4.00 GiB" (CUDA).
+_ASKED = re.compile(r"tried to allocate ([\d.]+ ?(?:bytes|[KMGTP]i?B))", re.IGNORECASE)
 #: FLUX's width and heads (d = 3072, 24 heads of 128).
 DEFAULT_DIM, DEFAULT_HEADS = 3072, 24
 #: 256 ... 32,768 tokens: from where the linear layers dominate to where attention does.
@@ -104,20 +117,31 @@ def benchmark_block(
 
 
 def _check(token_dim, heads, lengths, device, tokens, warmup, repeats) -> None:
-    if token_dim <= 0 or heads <= 0 or token_dim % heads or (token_dim // heads) % 2:
-        raise KnapformerError(
-            f"--token-dim {token_dim} must split into --heads {heads} heads of an even size"
+    for name, value in (("token_dim", token_dim), ("heads", heads), ("tokens", tokens)):
+        check_option(name, value)
+    check_count(token_dim, MAX_BENCH_DIM, "`token_dim` of a benchmarked block")
+    if token_dim % heads or (token_dim // heads) % 2:
+        raise OptionError(
+            f"`token_dim` {token_dim} must split into `heads` {heads} heads of an even size"
         )
-    if len({int(n) for n in lengths}) < 2 or min(int(n) for n in lengths) <= 0:
-        raise KnapformerError(
-            f"--lengths {','.join(map(str, lengths))}: give at least 2 different positive "
-            "lengths (a fit of k and γ needs them; attention grows as L², the rest as L)"
+    distinct = {int(n) for n in lengths}
+    if len(distinct) < 2 or min(distinct) <= 0:
+        raise OptionError(
+            f"`lengths` {abbreviate(','.join(map(str, lengths)))}: give at least 2 different "
+            "positive lengths (a fit of k and γ needs them; attention grows as L², the rest "
+            "as L)"
         )
-    if tokens <= 0 or warmup < 0 or repeats <= 0:
-        raise KnapformerError(
-            f"tokens {tokens}, warmup {warmup}, repeats {repeats}: tokens and repeats must "
-            "be positive, warmup at least 0"
+    check_count(len(distinct), MAX_BENCH_LENGTHS, "`lengths`: the count of distinct lengths")
+    check_count(max(distinct), MAX_BENCH_TOKENS, "`lengths`: the longest length")
+    values = max(tokens, max(distinct)) * token_dim
+    if values > MAX_BENCH_VALUES:
+        raise OptionError(
+            f"a timed batch holds {max(tokens, max(distinct)):,} tokens × `token_dim` "
+            f"{token_dim:,} = {values:,} values; at most {MAX_BENCH_VALUES:,} "
+            "(knapformer.contract.limits): lower `tokens` or `token_dim`"
         )
+    if warmup < 0 or repeats <= 0:
+        raise KnapformerError(f"warmup {warmup}, repeats {repeats}: repeats must be positive")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise KnapformerError(f"--device {device}: this torch sees no CUDA GPU")
 
@@ -160,16 +184,24 @@ def _time_ms(fn: Callable[[], object], device: torch.device, warmup: int, repeat
 
 
 def parse_lengths(text: str) -> list[int]:
-    """``"256,512,1024"`` -> ``[256, 512, 1024]``; a `KnapformerError` naming a bad item."""
-    out = []
-    for item in text.split(","):
-        try:
-            out.append(int(item.strip()))
-        except ValueError:
-            raise KnapformerError(
-                f"--lengths {text!r}: {item.strip()!r} is not a whole number of tokens"
-            ) from None
-    return out
+    """``"256,512,1024"`` -> ``[256, 512, 1024]``; an `OptionError` naming a bad item (each
+    read within `MAX_BENCH_TOKENS`, never converting a number longer than that)."""
+    items = text.split(",")
+    if len(items) > MAX_BENCH_LENGTHS:
+        raise OptionError(
+            f"`lengths` gives {len(items):,} lengths; at most {MAX_BENCH_LENGTHS} are timed "
+            "(knapformer.contract.limits): each is a batch timed 7 times, and a fit of k and "
+            "γ needs a handful spread from short to long"
+        )
+    return [
+        parse_count(
+            item.strip(),
+            MAX_BENCH_TOKENS,
+            "`lengths` item",
+            low=1,
+        )
+        for item in items
+    ]
 
 
 def run_benchmark(
@@ -196,4 +228,22 @@ def run_benchmark(
             f"({p.ms_per_sequence:.4g} ms per sequence, spread {spread:.0%})"
         )
 
-    return benchmark_block(d, heads, sizes, where, tokens, on_point=said)
+    try:
+        return benchmark_block(d, heads, sizes, where, tokens, on_point=said)
+    except (torch.OutOfMemoryError, MemoryError, RuntimeError) as err:
+        if not isinstance(err, torch.OutOfMemoryError | MemoryError) and "alloc" not in str(err):
+            raise
+        raise KnapformerError(_out_of_memory(err, where)) from None
+
+
+def _out_of_memory(err: BaseException, device: torch.device) -> str:
+    """One line for a benchmark that asked more memory than ``device`` has."""
+    asked = _ASKED.search(str(err))
+    amount = asked.group(1) if asked else ""
+    if amount.endswith("bytes"):
+        amount = f"{int(float(amount.split()[0])) / 2**30:.1f} GiB"
+    tried = f" (it tried to allocate {amount})" if amount else ""
+    return (
+        f"the benchmark needs more memory than {device} has{tried}: lower --tokens, the "
+        "longest of --lengths or --token-dim"
+    )

@@ -1,14 +1,14 @@
 """Merge torch.profiler traces of each rank into a ``knapformer trace`` file, one process
 per rank, the balancer's phases and the profiler's events on one clock.
 
-What a profiler folder holds: Chrome-trace JSON files (``.json`` or ``.json.gz``), one per
-rank, as ``torch.profiler.tensorboard_trace_handler(DIR)`` or
-``prof.export_chrome_trace(path)`` write them.
+The profiler traces are read one at a time, as foreign input
+(`knapformer.tools.profiler_trace`: bounded, typed, of a rank the plans hold), and their
+events are written out before the next is read, so memory holds one trace at a time.
 
 - **Which rank** a file is: ``distributedInfo.rank`` in the trace (torch.profiler writes
   it when a process group was initialised), else a ``rank<N>`` in the file name
   (``rank3.json``, ``trainer_rank_3.pt.trace.json``); a file with neither is refused by
-  name.
+  name, and so is a rank that is not a GPU of the plans.
 - **The clock**: knapformer places steps at their recorded wall clock, in microseconds
   since the Unix epoch (`knapformer.tools.trace`). torch.profiler (torch >= 2.4) writes
   ``ts`` relative to ``baseTimeNanoseconds``, so an event's wall clock is
@@ -27,122 +27,77 @@ rank, as ``torch.profiler.tensorboard_trace_handler(DIR)`` or
 
 from __future__ import annotations
 
-import gzip
 import json
-import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from knapformer.contract.plan import RoutingPlan
-from knapformer.errors import KnapformerError, file_error
+from knapformer.errors import KnapformerError
+from knapformer.tools.profiler_trace import (
+    clock_offset_us,
+    non_finite_field,
+    plan_ranks,
+    profiler_files,
+    rank_of,
+    read_profiler_trace,
+)
 from knapformer.tools.trace import STEPS_TRACK
 
 #: pid of rank 0 in a merged trace (rank r: RANK_PID + r).
 RANK_PID = 1000
 #: tid of a rank's knapformer track in its process.
 KNAPFORMER_TID = 0
-#: The balancer's ``record_function`` range around planning (aligns a trace without a
-#: base time).
-PLAN_RANGE = "knapformer.plan"
-_RANK_IN_NAME = re.compile(r"rank[_\-.]?(\d+)", re.IGNORECASE)
-_SUFFIXES = (".json", ".json.gz")
-
-
-def profiler_files(folder: Path) -> list[Path]:
-    """The Chrome-trace files of a profiler folder, sorted; refuses a folder with none."""
-    if not folder.is_dir():
-        raise KnapformerError(f"--merge {str(folder)!r} is not a folder of torch.profiler traces")
-    files = sorted(p for p in folder.iterdir() if p.is_file() and p.name.endswith(_SUFFIXES))
-    if not files:
-        raise KnapformerError(
-            f"no torch.profiler trace (*.json, *.json.gz) in {str(folder)!r}: write them with "
-            "torch.profiler.tensorboard_trace_handler or prof.export_chrome_trace"
-        )
-    return files
-
-
-def read_profiler_trace(path: Path) -> dict[str, Any]:
-    """One profiler trace file as a dict (gzipped or not); a file that is not a Chrome
-    trace is refused by name."""
-    try:
-        raw = path.read_bytes()
-        text = gzip.decompress(raw) if path.name.endswith(".gz") else raw
-        trace = json.loads(text)
-    except OSError as err:
-        raise file_error(path, err, "cannot read") from err
-    except (ValueError, EOFError) as err:  # bad JSON, bad gzip
-        raise KnapformerError(f"{path}: not a Chrome trace ({err})") from None
-    if not isinstance(trace, dict) or not isinstance(trace.get("traceEvents"), list):
-        raise KnapformerError(f"{path}: not a Chrome trace (no traceEvents list)")
-    return trace
-
-
-def rank_of(trace: dict[str, Any], path: Path) -> int:
-    """The rank a profiler trace is of: ``distributedInfo.rank``, else ``rank<N>`` in the
-    file name."""
-    info = trace.get("distributedInfo")
-    if isinstance(info, dict) and isinstance(info.get("rank"), int):
-        return int(info["rank"])
-    match = _RANK_IN_NAME.search(path.name)
-    if match:
-        return int(match.group(1))
-    raise KnapformerError(
-        f"{path}: cannot tell its rank: the trace has no distributedInfo.rank and the file "
-        "name no rank<N> (profile after init_process_group, or name the file rank<N>.json)"
-    )
-
-
-def clock_offset_us(trace: dict[str, Any], path: Path, plans: Sequence[RoutingPlan]) -> float:
-    """What to add to the trace's ``ts`` to get microseconds since the Unix epoch (see the
-    module doc: ``baseTimeNanoseconds``, else the first `PLAN_RANGE` at the run's first
-    recorded step)."""
-    base = trace.get("baseTimeNanoseconds")
-    if isinstance(base, int | float) and base > 0:
-        return base / 1e3
-    starts = [e["ts"] for e in trace["traceEvents"] if e.get("name") == PLAN_RANGE and "ts" in e]
-    times = [p.time for p in plans if p.time is not None]
-    if starts and times:
-        return min(times) * 1e6 - min(starts)
-    raise KnapformerError(
-        f"{path}: cannot put it on the wall clock: no baseTimeNanoseconds (torch >= 2.4 "
-        f"writes it) and no {PLAN_RANGE} range matched with a recorded plan time"
-    )
 
 
 def merge_profiler(
     trace: dict[str, Any], folder: Path, plans: Sequence[RoutingPlan]
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], Iterator[str]]:
     """``trace`` (of `knapformer.tools.trace.build_trace`, one run whose ``plans`` are
-    given) with the profiler traces of ``folder`` merged in, one process per rank."""
-    traces = {}
-    for path in profiler_files(folder):
-        loaded = read_profiler_trace(path)
-        rank = rank_of(loaded, path)
-        if rank in traces:
-            raise KnapformerError(
-                f"two profiler traces of rank {rank} in {str(folder)!r}: {traces[rank][1].name}"
-                f" and {path.name} (keep one per rank)"
-            )
-        traces[rank] = (loaded, path)
+    given) with each rank's track in its own process, and the events of the profiler
+    traces of ``folder`` as JSON text, one piece per trace, each read only when the
+    iterator reaches it: give both to `knapformer.tools.trace.write_trace`. A bad trace
+    raises a `KnapformerError` from the iterator."""
+    files = profiler_files(folder)
+    ranks = plan_ranks(plans)
     events = _knapformer_by_rank(trace["traceEvents"])
-    ranks = sorted({*traces, *(p for plan in plans for p in plan.gpus)})
-    for rank in ranks:
+    for rank in sorted(ranks):
         pid = RANK_PID + rank
         events += [
             _meta("process_name", pid, None, {"name": f"rank {rank}"}),
             _meta("process_sort_index", pid, None, {"sort_index": rank}),
         ]
-    for rank, (loaded, path) in sorted(traces.items()):
-        events += _profiler_events(loaded, rank, clock_offset_us(loaded, path, plans))
     merged = dict(trace)
     merged["traceEvents"] = events
     merged["otherData"] = {
         **trace.get("otherData", {}),
-        "merged": f"torch.profiler traces of {len(traces)} rank(s) from {folder}, on the "
+        "merged": f"torch.profiler traces of {len(files)} rank(s) from {folder}, on the "
         "wall clock (ts in µs since the Unix epoch)",
     }
-    return merged
+    return merged, _profiler_pieces(files, folder, ranks, plans)
+
+
+def _profiler_pieces(
+    files: list[Path], folder: Path, ranks: set[int], plans: Sequence[RoutingPlan]
+) -> Iterator[str]:
+    """The events of each profiler trace in its rank's process, as JSON text (events
+    separated by commas), one trace at a time."""
+    seen: dict[int, Path] = {}
+    for path in files:
+        loaded = read_profiler_trace(path)
+        rank = rank_of(loaded, path, ranks)
+        if rank in seen:
+            raise KnapformerError(
+                f"two profiler traces of rank {rank} in {str(folder)!r}: {seen[rank].name}"
+                f" and {path.name} (keep one per rank)"
+            )
+        seen[rank] = path
+        events = _profiler_events(loaded, rank, clock_offset_us(loaded, path, plans))
+        try:
+            yield json.dumps(events, allow_nan=False, separators=(",", ":"))[1:-1]
+        except ValueError:  # a literal beyond ±1.8e308 somewhere in an event
+            raise KnapformerError(f"{path}: {non_finite_field(loaded)}") from None
+        del loaded, events
 
 
 def _meta(kind: str, pid: int, tid: int | None, args: dict[str, Any]) -> dict[str, Any]:
@@ -171,17 +126,17 @@ def _knapformer_by_rank(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _profiler_events(trace: dict[str, Any], rank: int, offset_us: float) -> list[dict]:
-    """The events of one rank's profiler trace in its process, on the wall clock: one
-    thread per (profiler process, thread), named after both."""
+    """The events of one rank's profiler trace (checked: `read_profiler_trace`) in its
+    process, on the wall clock: one thread per (profiler process, thread), named after
+    both. The trace's own event objects are moved, not copied."""
     pid = RANK_PID + rank
     process_names: dict[Any, str] = {}
     thread_names: dict[tuple[Any, Any], str] = {}
     for e in trace["traceEvents"]:
         if e.get("ph") == "M" and e.get("name") == "process_name":
-            process_names[e.get("pid")] = str(e.get("args", {}).get("name", e.get("pid")))
+            process_names[e.get("pid")] = _label(e, e.get("pid"))
         elif e.get("ph") == "M" and e.get("name") == "thread_name":
-            key = (e.get("pid"), e.get("tid"))
-            thread_names[key] = str(e.get("args", {}).get("name", e.get("tid")))
+            thread_names[(e.get("pid"), e.get("tid"))] = _label(e, e.get("tid"))
     tids: dict[tuple[Any, Any], int] = {}
     out: list[dict] = []
 
@@ -195,12 +150,21 @@ def _profiler_events(trace: dict[str, Any], rank: int, offset_us: float) -> list
         return tids[key]
 
     for e in trace["traceEvents"]:
-        if not isinstance(e, dict) or e.get("ph") in (None, "M"):
+        if e.get("ph") in (None, "M"):
             continue  # names are carried over as thread names above
-        moved = {**e, "pid": pid, "tid": tid_of((e.get("pid"), e.get("tid")))}
+        e["tid"] = tid_of((e.get("pid"), e.get("tid")))
+        e["pid"] = pid
         if "ts" in e:
-            moved["ts"] = float(e["ts"]) + offset_us
+            e["ts"] = float(e["ts"]) + offset_us
         if "id" in e:
-            moved["id"] = f"rank{rank}:{e['id']}"
-        out.append(moved)
+            e["id"] = f"rank{rank}:{e['id']}"
+        out.append(e)
     return out
+
+
+def _label(meta: dict[str, Any], fallback: Any) -> str:
+    """The name a metadata event gives (text or a number), else ``fallback``'s."""
+    name = (meta.get("args") or {}).get("name")  # "args": null is no name
+    if isinstance(name, str | int | float) and not isinstance(name, bool):
+        return str(name)
+    return str(fallback)

@@ -34,9 +34,9 @@ import numpy as np
 
 from knapformer import __version__
 from knapformer.contract.limits import MAX_REPLAY_GPUS, MAX_REPLAY_VALUES
-from knapformer.contract.plan import RoutingPlan
+from knapformer.contract.plan import RoutingPlan, layout_problem
 from knapformer.contract.positions import gpu_positions
-from knapformer.contract.topology import Topology
+from knapformer.contract.topology import heads_for
 from knapformer.errors import KnapformerError, OptionError
 from knapformer.local.launcher import WorkerFailed, launch
 from knapformer.planning.communication import CommModel
@@ -204,7 +204,7 @@ def bag_sizes(plan: RoutingPlan) -> list[int]:
 
 def default_heads(plan: RoutingPlan) -> int:
     """Smallest multiple of every bag size that is >= 4 (heads must split evenly)."""
-    return Topology.from_bag_sizes(bag_sizes(plan)).heads_for(4)
+    return heads_for(bag_sizes(plan), 4)
 
 
 def check_options(
@@ -219,6 +219,9 @@ def check_options(
             f"the plan has {n} GPUs; replay runs one local process per GPU and stops at "
             f"{MAX_REPLAY_GPUS}"
         )
+    problem = layout_problem(plan)  # a plan built in Python, not read from a file
+    if problem is not None:
+        raise KnapformerError(f"this plan cannot be replayed: {problem}")
     heads = default_heads(plan) if heads is None else int(heads)
     bad = [g for g in bag_sizes(plan) if heads % g]
     if heads <= 0 or bad:

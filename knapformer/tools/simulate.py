@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from knapformer.contract.limits import MAX_SIM_STEPS, check_count
+from knapformer.contract.limits import check_option
 from knapformer.contract.plan import RoutingPlan
 from knapformer.contract.runfiles import RUNS_LAYOUT, run_file, writable_folder
 from knapformer.contract.topology import Topology, as_topology
@@ -75,13 +75,8 @@ def check_options(
 ) -> list[Topology | str]:
     """The parsed topologies (``"auto"`` as such), once all options are valid; else a
     `KnapformerError` naming the value."""
-    if steps <= 0:
-        raise OptionError(f"`steps` must be positive, got {steps}")
-    check_count(steps, MAX_SIM_STEPS, "`steps`")
-    if seed < 0:
-        raise OptionError(f"`seed` must be >= 0 (a seed of numpy's generator), got {seed}")
-    if dtype_bytes <= 0:
-        raise OptionError(f"`dtype_bytes` must be positive, got {dtype_bytes}")
+    for name, value in (("steps", steps), ("seed", seed), ("dtype_bytes", dtype_bytes)):
+        check_option(name, value)
     for solver in solvers:
         check_solver(solver, None)
     if not topologies:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from knapformer.contract.limits import MAX_GPUS, MAX_SIM_STEPS, check_count
+from knapformer.contract.limits import check_option
 from knapformer.contract.plan import RoutingPlan
 from knapformer.contract.topology import Topology
 from knapformer.errors import KnapformerError, OptionError
@@ -199,12 +199,10 @@ def _compositions(total: int, k: int):
 
 def check_options(num_gpus: int, max_bag: int, steps: int, seed: int = 0) -> None:
     """Raise a `KnapformerError` naming the first option out of range."""
-    check_count(num_gpus, MAX_GPUS, "`gpus`", low=1)
-    if max_bag <= 0 or max_bag & (max_bag - 1):
+    for name, value in (("gpus", num_gpus), ("max_bag", max_bag), ("steps", steps), ("seed", seed)):
+        check_option(name, value)
+    if max_bag & (max_bag - 1):
         raise OptionError(f"`max_bag` must be a power of two, got {max_bag}")
-    check_count(steps, MAX_SIM_STEPS, "`steps`", low=1)
-    if seed < 0:
-        raise OptionError(f"`seed` must be >= 0 (a seed of numpy's generator), got {seed}")
 
 
 def fit_mix(codes: Sequence[DataCode], num_gpus: int) -> list[DataCode]:

@@ -42,18 +42,19 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 
+from knapformer.contract.output_file import output_file
 from knapformer.contract.phases import NESTED_PHASES, SPAN_PHASES, STEP_ORDER
 from knapformer.contract.plan import RoutingPlan
 from knapformer.contract.scalars import step_figures
 from knapformer.contract.stats import gpu_bags
-from knapformer.errors import KnapformerError, file_error
+from knapformer.errors import KnapformerError
 
 UNMEASURED_SLOT_MS = 1.0
 #: Where every run's first step starts. Not 0: DevTools' Performance panel leaves events
@@ -298,12 +299,34 @@ def build_trace(runs: dict[str, Sequence[RoutingPlan]], source: str = "") -> dic
     }
 
 
-def write_trace(path: str | os.PathLike, trace: dict[str, Any]) -> Path:
-    """Write ``trace`` as JSON to ``path`` (strict JSON: no NaN or infinity)."""
-    path = Path(path)
-    try:
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(trace, f, allow_nan=False, separators=(",", ":"))
-    except OSError as err:
-        raise file_error(path, err, "cannot write") from err
-    return path
+def write_trace(
+    path: str | os.PathLike, trace: dict[str, Any], more_events: Iterable[str] = ()
+) -> Path:
+    """Write ``trace`` as JSON to ``path`` (strict JSON: no NaN or infinity), whole or not
+    at all (`knapformer.contract.output_file`). ``more_events``: pieces of JSON text, each
+    events separated by commas, written after the trace's own events, each made only when
+    it is written (a merge holds one profiler trace at a time)."""
+    with output_file(path) as f:
+        f.write('{"traceEvents":[')
+        wrote = _write_events(f, _json(trace["traceEvents"])[1:-1], False)
+        for events in more_events:
+            wrote = _write_events(f, events, wrote)
+        f.write("]")
+        for key, value in trace.items():
+            if key != "traceEvents":
+                f.write(f",{json.dumps(key)}:{_json(value)}")
+        f.write("}")
+    return Path(path)
+
+
+def _write_events(f: IO[str], events: str, after: bool) -> bool:
+    """Write ``events`` (JSON text) as items of the open events list, a comma first when
+    ``after`` others; whether any event has been written."""
+    if not events:
+        return after
+    f.write(("," if after else "") + events)
+    return True
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, allow_nan=False, separators=(",", ":"))
