@@ -14,7 +14,10 @@ A step runs from one ``plan_routing`` call to the next. Its phases, by who times
 - the timer's: ``gc`` (Python's garbage collector outside every other phase), and when
   the step ends, ``step`` (its wall time), ``compute`` (the step less the collectives,
   the data wait and host work), on the CPU ``descheduled`` (the thread ready to compute
-  but waiting for a core).
+  but waiting for a core);
+- the step journal's (`knapformer.runtime.journal`, `JOURNAL_PHASES`): every collective
+  of the balancer by the phase it serves, plus ``plan_ahead`` (the plan-ahead thread's
+  gathers), ``gather_sequences`` (per-sequence rows), ``finish`` and ``close``.
 
 docs/concepts.md ("Measured times") explains how they add up to a step.
 """
@@ -43,6 +46,10 @@ GC = "gc"
 STEP = "step"
 COMPUTE = "compute"
 DESCHEDULED = "descheduled"
+PLAN_AHEAD = "plan_ahead"
+GATHER_SEQUENCES = "gather_sequences"
+FINISH = "finish"
+CLOSE = "close"
 
 # ------------------------------------------------------------------------ the groups
 #: What `SequenceBalancer` times itself, in the order a step runs them.
@@ -74,6 +81,15 @@ RECORDED_PHASES = (
 #: the parts of a step that are mostly compute, and the whole step (routing and waiting
 #: included) only when nothing better was measured.
 COMPUTE_PHASES = (COMPUTE, FORWARD_BACKWARD, "forward", "attn", STEP)
+
+#: What the step journal names each balancer collective by, in the order a step runs
+#: them (`knapformer.runtime.journal`; an incident names one of them). ``gather``: the
+#: step's all-gathers on the training thread; ``plan_ahead``: the same on the plan-ahead
+#: thread; ``close``: the wait for every rank at `SequenceBalancer.close`.
+JOURNAL_PHASES = (
+    GATHER, PLAN_AHEAD, PROBE, ROUTE, GATHER_SEQUENCES, PRE_ATTN, POST_ATTN, REVERSE_ROUTE,
+    ALLREDUCE, FINISH, CLOSE,
+)  # fmt: skip
 
 # ----------------------------------------------------------------- how a step nests
 #: Phases that hold others when those fit inside them (a trace draws them nested).

@@ -7,12 +7,15 @@ constructor hangs; a different ``max_tokens_per_gpu`` fails on one rank only.
 `agree_on_options` runs one all-gather over the parent process group, before any
 sub-group is made, of a digest per option and whether the rank's own checks of its
 options failed; on a difference it gathers the values (only then, so the message can
-show them) and every rank raises the same `KnapformerError`.
+show them) and every rank raises the same `KnapformerError`. The same all-gather carries a
+random number from each rank: the first rank's names the balancer in the process group's
+store (`knapformer.runtime.roll_call`), the same on every rank and new in every run.
 """
 
 from __future__ import annotations
 
 import hashlib
+import secrets
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -28,13 +31,15 @@ def agree_on_options(
     group: Group,
     ranks: Sequence[int],
     device: torch.device,
-) -> None:
+) -> int:
     """Collective over ``group`` (global ``ranks`` in group order): raise on every rank
     when a rank's own check of its options failed (``problem``: that rank raises it, the
     others name the rank) or when ranks passed different ``options`` (every rank: the
-    same message naming each option that differs, its values and their ranks)."""
+    same message naming each option that differs, its values and their ranks). Returns a
+    random 56-bit number, the same on every rank."""
     names = list(options)
-    mine = [0 if problem is None else 1, *(_digest(options[name]) for name in names)]
+    nonce = secrets.randbits(56)
+    mine = [0 if problem is None else 1, nonce, *(_digest(options[name]) for name in names)]
     sent = torch.tensor(mine, dtype=torch.int64, device=device)
     got = [torch.empty_like(sent) for _ in ranks]
     dist.all_gather(got, sent, group=group)
@@ -47,9 +52,9 @@ def agree_on_options(
             f"SequenceBalancer options are invalid on {name_ranks(failed)} (its own error "
             "says why); no rank made the balancer"
         )
-    differ = [i for i, name in enumerate(names) if len({row[1 + i] for row in table}) > 1]
+    differ = [i for i, name in enumerate(names) if len({row[2 + i] for row in table}) > 1]
     if not differ:
-        return
+        return int(table[0][1])
     # Only now the values themselves, so that every rank can print them.
     shown = [repr(options[names[i]]) for i in differ]
     values: list[list[str] | None] = [None] * len(ranks)
