@@ -40,7 +40,6 @@ MAX_MESSAGE_CHARS = 64 * MAX_TEXT_CHARS
 CULPRIT_KINDS = ("raised", "never_entered", "elsewhere", "no_answer", "closed", "finished")
 
 _Rank = Field(ge=0, le=MAX_RANK)
-_Step = Field(ge=-1, le=MAX_STEP)
 
 
 class Culprit(BaseModel):
@@ -53,7 +52,7 @@ class Culprit(BaseModel):
     kind: Literal[CULPRIT_KINDS]  # type: ignore[valid-type]
     says: str = Field(max_length=MAX_MESSAGE_CHARS)  # the clause naming it, as raised
     error: str | None = Field(default=None, max_length=MAX_MESSAGE_CHARS)
-    last_step: int | None = _Step
+    last_step: int | None = Field(default=None, ge=-1, le=MAX_STEP)
     last_phase: str | None = None
     last_bag: int | None = Field(default=None, ge=-1, le=MAX_GPUS)
     seconds_ago: float | None = None
@@ -79,7 +78,7 @@ class Incident(BaseModel):
     incident_version: Literal[1] = 1
     run: str | None = Field(default=None, max_length=MAX_TEXT_CHARS)
     time: float  # wall clock (s since the epoch) when it was named
-    step: int = _Step
+    step: int = Field(ge=-1, le=MAX_STEP)
     phase: str
     backward: bool = False
     bag: int | None = Field(default=None, ge=0, le=MAX_GPUS)  # the plan's bag, if one

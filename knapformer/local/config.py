@@ -36,6 +36,42 @@ MAX_HEADS = 64  # heads the topology may ask for (a multiple of every bag size)
 #: Where an injected slow rank loses its time (`knapformer.local.slowdown`).
 SLOW_KINDS = ("gpu", "host", "gc", "input", "link")
 MAX_SEED = 2**63 - 1  # numpy's seed sequence takes non-negative ints, torch's 64-bit ones
+#: What an injected fault does (`knapformer.local.faults`), and where in a step it strikes.
+FAIL_KINDS = ("raise", "stall", "kill", "shape")
+FAIL_PHASES = (
+    "plan", "plan_ahead", "probe", "route", "forward", "pre_attn", "post_attn",
+    "reverse_route", "gather_sequences", "allreduce",
+)  # fmt: skip
+#: Where a ``shape`` fault can give a tensor of the wrong shape.
+SHAPE_PHASES = ("route", "pre_attn", "post_attn", "gather_sequences")
+MAX_GROUP_TIMEOUT_S = 3600.0
+
+
+@dataclass(frozen=True)
+class Fault:
+    """Rank ``rank`` does ``kind`` (`FAIL_KINDS`) at step ``step``, in ``phase``
+    (`FAIL_PHASES`); checked when made."""
+
+    rank: int
+    kind: str = "raise"
+    step: int = 3
+    phase: str = "forward"
+
+    def __post_init__(self) -> None:
+        if self.kind not in FAIL_KINDS:
+            raise OptionError(
+                f"unknown `fail_kind` {self.kind!r}; choose one of {', '.join(FAIL_KINDS)}"
+            )
+        if self.phase not in FAIL_PHASES:
+            raise OptionError(
+                f"unknown `fail_phase` {self.phase!r}; choose one of {', '.join(FAIL_PHASES)}"
+            )
+        if self.kind == "shape" and self.phase not in SHAPE_PHASES:
+            raise OptionError(
+                f"`fail_kind` shape gives a tensor of another shape in {', '.join(SHAPE_PHASES)}, "
+                f"not in {self.phase}"
+            )
+        check_count(self.step, MAX_STEP, "`fail_step`")
 
 
 def _option(default: Any, help: str, shown: str | None = None) -> Any:
@@ -109,6 +145,27 @@ class DemoConfig:
         "measured compute",
     )
     plan_ahead: bool = _option(False, "gather and plan each next step on a side channel")
+    fail_rank: int | None = _option(
+        None,
+        "inject a fault on this rank (--fail-kind, --fail-step, --fail-phase): every other rank "
+        "then names it, and the run's incident.json says what happened",
+    )
+    fail_kind: str = _option(
+        "raise",
+        "what --fail-rank does: raise (a simulated out-of-memory error), stall (stops until "
+        "stopped), kill (SIGKILL), shape (gives --fail-phase a tensor of another shape)",
+    )
+    fail_step: int = _option(3, "the step at which --fail-rank fails")
+    fail_phase: str = _option(
+        "forward",
+        "where --fail-rank fails: plan, plan_ahead, probe, route, forward (the model's code "
+        "right after route), pre_attn, post_attn, reverse_route, gather_sequences, allreduce",
+    )
+    group_timeout: float = _option(
+        120.0,
+        "seconds a collective waits for a peer before it fails (the process group's timeout); "
+        "a rank that fails is named within this and a few seconds",
+    )
     profile: Path | None = _option(  # noqa: RUF009 (None or an immutable Path)
         None,
         "write a torch.profiler trace of every worker's training loop to this folder (the "
@@ -153,6 +210,26 @@ class DemoConfig:
             )
         if not self.run.strip():
             raise OptionError("`run` must name the run, got an empty name")
+        timeout = self.group_timeout
+        if not (math.isfinite(timeout) and 1 <= timeout <= MAX_GROUP_TIMEOUT_S):
+            raise OptionError(
+                f"`group_timeout` must be a number of seconds in [1, {MAX_GROUP_TIMEOUT_S:g}], "
+                f"got {self.group_timeout}"
+            )
+        if self.fail_rank is not None:
+            if not 0 <= self.fail_rank < self.world_size:
+                raise OptionError(
+                    f"`fail_rank` {self.fail_rank} is not a rank of the world "
+                    f"(0..{self.world_size - 1})"
+                )
+            _ = self.fault
+
+    @cached_property
+    def fault(self) -> Fault | None:
+        """The injected fault (None: none)."""
+        if self.fail_rank is None:
+            return None
+        return Fault(self.fail_rank, self.fail_kind, self.fail_step, self.fail_phase)
 
     @property
     def auto(self) -> bool:

@@ -414,6 +414,7 @@ class SequenceBalancer:
         bag = next(i for i, b in enumerate(plan.bags) if self.rank in b)
         self._my_bag = (bag, [int(r) for r in plan.bags[bag]])
         self.journal.start_step(self.step, plan_hash(plan))
+        self._watch.step_started()
 
     @_call("prefetch")
     def prefetch(self, local_seq_lens: Any, token_dim: int, packed_seqs: Any = None) -> None:

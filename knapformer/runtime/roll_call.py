@@ -6,8 +6,9 @@ the step, the phase and the bag.
 Each rank's `RollCall` keeps its status in the store (``status/<rank>``, JSON): its state
 (running, raised, failed, closed), the latest entries of its step journal
 (`knapformer.runtime.journal`), the balancer call it is inside, what it raised, its pid
-and host. A watcher thread writes it at most every `PUBLISH_S` while the journal moves (so
-a rank that dies leaves its last position behind), and at once when a peer asks: a rank
+and host. The training thread writes it at every step's start, and a watcher thread every
+`WATCH_S` while the journal moves (so a rank that dies leaves its last position behind)
+and at once when a peer asks: a rank
 whose collective failed bumps ``asks`` and writes ``ask/<n>``, then reads every peer's
 status until each has answered that call, has left (raised, failed, closed), or is known
 gone (a dead process on the same host), or `ANSWER_S` has passed. Survivors therefore
@@ -57,13 +58,11 @@ from knapformer.runtime.router import name_ranks
 
 #: Seconds between two looks of the watcher at the store (for a peer's roll call).
 WATCH_S = 0.25
-#: Seconds between two writes of a rank's position while its journal moves.
-PUBLISH_S = 1.0
 #: Seconds a rank whose collective failed waits for its peers' answers.
 ANSWER_S = 3.0
 _POLL_S = 0.05
 
-RUNNING, RAISED, FAILED, CLOSED = "running", "raised", "failed", "closed"
+RUNNING, RAISED, FAILING, FAILED, CLOSED = "running", "raised", "failing", "failed", "closed"
 
 
 @dataclass
@@ -174,6 +173,13 @@ class RollCall:
         self._watcher.start()
         _LIVE.add(self)
         _install_hooks()
+        self.step_started()
+
+    def step_started(self) -> None:
+        """The training thread starts a step (or the balancer): say so now, so that a rank
+        that dies before the watcher looks leaves its step behind."""
+        with contextlib.suppress(Exception):  # a store that fails is the watcher's to see
+            self.publish()
 
     # -------------------------------------------------------------- the hot path
     def collective(
@@ -215,7 +221,7 @@ class RollCall:
 
     def _watch(self) -> None:
         """Publish this rank's position while it moves, and answer roll calls."""
-        published, at = None, 0.0
+        published = None
         while not self._stop.wait(WATCH_S):
             try:
                 asked = False
@@ -223,11 +229,10 @@ class RollCall:
                     self._answered += 1
                     asked = True
                 j = self.journal
-                moved = (j.latest, j.latest_side, j.call, j.step)
-                now = time.monotonic()
-                if asked or (moved != published and now - at >= PUBLISH_S):
+                moved = (_mark(j.latest), _mark(j.latest_side), j.call, j.step)
+                if asked or moved != published:
                     self.publish()
-                    published, at = moved, now
+                    published = moved
                 if asked and not self._dumped:
                     self.dump()
             except Exception:  # the store is gone (its host died): nothing left to tell
@@ -237,19 +242,19 @@ class RollCall:
     def failure(self, collective: Collective, err: BaseException) -> CollectiveFailure:
         """The named error of ``collective``, which raised ``err`` on this rank (the
         module doc); also written to the run."""
-        self.state = FAILED
+        self.state = FAILING  # peers naming the same failure see a fellow, not a culprit
         cause = _first_line(err)
         try:
-            self.publish()  # peers naming the same failure see a fellow, not a culprit
+            self.publish()
             culprits, earlier = self._ask(collective)
         except Exception as store_err:  # the store is unreachable too
             culprits, earlier = [], None
-            cause += f" (the process group's store could not be asked: {_first_line(store_err)})"
+            cause += f" (the other ranks could not be asked: {_first_line(store_err)})"
         said = [c.says for c in culprits] or [f"no rank was found missing or behind ({cause})"]
         message = f"{collective.describe()}: {'; '.join(said)}"
         if earlier and earlier != message:
             message += f"; first: {earlier}"
-        self.error = message
+        self.state, self.error = FAILED, message
         e = collective.entry
         incident = Incident(
             run=self.run, time=time.time(), step=e.step, phase=e.phase, backward=e.backward,
@@ -380,8 +385,10 @@ class RollCall:
         unfinished = "" if self.finished else " without finish()"
         head = f"close(){unfinished} on rank {self.rank} at step {step}"
         if bad:
-            said = "; ".join(f"rank {r} {_left_with(s)}" for r, s in sorted(bad.items()))
-            return f"{head}: the other ranks did not close with it ({said})"
+            first, status = min(bad.items())
+            others = sorted(set(bad) - {first})
+            also = f" ({name_ranks(others)} too)" if others else ""
+            return f"{head}: the other ranks trained on: rank {first} {_left_with(status)}{also}"
         missing = [r for r, s in statuses.items() if s is None or s.state != CLOSED]
         last = "; ".join(
             f"rank {r}: {_seen(statuses[r].latest, time.time()) if statuses[r] else 'no status'}"
@@ -414,7 +421,7 @@ def _blame(
         where = f"in {s.call}" if s.call else _after(entry)
         says = f"rank {rank} raised {s.error} {where} (step {s.step})"
         return Culprit(rank=rank, kind="raised", says=says, error=s.error, **last)
-    if s.state == FAILED:  # it named a failure itself: `first` in the message says which
+    if s.state in (FAILING, FAILED):  # it names a failure itself: `first` says which
         return None
     if s.state == CLOSED:
         kind = "finished" if s.finished else "closed"
@@ -433,6 +440,11 @@ def _blame(
         return Culprit(rank=rank, kind="elsewhere", says=says, **last)
     says = f"rank {rank} never entered it (last seen: {_seen(entry, now)})"
     return Culprit(rank=rank, kind="never_entered", says=says, **last)
+
+
+def _mark(entry: Entry | None) -> tuple | None:
+    """What of a journal entry changes (whether it moved since the last look)."""
+    return None if entry is None else (entry.seq, entry.left)
 
 
 def _last(entry: dict | None, now: float) -> dict[str, Any]:
