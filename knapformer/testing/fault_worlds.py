@@ -4,17 +4,20 @@ tests and ``bench/failures.py``: what every rank raised, and how long after the 
 `fault_worker` runs a list of `FaultCase` on one world: each case makes a fresh process
 group with a short timeout, trains a ToyDiT a few steps through a balancer (rank
 ``fault.rank``'s injects the fault, `knapformer.local.faults`) and records each rank's
-`Outcome`. A stalled rank is released once every other rank has raised, and leaves; a
-killed rank ends the world, so a case that kills comes last. The world's default group
-is never used for a collective, so it survives every case.
+`Outcome`, written to ``<folder>/<case>/outcomes/rank<r>.json`` as the case ends (a rank
+killed later keeps its earlier outcomes). A stalled rank is released once every other
+rank has raised, and leaves; a killed rank ends the world, so a case that kills comes
+last. The world's default group is never used for a collective, so it survives every
+case.
 """
 
 from __future__ import annotations
 
 import datetime
 import gc
+import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from knapformer.local.config import Fault
@@ -58,18 +61,23 @@ class Outcome:
 
 def fault_worker(
     rank: int, world: int, cases: list[FaultCase], timeout_s: float, answer_s: float, folder: str
-) -> dict[str, Outcome]:
+) -> None:
     """Run ``cases`` in order on this world (``folder``: where each case's run goes)."""
     import torch.distributed as dist
 
     store = dist.distributed_c10d._get_default_store()
-    out = {}
     for case in cases:
-        out[case.name] = _run_case(rank, world, case, timeout_s, answer_s, Path(folder), store)
+        outcome = _run_case(rank, world, case, timeout_s, answer_s, Path(folder), store)
+        path = outcome_file(Path(folder), case.name, rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(asdict(outcome)))
         gc.collect()  # the case's groups go now, not in the middle of the next case
     if any(case.kills for case in cases):
         dist.destroy_process_group()  # no final barrier with the dead rank
-    return out
+
+
+def outcome_file(folder: Path, case: str, rank: int) -> Path:
+    return folder / case / "outcomes" / f"rank{rank}.json"
 
 
 def _run_case(rank, world, case, timeout_s, answer_s, folder, store) -> Outcome:
@@ -189,19 +197,26 @@ def standard_cases(world: int, step: int = 2) -> list[FaultCase]:
 
 def run_fault_world(
     world: int, cases: list[FaultCase], folder: Path, timeout_s: float, answer_s: float
-) -> tuple[list[dict[str, Outcome] | None], str | None]:
-    """``cases`` on ``world`` gloo processes: each rank's outcomes (None for a rank that
-    died) and how the world ended (None: every rank returned; else the launcher's
+) -> tuple[list[dict[str, Outcome]], str | None]:
+    """``cases`` on ``world`` gloo processes: each rank's outcome of each case it lived
+    through, and how the world ended (None: every rank returned; else the launcher's
     ``WorkerFailed`` message, e.g. the killed rank)."""
     from knapformer.local.launcher import TRAINING_PRELOAD, WorkerFailed, launch
 
     args = (cases, timeout_s, answer_s, str(folder))
+    ended = None
     try:
-        results = launch(
+        launch(
             fault_worker, world, args, preload=TRAINING_PRELOAD, group_timeout_s=120,
             workdir=folder, settle_s=timeout_s + answer_s + 30,
             deadline_s=len(cases) * (2 * timeout_s + answer_s + 10) + 120,
         )  # fmt: skip
     except WorkerFailed as err:
-        return [err.results.get(rank) for rank in range(world)], str(err)
-    return results, None
+        ended = str(err)
+    results: list[dict[str, Outcome]] = [{} for _ in range(world)]
+    for case in cases:
+        for rank in range(world):
+            path = outcome_file(folder, case.name, rank)
+            if path.is_file():
+                results[rank][case.name] = Outcome(**json.loads(path.read_text()))
+    return results, ended
