@@ -4,7 +4,8 @@
   run is shown and stores a small *view* of what that run holds now (steps, resets,
   problems, notices). It sends nothing when nothing changed, so an idle tick costs one
   request; the callbacks below follow the view, not the tick.
-- header cards (`_header_cards`) and notices (`_notices`): drawn from the view.
+- header cards (`_header_cards`) and notices (`_notices`): drawn from the view; a run
+  whose step failed shows its incident in a red banner above them (`_incident_banner`).
 - step selection (`_step_selection`): slider, "go to step" (typed, Enter), "follow live"
   and timeline clicks decide which step is shown (the ``selection`` store).
 - timeline (`_timeline`): appends new steps with a `Patch` instead of resending the
@@ -81,11 +82,13 @@ from knapformer.visualization.straggler_figures import (
     wait_heatmap,
 )
 
+from knapformer.contract.incident import run_incident
 from knapformer.contract.runfiles import RUNS_LAYOUT
 from knapformer.contract.stats import before_after
 from knapformer.contract.units import LoadUnit
 from knapformer.diagnosis.step_loss import step_losses
 from knapformer.diagnosis.stragglers import WINDOW, analyse, describe, rank_steps
+from knapformer.errors import KnapformerError
 
 TICK_MS = 500
 PAGE_LOAD_LINGER_S = 1.5
@@ -104,6 +107,16 @@ _CARD = {
 _PICKER = {"display": "flex", "alignItems": "center", "margin": "6px 0"}
 _HALF = {"flex": "1", "minWidth": "420px"}
 _COLUMN_NAMES = {"src_gpu": "source GPU"}  # else the column id
+_INCIDENT = {
+    "padding": "8px 12px",
+    "margin": "8px 0",
+    "background": "#fff5f5",
+    "border": "1px solid #e03131",
+    "color": "#c92a2a",
+    "borderRadius": "6px",
+    "fontWeight": "bold",
+    "whiteSpace": "pre-wrap",
+}
 _NOTICE = {
     "padding": "8px 12px",
     "margin": "8px 0",
@@ -171,6 +184,7 @@ def _layout(runs: Runs) -> html.Div:
             # The sequence whose chunks are highlighted: the step it belongs to, and its id.
             dcc.Store(id="highlight"),
             html.H2("KnapFormer routing plans", style={"margin": "4px 0"}),
+            html.Div(id="incident", role="alert", style=_HIDDEN),
             html.Div(
                 [
                     html.Span("run ", style={"marginRight": "6px"}),
@@ -411,6 +425,7 @@ def create_app(path: str | Path) -> Dash:
     _watch_runs(app, runs, path, timed)
     _header_cards(app, runs, timed)
     _notices(app, timed)
+    _incident_banner(app, timed)
     _step_selection(app, runs, timed)
     _timeline(app, runs, timed)
     _step_views(app, runs, timed)
@@ -453,7 +468,8 @@ def _watch_runs(app: Dash, runs: Runs, path: Path, timed: Callable) -> None:
             "options": [{"label": name, "value": name} for name in files],
             "value": run,
             "style": _PICKER if len(files) > 1 else _HIDDEN,
-            "view": _view(run, store.snapshot() if store else None, path),
+            "view": _view(run, store.snapshot() if store else None, path)
+            | {"incident": _incident(files.get(run))},
         }
         return _changed(new, {"options": options, "value": picked, "style": style, "view": view})
 
@@ -509,6 +525,29 @@ def _notices(app: Dash, timed: Callable) -> None:
             "lines": [html.Div(line) for line in lines],
             "style": _NOTICE if lines else _HIDDEN,
         }
+
+
+def _incident(plans: Path | None) -> str | None:
+    """The headline of the run's failed step (its incident.json beside the plans), if any."""
+    if plans is None:
+        return None
+    try:
+        incident = run_incident(plans)
+    except KnapformerError as err:
+        return f"the run's incident cannot be read: {err}"
+    return None if incident is None else incident.headline()
+
+
+def _incident_banner(app: Dash, timed: Callable) -> None:
+    @app.callback(
+        output={"text": Output("incident", "children"), "style": Output("incident", "style")},
+        inputs={"view": Input("view", "data")},
+    )
+    @timed
+    def incident_banner(view):
+        text = view.get("incident") if isinstance(view, dict) else None
+        text = text if isinstance(text, str) else ""  # a crafted request shows nothing
+        return {"text": text, "style": _INCIDENT if text else _HIDDEN}
 
 
 def _step_selection(app: Dash, runs: Runs, timed: Callable) -> None:

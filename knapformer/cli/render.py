@@ -14,7 +14,8 @@ import typer
 from knapformer.cli.errors import UserError, text_option
 from knapformer.cli.extras import require
 from knapformer.cli.plans import PLAN_ARGUMENT, read_plan_file
-from knapformer.contract.runfiles import writable_folder
+from knapformer.contract.incident import run_incident
+from knapformer.contract.runfiles import single_run, writable_folder
 from knapformer.visualization.layout import MIN_TEXT_PX
 from knapformer.visualization.render import (
     DEFAULT_QUALITY,  # no manim import: that waits for a render
@@ -118,7 +119,10 @@ def report(
     result = read_plan_file(plans)
     with tempfile.TemporaryDirectory(prefix="knapformer-report-") as scratch:
         html = Path(scratch) / "report.html" if pdf else out
-        written, figures = write_report(result, html, steps=steps, source=str(plans))
+        incident = run_incident(single_run(plans))
+        written, figures = write_report(
+            result, html, steps=steps, source=str(plans), incident=incident
+        )
         if pdf:
             try:
                 written = print_pdf(written, out)

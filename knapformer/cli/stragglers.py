@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from knapformer.cli.errors import UserError
+from knapformer.contract.incident import run_incident
 from knapformer.contract.limits import MAX_STEP, abbreviate
 from knapformer.contract.plan_io import Problem, iter_plan_file
 from knapformer.contract.runfiles import RUNS_LAYOUT, single_run
@@ -31,6 +32,7 @@ from knapformer.diagnosis.stragglers import (
     describe,
     describe_link,
 )
+from knapformer.errors import KnapformerError
 
 #: Up to this many ranks the table lists every rank; beyond, the named ones only.
 _ALL_RANKS_UP_TO = 64
@@ -66,6 +68,7 @@ def stragglers(
             f"steps up to {MAX_STEP:,}"
         )
     path = single_run(plans)
+    _show_incident(path, as_json)
     figures, count, skipped = _measured_figures(path, window or None)
     if skipped:
         # On stderr, so that --json stays one document.
@@ -91,6 +94,22 @@ def stragglers(
     console = Console(highlight=False, width=max(Console().width, 110))
     console.print(_table(report), _summary(report, len(figures)))
     console.print(f"what a step lost (--loss per step): {describe_loss(summarise(losses))}")
+
+
+def _show_incident(path: Path, as_json: bool) -> None:
+    """The run's failed step, if it has one, first (on stderr under --json, which stays
+    one document)."""
+    try:
+        incident = run_incident(path)
+    except KnapformerError as err:
+        print(f"the run's incident cannot be read: {err}", file=sys.stderr)
+        return
+    if incident is None:
+        return
+    if as_json:
+        print(incident.headline(), file=sys.stderr)
+    else:
+        Console(highlight=False, soft_wrap=True).print(incident.headline(), style="bold red")
 
 
 def _measured_figures(

@@ -14,6 +14,7 @@ its process gone or frozen), closed its balancer (``closed``) or had finished tr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -185,6 +186,20 @@ def run_incident(plans: str | Path) -> Incident | None:
     if not path.is_file():
         return None
     return read_incident(path)
+
+
+def remove_incident(folder: str | Path) -> None:
+    """Remove what a failed run left in ``folder``: its incident, the ranks' journals and
+    flight-recorder dumps (a new run in the same folder starts without them)."""
+    folder = Path(folder)
+    incident_file(folder).unlink(missing_ok=True)
+    for name in (JOURNAL_FOLDER, FLIGHT_RECORDER_FOLDER):
+        sub = folder / name
+        if sub.is_dir():
+            for dump in sub.glob("rank*.json"):
+                dump.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                sub.rmdir()
 
 
 def write_incident(incident: Incident, folder: str | Path) -> Path:

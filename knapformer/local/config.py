@@ -217,12 +217,29 @@ class DemoConfig:
                 f"got {self.group_timeout}"
             )
         if self.fail_rank is not None:
-            if not 0 <= self.fail_rank < self.world_size:
-                raise OptionError(
-                    f"`fail_rank` {self.fail_rank} is not a rank of the world "
-                    f"(0..{self.world_size - 1})"
-                )
-            _ = self.fault
+            self._check_fault()
+
+    def _check_fault(self) -> None:
+        if not 0 <= self.fail_rank < self.world_size:
+            raise OptionError(
+                f"`fail_rank` {self.fail_rank} is not a rank of the world "
+                f"(0..{self.world_size - 1})"
+            )
+        fault = self.fault  # checks kind, phase and step
+        if fault.phase == "gather_sequences":
+            raise OptionError(
+                "`fail_phase` gather_sequences: the demo's model has no per-sequence rows"
+            )
+        if fault.phase == "plan_ahead" and not self.plan_ahead:
+            raise OptionError("`fail_phase` plan_ahead needs `plan_ahead`")
+        every = self.link_probe_every
+        if fault.phase == "probe" and (every == 0 or fault.step % every):
+            raise OptionError(
+                f"`fail_phase` probe at `fail_step` {fault.step}: the link probe runs every "
+                f"{every or 'no'} step(s) (`link_probe_every`)"
+            )
+        if self.steps and fault.step >= self.steps:
+            raise OptionError(f"`fail_step` {fault.step} is beyond the run's {self.steps} steps")
 
     @cached_property
     def fault(self) -> Fault | None:
