@@ -153,3 +153,25 @@ def test_the_incident_and_every_live_ranks_journal_are_written_beside_the_plans(
     dumped = sorted(r for r in range(world) if journal_file(plans.parent, r).is_file())
     alive = sorted(outcomes(results, case))
     assert dumped == alive, (dumped, alive)  # the stalled culprit too; not a dead one
+
+
+def test_the_flight_recorder_dumps_map_each_failed_collective_to_its_phase(fault_world, world):
+    """The post_attn stall ran with torch's flight recorder on: the dumps written beside
+    the incident map each survivor's failed collective to its step, phase and bag."""
+    from knapformer.tools.flight_recorder import analyse, dump_files, read_dump, read_journals
+
+    case, _ = _case(fault_world, "stall_post_attn")
+    folder = fault_world["folder"] / case.name
+    files = dump_files([folder])
+    assert sorted(files) == list(range(world))  # every rank dumped, the stalled one too
+    report = analyse({r: read_dump(p, r) for r, p in files.items()}, read_journals(folder))
+    bag = _bag_of(world, case.culprit)
+    mapped = {(p.rank, p.step, p.phase, p.bag) for p in report.pending}
+    for rank in range(world):
+        if rank == case.culprit:
+            continue
+        phase = "post_attn" if _bag_of(world, rank) == bag else "reverse_route"
+        assert (rank, 2, phase, bag if phase == "post_attn" else None) in mapped, mapped
+    behind = [ranks for ranks in report.missing.values() if case.culprit in ranks]
+    assert behind, report.missing  # the stalled rank never entered its bag's collective
+    assert not [n for n in report.notes if "wrapped" in n or "no dump" in n], report.notes

@@ -243,6 +243,9 @@ class RollCall:
         """The named error of ``collective``, which raised ``err`` on this rank (the
         module doc); also written to the run."""
         self.state = FAILING  # peers naming the same failure see a fellow, not a culprit
+        if self.folder is not None:  # now, while torch still holds the failed work as pending
+            with contextlib.suppress(Exception):
+                _dump_flight_recorder(self.folder, self.rank)
         cause = _first_line(err)
         try:
             self.publish()
@@ -314,12 +317,10 @@ class RollCall:
             first = False
         if self.folder is None:
             return
-        try:
+        with contextlib.suppress(Exception):  # the named error matters more than its files
             if first:
                 write_incident(incident, self.folder)
             self.dump()
-        except OSError:
-            pass
 
     def dump(self) -> None:
         """Dump this rank's journal (and torch's flight recorder, when enabled) beside the
@@ -332,7 +333,8 @@ class RollCall:
             journal_file(self.folder, self.rank), groups=self.groups, state=status.state,
             error=status.error, run=self.run,
         )  # fmt: skip
-        _dump_flight_recorder(self.folder, self.rank)
+        if not (self.folder / FLIGHT_RECORDER_FOLDER / f"rank{self.rank}.json").exists():
+            _dump_flight_recorder(self.folder, self.rank)
 
     # ------------------------------------------------------- leaving the step
     def raised(self, err: BaseException) -> None:
@@ -343,7 +345,7 @@ class RollCall:
         self.state, self.error = RAISED, _first_line(err)
         with contextlib.suppress(Exception):  # the store is gone: "did not answer"
             self.publish()
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(Exception):
             self.dump()
 
     def close(self, err: BaseException | None, finished: bool) -> None:
@@ -518,7 +520,7 @@ def _dump_flight_recorder(folder: Path, rank: int) -> None:
         return
     path = folder / FLIGHT_RECORDER_FOLDER / f"rank{rank}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
 
 
 # ------------------------------------------------ exceptions outside close()

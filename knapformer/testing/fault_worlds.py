@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import gc
 import json
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -37,6 +38,7 @@ class FaultCase:
     close_early: int | None = None
     step: int = 2
     link_probe_every: int = 0
+    flight_recorder: int = 0  # torch's flight-recorder entries per rank (0: off)
 
     @property
     def culprit(self) -> int | None:
@@ -86,6 +88,8 @@ def _run_case(rank, world, case, timeout_s, answer_s, folder, store) -> Outcome:
     from knapformer.runtime.recorder import PlanRecorder
 
     key = f"case/{case.name}/"
+    # Read by torch when it makes a group: the case's groups keep a flight recorder or not.
+    os.environ["TORCH_FR_BUFFER_SIZE"] = str(case.flight_recorder)
     group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=timeout_s))
     recorder = PlanRecorder(folder / case.name / "plans.jsonl")
     balancer = _balancer(rank, world, case, group, recorder, answer_s, store, key)
@@ -182,7 +186,12 @@ def standard_cases(world: int, step: int = 2) -> list[FaultCase]:
         FaultCase("shape_sequences", topo, Fault(0, "shape", step, "gather_sequences")),
     ]
     cases += [
-        FaultCase(f"stall_{phase}", topo, Fault(last, "stall", step, phase))
+        FaultCase(
+            f"stall_{phase}",
+            topo,
+            Fault(last, "stall", step, phase),
+            flight_recorder=256 if phase == "post_attn" else 0,
+        )
         for phase in STALL_PHASES
     ]
     cases += [
