@@ -7,8 +7,8 @@ Each rank's `RollCall` keeps its status in the store (``status/<rank>``, JSON): 
 (running, raised, failed, closed), the latest entries of its step journal
 (`knapformer.runtime.journal`), the balancer call it is inside, what it raised, its pid
 and host. The training thread writes it at every step's start, and a watcher thread every
-`WATCH_S` while the journal moves (so a rank that dies leaves its last position behind)
-and at once when a peer asks: a rank
+`PUBLISH_S` while the journal moves (so a rank that dies leaves its last position
+behind) and, looking every `WATCH_S`, at once when a peer asks: a rank
 whose collective failed bumps ``asks`` and writes ``ask/<n>``, then reads every peer's
 status until each has answered that call, has left (raised, failed, closed), or is known
 gone (a dead process on the same host), or `ANSWER_S` has passed. Survivors therefore
@@ -58,6 +58,8 @@ from knapformer.runtime.router import name_ranks
 
 #: Seconds between two looks of the watcher at the store (for a peer's roll call).
 WATCH_S = 0.25
+#: Seconds between two writes of a rank's position while its journal moves.
+PUBLISH_S = 1.0
 #: Seconds a rank whose collective failed waits for its peers' answers.
 ANSWER_S = 3.0
 _POLL_S = 0.05
@@ -221,7 +223,7 @@ class RollCall:
 
     def _watch(self) -> None:
         """Publish this rank's position while it moves, and answer roll calls."""
-        published = None
+        published, at = None, 0.0
         while not self._stop.wait(WATCH_S):
             try:
                 asked = False
@@ -230,9 +232,10 @@ class RollCall:
                     asked = True
                 j = self.journal
                 moved = (_mark(j.latest), _mark(j.latest_side), j.call, j.step)
-                if asked or moved != published:
+                now = time.monotonic()
+                if asked or (moved != published and now - at >= PUBLISH_S):
                     self.publish()
-                    published = moved
+                    published, at = moved, now
                 if asked and not self._dumped:
                     self.dump()
             except Exception:  # the store is gone (its host died): nothing left to tell
