@@ -117,6 +117,28 @@ class Collective:
         )
 
 
+@dataclass(frozen=True)
+class _Root:
+    """The failure named first in a run, as the store keeps it: which collective, and the
+    message its ranks raised."""
+
+    where: tuple  # (step, phase, bag, backward)
+    message: str
+
+    @classmethod
+    def of(cls, incident: Incident) -> _Root:
+        bag = -1 if incident.bag is None else incident.bag
+        return cls((incident.step, incident.phase, bag, incident.backward), incident.message)
+
+    def dumps(self) -> bytes:
+        return json.dumps({"where": list(self.where), "message": self.message}).encode()
+
+    @classmethod
+    def loads(cls, data: bytes) -> _Root:
+        values = json.loads(data)
+        return cls(tuple(values["where"]), values["message"])
+
+
 class _InCollective:
     """The journal's entry around one collective call; a failure inside it (the backend's
     error: a timeout, a peer gone) becomes the named `CollectiveFailure`."""
@@ -258,10 +280,11 @@ class RollCall:
             cause += f" (the other ranks could not be asked: {_first_line(store_err)})"
         said = [c.says for c in culprits] or [f"no rank was found missing or behind ({cause})"]
         message = f"{collective.describe()}: {'; '.join(said)}"
-        if earlier and earlier != message:
-            message += f"; first: {earlier}"
-        self.state, self.error = FAILED, message
         e = collective.entry
+        if earlier is not None and earlier.where != (e.step, e.phase, e.bag, e.backward):
+            message += f"; first: {earlier.message}"  # another collective failed before
+        earlier = None if earlier is None else earlier.message
+        self.state, self.error = FAILED, message
         incident = Incident(
             run=self.run, time=time.time(), step=e.step, phase=e.phase, backward=e.backward,
             bag=e.bag if e.bag >= 0 else None, ranks=collective.ranks, reporter=self.rank,
@@ -270,7 +293,7 @@ class RollCall:
         self._record(incident)
         return CollectiveFailure(message, [c.rank for c in culprits])
 
-    def _ask(self, collective: Collective) -> tuple[list[Culprit], str | None]:
+    def _ask(self, collective: Collective) -> tuple[list[Culprit], _Root | None]:
         """Ask the collective's other ranks where they are; who is to blame, and the
         failure named first in this run if it was another one."""
         asked = self.store.add("asks", 1)
@@ -303,17 +326,18 @@ class RollCall:
                 culprits.append(culprit)
         return culprits, earlier or self._root()
 
-    def _root(self) -> str | None:
+    def _root(self) -> _Root | None:
+        """The failure named first in this run (the store's ``incident``), if any."""
         if not self.store.check(["incident"]):
             return None
-        return self.store.get("incident").decode()
+        return _Root.loads(self.store.get("incident"))
 
     def _record(self, incident: Incident) -> None:
         """Claim the run's first incident (the store decides who was first) and write it
         beside the plans, with this rank's journal; failures to write are ignored (the
         error is raised either way)."""
         try:
-            mine = incident.message.encode()
+            mine = _Root.of(incident).dumps()
             first = self.store.compare_set("incident", "", mine) == mine
             self.publish()
         except Exception:
