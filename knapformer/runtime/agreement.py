@@ -17,12 +17,85 @@ from __future__ import annotations
 import hashlib
 import secrets
 from collections.abc import Mapping, Sequence
+from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
+from knapformer.contract.topology import Topology
 from knapformer.errors import KnapformerError
+from knapformer.planning.communication import CommModel
+from knapformer.runtime.balancer_config import BalancerConfig, PlannerOptions
+from knapformer.runtime.groups import BalanceLayout
 from knapformer.runtime.router import Group, name_ranks
+
+
+def agree_on_config(
+    topology: Topology | str | BalancerConfig,
+    given: dict[str, Any],
+    defaults: Mapping[str, Any],
+    group: Group,
+    ranks: Sequence[int],
+    rank: int,
+    device: torch.device,
+) -> tuple[BalancerConfig, PlannerOptions, BalanceLayout, int]:
+    """The balancer's config (``topology`` itself, or made from the option keywords
+    ``given``), resolved on the group's global ``ranks``, once every rank agrees
+    (`agree_on_options`); and the random number the ranks share. A mistake on this rank
+    is raised only then, so that every rank fails alike."""
+    config = problem = options = layout = None
+    try:
+        config = _config(topology, given, defaults)
+        options, layout = config.resolve(tuple(ranks), rank)
+    except KnapformerError as err:
+        problem = err
+    flat = config.flat() if config is not None else {"topology": topology, **given}
+    shared = {name: _shown(v) for name, v in flat.items() if name not in ("run", "time_gc")}
+    shared["process_group ranks"] = list(ranks)
+    uid = agree_on_options(shared, problem, group, ranks, device)
+    return config, options, layout, uid
+
+
+def _config(
+    topology: Topology | str | BalancerConfig, given: dict[str, Any], defaults: Mapping
+) -> BalancerConfig:
+    """``topology`` itself when it is a config (``given`` must then hold defaults only),
+    or one made from the flat keywords ``given``."""
+    if not isinstance(topology, BalancerConfig):
+        return BalancerConfig.from_options(topology, **given)
+    changed = [name for name, value in given.items() if not _same(value, defaults[name])]
+    if changed:
+        raise KnapformerError(
+            f"pass the options in the BalancerConfig or as keywords, not both (got "
+            f"{', '.join(changed)} besides a BalancerConfig)"
+        )
+    return topology
+
+
+def _same(value: Any, default: Any) -> bool:
+    if isinstance(default, tuple):
+        return tuple(value) == default
+    return value is default or value == default
+
+
+def _shown(value: Any) -> Any:
+    """An option as ranks compare it: a topology in its canonical form, sequences as
+    lists (a tuple and a list of the same values agree)."""
+    if isinstance(value, Topology):
+        return str(value)
+    if isinstance(value, CommModel):
+        return value.as_options()
+    if isinstance(value, str):
+        try:
+            return str(Topology.parse(value)) if value.startswith("g") else value
+        except KnapformerError:
+            return value
+    if isinstance(value, list | tuple):
+        return [_shown(v) for v in value]
+    if isinstance(value, torch.Tensor | np.ndarray):
+        return value.tolist()
+    return value
 
 
 def agree_on_options(

@@ -68,6 +68,7 @@ In a ``torch.profiler`` trace the phases are named (`knapformer.runtime.marks`).
 
 from __future__ import annotations
 
+import inspect
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -76,7 +77,6 @@ from functools import partial, wraps
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -95,7 +95,7 @@ from knapformer.planning.communication import CommModel
 from knapformer.planning.history import SpeedHistory
 from knapformer.planning.partitions import DEFAULT_GROUP_SIZES
 from knapformer.runtime import conditioning, marks, ulysses
-from knapformer.runtime.agreement import agree_on_options
+from knapformer.runtime.agreement import agree_on_config
 from knapformer.runtime.balancer_config import BalancerConfig, check_added_phase
 from knapformer.runtime.gather import (  # GatherHead and the two tuples are re-exported
     GATHERING_CALLS,
@@ -213,20 +213,10 @@ class SequenceBalancer:
             link_probe_bytes=link_probe_bytes, link_probe_rounds=link_probe_rounds,
             time_gc=time_gc,
         )  # fmt: skip
-        # Checked here without raising, then with every rank (before any sub-group is
-        # made): a mistake on one rank, or ranks that differ, fail every rank alike.
-        config = problem = None
-        try:
-            config = _config(topology, given)
-            options, layout = config.resolve(parent_ranks, rank)
-        except KnapformerError as err:
-            problem = err
-        flat = config.flat() if config is not None else {"topology": topology, **given}
-        shared = {name: _shown(value) for name, value in flat.items()
-                  if name not in ("run", "time_gc")}  # fmt: skip
-        shared["process_group ranks"] = list(parent_ranks)
         device = group_device(process_group)
-        uid = agree_on_options(shared, problem, process_group, parent_ranks, device)
+        config, options, layout, uid = agree_on_config(
+            topology, given, _KEYWORD_DEFAULTS, process_group, parent_ranks, rank, device
+        )
 
         #: Every option, as one `BalancerConfig`.
         self.config: BalancerConfig = config
@@ -714,27 +704,12 @@ class SequenceBalancer:
         return partial(self._watch.collective, GATHER_SEQUENCES)
 
 
-def _config(topology: Topology | str | BalancerConfig, given: dict[str, Any]) -> BalancerConfig:
-    """The balancer's `BalancerConfig`: ``topology`` itself, or one made from the flat
-    keywords ``given`` (which must then all be defaults)."""
-    if not isinstance(topology, BalancerConfig):
-        return BalancerConfig.from_options(topology, **given)
-    changed = [name for name, value in given.items() if not _is_default_keyword(name, value)]
-    if changed:
-        raise KnapformerError(
-            f"pass the options in the BalancerConfig or as keywords, not both (got "
-            f"{', '.join(changed)} besides a BalancerConfig)"
-        )
-    return topology
-
-
-def _is_default_keyword(name: str, value: Any) -> bool:
-    import inspect
-
-    default = inspect.signature(SequenceBalancer.__init__).parameters[name].default
-    if isinstance(default, tuple):
-        return tuple(value) == default
-    return value is default or value == default
+#: The defaults of the constructor's option keywords (a `BalancerConfig` comes alone).
+_KEYWORD_DEFAULTS = {
+    name: p.default
+    for name, p in inspect.signature(SequenceBalancer.__init__).parameters.items()
+    if name not in ("self", "topology", "process_group", "recorder")
+}
 
 
 def _run_folder(recorder: Any) -> Path | None:
@@ -764,25 +739,6 @@ def _group_names(groups: BalanceGroups) -> list[dict[str, Any]]:
     if groups.side is not None:
         add("plan_ahead", groups.side, groups.group_ranks)
     return out
-
-
-def _shown(value: Any) -> Any:
-    """An option as ranks compare it: a topology in its canonical form, sequences as
-    lists (a tuple and a list of the same values agree)."""
-    if isinstance(value, Topology):
-        return str(value)
-    if isinstance(value, CommModel):
-        return value.as_options()
-    if isinstance(value, str):
-        try:
-            return str(Topology.parse(value)) if value.startswith("g") else value
-        except KnapformerError:
-            return value
-    if isinstance(value, list | tuple):
-        return [_shown(v) for v in value]
-    if isinstance(value, torch.Tensor | np.ndarray):
-        return value.tolist()
-    return value
 
 
 def _inputs(
