@@ -54,10 +54,12 @@ class FaultInjection:
         fault: Fault,
         stall_s: float = FOREVER_S,
         release: Callable[[], bool] | None = None,
+        on_strike: Callable[[float], None] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self.fault, self.stall_s, self.release = fault, stall_s, release
+        self.on_strike = on_strike  # told the time.time() the fault strikes (e.g. before a kill)
         self.struck = False
         self.struck_at: float | None = None  # time.time() when the fault struck
         if fault.phase == "plan_ahead" and self._path.__class__.__name__ == "AheadPath":
@@ -130,6 +132,8 @@ class FaultInjection:
 
     def _mark(self) -> None:
         self.struck, self.struck_at = True, time.time()
+        if self.on_strike is not None:
+            self.on_strike(self.struck_at)
 
     def _strike(self, phase: str, step: int | None = None) -> None:
         """Inject the fault if it is due here (``step``: the step the phase serves)."""

@@ -96,16 +96,25 @@ def _run_case(rank, world, case, timeout_s, answer_s, folder, store) -> Outcome:
     outcome = Outcome()
     try:
         with balancer:
-            _train(rank, case, balancer)
+            _train(rank, case, balancer, lambda: _struck(store, key))
     except Exception as err:
         outcome.raised_at = time.time()
         outcome.error = f"{type(err).__name__}: {err}"
         outcome.culprits = list(getattr(err, "culprits", []))
     finally:
-        outcome.struck_at = getattr(balancer, "struck_at", None)
         if rank != case.culprit:
             store.add(key + "done", 1)
+    store.add(key + "ended", 1)
+    while store.add(key + "ended", 0) < world - case.kills:  # the strike time is there now
+        time.sleep(0.01)
+    if store.check([key + "struck"]):
+        outcome.struck_at = float(store.get(key + "struck"))
     return outcome
+
+
+def _struck(store, key: str, at: float | None = None) -> None:
+    """Keep when the case's fault struck, in the store (a killed rank leaves no file)."""
+    store.set(key + "struck", repr(time.time() if at is None else at))
 
 
 def _balancer(rank, world, case, group, recorder, answer_s, store, key):
@@ -131,12 +140,14 @@ def _balancer(rank, world, case, group, recorder, answer_s, store, key):
         return store.add(key + "done", 0) >= world - 1
 
     cls = faulty(SequenceBalancer)
-    return cls(config, process_group=group, recorder=recorder, fault=case.fault, release=release)
+    return cls(config, process_group=group, recorder=recorder, fault=case.fault,
+               release=release, on_strike=lambda at: _struck(store, key, at))  # fmt: skip
 
 
-def _train(rank: int, case: FaultCase, balancer) -> None:
+def _train(rank: int, case: FaultCase, balancer, closing) -> None:
     """``STEPS`` steps of a ToyDiT with per-sequence conditioning, as a training loop
-    would run them; rank ``close_early`` closes at ``case.step`` instead."""
+    would run them; rank ``close_early`` closes at ``case.step`` instead (``closing()``
+    first)."""
     import numpy as np
     import torch
 
@@ -152,6 +163,7 @@ def _train(rank: int, case: FaultCase, balancer) -> None:
 
     for step in range(STEPS):
         if rank == case.close_early and step == case.step:
+            closing()
             balancer.close()
             return
         mine = lengths(step)
