@@ -58,20 +58,20 @@ class Fault:
     phase: str = "forward"
 
     def __post_init__(self) -> None:
-        if self.kind not in FAIL_KINDS:
-            raise OptionError(
-                f"unknown `fail_kind` {self.kind!r}; choose one of {', '.join(FAIL_KINDS)}"
-            )
-        if self.phase not in FAIL_PHASES:
-            raise OptionError(
-                f"unknown `fail_phase` {self.phase!r}; choose one of {', '.join(FAIL_PHASES)}"
-            )
+        check_choice("fail_kind", self.kind, FAIL_KINDS)
+        check_choice("fail_phase", self.phase, FAIL_PHASES)
         if self.kind == "shape" and self.phase not in SHAPE_PHASES:
             raise OptionError(
                 f"`fail_kind` shape gives a tensor of another shape in {', '.join(SHAPE_PHASES)}, "
                 f"not in {self.phase}"
             )
         check_count(self.step, MAX_STEP, "`fail_step`")
+
+
+def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    """An `OptionError` naming option ``name`` unless ``value`` is one of ``choices``."""
+    if value not in choices:
+        raise OptionError(f"unknown `{name}` {value!r}; choose one of {', '.join(choices)}")
 
 
 def _option(default: Any, help: str, shown: str | None = None) -> Any:
@@ -200,14 +200,8 @@ class DemoConfig:
             )
         if not (math.isfinite(self.slow_factor) and self.slow_factor >= 1):
             raise OptionError(f"`slow_factor` must be a number >= 1, got {self.slow_factor}")
-        if self.slow_kind not in SLOW_KINDS:
-            raise OptionError(
-                f"unknown `slow_kind` {self.slow_kind!r}; choose one of {', '.join(SLOW_KINDS)}"
-            )
-        if self.cost_model not in COST_MODELS:
-            raise OptionError(
-                f"unknown `cost_model` {self.cost_model!r}; choose one of {', '.join(COST_MODELS)}"
-            )
+        check_choice("slow_kind", self.slow_kind, SLOW_KINDS)
+        check_choice("cost_model", self.cost_model, COST_MODELS)
         if not self.run.strip():
             raise OptionError("`run` must name the run, got an empty name")
         timeout = self.group_timeout

@@ -71,6 +71,14 @@ def _refuse(call: str, what: str, said: str) -> KnapformerError:
     )
 
 
+def _one_layout(call: str, layouts: dict, what: str, say) -> None:
+    """Raise, on every rank alike, when the ranks gave more than one layout (``say``:
+    a layout's header in words)."""
+    if len(layouts) > 1:
+        said = "; ".join(f"{say(layout)} on {name_ranks(who)}" for layout, who in layouts.items())
+        raise _refuse(call, what, said)
+
+
 def _digest(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
 
@@ -120,12 +128,8 @@ def check_same_heads(
     heads, head_dim) tensor has the same heads, head_dim and dtype."""
     header = (0, 0, 0) if problem is not None else (x.shape[1], x.shape[2], DTYPES.index(x.dtype))
     layouts = agree_on_layout(call, problem, header, group, ranks)
-    if len(layouts) > 1:
-        said = "; ".join(
-            f"{heads} heads of head_dim {dim} in {DTYPES[dtype]} on {name_ranks(who)}"
-            for (heads, dim, dtype), who in layouts.items()
-        )
-        raise _refuse(call, "attention tensors of different layouts", said)
+    _one_layout(call, layouts, "attention tensors of different layouts",
+                lambda h: f"{h[0]} heads of head_dim {h[1]} in {DTYPES[h[2]]}")  # fmt: skip
 
 
 # -------------------------------------------------------------------- sequences
@@ -139,9 +143,5 @@ def check_same_sequences(
         width = int(np.prod(x.shape[1:], dtype=np.int64))
         header = (width, DTYPES.index(x.dtype), _digest(str(tuple(x.shape[1:]))))
     layouts = agree_on_layout(call, problem, header, group, ranks)
-    if len(layouts) > 1:
-        said = "; ".join(
-            f"{width} {DTYPES[dtype]} values per sequence on {name_ranks(who)}"
-            for (width, dtype, _), who in layouts.items()
-        )
-        raise _refuse(call, "per-sequence tensors of different widths, dtypes or shapes", said)
+    _one_layout(call, layouts, "per-sequence tensors of different widths, dtypes or shapes",
+                lambda h: f"{h[0]} {DTYPES[h[1]]} values per sequence")  # fmt: skip
