@@ -3,11 +3,12 @@ active exception") after a rank of its job failed: a balanced job against a plai
 control with the same fault, in the same run.
 
 Each run starts ``--world`` processes as torchrun would (``env://``, a TCPStore on rank 0's
-port), on gloo with a ``--timeout`` s group timeout. The plain job runs an all-to-all and
-an all-reduce per step; the balanced job trains a ToyDiT through `SequenceBalancer` and
-runs the same all-reduce. At step 2, rank ``--fault-rank`` raises an out-of-memory error
-in its forward (``raise``) or is killed (``kill``); nothing catches anything, so every
-process ends the way an uncaught exception ends a torchrun worker. A process counts as
+port), on gloo with a ``--timeout`` s group timeout: `knapformer.testing.torchrun_job`. The
+plain job runs an all-to-all and an all-reduce per step; the balanced job trains a ToyDiT
+through `SequenceBalancer` and runs the same all-reduce. At step 2, rank ``--fault-rank``
+raises an out-of-memory error in its own code (``raise``) or is killed (``kill``); nothing
+catches anything, so every process ends the way an uncaught exception ends a torchrun
+worker. A process counts as
 an abort when it ended by SIGABRT or printed "terminate called"; the table also counts
 the other ends (exit 1 with a Python traceback, the expected end of a survivor).
 
@@ -26,64 +27,9 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from knapformer.testing.torchrun_job import FAIL_STEP
+
 ROOT = Path(__file__).resolve().parent.parent
-STEPS, FAIL_STEP = 5, 2
-
-
-# ----------------------------------------------------------------------- workers
-def plain_worker(rank: int, fault: str, fault_rank: int, timeout: float) -> None:
-    import datetime
-
-    import torch
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
-    world = dist.get_world_size()
-    for step in range(STEPS):
-        x = torch.randn(world * 16, 32)
-        out = torch.empty_like(x)
-        dist.all_to_all_single(out, x)
-        if rank == fault_rank and step == FAIL_STEP:
-            _fail(fault)
-        dist.all_reduce(out)
-    dist.destroy_process_group()
-
-
-def balanced_worker(rank: int, fault: str, fault_rank: int, timeout: float) -> None:
-    import datetime
-
-    import torch
-    import torch.distributed as dist
-
-    from knapformer.local.config import Fault
-    from knapformer.local.faults import faulty
-    from knapformer.local.models import ToyDiT
-    from knapformer.runtime.balancer import SequenceBalancer
-
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
-    topology = "g1n2+g2n1" if dist.get_world_size() == 4 else "g1n2+g2n1+g4n1"
-    if rank == fault_rank and fault == "raise":
-        balancer = faulty()(topology, fault=Fault(rank, "raise", FAIL_STEP, "forward"))
-    else:
-        balancer = SequenceBalancer(topology)
-    torch.manual_seed(0)
-    model = ToyDiT(32, 4, 1)
-    with balancer:
-        for step in range(STEPS):
-            lengths = [8 + rank, 5 + step]
-            balancer.plan_routing(lengths, token_dim=32)
-            if rank == fault_rank and step == FAIL_STEP and fault == "kill":
-                _fail(fault)
-            model(torch.randn(sum(lengths), 32), lengths, balancer).sum().backward()
-            balancer.all_reduce(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
-        balancer.finish()
-    dist.destroy_process_group()
-
-
-def _fail(fault: str) -> None:
-    if fault == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
 
 
 # ----------------------------------------------------------------------- launcher
@@ -99,9 +45,9 @@ def run_job(job: str, fault: str, world: int, fault_rank: int, timeout: float) -
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
                WORLD_SIZE=str(world), PYTHONPATH=str(ROOT))  # fmt: skip
     procs = []
+    command = [sys.executable, "-m", "knapformer.testing.torchrun_job", "--job", job, "--fault",
+               fault, "--fault-rank", str(fault_rank), "--timeout", str(timeout)]  # fmt: skip
     for rank in range(world):
-        command = [sys.executable, __file__, "--worker", job, "--rank", str(rank), "--fault",
-                   fault, "--fault-rank", str(fault_rank), "--timeout", str(timeout)]  # fmt: skip
         procs.append(subprocess.Popen(command, env=env | {"RANK": str(rank)},
                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                       text=True))  # fmt: skip
@@ -132,13 +78,7 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=4, choices=(4, 8))
     parser.add_argument("--timeout", type=float, default=5.0, help="the group timeout (s)")
     parser.add_argument("--fault-rank", type=int, default=3)
-    parser.add_argument("--worker", choices=("plain", "balanced"), help=argparse.SUPPRESS)
-    parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--fault", default="raise", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.worker:
-        worker = plain_worker if args.worker == "plain" else balanced_worker
-        return worker(args.rank, args.fault, args.fault_rank, args.timeout)
     began = time.perf_counter()
     print(f"{args.runs} jobs of {args.world} gloo processes per row; rank {args.fault_rank} fails "
           f"at step {FAIL_STEP}; group timeout {args.timeout:g} s")  # fmt: skip
