@@ -97,6 +97,7 @@ from knapformer.planning.partitions import DEFAULT_GROUP_SIZES
 from knapformer.runtime import conditioning, marks, ulysses
 from knapformer.runtime.agreement import agree_on_config
 from knapformer.runtime.balancer_config import BalancerConfig, check_added_phase
+from knapformer.runtime.blame import FAILED
 from knapformer.runtime.gather import (  # GatherHead and the two tuples are re-exported
     GATHERING_CALLS,
     LOCAL_CHECKS,
@@ -107,7 +108,7 @@ from knapformer.runtime.groups import BalanceGroups, group_device
 from knapformer.runtime.journal import Journal, plan_hash
 from knapformer.runtime.layouts import check_same_heads, check_same_rows, check_same_sequences
 from knapformer.runtime.link_probe import DEFAULT_PROBE_BYTES, DEFAULT_PROBE_ROUNDS, LinkProber
-from knapformer.runtime.roll_call import FAILED, RollCall
+from knapformer.runtime.roll_call import RollCall
 from knapformer.runtime.router import (
     Features,
     Group,

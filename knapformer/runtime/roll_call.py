@@ -3,15 +3,16 @@ finds out, through the process group's store (never through the broken group), w
 did not enter it or left the step earlier, and raises one `CollectiveFailure` naming them,
 the step, the phase and the bag.
 
-Each rank's `RollCall` keeps its status in the store (``status/<rank>``, JSON): its state
-(running, raised, failed, closed), the latest entries of its step journal
-(`knapformer.runtime.journal`), the balancer call it is inside, what it raised, its pid
-and host. The training thread writes it at every step's start, and a watcher thread every
-`PUBLISH_S` while the journal moves (so a rank that dies leaves its last position
-behind) and, looking every `WATCH_S`, at once when a peer asks: a rank
-whose collective failed bumps ``asks`` and writes ``ask/<n>``, then reads every peer's
-status until each has answered that call, has left (raised, failed, closed), or is known
-gone (a dead process on the same host), or `ANSWER_S` has passed. Survivors therefore
+Each rank's `RollCall` keeps its status in the store (``status/<rank>``,
+`knapformer.runtime.blame.Status`): its state (running, raised, failed, closed), the
+latest entries of its step journal (`knapformer.runtime.journal`), the balancer call it
+is inside, what it raised, its pid and host. The training thread writes it at every
+step's start, and a watcher thread every `PUBLISH_S` while the journal moves (so a rank
+that dies leaves its last position behind) and, looking every `WATCH_S`, at once when a
+peer asks: a rank whose collective failed bumps ``asks`` and writes ``ask/<n>``, then
+reads every peer's status until each has answered that call, has left (raised, failed,
+closed), or is known gone (a dead process on the same host), or `ANSWER_S` has passed;
+`knapformer.runtime.blame` says from those statuses whom to blame. Survivors therefore
 name the culprit within the group's timeout plus `ANSWER_S`; a rank that is merely slow
 answers from its watcher (a sleeping or blocked training thread holds no GIL).
 
@@ -39,9 +40,8 @@ import sys
 import threading
 import time
 import weakref
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch.distributed as dist
 
@@ -53,6 +53,18 @@ from knapformer.contract.incident import (
     write_incident,
 )
 from knapformer.errors import CollectiveFailure, KnapformerError
+from knapformer.runtime.blame import (
+    CLOSED,
+    FAILED,
+    FAILING,
+    RAISED,
+    RUNNING,
+    Collective,
+    Status,
+    blame,
+    left_with,
+    seen,
+)
 from knapformer.runtime.journal import Entry, Journal
 from knapformer.runtime.router import name_ranks
 
@@ -63,58 +75,6 @@ PUBLISH_S = 1.0
 #: Seconds a rank whose collective failed waits for its peers' answers.
 ANSWER_S = 3.0
 _POLL_S = 0.05
-
-RUNNING, RAISED, FAILING, FAILED, CLOSED = "running", "raised", "failing", "failed", "closed"
-
-
-@dataclass
-class Status:
-    """What one rank tells the others about itself (the module doc)."""
-
-    rank: int
-    pid: int
-    host: str
-    state: str
-    time: float
-    answered: int = 0  # the latest roll call it answered
-    step: int = -1
-    call: str | None = None
-    latest: dict | None = None  # `Entry.as_dict` of its training thread's latest collective
-    side: dict | None = None  # and of its plan-ahead thread's
-    error: str | None = None  # what it raised (raised) or the failure it named (failed)
-    finished: bool = False
-
-    def dumps(self) -> bytes:
-        return json.dumps(asdict(self), allow_nan=False).encode()
-
-    @classmethod
-    def loads(cls, data: bytes) -> Status:
-        return cls(**json.loads(data))
-
-
-@dataclass
-class Collective:
-    """What a failed collective was: ``entry`` in the journal over global ``ranks``."""
-
-    entry: Entry
-    ranks: list[int]
-
-    def describe(self) -> str:
-        e = self.entry
-        where = f"{e.phase}{' (backward)' if e.backward else ''}"
-        if e.bag >= 0:
-            where += f" of bag {e.bag}"
-        return f"step {e.step}, {where} ({name_ranks(self.ranks)})"
-
-    def same_as(self, other: dict | None) -> bool:
-        """Whether a peer's journal entry ``other`` is this collective, still running."""
-        e = self.entry
-        return (
-            other is not None
-            and other["left"] is None
-            and (other["step"], other["phase"], other["bag"], other["backward"])
-            == (e.step, e.phase, e.bag, e.backward)
-        )
 
 
 @dataclass(frozen=True)
@@ -321,7 +281,7 @@ class RollCall:
         now = time.time()
         culprits = []
         for rank in peers:
-            culprit = _blame(rank, statuses.get(rank), collective, asked, rank in gone, now)
+            culprit = blame(rank, statuses.get(rank), collective, asked, rank in gone, now)
             if culprit is not None:
                 culprits.append(culprit)
         return culprits, earlier or self._root()
@@ -417,10 +377,10 @@ class RollCall:
             first, status = min(bad.items())
             others = sorted(set(bad) - {first})
             also = f" ({name_ranks(others)} too)" if others else ""
-            return f"{head}: the other ranks trained on: rank {first} {_left_with(status)}{also}"
+            return f"{head}: the other ranks trained on: rank {first} {left_with(status)}{also}"
         missing = [r for r, s in statuses.items() if s is None or s.state != CLOSED]
         last = "; ".join(
-            f"rank {r}: {_seen(statuses[r].latest, time.time()) if statuses[r] else 'no status'}"
+            f"rank {r}: {seen(statuses[r].latest, time.time()) if statuses[r] else 'no status'}"
             for r in missing
         )
         return (
@@ -433,84 +393,9 @@ class RollCall:
         _LIVE.discard(self)
 
 
-# ------------------------------------------------------------------- blame
-def _blame(
-    rank: int, s: Status | None, collective: Collective, asked: int, gone: bool, now: float
-) -> Culprit | None:
-    """Whether peer ``rank`` (its last status ``s``) is to blame for ``collective``, and
-    why; None for a fellow waiting in the same collective, or one that failed in it."""
-    if s is None:
-        return Culprit(
-            rank=rank, kind="no_answer",
-            says=f"rank {rank} never reported to the store (its process is gone or frozen)",
-        )  # fmt: skip
-    entry = s.side if collective.entry.side else s.latest
-    last = _last(entry, now)
-    if s.state == RAISED:
-        where = f"in {s.call}" if s.call else _after(entry)
-        says = f"rank {rank} raised {s.error} {where} (step {s.step})"
-        return Culprit(rank=rank, kind="raised", says=says, error=s.error, **last)
-    if s.state in (FAILING, FAILED):  # it names a failure itself: `first` says which
-        return None
-    if s.state == CLOSED:
-        kind = "finished" if s.finished else "closed"
-        how = "finished training (finish(), then close())" if s.finished else (
-            f"closed its balancer without finish() at step {s.step}"
-        )  # fmt: skip
-        return Culprit(rank=rank, kind=kind, says=f"rank {rank} {how}", **last)
-    if s.answered < asked:
-        why = "its process is gone" if gone else "its process is gone or frozen"
-        says = f"rank {rank} did not answer ({why}; last seen: {_seen(entry, now)})"
-        return Culprit(rank=rank, kind="no_answer", says=says, **last)
-    if collective.same_as(entry):
-        return None
-    if entry is not None and entry["left"] is None:
-        says = f"rank {rank} is in {_seen(entry, now)} instead"
-        return Culprit(rank=rank, kind="elsewhere", says=says, **last)
-    says = f"rank {rank} never entered it (last seen: {_seen(entry, now)})"
-    return Culprit(rank=rank, kind="never_entered", says=says, **last)
-
-
 def _mark(entry: Entry | None) -> tuple | None:
     """What of a journal entry changes (whether it moved since the last look)."""
     return None if entry is None else (entry.seq, entry.left)
-
-
-def _last(entry: dict | None, now: float) -> dict[str, Any]:
-    """A culprit's ``last_*`` fields from its latest journal entry."""
-    if entry is None:
-        return {}
-    since = entry["left"] if entry["left"] is not None else entry["entered"]
-    return {
-        "last_step": entry["step"],
-        "last_phase": entry["phase"],
-        "last_bag": entry["bag"],
-        "seconds_ago": max(now - since, 0.0),
-    }
-
-
-def _phase_of(entry: dict) -> str:
-    text = entry["phase"] + (" (backward)" if entry["backward"] else "")
-    return text + (f" of bag {entry['bag']}" if entry["bag"] >= 0 else "")
-
-
-def _seen(entry: dict | None, now: float) -> str:
-    """Where a journal entry puts a rank: ``route, step 3, 20.1 s ago``."""
-    if entry is None:
-        return "no balancer collective yet"
-    if entry["left"] is None:
-        return f"{_phase_of(entry)}, step {entry['step']}, for {now - entry['entered']:.1f} s"
-    return f"{_phase_of(entry)}, step {entry['step']}, {max(now - entry['left'], 0.0):.1f} s ago"
-
-
-def _after(entry: dict | None) -> str:
-    if entry is None:
-        return "before its first balancer collective"
-    return f"after {_phase_of(entry)} (in the training loop's code)"
-
-
-def _left_with(s: Status) -> str:
-    return f"raised {s.error}" if s.state == RAISED else f"failed: {s.error}"
 
 
 def _first_line(err: BaseException) -> str:
