@@ -9,9 +9,9 @@ identical steps differ on this machine). A step's time is the slowest rank's, fr
 ``plan_routing`` to the end of the gradient all-reduce; the journal's share is the median
 over the batches of (journaled / the mean of the two unjournaled steps) - 1, and the
 median of (control / not) - 1 says how finely the machine can tell. The watcher thread,
-which runs either way, is measured by its own CPU clock. Then, in one process, the cost of one journaled
-collective on the host (entering and leaving a journal entry around a call), which is
-what a GPU job pays per collective: the host launches NCCL work and moves on. Target
+which runs either way, is measured by its own CPU clock. Then, in one process, the cost
+of one journaled collective on the host (entering and leaving a journal entry around a
+call), which is what a GPU job pays per collective: the host launches NCCL work and moves on. Target
 (printed PASS or FAIL, exit 1 when missed): at 8 ranks, the journal costs at most 1 % of
 the step.
 
