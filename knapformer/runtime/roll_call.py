@@ -355,7 +355,7 @@ class RollCall:
         self.store.add(key, 1)
         until = time.monotonic() + self.timeout_s + self.answer_s
         looked = time.monotonic()
-        while self.store.add(key, 0) < len(self.ranks):
+        while int(self.store.get(key)) < len(self.ranks):  # a read: add() would write
             now = time.monotonic()
             if now > until or self.store.check(["incident"]) or now - looked > 0.5:
                 looked = now
