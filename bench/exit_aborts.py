@@ -10,7 +10,9 @@ raises an out-of-memory error in its own code (``raise``) or is killed (``kill``
 catches anything, so every process ends the way an uncaught exception ends a torchrun
 worker. A process counts as
 an abort when it ended by SIGABRT or printed "terminate called"; the table also counts
-the other ends (exit 1 with a Python traceback, the expected end of a survivor).
+the other ends (exit 1 with a Python traceback, the expected end of a survivor), and each
+aborted process is listed with the last lines it printed. The two kinds of job run in
+turn, so that both see the same machine.
 
     python bench/exit_aborts.py --runs 20
 """
@@ -30,6 +32,7 @@ from pathlib import Path
 from knapformer.testing.torchrun_job import FAIL_STEP
 
 ROOT = Path(__file__).resolve().parent.parent
+JOBS = ("plain", "balanced")
 
 
 # ----------------------------------------------------------------------- launcher
@@ -39,9 +42,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_job(job: str, fault: str, world: int, fault_rank: int, timeout: float) -> list[str]:
-    """One job of ``world`` processes; how each ended: ``ok``, ``exit N``, ``abort``
-    (SIGABRT or "terminate called") or ``signal NAME``."""
+def run_job(
+    job: str, fault: str, world: int, fault_rank: int, timeout: float
+) -> list[tuple[str, str]]:
+    """One job of ``world`` processes; how each ended (``ok``, ``exit N``, ``abort``:
+    SIGABRT or "terminate called", or ``signal NAME``) and the last lines it printed."""
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
                WORLD_SIZE=str(world), PYTHONPATH=str(ROOT))  # fmt: skip
     procs = []
@@ -55,12 +60,12 @@ def run_job(job: str, fault: str, world: int, fault_rank: int, timeout: float) -
     for proc in procs:
         try:
             _, err = proc.communicate(timeout=10 * timeout + 120)
+            end = _end(proc.returncode, err)
         except subprocess.TimeoutExpired:
             proc.kill()
             _, err = proc.communicate()
-            ends.append("hung")
-            continue
-        ends.append(_end(proc.returncode, err))
+            end = "hung"
+        ends.append((end, " | ".join(err.strip().splitlines()[-2:])[-240:]))
     return ends
 
 
@@ -84,16 +89,25 @@ def main() -> None:
           f"at step {FAIL_STEP}; group timeout {args.timeout:g} s")  # fmt: skip
     print(f"{'fault':<6} {'job':<9} {'processes':>9} {'aborts':>7} {'jobs with one':>14}  "
           "how the others ended")  # fmt: skip
+    aborts = []
     for fault in ("raise", "kill"):
-        for job in ("plain", "balanced"):
-            ends, aborted_jobs = Counter(), 0
-            for _ in range(args.runs):
+        ends: dict[str, Counter] = {job: Counter() for job in JOBS}
+        aborted_jobs = Counter()
+        for run in range(args.runs):
+            for job in JOBS:  # in turn: both kinds of job see the same machine
                 job_ends = run_job(job, fault, args.world, args.fault_rank, args.timeout)
-                ends.update(job_ends)
-                aborted_jobs += "abort" in job_ends
-            others = ", ".join(f"{n} {end}" for end, n in sorted(ends.items()) if end != "abort")
-            print(f"{fault:<6} {job:<9} {sum(ends.values()):>9} {ends['abort']:>7} "
-                  f"{aborted_jobs:>7} of {args.runs:<4}  {others}", flush=True)  # fmt: skip
+                ends[job].update(end for end, _ in job_ends)
+                aborted_jobs[job] += any(end == "abort" for end, _ in job_ends)
+                aborts += [(fault, job, run, rank, tail) for rank, (end, tail)
+                           in enumerate(job_ends) if end == "abort"]  # fmt: skip
+        for job in JOBS:
+            seen = ends[job]
+            others = ", ".join(f"{n} {end}" for end, n in sorted(seen.items()) if end != "abort")
+            print(f"{fault:<6} {job:<9} {sum(seen.values()):>9} {seen['abort']:>7} "
+                  f"{aborted_jobs[job]:>7} of {args.runs:<4}  {others}", flush=True)  # fmt: skip
+    for fault, job, run, rank, tail in aborts:
+        who = "the failing rank" if rank == args.fault_rank else "a survivor"
+        print(f"abort: {fault} {job}, run {run}, rank {rank} ({who}): {tail}")
     print(f"({time.perf_counter() - began:.0f} s)")
 
 

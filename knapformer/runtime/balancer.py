@@ -686,13 +686,13 @@ class SequenceBalancer:
         first checks, together, that every rank gives one row per sequence it planned and
         rows of one layout."""
         tables = self._checked_sequences(x)
-        return conditioning.gather_sequences(x, tables, self.group, self._gather_journal())
+        return conditioning.gather_rows(x, tables, self.group, self._gather_journal())
 
     @_call("per_token")
     def per_token(self, x: torch.Tensor) -> torch.Tensor:
         """``(S_local, ...)`` per sequence -> ``(T_chunks, ...)`` per routed token."""
         tables = self._checked_sequences(x)
-        return conditioning.per_token(x, tables, self.group, self._gather_journal())
+        return conditioning.rows_per_token(x, tables, self.group, self._gather_journal())
 
     def _checked_sequences(self, x: torch.Tensor) -> conditioning.SequenceTables:
         tables = self._sequence_tables()

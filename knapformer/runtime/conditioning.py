@@ -16,10 +16,12 @@ Two things bring it to the tokens:
 ``per_token(x) = gather_sequences(x)[sequence_index()]`` is the usual combination: an
 AdaLN block indexes its per-sequence modulation with it.
 
-The functions take a plan's `SequenceTables` (`sequence_tables`, which the balancer
-builds once per plan), not the balancer: the balancer calls them, and checks before the
-gather, collectively, that every rank gives as many rows as it has sequences and rows of
-one layout (`knapformer.runtime.layouts.check_same_sequences`).
+The work is done by functions of a plan's `SequenceTables` (`sequence_tables`, which the
+balancer builds once per plan): `gather_rows` and `rows_per_token`; the balancer calls
+them, and checks before the gather, collectively, that every rank gives as many rows as
+it has sequences and rows of one layout (`knapformer.runtime.layouts.check_same_sequences`).
+`sequence_index(balancer)` and `gather_sequences(balancer, x)` are the balancer's own
+methods of those names, for code that passes the balancer around (the integrations).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -110,7 +113,7 @@ def count_problem(x: object, tables: SequenceTables) -> KnapformerError | None:
     )
 
 
-def gather_sequences(
+def gather_rows(
     x: torch.Tensor, tables: SequenceTables, group: Group, collective: Collective = nullcontext
 ) -> torch.Tensor:
     """This rank's per-sequence rows ``x (S_local, ...)`` (one per length given to
@@ -125,9 +128,27 @@ def gather_sequences(
     return out if tables.order is None else out.index_select(0, tables.order)
 
 
-def per_token(
+def rows_per_token(
     x: torch.Tensor, tables: SequenceTables, group: Group, collective: Collective = nullcontext
 ) -> torch.Tensor:
     """``x (S_local, ...)`` per sequence -> ``(T_chunks, ...)``: each routed token's row of
-    its sequence (`gather_sequences` indexed by ``tables.index``)."""
-    return gather_sequences(x, tables, group, collective).index_select(0, tables.index)
+    its sequence (`gather_rows` indexed by ``tables.index``)."""
+    return gather_rows(x, tables, group, collective).index_select(0, tables.index)
+
+
+class Balanced(Protocol):
+    """What `sequence_index` and `gather_sequences` ask of a balancer (its public methods)."""
+
+    def sequence_index(self) -> torch.Tensor: ...
+    def gather_sequences(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+def sequence_index(balancer: Balanced) -> torch.Tensor:
+    """``(T_chunks,)`` int64: the plan sequence id of every row the balancer's `route`
+    returned (its ``sequence_index()``)."""
+    return balancer.sequence_index()
+
+
+def gather_sequences(balancer: Balanced, x: torch.Tensor) -> torch.Tensor:
+    """The balancer's ``gather_sequences(x)``: this rank's per-sequence rows -> the group's."""
+    return balancer.gather_sequences(x)
