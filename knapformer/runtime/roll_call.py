@@ -141,7 +141,6 @@ class RollCall:
     error: str | None = None
     finished: bool = False
     _answered: int = 0
-    _dumped: bool = False
 
     def __post_init__(self) -> None:
         base = dist.distributed_c10d._get_default_store()
@@ -218,10 +217,11 @@ class RollCall:
                 if asked or (moved != published and now - at >= PUBLISH_S):
                     self.publish()
                     published, at = moved, now
-                if asked and not self._dumped:
-                    self.dump()
             except Exception:  # the store is gone (its host died): nothing left to tell
                 return
+            if asked:  # a peer's step failed: this rank's journal goes beside the incident
+                with contextlib.suppress(Exception):
+                    self.dump()
 
     # ----------------------------------------------------------------- failures
     def failure(self, collective: Collective, err: BaseException) -> CollectiveFailure:
@@ -310,11 +310,10 @@ class RollCall:
             self.dump()
 
     def dump(self) -> None:
-        """Dump this rank's journal (and torch's flight recorder, when enabled) beside the
-        run's plans; once."""
-        if self.folder is None or self._dumped:
+        """Dump this rank's journal as it is now (and torch's flight recorder, when enabled
+        and not dumped yet) beside the run's plans."""
+        if self.folder is None:
             return
-        self._dumped = True
         status = self.status()
         self.journal.dump(
             journal_file(self.folder, self.rank), groups=self.groups, state=status.state,
