@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import threading
 import time
 import zlib
 from dataclasses import asdict, dataclass
@@ -149,7 +150,8 @@ class Journal:
             **extra,
         }
         path.parent.mkdir(parents=True, exist_ok=True)
-        scratch = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        # One scratch file per thread: the watcher and the training thread may both dump.
+        scratch = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         scratch.write_text(json.dumps(record, allow_nan=False) + "\n")
         os.replace(scratch, path)
         return path
