@@ -11,8 +11,9 @@ catches anything, so every process ends the way an uncaught exception ends a tor
 worker. A process counts as
 an abort when it ended by SIGABRT or printed "terminate called"; the table also counts
 the other ends (exit 1 with a Python traceback, the expected end of a survivor), and each
-aborted process is listed with the last lines it printed. The two kinds of job run in
-turn, so that both see the same machine.
+aborted process is listed with the last lines it printed; ``struck`` counts the jobs in
+which the fault struck (the failing rank printed the simulated error, or was killed). The
+two kinds of job run in turn, so that both see the same machine.
 
     python bench/exit_aborts.py --runs 20
 """
@@ -87,24 +88,27 @@ def main() -> None:
     began = time.perf_counter()
     print(f"{args.runs} jobs of {args.world} gloo processes per row; rank {args.fault_rank} fails "
           f"at step {FAIL_STEP}; group timeout {args.timeout:g} s")  # fmt: skip
-    print(f"{'fault':<6} {'job':<9} {'processes':>9} {'aborts':>7} {'jobs with one':>14}  "
-          "how the others ended")  # fmt: skip
+    print(f"{'fault':<6} {'job':<9} {'struck':>7} {'processes':>9} {'aborts':>7} "
+          f"{'jobs with one':>14}  how the others ended")  # fmt: skip
     aborts = []
     for fault in ("raise", "kill"):
         ends: dict[str, Counter] = {job: Counter() for job in JOBS}
-        aborted_jobs = Counter()
+        aborted_jobs, struck = Counter(), Counter()
         for run in range(args.runs):
             for job in JOBS:  # in turn: both kinds of job see the same machine
                 job_ends = run_job(job, fault, args.world, args.fault_rank, args.timeout)
                 ends[job].update(end for end, _ in job_ends)
                 aborted_jobs[job] += any(end == "abort" for end, _ in job_ends)
+                end, tail = job_ends[args.fault_rank]
+                struck[job] += "(simulated)" in tail or end == "signal SIGKILL"
                 aborts += [(fault, job, run, rank, tail) for rank, (end, tail)
                            in enumerate(job_ends) if end == "abort"]  # fmt: skip
         for job in JOBS:
             seen = ends[job]
             others = ", ".join(f"{n} {end}" for end, n in sorted(seen.items()) if end != "abort")
-            print(f"{fault:<6} {job:<9} {sum(seen.values()):>9} {seen['abort']:>7} "
-                  f"{aborted_jobs[job]:>7} of {args.runs:<4}  {others}", flush=True)  # fmt: skip
+            print(f"{fault:<6} {job:<9} {struck[job]:>7} {sum(seen.values()):>9} "
+                  f"{seen['abort']:>7} {aborted_jobs[job]:>7} of {args.runs:<4}  {others}",
+                  flush=True)  # fmt: skip
     for fault, job, run, rank, tail in aborts:
         who = "the failing rank" if rank == args.fault_rank else "a survivor"
         print(f"abort: {fault} {job}, run {run}, rank {rank} ({who}): {tail}")

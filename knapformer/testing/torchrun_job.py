@@ -70,6 +70,23 @@ def balanced(rank: int, fault: str, fault_rank: int, close: bool) -> None:
         raise
 
 
+def _init(timeout_s: float) -> None:
+    """The process group, over a TCPStore on rank 0 as torchrun's: the ranks first meet in
+    the store (as long as their imports take), then join a group whose collectives wait at
+    most ``timeout_s``."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, rank == 0,
+        timeout=datetime.timedelta(seconds=300),
+    )  # fmt: skip
+    store.set(f"ready/{rank}", "1")
+    store.wait([f"ready/{r}" for r in range(world)])  # every rank has imported torch
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--job", choices=("plain", "balanced"), default="balanced")
@@ -78,7 +95,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=5.0, help="the group timeout (s)")
     parser.add_argument("--no-close", action="store_true", help="the culprit never closes")
     args = parser.parse_args()
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
+    _init(args.timeout)
     rank = dist.get_rank()
     if args.job == "plain":
         plain(rank, args.fault, args.fault_rank)
