@@ -186,3 +186,15 @@ def _run_callback(handle, deps: list[dict], output: str, values: dict) -> dict:
         "state": items(dep["state"]), "changedPropIds": list(values),
     }  # fmt: skip
     return json.loads(_http(handle.url + "_dash-update-component", body))["response"]
+
+
+def test_an_unreadable_incident_is_said_and_the_readers_go_on(failed_run):
+    incident_file(failed_run).write_text('{"incident_version": 1, "step": "three"}')
+    done = _cli("stragglers", failed_run)
+    assert done.returncode == 0, done.stderr
+    assert (
+        "the run's incident cannot be read: " in done.stderr and "invalid incident" in done.stderr
+    )
+    report = _cli("report", failed_run, "-o", failed_run / "report.html")
+    assert report.returncode == 0 and "the run's incident is left out: " in report.stderr
+    assert "class='incident'" not in (failed_run / "report.html").read_text()
