@@ -96,7 +96,7 @@ from knapformer.planning.history import SpeedHistory
 from knapformer.planning.partitions import DEFAULT_GROUP_SIZES
 from knapformer.runtime import conditioning, marks, ulysses
 from knapformer.runtime.agreement import agree_on_config
-from knapformer.runtime.balancer_config import BalancerConfig, check_added_phase
+from knapformer.runtime.balancer_config import BalancerConfig, PlannerOptions, check_added_phase
 from knapformer.runtime.blame import FAILED
 from knapformer.runtime.gather import (  # GatherHead and the two tuples are re-exported
     GATHERING_CALLS,
@@ -104,7 +104,7 @@ from knapformer.runtime.gather import (  # GatherHead and the two tuples are re-
     GatherHead,
     StepRequest,
 )
-from knapformer.runtime.groups import BalanceGroups, group_device
+from knapformer.runtime.groups import BalanceGroups, BalanceLayout, group_device
 from knapformer.runtime.journal import Journal, plan_hash
 from knapformer.runtime.layouts import check_same_heads, check_same_rows, check_same_sequences
 from knapformer.runtime.link_probe import DEFAULT_PROBE_BYTES, DEFAULT_PROBE_ROUNDS, LinkProber
@@ -218,7 +218,22 @@ class SequenceBalancer:
         config, options, layout, uid = agree_on_config(
             topology, given, _KEYWORD_DEFAULTS, process_group, parent_ranks, rank, device
         )
+        self._parent_group: Group = process_group
+        self._parent_ranks = list(parent_ranks)
+        self.rank: int = rank
+        self.device = device  # NCCL moves CUDA tensors only; everything else runs on the CPU
+        self._build(config, options, layout, uid, recorder)
 
+    def _build(
+        self,
+        config: BalancerConfig,
+        options: PlannerOptions,
+        layout: BalanceLayout,
+        uid: int,
+        recorder: Any,
+    ) -> None:
+        """Make the balancer's parts once every rank agreed on ``config``: its groups
+        (collective), timer, journal and roll call, planning path and link prober."""
         #: Every option, as one `BalancerConfig`.
         self.config: BalancerConfig = config
         #: The `Topology`, or ``"auto"`` (each plan's ``topology`` is then its step's).
@@ -227,16 +242,12 @@ class SequenceBalancer:
         self.gamma, self.solver, self.time_scale = options.gamma, options.solver, options.time_scale
         self.max_tokens_per_gpu, self.run = config.max_tokens_per_gpu, config.run
         self.recorder, self.cost_model = recorder, config.cost_model
-        self.rank: int = rank
-        self._parent_group: Group = process_group
-        self._parent_ranks = list(parent_ranks)
-        self.groups = BalanceGroups.create(layout, process_group, config.plan_ahead)
-        self.device = device  # NCCL moves CUDA tensors only; everything else runs on the CPU
+        self.groups = BalanceGroups.create(layout, self._parent_group, config.plan_ahead)
 
         self.step: int = -1  # -1 until the first plan_routing
         self.last_plan: RoutingPlan | None = None
         self.tables: RoutingTables | None = None
-        self._my_bag: tuple[int, list[int]] = (-1, [rank])  # the plan's bag of this rank
+        self._my_bag: tuple[int, list[int]] = (-1, [self.rank])  # the plan's bag of this rank
         self._sequences: tuple[RoutingTables, conditioning.SequenceTables] | None = None
         #: Every rank's timings of the latest step whose measurements arrived.
         self.last_gathered: GatheredStep | None = None
@@ -244,7 +255,7 @@ class SequenceBalancer:
         self.phases: tuple[str, ...] = self._timer.phases
         self._held: dict[int, RoutingPlan] = {}  # plans waiting for their measurements
         #: This rank's step journal; the roll call that names a failed collective's culprits.
-        self.journal = Journal(rank, config.journal.size)
+        self.journal = Journal(self.rank, config.journal.size)
         self._watch = RollCall(
             self.journal, self.groups.group_ranks, uid, self.groups.timeout_s, config.run,
             _run_folder(recorder), _group_names(self.groups), config.journal.answer_s,
@@ -256,7 +267,7 @@ class SequenceBalancer:
         self._path: StepPath = AheadPath(planner) if config.plan_ahead else SyncPath(planner)
         probe = config.link_probe
         self._prober = LinkProber(
-            self.groups.group, self.groups.group_ranks, device, probe.every, probe.bytes,
+            self.groups.group, self.groups.group_ranks, self.device, probe.every, probe.bytes,
             probe.rounds,
         )  # fmt: skip
         self._planner = planner
