@@ -331,8 +331,11 @@ class RollCall:
         self.state, self.error = RAISED, _first_line(err)
         with contextlib.suppress(Exception):  # the store is gone: "did not answer"
             self.publish()
-        with contextlib.suppress(Exception):
-            self.dump()
+        # A rank asked after a peer's failure dumped its journal then, as the incident
+        # found it: being stopped afterwards (the launcher's SIGTERM) does not rewrite it.
+        if self.folder is not None and not journal_file(self.folder, self.rank).exists():
+            with contextlib.suppress(Exception):
+                self.dump()
 
     def close(self, err: BaseException | None, finished: bool) -> None:
         """`SequenceBalancer.close`: while ``err`` propagates, say so and leave; else wait
