@@ -145,27 +145,15 @@ class DemoConfig:
         "measured compute",
     )
     plan_ahead: bool = _option(False, "gather and plan each next step on a side channel")
-    fail_rank: int | None = _option(
-        None,
-        "inject a fault on this rank (--fail-kind, --fail-step, --fail-phase): every other rank "
-        "then names it, and the run's incident.json says what happened",
-    )
-    fail_kind: str = _option(
-        "raise",
-        "what --fail-rank does: raise (a simulated out-of-memory error), stall (stops until "
-        "stopped), kill (SIGKILL), shape (gives --fail-phase a tensor of another shape)",
-    )
-    fail_step: int = _option(3, "the step at which --fail-rank fails")
+    fail_rank: int | None = _option(None, "make this rank fail (see --fail-kind)")
+    fail_kind: str = _option("raise", "raise, stall, kill or shape")
+    fail_step: int = _option(3, "the step --fail-rank fails at")
     fail_phase: str = _option(
         "forward",
-        "where --fail-rank fails: plan, plan_ahead, probe, route, forward (the model's code "
-        "right after route), pre_attn, post_attn, reverse_route, gather_sequences, allreduce",
+        "plan, plan_ahead, probe, route, forward (after route), pre_attn, post_attn, "
+        "reverse_route, allreduce",
     )
-    group_timeout: float = _option(
-        120.0,
-        "seconds a collective waits for a peer before it fails (the process group's timeout); "
-        "a rank that fails is named within this and a few seconds",
-    )
+    group_timeout: float = _option(120.0, "a collective's timeout (s)")
     profile: Path | None = _option(  # noqa: RUF009 (None or an immutable Path)
         None,
         "write a torch.profiler trace of every worker's training loop to this folder (the "
