@@ -4,7 +4,8 @@
   run is shown and stores a small *view* of what that run holds now (steps, resets,
   problems, notices). It sends nothing when nothing changed, so an idle tick costs one
   request; the callbacks below follow the view, not the tick.
-- header cards (`_header_cards`) and notices (`_notices`): drawn from the view.
+- header cards (`_header_cards`) and notices (`_notices`): drawn from the view; a run
+  whose step failed shows its incident in a red banner above them (`_incident_banner`).
 - step selection (`_step_selection`): slider, "go to step" (typed, Enter), "follow live"
   and timeline clicks decide which step is shown (the ``selection`` store).
 - the per-step views (`knapformer.dashboard.step_frame`): the step's label, the load
@@ -49,7 +50,7 @@ from knapformer.dashboard.guard import (
 )
 from knapformer.dashboard.step_frame import key, plan_of, step_of
 from knapformer.dashboard.store import PlanStore, RequestGate, Runs, Snapshot
-from knapformer.dashboard.styles import CARD, HALF, HIDDEN, NOTICE, PICKER
+from knapformer.dashboard.styles import CARD, HALF, HIDDEN, INCIDENT, NOTICE, PICKER
 from knapformer.dashboard.table import query
 from knapformer.visualization.figures import (
     SEQUENCE_COLUMNS,
@@ -62,10 +63,12 @@ from knapformer.visualization.figures import (
     topology_figure,
 )
 
+from knapformer.contract.incident import run_incident
 from knapformer.contract.runfiles import RUNS_LAYOUT
 from knapformer.contract.stats import before_after
 from knapformer.contract.units import LoadUnit
 from knapformer.diagnosis.stragglers import WINDOW, analyse, headline
+from knapformer.errors import KnapformerError
 
 TICK_MS = 500
 PAGE_LOAD_LINGER_S = 1.5
@@ -136,6 +139,7 @@ def _layout(runs: Runs) -> html.Div:
             # The sequence whose chunks are highlighted: the step it belongs to, and its id.
             dcc.Store(id="highlight"),
             html.H2("KnapFormer routing plans", style={"margin": "4px 0"}),
+            html.Div(id="incident", role="alert", style=HIDDEN),
             html.Div(
                 [
                     html.Span("run ", style={"marginRight": "6px"}),
@@ -371,6 +375,7 @@ def create_app(path: str | Path) -> Dash:
     _watch_runs(app, runs, path, timed)
     _header_cards(app, runs, timed)
     _notices(app, timed)
+    _incident_banner(app, timed)
     _step_selection(app, runs, timed)
     _timeline(app, runs, timed)
     step_frame.register(app, runs, timed)
@@ -410,7 +415,8 @@ def _watch_runs(app: Dash, runs: Runs, path: Path, timed: Callable) -> None:
             "options": [{"label": name, "value": name} for name in files],
             "value": run,
             "style": PICKER if len(files) > 1 else HIDDEN,
-            "view": _view(run, store.snapshot() if store else None, path),
+            "view": _view(run, store.snapshot() if store else None, path)
+            | {"incident": _incident(files.get(run))},
         }
         return _changed(new, {"options": options, "value": picked, "style": style, "view": view})
 
@@ -465,6 +471,29 @@ def _notices(app: Dash, timed: Callable) -> None:
             "lines": [html.Div(line) for line in lines],
             "style": NOTICE if lines else HIDDEN,
         }
+
+
+def _incident(plans: Path | None) -> str | None:
+    """The headline of the run's failed step (its incident.json beside the plans), if any."""
+    if plans is None:
+        return None
+    try:
+        incident = run_incident(plans)
+    except KnapformerError as err:
+        return f"the run's incident cannot be read: {err}"
+    return None if incident is None else incident.headline()
+
+
+def _incident_banner(app: Dash, timed: Callable) -> None:
+    @app.callback(
+        output={"text": Output("incident", "children"), "style": Output("incident", "style")},
+        inputs={"view": Input("view", "data")},
+    )
+    @timed
+    def incident_banner(view):
+        text = view.get("incident") if isinstance(view, dict) else None
+        text = text if isinstance(text, str) else ""  # a crafted request shows nothing
+        return {"text": text, "style": INCIDENT if text else HIDDEN}
 
 
 def _step_selection(app: Dash, runs: Runs, timed: Callable) -> None:

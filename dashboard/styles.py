@@ -21,3 +21,14 @@ NOTICE = {
     "borderRadius": "6px",
     "whiteSpace": "pre-wrap",
 }
+#: The banner of a run's incident (a rank that failed).
+INCIDENT = {
+    "padding": "8px 12px",
+    "margin": "8px 0",
+    "background": "#fff5f5",
+    "border": "1px solid #e03131",
+    "color": "#c92a2a",
+    "borderRadius": "6px",
+    "fontWeight": "bold",
+    "whiteSpace": "pre-wrap",
+}

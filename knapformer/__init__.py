@@ -22,6 +22,7 @@ _EXPORTS = {
     "read_plans": "knapformer.contract.plan_io",
     "write_jsonl": "knapformer.contract.plan_io",
     "SequenceBalancer": "knapformer.runtime.balancer",
+    "BalancerConfig": "knapformer.runtime.balancer_config",
     "PlanRecorder": "knapformer.runtime.recorder",
 }
 

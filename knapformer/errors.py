@@ -43,6 +43,21 @@ class OptionError(KnapformerError):
         return _OPTION.sub(lambda m: flags.get(m.group(1), m.group(1)), self.template)
 
 
+class CollectiveFailure(KnapformerError):
+    """A collective of the balancer failed or timed out; the message names the step, the
+    phase, the bag and the ranks to blame (``culprits``: their global ranks, possibly
+    none found), e.g. ``step 3, pre_attn of bag 1 (ranks 2, 3): rank 3 never entered it
+    (last seen: route, step 3, 20.1 s ago)``. Raised by every surviving rank
+    (`knapformer.runtime.roll_call`); the backend's own error is its ``__cause__``."""
+
+    def __init__(self, message: str, culprits: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.culprits = list(culprits or [])
+
+    def __reduce__(self):  # picklable with its culprits (the launcher passes it on)
+        return (type(self), (str(self), self.culprits))
+
+
 class MissingExtraError(KnapformerError):
     """A reader needs an optional extra that is not installed."""
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from knapformer.local.launcher import TRAINING_PRELOAD, launch
+from knapformer.runtime.roll_call import ANSWER_S
 
 WORLD = 4
 TIMEOUT_S = 15
@@ -191,5 +192,76 @@ def test_every_group_and_wait_inherits_the_process_group_timeout(tmp_path):
     for r in _run(_timeouts_worker, tmp_path):
         assert r["balance"] == r["bag"] == r["side"] == TIMEOUT_S, r
         assert r["owned"] == 3, r  # balance group, bag, side group
-        # plan_routing waits for the plan-ahead thread at most two group timeouts.
-        assert r["plan_wait_s"] == 2 * TIMEOUT_S, r
+        # plan_routing waits for the plan-ahead thread at most two group timeouts and the
+        # time its roll call takes to name whom a failure is to blame.
+        assert r["plan_wait_s"] == 2 * TIMEOUT_S + ANSWER_S, r
+
+
+# --------------------------------------------- per-sequence rows and attention heads
+def _exchanges_worker(rank: int, world: int) -> dict:
+    """Each exchange given a layout of its own on one rank: every rank must raise in the
+    same call, nothing sent; then the same calls with one layout work."""
+    from knapformer.runtime.balancer import SequenceBalancer
+
+    bal = SequenceBalancer("g1n2+g2n1")  # ranks 2, 3 share a bag
+    mine = [4 + rank, 6, 3]
+    bal.plan_routing(mine, token_dim=32)
+    _, x, _ = bal.route(torch.ones(sum(mine), 32))
+    cond = torch.ones(3, 8)
+    t = x.shape[0]
+    out = {
+        "seq_width": _error(lambda: bal.per_token(torch.ones(3, 9) if rank == 1 else cond)),
+        "seq_dtype": _error(lambda: bal.gather_sequences(cond.double() if rank == 3 else cond)),
+        "seq_count": _error(lambda: bal.per_token(torch.ones(2, 8) if rank == 0 else cond)),
+        "head_dim": _error(lambda: bal.pre_attn(*(torch.ones(t, 4, 16 if rank == 3 else 8),) * 3)),
+        "heads": _error(lambda: bal.pre_attn(*(torch.ones(t, 3 if rank == 2 else 4, 8),) * 3)),
+    }
+    _, q, _, _ = bal.pre_attn(*(torch.ones(t, 4, 8),) * 3)
+    out["post_dtype"] = _error(lambda: bal.post_attn(q.half() if rank == 2 else q))
+    _, back = bal.post_attn(q)
+    out["after"] = (tuple(back.shape), tuple(bal.per_token(cond).shape)) == ((t, 4, 8), (t, 8))
+    bal.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def exchanges_results(tmp_path_factory) -> list[dict]:
+    return _run(_exchanges_worker, tmp_path_factory.mktemp("exchanges"))
+
+
+@pytest.mark.parametrize(
+    ("case", "ranks", "said"),
+    [
+        ("seq_width", (0, 1, 2, 3), "8 torch.float32 values per sequence on ranks 0, 2, 3; "
+                                    "9 torch.float32 values per sequence on rank 1"),
+        ("seq_dtype", (0, 1, 2, 3), "8 torch.float64 values per sequence on rank 3"),
+        ("seq_count", (1, 2, 3), "gather_sequences: invalid input on rank 0"),
+        ("head_dim", (2, 3), "4 heads of head_dim 8 in torch.float32 on rank 2; 4 heads of "
+                             "head_dim 16 in torch.float32 on rank 3"),
+        ("post_dtype", (2, 3), "in torch.float16 on rank 2"),
+    ],
+)  # fmt: skip
+def test_an_exchange_with_a_layout_of_its_own_is_refused_on_every_rank_it_spans(
+    exchanges_results, case, ranks, said
+):
+    """Before these checks: a per-sequence tensor of another width or dtype on one rank,
+    or a pre_attn whose head_dim differs, ended in SIGABRT ("Received data size doesn't
+    match"); one with another count raised on that rank alone while its peers waited."""
+    messages = {r: exchanges_results[r][case] for r in ranks}
+    assert len(set(messages.values())) == 1, messages  # every rank, the same words
+    assert next(iter(messages.values())).startswith("KnapformerError: "), messages
+    assert said in next(iter(messages.values())), messages
+    if case == "seq_count":  # the rank whose own check failed says what was wrong
+        assert "per-sequence tensor has shape (2, 8)" in exchanges_results[0][case]
+    elif case in ("head_dim", "post_dtype"):  # the 1-GPU bags exchange nothing, raise nothing
+        assert [exchanges_results[r][case] for r in (0, 1)] == [None, None]
+
+
+def test_a_head_count_one_bag_size_cannot_split_fails_the_bag_together(exchanges_results):
+    own = exchanges_results[2]["heads"]
+    assert "3 attention heads cannot be split evenly" in own, own
+    assert "pre_attn: invalid input on rank 2" in exchanges_results[3]["heads"]
+
+
+def test_every_exchange_works_after_the_refusals(exchanges_results):
+    assert all(r["after"] for r in exchanges_results)

@@ -293,8 +293,12 @@ def test_a_killed_worker_is_named_once_without_tracebacks(tmp_path):
         rank1.send_signal(signal.SIGKILL)
         stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 1, stderr
-    # Rank 0 fails in its next collective because rank 1 is gone: only rank 1 is named.
-    assert stderr.strip() == "error: worker rank 1 died (SIGKILL)", stderr
+    # Rank 0 fails in its next collective because rank 1 is gone: only rank 1 is named,
+    # by the launcher and in the incident rank 0's balancer recorded.
+    lines = stderr.strip().splitlines()
+    assert lines[-1] == "error: worker rank 1 died (SIGKILL)", stderr
+    incident = [line for line in lines if line.startswith("incident: ")]
+    assert len(incident) == 1 and "rank 1 did not answer (its process is gone" in incident[0]
     assert "Traceback" not in stdout + stderr
 
 

@@ -16,6 +16,7 @@ from knapformer.visualization import figures as F
 from knapformer.visualization.browser import find_chromium, launch_chromium, missing_chromium
 from knapformer.visualization.straggler_figures import straggler_views
 
+from knapformer.contract.incident import Incident
 from knapformer.contract.plan import RoutingPlan
 from knapformer.contract.plan_io import ReadResult, plans_in_range
 from knapformer.contract.runfiles import safe_name
@@ -60,6 +61,8 @@ def _table(plan: RoutingPlan) -> str:
 _STYLE = """
 body { font-family: system-ui, sans-serif; margin: 24px auto; max-width: 1200px; color: #212529; }
 h1 { font-size: 1.5em; } h2 { margin-top: 2em; border-bottom: 1px solid #dee2e6; }
+.incident { padding: 8px 12px; background: #fff5f5; border: 1px solid #e03131; color: #c92a2a;
+  border-radius: 6px; font-weight: bold; }
 .summary td, .summary th, .sequences td, .sequences th { padding: 2px 10px; text-align: right; }
 .sequences { border-collapse: collapse; font-size: 0.85em; }
 .sequences tr:nth-child(even) { background: #f1f3f5; }
@@ -79,9 +82,10 @@ def measured_window(measured: list[MeasuredStep | None], index: int) -> list[Ran
 
 
 def build_report(
-    result: ReadResult, steps: str | None = None, source: str = ""
+    result: ReadResult, steps: str | None = None, source: str = "", incident: Incident | None = None
 ) -> tuple[str, list[ReportFigure]]:
-    """HTML of the report of the plans in ``result`` (steps ``A:B``; default: the last plan)."""
+    """HTML of the report of the plans in ``result`` (steps ``A:B``; default: the last plan);
+    ``incident``: the run's failed step, shown first."""
     chosen = plans_in_range(result, steps) if steps else [result.records[-1].plan]
     if len(chosen) > MAX_STEPS:
         raise OptionError(
@@ -151,6 +155,8 @@ def build_report(
     )
     if result.problems:
         header += f"<p class='note'>{len(result.problems)} unreadable record(s) skipped.</p>"
+    if incident is not None:
+        header += f"<p class='incident' role='alert'>{html.escape(incident.headline())}</p>"
     page = (
         "<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
         f"<title>{html.escape(title)}</title><style>{_STYLE}</style></head>"
@@ -160,13 +166,17 @@ def build_report(
 
 
 def write_report(
-    result: ReadResult, out: str | Path, steps: str | None = None, source: str = ""
+    result: ReadResult,
+    out: str | Path,
+    steps: str | None = None,
+    source: str = "",
+    incident: Incident | None = None,
 ) -> tuple[Path, list[ReportFigure]]:
     """Write the report HTML to ``out``; returns its path and the figures it holds."""
     out = Path(out)
     if not out.parent.exists():
         raise KnapformerError(f"output directory {str(out.parent)!r} does not exist")
-    page, figures = build_report(result, steps, source)
+    page, figures = build_report(result, steps, source, incident)
     try:
         out.write_text(page, encoding="utf-8")
     except OSError as err:

@@ -23,7 +23,16 @@ try:  # recent typer bundles its own click; older ones use the click package
 except ImportError:  # pragma: no cover
     from click import ClickException, UsageError
 
-from knapformer.cli import dashboard, debug, demo, export, plans, render, stragglers
+from knapformer.cli import (
+    dashboard,
+    debug,
+    demo,
+    export,
+    failures,
+    plans,
+    render,
+    stragglers,
+)
 from knapformer.cli.errors import UserError
 from knapformer.errors import KnapformerError, OptionError
 from knapformer.local.signals import handling, interrupt
@@ -35,7 +44,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-for _module in (plans, demo, dashboard, render, debug, export, stragglers):
+for _module in (plans, demo, dashboard, render, debug, export, stragglers, failures):
     _module.register(app)
 
 

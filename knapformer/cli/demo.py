@@ -19,7 +19,7 @@ import typer
 from knapformer.cli.errors import UserError
 from knapformer.cli.extras import require
 from knapformer.contract.runfiles import plans_file
-from knapformer.errors import MissingExtraError
+from knapformer.errors import KnapformerError, MissingExtraError
 from knapformer.local.config import DemoConfig, topology_note
 
 
@@ -56,7 +56,12 @@ def demo(
         note = None if cfg.auto else topology_note(topo)
         if note is not None:
             print(f"note: topology {topo}: {note}", flush=True)
-        if cfg.slow_rank is not None or cfg.cost_model != "modelled" or cfg.plan_ahead:
+        if (
+            cfg.slow_rank is not None
+            or cfg.cost_model != "modelled"
+            or cfg.plan_ahead
+            or cfg.fault is not None
+        ):
             print(_options_line(cfg), flush=True)
         if server is not None:
             print(f"dashboard: {server.url}  (Ctrl-C stops everything)", flush=True)
@@ -70,6 +75,7 @@ def demo(
         except WorkerFailed as err:
             if err.traceback:  # the failing rank's only; its peers print nothing
                 print(err.traceback, file=sys.stderr, end="", flush=True)
+            _print_incident(plans)
             raise UserError(str(err)) from err
         except KeyboardInterrupt:
             print("workers stopped", file=sys.stderr, flush=True)
@@ -119,6 +125,20 @@ def _take_config_options(command: Callable[..., None]) -> None:
 _take_config_options(demo)
 
 
+def _print_incident(plans: Path) -> None:
+    """What the run's balancers named, as they wrote it beside the plans (if they did)."""
+    from knapformer.contract.incident import incident_file, run_incident
+
+    try:
+        incident = run_incident(plans)
+    except KnapformerError as err:
+        print(f"the run's incident cannot be read: {err}", file=sys.stderr, flush=True)
+        return
+    if incident is not None:
+        where = incident_file(plans.parent)
+        print(f"{incident.headline()}\n(recorded in {where})", file=sys.stderr, flush=True)
+
+
 def _options_line(cfg: DemoConfig) -> str:
     """What the run does beyond the defaults, in one line."""
     parts = []
@@ -128,6 +148,9 @@ def _options_line(cfg: DemoConfig) -> str:
         parts.append(f"cost model {cfg.cost_model}")
     if cfg.plan_ahead:
         parts.append("planning ahead")
+    if cfg.fault is not None:
+        f = cfg.fault
+        parts.append(f"rank {f.rank} will {f.kind} at step {f.step}, {f.phase}")
     return "; ".join(parts)
 
 

@@ -12,6 +12,7 @@ from rich.table import Table
 
 from knapformer.cli.bounds import bounded
 from knapformer.cli.errors import UserError
+from knapformer.contract.incident import incident_file, looks_like_incident, read_incident
 from knapformer.contract.plan import RoutingPlan
 from knapformer.contract.plan_io import (
     PlanFormatError,
@@ -24,6 +25,7 @@ from knapformer.contract.plan_io import (
 from knapformer.contract.runfiles import every_run, single_run
 from knapformer.contract.stats import before_after, share
 from knapformer.contract.units import LoadUnit
+from knapformer.errors import KnapformerError
 from knapformer.planning.partitions import DEFAULT_GROUP_SIZES, layout_floor
 
 
@@ -40,15 +42,21 @@ def validate(
     files: list[Path] = typer.Argument(
         ...,
         metavar="FILE",
-        help="plan files (JSON, JSONL or legacy JSON) or run folders (every run checked)",
+        help="plan files (JSON, JSONL or legacy JSON), incident files or run folders (every "
+        "run checked, with its incident.json)",
     ),
 ) -> None:
     """Check plan files; print one line per problem as file:line: message (exit 1 if any).
     A file in which steps repeat mixes runs (a re-run appended to a recording): one line
-    names the repeated steps."""
+    names the repeated steps. A failed run's incident (incident.json) is checked too."""
     console = Console(highlight=False)
     bad = 0
-    for path in [run for given in files for run in every_run(given).values()]:
+    incidents = [given for given in files if is_incident_file(given)]
+    runs = [run for given in files if given not in incidents for run in every_run(given).values()]
+    incidents += [incident_file(run.parent) for run in runs if incident_file(run.parent).is_file()]
+    for path in dict.fromkeys(incidents):
+        bad += not _valid_incident(path, console)
+    for path in runs:
         plans = problems = 0
         seen: set[int] = set()  # one int per plan: a long recording is still not held
         repeated: set[int] = set()
@@ -69,6 +77,28 @@ def validate(
             console.print(f"{path}: {plans} plan(s) OK", soft_wrap=True)
     if bad:
         raise typer.Exit(1)
+
+
+def is_incident_file(path: Path) -> bool:
+    """Whether ``path`` is a file whose JSON starts as an incident's."""
+    if not path.is_file():
+        return False
+    try:
+        with open(path, "rb") as handle:
+            return looks_like_incident(handle.read(64))
+    except OSError:
+        return False
+
+
+def _valid_incident(path: Path, console: Console) -> bool:
+    """Check one incident file: one line, OK with what it says, or its problem."""
+    try:
+        incident = read_incident(path)
+    except KnapformerError as err:
+        print(err, flush=True)
+        return False
+    console.print(f"{path}: incident OK ({incident.message})", soft_wrap=True)
+    return True
 
 
 def repeated_steps(steps: set[int]) -> str:

@@ -4,6 +4,7 @@ and Playwright are imported inside the commands so ``import knapformer`` stays l
 
 from __future__ import annotations
 
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -15,7 +16,9 @@ from knapformer.cli.bounds import bounded
 from knapformer.cli.errors import UserError, text_option
 from knapformer.cli.extras import require
 from knapformer.cli.plans import PLAN_ARGUMENT, read_plan_file
-from knapformer.contract.runfiles import writable_folder
+from knapformer.contract.incident import run_incident
+from knapformer.contract.runfiles import single_run, writable_folder
+from knapformer.errors import KnapformerError
 from knapformer.visualization.layout import MIN_TEXT_PX
 from knapformer.visualization.render import (
     DEFAULT_QUALITY,  # no manim import: that waits for a render
@@ -122,7 +125,10 @@ def report(
     result = read_plan_file(plans)
     with tempfile.TemporaryDirectory(prefix="knapformer-report-") as scratch:
         html = Path(scratch) / "report.html" if pdf else out
-        written, figures = write_report(result, html, steps=steps, source=str(plans))
+        incident = _incident(plans)
+        written, figures = write_report(
+            result, html, steps=steps, source=str(plans), incident=incident
+        )
         if pdf:
             try:
                 written = print_pdf(written, out)
@@ -135,3 +141,13 @@ def report(
             except RuntimeError as err:
                 raise UserError(str(err)) from None
             print(f"wrote {len(files)} PNG files to {png}")
+
+
+def _incident(plans: Path):
+    """The run's incident, if it has a readable one (an unreadable one is said on stderr:
+    the report is made without it)."""
+    try:
+        return run_incident(single_run(plans))
+    except KnapformerError as err:
+        print(f"the run's incident is left out: {err}", file=sys.stderr)
+        return None

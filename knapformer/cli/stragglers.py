@@ -13,6 +13,7 @@ from rich.table import Table
 
 from knapformer.cli.bounds import bounded
 from knapformer.cli.errors import UserError
+from knapformer.contract.incident import run_incident
 from knapformer.contract.plan_io import Problem, iter_plan_file
 from knapformer.contract.runfiles import RUNS_LAYOUT, single_run
 from knapformer.contract.units import significant
@@ -33,6 +34,7 @@ from knapformer.diagnosis.stragglers import (
     describe_link,
     headline,
 )
+from knapformer.errors import KnapformerError
 
 #: Up to this many ranks the table lists every rank; beyond, the named ones only.
 _ALL_RANKS_UP_TO = 64
@@ -67,6 +69,7 @@ def stragglers(
     """Name slow ranks: per rank, predicted share vs measured compute, waiting, and a verdict
     (slow_gpu, slow_host, slow_input, slow_link, layout_floor, data_imbalance or ok)."""
     path = single_run(plans)
+    _show_incident(path, as_json)
     figures, count, skipped = _measured_figures(path, window or None)
     if skipped:
         # On stderr, so that --json stays one document.
@@ -94,6 +97,22 @@ def stragglers(
     console = Console(highlight=False, width=max(Console().width, 110))
     console.print(_table(report), _summary(report, len(figures)))
     console.print(f"what a step lost (--loss per step): {describe_loss(summarise(losses))}")
+
+
+def _show_incident(path: Path, as_json: bool) -> None:
+    """The run's failed step, if it has one, first (on stderr under --json, which stays
+    one document)."""
+    try:
+        incident = run_incident(path)
+    except KnapformerError as err:
+        print(f"the run's incident cannot be read: {err}", file=sys.stderr)
+        return
+    if incident is None:
+        return
+    if as_json:
+        print(incident.headline(), file=sys.stderr)
+    else:
+        Console(highlight=False, soft_wrap=True).print(incident.headline(), style="bold red")
 
 
 def _measured_figures(

@@ -16,7 +16,10 @@ A step runs from one ``plan_routing`` call to the next. Its phases, by who times
   the data wait, host work, the optimizer and ``untimed``), on the CPU ``descheduled``
   (the thread ready to compute but waiting for a core) and ``untimed`` (the step's wall
   time inside no timed phase: Python between the loop's phases; derived when the loop
-  times its ``forward_backward`` as a block, which then holds the compute).
+  times its ``forward_backward`` as a block, which then holds the compute);
+- the step journal's (`knapformer.runtime.journal`, `JOURNAL_PHASES`): every collective
+  of the balancer by the phase it serves, plus ``plan_ahead`` (the plan-ahead thread's
+  gathers), ``gather_sequences`` (per-sequence rows), ``finish`` and ``close``.
 
 docs/concepts.md ("Measured times") explains how they add up to a step.
 """
@@ -46,6 +49,10 @@ STEP = "step"
 COMPUTE = "compute"
 DESCHEDULED = "descheduled"
 UNTIMED = "untimed"
+PLAN_AHEAD = "plan_ahead"
+GATHER_SEQUENCES = "gather_sequences"
+FINISH = "finish"
+CLOSE = "close"
 
 # ------------------------------------------------------------------------ the groups
 #: What `SequenceBalancer` times itself, in the order a step runs them.
@@ -88,6 +95,15 @@ RECORDED_PHASES = (
 #: the parts of a step that are mostly compute, and the whole step (routing and waiting
 #: included) only when nothing better was measured.
 COMPUTE_PHASES = (COMPUTE, FORWARD_BACKWARD, "forward", "attn", STEP)
+
+#: What the step journal names each balancer collective by, in the order a step runs
+#: them (`knapformer.runtime.journal`; an incident names one of them). ``gather``: the
+#: step's all-gathers on the training thread; ``plan_ahead``: the same on the plan-ahead
+#: thread; ``close``: the wait for every rank at `SequenceBalancer.close`.
+JOURNAL_PHASES = (
+    GATHER, PLAN_AHEAD, PROBE, ROUTE, GATHER_SEQUENCES, PRE_ATTN, POST_ATTN, REVERSE_ROUTE,
+    ALLREDUCE, FINISH, CLOSE,
+)  # fmt: skip
 
 # ----------------------------------------------------------------- how a step nests
 #: Phases that hold others when those fit inside them (a trace draws them nested).

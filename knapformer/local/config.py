@@ -36,6 +36,42 @@ MAX_HEADS = 64  # heads the topology may ask for (a multiple of every bag size)
 #: Where an injected slow rank loses its time (`knapformer.local.slowdown`).
 SLOW_KINDS = ("gpu", "host", "gc", "input", "link")
 MAX_SEED = 2**63 - 1  # numpy's seed sequence takes non-negative ints, torch's 64-bit ones
+#: What an injected fault does (`knapformer.local.faults`), and where in a step it strikes.
+FAIL_KINDS = ("raise", "stall", "kill", "shape")
+FAIL_PHASES = (
+    "plan", "plan_ahead", "probe", "route", "forward", "pre_attn", "post_attn",
+    "reverse_route", "gather_sequences", "allreduce",
+)  # fmt: skip
+#: Where a ``shape`` fault can give a tensor of the wrong shape.
+SHAPE_PHASES = ("route", "pre_attn", "post_attn", "gather_sequences")
+MAX_GROUP_TIMEOUT_S = 3600.0
+
+
+@dataclass(frozen=True)
+class Fault:
+    """Rank ``rank`` does ``kind`` (`FAIL_KINDS`) at step ``step``, in ``phase``
+    (`FAIL_PHASES`); checked when made."""
+
+    rank: int
+    kind: str = "raise"
+    step: int = 3
+    phase: str = "forward"
+
+    def __post_init__(self) -> None:
+        check_choice("fail_kind", self.kind, FAIL_KINDS)
+        check_choice("fail_phase", self.phase, FAIL_PHASES)
+        if self.kind == "shape" and self.phase not in SHAPE_PHASES:
+            raise OptionError(
+                f"`fail_kind` shape gives a tensor of another shape in {', '.join(SHAPE_PHASES)}, "
+                f"not in {self.phase}"
+            )
+        check_count(self.step, MAX_STEP, "`fail_step`")
+
+
+def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    """An `OptionError` naming option ``name`` unless ``value`` is one of ``choices``."""
+    if value not in choices:
+        raise OptionError(f"unknown `{name}` {value!r}; choose one of {', '.join(choices)}")
 
 
 def _option(default: Any, help: str, shown: str | None = None) -> Any:
@@ -109,6 +145,15 @@ class DemoConfig:
         "measured compute",
     )
     plan_ahead: bool = _option(False, "gather and plan each next step on a side channel")
+    fail_rank: int | None = _option(None, "make this rank fail (see --fail-kind)")
+    fail_kind: str = _option("raise", "raise, stall, kill or shape")
+    fail_step: int = _option(3, "the step --fail-rank fails at")
+    fail_phase: str = _option(
+        "forward",
+        "plan, plan_ahead, probe, route, forward (after route), pre_attn, post_attn, "
+        "reverse_route, allreduce",
+    )
+    group_timeout: float = _option(120.0, "a collective's timeout (s)")
     profile: Path | None = _option(  # noqa: RUF009 (None or an immutable Path)
         None,
         "write a torch.profiler trace of every worker's training loop to this folder (the "
@@ -143,16 +188,47 @@ class DemoConfig:
             )
         if not (math.isfinite(self.slow_factor) and self.slow_factor >= 1):
             raise OptionError(f"`slow_factor` must be a number >= 1, got {self.slow_factor}")
-        if self.slow_kind not in SLOW_KINDS:
-            raise OptionError(
-                f"unknown `slow_kind` {self.slow_kind!r}; choose one of {', '.join(SLOW_KINDS)}"
-            )
-        if self.cost_model not in COST_MODELS:
-            raise OptionError(
-                f"unknown `cost_model` {self.cost_model!r}; choose one of {', '.join(COST_MODELS)}"
-            )
+        check_choice("slow_kind", self.slow_kind, SLOW_KINDS)
+        check_choice("cost_model", self.cost_model, COST_MODELS)
         if not self.run.strip():
             raise OptionError("`run` must name the run, got an empty name")
+        timeout = self.group_timeout
+        if not (math.isfinite(timeout) and 1 <= timeout <= MAX_GROUP_TIMEOUT_S):
+            raise OptionError(
+                f"`group_timeout` must be a number of seconds in [1, {MAX_GROUP_TIMEOUT_S:g}], "
+                f"got {self.group_timeout}"
+            )
+        if self.fail_rank is not None:
+            self._check_fault()
+
+    def _check_fault(self) -> None:
+        if not 0 <= self.fail_rank < self.world_size:
+            raise OptionError(
+                f"`fail_rank` {self.fail_rank} is not a rank of the world "
+                f"(0..{self.world_size - 1})"
+            )
+        fault = self.fault  # checks kind, phase and step
+        if fault.phase == "gather_sequences":
+            raise OptionError(
+                "`fail_phase` gather_sequences: the demo's model has no per-sequence rows"
+            )
+        if fault.phase == "plan_ahead" and not self.plan_ahead:
+            raise OptionError("`fail_phase` plan_ahead needs `plan_ahead`")
+        every = self.link_probe_every
+        if fault.phase == "probe" and (every == 0 or fault.step % every):
+            raise OptionError(
+                f"`fail_phase` probe at `fail_step` {fault.step}: the link probe runs every "
+                f"{every or 'no'} step(s) (`link_probe_every`)"
+            )
+        if self.steps and fault.step >= self.steps:
+            raise OptionError(f"`fail_step` {fault.step} is beyond the run's {self.steps} steps")
+
+    @cached_property
+    def fault(self) -> Fault | None:
+        """The injected fault (None: none)."""
+        if self.fail_rank is None:
+            return None
+        return Fault(self.fail_rank, self.fail_kind, self.fail_step, self.fail_phase)
 
     @property
     def auto(self) -> bool:

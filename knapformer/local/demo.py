@@ -14,6 +14,9 @@ the ``data`` phase) or inside its token exchanges (``link``). Its peers wait for
 the balancer's measurements show where the slow rank's time went and their waiting.
 ``cost_model="history"`` makes the balancer learn the speeds and give the slow rank less
 work; ``plan_ahead`` prefetches each next step's plan while the current one trains.
+``fault`` (``--fail-rank``, `knapformer.local.faults`) makes one rank raise, stall, die or
+give a tensor of the wrong shape at one step: every other rank names it, and the run's
+``incident.json`` records it.
 
 Stopping: `knapformer.local.launcher` owns the workers. Ctrl-C (SIGINT) reaches the
 launcher, which sets the stop flag: the workers carry it in their gradient all-reduce, so
@@ -30,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from knapformer.contract.incident import remove_incident
 from knapformer.contract.phases import DATA, FORWARD_BACKWARD, HOST, OPTIMIZER
 from knapformer.contract.runfiles import plans_file, remove_recording
 from knapformer.contract.stats import summary_line
@@ -51,6 +55,7 @@ from knapformer.local.launcher import (
     send,
     stop_requested,
 )
+from knapformer.runtime.roll_call import ANSWER_S
 
 # The configuration lives in the torch-free knapformer.local.config; its names are
 # importable from here as well.
@@ -100,9 +105,9 @@ def format_report(r: StepReport) -> str:
 
 # ------------------------------------------------------------------------ launcher
 def prepare_out(cfg: DemoConfig) -> None:
-    """Create the output folder and, when recording, remove an earlier recording there
-    (its steps restart at 0: a fresh file). Call it before serving the folder, so that a
-    reader never sees the old run (`run_demo` calls it too)."""
+    """Create the output folder and remove an earlier run's incident and, when recording,
+    its recording (its steps restart at 0: a fresh file). Call it before serving the
+    folder, so that a reader never sees the old run (`run_demo` calls it too)."""
     out = Path(cfg.out)  # cfg checked itself when it was made
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -110,6 +115,7 @@ def prepare_out(cfg: DemoConfig) -> None:
         raise file_error(out, err, "cannot create the folder") from err
     if cfg.record:
         remove_recording(plans_file(out))
+    remove_incident(out)  # an earlier run's failure is not this one's
 
 
 def run_demo(
@@ -137,9 +143,12 @@ def run_demo(
         (cfg,),
         on_message=relay,
         on_start=on_start,
-        stall_s=_STALL_S,
+        # The balancers name a rank that stalls within their timeout: let them say it.
+        stall_s=max(_STALL_S, cfg.group_timeout + ANSWER_S + 10),
         grace_s=_GRACE_S,
         preload=TRAINING_PRELOAD,
+        group_timeout_s=cfg.group_timeout,
+        settle_s=ANSWER_S + 5,
     )
     return reports
 
@@ -181,14 +190,18 @@ def train(
     options["time_gc"] = True  # workers leave by the launcher's flag, not by Ctrl-C
     if cfg.auto:
         options["node_size"] = cfg.node_size
+    kind: type[SequenceBalancer] = SequenceBalancer
     if cfg.slow_rank == rank:
         from knapformer.local.slowdown import SlowBalancer
 
-        balancer = SlowBalancer(
-            topo, slow_factor=cfg.slow_factor, slow_kind=cfg.slow_kind, **options
-        )
-    else:
-        balancer = SequenceBalancer(topo, **options)
+        kind = SlowBalancer
+        options |= {"slow_factor": cfg.slow_factor, "slow_kind": cfg.slow_kind}
+    if cfg.fault is not None and cfg.fault.rank == rank:
+        from knapformer.local.faults import faulty
+
+        kind = faulty(kind)
+        options["fault"] = cfg.fault
+    balancer = kind(topo, **options)
 
     def batch(step: int):
         rng = np.random.default_rng([cfg.seed, step, rank])

@@ -8,8 +8,10 @@ interpreter importing it costs seconds; up to 64 workers share a few cores) and
 file in a fresh folder, not a TCP port (no race for a free port).
 
 The first worker to die or raise stops the rest (SIGTERM, grace, SIGKILL) and is named
-once: a rank that died without raising, else the one whose exception came first; its
-peers, failing in their next collective because of it, print nothing. When the world
+once: a rank that died without raising, else the rank its peers' balancers named
+(`knapformer.errors.CollectiveFailure`, a rank that stalled), else the one whose
+exception came first; its peers, failing in their next collective because of it, print
+nothing. When the world
 stops progressing, the rank whose heartbeat thread went quiet (stopped, or holding the
 GIL), or else the one behind in the steps workers report, is named, not a peer whose
 collective timed out. Ctrl-C or SIGTERM sets a stop flag, so that workers can leave
@@ -60,11 +62,15 @@ _SETTLE_S = 1.0  # after a failure, time for the peers' follow-on failures to sh
 
 class WorkerFailed(RuntimeError):
     """A worker died, raised or stalled: ``rank`` (None: no single one to blame), ``what``
-    happened to it, and ``traceback``, the exception's if it raised."""
+    happened to it, and ``traceback``, the exception's if it raised. ``failures``: every
+    rank that raised, and what (``ExceptionType: first line``); ``results``: what the
+    ranks that returned returned, by rank."""
 
     def __init__(self, rank: int | None, what: str, traceback: str | None = None) -> None:
         super().__init__(f"the workers {what}" if rank is None else f"worker rank {rank} {what}")
         self.rank, self.what, self.traceback = rank, what, traceback
+        self.failures: dict[int, str] = {}
+        self.results: dict[int, Any] = {}
         if traceback:
             self.add_note(f"traceback of worker rank {rank}:\n{traceback.rstrip()}")
 
@@ -137,6 +143,7 @@ def launch(
     backend: str = "gloo",
     group_timeout_s: float = 120.0,
     workdir: Path | None = None,  # where the run's fresh folder goes (default: temp)
+    settle_s: float = _SETTLE_S,
 ) -> list[Any]:
     """``fn(rank, world, *args)`` (importable by name) on ``world`` processes in a
     ``backend`` group; returns what each rank returned, by rank.
@@ -145,7 +152,9 @@ def launch(
     have started. Raises `WorkerFailed` naming the rank that died or raised, or that is to
     blame when none progressed for ``stall_s`` or at ``deadline_s``; ``KeyboardInterrupt``
     on Ctrl-C or SIGTERM, after ``grace_s`` for the workers to see `stop_requested`. Either
-    way all are stopped (SIGTERM, SIGKILL after ``grace_s``). ``start_method``:
+    way all are stopped (SIGTERM, SIGKILL after ``grace_s``), the survivors of a failure
+    once they have ended or ``settle_s`` has passed (time for their balancers to name the
+    failed rank). ``start_method``:
     ``"forkserver"`` forks a server that imported ``preload``; ``"fork"`` forks this
     process, patches included (unsafe once it ran OpenMP threads); else ``"spawn"``.
     """
@@ -166,7 +175,7 @@ def launch(
                     ).processes
                 if on_start is not None:
                     on_start()
-                _supervise(procs, link, on_message, deadline_s, stall_s)
+                _supervise(procs, link, on_message, deadline_s, stall_s, settle_s)
             except KeyboardInterrupt:
                 link.stop.set()
                 with ignoring_sigint():
@@ -195,7 +204,7 @@ def _context(start_method: str, preload: Sequence[str]) -> Any:
     return ctx
 
 
-def _supervise(procs, link: _Link, on_message, deadline_s, stall_s) -> None:
+def _supervise(procs, link: _Link, on_message, deadline_s, stall_s, settle_s) -> None:
     """Relay messages until every worker has returned; raise `WorkerFailed` at the first
     failure, at a stall someone is to blame for, or at the deadline."""
     started = moved = time.monotonic()
@@ -204,7 +213,7 @@ def _supervise(procs, link: _Link, on_message, deadline_s, stall_s) -> None:
         _relay(link, on_message, _TICK_S)
         codes = [p.exitcode for p in procs]
         if any(code not in (None, 0) for code in codes):
-            raise _failure(procs, link, codes)
+            raise _failure(procs, link, codes, settle_s, on_message)
         if None not in codes:
             return _relay(link, on_message, 0)  # what they sent just before returning
         now = time.monotonic()
@@ -233,21 +242,47 @@ def _relay(link: _Link, on_message, wait_s: float) -> None:
             rank, message = link.messages.get(0)
 
 
-def _failure(procs, link: _Link, first_codes: list[int | None]) -> WorkerFailed:
-    """Peers of a failed rank fail in their next collective within moments: let them
-    settle, then blame the first rank that died without raising (a signal, ``os._exit``;
-    its peers raise), else the rank whose exception came first."""
-    until = time.monotonic() + _SETTLE_S
+def _failure(
+    procs, link: _Link, first_codes: list[int | None], settle_s: float, on_message
+) -> WorkerFailed:
+    """Peers of a failed rank fail in their next collective within moments (or name it,
+    within ``settle_s``): let them settle, then blame the first rank that died without
+    raising (a signal, ``os._exit``; its peers raise), else the rank its peers named,
+    else the rank whose exception came first."""
+    until = time.monotonic() + settle_s
     while time.monotonic() < until and any(p.exitcode is None for p in procs):
-        time.sleep(_TICK_S / 2)
+        _relay(link, on_message, _TICK_S / 2)
     failed = [rank for rank, p in enumerate(procs) if p.exitcode not in (None, 0)]
     raised = {
         r: _load(link.path("failure", r)) for r in failed if os.path.exists(link.path("failure", r))
     }
     died = sorted(set(failed) - set(raised), key=lambda r: (first_codes[r] is None, r))
+    err = _blame(procs, raised, died)
+    err.failures = {r: raised[r][1] for r in sorted(raised)}
+    err.results = {
+        r: _load(link.path("result", r))
+        for r in range(len(procs))
+        if os.path.exists(link.path("result", r))
+    }
+    return err
+
+
+def _blame(procs, raised: dict[int, tuple], died: list[int]) -> WorkerFailed:
+    """Whom to name (`_failure`): ``raised`` holds each raising rank's (time, summary,
+    traceback, the culprits its balancer named)."""
     if not died:
-        rank = min(raised, key=lambda r: raised[r][0])
-        return WorkerFailed(rank, f"raised {raised[rank][1]}", raised[rank][2])
+        named: dict[int, list[int]] = {}
+        for r, failure in sorted(raised.items()):
+            for culprit in failure[3]:
+                named.setdefault(culprit, []).append(r)
+        first = min(raised, key=lambda r: raised[r][0])
+        if named and first not in named:
+            culprit = max(named, key=lambda c: (len(named[c]), -c))
+            who = named[culprit]
+            says = raised[who[0]][1].removeprefix("CollectiveFailure: ")
+            whose = f"rank{'s' if len(who) > 1 else ''} {', '.join(map(str, who))}"
+            return WorkerFailed(culprit, f"was named by {whose}: {says}")
+        return WorkerFailed(first, f"raised {raised[first][1]}", raised[first][2])
     code = procs[died[0]].exitcode
     if code > 0:
         return WorkerFailed(died[0], f"exited with code {code}")
@@ -370,7 +405,8 @@ def _run_rank(rank: int, fn: Callable[..., Any], args: tuple, link: _Link) -> No
         failed_at, line = time.time(), str(err).strip().partition("\n")[0]
         with open(link.path("failure", rank), "wb") as f:
             summary = f"{type(err).__name__}: {line}" if line else type(err).__name__
-            pickle.dump((failed_at, summary, traceback.format_exc()), f)
+            culprits = list(getattr(err, "culprits", None) or [])
+            pickle.dump((failed_at, summary, traceback.format_exc(), culprits), f)
         sys.exit(1)  # quietly: the launcher names the rank that failed first
 
 

@@ -22,14 +22,24 @@ tensors. The balancer is a coordinator: the process groups are a `BalanceGroups`
 synchronous, or ahead on a background thread), the exchanges are the router's
 (`knapformer.runtime.router`), the timings the timer's (`knapformer.runtime.timing`).
 
+Options: ``SequenceBalancer(topology, **options)`` or ``SequenceBalancer(BalancerConfig(...))``
+(`knapformer.runtime.balancer_config`, which says what each option does).
+
 Every rank must agree, and the balancer makes sure they do, collectively, so that a
 mistake on one rank makes every rank raise `KnapformerError` rather than some wait in a
 collective for a peer that already left (or gloo abort on a size mismatch): the
 constructor's options (`knapformer.runtime.agreement`), ``plan_routing``'s arguments
-(`knapformer.runtime.gather`), the width and dtype of what is routed
-(`knapformer.runtime.router.check_same_rows`). Every sub-group it creates and every wait
-it makes inherits the process group's timeout. Balance groups are consecutive ranks; a
-world of k x (topology GPUs) ranks holds k replicas, each balanced on its own.
+(`knapformer.runtime.gather`), the rows, heads and per-sequence rows of every exchange
+(`knapformer.runtime.layouts`). Every sub-group it creates and every wait it makes
+inherits the process group's timeout. Balance groups are consecutive ranks; a world of
+k x (topology GPUs) ranks holds k replicas, each balanced on its own.
+
+When a rank fails anyway (raises in its forward, stalls, dies), every surviving rank
+raises one `knapformer.errors.CollectiveFailure` naming it, the step, the phase and the
+bag, within the group's timeout plus a few seconds: each rank journals its collectives
+(`knapformer.runtime.journal`) and, when one fails, asks the others where they are
+through the process group's store (`knapformer.runtime.roll_call`); the incident and the
+journals are written beside the recorder's plans.
 
 Per-step topology (``topology="auto"``): the process group is one balance group cut into
 nodes of ``node_size`` ranks, and each step's plan chooses a partition into aligned groups
@@ -58,35 +68,39 @@ In a ``torch.profiler`` trace the phases are named (`knapformer.runtime.marks`).
 
 from __future__ import annotations
 
-import math
+import inspect
 import sys
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from functools import partial
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from functools import partial, wraps
+from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from knapformer.contract.phases import (
+    ALLREDUCE,
     COLLECTIVE_PHASES,
-    DERIVED_PHASES,
     DEVICE_PHASES,
+    GATHER_SEQUENCES,
     OPTIMIZER,
     PLAN,
+    POST_ATTN,
+    PRE_ATTN,
+    PROBE,
 )
 from knapformer.contract.plan import RoutingPlan
-from knapformer.contract.topology import Topology, as_topology
+from knapformer.contract.topology import Topology
 from knapformer.errors import KnapformerError
 from knapformer.planning.communication import CommModel
-from knapformer.planning.history import COST_MODELS, SpeedHistory
-from knapformer.planning.partitions import DEFAULT_GROUP_SIZES, allowed_sizes
-from knapformer.planning.planner import AUTO, check_solver, check_speed
-from knapformer.planning.workload import WorkloadModel
-from knapformer.runtime import conditioning, marks
-from knapformer.runtime.agreement import agree_on_options
+from knapformer.planning.history import SpeedHistory
+from knapformer.planning.partitions import DEFAULT_GROUP_SIZES
+from knapformer.runtime import conditioning, marks, ulysses
+from knapformer.runtime.agreement import agree_on_config
+from knapformer.runtime.balancer_config import BalancerConfig, PlannerOptions, check_added_phase
+from knapformer.runtime.blame import FAILED
 from knapformer.runtime.gather import (  # GatherHead and the two tuples are re-exported
     GATHERING_CALLS,
     LOCAL_CHECKS,
@@ -94,98 +108,73 @@ from knapformer.runtime.gather import (  # GatherHead and the two tuples are re-
     StepRequest,
 )
 from knapformer.runtime.groups import BalanceGroups, BalanceLayout, group_device
-from knapformer.runtime.link_probe import (
-    DEFAULT_PROBE_BYTES,
-    DEFAULT_PROBE_ROUNDS,
-    LinkProber,
-    check_probe_options,
-)
+from knapformer.runtime.journal import Journal, plan_hash
+from knapformer.runtime.layouts import check_same_heads, check_same_rows, check_same_sequences
+from knapformer.runtime.link_probe import DEFAULT_PROBE_BYTES, DEFAULT_PROBE_ROUNDS, LinkProber
+from knapformer.runtime.roll_call import RollCall
 from knapformer.runtime.router import (
-    BagTables,
     Features,
     Group,
     RoutingTables,
     check_rows,
-    check_same_rows,
     exchange,
     flatten_features,
     unflatten_features,
 )
-from knapformer.runtime.step_paths import (
-    AheadPath,
-    AutoOptions,
-    PlannerOptions,
-    StepPath,
-    StepPlanner,
-    SyncPath,
-)
+from knapformer.runtime.step_paths import AheadPath, StepPath, StepPlanner, SyncPath
 from knapformer.runtime.timing import GatheredStep, StepTimer, cpu_clock_ms
 
-__all__ = ["GATHERING_CALLS", "LOCAL_CHECKS", "GatherHead", "SequenceBalancer"]
+__all__ = ["GATHERING_CALLS", "LOCAL_CHECKS", "BalancerConfig", "GatherHead", "SequenceBalancer"]
 
 # What holds the rows of a tensor given to route / reverse_route, pre_attn, post_attn.
 _LOCAL_ROWS = "the sequence lengths given to plan_routing"
 _CHUNK_ROWS = "the chunks routed to this rank"
 
 
+def _call(name: str) -> Callable:
+    """Journal that the training thread is inside the balancer's call ``name`` while the
+    method runs: left set when it raises, so that the rank can say where."""
+
+    def decorate(method: Callable) -> Callable:
+        @wraps(method)
+        def journaled(self: SequenceBalancer, *args: Any, **kwargs: Any) -> Any:
+            self.journal.call = name
+            result = method(self, *args, **kwargs)
+            self.journal.call = None
+            return result
+
+        return journaled
+
+    return decorate
+
+
 class SequenceBalancer:
     """Balances packed sequences across the GPUs of a balance group.
 
     Args:
-        topology: compute bags, e.g. ``"g1n2+g2n1+g4n1"`` (or a `Topology`); ``"auto"``:
-            every step's plan chooses them (aligned groups of ``group_sizes``, see below),
-            over one balance group of every rank of ``process_group``.
-        gamma: attention weight of the workload model.
-        solver: ``"knapformer"`` (default) or ``"greedy"``.
+        topology: compute bags, e.g. ``"g1n2+g2n1+g4n1"`` (or a `Topology`), ``"auto"``
+            (every step's plan chooses them), or a whole `BalancerConfig`, which then
+            holds every option below but ``process_group`` and ``recorder``.
         process_group: the group to balance (default: WORLD). Sub-groups are created with
             ``torch.distributed.new_group``, so every rank of the default group must
             construct the balancer at the same point, with the same options: ranks that
             differ all raise `KnapformerError` naming the option.
-        max_tokens_per_gpu: optional hard cap on tokens per GPU after routing.
         recorder: optional sink for finished plans (e.g. ``knapformer.PlanRecorder``):
             ``record(plan)`` gets each plan once every rank's measurements of its step
             are attached, ``close()`` is called by `close`; if it has ``wants(plan)``, only
-            plans it wants are held back for their measurements.
-        run: run name stored in every plan.
-        cost_model: ``"modelled"`` (default): the workload model, with ``gpu_speed`` if
-            given; ``"history"``: every GPU's speed learnt from its measured compute
-            (`knapformer.planning.history`), recorded in each plan's ``gpu_speed``.
-        gpu_speed: fixed relative speed of each GPU of the balance group (replay uses the
-            recorded ones); not with ``"history"``.
-        time_scale: ms per workload unit (from ``knapformer calibrate``): workloads, and
-            every view of the plans, are then milliseconds.
-        plan_ahead: gather and plan on a background thread over a gloo group of its own
-            (see `prefetch`).
-        phases: timing phases to gather besides `knapformer.contract.phases.RECORDED_PHASES`
-            (what you add with `add_timing`); the same on every rank.
-        node_size: ``"auto"`` only: ranks per node (default: ``comm``'s, 8); a group never
-            crosses a node unless ``cross_node``.
-        group_sizes, min_group, max_group: ``"auto"`` only: the allowed group sizes (powers
-            of two) and bounds on them (``min_group=4``: no bag smaller than 4 GPUs).
-        cross_node: ``"auto"`` only: allow sizes above ``node_size`` (whole nodes).
-        comm: ``"auto"`` only: the `CommModel` (or a cluster name of
-            `knapformer.planning.communication.CLUSTERS`) that prices communication.
-        link_probe_every: every this many steps (0: never, the default), time a short
-            exchange between pairs of ranks, a pair at a time per rank
-            (`knapformer.runtime.link_probe`), and store it in the plan: it is what lets
-            ``knapformer stragglers`` name the rank whose link is slow. Costs a barrier
-            and a few exchanges per round.
-        link_probe_bytes: bytes each way per probed exchange (default 8 MiB).
-        link_probe_rounds: rounds per probe (default 7: each pair of 8 ranks once); a
-            larger group is covered over several probes.
-        time_gc: record the time Python's garbage collector holds the process as the
-            ``gc`` phase, host work: a rank slowed by long collections is then
-            ``slow_host``, not ``slow_gpu``. A collection inside the balancer's
-            collectives or a host phase timed with `timed` stays in that phase; one in a
-            phase you time yourself and pass to `add_timing` counts in both. Off by
-            default: while on, a signal whose Python handler raises (Ctrl-C's
-            ``KeyboardInterrupt``) is lost if it arrives during a collection
-            (`knapformer.runtime.gc_clock`).
+            plans it wants are held back for their measurements. A failed step's incident
+            and the ranks' journals are written in the folder of its ``path``.
+        gamma, solver, max_tokens_per_gpu, run, cost_model, gpu_speed, time_scale,
+        plan_ahead, phases, time_gc: the options of `BalancerConfig` of those names.
+        node_size, group_sizes, min_group, max_group, cross_node, comm: ``"auto"`` only,
+            `BalancerConfig.auto` (an `AutoTopology`).
+        link_probe_every, link_probe_bytes, link_probe_rounds: `BalancerConfig.link_probe`
+            (a `LinkProbeOptions`: ``every``, ``bytes``, ``rounds``).
     """
 
     def __init__(
         self,
-        topology: Topology | str,
+        topology: Topology | str | BalancerConfig,
         gamma: float = 0.4,
         solver: str = "knapformer",
         process_group: Group = None,
@@ -214,56 +203,75 @@ class SequenceBalancer:
                 "SequenceBalancer needs torch.distributed: call "
                 "torch.distributed.init_process_group(...) first"
             )
-        rank, phases = dist.get_rank(), tuple(phases)
+        rank = dist.get_rank()
         if process_group is None or process_group == dist.group.WORLD:
             parent_ranks = tuple(range(dist.get_world_size()))
         else:
             parent_ranks = tuple(dist.get_process_group_ranks(process_group))
-        # Checked here without raising, then with every rank (before any sub-group is
-        # made): a mistake on one rank, or ranks that differ, fail every rank alike.
         given = dict(
-            topology=topology, gamma=gamma, solver=solver, max_tokens_per_gpu=max_tokens_per_gpu,
-            cost_model=cost_model, gpu_speed=gpu_speed, time_scale=time_scale, phases=phases,
-            node_size=node_size, group_sizes=tuple(group_sizes), min_group=min_group,
-            max_group=max_group, cross_node=cross_node, comm=comm,
-            link_probe_every=link_probe_every, link_probe_bytes=link_probe_bytes,
-            link_probe_rounds=link_probe_rounds,
+            gamma=gamma, solver=solver, max_tokens_per_gpu=max_tokens_per_gpu, run=run,
+            cost_model=cost_model, gpu_speed=gpu_speed, time_scale=time_scale,
+            plan_ahead=plan_ahead, phases=tuple(phases), node_size=node_size,
+            group_sizes=tuple(group_sizes), min_group=min_group, max_group=max_group,
+            cross_node=cross_node, comm=comm, link_probe_every=link_probe_every,
+            link_probe_bytes=link_probe_bytes, link_probe_rounds=link_probe_rounds,
+            time_gc=time_gc,
         )  # fmt: skip
-        problem = None
-        try:
-            options, layout = _checked_options(given, run, parent_ranks, rank)
-        except KnapformerError as err:
-            problem = err
-        shared = {name: _shown(value) for name, value in given.items()}
-        shared |= {"plan_ahead": bool(plan_ahead), "process_group ranks": list(parent_ranks)}
         device = group_device(process_group)
-        agree_on_options(shared, problem, process_group, parent_ranks, device)
+        config, options, layout, uid = agree_on_config(
+            topology, given, _KEYWORD_DEFAULTS, process_group, parent_ranks, rank, device
+        )
+        self._parent_group: Group = process_group
+        self._parent_ranks = list(parent_ranks)
+        self.rank: int = rank
+        self.device = device  # NCCL moves CUDA tensors only; everything else runs on the CPU
+        self._build(config, options, layout, uid, recorder)
 
+    def _build(
+        self,
+        config: BalancerConfig,
+        options: PlannerOptions,
+        layout: BalanceLayout,
+        uid: int,
+        recorder: Any,
+    ) -> None:
+        """Make the balancer's parts once every rank agreed on ``config``: its groups
+        (collective), timer, journal and roll call, planning path and link prober."""
+        #: Every option, as one `BalancerConfig`.
+        self.config: BalancerConfig = config
         #: The `Topology`, or ``"auto"`` (each plan's ``topology`` is then its step's).
         self.topology: Topology | str = options.topology
-        self.auto: AutoOptions | None = options.auto
+        self.auto = config.auto
         self.gamma, self.solver, self.time_scale = options.gamma, options.solver, options.time_scale
-        self.max_tokens_per_gpu, self.run = max_tokens_per_gpu, run
-        self.recorder, self.cost_model = recorder, cost_model
-        self.rank: int = rank
-        self._parent_group: Group = process_group
-        self.groups = BalanceGroups.create(layout, process_group, plan_ahead)
-        self.device = device  # NCCL moves CUDA tensors only; everything else runs on the CPU
+        self.max_tokens_per_gpu, self.run = config.max_tokens_per_gpu, config.run
+        self.recorder, self.cost_model = recorder, config.cost_model
+        self.groups = BalanceGroups.create(layout, self._parent_group, config.plan_ahead)
 
         self.step: int = -1  # -1 until the first plan_routing
         self.last_plan: RoutingPlan | None = None
         self.tables: RoutingTables | None = None
+        self._my_bag: tuple[int, list[int]] = (-1, [self.rank])  # the plan's bag of this rank
+        self._sequences: tuple[RoutingTables, conditioning.SequenceTables] | None = None
         #: Every rank's timings of the latest step whose measurements arrived.
         self.last_gathered: GatheredStep | None = None
-        self._timer = StepTimer(self.device, phases, time_gc)
+        self._timer = StepTimer(self.device, config.phases, config.time_gc)
         self.phases: tuple[str, ...] = self._timer.phases
         self._held: dict[int, RoutingPlan] = {}  # plans waiting for their measurements
-        history = SpeedHistory(layout.gpus_per_replica) if cost_model == "history" else None
-        planner = StepPlanner(options, self.groups, self.device, self._timer, self.phases, history)
-        self._path: StepPath = AheadPath(planner) if plan_ahead else SyncPath(planner)
+        #: This rank's step journal; the roll call that names a failed collective's culprits.
+        self.journal = Journal(self.rank, config.journal.size)
+        self._watch = RollCall(
+            self.journal, self.groups.group_ranks, uid, self.groups.timeout_s, config.run,
+            _run_folder(recorder), _group_names(self.groups), config.journal.answer_s,
+        )  # fmt: skip
+        history = SpeedHistory(layout.gpus_per_replica) if config.cost_model == "history" else None
+        planner = StepPlanner(
+            options, self.groups, self.device, self._timer, self.phases, history, self._watch
+        )
+        self._path: StepPath = AheadPath(planner) if config.plan_ahead else SyncPath(planner)
+        probe = config.link_probe
         self._prober = LinkProber(
-            self.groups.group, self.groups.group_ranks, device, link_probe_every,
-            link_probe_bytes, link_probe_rounds,
+            self.groups.group, self.groups.group_ranks, self.device, probe.every, probe.bytes,
+            probe.rounds,
         )  # fmt: skip
         self._planner = planner
         self._finished = False
@@ -286,10 +294,7 @@ class SequenceBalancer:
         rank alone before the first plan)."""
         if self.auto is None:
             return self.groups.my_bag
-        plan = self.last_plan
-        if plan is None:
-            return [self.rank]
-        return next(list(b) for b in plan.bags if self.rank in b)
+        return list(self._my_bag[1])
 
     @property
     def num_replicas(self) -> int:
@@ -315,7 +320,7 @@ class SequenceBalancer:
         the phases recorded by default, ``phases=`` adds more) to this step's timings;
         ``cpu_ms``: the training thread's CPU time in it, when known (`timed` measures
         both)."""
-        _check_added_phase(phase)
+        check_added_phase(phase)
         self._timer.add(phase, ms, cpu_ms)
 
     @contextmanager
@@ -335,7 +340,7 @@ class SequenceBalancer:
         outside the collectives, the data wait, host work and the optimizer
         (`knapformer.runtime.timing`); when ``forward_backward`` is timed as a block,
         the step's time inside no phase is ``untimed`` (on the CPU)."""
-        _check_added_phase(phase)
+        check_added_phase(phase)
         timer = self._timer.timed if phase in DEVICE_PHASES else self._timer.host_timed
         with timer(phase):
             yield
@@ -377,10 +382,16 @@ class SequenceBalancer:
         the balancer was given, i.e. the data-parallel gradient all-reduce), timed as the
         ``allreduce`` collective."""
         op = dist.ReduceOp.SUM if op is None else op
-        with self._timer.timed("allreduce"):
-            dist.all_reduce(tensor, op=op, group=self._parent_group if group is None else group)
+        self._require_open()
+        if group is None:
+            group, ranks = self._parent_group, self._parent_ranks
+        else:
+            ranks = dist.get_process_group_ranks(group)
+        with self._collective(ALLREDUCE, ranks=ranks):
+            dist.all_reduce(tensor, op=op, group=group)
 
     # --------------------------------------------------------------- planning
+    @_call("plan_routing")
     def plan_routing(
         self, local_seq_lens: Any, token_dim: int, packed_seqs: torch.Tensor | None = None
     ) -> RoutingPlan:
@@ -389,8 +400,7 @@ class SequenceBalancer:
         ``local_seq_lens``: this rank's sequence lengths (list, numpy array or tensor), in
         the order the sequences are packed. ``token_dim``: the model's hidden size, the
         same on every rank. ``packed_seqs`` (optional): the ``(T_local, ...)`` tensor this
-        rank will `route`; passing it checks its rows here, where a mismatch on one rank
-        makes every rank raise (in `route` the others would wait in the all-to-all).
+        rank will `route`; passing it checks its rows here.
         Returns the plan (also ``self.last_plan``); ``plan.measurements.plan_ms`` is this
         rank's time for the whole call.
 
@@ -412,7 +422,7 @@ class SequenceBalancer:
             request = StepRequest.of(local_seq_lens, token_dim, packed_seqs)
             planned, waited = self._path.plan(request, begin)
             plan = planned.plan
-            self.tables, self.last_plan, self.step = planned.tables, plan, plan.step
+            self._take(plan, planned.tables)
             elapsed = (time.perf_counter() - started) * 1e3 - waited
             plan.time = wall
             plan.measurements.plan_ms = elapsed  # what training paid: planning and the gather
@@ -420,11 +430,22 @@ class SequenceBalancer:
             self._timer.add(PLAN, elapsed, cpu_clock_ms() - cpu, outermost=True)
             self._timer.add("gather", planned.gather_ms, 0.0)  # its CPU time is the plan's
             if self._prober.due(plan.step):
-                with marks.mark(marks.PROBE), self._timer.timed("probe"):
+                with marks.mark(marks.PROBE), self._collective(PROBE):
                     plan.measurements.link_probe = self._prober.probe()
             self._record(planned.measured, plan)
         return plan
 
+    def _take(self, plan: RoutingPlan, tables: RoutingTables) -> None:
+        """Route the following calls by ``plan`` and its ``tables``."""
+        self.tables, self.last_plan = tables, plan
+        if plan.step is not None:
+            self.step = plan.step
+        bag = next(i for i, b in enumerate(plan.bags) if self.rank in b)
+        self._my_bag = (bag, [int(r) for r in plan.bags[bag]])
+        self.journal.start_step(self.step, plan_hash(plan))
+        self._watch.step_started()
+
+    @_call("prefetch")
     def prefetch(self, local_seq_lens: Any, token_dim: int, packed_seqs: Any = None) -> None:
         """Planning ahead: start gathering and planning the step with these arguments (the
         next `plan_routing` call's) in the background; returns at once. Collective over
@@ -439,14 +460,15 @@ class SequenceBalancer:
         makes). Local: every rank of the group must be given the same plan, whose GPUs are
         the group's ranks. Replay uses it to execute a recorded plan."""
         self._require_open()
-        self.tables = self._planner.tables(plan)
-        self.last_plan = plan
+        self._take(plan, self._planner.tables(plan))
 
+    @_call("finish")
     def finish(self) -> None:
         """Collective end of training (every rank of the group, right after the last step,
         before `close`): ends the last step and gathers the measurements not sent yet, so
         that the last plans are recorded with them. No `plan_routing` may follow. Without
-        it, `close` records those plans without their measurements."""
+        it, `close` records those plans without their measurements (on every rank alike:
+        a rank that closes without it while the others call it is named on all)."""
         self._require_open()
         if self._finished:
             return
@@ -456,6 +478,7 @@ class SequenceBalancer:
         for measured in self._path.finish():
             self._deliver(measured)
         self._finished = True
+        self._watch.finished = True
 
     # -------------------------------------------------------------- recording
     def _record(self, measured: GatheredStep | None, plan: RoutingPlan) -> None:
@@ -494,6 +517,10 @@ class SequenceBalancer:
     def _require_open(self) -> None:
         if self._closed:  # its sub-groups are destroyed
             raise RuntimeError("this SequenceBalancer is closed; create a new one")
+        if self._watch.state == FAILED:  # its groups are broken: no collective may follow
+            raise KnapformerError(
+                f"this SequenceBalancer failed ({self._watch.error}); close it and create a new one"
+            )
 
     def _require_training(self) -> None:
         self._require_open()
@@ -506,7 +533,20 @@ class SequenceBalancer:
             raise RuntimeError("call plan_routing(...) before routing tokens")
         return self.tables
 
+    @contextmanager
+    def _collective(self, phase: str, bag: int = -1, ranks: list[int] | None = None):
+        """One collective of ``phase`` (over ``ranks``, default the balance group): timed,
+        and journaled (its failure becomes the named `CollectiveFailure`)."""
+        with self._timer.timed(phase), self._watch.collective(phase, bag, ranks):
+            yield
+
+    def _in_bag(self, phase: str) -> Callable[[], AbstractContextManager]:
+        """`_collective` of ``phase`` in this rank's bag, as the router's timer."""
+        bag, ranks = self._my_bag
+        return partial(self._collective, phase, bag, ranks)
+
     # ---------------------------------------------------------------- routing
+    @_call("route")
     def route(
         self, packed_seqs: torch.Tensor, features: Features = None
     ) -> tuple[list[int], torch.Tensor, Features]:
@@ -524,6 +564,7 @@ class SequenceBalancer:
             moved = self._move("route", *rows, t.send_splits, t.recv_splits, pre_index=t.send_index)
         return list(t.chunk_lens), *moved
 
+    @_call("reverse_route")
     def reverse_route(
         self, seqs: torch.Tensor, features: Features = None
     ) -> tuple[list[int], torch.Tensor, Features]:
@@ -551,18 +592,19 @@ class SequenceBalancer:
         recv: list[int],
         **index: torch.Tensor,
     ) -> tuple[torch.Tensor, Features]:
-        """Check that ``x`` and its features have the ``rows`` rows ``holder`` holds, and
-        (with every rank) the same row layout as every rank's, then move them in one
-        all-to-all timed as ``phase``; ``index`` reorders the rows before sending
-        (``pre_index``) or after receiving (``post_index``)."""
-        tensors = _inputs(x, name, features, rows, holder)
-        timer = partial(self._timer.timed, phase)
-        with timer():
-            check_same_rows(phase, tensors, self.groups.host, self.group_ranks)
-        outs = exchange(tensors, send, recv, self.group, **index, timer=timer)
+        """Check, with every rank, that ``x`` and its features have the ``rows`` rows
+        ``holder`` holds and every rank's row layout, then move them in one all-to-all
+        timed as ``phase``; ``index`` reorders the rows before sending (``pre_index``) or
+        after receiving (``post_index``)."""
+        tensors, problem = _inputs(x, name, features, rows, holder)
+        collective = partial(self._collective, phase)
+        with collective():
+            check_same_rows(phase, tensors, problem, self.groups.host, self.group_ranks)
+        outs = exchange(tensors, send, recv, self.group, **index, timer=collective)
         return outs[0], unflatten_features(features, outs[1:])
 
     # -------------------------------------------------------------- attention
+    @_call("pre_attn")
     def pre_attn(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -571,49 +613,23 @@ class SequenceBalancer:
         ``q, k, v``: ``(T_chunks, H, D)`` from the routed tokens. In a bag of g > 1 GPUs
         returns ``(seq_lens, q, k, v)`` with ``(T_bag, H/g, D)``: the bag's whole
         sequences (lengths ``seq_lens``, what a varlen attention kernel needs) and this
-        GPU's share of the heads. A single-GPU bag returns its inputs unchanged.
+        GPU's share of the heads. A single-GPU bag returns its inputs unchanged. The bag
+        first checks, together, that its ranks give the same heads, head_dim and dtype.
         """
         t = self._require_tables()
-        for name, x in (("q", q), ("k", k), ("v", v)):
-            _check_heads_layout(name, x)
-            check_rows(name, x, t.num_chunk_tokens, _CHUNK_ROWS)
-        if not (q.shape == k.shape == v.shape and q.dtype == k.dtype == v.dtype):
-            raise KnapformerError(
-                f"q, k, v must share shape and dtype, got {tuple(q.shape)}/{q.dtype}, "
-                f"{tuple(k.shape)}/{k.dtype}, {tuple(v.shape)}/{v.dtype}"
-            )
-        heads = q.shape[1]
-        # Checked against every bag size a step may use so that all ranks fail together,
-        # not hang, and a head count that works for one step works for every step.
-        bad = [g for g in self.groups.layout.bag_sizes if heads % g]
-        if bad:
-            raise KnapformerError(
-                f"{heads} attention heads cannot be split evenly across bags of "
-                f"{max(bad)} GPUs (topology {self.topology}); use a head count divisible "
-                f"by every bag size"
-            )
+        sizes = self.groups.layout.bag_sizes
+        problem = ulysses.pre_attn_problem(q, k, v, t.num_chunk_tokens, sizes, self.topology)
         bag = t.bag
         if bag is None:
+            if problem is not None:
+                raise problem
             return list(t.chunk_lens), q, k, v
         with marks.mark(marks.PRE_ATTN):
-            return self._heads_to_sequences(bag, q, k, v)
-
-    def _heads_to_sequences(self, bag: BagTables, q, k, v):
-        """``q, k, v (T_chunks, H, D)`` -> ``(T_bag, H/g, D)`` each, in one exchange."""
-        rows, g, heads, dh = q.shape[0], bag.size, q.shape[1], q.shape[2]
-        x = torch.stack([q, k, v], dim=1).reshape(rows, 3, g, heads // g, dh)
-        x = x.permute(2, 0, 1, 3, 4).reshape(g * rows, 3, heads // g, dh)
-        (y,) = exchange(
-            [x],
-            [rows] * g,
-            bag.tokens_per_gpu,
-            bag.group,
-            post_index=bag.to_sequences,
-            timer=partial(self._timer.timed, "pre_attn"),
-        )
-        q2, k2, v2 = y.unbind(dim=1)
+            self._check_heads(PRE_ATTN, q, problem)
+            q2, k2, v2 = ulysses.heads_to_sequences(bag, q, k, v, self._in_bag(PRE_ATTN))
         return list(bag.seq_lens), q2, k2, v2
 
+    @_call("post_attn")
     def post_attn(self, out: torch.Tensor) -> tuple[list[int], torch.Tensor]:
         """Inverse of `pre_attn` for the attention output.
 
@@ -621,212 +637,161 @@ class SequenceBalancer:
         ``(chunk_lens, out (T_chunks, H, D))``.
         """
         t = self._require_tables()
-        _check_heads_layout("out", out)
         bag = t.bag
         if bag is None:
-            check_rows("out", out, t.num_chunk_tokens, _CHUNK_ROWS)
+            problem = ulysses.post_attn_problem(out, t.num_chunk_tokens, _CHUNK_ROWS)
+            if problem is not None:
+                raise problem
             return list(t.chunk_lens), out
-        check_rows("out", out, sum(bag.seq_lens), "the bag sequences from pre_attn")
+        rows = sum(bag.seq_lens)
+        problem = ulysses.post_attn_problem(out, rows, "the bag sequences from pre_attn")
         with marks.mark(marks.POST_ATTN):
-            return list(t.chunk_lens), self._sequences_to_heads(bag, out, t.num_chunk_tokens)
+            self._check_heads(POST_ATTN, out, problem)
+            back = ulysses.sequences_to_heads(bag, out, t.num_chunk_tokens, self._in_bag(POST_ATTN))
+        return list(t.chunk_lens), back
 
-    def _sequences_to_heads(self, bag: BagTables, out: torch.Tensor, rows: int) -> torch.Tensor:
-        """``out (T_bag, H/g, D)`` -> ``(rows = T_chunks, H, D)``, in one exchange."""
-        g = bag.size
-        (y,) = exchange(
-            [out],
-            bag.tokens_per_gpu,
-            [rows] * g,
-            bag.group,
-            pre_index=bag.from_sequences,
-            timer=partial(self._timer.timed, "post_attn"),
-        )
-        y = y.reshape(g, rows, *out.shape[1:]).permute(1, 0, 2, 3)
-        return y.reshape(rows, g * out.shape[1], out.shape[2])
+    def _check_heads(self, phase: str, x: torch.Tensor, problem: Exception | None) -> None:
+        """The bag's check, before its exchange, that its ranks' heads agree."""
+        ranks = self._my_bag[1]
+        with self._in_bag(phase)():
+            check_same_heads(phase, x, problem, self.groups.host_bag_group(ranks), ranks)
 
     # -------------------------------------------------------------- lifecycle
     def close(self) -> None:
         """Tear down (idempotent; the parent group is the caller's and is left alone):
 
-        1. let the plan-ahead thread finish what every rank submitted, then stop it;
-        2. hand the recorder the plans still waiting for measurements (without them: see
+        1. while an exception propagates (this rank's own, or its training loop's), tell
+           the other ranks what it raised, through the store (they name it);
+        2. let the plan-ahead thread finish what every rank submitted, then stop it;
+        3. hand the recorder the plans still waiting for measurements (without them: see
            `finish`) and close it;
-        3. wait for every rank of the balance group (a barrier), so that no collective of
-           the balancer is in flight anywhere when
-        4. the sub-groups are destroyed, the latest made first.
+        4. otherwise wait, through the process group's store, for every rank of the
+           balance group to close too, so that no collective of the balancer is in flight
+           anywhere when the sub-groups are destroyed: a rank that closes while the others
+           train (without `finish`) makes every rank raise `KnapformerError` naming it,
+           this one included;
+        5. destroy the sub-groups, the latest made first.
 
-        The barrier is skipped while an exception propagates (peers may be gone). Destroy
-        the default group after this, not before."""
+        Destroy the default group after this, not before."""
+        self._close(sys.exception())
+
+    def _close(self, err: BaseException | None) -> None:
         if self._closed:
             return
         self._closed = True
+        if err is not None:
+            self._watch.raised(err)  # first: the peers may be waiting to know
         self._timer.release()
-        side_ended = self._path.close()
-        if self.recorder is not None:
-            for step in sorted(self._held):
-                self.recorder.record(self._held.pop(step))
-            self.recorder.close()
-        if sys.exception() is None and dist.is_initialized():
-            with marks.wait("barrier"):
-                self.groups.barrier()
-        # A thread still in a collective whose peers are gone: destroying its group under
-        # it could crash the process; the daemon thread goes with the process.
-        self.groups.destroy(keep=() if side_ended else (self.groups.side,))
+        side_ended = True
+        try:
+            side_ended = self._path.close()
+            if self.recorder is not None:
+                for step in sorted(self._held):
+                    self.recorder.record(self._held.pop(step))
+                self.recorder.close()
+            if err is None and self.device.type == "cuda" and dist.is_initialized():
+                torch.cuda.synchronize(self.device)  # no kernel of ours left in flight
+            with marks.wait("barrier"):  # through the store, not the group
+                self._watch.close(err, self._finished)
+        finally:
+            # A thread still in a collective whose peers are gone: destroying its group
+            # under it could crash the process; the daemon thread goes with the process.
+            self.groups.destroy(keep=() if side_ended else (self.groups.side,))
 
     def __enter__(self) -> SequenceBalancer:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: object, err: BaseException | None, tb: object) -> None:
+        self._close(err)
 
-    # ------------------------------------- per-sequence data (runtime/conditioning.py)
+    # ----------------------------------------- per-sequence data (runtime/conditioning.py)
+    def _sequence_tables(self) -> conditioning.SequenceTables:
+        """The current plan's `conditioning.SequenceTables` (built once per plan)."""
+        tables = self._require_tables()
+        if self._sequences is None or self._sequences[0] is not tables:
+            built = conditioning.sequence_tables(self.last_plan, self.rank, self.device)
+            self._sequences = (tables, built)
+        return self._sequences[1]
+
     def sequence_index(self) -> torch.Tensor:
         """``(T_chunks,)`` int64: the plan sequence id of every row `route` returned."""
-        return conditioning.sequence_index(self)
+        return self._sequence_tables().index
 
+    @_call("gather_sequences")
     def gather_sequences(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's ``(S_local, ...)`` per-sequence rows -> the group's ``(S, ...)``;
-        collective over the balance group, autograd-aware (gradients go home)."""
-        return conditioning.gather_sequences(self, x)
+        collective over the balance group, autograd-aware (gradients go home). The group
+        first checks, together, that every rank gives one row per sequence it planned and
+        rows of one layout."""
+        tables = self._checked_sequences(x)
+        return conditioning.gather_rows(x, tables, self.group, self._gather_journal())
 
+    @_call("per_token")
     def per_token(self, x: torch.Tensor) -> torch.Tensor:
         """``(S_local, ...)`` per sequence -> ``(T_chunks, ...)`` per routed token."""
-        return conditioning.per_token(self, x)
+        tables = self._checked_sequences(x)
+        return conditioning.rows_per_token(x, tables, self.group, self._gather_journal())
+
+    def _checked_sequences(self, x: torch.Tensor) -> conditioning.SequenceTables:
+        tables = self._sequence_tables()
+        problem = conditioning.count_problem(x, tables)
+        with self._watch.collective(GATHER_SEQUENCES):
+            check_same_sequences(GATHER_SEQUENCES, x, problem, self.groups.host, self.group_ranks)
+        return tables
+
+    def _gather_journal(self) -> Callable[[], AbstractContextManager]:
+        return partial(self._watch.collective, GATHER_SEQUENCES)
 
 
-def _checked_options(
-    given: dict[str, Any], run: str | None, parent_ranks: tuple[int, ...], rank: int
-) -> tuple[PlannerOptions, BalanceLayout]:
-    """The constructor's options, checked on this rank alone (a `KnapformerError` names
-    the first bad one), and the layout of its groups."""
-    auto = _auto_options(given)
-    if auto is None:
-        topology: Topology | str = as_topology(given["topology"])
-        layout = BalanceLayout(topology, parent_ranks, rank)
-    else:
-        topology = AUTO
-        # The planner's own rules (every step applies them again), checked on this rank.
-        sizes, _ = allowed_sizes(
-            len(parent_ranks), int(auto.comm.node_size), auto.group_sizes, auto.min_group,
-            auto.max_group, auto.cross_node,
-        )  # fmt: skip
-        layout = BalanceLayout(None, parent_ranks, rank, sizes)
-    check_solver(given["solver"], given["max_tokens_per_gpu"])
-    cost_model, time_scale = given["cost_model"], given["time_scale"]
-    if cost_model not in COST_MODELS:
-        raise KnapformerError(
-            f"unknown cost_model {cost_model!r}; choose one of {', '.join(COST_MODELS)}"
-        )
-    if time_scale is not None and not (math.isfinite(time_scale) and time_scale > 0):
-        raise KnapformerError(f"time_scale must be a positive number of ms, got {time_scale}")
-    WorkloadModel(1, given["gamma"])  # validates gamma now rather than at the first step
-    for phase in given["phases"]:
-        _check_added_phase(phase)
-    check_probe_options(
-        given["link_probe_every"], given["link_probe_bytes"], given["link_probe_rounds"]
-    )
-    options = PlannerOptions(
-        topology=topology,
-        gamma=float(given["gamma"]),
-        solver=given["solver"],
-        max_tokens_per_gpu=given["max_tokens_per_gpu"],
-        run=run,
-        time_scale=None if time_scale is None else float(time_scale),
-        fixed_speed=_as_speeds(given["gpu_speed"], layout.gpus_per_replica, cost_model),
-        auto=auto,
-    )
-    return options, layout
+#: The defaults of the constructor's option keywords (a `BalancerConfig` comes alone).
+_KEYWORD_DEFAULTS = {
+    name: p.default
+    for name, p in inspect.signature(SequenceBalancer.__init__).parameters.items()
+    if name not in ("self", "topology", "process_group", "recorder")
+}
 
 
-#: The options only ``topology="auto"`` uses, and their defaults.
-_AUTO_ONLY = {"node_size": None, "group_sizes": DEFAULT_GROUP_SIZES, "min_group": None,
-              "max_group": None, "cross_node": False, "comm": None}  # fmt: skip
+def _run_folder(recorder: Any) -> Path | None:
+    """The folder of the recorder's plans, where a failure's incident and the journals go."""
+    path = getattr(recorder, "path", None)
+    return None if path is None else Path(path).parent
 
 
-def _auto_options(given: dict[str, Any]) -> AutoOptions | None:
-    """The per-step topology options (None for a fixed topology, which refuses them)."""
-    if not (isinstance(given["topology"], str) and given["topology"].strip() == AUTO):
-        for name, default in _AUTO_ONLY.items():
-            if given[name] != default and not (name == "group_sizes" and
-                                               tuple(given[name]) == default):  # fmt: skip
-                raise KnapformerError(
-                    f"{name}={given[name]!r} is an option of topology='auto'; the fixed "
-                    f"topology {given['topology']} does not use it"
-                )
-        return None
-    comm = given["comm"]
-    if comm is None or isinstance(comm, str):
-        comm = CommModel.cluster(comm or "nvlink")
-    elif not isinstance(comm, CommModel):
-        raise KnapformerError(
-            f"comm must be a CommModel or a cluster name, got {type(comm).__name__}"
-        )
-    if given["node_size"] is not None:
-        comm = comm.with_(node_size=_whole(given["node_size"], "node_size"))
-    sizes = tuple(_whole(g, "a group size") for g in given["group_sizes"])
-    bounds = {name: None if given[name] is None else _whole(given[name], name)
-              for name in ("min_group", "max_group")}  # fmt: skip
-    return AutoOptions(comm, sizes, **bounds, cross_node=bool(given["cross_node"]))
+def _group_names(groups: BalanceGroups) -> list[dict[str, Any]]:
+    """The process groups of the balancer as a journal dump lists them: what each is for,
+    its ranks and its name (the flight recorder's ``process_group`` names it so)."""
+    out = []
 
+    def add(role: str, group: Group, ranks: list[int]) -> None:
+        pg = dist.group.WORLD if group is None else group
+        out.append({"role": role, "ranks": list(ranks), "name": str(pg.group_name)})
 
-def _whole(value: Any, name: str) -> int:
-    """``value`` as a positive int, or a `KnapformerError` naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value <= 0:
-        raise KnapformerError(f"{name} must be a positive whole number, got {value!r}")
-    return int(value)
-
-
-def _shown(value: Any) -> Any:
-    """An option as ranks compare it: a topology in its canonical form, sequences as
-    lists (a tuple and a list of the same values agree)."""
-    if isinstance(value, Topology):
-        return str(value)
-    if isinstance(value, CommModel):
-        return value.as_options()
-    if isinstance(value, str):
-        try:
-            return str(as_topology(value)) if value.startswith("g") else value
-        except KnapformerError:
-            return value
-    if isinstance(value, list | tuple):
-        return [_shown(v) for v in value]
-    if isinstance(value, torch.Tensor | np.ndarray):
-        return value.tolist()
-    return value
-
-
-def _check_added_phase(phase: str) -> None:
-    """A phase a user adds (``phases=``, `SequenceBalancer.add_timing`) may not be one the
-    timer derives when a step ends."""
-    if phase in DERIVED_PHASES:
-        raise KnapformerError(f"phase {phase!r} is derived when a step ends; pick another")
+    add("balance", groups.group, groups.group_ranks)
+    if groups.host is not None and groups.host is not groups.group:
+        add("host", groups.host, groups.group_ranks)
+    for bag in (b for b in groups.layout.bags if groups.rank in b):
+        if len(bag) > 1:
+            add(f"bag {bag}", groups.bag_group(bag), bag)
+            host = groups.host_bag_group(bag)
+            if host is not groups.bag_group(bag):
+                add(f"host bag {bag}", host, bag)
+    if groups.side is not None:
+        add("plan_ahead", groups.side, groups.group_ranks)
+    return out
 
 
 def _inputs(
     x: torch.Tensor, name: str, features: Features, rows: int, what: str
-) -> list[torch.Tensor]:
-    """``x`` and the flattened ``features`` for one exchange, once each has the ``rows``
-    rows that ``what`` holds."""
-    check_rows(name, x, rows, what)
-    flat = flatten_features(features)
-    keys = list(features) if isinstance(features, dict) else range(len(flat))
-    for key, f in zip(keys, flat, strict=True):
-        check_rows(f"feature {key!r}", f, rows, what)
-    return [x, *flat]
-
-
-def _check_heads_layout(name: str, x: Any) -> None:
-    """A `KnapformerError` unless ``x`` is a (tokens, heads, head_dim) tensor."""
-    if not isinstance(x, torch.Tensor) or x.dim() != 3:
-        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-        raise KnapformerError(f"{name} must have shape (tokens, heads, head_dim), got {shape}")
-
-
-def _as_speeds(gpu_speed: Sequence[float] | None, num_gpus: int, cost_model: str):
-    """Fixed per-GPU speeds as floats (None: nominal); a clear error for bad ones."""
-    if gpu_speed is None:
-        return None
-    if cost_model == "history":
-        raise KnapformerError("gpu_speed is learnt by cost_model='history'; pass one or the other")
-    speed = check_speed(gpu_speed, num_gpus)
-    return None if speed is None else speed.tolist()
+) -> tuple[list[torch.Tensor], Exception | None]:
+    """``x`` and the flattened ``features`` for one exchange, and why they cannot go (one
+    does not have the ``rows`` rows that ``what`` holds; None when they can): raised only
+    once every rank has heard of it."""
+    try:
+        check_rows(name, x, rows, what)
+        flat = flatten_features(features)
+        keys = list(features) if isinstance(features, dict) else range(len(flat))
+        for key, f in zip(keys, flat, strict=True):
+            check_rows(f"feature {key!r}", f, rows, what)
+    except (KnapformerError, TypeError) as err:
+        return [], err
+    return [x, *flat], None

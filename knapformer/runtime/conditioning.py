@@ -14,25 +14,35 @@ Two things bring it to the tokens:
   summed and each rank keeps those of its own rows (the gradient goes home).
 
 ``per_token(x) = gather_sequences(x)[sequence_index()]`` is the usual combination: an
-AdaLN block indexes its per-sequence modulation with it. Both are cached per plan.
+AdaLN block indexes its per-sequence modulation with it.
+
+The work is done by functions of a plan's `SequenceTables` (`sequence_tables`, which the
+balancer builds once per plan): `gather_rows` and `rows_per_token`; the balancer calls
+them, and checks before the gather, collectively, that every rank gives as many rows as
+it has sequences and rows of one layout (`knapformer.runtime.layouts.check_same_sequences`).
+`sequence_index(balancer)` and `gather_sequences(balancer, x)` are the balancer's own
+methods of those names, for code that passes the balancer around (the integrations).
 """
 
 from __future__ import annotations
 
-import weakref
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from knapformer.contract.plan import RoutingPlan
 from knapformer.contract.positions import gpu_positions
 from knapformer.errors import KnapformerError
 from knapformer.runtime.router import Group, host_to_device
 
-if TYPE_CHECKING:
-    from knapformer.runtime.balancer import SequenceBalancer
+#: Makes the context manager each of the gather's collectives runs in (the balancer's
+#: journal entry), forward and backward.
+Collective = Callable[[], AbstractContextManager]
 
 
 @dataclass
@@ -45,22 +55,13 @@ class SequenceTables:
     order: torch.Tensor | None  # gathered row -> plan sequence order (None: identity)
 
 
-# Per balancer, the tables of its current plan (a new plan makes new routing tables).
-_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def sequence_tables(balancer: SequenceBalancer) -> SequenceTables:
-    """The `SequenceTables` of the balancer's current plan (built once per plan)."""
-    tables = balancer._require_tables()
-    cached = _CACHE.get(balancer)
-    if cached is not None and cached[0] is tables:
-        return cached[1]
-    plan = balancer.last_plan
+def sequence_tables(plan: RoutingPlan, rank: int, device: torch.device) -> SequenceTables:
+    """The `SequenceTables` of global ``rank`` for ``plan`` (tensors on ``device``)."""
     gpus = np.asarray(plan.gpus, dtype=np.int64)
     pos = gpu_positions(gpus)
     src_pos = pos[np.asarray(plan.sequences.src_gpu, dtype=np.int64)]
     c_dst = np.asarray(plan.chunks.dst_gpu, dtype=np.int64)
-    mine = np.flatnonzero(c_dst == balancer.rank)  # chunk-id order = route's row order
+    mine = np.flatnonzero(c_dst == rank)  # chunk-id order = route's row order
     seq = np.asarray(plan.chunks.seq, dtype=np.int64)[mine]
     lengths = np.asarray(plan.chunks.length, dtype=np.int64)[mine]
     index = np.repeat(seq, lengths)
@@ -68,64 +69,86 @@ def sequence_tables(balancer: SequenceBalancer) -> SequenceTables:
     # ids are ordered that way too, but do not rely on it.
     gathered = np.argsort(src_pos, kind="stable")  # plan seq id of each gathered row
     identity = bool(np.array_equal(gathered, np.arange(len(gathered))))
-    device = balancer.device
-    built = SequenceTables(
+    return SequenceTables(
         index=host_to_device(torch.from_numpy(index), device),
         counts=np.bincount(src_pos, minlength=len(gpus)).astype(np.int64).tolist(),
-        position=int(pos[np.asarray([balancer.rank])][0]),
+        position=int(pos[np.asarray([rank])][0]),
         order=None if identity else host_to_device(torch.from_numpy(np.argsort(gathered)), device),
     )
-    _CACHE[balancer] = (tables, built)
-    return built
-
-
-def sequence_index(balancer: SequenceBalancer) -> torch.Tensor:
-    """``(T_chunks,)`` int64: the plan sequence id of every token row `route` returned."""
-    return sequence_tables(balancer).index
 
 
 class _GatherSequences(torch.autograd.Function):
     """All-gather rows of unequal counts; backward: sum over ranks, keep own rows."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, counts: list[int], position: int, group: Group):
-        ctx.counts, ctx.position, ctx.group = counts, position, group
+    def forward(ctx, x: torch.Tensor, counts: list[int], position: int, group: Group, collective):
+        ctx.counts, ctx.position, ctx.group, ctx.collective = counts, position, group, collective
         width = max(counts) if counts else 0
         padded = x.new_zeros((width, *x.shape[1:]))
         padded[: x.shape[0]] = x
         parts = [torch.empty_like(padded) for _ in counts]
-        dist.all_gather(parts, padded.contiguous(), group=group)
+        with collective():
+            dist.all_gather(parts, padded.contiguous(), group=group)
         return torch.cat([p[:n] for p, n in zip(parts, counts, strict=True)])
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)  # every rank's use of every row, summed
+        with ctx.collective():
+            dist.all_reduce(grad, group=ctx.group)  # every rank's use of every row, summed
         start = sum(ctx.counts[: ctx.position])
-        return grad[start : start + ctx.counts[ctx.position]], None, None, None
+        return grad[start : start + ctx.counts[ctx.position]], None, None, None, None
 
 
-def gather_sequences(balancer: SequenceBalancer, x: torch.Tensor) -> torch.Tensor:
+def count_problem(x: object, tables: SequenceTables) -> KnapformerError | None:
+    """Why ``x`` cannot be this rank's per-sequence rows (None: it can): it must be a
+    tensor whose first dimension is the sequences this rank gave ``plan_routing``."""
+    mine = tables.counts[tables.position]
+    if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] == mine:
+        return None
+    shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+    return KnapformerError(
+        f"per-sequence tensor has shape {shape} but this rank gave plan_routing {mine} "
+        "sequences; its first dimension must be the sequences"
+    )
+
+
+def gather_rows(
+    x: torch.Tensor, tables: SequenceTables, group: Group, collective: Collective = nullcontext
+) -> torch.Tensor:
     """This rank's per-sequence rows ``x (S_local, ...)`` (one per length given to
-    ``plan_routing``, in that order) -> the group's ``(S, ...)`` in plan sequence order.
+    ``plan_routing``, in that order, `count_problem` checked) -> the group's ``(S, ...)``
+    in plan sequence order.
 
-    Collective over the balance group (every rank calls it, also one without
+    Collective over ``group``, the balance group (every rank calls it, also one without
     sequences); autograd-aware: each rank's rows get the gradient summed over the ranks
-    that used them.
+    that used them. ``collective`` wraps each of its collectives, forward and backward.
     """
-    t = sequence_tables(balancer)
-    mine = t.counts[t.position]
-    if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[0] != mine:
-        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-        raise KnapformerError(
-            f"per-sequence tensor has shape {shape} but this rank gave plan_routing {mine} "
-            "sequences; its first dimension must be the sequences"
-        )
-    out = _GatherSequences.apply(x, t.counts, t.position, balancer.group)
-    return out if t.order is None else out.index_select(0, t.order)
+    out = _GatherSequences.apply(x, tables.counts, tables.position, group, collective)
+    return out if tables.order is None else out.index_select(0, tables.order)
 
 
-def per_token(balancer: SequenceBalancer, x: torch.Tensor) -> torch.Tensor:
+def rows_per_token(
+    x: torch.Tensor, tables: SequenceTables, group: Group, collective: Collective = nullcontext
+) -> torch.Tensor:
     """``x (S_local, ...)`` per sequence -> ``(T_chunks, ...)``: each routed token's row of
-    its sequence (`gather_sequences` indexed by `sequence_index`)."""
-    return gather_sequences(balancer, x).index_select(0, sequence_index(balancer))
+    its sequence (`gather_rows` indexed by ``tables.index``)."""
+    return gather_rows(x, tables, group, collective).index_select(0, tables.index)
+
+
+class Balanced(Protocol):
+    """What `sequence_index` and `gather_sequences` ask of a balancer (its public methods)."""
+
+    def sequence_index(self) -> torch.Tensor: ...
+    def gather_sequences(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+def sequence_index(balancer: Balanced) -> torch.Tensor:
+    """``(T_chunks,)`` int64: the plan sequence id of every row the balancer's `route`
+    returned (its ``sequence_index()``)."""
+    return balancer.sequence_index()
+
+
+def gather_sequences(balancer: Balanced, x: torch.Tensor) -> torch.Tensor:
+    """The balancer's ``gather_sequences(x)``: this rank's per-sequence rows -> the group's."""
+    return balancer.gather_sequences(x)

@@ -143,10 +143,11 @@ class BalanceGroups:
     default group). ``group``: the balance group to run the step's collectives on (the
     parent group itself when it holds one replica); ``side``: the plan-ahead thread's gloo
     group over the balance group's ranks, or None; ``host``: the group that checks the
-    routed rows' layout (`knapformer.runtime.router.check_same_rows`) with CPU tensors:
-    ``group`` itself when its backend has gloo, else a gloo group over the same ranks, so
-    that the check never makes the host wait for the GPU; ``timeout``: the parent group's,
-    given to every group and wait of the balancer."""
+    routed rows' layout (`knapformer.runtime.layouts`) with CPU tensors: ``group`` itself
+    when its backend has gloo, else a gloo group over the same ranks, so that the check
+    never makes the host wait for the GPU (`host_bag_group` is the same for a bag's
+    Ulysses exchanges); ``timeout``: the parent group's, given to every group and wait of
+    the balancer."""
 
     layout: BalanceLayout
     parent: Group
@@ -155,6 +156,7 @@ class BalanceGroups:
     side: Group = None
     host: Group = None
     _bag_groups: dict[tuple[int, ...], Group] = field(default_factory=dict)
+    _host_bags: dict[tuple[int, ...], Group] = field(default_factory=dict)
     _owned: list[dist.ProcessGroup] = field(default_factory=list)  # creation order
 
     @classmethod
@@ -182,6 +184,12 @@ class BalanceGroups:
                 made = groups._new(bag)
                 if made is not None:
                     groups._bag_groups[tuple(bag)] = made
+        if not carries_cpu(parent):  # the bags' layout checks, on the host
+            for bag in layout.bags:
+                if len(bag) > 1:
+                    made = groups._new(bag, backend="gloo")
+                    if made is not None:
+                        groups._host_bags[tuple(bag)] = made
         if plan_ahead:
             # A gloo group on the host, never the training group, so that the plan-ahead
             # thread's collectives cannot interleave with the training thread's.
@@ -231,6 +239,12 @@ class BalanceGroups:
                 f"the bags of this balancer are {self.layout.bags}"
             ) from None
 
+    def host_bag_group(self, ranks: list[int] | tuple[int, ...]) -> Group:
+        """The group that checks the layout of a bag's Ulysses exchanges with CPU tensors:
+        the bag's own group when it carries them, else its gloo twin."""
+        key = tuple(int(r) for r in ranks)
+        return self._host_bags.get(key) or self.bag_group(key)
+
     @property
     def my_bag_group(self) -> Group:
         return self.bag_group(self.my_bag)
@@ -240,21 +254,16 @@ class BalanceGroups:
         return iter(self._owned)
 
     # ----------------------------------------------------------------- teardown
-    def barrier(self) -> bool:
-        """Wait until every rank of the balance group is here (no collective of the
-        balancer is then in flight on any of them); False when it failed (peers gone)."""
-        try:
-            dist.barrier(group=self.group)
-        except (RuntimeError, ValueError):  # DistBackendError is a RuntimeError
-            return False
-        return True
-
     def destroy(self, keep: tuple[Group, ...] = ()) -> None:
         """Destroy the sub-groups, the latest made first (bags and the side group before
-        the balance group they live in), except those in ``keep``; idempotent. The parent
-        group is the caller's and is left alone."""
+        the balance group they live in), except those in ``keep`` (a group a thread is
+        still inside: destroying it under the thread could crash the process); idempotent.
+        The parent group is the caller's and is left alone. Call it once no collective of
+        the balancer runs anywhere (`knapformer.runtime.roll_call.RollCall.close` waits
+        for every rank through the store), or after a failure, when peers are gone."""
         owned, self._owned = self._owned, []
         self._bag_groups.clear()
+        self._host_bags.clear()
         for made in reversed(owned):
             # Skip what is already gone: destroying WORLD (e.g. at shutdown, before
             # close) destroys every group, and destroying one twice raises.

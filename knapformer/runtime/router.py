@@ -16,14 +16,14 @@ Token layouts on a rank (T = tokens, d = hidden size, H = heads, D = head dim):
 
 Tensors of any dtype travel as raw bytes, so integer features arrive bit-exact and
 several tensors share one exchange. Raw bytes trust every rank to send rows of the
-layout its peers expect: `check_same_rows` makes sure of it, collectively, before a
-route, so that a rank with another width or dtype is named on every rank instead of its
-peers receiving garbage rows (or gloo aborting on a size mismatch).
+layout its peers expect: the balancer makes sure of it, collectively, before each
+exchange (`knapformer.runtime.layouts`), so that a rank with another width, dtype or
+head layout is named on every rank instead of its peers receiving garbage rows (or gloo
+aborting on a size mismatch).
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -290,55 +290,6 @@ def exchange(
     times the all-to-all itself, forward and backward."""
     args = (pre_index, post_index, send_splits, recv_splits, group, timer)
     return list(_Exchange.apply(*args, *tensors))
-
-
-# ------------------------------------------------------------------ row layouts
-#: Every dtype torch defines, in a fixed order: a dtype travels in a header as its index.
-_DTYPES = tuple(sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str))
-
-
-def check_same_rows(
-    call: str, tensors: Sequence[torch.Tensor], group: Group, ranks: Sequence[int]
-) -> None:
-    """Collective over ``group`` (global ``ranks``, in group order; a group that carries
-    CPU tensors): raise on every rank alike unless every rank's ``tensors`` (the token
-    tensor, then its features) have the same values per row, dtypes and trailing shapes.
-    One small all-to-all of a header on the host: each rank sends every peer its token
-    tensor's width and dtype and a digest of its features' layout. Nothing of it touches
-    the GPU, so a route never waits for the kernels queued before it."""
-    x = tensors[0]
-    width = int(np.prod(x.shape[1:], dtype=np.int64))
-    layout = ";".join(f"{t.dtype}:{tuple(t.shape[1:])}" for t in tensors[1:])
-    digest = int.from_bytes(hashlib.blake2b(layout.encode(), digest_size=7).digest(), "little")
-    mine = [width, _DTYPES.index(x.dtype), len(tensors) - 1, digest]
-    send = torch.tensor([mine] * len(ranks), dtype=torch.int64)
-    got = torch.empty_like(send)
-    with wait("all_to_all"):
-        dist.all_to_all_single(got, send, group=group)
-    table = [tuple(row) for row in got.tolist()]
-    rows: dict[tuple[int, int], list[int]] = {}
-    feats: dict[tuple[int, int], list[int]] = {}
-    for rank, (w, dtype, count, dig) in zip(ranks, table, strict=True):
-        rows.setdefault((w, dtype), []).append(rank)
-        feats.setdefault((count, dig), []).append(rank)
-    if len(rows) > 1:
-        said = "; ".join(
-            f"{w} {_DTYPES[dtype]} values per token on {name_ranks(who)}"
-            for (w, dtype), who in rows.items()
-        )
-        raise KnapformerError(
-            f"{call}: the balance group's ranks give tensors of different widths or dtypes "
-            f"({said}); every rank must give the same width and dtype, nothing was sent"
-        )
-    if len(feats) > 1:
-        said = "; ".join(
-            f"{count} feature(s) of one layout on {name_ranks(who)}"
-            for (count, _), who in feats.items()
-        )
-        raise KnapformerError(
-            f"{call}: the balance group's ranks give features of different number, dtypes "
-            f"or shapes ({said}); every rank must give the same features, nothing was sent"
-        )
 
 
 def name_ranks(ranks: Sequence[int]) -> str:

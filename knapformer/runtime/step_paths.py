@@ -26,16 +26,16 @@ from typing import Any, Protocol
 
 import torch
 
+from knapformer.contract.phases import FINISH, GATHER, PLAN_AHEAD
 from knapformer.contract.plan import RoutingPlan
-from knapformer.contract.topology import Topology
-from knapformer.planning.communication import CommModel
 from knapformer.planning.history import LAG_STEPS, SpeedHistory, step_work
 from knapformer.planning.planner import plan_routing
-from knapformer.planning.workload import WorkloadModel
+from knapformer.runtime.balancer_config import PlannerOptions
 from knapformer.runtime.gather import StepGather, StepRequest
 from knapformer.runtime.groups import BalanceGroups
 from knapformer.runtime.marks import wait
 from knapformer.runtime.plan_ahead import PlanAhead, Ticket
+from knapformer.runtime.roll_call import RollCall
 from knapformer.runtime.router import Group, RoutingTables
 from knapformer.runtime.timing import GatheredStep, StepTimer
 
@@ -52,51 +52,12 @@ class Planned:
     gather_ms: float  # time inside the gather collectives (or waiting for them)
 
 
-@dataclass(frozen=True)
-class AutoOptions:
-    """What ``topology="auto"`` plans each step with (`plan_routing`'s keywords): the
-    cluster figures (``comm``, its ``node_size`` included) and the allowed group sizes."""
-
-    comm: CommModel
-    group_sizes: tuple[int, ...]
-    min_group: int | None = None
-    max_group: int | None = None
-    cross_node: bool = False
-
-    def planner_kwargs(self) -> dict[str, Any]:
-        return {
-            "comm": self.comm,
-            "group_sizes": self.group_sizes,
-            "min_group": self.min_group,
-            "max_group": self.max_group,
-            "cross_node": self.cross_node,
-        }
-
-
-@dataclass
-class PlannerOptions:
-    """The options a plan is made with (the same on every rank). ``topology`` is the
-    string ``"auto"`` when ``auto`` holds the options of a per-step partition."""
-
-    topology: Topology | str
-    gamma: float
-    solver: str
-    max_tokens_per_gpu: int | None
-    run: str | None
-    time_scale: float | None
-    fixed_speed: list[float] | None
-    auto: AutoOptions | None = None
-
-    def model(self, token_dim: int) -> WorkloadModel:
-        if self.time_scale is None:
-            return WorkloadModel(token_dim, self.gamma)
-        return WorkloadModel(token_dim, self.gamma, self.time_scale, "ms")
-
-
 class StepPlanner:
     """Gathers and plans one step after another, on whichever thread a path runs it
     (the state below is that thread's): step numbers, which measurements travelled, and
-    with ``history`` the speeds learnt from them."""
+    with ``history`` the speeds learnt from them. Every gather is an entry of the
+    ``roll_call``'s journal (``gather`` on the training thread, ``plan_ahead`` on the
+    plan-ahead thread, ``finish``)."""
 
     def __init__(
         self,
@@ -106,9 +67,11 @@ class StepPlanner:
         timer: StepTimer,
         phases: Sequence[str],
         history: SpeedHistory | None,
+        roll_call: RollCall,
     ) -> None:
         self.options, self.groups, self.device = options, groups, device
         self.timer, self.phases, self.history = timer, tuple(phases), history
+        self.roll_call = roll_call
         self.gather = StepGather(groups.group_ranks, self.phases)
         self.next_step = 0
         self.sent_upto = -1  # the latest step whose measurements were gathered
@@ -117,15 +80,23 @@ class StepPlanner:
         return RoutingTables.build(plan, self.groups.rank, self.device, self.groups.bag_group)
 
     def plan_step(
-        self, request: StepRequest, group: Group, device: torch.device, finished: Any
+        self,
+        request: StepRequest,
+        group: Group,
+        device: torch.device,
+        finished: Any,
+        side: bool = False,
     ) -> Planned:
-        """Gather and plan the next step; ``finished``: the `FinishedStep` whose
-        measurements the gather carries (None: none)."""
+        """Gather and plan the next step (``side``: on the plan-ahead thread);
+        ``finished``: the `FinishedStep` whose measurements the gather carries (None:
+        none)."""
         o, step = self.options, self.next_step
         row = finished.row(self.phases) if finished is not None else [math.nan] * len(self.phases)
         head_step = finished.step if finished is not None else -1
         began = time.perf_counter()
-        per_gpu, measured = self.gather.step(group, device, request, head_step, row)
+        phase = PLAN_AHEAD if side else GATHER
+        with self.roll_call.collective(phase, side=side, step=step):
+            per_gpu, measured = self.gather.step(group, device, request, head_step, row)
         gather_ms = (time.perf_counter() - began) * 1e3
         speed = o.fixed_speed
         if self.history is not None:
@@ -153,14 +124,17 @@ class StepPlanner:
         self.next_step = step + 1
         return Planned(plan, tables, measured, gather_ms)
 
-    def gather_the_rest(self, group: Group, device: torch.device) -> list[GatheredStep]:
+    def gather_the_rest(
+        self, group: Group, device: torch.device, side: bool = False
+    ) -> list[GatheredStep]:
         """`finish`: one head all-gather per ended step whose measurements have not
         travelled yet."""
         measured = []
         for step in range(self.sent_upto + 1, self.timer.closed_upto + 1):
             finished = self.timer.get(step)
             row = finished.row(self.phases) if finished is not None else None
-            got = self.gather.finish(group, device, step if row else -1, row)
+            with self.roll_call.collective(FINISH, side=side, step=step):
+                got = self.gather.finish(group, device, step if row else -1, row)
             if got is not None:
                 measured.append(got)
             self.sent_upto = step
@@ -217,8 +191,9 @@ class AheadPath:
     def __init__(self, planner: StepPlanner) -> None:
         self.planner = planner
         self.side: Group = planner.groups.side
-        # Any collective of the thread has failed by then (the group's own timeout).
-        self.wait_s = 2 * planner.groups.timeout_s
+        # Any collective of the thread has failed by then (the group's own timeout), and
+        # its roll call has named whom to blame.
+        self.wait_s = 2 * planner.groups.timeout_s + planner.roll_call.answer_s
         self.thread = PlanAhead(self._job)
         # plan_routing's check in flight, kept across a Ctrl-C so that a retry waits for
         # it rather than sending a second one its peers never match.
@@ -278,9 +253,11 @@ class AheadPath:
         """What the thread runs for one request, on the side group (host)."""
         p, cpu = self.planner, torch.device("cpu")
         if request is _FINISH:
-            return p.gather_the_rest(self.side, cpu)
+            return p.gather_the_rest(self.side, cpu, side=True)
         if isinstance(request, _Confirm):
-            p.gather.confirm(self.side, cpu, request.prefetched, request.given, p.groups.rank)
+            step = p.roll_call.journal.step + 1  # the step whose plan the training thread takes
+            with p.roll_call.collective(PLAN_AHEAD, side=True, step=step):
+                p.gather.confirm(self.side, cpu, request.prefetched, request.given, p.groups.rank)
             return None
         # The training thread may still be in the step whose measurements go with this
         # gather: wait for it to end, or give up when closing. The step has ended on
@@ -291,7 +268,7 @@ class AheadPath:
             finished = p.timer.finished(measured_step, self.thread.stop)
             if p.timer.closed_upto < measured_step:
                 raise RuntimeError("the balancer was closed while planning ahead")
-        return p.plan_step(request, self.side, cpu, finished)
+        return p.plan_step(request, self.side, cpu, finished, side=True)
 
 
 def _wait_for(event: Any) -> float:
