@@ -1,0 +1,53 @@
+"""DistributedDataParallel and a balanced model: synchronised, or refused.
+
+DDP all-reduces gradients from hooks that its own forward arms. ``DDP(balance(model))``
+runs the balanced forward inside DDP's, and works. A model that a DDP wraps (as
+``accelerator.prepare`` does) but that is balanced and run outside that DDP's forward,
+``balance(ddp.module)``, would leave every rank with its own gradients, silently: it is
+refused. The live DDPs holding the model are found once, at the first step (a scan of
+the garbage collector's objects); a DDP made after that is not seen.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from knapformer.errors import KnapformerError
+
+
+class DdpGuard:
+    """Raises when ``model`` is under a DDP whose forward is not the one running."""
+
+    def __init__(self, model: nn.Module):
+        self.model = weakref.ref(model)
+        self.holders: list[weakref.ref] | None = None
+
+    def check(self) -> None:
+        model = self.model()
+        if model is None:
+            return
+        if self.holders is None:
+            self.holders = [weakref.ref(d) for d in _live_ddps() if _holds(d.module, model)]
+        running = DistributedDataParallel._get_active_ddp_module()
+        for ref in self.holders:
+            ddp = ref()
+            if ddp is None or ddp is running or getattr(ddp, "_use_python_reducer", False):
+                continue
+            raise KnapformerError(
+                f"the balanced {type(model).__name__} is wrapped in DistributedDataParallel but "
+                "runs outside its forward, so its gradients would not be synchronised: wrap "
+                "the balanced module instead, DDP(balance(model)), and call the DDP "
+                "(docs/diffusers.md, 'DDP, FSDP2 and accelerate')"
+            )
+
+
+def _live_ddps() -> list[DistributedDataParallel]:
+    return [o for o in gc.get_objects() if issubclass(type(o), DistributedDataParallel)]
+
+
+def _holds(root: nn.Module, model: nn.Module) -> bool:
+    return any(m is model for m in root.modules())
