@@ -122,6 +122,11 @@ def _packed(model, spec: ModelSpec, samples, balancer, plan: bool) -> BalancedOu
     x, features, values = local_tensors(prepared, signature, device)
     if balancer is not None:
         _, x, features = balancer.route(x, features)
+        # Routed with the tokens, features come out requiring grad; a model may write
+        # into a tensor it multiplied by one (CogVideoX's in-place RoPE), so detach
+        # those that did not need it at home.
+        features = [f if need else f.detach()
+                    for f, (*_, need) in zip(features, signature.features, strict=True)]  # fmt: skip
     layouts = StepLayouts(spec.streams, row_stream, row_sample, device, balancer, sequences)
     finals = run_blocks(model, spec, layouts, x, features, held_values(balancer, values, held),
                         signature)  # fmt: skip

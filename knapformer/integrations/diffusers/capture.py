@@ -51,6 +51,13 @@ class _StandIn(nn.Module):
         return out[0] if len(out) == 1 else out
 
 
+def call_block(block: nn.Module, signature: inspect.Signature, values: dict[str, Any]) -> Any:
+    """``block`` called with the arguments a stand-in of it recorded (by name; a ``*args``
+    of the block's forward goes positionally, as the model passed it)."""
+    bound = inspect.BoundArguments(signature, {next(iter(signature.parameters)): block, **values})
+    return block(*bound.args[1:], **bound.kwargs)
+
+
 def block_signature(model: nn.Module, name: str) -> inspect.Signature:
     """The signature of ``model.<name>[0]``'s forward (the class's, unwrapped)."""
     block = model.get_submodule(name)[0]

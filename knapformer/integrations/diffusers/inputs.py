@@ -40,7 +40,8 @@ class Signature:
     arguments: tuple[tuple[tuple[str, Any, tuple[Leaf, ...]], ...], ...]  # per list
     width: int  # D of the token streams
     dtype: torch.dtype  # of the token streams
-    features: tuple[tuple[tuple[int, ...], torch.dtype, bool], ...]  # row shape, dtype, complex
+    # per-token features: row shape, dtype, complex, requires grad
+    features: tuple[tuple[tuple[int, ...], torch.dtype, bool, bool], ...]
     values: tuple[tuple[tuple[int, ...], torch.dtype, bool], ...]  # shape, dtype, requires grad
     grad: bool  # whether the token rows require grad
 
@@ -81,7 +82,7 @@ def sort_inputs(spec: ModelSpec, captured: list[dict[str, Any]]) -> tuple[Sample
     first = kept[spec.streams[0]]
     signature = Signature(
         arguments, int(first.shape[-1]), first.dtype,
-        tuple((tuple(f.shape[1:]), f.dtype, c) for f, c in zip(sorter.features, sorter.complex,
+        tuple((tuple(f.shape[1:]), f.dtype, c, f.requires_grad) for f, c in zip(sorter.features, sorter.complex,
                                                                strict=True)),
         tuple((tuple(v.shape), v.dtype, v.requires_grad) for v in sorter.values),
         first.requires_grad,

@@ -49,9 +49,9 @@ HUNYUAN_VIDEO = ModelSpec(
     streams=("image", "text"),
     blocks=(Blocks("transformer_blocks", _MMDIT, _IMAGE_TEXT),
             Blocks("single_transformer_blocks", _MMDIT, _IMAGE_TEXT)),
-    tokens={"image_rotary_emb": Tok("image")},
+    tokens={"freqs_cis": Tok("image"), "image_rotary_emb": Tok("image")},
     masks={"attention_mask": Tok(JOINT, -1)},
-    ignored=("first_frame_num_tokens",),  # read only with image-to-video's token_replace
+    ignored=("args",),  # first_frame_num_tokens: read only by image-to-video's token_replace
 )  # fmt: skip
 
 LTX_VIDEO = ModelSpec(  # the prompt is each sample's own, for cross-attention

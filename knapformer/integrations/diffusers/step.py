@@ -17,7 +17,12 @@ import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 from knapformer.errors import KnapformerError
-from knapformer.integrations.diffusers.capture import capture, finish
+from knapformer.integrations.diffusers.capture import (
+    block_signature,
+    call_block,
+    capture,
+    finish,
+)
 from knapformer.integrations.diffusers.declarations import JOINT, ModelSpec
 from knapformer.integrations.diffusers.inputs import (
     SampleInputs,
@@ -135,7 +140,7 @@ def local_tensors(prepared: list[SampleInputs], signature: Signature, device):
     x = torch.zeros(0, signature.width, dtype=signature.dtype, device=device,
                     requires_grad=signature.grad)  # fmt: skip
     feats = [torch.zeros(0, *shape, dtype=dtype, device=device)
-             for shape, dtype, _ in signature.features]  # fmt: skip
+             for shape, dtype, _, _ in signature.features]  # fmt: skip
     values = [torch.zeros(0, *shape[1:], dtype=dtype, device=device, requires_grad=grad)
               for shape, dtype, grad in signature.values]  # fmt: skip
     return x, feats, values
@@ -183,15 +188,15 @@ def run_blocks(model, spec: ModelSpec, layouts: StepLayouts, x: torch.Tensor,
     checkpointed = bool(getattr(model, "gradient_checkpointing", False)) and torch.is_grad_enabled()
     with activated(layouts):
         for b, arguments in zip(spec.blocks, signature.arguments, strict=True):
-            kwargs = block_arguments(arguments, {}, features, values, layouts, signature)
+            common = block_arguments(arguments, {}, features, values, layouts, signature)
+            sig = block_signature(model, b.name)
             for block in model.get_submodule(b.name):
-                for arg, stream in b.streams.items():
-                    kwargs[arg] = streams.get(stream)
-                out = (
-                    checkpoint(block, use_reentrant=False, **kwargs)
-                    if checkpointed
-                    else block(**kwargs)
-                )
+                # A new dict per block: a checkpointed block recomputes from its own.
+                kwargs = {**common, **{a: streams.get(s) for a, s in b.streams.items()}}
+                if checkpointed:
+                    out = checkpoint(call_block, block, sig, kwargs, use_reentrant=False)
+                else:
+                    out = call_block(block, sig, kwargs)
                 out = out if isinstance(out, tuple) else (out,)
                 for name, value in zip(b.returns, out, strict=False):
                     if name is not None:
