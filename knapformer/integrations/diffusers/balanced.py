@@ -11,11 +11,13 @@ unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import register_pytree_node
 
 from knapformer.errors import KnapformerError
 from knapformer.integrations.diffusers import attention_hooks
@@ -40,21 +42,42 @@ if TYPE_CHECKING:
     from knapformer.runtime.balancer import SequenceBalancer
 
 
-class BalancedOutputs(list):
-    """Each sample's output (``model(**sample).sample``), in sample order, and
-    ``anchor``: a zero joined to every parameter of the model, so that a loss built on
-    it reaches them all (also on a rank without samples)."""
+@dataclass
+class BalancedOutputs:
+    """Each sample's output (``model(**sample).sample``), in sample order: iterate it or
+    index it like a list. ``anchor``: a zero joined to every parameter of the model, so
+    that a loss built on it reaches them all (also on a rank without samples).
 
-    def __init__(self, outputs: list[torch.Tensor], anchor: torch.Tensor):
-        super().__init__(outputs)
-        self.anchor = anchor
+    A dataclass, so that FSDP2 (which walks dataclass fields for output tensors) sees the
+    anchor: on a rank without samples its root pre-backward hook must fire first thing
+    in backward, as on every other rank, or their all-gathers would come in different
+    orders; DDP walks it by pytree (registered below)."""
+
+    samples: list[torch.Tensor]
+    anchor: torch.Tensor
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter(self.samples)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.samples[i]
 
     def sum(self, loss: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """``sum(loss(i, out_i)) + anchor``: a scalar in the graph, also with no sample."""
         total = self.anchor
-        for i, out in enumerate(self):
+        for i, out in enumerate(self.samples):
             total = total + loss(i, out)
         return total
+
+
+register_pytree_node(
+    BalancedOutputs,
+    lambda o: ([*o.samples, o.anchor], None),
+    lambda children, _: BalancedOutputs(list(children[:-1]), children[-1]),
+)
 
 
 class BalancedModel(nn.Module):
@@ -77,7 +100,7 @@ class BalancedModel(nn.Module):
         With ``balancer``, plans the step (``plan_routing``, collective) unless ``plan``
         is False (then the plan of this step must already be made, for `seq_lens`);
         without, runs this rank's samples where they are."""
-        self._ddp.check()
+        self._ddp.check(balancer)
         samples = [dict(s) for s in samples]
         return call(self.model, _packed, self.spec, samples, balancer, plan)
 

@@ -63,7 +63,7 @@ class ModelSpec:
 
     def check(self, model: Any) -> None:
         """A `KnapformerError` naming the first declared part ``model`` lacks."""
-        name = type(model).__name__
+        name = class_name(model)
         for part in [b.name for b in self.blocks] + [self.tail]:
             try:
                 model.get_submodule(part)
@@ -74,10 +74,18 @@ class ModelSpec:
                 ) from None
 
 
+def class_name(model: Any) -> str:
+    """The model's own class name (FSDP2's ``fully_shard`` swaps in a subclass,
+    ``FSDP<name>``; a subclass of a declared class is not the declared class)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule)).__name__
+
+
 def spec_for(model: Any, specs: dict[str, ModelSpec]) -> ModelSpec:
-    """``specs[type(model).__name__]``, checked against ``model``; a class without a
+    """``specs[class_name(model)]``, checked against ``model``; a class without a
     declaration raises `KnapformerError` naming it and the supported ones."""
-    name = type(model).__name__
+    name = class_name(model)
     if name not in specs:
         raise KnapformerError(
             f"{name} is not supported: knapformer balances {', '.join(sorted(specs))}. "

@@ -11,11 +11,12 @@ peer's). `block_arguments` rebuilds a block list's arguments on the packed rows.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_dumps, treespec_loads
 
 from knapformer.errors import KnapformerError
 from knapformer.integrations.diffusers.declarations import JOINT, ModelSpec, Tok
@@ -159,7 +160,7 @@ class _Sorter:
             toks = (toks,) * len(leaves)
         sorted_leaves = tuple(self._leaf(name, x, None if toks is None else toks[i])
                               for i, x in enumerate(leaves))  # fmt: skip
-        return name, treespec, sorted_leaves
+        return name, treespec_dumps(treespec), sorted_leaves
 
     def _leaf(self, name: str, x: Any, tok: Tok | None) -> Leaf:
         if not isinstance(x, torch.Tensor):
@@ -211,8 +212,14 @@ def block_arguments(
     out = {}
     for name, treespec, leaves in arguments:
         built = [_built(leaf, streams, features, values, layouts, signature) for leaf in leaves]
-        out[name] = built[0] if treespec is None else tree_unflatten(built, treespec)
+        out[name] = built[0] if treespec is None else tree_unflatten(built, _structure(treespec))
     return out
+
+
+@functools.lru_cache(maxsize=256)
+def _structure(dumped: str):
+    """A block argument's structure, kept as text in the `Signature` (it travels)."""
+    return treespec_loads(dumped)
 
 
 def _built(leaf: Leaf, streams, features, values, layouts, signature) -> Any:

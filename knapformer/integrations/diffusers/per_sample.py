@@ -130,7 +130,7 @@ def _operator(name: str) -> Callable:
 
 
 for _name in ("add", "radd", "sub", "rsub", "mul", "rmul", "truediv", "rtruediv", "pow",
-              "rpow", "neg", "getitem", "eq", "ne", "lt", "le", "gt", "ge", "and", "or",
+              "rpow", "neg", "getitem", "setitem", "eq", "ne", "lt", "le", "gt", "ge", "and", "or",
               "invert"):  # fmt: skip
     setattr(PerSample, f"__{_name}__", _operator(f"__{_name}__"))
 PerSample.__hash__ = object.__hash__  # __eq__ is element-wise, as a tensor's
@@ -203,7 +203,7 @@ def _direct(func, args, kwargs, found, ref):
     if func in (T.transpose, torch.transpose, T.swapaxes, T.movedim):
         axes = (args[1], args[2])
         return (args, kwargs, ref.lead) if all(a % ref.dim() for a in axes) else None
-    if func is T.__getitem__:
+    if func is T.__getitem__ or func is T.__setitem__:
         return (args, kwargs, ref.lead) if _keeps_samples(args[1], ref.dim()) else None
     if func in (T.view, T.reshape, torch.reshape, T.expand):
         return _reshaped(func, args, ref)

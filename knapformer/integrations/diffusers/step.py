@@ -194,7 +194,7 @@ def run_blocks(model, spec: ModelSpec, layouts: StepLayouts, x: torch.Tensor,
                 # A new dict per block: a checkpointed block recomputes from its own.
                 kwargs = {**common, **{a: streams.get(s) for a, s in b.streams.items()}}
                 if checkpointed:
-                    out = checkpoint(call_block, block, sig, kwargs, use_reentrant=False)
+                    out = checkpoint(_in_step, layouts, block, sig, kwargs, use_reentrant=False)
                 else:
                     out = call_block(block, sig, kwargs)
                 out = out if isinstance(out, tuple) else (out,)
@@ -202,6 +202,13 @@ def run_blocks(model, spec: ModelSpec, layouts: StepLayouts, x: torch.Tensor,
                     if name is not None:
                         streams.set(b.streams[name], value)
     return {s: streams.get(s) for s in spec.streams}
+
+
+def _in_step(layouts: StepLayouts, block, sig, kwargs):
+    """`call_block` with the step's layouts active: a checkpointed block is recomputed in
+    backward, after the forward left the step."""
+    with activated(layouts):
+        return call_block(block, sig, kwargs)
 
 
 def home_rows(balancer, layouts: StepLayouts, finals: dict, spec: ModelSpec) -> torch.Tensor:
