@@ -56,7 +56,8 @@ def _grid_ids(h: int, w: int, axes: int = 3) -> torch.Tensor:
 
 def _flux(gen, size):
     (h, w), lt = size
-    return dict(hidden_states=_randn(gen, 1, h * w, 8), encoder_hidden_states=_randn(gen, 1, lt, 12),
+    return dict(hidden_states=_randn(gen, 1, h * w, 8),
+                encoder_hidden_states=_randn(gen, 1, lt, 12),
                 pooled_projections=_randn(gen, 1, 8), timestep=_time(gen),
                 img_ids=_grid_ids(h, w), txt_ids=torch.zeros(lt, 3),
                 guidance=_time(gen))  # fmt: skip
@@ -66,7 +67,8 @@ def _flux2(gen, size):
     (h, w), lt = size
     txt = torch.zeros(lt, 4)
     txt[:, -1] = torch.arange(lt)
-    return dict(hidden_states=_randn(gen, 1, h * w, 8), encoder_hidden_states=_randn(gen, 1, lt, 12),
+    return dict(hidden_states=_randn(gen, 1, h * w, 8),
+                encoder_hidden_states=_randn(gen, 1, lt, 12),
                 timestep=_time(gen), img_ids=_grid_ids(h, w, 4), txt_ids=txt,
                 guidance=_time(gen))  # fmt: skip
 
@@ -116,7 +118,8 @@ def _ltx(gen, size):
     (f, h, w), (valid, padded) = size
     mask = torch.zeros(1, padded, dtype=torch.long)
     mask[:, :valid] = 1
-    return dict(hidden_states=_randn(gen, 1, f * h * w, 8), encoder_hidden_states=_randn(gen, 1, padded, 12),
+    return dict(hidden_states=_randn(gen, 1, f * h * w, 8),
+                encoder_hidden_states=_randn(gen, 1, padded, 12),
                 timestep=_time(gen) * 1000, encoder_attention_mask=mask, num_frames=f,
                 height=h, width=w)  # fmt: skip
 
@@ -126,7 +129,8 @@ def _cogvideox(gen, size):
 
     (f, h, w), lt = size
     cos, sin = get_3d_rotary_pos_embed(16, ((0, 0), (h // 2, w // 2)), (h // 2, w // 2), f)
-    return dict(hidden_states=_randn(gen, 1, f, 4, h, w), encoder_hidden_states=_randn(gen, 1, lt, 12),
+    return dict(hidden_states=_randn(gen, 1, f, 4, h, w),
+                encoder_hidden_states=_randn(gen, 1, lt, 12),
                 timestep=_time(gen) * 1000, image_rotary_emb=(cos, sin))  # fmt: skip
 
 
@@ -174,11 +178,12 @@ MODELS: dict[str, TinyModel] = {
         cross_attention_dim=32, num_layers=2, caption_channels=12),
         _ltx, tuple((v, (max(t, 1), 8)) for v, t in _VIDEOS)),
     "cogvideox": TinyModel("CogVideoXTransformer3DModel", dict(
-        num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4,
+        num_attention_heads=4, attention_head_dim=16, in_channels=4, out_channels=4,
         time_embed_dim=8, text_embed_dim=12, num_layers=2, sample_width=8, sample_height=8,
         sample_frames=9, patch_size=2, max_text_seq_length=16,
         use_rotary_positional_embeddings=True),
-        _cogvideox, tuple(((f, 2 * max(h // 2, 1), 2 * max(w // 2, 1)), t) for (f, h, w), t in _VIDEOS)),
+        _cogvideox, tuple(((f, 2 * max(h // 2, 1), 2 * max(w // 2, 1)), t)
+                          for (f, h, w), t in _VIDEOS)),
 }  # fmt: skip
 
 

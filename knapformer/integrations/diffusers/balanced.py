@@ -136,9 +136,10 @@ def _packed(model, spec: ModelSpec, samples, balancer, plan: bool) -> BalancedOu
         if plan:
             balancer.plan_routing(seq_lens, signature.width)
         elif balancer.tables is None or list(balancer.tables.local_lens) != seq_lens:
+            planned = None if balancer.tables is None else list(balancer.tables.local_lens)
             raise KnapformerError(
-                f"this step's plan was made for {None if balancer.tables is None else balancer.tables.local_lens} "
-                f"tokens per sample, the samples have {seq_lens}"
+                f"this step's plan was made for {planned} tokens per sample, the samples "
+                f"have {seq_lens}: call plan_routing with the batch's seq_lens first"
             )
         facts = placement(balancer, by_rank)
     row_stream, row_sample, held, sequences = facts
@@ -148,8 +149,8 @@ def _packed(model, spec: ModelSpec, samples, balancer, plan: bool) -> BalancedOu
         # Routed with the tokens, features come out requiring grad; a model may write
         # into a tensor it multiplied by one (CogVideoX's in-place RoPE), so detach
         # those that did not need it at home.
-        features = [f if need else f.detach()
-                    for f, (*_, need) in zip(features, signature.features, strict=True)]  # fmt: skip
+        needs = [need for *_, need in signature.features]
+        features = [f if need else f.detach() for f, need in zip(features, needs, strict=True)]
     layouts = StepLayouts(spec.streams, row_stream, row_sample, device, balancer, sequences)
     finals = run_blocks(model, spec, layouts, x, features, held_values(balancer, values, held),
                         signature)  # fmt: skip

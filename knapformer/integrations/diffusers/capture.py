@@ -73,7 +73,7 @@ def _stood_in(model: nn.Module, spec: ModelSpec, report: Callable) -> Iterator[N
         for i, b in enumerate(spec.blocks):
             sig = block_signature(model, b.name)
 
-            def tell(values, i=i):  # noqa: E306
+            def tell(values, i=i):
                 report(i, values)
 
             standins = [_StandIn(sig, b.returns, tell) for _ in saved[b.name]]
@@ -108,17 +108,17 @@ def capture(model: nn.Module, spec: ModelSpec, sample: dict[str, Any]) -> list[d
     def stop(module, args, kwargs):
         raise _AtTail
 
-    with _stood_in(model, spec, lambda i, values: first.setdefault(i, values)):
-        with _at_tail(model, spec, stop):
-            try:
-                _forward(model, sample)
-            except _AtTail:
-                pass
-            else:
-                raise KnapformerError(
-                    f"{type(model).__name__}'s forward returned without calling its "
-                    f"declared tail module {spec.tail!r}"
-                )
+    record = lambda i, values: first.setdefault(i, values)  # noqa: E731
+    with _stood_in(model, spec, record), _at_tail(model, spec, stop):
+        try:
+            _forward(model, sample)
+        except _AtTail:
+            pass
+        else:
+            raise KnapformerError(
+                f"{type(model).__name__}'s forward returned without calling its "
+                f"declared tail module {spec.tail!r}"
+            )
     missing = [b.name for i, b in enumerate(spec.blocks) if i not in first]
     if missing:
         raise KnapformerError(f"{type(model).__name__}'s forward did not call {missing[0]}")

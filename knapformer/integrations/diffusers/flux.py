@@ -106,9 +106,10 @@ class FluxBatch:
         iids = self.image_ids.split(self.image_lens)
         out = []
         for i in range(len(self.image_lens)):
+            one = slice(i, i + 1)
             sample = dict(hidden_states=images[i][None], encoder_hidden_states=texts[i][None],
-                          pooled_projections=self.pooled[i : i + 1],
-                          timestep=self.timestep[i : i + 1], img_ids=iids[i], txt_ids=tids[i])  # fmt: skip
+                          pooled_projections=self.pooled[one], timestep=self.timestep[one],
+                          img_ids=iids[i], txt_ids=tids[i])  # fmt: skip
             if self.guidance is not None:
                 sample["guidance"] = self.guidance[i : i + 1]
             out.append(sample)

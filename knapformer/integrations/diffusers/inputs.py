@@ -83,8 +83,8 @@ def sort_inputs(spec: ModelSpec, captured: list[dict[str, Any]]) -> tuple[Sample
     first = kept[spec.streams[0]]
     signature = Signature(
         arguments, int(first.shape[-1]), first.dtype,
-        tuple((tuple(f.shape[1:]), f.dtype, c, f.requires_grad) for f, c in zip(sorter.features, sorter.complex,
-                                                               strict=True)),
+        tuple((tuple(f.shape[1:]), f.dtype, c, f.requires_grad)
+              for f, c in zip(sorter.features, sorter.complex, strict=True)),
         tuple((tuple(v.shape), v.dtype, v.requires_grad) for v in sorter.values),
         first.requires_grad,
     )  # fmt: skip

@@ -54,8 +54,10 @@ class StepLayouts:
     ``pre_attn`` returns them (unbalanced: this rank's samples).
     """
 
-    def __init__(self, order: tuple[str, ...], row_stream: np.ndarray, row_sample: np.ndarray,
-                 device: torch.device, balancer: Any, sequences: list[tuple[int, ...]]):  # fmt: skip
+    def __init__(
+        self, order: tuple[str, ...], row_stream: np.ndarray, row_sample: np.ndarray,
+        device: torch.device, balancer: Any, sequences: list[tuple[int, ...]],
+    ):  # fmt: skip
         self.order, self.device = order, device
         self.balancer, self.sequences = balancer, sequences
         self.total = len(row_stream)

@@ -70,7 +70,7 @@ class PerSample:
     """``data (S * lead, ...)``: sample ``s``'s value is ``data[s * lead:(s + 1) * lead]``;
     to the model it is one tensor of shape ``(lead, ...)``."""
 
-    __slots__ = ("data", "count", "lead")
+    __slots__ = ("count", "data", "lead")
 
     def __init__(self, data: torch.Tensor, count: int, lead: int = 1):
         if data.shape[0] != count * lead:

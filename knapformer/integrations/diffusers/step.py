@@ -67,8 +67,10 @@ def _difference(a: Signature, b: Signature) -> str:
     return "token features or width"
 
 
-def agree(balancer: SequenceBalancer, spec: ModelSpec, signature: Signature | None,
-          lengths: list[tuple[int, ...]]) -> tuple[Signature, list[list[tuple[int, ...]]]]:  # fmt: skip
+def agree(
+    balancer: SequenceBalancer, spec: ModelSpec, signature: Signature | None,
+    lengths: list[tuple[int, ...]],
+) -> tuple[Signature, list[list[tuple[int, ...]]]]:  # fmt: skip
     """Collective over the balance group: the step's signature (a rank without samples
     takes its peers') and every rank's samples' stream lengths, by group position."""
     got: list[Any] = [None] * len(balancer.group_ranks)
@@ -105,7 +107,7 @@ def placement(balancer: SequenceBalancer, lengths_by_rank: list[list[tuple[int, 
     row_pos = token_ranges(np.asarray(c.offset, np.int64)[mine], c_len)
     bag = next(b for b in plan.bags if balancer.rank in b)
     in_bag = np.unique(c_seq[np.isin(c_dst, bag)])
-    return _rows(per_seq, row_seq, row_pos) + ([per_seq[i] for i in in_bag],)
+    return (*_rows(per_seq, row_seq, row_pos), [per_seq[i] for i in in_bag])
 
 
 def local_placement(lengths: list[tuple[int, ...]]):
@@ -113,7 +115,7 @@ def local_placement(lengths: list[tuple[int, ...]]):
     totals = np.asarray([sum(x) for x in lengths], np.int64)
     row_seq = np.repeat(np.arange(len(lengths)), totals)
     row_pos = token_ranges(np.zeros(len(lengths), np.int64), totals)
-    return _rows(lengths, row_seq, row_pos) + (list(lengths),)
+    return (*_rows(lengths, row_seq, row_pos), list(lengths))
 
 
 def _rows(per_seq, row_seq: np.ndarray, row_pos: np.ndarray):
@@ -180,8 +182,10 @@ class _Streams:
             self.alone[name], self.joined = value, None
 
 
-def run_blocks(model, spec: ModelSpec, layouts: StepLayouts, x: torch.Tensor,
-               features: list[torch.Tensor], values: list[PerSample], signature: Signature):  # fmt: skip
+def run_blocks(
+    model, spec: ModelSpec, layouts: StepLayouts, x: torch.Tensor,
+    features: list[torch.Tensor], values: list[PerSample], signature: Signature,
+):  # fmt: skip
     """Every block of the model, once, on the routed rows ``x (T, D)``: -> the final
     streams ``{name: (1, n, D) | None}``."""
     streams = _Streams(spec.streams, {s: t[None] for s, t in layouts.split(x).items()})
