@@ -34,7 +34,6 @@ part what to expect on GPUs. Exit 0 always (a comparison, no target).
 from __future__ import annotations
 
 import argparse
-import logging
 import statistics
 import sys
 import tempfile
@@ -166,8 +165,10 @@ def _cp(model, group_batches) -> None:
 
 def _quiet() -> None:
     """diffusers' notices (CP is experimental, a deprecated collective) off the table."""
+    from diffusers.utils import logging as diffusers_logging
+
     warnings.filterwarnings("ignore")
-    logging.getLogger("diffusers").setLevel(logging.ERROR)
+    diffusers_logging.set_verbosity_error()
 
 
 def _worker(rank: int, world: int, steps: int) -> dict[str, list[float]]:
@@ -212,7 +213,7 @@ def measured(steps: int) -> dict[str, float]:
     }
 
 
-def one_at_a_time_vs_packed(samples: int, repeats: int = 3) -> dict[str, float]:
+def one_at_a_time_vs_packed(samples: int, repeats: int = 5) -> dict[str, float]:
     """One process: ``samples`` small samples (8x8 images, 16-token prompts) one at a time
     through the unmodified model (as inside a bag of the second design) and packed
     (``balance(model)(samples)``, no balancer): ms for forward and backward, median."""
@@ -250,20 +251,24 @@ def main() -> int:
         table.add_row(key, *[f"{r[key]:.0f} ({r[key] / r['unbalanced']:.2f}x)" for r in results])
     console.print(table)
     times = measured(args.steps)
-    table = Table(title=f"measured on {WORLD} CPU gloo ranks, small Flux, same batches "
-                        f"(ms per step, slowest rank, median of {args.steps - 1})")  # fmt: skip
+    console.print(f"measured: {WORLD} CPU gloo ranks, small Flux, same batches (ms per "
+                        f"step, slowest rank, median of {args.steps - 1})")  # fmt: skip
+    table = Table()
     table.add_column("strategy")
-    table.add_column("step", justify="right")
+    table.add_column("step ms", justify="right")
     table.add_column("x unbalanced", justify="right")
     for key, ms in times.items():
         table.add_row(key, f"{ms:.0f}", f"{ms / times['unbalanced']:.2f}")
     console.print(table)
     small = one_at_a_time_vs_packed(args.small_samples)
-    table = Table(title=f"one CPU process, {args.small_samples} small samples (8x8 images): "
-                        "ms per forward and backward, median of 3")  # fmt: skip
-    for key in small:
-        table.add_column(key, justify="right")
-    table.add_row(*[f"{v:.0f}" for v in small.values()])
+    console.print("packing: one CPU process (ms per forward and backward, median of 5)")
+    table = Table()
+    for col in ("samples", "one at a time (unmodified model)", "packed (balance, no balancer)",
+                "x packed"):  # fmt: skip
+        table.add_column(col, justify="right")
+    one, packed = small["one at a time"], small["packed"]
+    table.add_row(f"{args.small_samples} x 8x8 images", f"{one:.0f}", f"{packed:.0f}",
+                  f"{one / packed:.2f}")  # fmt: skip
     console.print(table)
     return 0
 

@@ -34,7 +34,7 @@ model = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=2, num_s
                                joint_attention_dim=32, pooled_projection_dim=16,
                                axes_dims_rope=(8, 12, 12))  # fmt: skip
 opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-topology = "g1n2+g2n1" if world == 4 else f"g1n{world}"
+topology = "g1n2+g2n1" if world == 4 else f"g1n{world}"  # KF
 balancer = SequenceBalancer(
     topology,
     process_group=dist.new_group(),

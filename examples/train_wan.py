@@ -33,7 +33,7 @@ model = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=4,
                               text_dim=32, freq_dim=32, ffn_dim=128, num_layers=2,
                               cross_attn_norm=True, rope_max_seq_len=64)  # fmt: skip
 opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-topology = "g1n2+g2n1" if world == 4 else f"g1n{world}"
+topology = "g1n2+g2n1" if world == 4 else f"g1n{world}"  # KF
 balancer = SequenceBalancer(
     topology, run="wan", recorder=PlanRecorder(args.out / "plans.jsonl")
 )  # KF

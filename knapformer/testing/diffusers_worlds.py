@@ -26,6 +26,7 @@ from knapformer.testing.dist_helpers import run_world
 
 # Indices into each model's sizes (big first): rank 0 heavy, ranks 3 (and 5) empty.
 RANK_SAMPLES = {
+    1: [[0, 1, 2, 3, 4]],  # tests/test_diffusers_gpu.py: one GPU
     4: [[0, 1], [2], [3, 4], []],
     8: [[0, 1], [2], [3, 4], [], [5], [], [4], [2]],
 }
@@ -74,6 +75,16 @@ def world_samples(model: str, world: int, dtype: torch.dtype = torch.float32):
     return [[cast(s, dtype) for s in mine] for mine in per_rank]
 
 
+def _device(options: dict) -> torch.device:
+    """Where a variant runs: ``options["device"]`` ("cuda" on an NCCL world), else CPU."""
+    return torch.device(options.get("device", "cpu"))
+
+
+def _on(sample: dict, device: torch.device) -> dict:
+    move = lambda x: x.to(device) if isinstance(x, torch.Tensor) else x  # noqa: E731
+    return {k: tuple(map(move, v)) if isinstance(v, tuple) else move(v) for k, v in sample.items()}
+
+
 def dtype_of(options: dict) -> torch.dtype:
     return torch.bfloat16 if options.get("bf16") else torch.float32
 
@@ -86,7 +97,7 @@ def _prepared(model: torch.nn.Module, world: int, options: dict, spec) -> torch.
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh("cpu", (world,))
+        mesh = init_device_mesh(_device(options).type, (world,))
         for b in spec.blocks:
             for block in model.get_submodule(b.name):
                 fully_shard(block, mesh=mesh)
@@ -157,9 +168,10 @@ def run_variant(rank: int, world: int, name: str, topology: str, options: dict) 
     from knapformer.integrations.diffusers import SPECS, balance
 
     tiny, dtype = MODELS[name], dtype_of(options)
-    model = _prepared(tiny.build(dtype), world, options, SPECS[tiny.cls])
+    device = _device(options)
+    model = _prepared(tiny.build(dtype).to(device), world, options, SPECS[tiny.cls])
     bal = _balancer(topology, options)
-    mine = world_samples(name, world, dtype)[rank]
+    mine = [_on(s, device) for s in world_samples(name, world, dtype)[rank]]
     if options.get("ddp_refused"):  # a DDP-wrapped model run outside DDP; DDP on WORLD
         from torch.nn.parallel import DistributedDataParallel
 
@@ -182,7 +194,7 @@ def run_variant(rank: int, world: int, name: str, topology: str, options: dict) 
     else:
         outs, anchor = _forward(model, name, mine, bal, options)
     loss = anchor
-    elements = torch.tensor(float(sum(o.numel() for o in outs)))
+    elements = torch.tensor(float(sum(o.numel() for o in outs)), device=device)
     dist.all_reduce(elements)
     scale = 1 / float(elements) if options.get("loss") == "mean" else 1.0
     for o, w in zip(outs, _weights_of(name, world, rank, outs), strict=True):
@@ -198,7 +210,7 @@ def _weights_of(name: str, world: int, rank: int, outs: list[torch.Tensor]):
     out = []
     for i, o in enumerate(outs):
         gen = torch.Generator().manual_seed(1000 + before + i)
-        out.append(torch.randn(o.shape, generator=gen).to(o.dtype))
+        out.append(torch.randn(o.shape, generator=gen).to(o.device, o.dtype))
     return out
 
 
