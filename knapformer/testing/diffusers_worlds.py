@@ -1,5 +1,5 @@
 """Every supported diffusers model trained balanced on real gloo groups, for
-tests/test_diffusers_models.py, tests/test_diffusers_bf16.py and tests/test_diffusers_ddp.py.
+tests/test_diffusers_models.py (and tests/test_diffusers_gpu.py on CUDA).
 
 Each rank's samples are fixed (`RANK_SAMPLES`: rank 0 far heavier than the others, ranks
 without any, prompts of mixed lengths), so that the test process can run the unmodified

@@ -33,7 +33,7 @@ from knapformer.integrations.diffusers.inputs import (
 from knapformer.integrations.diffusers.layouts import StepLayouts, activated
 from knapformer.integrations.diffusers.per_sample import PerSample
 from knapformer.runtime.conditioning import gather_sequences
-from knapformer.runtime.router import token_ranges
+from knapformer.runtime.router import host_to_device, token_ranges
 
 if TYPE_CHECKING:
     from knapformer.runtime.balancer import SequenceBalancer
@@ -153,7 +153,7 @@ def held_values(balancer, values: list[torch.Tensor], held: np.ndarray) -> list[
     if balancer is None:
         return [PerSample.of(v) for v in values]
     held = held if len(held) else np.zeros(1, np.int64)  # spares need a sample (layouts)
-    index = torch.from_numpy(held.astype(np.int64)).to(balancer.device)
+    index = host_to_device(torch.from_numpy(held.astype(np.int64)), balancer.device)
     return [PerSample.of(gather_sequences(balancer, v).index_select(0, index)) for v in values]
 
 
