@@ -113,3 +113,21 @@ def test_a_per_sample_value_looks_like_a_batch_of_one_and_meets_tokens_per_sampl
     assert torch.allclose(out, image_rows * (1 + temb[samples, 3:])[None])
     rows = value.repeat(2, 1)  # axis 0 of the model's view: sample by sample
     assert rows.shape == (2, 6) and torch.equal(rows.data[2:], temb[1:].repeat(2, 1))
+
+
+MASKS = [("qwen_image", "encoder_hidden_states_mask"), ("hunyuan_video", "encoder_attention_mask")]
+
+
+@pytest.mark.parametrize(("name", "mask"), MASKS)
+def test_padded_prompts_are_masked_and_the_mask_matters(name, mask):
+    """The samples' prompts are padded with a mask; the balanced step leaves the padded
+    rows out and equals the model given the mask, which differs from the model given
+    none (so the tests of every world would see a mask gone wrong)."""
+    tiny = MODELS[name]
+    model = tiny.build()
+    sample = samples_for(name, [[tiny.sizes[3]]])[0][0]  # one valid prompt token of 8
+    assert int(sample[mask].sum()) < sample[mask].shape[1]
+    want = model(**sample).sample
+    unmasked = model(**{**sample, mask: torch.ones_like(sample[mask])}).sample
+    assert _rel(unmasked, want) > 1e-3
+    assert _rel(balance(model)([sample])[0], want) < 1e-5
