@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils._pytree import register_pytree_node
 
 from knapformer.errors import KnapformerError
-from knapformer.integrations.diffusers import attention_hooks
+from knapformer.integrations.diffusers.attention_hooks import install as install_attention_hooks
 from knapformer.integrations.diffusers.ddp import DdpGuard
 from knapformer.integrations.diffusers.declarations import ModelSpec, spec_for
 from knapformer.integrations.diffusers.layouts import StepLayouts
@@ -89,7 +89,7 @@ class BalancedModel(nn.Module):
         self.spec.check(model)
         self.model = model
         install(model)
-        attention_hooks.install(model)
+        install_attention_hooks(model)
         self._ddp = DdpGuard(model)
 
     def forward(
