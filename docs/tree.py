@@ -22,7 +22,7 @@ FOLDERS = {
     "knapformer/diagnosis": "layer 3, diagnosis: measured figures and straggler verdicts",
     "knapformer/runtime": "layer 4, the torch side: balancer, exchanges, timing, recorder",
     "knapformer/integrations": "layer 5, balanced forwards of other libraries' models",
-    "knapformer/integrations/diffusers": "diffusers' Flux and Wan (extra `diffusers`)",
+    "knapformer/integrations/diffusers": "diffusers transformers, a declaration each",
     "knapformer/local": "layer 6, worker processes on this machine (launcher, demo)",
     "knapformer/tools": "layer 7, offline tools over plans and the planner",
     "knapformer/cli": "the `knapformer` command, one module per command group (top layer)",

@@ -9,8 +9,12 @@ import torch.nn.functional as F
 from knapformer.runtime.router import host_to_device
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: list[int]):
-    """Attention within each sequence. ``q, k, v``: ``(T, H, D)`` -> ``(T, H, D)``.
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: list[int],
+    scale: float | None = None,
+):  # fmt: skip
+    """Attention within each sequence. ``q, k, v``: ``(T, H, D)`` -> ``(T, H, D)``;
+    ``scale``: the softmax scale (default ``D ** -0.5``).
 
     Sequences of equal length share one ``scaled_dot_product_attention`` call.
     """
@@ -37,7 +41,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: list[
             t.index_select(0, idx).reshape(len(group), n, *t.shape[1:]).transpose(1, 2)
             for t in (q, k, v)
         )
-        o = F.scaled_dot_product_attention(qs, ks, vs)
+        o = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)
         pieces.append(o.transpose(1, 2).reshape(len(group) * n, *q.shape[1:]))
         index.append(idx)
     return out.index_copy(0, torch.cat(index), torch.cat(pieces))
