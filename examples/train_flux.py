@@ -65,13 +65,15 @@ def make_batch(gen: torch.Generator) -> tuple[list[dict], list[torch.Tensor]]:
     return samples, targets
 
 
+balancer.time_optimizer(opt)  # optional: every opt.step() is a phase of its step
 gen = torch.Generator().manual_seed(rank)
 for step in range(args.steps):
     samples, targets = make_batch(gen)
-    outs = model(samples, balancer)  # KF (unbalanced: [model(**s).sample for s in samples])
-    per_sample = lambda i, out, targets=targets: ((out - targets[i]) ** 2).mean()  # noqa: E731
-    loss = outs.sum(per_sample) / len(samples)  # KF (unbalanced: sum over the outputs)
-    loss.backward()  # DDP averages the gradients over the ranks
+    with balancer.timed("forward_backward"):  # optional: where the step's time goes
+        outs = model(samples, balancer)  # KF (unbalanced: [model(**s).sample for s in samples])
+        per_sample = lambda i, out, targets=targets: ((out - targets[i]) ** 2).mean()  # noqa: E731
+        loss = outs.sum(per_sample) / len(samples)  # KF (unbalanced: sum over the outputs)
+        loss.backward()  # DDP averages the gradients over the ranks
     opt.step()
     opt.zero_grad()
     if rank == 0:

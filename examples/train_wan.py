@@ -59,13 +59,15 @@ def make_batch(gen: torch.Generator) -> tuple[list[dict], list[torch.Tensor]]:
     return samples, targets
 
 
+balancer.time_optimizer(opt)  # optional: every opt.step() is a phase of its step
 gen = torch.Generator().manual_seed(rank)
 for step in range(args.steps):
     samples, targets = make_batch(gen)
-    outs = balanced(samples, balancer)  # KF (unbalanced: [model(**s).sample for s in samples])
-    per_sample = lambda i, out, targets=targets: ((out - targets[i]) ** 2).mean()  # noqa: E731
-    loss = outs.sum(per_sample) / len(samples)  # KF (unbalanced: sum over the outputs)
-    loss.backward()
+    with balancer.timed("forward_backward"):  # optional: where the step's time goes
+        outs = balanced(samples, balancer)  # KF (unbalanced: [model(**s).sample for s in samples])
+        per_sample = lambda i, out, targets=targets: ((out - targets[i]) ** 2).mean()  # noqa: E731
+        loss = outs.sum(per_sample) / len(samples)  # KF (unbalanced: sum over the outputs)
+        loss.backward()
     for p in model.parameters():  # data parallel: average the gradients
         balancer.all_reduce(p.grad)  # KF (dist.all_reduce, timed as waiting)
         p.grad /= world

@@ -19,6 +19,7 @@ def register(app: typer.Typer) -> None:
 def flight_recorder(
     dumps: list[Path] = typer.Argument(
         ...,
+        metavar="DUMPS",
         help="dump files (JSON, or NCCL's pickles; the rank is the number a name ends with) "
         "or folders of them; a run folder: the flight_recorder/ the balancer wrote beside "
         "its incident",

@@ -390,9 +390,12 @@ class RollCall:
             f"{self.timeout_s + self.answer_s:g} s (last seen: {last})"
         )
 
-    def stop(self) -> None:
+    def stop(self, wait_s: float = 0.0) -> None:
+        """End the watcher; ``wait_s`` > 0 also waits (at most that long) until it has left."""
         self._stop.set()
         _LIVE.discard(self)
+        if wait_s > 0 and threading.current_thread() is not self._watcher:
+            self._watcher.join(wait_s)
 
 
 def _mark(entry: Entry | None) -> tuple | None:
@@ -475,3 +478,6 @@ def _at_exit() -> None:
     for roll_call in list(_LIVE):
         if roll_call.state == RUNNING and not roll_call.finished and roll_call.journal.step >= 0:
             roll_call.raised(SystemExit(f"the process exited at step {roll_call.journal.step}"))
+        # A daemon thread still inside the store's C++ call when the interpreter finalizes
+        # is ended by forced unwinding through a noexcept frame: std::terminate, SIGABRT.
+        roll_call.stop(wait_s=2 * WATCH_S)
