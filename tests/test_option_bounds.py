@@ -30,6 +30,7 @@ BASE = {
     "simulate": ["simulate", "--data-codes", "lowres", "-t", "g8n4"],
     "suggest": ["suggest", "--data-codes", "lowres", "--gpus", "32"],
     "calibrate": ["calibrate", "--benchmark"],
+    "flight-recorder": ["flight-recorder", str(SAMPLES)],
 }
 #: demo's options are the fields of `knapformer.local.config.DemoConfig`, which checks
 #: itself where it is made (tests/test_demo.py).

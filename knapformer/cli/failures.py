@@ -7,6 +7,7 @@ from pathlib import Path
 
 import typer
 
+from knapformer.cli.bounds import bounded
 from knapformer.cli.errors import UserError
 from knapformer.errors import KnapformerError
 from knapformer.tools.flight_recorder import analyse, describe, dump_files, read_dump, read_journals
@@ -30,7 +31,7 @@ def flight_recorder(
         "folder given, if one was)",
     ),
     world: int | None = typer.Option(
-        None, min=1, help="ranks of the job (default: the highest rank seen, plus one)"
+        None, callback=bounded, help="ranks of the job (default: the highest rank seen, plus one)"
     ),
 ) -> None:
     """For each rank, the collectives it had not finished (group, sequence number, op) and

@@ -169,6 +169,8 @@ OPTION_BOUNDS: dict[str, Bound] = {
     "tokens": Bound(1, MAX_BENCH_TOKENS, whole=True),
     "dim": Bound(1, MAX_TOKEN_DIM, whole=True),
     "port": Bound(0, 65535, whole=True),
+    # the ranks of a job whose dumps are read (flight-recorder)
+    "world": Bound(1, MAX_GPUS, whole=True, unit=" ranks"),
 }
 
 
