@@ -7,7 +7,7 @@ usable plan or raises `PlanFormatError` with a short one-line message, and ``val
 structural edits (hostile values at any path, dropped or unknown keys, cut or stretched
 columns) with textual ones (cuts, deep nesting, 5,000-digit numbers, stray bytes).
 
-``KNAPFORMER_FUZZ_EXAMPLES`` sets the parser's example count (default 5,000; the CLI runs
+``KNAPFORMER_FUZZ_EXAMPLES`` sets the parser's example count (default 2,000; the CLI runs
 a tenth of it); ``KNAPFORMER_FUZZ_RANDOM=1`` draws new examples instead of the fixed,
 reproducible set the suite runs.
 """
@@ -33,7 +33,7 @@ from knapformer.contract.plan import RoutingPlan
 from knapformer.contract.plan_io import PlanFormatError, parse_plan_line
 
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_plans"
-EXAMPLES = int(os.environ.get("KNAPFORMER_FUZZ_EXAMPLES", "5000"))
+EXAMPLES = int(os.environ.get("KNAPFORMER_FUZZ_EXAMPLES", "2000"))
 FUZZ = settings(
     deadline=None,
     database=None,

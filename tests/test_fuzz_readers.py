@@ -11,7 +11,7 @@ start-up costs more than a record) and each file goes through ``validate``, ``sh
 starts a process per GPU) runs on a few files. Every command must exit 0 or 1 with no
 traceback, and write only inside the output folder it was given.
 
-``KNAPFORMER_FUZZ_READERS`` sets the record count (default 2,000; 20,000 for a long
+``KNAPFORMER_FUZZ_READERS`` sets the record count (default 1,000; 20,000 for a long
 hunt) and ``KNAPFORMER_FUZZ_SEED`` the seed (default 0, the fixed set the suite runs).
 """
 
@@ -33,7 +33,7 @@ from knapformer.cli import main
 from knapformer.contract.plan_io import PlanFormatError, parse_plan_line
 
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_plans"
-RECORDS = int(os.environ.get("KNAPFORMER_FUZZ_READERS", "2000"))
+RECORDS = int(os.environ.get("KNAPFORMER_FUZZ_READERS", "1000"))
 SEED = int(os.environ.get("KNAPFORMER_FUZZ_SEED", "0"))
 PER_FILE = 40
 REPORT_EVERY = 8  # report (plotly HTML) costs ~0.5 s: every 8th file

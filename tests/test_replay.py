@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import subprocess
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 
 import knapformer
+from knapformer.cli import main
 from knapformer.contract.plan_io import read_plans, write_json
 from knapformer.planning.datamix import parse_mix, sample_lengths
 from knapformer.planning.planner import plan_routing
@@ -164,22 +166,26 @@ def test_legacy_plan_replays_recorded_routing(legacy_path):
     assert "verdict: OK" in proc.stdout
 
 
-def test_too_many_gpus_and_bad_heads_are_refused(tmp_path):
+def test_too_many_gpus_and_bad_heads_are_refused(tmp_path, capsys):
+    # Refused before any worker starts: in-process, where a spawned worker would be seen.
     path = tmp_path / "big.json"
     write_json(path, plan_routing([[10]] * 65, "g1n65", WorkloadModel(64)))
-    proc = run_cli("replay", str(path))
-    assert proc.returncode == 1
-    assert proc.stderr.strip() == (
+    assert main(["replay", str(path)]) == 1
+    out, err = capsys.readouterr()
+    assert err.strip() == (
         "error: the plan has 65 GPUs; replay runs one local process per GPU and stops at 64"
     )
     small = tmp_path / "small.json"
     fresh_plan(small)
-    proc = run_cli("replay", str(small), "--heads", "6")
-    assert proc.returncode == 1 and "--heads 6 must be a positive multiple" in proc.stderr
-    assert proc.stdout == ""  # refused before announcing a replay
-    proc = run_cli("replay", str(small), "--heads", "8", "--dim", "12")
-    assert proc.returncode == 1 and proc.stdout == ""
-    assert proc.stderr.strip() == "error: --dim 12 must be a positive multiple of --heads 8"
+    assert main(["replay", str(small), "--heads", "6"]) == 1
+    out, err = capsys.readouterr()
+    assert "--heads 6 must be a positive multiple" in err
+    assert out == ""  # refused before announcing a replay
+    assert main(["replay", str(small), "--heads", "8", "--dim", "12"]) == 1
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.strip() == "error: --dim 12 must be a positive multiple of --heads 8"
+    assert not multiprocessing.active_children()
 
 
 SAMPLES = sorted(p.name for p in (ROOT / "sample_plans").glob("*.json*"))
