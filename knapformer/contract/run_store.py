@@ -80,6 +80,16 @@ def store_folder(run: str | os.PathLike) -> Path:
     return path.with_name(STORE_FOLDER + suffix)
 
 
+def existing_store(run: str | os.PathLike) -> Path:
+    """`store_folder` of ``run`` once it is one (`StoreError` naming ``run`` otherwise)."""
+    if not os.path.exists(run):
+        raise StoreError(f"{run}: no such file or folder")
+    store = store_folder(run)
+    if not (store / RUN_FILE).is_file():
+        raise StoreError(f"{run}: no run store ({store} has no {RUN_FILE})")
+    return store
+
+
 def has_store(run: str | os.PathLike) -> bool:
     """Whether ``run`` has a store (its folder with ``run.json``)."""
     return (store_folder(run) / RUN_FILE).is_file()
@@ -173,7 +183,7 @@ def read_table(
     """``table`` of ``run``'s store (a run folder, its plans file or the store), its rows
     of steps ``first..last`` (inclusive; None: open-ended) and only ``columns`` (default:
     all), every segment checked (`check_segment`). Ordered by step."""
-    store = store_folder(run)
+    store = existing_store(run)
     run_name = run_id(store)
     wanted = None if columns is None else list(dict.fromkeys(columns))
     if wanted is not None:
