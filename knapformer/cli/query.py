@@ -16,7 +16,13 @@ import typer
 
 from knapformer.cli.errors import UserError
 from knapformer.cli.extras import require
-from knapformer.contract.run_store import check_segment, existing_store, list_segments, run_id
+from knapformer.contract.run_store import (
+    check_segment,
+    existing_store,
+    list_segments,
+    one_line,
+    run_id,
+)
 from knapformer.contract.store_schema import TABLES
 
 #: Rows printed unless ``--rows`` says otherwise.
@@ -53,8 +59,8 @@ def query(
         to_arrow = getattr(relation, "to_arrow_table", None) or relation.arrow
         result = to_arrow()
     except duckdb.Error as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise UserError(f"query: {first}") from None
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise UserError(f"query: {one_line(first) or type(err).__name__}") from None
     if csv:
         import pyarrow.csv as pacsv
 

@@ -157,7 +157,7 @@ def check_segment(segment: Segment, run: str) -> pq.ParquetFile:
     except FileNotFoundError:
         raise SegmentGone(f"{where}: removed while reading (compacted)") from None
     except (OSError, pa.ArrowException) as err:
-        what = f"not a readable segment (truncated or not Parquet: {err})"
+        what = f"not a readable segment (truncated or not Parquet: {one_line(err)})"
         raise StoreError(f"{where}: {what}") from None
     kv = schema.metadata or {}
     if kv.get(META_SCHEMA) != str(STORE_VERSION).encode():
@@ -230,7 +230,15 @@ def _read(parquet: pq.ParquetFile, seg: Segment, columns: list[str] | None) -> p
     except FileNotFoundError:
         raise SegmentGone(f"{seg.path}: removed while reading (compacted)") from None
     except (OSError, pa.ArrowException) as err:
-        raise StoreError(f"{seg.path}: not a readable segment (damaged: {err})") from None
+        raise StoreError(f"{seg.path}: not a readable segment (damaged: {one_line(err)})") from None
+
+
+def one_line(err: object) -> str:
+    """An error (Arrow's, DuckDB's) as a short printable phrase: they quote the damaged
+    bytes, newlines included."""
+    text = "".join(c if c.isprintable() else " " for c in str(err))
+    text = " ".join(text.split())
+    return (text[:160] + "…" if len(text) > 160 else text) or type(err).__name__
 
 
 def _window(values: pa.ChunkedArray, first: int | None, last: int | None) -> pa.ChunkedArray:
