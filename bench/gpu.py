@@ -21,12 +21,14 @@
    training, so that kernel launches do not swamp short sequences; one sequence's time
    is the measurement / n.
 3. **pack**: the router's work around its all-to-all on this device, for the plan of
-   the rank of an 8-GPU ``g1n2+g2n1+g4n1`` plan that reorders the most rows: route packs
-   tokens (bf16) and their int64 positions into rows of bytes and gathers them in send
-   order; its receiver splits the bytes back into tensors; reverse_route packs without
-   a gather; its receiver gathers them back to the packed order and splits. GB/s of
-   payload (rows x bytes per row, counted once), against a plain ``index_select`` gather
-   of the same bytes with the same index (the "vs gather" column: its time / ours).
+   the rank of an 8-GPU ``g1n2+g2n1+g4n1`` plan that reorders the most rows
+   (``bench/routing.py``'s `PackCase`): route writes tokens (bf16) and their int64
+   positions straight into one send buffer in send order (one pass); its receiver
+   splits the bytes back into tensors; reverse_route packs without a gather; its
+   receiver gathers them back to the packed order while it splits them. GB/s of payload
+   (rows x bytes per row, counted once), against a plain ``index_select`` gather of the
+   same bytes held as one tensor, moved as the same words, with the same index (the "vs
+   gather" column: its time / ours).
 
 Writes DIR/gpu-check.json (every figure), DIR/workload-fit.html (the fit, when plotly is
 installed) and DIR/plans.jsonl (the plans part 1 recorded). DIR: ``--out``, else
@@ -56,21 +58,19 @@ import torch
 import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
+from routing import PACK_TOPOLOGY, PackCase  # bench/routing.py, beside this script
 
 from knapformer.contract.plan_io import read_plans
 from knapformer.local.models import DiTBlock, ToyDiT
-from knapformer.planning.planner import plan_routing
 from knapformer.planning.workload import WorkloadModel
 from knapformer.runtime.balancer import SequenceBalancer
 from knapformer.runtime.recorder import PlanRecorder
-from knapformer.runtime.router import RoutingTables, _from_bytes, _to_bytes
 from knapformer.tools.block_benchmark import time_block
 from knapformer.tools.calibrate import Calibration, calibrate_lengths
 
 PARTS = ("balancer", "fit", "pack")
 JSON_FILE, HTML_FILE, PLANS_FILE = "gpu-check.json", "workload-fit.html", "plans.jsonl"
 DEFAULT_OUT = "runs/gpu-check"
-PACK_TOPOLOGY = "g1n2+g2n1+g4n1"
 
 
 @dataclass(frozen=True)
@@ -405,8 +405,7 @@ def pack_throughput(device: torch.device, sizes: Sizes) -> dict:
     """GB/s of the router's packing around the all-to-all vs a plain gather."""
     rows_out = []
     for tokens in sizes.pack_tokens:
-        tables, rank = busiest_sender(tokens, device)
-        rows_out.extend(_pack_rows(tables, rank, tokens, device, sizes))
+        rows_out.extend(_pack_rows(tokens, device, sizes))
     return {
         "topology": PACK_TOPOLOGY,
         "dim": sizes.pack_dim,
@@ -416,54 +415,18 @@ def pack_throughput(device: torch.device, sizes: Sizes) -> dict:
     }
 
 
-def busiest_sender(tokens: int, device: torch.device) -> tuple[RoutingTables, int]:
-    """Routing tables of the rank that reorders the most rows, in a plan of 8 GPUs that
-    each hold ``tokens`` tokens in 2-16 sequences of random lengths."""
-    rng = np.random.default_rng(tokens)
-    per_gpu = []
-    for _ in range(8):
-        cuts = rng.choice(np.arange(1, tokens), size=int(rng.integers(1, 16)), replace=False)
-        per_gpu.append(np.diff(np.concatenate([[0], np.sort(cuts), [tokens]])))
-    plan = plan_routing(per_gpu, PACK_TOPOLOGY, WorkloadModel(3072))
-    best, best_moved = None, 0
-    for rank in range(8):
-        tables = RoutingTables.build(plan, rank, device)
-        if tables.send_index is None:
-            continue
-        index = tables.send_index.cpu()
-        moved = int((index != torch.arange(len(index))).sum())
-        if moved > best_moved:
-            best, best_moved = (tables, rank), moved
-    if best is None:
-        raise RuntimeError(f"no rank reorders its rows in the {tokens}-token plan")
-    return best
-
-
-def _pack_rows(tables: RoutingTables, rank: int, tokens: int, device, sizes) -> list[dict]:
-    rows = tables.num_local
-    x = torch.randn(rows, sizes.pack_dim, device=device).to(torch.bfloat16)
-    pos = torch.arange(rows, device=device, dtype=torch.int64)
-    specs = [(x.dtype, x.shape[1:]), (pos.dtype, pos.shape[1:])]
-    send, restore = tables.send_index, tables.restore_index
-    sent = _to_bytes([x, pos], rows).index_select(0, send)
-    plain = sent.clone()  # the same bytes, for the baseline gather
-    unpacked = _from_bytes(sent.index_select(0, restore), specs)
-    exact = torch.equal(unpacked[0], x) and torch.equal(unpacked[1], pos)
-    phases = {
-        "route pack": lambda: _to_bytes([x, pos], rows).index_select(0, send),
-        "route unpack": lambda: _from_bytes(sent, specs),
-        "reverse pack": lambda: _to_bytes([x, pos], rows),
-        "reverse unpack": lambda: _from_bytes(sent.index_select(0, restore), specs),
+def _pack_rows(tokens: int, device, sizes) -> list[dict]:
+    case = PackCase.make(tokens, torch.bfloat16, sizes.pack_dim, device)
+    exact = case.exact()
+    timed = {
+        name: statistics.median(time_ms(fn, device, sizes.warmup, sizes.repeats * 2))
+        for name, fn in case.phases().items()
     }
-    nbytes = sent.numel()
-    gather = statistics.median(
-        time_ms(lambda: plain.index_select(0, send), device, sizes.warmup, sizes.repeats * 2)
-    )
-    out = [_pack_row("index_select gather", tokens, rank, rows, nbytes, gather, gather, exact)]
-    for name, fn in phases.items():
-        ms = statistics.median(time_ms(fn, device, sizes.warmup, sizes.repeats * 2))
-        out.append(_pack_row(name, tokens, rank, rows, nbytes, ms, gather, exact))
-    return out
+    gather = timed["index_select gather"]
+    return [
+        _pack_row(name, tokens, case.rank, case.rows, case.nbytes, ms, gather, exact)
+        for name, ms in timed.items()
+    ]
 
 
 def _pack_row(phase, tokens, rank, rows, nbytes, ms, gather_ms, exact) -> dict:

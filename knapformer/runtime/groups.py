@@ -14,16 +14,27 @@ bag group a step may use is created here, up front, and a step looks its bags up
 nothing is created on the hot path. A fixed topology has one partition, its bags;
 ``topology="auto"`` (`knapformer.planning.partitions`) lets each step choose a partition
 into aligned groups of the allowed sizes, so every aligned group of every allowed size is
-created (about twice the balance group's GPU count).
+created (about twice the balance group's GPU count; a rank belongs to one group of each
+size, `BalanceLayout.communicators` counts them).
+
+What a group costs: on NCCL each communicator holds its own buffers on the GPU. A bag
+whose ranks are the balance group's uses the balance group itself (no new group), and
+NCCL groups are made with the option that lets a split communicator share its parent's
+resources (`share_options`), which torch uses when it splits groups from the default
+group (it does when the default group is bound to a device:
+``init_process_group(..., device_id=...)``); ``KNAPFORMER_SHARE_COMMUNICATORS=0`` makes
+every group take its own resources, as torch does by default.
 """
 
 from __future__ import annotations
 
 import datetime
+import os
 from collections.abc import Iterator
 from contextlib import suppress
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,6 +46,38 @@ from knapformer.runtime.router import Group
 
 #: Timeout of a group whose backend does not say (torch's own default for new groups).
 _FALLBACK_TIMEOUT = datetime.timedelta(minutes=30)
+#: ``0`` turns off resource sharing between the balancer's NCCL communicators.
+SHARE_ENV = "KNAPFORMER_SHARE_COMMUNICATORS"
+#: NCCL's own switch, read when a communicator is split: the fallback where torch does
+#: not expose the per-communicator ``split_share`` option.
+_NCCL_SHARE_ENV = "NCCL_COMM_SPLIT_SHARE_RESOURCES"
+
+
+@dataclass(frozen=True)
+class Communicators:
+    """The device communicators (NCCL, on GPUs) a rank holds for a balancer beyond its
+    parent group: ``balance`` its balance group's own (1 when the parent holds several
+    replicas), ``bags`` its bag groups of more than one GPU, ``reused`` the bags whose
+    ranks are the balance group's, which use that group instead of a new one."""
+
+    balance: int
+    bags: int
+    reused: int
+
+    @property
+    def total(self) -> int:
+        return self.balance + self.bags
+
+    @property
+    def without_reuse(self) -> int:
+        """What the rank would hold if every bag had a group of its own."""
+        return self.total + self.reused
+
+    @property
+    def host_twins(self) -> int:
+        """Gloo groups (host memory only) beside them on a parent group without gloo: the
+        balance group's twin and one per bag group, for the layout checks."""
+        return 1 + self.bags
 
 
 @dataclass(frozen=True)
@@ -128,6 +171,31 @@ class BalanceLayout:
         return tuple(sorted(set(self.topology.bag_sizes)))
 
     @cached_property
+    def _bags_of(self) -> dict[int, list[list[int]]]:
+        """The bags each rank belongs to (auto: one of each allowed size)."""
+        out: dict[int, list[list[int]]] = {}
+        for bag in self.bags:
+            for rank in bag:
+                out.setdefault(rank, []).append(bag)
+        return out
+
+    def replica_of(self, rank: int) -> list[int]:
+        """Ranks of the balance group ``rank`` belongs to."""
+        return next(r for r in self.replicas if rank in r)
+
+    def reuses(self, bag: list[int]) -> bool:
+        """Whether ``bag`` spans its whole balance group, so that it uses that group."""
+        return len(bag) > 1 and bag == self.replica_of(bag[0])
+
+    def communicators(self, rank: int | None = None) -> Communicators:
+        """The device communicators ``rank`` (default: this rank) holds (see
+        `Communicators`); every bag a step may use counts, as they are all made up front."""
+        rank = self.rank if rank is None else rank
+        mine = [b for b in self._bags_of.get(rank, []) if len(b) > 1]
+        reused = sum(self.reuses(b) for b in mine)
+        return Communicators(int(self.replicated), len(mine) - reused, reused)
+
+    @cached_property
     def my_bag(self) -> list[int]:
         """This rank's bag under a fixed topology (under ``auto`` each step's plan says)."""
         if self.topology is None:
@@ -179,17 +247,10 @@ class BalanceGroups:
                 made = groups._new(ranks, backend="gloo")
                 if made is not None:
                     groups.host = made
-        for bag in layout.bags:
-            if len(bag) > 1:
-                made = groups._new(bag)
-                if made is not None:
-                    groups._bag_groups[tuple(bag)] = made
+        balance = dist.group.WORLD if groups.group is None else groups.group
+        groups._bag_groups = groups._make_bags(None, balance)
         if not carries_cpu(parent):  # the bags' layout checks, on the host
-            for bag in layout.bags:
-                if len(bag) > 1:
-                    made = groups._new(bag, backend="gloo")
-                    if made is not None:
-                        groups._host_bags[tuple(bag)] = made
+            groups._host_bags = groups._make_bags("gloo", groups.host)
         if plan_ahead:
             # A gloo group on the host, never the training group, so that the plan-ahead
             # thread's collectives cannot interleave with the training thread's.
@@ -199,10 +260,25 @@ class BalanceGroups:
                     groups.side = made
         return groups
 
+    def _make_bags(self, backend: str | None, balance: Group) -> dict[tuple[int, ...], Group]:
+        """The groups of this rank's bags of more than one GPU, by their ranks: ``balance``
+        (the balance group on ``backend``) for a bag that spans it, else a new group (made
+        by every rank, for every bag, in one order)."""
+        made: dict[tuple[int, ...], Group] = {}
+        for bag in self.layout.bags:
+            if len(bag) == 1 or (self.layout.reuses(bag) and self.rank not in bag):
+                continue
+            group = balance if self.layout.reuses(bag) else self._new(bag, backend=backend)
+            if group is not None:
+                made[tuple(bag)] = group
+        return made
+
     def _new(self, ranks: list[int], backend: str | None = None) -> dist.ProcessGroup | None:
         """A sub-group over ``ranks`` (every rank must call this, in the same order);
-        returned to its members only (non-members get a placeholder that owns nothing)."""
-        made = dist.new_group(ranks, timeout=self.timeout, backend=backend)
+        returned to its members only (non-members get a placeholder that owns nothing).
+        On NCCL it shares its parent's resources where torch and NCCL allow it."""
+        options = share_options(backend or str(dist.get_backend()))  # None: the default group's
+        made = dist.new_group(ranks, timeout=self.timeout, backend=backend, pg_options=options)
         if self.layout.rank not in ranks:
             return None
         self._owned.append(made)
@@ -301,3 +377,24 @@ def group_timeout(group: Group) -> datetime.timedelta:
     except (AttributeError, RuntimeError):  # a backend that keeps no options
         return _FALLBACK_TIMEOUT
     return timeout if isinstance(timeout, datetime.timedelta) else _FALLBACK_TIMEOUT
+
+
+def share_options(backend: str) -> Any | None:
+    """NCCL options under which a communicator split from its parent shares the parent's
+    resources (``ncclConfig_t.splitShare``), or None: on a backend without NCCL, when
+    ``KNAPFORMER_SHARE_COMMUNICATORS=0``, or when this torch has no NCCL. Where torch does
+    not expose the option, NCCL's ``NCCL_COMM_SPLIT_SHARE_RESOURCES=1`` is set instead,
+    unless the user set it. Torch splits a new group from the default group only when the
+    default group is bound to a device; otherwise each communicator is made on its own."""
+    if "nccl" not in backend or os.environ.get(SHARE_ENV, "1") == "0":
+        return None
+    try:
+        options = dist.ProcessGroupNCCL.Options()
+    except AttributeError:  # torch built without NCCL
+        return None
+    options.is_high_priority_stream = False  # torch's default for new groups
+    try:
+        options.config.split_share = 1
+    except AttributeError:
+        os.environ.setdefault(_NCCL_SHARE_ENV, "1")
+    return options
