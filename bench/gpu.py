@@ -30,6 +30,10 @@
    same bytes held as one tensor, moved as the same words, with the same index (the "vs
    gather" column: its time / ours).
 
+4. **comms**: GPU memory per NCCL communicator made as the balancer makes its groups,
+   with resource sharing on and off (``bench/comm_memory.py``, a process each): one-rank
+   communicators, so the floor of a communicator's cost. Nothing to measure on the CPU.
+
 Writes DIR/gpu-check.json (every figure), DIR/workload-fit.html (the fit, when plotly is
 installed) and DIR/plans.jsonl (the plans part 1 recorded). DIR: ``--out``, else
 ``$GPU_CHECK_OUT``, else runs/gpu-check. Exit status 1 when a part failed or a check did
@@ -45,6 +49,7 @@ import datetime
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -64,12 +69,14 @@ from knapformer.contract.plan_io import read_plans
 from knapformer.local.models import DiTBlock, ToyDiT
 from knapformer.planning.workload import WorkloadModel
 from knapformer.runtime.balancer import SequenceBalancer
+from knapformer.runtime.groups import SHARE_ENV
 from knapformer.runtime.recorder import PlanRecorder
 from knapformer.tools.block_benchmark import time_block
 from knapformer.tools.calibrate import Calibration, calibrate_lengths
 
-PARTS = ("balancer", "fit", "pack")
+PARTS = ("balancer", "fit", "pack", "comms")
 JSON_FILE, HTML_FILE, PLANS_FILE = "gpu-check.json", "workload-fit.html", "plans.jsonl"
+COMM_GROUPS = 8  # part 4: communicators made in each of its two runs
 DEFAULT_OUT = "runs/gpu-check"
 
 
@@ -443,6 +450,38 @@ def _pack_row(phase, tokens, rank, rows, nbytes, ms, gather_ms, exact) -> dict:
     }
 
 
+# ---------------------------------------------------------------- part 4: comms
+def communicator_memory(device: torch.device) -> dict:
+    """MB of GPU memory per communicator, sharing on and off (`bench/comm_memory.py`)."""
+    if device.type != "cuda":
+        return {"measured": False, "why": "GPU memory needs CUDA"}
+    runs = {}
+    script = Path(__file__).with_name("comm_memory.py")
+    for name, share in (("shared", "1"), ("own", "0")):
+        env = {**os.environ, SHARE_ENV: share}
+        cmd = [sys.executable, str(script), "--groups", str(COMM_GROUPS)]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        if proc.returncode:
+            last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            raise RuntimeError(f"comm_memory.py with sharing {share} failed: {last}")
+        runs[name] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {"measured": True, **runs}
+
+
+def print_comms(console: Console, res: dict) -> None:
+    if not res["measured"]:
+        console.print(f"4. communicators: not measured ({res['why']})")
+        return
+    table = Table(title="4. GPU memory per NCCL communicator (one-rank groups: the floor)")
+    for col in ("resources", "groups", "MB each", "sharing asked by", "split from world"):
+        table.add_column(col, justify="right")
+    for name in ("shared", "own"):
+        r = res[name]
+        table.add_row(name, str(r["groups"]), f"{r['mb_per_communicator']:.1f}",
+                      r["sharing"], str(r["split_from_world"]))  # fmt: skip
+    console.print(table)
+
+
 # ---------------------------------------------------------------------- output
 def print_balancer(console: Console, res: dict) -> None:
     table = Table(title=f"1. balancer on {res['backend']}, world size 1: exactness")
@@ -562,6 +601,7 @@ def run_parts(device, sizes, out_dir, parts, console) -> tuple[dict, list[str]]:
         "balancer": (lambda: check_balancer(device, sizes, out_dir), print_balancer),
         "fit": (lambda: fit_workload(device, sizes), print_fit),
         "pack": (lambda: pack_throughput(device, sizes), print_pack),
+        "comms": (lambda: communicator_memory(device), print_comms),
     }
     for name in parts:
         run, show = steps[name]
@@ -631,6 +671,7 @@ def show_recorded(path: Path, console: Console) -> int:
         + (f", CUDA {env['cuda']}, NCCL {env['nccl']}" if "cuda" in env else "")
     )
     shows = {"balancer": print_balancer, "fit": print_fit, "pack": print_pack}
+    shows["comms"] = print_comms
     for name, show in shows.items():
         if name in report and "error" not in report[name]:
             show(console, report[name])

@@ -340,7 +340,7 @@ def main() -> int:
     parser.add_argument("--pack-only", action="store_true", help="route packing vs a gather")
     parser.add_argument("--pack-tokens", type=_sizes, default=[4096, 16384, 32768])
     parser.add_argument("--pack-dim", type=int, default=PACK_DIM)
-    parser.add_argument("--pack-repeats", type=int, default=21)
+    parser.add_argument("--pack-repeats", type=int, default=15)
     args = parser.parse_args()
     if args.pack_only:
         return pack_only(args)
