@@ -49,7 +49,6 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -61,22 +60,21 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from comm_memory import communicator_memory, print_comms  # bench/, beside this script
 from rich.console import Console
 from rich.table import Table
-from routing import PACK_TOPOLOGY, PackCase  # bench/routing.py, beside this script
+from routing import PACK_TOPOLOGY, PackCase
 
 from knapformer.contract.plan_io import read_plans
 from knapformer.local.models import DiTBlock, ToyDiT
 from knapformer.planning.workload import WorkloadModel
 from knapformer.runtime.balancer import SequenceBalancer
-from knapformer.runtime.groups import SHARE_ENV
 from knapformer.runtime.recorder import PlanRecorder
 from knapformer.tools.block_benchmark import time_block
 from knapformer.tools.calibrate import Calibration, calibrate_lengths
 
 PARTS = ("balancer", "fit", "pack", "comms")
 JSON_FILE, HTML_FILE, PLANS_FILE = "gpu-check.json", "workload-fit.html", "plans.jsonl"
-COMM_GROUPS = 8  # part 4: communicators made in each of its two runs
 DEFAULT_OUT = "runs/gpu-check"
 
 
@@ -448,38 +446,6 @@ def _pack_row(phase, tokens, rank, rows, nbytes, ms, gather_ms, exact) -> dict:
         "vs_gather": gather_ms / ms,
         "exact": exact,
     }
-
-
-# ---------------------------------------------------------------- part 4: comms
-def communicator_memory(device: torch.device) -> dict:
-    """MB of GPU memory per communicator, sharing on and off (`bench/comm_memory.py`)."""
-    if device.type != "cuda":
-        return {"measured": False, "why": "GPU memory needs CUDA"}
-    runs = {}
-    script = Path(__file__).with_name("comm_memory.py")
-    for name, share in (("shared", "1"), ("own", "0")):
-        env = {**os.environ, SHARE_ENV: share}
-        cmd = [sys.executable, str(script), "--groups", str(COMM_GROUPS)]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-        if proc.returncode:
-            last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-            raise RuntimeError(f"comm_memory.py with sharing {share} failed: {last}")
-        runs[name] = json.loads(proc.stdout.strip().splitlines()[-1])
-    return {"measured": True, **runs}
-
-
-def print_comms(console: Console, res: dict) -> None:
-    if not res["measured"]:
-        console.print(f"4. communicators: not measured ({res['why']})")
-        return
-    table = Table(title="4. GPU memory per NCCL communicator (one-rank groups: the floor)")
-    for col in ("resources", "groups", "MB each", "sharing asked by", "split from world"):
-        table.add_column(col, justify="right")
-    for name in ("shared", "own"):
-        r = res[name]
-        table.add_row(name, str(r["groups"]), f"{r['mb_per_communicator']:.1f}",
-                      r["sharing"], str(r["split_from_world"]))  # fmt: skip
-    console.print(table)
 
 
 # ---------------------------------------------------------------------- output
