@@ -1,7 +1,9 @@
-"""GPU memory per NCCL communicator, made as the balancer makes its groups
-(`knapformer.runtime.groups.share_options`): one process, NCCL at world size 1 bound to
-GPU 0 (so that torch splits new groups from it), ``--groups`` groups of this rank, each
-used once; the memory is the drop in the device's free memory. Prints one JSON line.
+"""GPU memory per NCCL communicator made as the balancer makes its groups, sharing
+resources or not.
+
+One process, NCCL at world size 1 bound to GPU 0 (so that torch splits new groups from
+it), ``--groups`` groups of this rank made with `knapformer.runtime.groups.share_options`,
+each used once; the memory is the drop in the device's free memory. Prints one JSON line.
 
 A one-rank communicator has no peers, hence no per-peer buffers: the figure is the floor
 of what a communicator costs, not what one of g GPUs holds. ``bench/gpu.py`` (part 4,
