@@ -149,7 +149,7 @@ class BalanceLayout:
     @cached_property
     def group_ranks(self) -> list[int]:
         """Ranks of this rank's balance group."""
-        return next(r for r in self.replicas if self.rank in r)
+        return self.replica_of(self.rank)
 
     @cached_property
     def bags(self) -> list[list[int]]:
@@ -179,9 +179,13 @@ class BalanceLayout:
                 out.setdefault(rank, []).append(bag)
         return out
 
+    @cached_property
+    def _replica_of(self) -> dict[int, int]:
+        return {rank: i for i, ranks in enumerate(self.replicas) for rank in ranks}
+
     def replica_of(self, rank: int) -> list[int]:
         """Ranks of the balance group ``rank`` belongs to."""
-        return next(r for r in self.replicas if rank in r)
+        return self.replicas[self._replica_of[rank]]
 
     def reuses(self, bag: list[int]) -> bool:
         """Whether ``bag`` spans its whole balance group, so that it uses that group."""
