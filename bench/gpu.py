@@ -30,6 +30,10 @@
    same bytes held as one tensor, moved as the same words, with the same index (the "vs
    gather" column: its time / ours).
 
+4. **comms**: GPU memory per NCCL communicator made as the balancer makes its groups,
+   with resource sharing on and off (``bench/comm_memory.py``, a process each): one-rank
+   communicators, so the floor of a communicator's cost. Nothing to measure on the CPU.
+
 Writes DIR/gpu-check.json (every figure), DIR/workload-fit.html (the fit, when plotly is
 installed) and DIR/plans.jsonl (the plans part 1 recorded). DIR: ``--out``, else
 ``$GPU_CHECK_OUT``, else runs/gpu-check. Exit status 1 when a part failed or a check did
@@ -56,9 +60,10 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from comm_memory import communicator_memory, print_comms  # bench/, beside this script
 from rich.console import Console
 from rich.table import Table
-from routing import PACK_TOPOLOGY, PackCase  # bench/routing.py, beside this script
+from routing import PACK_TOPOLOGY, PackCase
 
 from knapformer.contract.plan_io import read_plans
 from knapformer.local.models import DiTBlock, ToyDiT
@@ -68,7 +73,7 @@ from knapformer.runtime.recorder import PlanRecorder
 from knapformer.tools.block_benchmark import time_block
 from knapformer.tools.calibrate import Calibration, calibrate_lengths
 
-PARTS = ("balancer", "fit", "pack")
+PARTS = ("balancer", "fit", "pack", "comms")
 JSON_FILE, HTML_FILE, PLANS_FILE = "gpu-check.json", "workload-fit.html", "plans.jsonl"
 DEFAULT_OUT = "runs/gpu-check"
 
@@ -562,6 +567,7 @@ def run_parts(device, sizes, out_dir, parts, console) -> tuple[dict, list[str]]:
         "balancer": (lambda: check_balancer(device, sizes, out_dir), print_balancer),
         "fit": (lambda: fit_workload(device, sizes), print_fit),
         "pack": (lambda: pack_throughput(device, sizes), print_pack),
+        "comms": (lambda: communicator_memory(device), print_comms),
     }
     for name in parts:
         run, show = steps[name]
@@ -631,6 +637,7 @@ def show_recorded(path: Path, console: Console) -> int:
         + (f", CUDA {env['cuda']}, NCCL {env['nccl']}" if "cuda" in env else "")
     )
     shows = {"balancer": print_balancer, "fit": print_fit, "pack": print_pack}
+    shows["comms"] = print_comms
     for name, show in shows.items():
         if name in report and "error" not in report[name]:
             show(console, report[name])

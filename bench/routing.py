@@ -280,6 +280,26 @@ def _paired_ms(fns: dict[str, Callable[[], object]], warmup: int, repeats: int):
     return times
 
 
+def _pack_figures(tokens: int, dtype: torch.dtype, dim: int, repeats: int):
+    """One row of the --pack-only table (from MB on) and route pack's ratio to a gather."""
+    case = PackCase.make(tokens, dtype, dim, torch.device("cpu"))
+    assert case.exact(), f"packing {tokens} tokens of {dtype} is not bit-exact"
+    phases = case.phases()
+    fns = {k: phases[k] for k in ("index_select gather", "route pack", "reverse unpack")}
+    ms = _paired_ms({**fns, "two": case.two_passes}, 2, repeats)
+    gather = ms["index_select gather"]
+
+    def ratio(key: str) -> float:
+        return statistics.median(g / t for g, t in zip(gather, ms[key], strict=True))
+
+    cells = [
+        f"{case.nbytes / 1e6:.1f}", f"{statistics.median(gather):.2f}",
+        f"{statistics.median(ms['route pack']):.2f}", f"{ratio('route pack'):.2f}x",
+        f"{ratio('two'):.2f}x", f"{ratio('reverse unpack'):.2f}x",
+    ]  # fmt: skip
+    return cells, ratio("route pack")
+
+
 def pack_only(args: argparse.Namespace) -> int:
     """The CPU ratio of route packing to a plain gather of the same bytes; exit status 1
     when a ratio is below the target."""
@@ -288,7 +308,6 @@ def pack_only(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     torch.set_num_threads(1)  # one core: the figure of one rank's host, not of the machine
-    cpu = torch.device("cpu")
     table = Table(
         title=f"route packing on the CPU, one thread: tokens of d = {args.pack_dim} + int64 "
         f"positions, the busiest sender of an 8-GPU {PACK_TOPOLOGY} plan; ms median of "
@@ -300,25 +319,10 @@ def pack_only(args: argparse.Namespace) -> int:
     checks = []
     for tokens in args.pack_tokens:
         for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
-            case = PackCase.make(tokens, dtype, args.pack_dim, cpu)
-            assert case.exact(), f"packing {tokens} tokens of {name} is not bit-exact"
-            phases = case.phases()
-            fns = {k: phases[k] for k in ("index_select gather", "route pack", "reverse unpack")}
-            ms = _paired_ms({**fns, "two": case.two_passes}, 2, args.pack_repeats)
-            gather = ms["index_select gather"]
-
-            def ratio(key, gather=gather, ms=ms):
-                return statistics.median(g / t for g, t in zip(gather, ms[key], strict=True))
-
-            pack = ratio("route pack")
-            table.add_row(
-                f"{tokens:,}", name, f"{case.nbytes / 1e6:.1f}",
-                f"{statistics.median(gather):.2f}", f"{statistics.median(ms['route pack']):.2f}",
-                f"{pack:.2f}x", f"{ratio('two'):.2f}x", f"{ratio('reverse unpack'):.2f}x",
-            )  # fmt: skip
+            cells, pack = _pack_figures(tokens, dtype, args.pack_dim, args.pack_repeats)
+            table.add_row(f"{tokens:,}", name, *cells)
             said = f"route pack {pack:.2f}x a gather at {tokens:,} tokens {name}"
             checks.append((f"{said} (≥ {PACK_TARGET}x)", pack >= PACK_TARGET))
-            del case
     console = Console(width=140)
     console.print(table)
     print_load(console)
@@ -340,7 +344,7 @@ def main() -> int:
     parser.add_argument("--pack-only", action="store_true", help="route packing vs a gather")
     parser.add_argument("--pack-tokens", type=_sizes, default=[4096, 16384, 32768])
     parser.add_argument("--pack-dim", type=int, default=PACK_DIM)
-    parser.add_argument("--pack-repeats", type=int, default=21)
+    parser.add_argument("--pack-repeats", type=int, default=15)
     args = parser.parse_args()
     if args.pack_only:
         return pack_only(args)

@@ -1,6 +1,8 @@
-"""Print how many communicators a rank holds for each topology option, counted by the code
-that creates them (`knapformer.runtime.groups.BalanceLayout.communicators`), so that the
-page quoting the counts cannot disagree with the code. No process group is needed.
+"""Print how many communicators a rank holds for each topology option.
+
+They are counted by the code that creates them
+(`knapformer.runtime.groups.BalanceLayout.communicators`), so that the page quoting the
+counts cannot disagree with the code. No process group is needed.
 
 Run: ``python docs/examples/communicators.py`` (docs/performance.md and
 docs/integration.md show its output).

@@ -770,7 +770,7 @@ def _group_names(groups: BalanceGroups) -> list[dict[str, Any]]:
     if groups.host is not None and groups.host is not groups.group:
         add("host", groups.host, groups.group_ranks)
     for bag in (b for b in groups.layout.bags if groups.rank in b):
-        if len(bag) > 1:
+        if len(bag) > 1 and not groups.layout.reuses(bag):  # a reused one is "balance"
             add(f"bag {bag}", groups.bag_group(bag), bag)
             host = groups.host_bag_group(bag)
             if host is not groups.bag_group(bag):

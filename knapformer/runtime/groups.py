@@ -149,7 +149,7 @@ class BalanceLayout:
     @cached_property
     def group_ranks(self) -> list[int]:
         """Ranks of this rank's balance group."""
-        return next(r for r in self.replicas if self.rank in r)
+        return self.replica_of(self.rank)
 
     @cached_property
     def bags(self) -> list[list[int]]:
@@ -179,9 +179,13 @@ class BalanceLayout:
                 out.setdefault(rank, []).append(bag)
         return out
 
+    @cached_property
+    def _replica_of(self) -> dict[int, int]:
+        return {rank: i for i, ranks in enumerate(self.replicas) for rank in ranks}
+
     def replica_of(self, rank: int) -> list[int]:
         """Ranks of the balance group ``rank`` belongs to."""
-        return next(r for r in self.replicas if rank in r)
+        return self.replicas[self._replica_of[rank]]
 
     def reuses(self, bag: list[int]) -> bool:
         """Whether ``bag`` spans its whole balance group, so that it uses that group."""
@@ -277,7 +281,8 @@ class BalanceGroups:
         """A sub-group over ``ranks`` (every rank must call this, in the same order);
         returned to its members only (non-members get a placeholder that owns nothing).
         On NCCL it shares its parent's resources where torch and NCCL allow it."""
-        options = share_options(backend or str(dist.get_backend()))  # None: the default group's
+        # backend None: the default group's
+        options = share_options(backend or str(dist.get_backend()), self.timeout)
         made = dist.new_group(ranks, timeout=self.timeout, backend=backend, pg_options=options)
         if self.layout.rank not in ranks:
             return None
@@ -379,13 +384,14 @@ def group_timeout(group: Group) -> datetime.timedelta:
     return timeout if isinstance(timeout, datetime.timedelta) else _FALLBACK_TIMEOUT
 
 
-def share_options(backend: str) -> Any | None:
+def share_options(backend: str, timeout: datetime.timedelta | None = None) -> Any | None:
     """NCCL options under which a communicator split from its parent shares the parent's
     resources (``ncclConfig_t.splitShare``), or None: on a backend without NCCL, when
     ``KNAPFORMER_SHARE_COMMUNICATORS=0``, or when this torch has no NCCL. Where torch does
     not expose the option, NCCL's ``NCCL_COMM_SPLIT_SHARE_RESOURCES=1`` is set instead,
     unless the user set it. Torch splits a new group from the default group only when the
-    default group is bound to a device; otherwise each communicator is made on its own."""
+    default group is bound to a device; otherwise each communicator is made on its own.
+    ``timeout``: the group's (torch warns when the options carry another)."""
     if "nccl" not in backend or os.environ.get(SHARE_ENV, "1") == "0":
         return None
     try:
@@ -393,6 +399,8 @@ def share_options(backend: str) -> Any | None:
     except AttributeError:  # torch built without NCCL
         return None
     options.is_high_priority_stream = False  # torch's default for new groups
+    if timeout is not None:
+        options._timeout = timeout
     try:
         options.config.split_share = 1
     except AttributeError:
