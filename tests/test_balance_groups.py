@@ -59,13 +59,15 @@ def test_the_communicators_a_rank_holds_for_each_topology_option():
     assert _auto(8, (1, 2, 4, 8)).communicators().without_reuse == 3
 
 
-def test_nccl_sharing_is_asked_for_on_nccl_only_and_can_be_turned_off(monkeypatch):
-    assert share_options("gloo") is None
+def test_nccl_sharing_is_asked_for_on_nccl_only_and_only_when_turned_on(monkeypatch):
+    monkeypatch.delenv(SHARE_ENV, raising=False)
+    assert share_options("gloo") is None and share_options("nccl") is None  # off by default
     monkeypatch.setenv(SHARE_ENV, "0")
     assert share_options("nccl") is None and share_options("cpu:gloo,cuda:nccl") is None
     monkeypatch.setenv(SHARE_ENV, "1")
     has_nccl = hasattr(torch.distributed, "ProcessGroupNCCL")
     assert (share_options("nccl") is not None) == has_nccl
+    assert share_options("gloo") is None
 
 
 # ------------------------------------------------------------------- on gloo

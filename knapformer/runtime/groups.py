@@ -19,11 +19,13 @@ size, `BalanceLayout.communicators` counts them).
 
 What a group costs: on NCCL each communicator holds its own buffers on the GPU. A bag
 whose ranks are the balance group's uses the balance group itself (no new group), and
-NCCL groups are made with the option that lets a split communicator share its parent's
-resources (`share_options`), which torch uses when it splits groups from the default
-group (it does when the default group is bound to a device:
-``init_process_group(..., device_id=...)``); ``KNAPFORMER_SHARE_COMMUNICATORS=0`` makes
-every group take its own resources, as torch does by default.
+``KNAPFORMER_SHARE_COMMUNICATORS=1`` makes NCCL groups with the option that lets a split
+communicator share its parent's resources (`share_options`), which torch uses when it
+splits groups from the default group (it does when the default group is bound to a
+device: ``init_process_group(..., device_id=...)``). It is off by default: communicators
+that share resources share NCCL's internal buffers, which has not been run on GPUs
+beside other groups' concurrent collectives (FSDP's), and NCCL's process-wide fallback
+switch would reach the user's own groups too.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from knapformer.runtime.router import Group
 
 #: Timeout of a group whose backend does not say (torch's own default for new groups).
 _FALLBACK_TIMEOUT = datetime.timedelta(minutes=30)
-#: ``0`` turns off resource sharing between the balancer's NCCL communicators.
+#: ``1`` turns on resource sharing between the balancer's NCCL communicators (off by default).
 SHARE_ENV = "KNAPFORMER_SHARE_COMMUNICATORS"
 #: NCCL's own switch, read when a communicator is split: the fallback where torch does
 #: not expose the per-communicator ``split_share`` option.
@@ -386,13 +388,13 @@ def group_timeout(group: Group) -> datetime.timedelta:
 
 def share_options(backend: str, timeout: datetime.timedelta | None = None) -> Any | None:
     """NCCL options under which a communicator split from its parent shares the parent's
-    resources (``ncclConfig_t.splitShare``), or None: on a backend without NCCL, when
-    ``KNAPFORMER_SHARE_COMMUNICATORS=0``, or when this torch has no NCCL. Where torch does
+    resources (``ncclConfig_t.splitShare``), or None: on a backend without NCCL, unless
+    ``KNAPFORMER_SHARE_COMMUNICATORS=1``, or when this torch has no NCCL. Where torch does
     not expose the option, NCCL's ``NCCL_COMM_SPLIT_SHARE_RESOURCES=1`` is set instead,
     unless the user set it. Torch splits a new group from the default group only when the
     default group is bound to a device; otherwise each communicator is made on its own.
     ``timeout``: the group's (torch warns when the options carry another)."""
-    if "nccl" not in backend or os.environ.get(SHARE_ENV, "1") == "0":
+    if "nccl" not in backend or os.environ.get(SHARE_ENV, "0") != "1":
         return None
     try:
         options = dist.ProcessGroupNCCL.Options()
