@@ -291,7 +291,7 @@ class StoreWriter:
         self.segments += 1
         if self.compact > 1 and self.segments % self.compact == 0:
             for table in TABLES:
-                compact(self.folder, table, self.compact, self.run_id, self.segment_steps)
+                compact(self.folder, table, self.compact, self.segment_steps)
 
 
 class _OpenSegment:
@@ -408,7 +408,7 @@ def write_segment(
     return final
 
 
-def compact(folder: Path, table: str, count: int, run: str | None, small: int) -> None:
+def compact(folder: Path, table: str, count: int, small: int) -> None:
     """Merge the oldest run of ``count`` consecutive segments of ``table`` of at most
     ``small`` steps each into one (the module doc): the merged file is renamed into place
     before the small ones are removed, and readers skip a segment inside another."""
@@ -422,7 +422,7 @@ def compact(folder: Path, table: str, count: int, run: str | None, small: int) -
         return
     first, last = batch[0].first, batch[-1].last
     tmp = _tmp_path(folder, segment_name(table, first, last))
-    writer = _parquet_writer(tmp, table, run or "")
+    writer = _parquet_writer(tmp, table, run_id(folder))
     for seg in batch:
         parquet = pq.ParquetFile(seg.path)
         for g in range(parquet.metadata.num_row_groups):
