@@ -40,9 +40,8 @@ import pyarrow.parquet as pq
 from knapformer.contract.phases import RECORDED_PHASES
 from knapformer.contract.plan_io import parse_plan_line
 from knapformer.contract.run_store import list_segments, read_table, store_folder
-from knapformer.contract.store_schema import RANKS, STEPS, loss_column, phase_column
+from knapformer.contract.store_schema import LOSS_PARTS, RANKS, STEPS, loss_column, phase_column
 from knapformer.diagnosis.measured import measure
-from knapformer.diagnosis.step_loss import PARTS
 from knapformer.runtime.recorder import PlanRecorder
 from knapformer.runtime.store_rows import quantise_ms
 from knapformer.runtime.store_writer import StoreWriter
@@ -136,7 +135,7 @@ def synth_steps(step, n, compute, rate, tokens_in, ms) -> pa.Table:
         "slowest_rate": rate.max(axis=1), "full_plan": step % 100 == 0,
         "measured_ms": measured, "ideal_ms": ideal, "lost_ms": measured - ideal,
     }  # fmt: skip
-    columns |= {loss_column(p): np.zeros(len(step)) for p in PARTS}
+    columns |= {loss_column(p): np.zeros(len(step)) for p in LOSS_PARTS}
     columns[loss_column("slow_ranks")] = compute.max(axis=1) - np.median(compute, axis=1)
     return pa.table({f.name: _array(columns.get(f.name), f, len(step)) for f in STEPS},
                     schema=STEPS)  # fmt: skip

@@ -38,6 +38,13 @@ def test_the_store_of_a_run_folder_a_plans_file_and_a_groups_file():
     assert store_folder("runs/a/plans.group3.jsonl") == Path("runs/a/store.group3")
 
 
+def test_the_loss_columns_are_the_diagnosis_parts():
+    from knapformer.contract.store_schema import LOSS_PARTS
+    from knapformer.diagnosis.step_loss import PARTS
+
+    assert LOSS_PARTS == PARTS
+
+
 def test_tables_and_columns_are_checked_by_name(run):
     with pytest.raises(StoreError, match="no table 'rank'"):
         read_table(run, "rank")

@@ -58,6 +58,7 @@ from knapformer.contract.run_store import (
     segment_name,
 )
 from knapformer.contract.store_schema import (
+    LOSS_PARTS,
     META_RUN,
     META_SCHEMA,
     META_TABLE,
@@ -70,7 +71,7 @@ from knapformer.contract.store_schema import (
     loss_column,
     phase_column,
 )
-from knapformer.diagnosis.step_loss import PARTS, step_losses
+from knapformer.diagnosis.step_loss import step_losses
 from knapformer.diagnosis.stragglers import THRESHOLDS
 from knapformer.runtime.store_rows import plan_rows, quantise_ms
 
@@ -355,7 +356,7 @@ class _OpenSegment:
                     "measured_ms": loss.measured_ms,
                     "ideal_ms": loss.ideal_ms,
                     "lost_ms": loss.lost_ms,
-                    **{loss_column(p): loss.part_ms[p] for p in PARTS},
+                    **{loss_column(p): loss.part_ms[p] for p in LOSS_PARTS},
                 }
         if rows:
             self._step_tables.append(_steps_from_rows(rows))
