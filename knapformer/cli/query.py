@@ -42,7 +42,7 @@ def query(
     sql: str = typer.Argument(
         ..., metavar="SQL", help="SQL over the tables ranks, steps, rank_windows"
     ),
-    rows: int = typer.Option(ROWS, callback=bounded, help="rows printed (0: all)"),
+    rows: int = typer.Option(ROWS, help="rows printed (0: all)", callback=bounded),
     csv: bool = typer.Option(False, "--csv", help="print CSV (every row) instead of a table"),
 ) -> None:
     """Run SQL on a run's store (every step of every rank) with DuckDB.

@@ -54,8 +54,9 @@ Guarantees (each one tested in ``tests/test_recorder*.py``):
   step, one per step) on a thread of its own; ``record()`` only queues it there too
   (its return value still says whether the JSONL will have it). That thread hands back
   for the JSONL a step outside ``every`` that a reader must be able to open in full
-  (`knapformer.runtime.store_rows.worth_keeping`): such a line may follow the line of a
-  later step when the store's thread lags. ``close()`` closes the store first.
+  (`knapformer.runtime.store_rows.worth_keeping`; the first of each window of ``every``
+  steps): such a line may follow the line of a later step when the store's thread lags.
+  ``close()`` closes the store first.
 
 A plain sink: it never reads the balancer, runs no collective and times nothing. With a
 balancer (``SequenceBalancer(..., recorder=PlanRecorder(path))``) the balancer hands it
@@ -301,10 +302,11 @@ class PlanRecorder:
         """Queue ``plan`` for the run store (made at the first plan: no I/O here), whose
         thread hands back to `_enqueue` a plan outside ``every`` to keep in full."""
         if self.store is None:
+            path = self.file_path or self.path
             if self.file_path is None and _dist_rank() is not None:
-                self.file_path = self._group_path(plan.gpus)
+                path = self._group_path(plan.gpus)  # `record` sets file_path after this
             self.store = StoreWriter(
-                store_folder(self.file_path or self.path),
+                store_folder(path),
                 every=self.every,
                 keep_full=self._enqueue,
                 **self._store_options,
