@@ -34,7 +34,7 @@ import numpy as np
 from knapformer.contract.nan_reduce import nan_reduce
 from knapformer.contract.phases import ALLREDUCE, DESCHEDULED, GATHER, OPTIMIZER, UNTIMED
 from knapformer.diagnosis.measured import RankFigures
-from knapformer.diagnosis.stragglers import RankSteps, rank_steps
+from knapformer.diagnosis.rank_steps import RankSteps, rank_steps
 
 
 @dataclass(frozen=True)
@@ -131,14 +131,18 @@ def step_losses(figures: Sequence[RankFigures], m: RankSteps | None = None) -> l
     figures = list(figures)
     if not figures:
         return []
-    m = m if m is not None else rank_steps(figures)
+    return window_losses(m if m is not None else rank_steps(figures))
+
+
+def window_losses(m: RankSteps) -> list[StepLoss]:
+    """The loss of every step of the window ``m``."""
     predicted = m.fit.predicted_ms if m.fit is not None else np.full(m.compute_ms.shape, np.nan)
     with np.errstate(divide="ignore", invalid="ignore"):  # NaN marks what was not measured
-        return [_step_loss(f, m, predicted, col) for col, f in enumerate(figures)]
+        return [_step_loss(m, predicted, col) for col in range(len(m.steps))]
 
 
-def _step_loss(f: RankFigures, m: RankSteps, predicted: np.ndarray, col: int) -> StepLoss:
-    """The loss of the step in column ``col`` of ``m`` (its figures ``f``)."""
+def _step_loss(m: RankSteps, predicted: np.ndarray, col: int) -> StepLoss:
+    """The loss of the step in column ``col`` of ``m``."""
     compute, pred = m.compute_ms[:, col], predicted[:, col]
     taking = np.isfinite(compute)
     step = m.step_ms[:, col] if m.step_ms.size else np.full(len(compute), np.nan)
@@ -153,7 +157,8 @@ def _step_loss(f: RankFigures, m: RankSteps, predicted: np.ndarray, col: int) ->
         bandwidth = float(np.median(values[moved] / transfer[moved]))
         ideal_exchange = float(np.median(values[moved])) / bandwidth
     no_wait = _largest(np.where(taking, transfer, np.nan)) if taking.any() else 0.0
-    floor = max(float(f.floor_load), 1.0) if np.isfinite(f.floor_load) else 1.0
+    floor_load = float(m.floor_load[col])
+    floor = max(floor_load, 1.0) if np.isfinite(floor_load) else 1.0
     worst_load = _largest(m.predicted_load[:, col])
 
     def fixed(phase: str) -> np.ndarray:
@@ -182,7 +187,7 @@ def _step_loss(f: RankFigures, m: RankSteps, predicted: np.ndarray, col: int) ->
     parts = {k: (float(v) if np.isfinite(v) else 0.0) for k, v in parts.items()}
     parts["other"] = measured - ideal_compute - ideal_exchange - sum(parts.values())
     return StepLoss(
-        step=f.step,
+        step=m.steps[col],
         measured_ms=measured,
         ideal_ms=ideal_compute + ideal_exchange,
         ideal_compute_ms=ideal_compute,
