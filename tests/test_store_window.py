@@ -24,7 +24,10 @@ def _rows(plans) -> WindowRows:
 
     def phase(name: str) -> np.ndarray:
         got = [p.measurements.per_rank_ms.get(name) for p, _, _ in per_step]
-        return cat(np.full(n, np.nan) if v is None else v for v, (_, _, n) in zip(got, per_step))
+        return cat(
+            np.full(n, np.nan) if v is None else v
+            for v, (_, _, n) in zip(got, per_step, strict=True)
+        )
 
     return WindowRows(
         step=cat([np.full(n, p.step) for p, _, n in per_step]),
