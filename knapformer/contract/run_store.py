@@ -1,0 +1,253 @@
+"""Reading a run store: its segments, a table over a window of steps, and their checks.
+
+A run's store is the folder ``<run>/store/`` (`store_folder`) holding ``run.json`` (the
+run's id) and Parquet segments named ``<table>-<first step>-<last step>.parquet``, each
+closed whole by the writer (written under a temporary name, then renamed): a reader never
+sees a half-written segment. The tables and their columns are `knapformer.contract.
+store_schema`'s.
+
+Every segment is checked before it is read (`check_segment`): Parquet that opens, the
+table's columns with their types, this store's version and run id, steps inside the
+range its name gives, and no column larger than its rows can hold (a hostile 2 GB
+column is refused before it is read). A segment that fails raises `StoreError`, one line
+naming the file and what is wrong; the command line prints it and exits 1.
+
+While the writer compacts old segments, a merged segment and the ones it replaces may
+both exist for a moment: a segment whose steps lie inside another's is skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from knapformer.contract.runfiles import PLANS_FILE
+from knapformer.contract.store_schema import (
+    META_RUN,
+    META_SCHEMA,
+    META_TABLE,
+    RUN_FILE,
+    STEP_COLUMN,
+    STORE_FOLDER,
+    STORE_VERSION,
+    TABLES,
+)
+from knapformer.errors import KnapformerError
+
+_SEGMENT = re.compile(r"(?P<table>[a-z_]+)-(?P<first>\d{1,19})-(?P<last>\d{1,19})\.parquet")
+#: Most bytes a value of a column may take uncompressed (strings: a partition, bag runs).
+_MAX_VALUE_BYTES = 4096
+_MAX_RUN_FILE = 64 << 10
+
+
+class StoreError(KnapformerError):
+    """A run store, or one of its segments, that cannot be read (one line: which and why)."""
+
+
+@dataclass(frozen=True, order=True)
+class Segment:
+    """One segment file of a table: its steps ``first..last`` (inclusive)."""
+
+    first: int
+    last: int
+    table: str
+    path: Path
+
+    def overlaps(self, first: int | None, last: int | None) -> bool:
+        return (first is None or self.last >= first) and (last is None or self.first <= last)
+
+
+def store_folder(run: str | os.PathLike) -> Path:
+    """The store of ``run``: a run folder, its ``plans.jsonl`` (group k's
+    ``plans.group<k>.jsonl`` has ``store.group<k>``) or the store folder itself."""
+    path = Path(run)
+    if path.name.startswith(STORE_FOLDER) and (path / RUN_FILE).is_file():
+        return path
+    if path.is_dir():
+        return path / STORE_FOLDER
+    suffix = path.stem.removeprefix(Path(PLANS_FILE).stem) if path.stem.startswith("plans") else ""
+    return path.with_name(STORE_FOLDER + suffix)
+
+
+def has_store(run: str | os.PathLike) -> bool:
+    """Whether ``run`` has a store (its folder with ``run.json``)."""
+    return (store_folder(run) / RUN_FILE).is_file()
+
+
+def run_id(store: str | os.PathLike) -> str:
+    """The id of the run a store belongs to (its ``run.json``)."""
+    path = Path(store) / RUN_FILE
+    try:
+        with open(path, "rb") as handle:
+            text = handle.read(_MAX_RUN_FILE + 1)
+    except FileNotFoundError:
+        raise StoreError(f"{store}: not a run store (no {RUN_FILE})") from None
+    except OSError as err:
+        raise StoreError(f"{path}: cannot read: {err.strerror or err}") from None
+    try:
+        value = json.loads(text) if len(text) <= _MAX_RUN_FILE else None
+        run = value.get("run_id") if isinstance(value, dict) else None
+    except ValueError:
+        run = None
+    if not isinstance(run, str) or not run:
+        raise StoreError(f"{path}: not a run store's {RUN_FILE} (no run_id)")
+    return run
+
+
+def list_segments(store: str | os.PathLike, table: str) -> list[Segment]:
+    """``table``'s segments in ``store``, by first step; those inside another are left out
+    (a compaction in progress). Temporary files of the writer are never listed."""
+    _check_table(table)
+    try:
+        names = os.listdir(store)
+    except FileNotFoundError:
+        raise StoreError(f"{store}: not a run store (no such folder)") from None
+    except OSError as err:
+        raise StoreError(f"{store}: cannot read: {err.strerror or err}") from None
+    found = []
+    for name in names:
+        match = _SEGMENT.fullmatch(name)
+        if match and match["table"] == table:
+            first, last = int(match["first"]), int(match["last"])
+            if first <= last:
+                found.append(Segment(first, last, table, Path(store) / name))
+    found.sort(key=lambda s: (s.first, -s.last))
+    kept: list[Segment] = []
+    for seg in found:
+        if kept and seg.last <= kept[-1].last:
+            continue  # inside the merged segment before it
+        kept.append(seg)
+    return kept
+
+
+def check_segment(segment: Segment, run: str) -> pq.ParquetFile:
+    """``segment`` opened once it is a readable segment of ``run``'s table (the module
+    doc); else `StoreError`."""
+    where = segment.path
+    try:
+        parquet = pq.ParquetFile(where)
+        meta = parquet.metadata
+        schema = parquet.schema_arrow
+    except (OSError, pa.ArrowException) as err:
+        what = f"not a readable segment (truncated or not Parquet: {err})"
+        raise StoreError(f"{where}: {what}") from None
+    kv = schema.metadata or {}
+    if kv.get(META_SCHEMA) != str(STORE_VERSION).encode():
+        found = kv.get(META_SCHEMA, b"none").decode(errors="replace")[:20]
+        raise StoreError(f"{where}: store version {found}, this reader reads {STORE_VERSION}")
+    if kv.get(META_TABLE) != segment.table.encode():
+        raise StoreError(f"{where}: holds another table than its name says ({segment.table})")
+    if kv.get(META_RUN) != run.encode():
+        other = kv.get(META_RUN, b"none").decode(errors="replace")[:40]
+        raise StoreError(f"{where}: a segment of another run ({other}, this store is {run})")
+    _check_columns(where, schema, TABLES[segment.table])
+    _check_sizes(where, meta)
+    _check_steps(segment, parquet)
+    return parquet
+
+
+def read_table(
+    run: str | os.PathLike,
+    table: str,
+    steps: tuple[int | None, int | None] | None = None,
+    columns: list[str] | None = None,
+) -> pa.Table:
+    """``table`` of ``run``'s store (a run folder, its plans file or the store), its rows
+    of steps ``first..last`` (inclusive; None: open-ended) and only ``columns`` (default:
+    all), every segment checked (`check_segment`). Ordered by step."""
+    store = store_folder(run)
+    run_name = run_id(store)
+    first, last = steps if steps is not None else (None, None)
+    key = STEP_COLUMN[table]
+    wanted = None if columns is None else list(dict.fromkeys([*columns]))
+    if wanted is not None:
+        unknown = [c for c in wanted if c not in TABLES[table].names]
+        if unknown:
+            raise StoreError(f"table {table} has no column {', '.join(unknown)}")
+    parts = []
+    for seg in list_segments(store, table):
+        if not seg.overlaps(first, last):
+            continue
+        parquet = check_segment(seg, run_name)
+        read = wanted if wanted is None or key in wanted else [*wanted, key]
+        part = _read(parquet, seg, read)
+        if (first is not None and seg.first < first) or (last is not None and seg.last > last):
+            part = part.filter(_window(part[key], first, last))
+        if read != wanted and wanted is not None:
+            part = part.select(wanted)
+        parts.append(part)
+    full = TABLES[table]
+    schema = full if wanted is None else pa.schema([full.field(c) for c in wanted])
+    if not parts:
+        return schema.empty_table()
+    return pa.concat_tables([p.cast(schema) for p in parts])
+
+
+def _read(parquet: pq.ParquetFile, seg: Segment, columns: list[str] | None) -> pa.Table:
+    try:
+        return parquet.read(columns=columns)
+    except (OSError, pa.ArrowException) as err:
+        raise StoreError(f"{seg.path}: not a readable segment (damaged: {err})") from None
+
+
+def _window(values: pa.ChunkedArray, first: int | None, last: int | None) -> pa.ChunkedArray:
+    keep = pc.greater_equal(values, first) if first is not None else None
+    if last is not None:
+        below = pc.less_equal(values, last)
+        keep = below if keep is None else pc.and_(keep, below)
+    return keep
+
+
+def _check_table(table: str) -> None:
+    if table not in TABLES:
+        raise StoreError(f"no table {table!r} in a run store (tables: {', '.join(TABLES)})")
+
+
+def _check_columns(where: Path, found: pa.Schema, expected: pa.Schema) -> None:
+    """Every column of ``expected`` with its type (a newer writer may add columns)."""
+    for field in expected:
+        index = found.get_field_index(field.name)
+        if index < 0:
+            raise StoreError(f"{where}: wrong schema: no column {field.name!r}")
+        if found.field(index).type != field.type:
+            raise StoreError(
+                f"{where}: wrong schema: column {field.name!r} is {found.field(index).type}, "
+                f"expected {field.type}"
+            )
+
+
+def _check_steps(segment: Segment, parquet: pq.ParquetFile) -> None:
+    """Every row group's steps (by its statistics) inside the range the name gives."""
+    meta = parquet.metadata
+    index = parquet.schema_arrow.get_field_index(STEP_COLUMN[segment.table])
+    for g in range(meta.num_row_groups):
+        stats = meta.row_group(g).column(index).statistics
+        if stats is None or not stats.has_min_max:
+            continue
+        if stats.min < segment.first or stats.max > segment.last:
+            raise StoreError(
+                f"{segment.path}: holds steps {stats.min}..{stats.max}, outside the "
+                f"{segment.first}..{segment.last} of its name"
+            )
+
+
+def _check_sizes(where: Path, meta: pq.FileMetaData) -> None:
+    """No column chunk larger than its rows can hold (`_MAX_VALUE_BYTES` a value)."""
+    for g in range(meta.num_row_groups):
+        group = meta.row_group(g)
+        limit = (group.num_rows + 1) * _MAX_VALUE_BYTES
+        for c in range(group.num_columns):
+            column = group.column(c)
+            if max(column.total_uncompressed_size, column.total_compressed_size) > limit:
+                raise StoreError(
+                    f"{where}: column {column.path_in_schema!r} holds "
+                    f"{column.total_uncompressed_size:,} bytes for {group.num_rows:,} rows "
+                    "(too large to be a store's: refused before reading)"
+                )
