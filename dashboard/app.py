@@ -37,7 +37,7 @@ from typing import Any
 import flask
 from dash import Dash, Input, Output, Patch, State, ctx, dash_table, dcc, html, no_update
 from dash.exceptions import PreventUpdate
-from knapformer.dashboard import step_frame
+from knapformer.dashboard import step_frame, whole_run
 from knapformer.dashboard.guard import (
     guard_callbacks,
     is_int,
@@ -160,6 +160,7 @@ def _layout(runs: Runs) -> html.Div:
                 style={"display": "flex", "gap": "10px", "flexWrap": "wrap"},
             ),
             html.Div(id="notice", role="alert", style=HIDDEN),
+            whole_run.section(),
             html.Div(
                 [
                     html.Div(
@@ -353,7 +354,9 @@ def create_app(path: str | Path) -> Dash:
         page_load = flask.request.method == "GET" and not flask.request.path.startswith("/api")
         gate.leave(PAGE_LOAD_LINGER_S if page_load else 0.0)
 
-    guard_callbacks(app, CALLBACK_SHAPES)  # after the gate's hooks: a refusal still leaves it
+    guard_callbacks(
+        app, CALLBACK_SHAPES | whole_run.SHAPES
+    )  # after the gate's hooks: a refusal still leaves it
 
     @app.server.route("/api/status")
     def status():
@@ -379,6 +382,7 @@ def create_app(path: str | Path) -> Dash:
     _step_selection(app, runs, timed)
     _timeline(app, runs, timed)
     step_frame.register(app, runs, timed)
+    whole_run.register(app, runs, timed)
     _topology_view(app, runs, timed)
     _sequence_table(app, runs, timed)
     _pick_sequence(app, timed)
