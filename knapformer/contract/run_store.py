@@ -51,6 +51,10 @@ class StoreError(KnapformerError):
     """A run store, or one of its segments, that cannot be read (one line: which and why)."""
 
 
+class SegmentGone(StoreError):
+    """A listed segment was removed before it was read (the writer compacted it)."""
+
+
 @dataclass(frozen=True, order=True)
 class Segment:
     """One segment file of a table: its steps ``first..last`` (inclusive)."""
@@ -101,6 +105,11 @@ def run_id(store: str | os.PathLike) -> str:
     return run
 
 
+def segment_name(table: str, first: int, last: int) -> str:
+    """The file name of ``table``'s segment of steps ``first..last``."""
+    return f"{table}-{first}-{last}.parquet"
+
+
 def list_segments(store: str | os.PathLike, table: str) -> list[Segment]:
     """``table``'s segments in ``store``, by first step; those inside another are left out
     (a compaction in progress). Temporary files of the writer are never listed."""
@@ -135,6 +144,8 @@ def check_segment(segment: Segment, run: str) -> pq.ParquetFile:
         parquet = pq.ParquetFile(where)
         meta = parquet.metadata
         schema = parquet.schema_arrow
+    except FileNotFoundError:
+        raise SegmentGone(f"{where}: removed while reading (compacted)") from None
     except (OSError, pa.ArrowException) as err:
         what = f"not a readable segment (truncated or not Parquet: {err})"
         raise StoreError(f"{where}: {what}") from None
@@ -164,35 +175,50 @@ def read_table(
     all), every segment checked (`check_segment`). Ordered by step."""
     store = store_folder(run)
     run_name = run_id(store)
-    first, last = steps if steps is not None else (None, None)
-    key = STEP_COLUMN[table]
-    wanted = None if columns is None else list(dict.fromkeys([*columns]))
+    wanted = None if columns is None else list(dict.fromkeys(columns))
     if wanted is not None:
         unknown = [c for c in wanted if c not in TABLES[table].names]
         if unknown:
             raise StoreError(f"table {table} has no column {', '.join(unknown)}")
+    full = TABLES[table]
+    schema = full if wanted is None else pa.schema([full.field(c) for c in wanted])
+    for _ in range(3):  # a compaction may remove listed segments: list again
+        try:
+            parts = _read_parts(store, run_name, table, steps or (None, None), wanted)
+        except SegmentGone:
+            continue
+        if not parts:
+            return schema.empty_table()
+        return pa.concat_tables([p.cast(schema) for p in parts])
+    raise StoreError(f"{store}: segments kept changing while reading (compaction)")
+
+
+def _read_parts(
+    store: Path,
+    run_name: str,
+    table: str,
+    steps: tuple[int | None, int | None],
+    wanted: list[str] | None,
+) -> list[pa.Table]:
+    first, last = steps
+    key = STEP_COLUMN[table]
+    read = wanted if wanted is None or key in wanted else [*wanted, key]
     parts = []
     for seg in list_segments(store, table):
         if not seg.overlaps(first, last):
             continue
-        parquet = check_segment(seg, run_name)
-        read = wanted if wanted is None or key in wanted else [*wanted, key]
-        part = _read(parquet, seg, read)
+        part = _read(check_segment(seg, run_name), seg, read)
         if (first is not None and seg.first < first) or (last is not None and seg.last > last):
             part = part.filter(_window(part[key], first, last))
-        if read != wanted and wanted is not None:
-            part = part.select(wanted)
-        parts.append(part)
-    full = TABLES[table]
-    schema = full if wanted is None else pa.schema([full.field(c) for c in wanted])
-    if not parts:
-        return schema.empty_table()
-    return pa.concat_tables([p.cast(schema) for p in parts])
+        parts.append(part if read == wanted or wanted is None else part.select(wanted))
+    return parts
 
 
 def _read(parquet: pq.ParquetFile, seg: Segment, columns: list[str] | None) -> pa.Table:
     try:
         return parquet.read(columns=columns)
+    except FileNotFoundError:
+        raise SegmentGone(f"{seg.path}: removed while reading (compacted)") from None
     except (OSError, pa.ArrowException) as err:
         raise StoreError(f"{seg.path}: not a readable segment (damaged: {err})") from None
 

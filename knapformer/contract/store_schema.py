@@ -106,7 +106,8 @@ RANK_WINDOWS = pa.schema(
         pa.field("steps", pa.int32(), nullable=False),  # steps in which it was measured
         pa.field("rate_median", pa.float32()),
         pa.field("rate_max", pa.float32()),
-        pa.field("slow_steps", pa.int32(), nullable=False),  # steps at rate >= `SLOW_RATE`
+        # steps at a rate >= the straggler analysis's slow_ratio (1.3)
+        pa.field("slow_steps", pa.int32(), nullable=False),
         pa.field("compute_ms_median", _MS),
     ]
 )

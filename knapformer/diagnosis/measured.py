@@ -50,6 +50,7 @@ Pure numpy, no readers: the dashboard and the CLI both import it.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -70,6 +71,7 @@ from knapformer.contract.phases import (
     phase_ms,
 )
 from knapformer.contract.plan import RoutingPlan
+from knapformer.contract.positions import gpu_positions
 from knapformer.contract.probe import LinkProbe, probe_partners
 from knapformer.contract.units import LoadUnit
 
@@ -102,28 +104,31 @@ def link_steps(
     """The exchange scopes of one step that measured their exchanges: the group (when
     it routed) and each bag of two or more GPUs (when it measured Ulysses exchanges)."""
     n = len(gpus)
-    position = {int(g): i for i, g in enumerate(gpus)}
-
-    def times(phases: Sequence[str]) -> list[np.ndarray]:
-        return [np.nan_to_num(np.asarray(per_rank[p], float)) for p in phases if p in per_rank]
-
     out = []
-    scopes = [("group", list(range(n)), GROUP_EXCHANGES)]
-    scopes += [
-        ("bag", [position[int(g)] for g in bag], BAG_COLLECTIVES) for bag in bags if len(bag) > 1
+    group = [
+        np.nan_to_num(np.asarray(per_rank[p], float)) for p in GROUP_EXCHANGES if p in per_rank
     ]
-    for scope, rows, phases in scopes:
-        measured = times(phases)
-        if not measured or len(rows) < 2:
-            continue
-        out.append(
-            LinkStep(
-                scope,
-                tuple(int(gpus[i]) for i in rows),
-                float(sum(t[rows].min() for t in measured)),
-                float(np.nanmax(compute_ms[rows])),
-            )
-        )
+    if group and n >= 2:
+        no_wait = float(sum(t.min() for t in group))
+        out.append(LinkStep("group", tuple(int(g) for g in gpus), no_wait, _largest(compute_ms)))
+    in_bag = [p for p in BAG_COLLECTIVES if p in per_rank]
+    multi = [bag for bag in bags if len(bag) > 1]
+    if not in_bag or not multi:
+        return tuple(out)
+    # Every bag at once (reduceat over the bags' members, bag after bag): a loop over 256
+    # bags at 1,024 GPUs took 30 ms a step.
+    sizes = np.fromiter(map(len, multi), dtype=np.int64, count=len(multi))
+    rows = gpu_positions(gpus)[np.fromiter(itertools.chain.from_iterable(multi), np.int64)]
+    starts = np.cumsum(sizes) - sizes
+    no_wait = sum(
+        np.minimum.reduceat(np.nan_to_num(np.asarray(per_rank[p], float))[rows], starts)
+        for p in in_bag
+    )
+    longest = np.fmax.reduceat(np.asarray(compute_ms, float)[rows], starts)  # NaN ignored
+    out += [
+        LinkStep("bag", tuple(int(g) for g in bag), float(w), float(c))
+        for bag, w, c in zip(multi, no_wait, longest, strict=True)
+    ]
     return tuple(out)
 
 
@@ -335,11 +340,8 @@ def measure(plan: RoutingPlan) -> MeasuredStep | None:
         np.zeros(n),
     )
     values = (st.tokens_sent + st.tokens_received).astype(np.float64) * 2 * (plan.token_dim or 1)
-    mean_load = st.mean_load
-    biggest = float(plan.sequences.workload.max()) if len(plan.sequences.length) else 0.0
-    floor = biggest / float(st.bag_capacity.max()) if st.bag_capacity.size else 0.0
-    floor_load = floor / mean_load if mean_load > 0 else float("nan")
-    at_floor = (st.load_after >= 0.99 * floor) & (floor_load > 1.0)
+    floor_load = layout_floor(plan)
+    at_floor = (st.load_after >= 0.99 * floor_load * st.mean_load) & (floor_load > 1.0)
     compute = np.asarray(per_rank[phase], dtype=np.float64)
     descheduled = phase_ms(per_rank, DESCHEDULED, n)
     return MeasuredStep(
@@ -369,6 +371,21 @@ def measure(plan: RoutingPlan) -> MeasuredStep | None:
         links=link_steps(per_rank, plan.gpus, plan.bags, compute + descheduled),
         probed=None if m.link_probe is None else probed_links(m.link_probe, plan.gpus),
     )
+
+
+def layout_floor(plan: RoutingPlan) -> float:
+    """The plan's layout floor over its mean load (1.00 = the ideal; NaN: no load): the
+    largest sequence over the largest bag."""
+    st = plan.stats
+    biggest = float(plan.sequences.workload.max()) if len(plan.sequences.length) else 0.0
+    floor = biggest / float(st.bag_capacity.max()) if st.bag_capacity.size else 0.0
+    return floor / st.mean_load if st.mean_load > 0 else float("nan")
+
+
+def _largest(values: np.ndarray) -> float:
+    """The largest of ``values`` ignoring NaN (NaN when all are)."""
+    values = np.asarray(values, float)
+    return float(np.nanmax(values)) if np.isfinite(values).any() else float("nan")
 
 
 def collective_waits(t: np.ndarray, group: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -1,0 +1,529 @@
+"""`StoreWriter`: write the run store (every step of every rank, Parquet) from a thread.
+
+The recorder hands it every plan (`put`: one ``put_nowait``, the training thread does
+nothing else); its thread builds the rows (`knapformer.runtime.store_rows`) and appends
+them to the open segment. Guarantees:
+
+- A segment is closed every ``segment_steps`` steps or ``segment_seconds`` seconds,
+  whichever comes first: written under a temporary name (``.<name>.<pid>.tmp``), then
+  renamed to ``<table>-<first>-<last>.parquet``. A writer killed at any moment loses at
+  most its open segment; every reader accepts what is left (temporary files are never
+  listed, and a new writer removes them).
+- Per closed segment: its ``ranks`` rows, its ``steps`` rows (with each step's loss,
+  `knapformer.diagnosis.step_loss` over the segment's steps as the window) and one
+  ``rank_windows`` row per rank (`window_rows`).
+- Bounded memory: ``ranks`` rows go to the segment's file as row groups of
+  `ROW_GROUP_ROWS`; what is held is one row group, the segment's per-step figures for its
+  loss, and three numbers per rank-step for its windows (about 25 MB at 4,096 GPUs and
+  a 60-step segment). The queue is bounded; a full queue drops the plan (``dropped``).
+- Compaction: every ``compact`` closed segments, the oldest ``compact`` small segments of
+  each table are merged into one (row group by row group, then the small ones removed):
+  a week-long run keeps hundreds of files, not tens of thousands. The store is never
+  rotated away.
+- One run per store: a store whose last step is below the first step written here is
+  the same run resumed (from a checkpoint): it is appended to, under its run id. Any
+  other store (steps that restart, an unreadable ``run.json``) is moved aside to
+  ``store.1`` (an older ``store.1`` is deleted), with one warning.
+- ``add_columns`` is the batch path of the same writer: whole steps of ready-made rows
+  (a bench or an importer), segments closed by the same rule.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import queue
+import shutil
+import threading
+import time
+import uuid
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from knapformer.contract.phases import COMPUTE_PHASES
+from knapformer.contract.plan import RoutingPlan
+from knapformer.contract.run_store import (
+    RUN_FILE,
+    StoreError,
+    list_segments,
+    run_id,
+    segment_name,
+)
+from knapformer.contract.store_schema import (
+    META_RUN,
+    META_SCHEMA,
+    META_TABLE,
+    RANK_WINDOWS,
+    RANKS,
+    STEPS,
+    STORE_VERSION,
+    TABLES,
+    loss_column,
+    phase_column,
+)
+from knapformer.diagnosis.step_loss import PARTS, step_losses
+from knapformer.diagnosis.stragglers import THRESHOLDS
+from knapformer.runtime.store_rows import plan_rows, quantise_ms
+
+log = logging.getLogger(__name__)
+
+#: Rows of a ``ranks`` row group (about 128 steps at 1,024 GPUs).
+ROW_GROUP_ROWS = 1 << 17
+_STOP = object()
+_TIME_COLUMNS = {f.name for f in (*RANKS, *STEPS) if f.name.endswith("_ms")}
+#: The columns that stand for compute in a rank window, best first (`COMPUTE_PHASES`).
+_COMPUTE_COLUMNS = tuple(phase_column(p) for p in COMPUTE_PHASES if phase_column(p) in RANKS.names)
+
+
+class StoreWriter:
+    """Write a run store in ``folder`` (``<run>/store``) from a background thread.
+
+    Args:
+        folder: the store's folder (created).
+        segment_steps / segment_seconds: close the open segment after this many steps or
+            this many seconds, whichever comes first.
+        queue_size: plans waiting for the thread before new ones are dropped.
+        compact: merge this many small segments into one, every this many segments
+            (0: never).
+        every: the recorder's ``every`` (a step it records in full has ``full_plan``).
+        keep_full: called (on the writer thread) with a plan outside ``every`` that a
+            reader must be able to open in full (`store_rows.worth_keeping`); returns
+            whether its full plan will be written.
+    """
+
+    def __init__(
+        self,
+        folder: str | os.PathLike,
+        *,
+        segment_steps: int = 256,
+        segment_seconds: float = 60.0,
+        queue_size: int = 256,
+        compact: int = 16,
+        every: int = 1,
+        keep_full: Callable[[RoutingPlan], bool] | None = None,
+    ):
+        if int(segment_steps) < 1 or not segment_seconds > 0:
+            raise StoreError("segment_steps must be >= 1 and segment_seconds > 0")
+        self.folder = Path(folder)
+        self.segment_steps = int(segment_steps)
+        self.segment_seconds = float(segment_seconds)
+        self.compact = int(compact)
+        self.every = max(int(every), 1)
+        self.keep_full = keep_full
+        #: plans dropped because the queue was full; plans written; segments closed
+        self.dropped = 0
+        self.written = 0
+        self.segments = 0
+        #: plans kept in full beyond ``every`` (handed to ``keep_full``, which took them)
+        self.kept = 0
+        self.failed = 0  # plans whose rows could not be built (skipped, one warning)
+        self.disabled_reason: str | None = None
+        self.run_id: str | None = None
+        self._queue: queue.Queue = queue.Queue(maxsize=int(queue_size))
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+        self._segment: _OpenSegment | None = None
+        self._last_step: int | None = None
+
+    # ------------------------------------------------------------ training thread
+    def put(self, plan: RoutingPlan) -> bool:
+        """Queue ``plan`` (with a step number) for the store; never blocks."""
+        with self._lock:
+            if self._closed or self.disabled_reason is not None:
+                return False
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="knapformer-store-writer", daemon=True
+                )
+                self._thread.start()
+            try:
+                self._queue.put_nowait(plan)
+            except queue.Full:
+                self.dropped += 1
+                return False
+            return True
+
+    def close(self, timeout: float | None = 30.0) -> None:
+        """Write what is queued and close the open segment. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        if self._thread is not None:
+            try:
+                self._queue.put(_STOP, timeout=timeout)
+            except queue.Full:
+                log.warning("StoreWriter could not flush %s in %s s", self.folder, timeout)
+                return
+            self._thread.join(timeout)
+        else:
+            self._guarded(self._close_segment)
+        if self.dropped:
+            log.warning(
+                "StoreWriter dropped %d step(s) because it fell behind (queue of %d)",
+                self.dropped,
+                self._queue.maxsize,
+            )
+
+    def __enter__(self) -> StoreWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -------------------------------------------------------------- writer thread
+    def _run(self) -> None:
+        while True:
+            wait = None if self._segment is None else self._segment.seconds_left(self)
+            try:
+                item = self._queue.get(timeout=wait)
+            except queue.Empty:
+                self._guarded(self._close_segment)  # its time is up
+                continue
+            if item is _STOP:
+                break
+            if self.disabled_reason is None:
+                self._guarded(self.add_plan, item)
+        self._guarded(self._close_segment)
+
+    def _guarded(self, action: Callable, *args: object) -> None:
+        """Run ``action``; an I/O error turns the store off (one warning), training goes on."""
+        try:
+            action(*args)
+        except OSError as err:
+            self.disabled_reason = f"I/O error in {self.folder}: {err}"
+            log.warning("StoreWriter disabled (training goes on): %s", self.disabled_reason)
+            self._segment = None
+
+    def add_plan(self, plan: RoutingPlan) -> None:
+        """Append ``plan``'s rows (the writer thread; or the caller's, without `put`)."""
+        if plan.step is None:
+            return
+        try:
+            rows = plan_rows(plan)
+        except Exception as err:  # a plan the rows cannot be built from: skipped
+            self.failed += 1
+            if self.failed == 1:
+                log.warning("StoreWriter skipped step %s: %s", plan.step, err)
+            return
+        full = plan.step % self.every == 0
+        if not full and rows.notable and self.keep_full is not None and self.keep_full(plan):
+            self.kept += 1
+            full = True
+        rows.step["full_plan"] = full
+        segment = self._segment_for(plan.step)
+        segment.add_ranks(_ranks_table(rows.ranks))
+        segment.add_step(rows.step, rows.figures)
+        self.written += 1
+        self._after_step(plan.step)
+
+    def add_columns(self, ranks: pa.Table, steps: pa.Table) -> None:
+        """The batch path: whole steps of rows (``ranks`` and ``steps`` with the tables'
+        columns, steps ascending, each step's rank rows together). Segments close by the
+        same rule as `add_plan`'s (by steps; the seconds are the caller's)."""
+        step_col = steps["step"].to_numpy()
+        rank_steps = ranks["step"].to_numpy()
+        begin = 0
+        while begin < len(step_col):
+            first = int(step_col[begin])
+            segment = self._segment_for(first)
+            room = self.segment_steps - segment.steps
+            end = min(begin + room, len(step_col))
+            lo, hi = np.searchsorted(rank_steps, [first, int(step_col[end - 1]) + 1])
+            segment.add_ranks(ranks.slice(lo, hi - lo))
+            segment.add_steps(steps.slice(begin, end - begin))
+            self.written += end - begin
+            self._after_step(int(step_col[end - 1]))
+            begin = end
+
+    def _segment_for(self, step: int) -> _OpenSegment:
+        if self.run_id is None:
+            self.run_id = open_store(self.folder, step)
+        if self._last_step is not None and step <= self._last_step:
+            raise StoreError(f"step {step} after step {self._last_step}: steps must increase")
+        if self._segment is None:
+            self._segment = _OpenSegment(self.folder, self.run_id, step)
+        return self._segment
+
+    def _after_step(self, step: int) -> None:
+        self._last_step = step
+        segment = self._segment
+        segment.last = step
+        if segment.steps >= self.segment_steps or segment.seconds_left(self) <= 0:
+            self._close_segment()
+
+    def _close_segment(self) -> None:
+        segment, self._segment = self._segment, None
+        if segment is None or not segment.steps:
+            return
+        segment.close()
+        self.segments += 1
+        if self.compact > 1 and self.segments % self.compact == 0:
+            for table in TABLES:
+                compact(self.folder, table, self.compact, self.run_id, self.segment_steps)
+
+
+class _OpenSegment:
+    """The segment being written: ``ranks`` rows streamed to a temporary file, ``steps``
+    rows and the windows' figures held until it closes."""
+
+    def __init__(self, folder: Path, run: str, first: int):
+        self.folder, self.run, self.first, self.last = folder, run, first, first
+        self.opened = time.monotonic()
+        self.steps = 0
+        self._tmp = _tmp_path(folder, f"ranks-{first}")
+        self._ranks = _parquet_writer(self._tmp, "ranks", run)
+        self._pending: list[pa.Table] = []
+        self._pending_rows = 0
+        self._step_rows: list[dict] = []
+        self._step_tables: list[pa.Table] = []
+        self._figures: list = []  # (row index, RankFigures) of measured steps
+        self._window: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+
+    def seconds_left(self, writer: StoreWriter) -> float:
+        return max(0.0, writer.segment_seconds - (time.monotonic() - self.opened))
+
+    def add_ranks(self, table: pa.Table) -> None:
+        self._pending.append(table)
+        self._pending_rows += table.num_rows
+        self._window.append(_window_figures(table))
+        if self._pending_rows >= ROW_GROUP_ROWS:
+            self._flush_ranks()
+
+    def add_step(self, row: dict, figures: object) -> None:
+        if figures is not None:
+            self._figures.append((len(self._step_rows), figures))
+        self._step_rows.append(row)
+        self.steps += 1
+
+    def add_steps(self, table: pa.Table) -> None:
+        self._step_tables.append(table)
+        self.steps += table.num_rows
+
+    def _flush_ranks(self) -> None:
+        if self._pending:
+            self._ranks.write_table(pa.concat_tables(self._pending), ROW_GROUP_ROWS)
+            self._pending, self._pending_rows = [], 0
+
+    def close(self) -> None:
+        """Write the segment's three files (temporary names, then renamed)."""
+        first, last = self.first, self.last
+        write_segment(self.folder, "steps", first, last, self._steps_table(), self.run)
+        windows = window_rows(first, last, *_concat(self._window))
+        write_segment(self.folder, "rank_windows", first, last, windows, self.run)
+        self._flush_ranks()
+        self._ranks.close()
+        os.replace(self._tmp, self.folder / segment_name("ranks", first, last))
+
+    def _steps_table(self) -> pa.Table:
+        rows = self._step_rows
+        if rows:
+            losses = step_losses([f for _, f in self._figures])
+            for (index, _), loss in zip(self._figures, losses, strict=True):
+                rows[index] |= {
+                    "measured_ms": loss.measured_ms,
+                    "ideal_ms": loss.ideal_ms,
+                    "lost_ms": loss.lost_ms,
+                    **{loss_column(p): loss.part_ms[p] for p in PARTS},
+                }
+            self._step_tables.append(_steps_from_rows(rows))
+        return pa.concat_tables(self._step_tables)
+
+
+def open_store(folder: Path, first_step: int) -> str:
+    """Prepare ``folder`` for a run whose first step here is ``first_step``; returns its
+    run id (the module doc: append to a resumed run, else move the old store aside)."""
+    if folder.is_dir() and any(folder.iterdir()):
+        try:
+            run = run_id(folder)
+            last = max((s.last for t in ("steps", "ranks") for s in list_segments(folder, t)),
+                       default=None)  # fmt: skip
+        except StoreError as err:
+            run, last, why = None, None, str(err)
+        else:
+            why = f"it holds steps up to {last} and this run starts at step {first_step}"
+        if run is not None and (last is None or first_step > last):
+            _remove_temporary(folder)
+            return run  # a resumed run: append
+        aside = folder.with_name(folder.name + ".1")
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(folder, aside)
+        log.warning(
+            "StoreWriter: %s was moved to %s (%s): two runs never mix in one store "
+            "(a run resumed from a checkpoint, whose steps go on, appends)",
+            folder,
+            aside,
+            why,
+        )
+    folder.mkdir(parents=True, exist_ok=True)
+    run = uuid.uuid4().hex
+    tmp = _tmp_path(folder, RUN_FILE)
+    tmp.write_text(json.dumps({"run_id": run, "store_version": STORE_VERSION}) + "\n")
+    os.replace(tmp, folder / RUN_FILE)
+    return run
+
+
+def write_segment(
+    folder: Path, table: str, first: int, last: int, rows: pa.Table, run: str
+) -> Path:
+    """Write ``rows`` as ``table``'s segment of steps ``first..last`` (atomically)."""
+    tmp = _tmp_path(folder, segment_name(table, first, last))
+    writer = _parquet_writer(tmp, table, run)
+    writer.write_table(rows.cast(TABLES[table]), ROW_GROUP_ROWS)
+    writer.close()
+    final = folder / segment_name(table, first, last)
+    os.replace(tmp, final)
+    return final
+
+
+def compact(folder: Path, table: str, count: int, run: str | None, small: int) -> None:
+    """Merge the oldest run of ``count`` consecutive segments of ``table`` of at most
+    ``small`` steps each into one (the module doc): the merged file is renamed into place
+    before the small ones are removed, and readers skip a segment inside another."""
+    segments = list_segments(folder, table)
+    batch: list = []
+    for seg in segments[:-1]:  # the newest is left alone: it is seconds old
+        batch = [*batch, seg] if seg.last - seg.first < small else []
+        if len(batch) == count:
+            break
+    if len(batch) < count:
+        return
+    first, last = batch[0].first, batch[-1].last
+    tmp = _tmp_path(folder, segment_name(table, first, last))
+    writer = _parquet_writer(tmp, table, run or "")
+    for seg in batch:
+        parquet = pq.ParquetFile(seg.path)
+        for g in range(parquet.metadata.num_row_groups):
+            writer.write_table(parquet.read_row_group(g).cast(TABLES[table]), ROW_GROUP_ROWS)
+    writer.close()
+    os.replace(tmp, folder / segment_name(table, first, last))
+    for seg in batch:
+        with contextlib.suppress(FileNotFoundError):
+            seg.path.unlink()
+
+
+def window_rows(
+    first: int, last: int, rank: np.ndarray, rate: np.ndarray, compute: np.ndarray
+) -> pa.Table:
+    """One ``rank_windows`` row per rank of a segment from its rank-steps' (rank, rate,
+    compute ms), each (m,)."""
+    order = np.argsort(rank, kind="stable")
+    rank, rate, compute = rank[order], rate[order].astype(np.float64), compute[order]
+    ranks, starts, counts = np.unique(rank, return_index=True, return_counts=True)
+    measured = np.isfinite(rate)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a rank never measured: NaN
+        if len(counts) and (counts == counts[0]).all():
+            shape = (len(ranks), int(counts[0]))
+            rate_median = np.nanmedian(rate.reshape(shape), axis=1)
+            compute_median = np.nanmedian(compute.reshape(shape), axis=1)
+        else:
+            rate_median = np.array([np.nanmedian(r) for r in np.split(rate, starts[1:])])
+            compute_median = np.array([np.nanmedian(c) for c in np.split(compute, starts[1:])])
+        rate_max = np.fmax.reduceat(rate, starts) if len(rate) else np.zeros(0)
+    slow = measured & (np.nan_to_num(rate) >= THRESHOLDS.slow_ratio)
+    n = len(ranks)
+    columns = {
+        "first_step": np.full(n, first, np.int64),
+        "last_step": np.full(n, last, np.int64),
+        "rank": ranks.astype(np.int32),
+        "steps": _sums(measured, starts, n),
+        "rate_median": rate_median.astype(np.float32),
+        "rate_max": rate_max.astype(np.float32),
+        "slow_steps": _sums(slow, starts, n),
+        "compute_ms_median": quantise_ms(compute_median),
+    }
+    return pa.table(
+        {k: pa.array(v, RANK_WINDOWS.field(k).type, from_pandas=True) for k, v in columns.items()}
+    )
+
+
+def _sums(flags: np.ndarray, starts: np.ndarray, n: int) -> np.ndarray:
+    return np.add.reduceat(flags.astype(np.int32), starts) if n else np.zeros(0, np.int32)
+
+
+def _window_figures(table: pa.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(rank, rate, compute ms) of ``ranks`` rows, compute by the first of
+    `_COMPUTE_COLUMNS` that holds a value."""
+    nan = np.full(table.num_rows, np.nan, np.float32)
+    compute = nan
+    for name in _COMPUTE_COLUMNS:
+        column = table[name]
+        if column.null_count < len(column):
+            compute = column.to_numpy(zero_copy_only=False)
+            break
+    rate = (
+        table["rate"].to_numpy(zero_copy_only=False) if table["rate"].null_count < len(nan) else nan
+    )
+    return table["rank"].to_numpy(), rate, compute
+
+
+def _concat(parts: list[tuple[np.ndarray, ...]]) -> tuple[np.ndarray, ...]:
+    return tuple(np.concatenate(column) for column in zip(*parts, strict=True))
+
+
+def _ranks_table(columns: dict[str, np.ndarray | None]) -> pa.Table:
+    """A ``ranks`` table of one plan's columns (NaN and None: null)."""
+    n = len(columns["rank"])
+    arrays = []
+    for field in RANKS:
+        values = columns[field.name]
+        if values is None:
+            arrays.append(pa.nulls(n, field.type))
+        else:
+            nan = pa.types.is_floating(field.type)
+            arrays.append(pa.array(values, field.type, from_pandas=nan))
+    return pa.Table.from_arrays(arrays, schema=RANKS)
+
+
+def _steps_from_rows(rows: list[dict]) -> pa.Table:
+    """A ``steps`` table of dict rows (non-finite floats: null; times quantised)."""
+    columns = {}
+    for field in STEPS:
+        values = [row.get(field.name) for row in rows]
+        if pa.types.is_floating(field.type):
+            values = np.array([np.nan if v is None else float(v) for v in values])
+            values[~np.isfinite(values)] = np.nan
+            if field.name in _TIME_COLUMNS:
+                values = quantise_ms(values)
+            columns[field.name] = pa.array(values, field.type, from_pandas=True)
+        else:
+            columns[field.name] = pa.array(values, field.type)
+    return pa.table(columns, schema=STEPS)
+
+
+def _parquet_writer(path: Path, table: str, run: str) -> pq.ParquetWriter:
+    """A Parquet writer of ``table``'s segments: its schema with the store's metadata,
+    zstd; floats split by byte stream (their zero low bytes then compress away)."""
+    schema = TABLES[table].with_metadata(
+        {META_SCHEMA: str(STORE_VERSION).encode(), META_RUN: run.encode(), META_TABLE: table}
+    )
+    floats = [f.name for f in schema if pa.types.is_floating(f.type)]
+    return pq.ParquetWriter(
+        path,
+        schema,
+        compression="zstd",
+        compression_level=3,
+        use_dictionary=[f.name for f in schema if not pa.types.is_floating(f.type)],
+        use_byte_stream_split=floats,
+        write_statistics=True,
+    )
+
+
+def _tmp_path(folder: Path, name: str) -> Path:
+    return folder / f".{name}.{os.getpid()}.tmp"
+
+
+def _remove_temporary(folder: Path) -> None:
+    """Remove what a killed writer left half-written (never listed by readers)."""
+    for path in folder.glob(".*.tmp"):
+        with contextlib.suppress(OSError):
+            path.unlink()
