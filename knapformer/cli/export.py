@@ -12,8 +12,15 @@ import typer
 from knapformer.cli.errors import UserError
 from knapformer.cli.extras import require
 from knapformer.contract.plan import RoutingPlan
-from knapformer.contract.plan_io import plans_in_range, read_plans
-from knapformer.contract.runfiles import RUNS_LAYOUT, every_run, safe_name, writable_folder
+from knapformer.contract.plan_io import parse_step_range, plans_in_range, read_plans
+from knapformer.contract.runfiles import (
+    RUNS_LAYOUT,
+    every_run,
+    safe_name,
+    single_run,
+    writable_folder,
+)
+from knapformer.diagnosis.store_source import SOURCE_HELP, use_store
 
 PLANS_HELP = f"plan file (JSON, JSONL or legacy JSON) or a folder of runs ({RUNS_LAYOUT})"
 STEPS_HELP = "steps A:B (inclusive; A: or :B open) to export (default: every plan)"
@@ -117,27 +124,59 @@ def tensorboard(
     plans: Path = typer.Argument(..., metavar="PLANS", help=PLANS_HELP),
     logdir: Path = typer.Option(..., "--logdir", help="TensorBoard log folder (one run each)"),
     steps: str | None = typer.Option(None, help=STEPS_HELP),
+    source: str = typer.Option("auto", help=SOURCE_HELP),
 ) -> None:
     """Write per-step scalars (imbalance before/after, moved fraction, plan ms, modelled
-    speedup, measured max/mean compute) for TensorBoard, one TensorBoard run per run."""
+    speedup, measured max/mean compute) for TensorBoard, one TensorBoard run per run.
+    From the run store when the run has one: every step, however few full plans it kept."""
     require("tensorboard", "knapformer tensorboard")
-    from knapformer.contract.scalars import open_writer, write_step
+    from knapformer.contract.scalars import open_writer, store_step_figures, write_step
 
-    runs = read_runs(plans, steps)
-    folders = run_folders(logdir, list(runs))
-    scalars = 0
-    for name, run in runs.items():
-        try:
-            writer = open_writer(folders[name], "knapformer tensorboard")
-        except OSError as err:
-            raise UserError(f"{folders[name]}: cannot write: {err.strerror or err}") from None
-        try:
-            for index, plan in enumerate(run):
-                scalars += write_step(writer, plan, index)
-        finally:
-            writer.close()
-    total = sum(len(run) for run in runs.values())
+    if use_store(plans, source):
+        name = single_run(plans).parent.name
+        first, last = parse_step_range(steps) if steps else (None, None)
+        scalars, total = _scalars_to(logdir, name, store_step_figures(plans, first, last))
+        count = 1
+    else:
+        runs = read_runs(plans, steps)
+        folders = run_folders(logdir, list(runs))
+        scalars = 0
+        for name, run in runs.items():
+            writer = _writer(open_writer, folders[name])
+            try:
+                for index, plan in enumerate(run):
+                    scalars += write_step(writer, plan, index)
+            finally:
+                writer.close()
+        total, count = sum(len(run) for run in runs.values()), len(runs)
     print(
-        f"wrote {scalars:,} scalars of {_count(total, 'step')} in {_count(len(runs), 'run')} "
+        f"wrote {scalars:,} scalars of {_count(total, 'step')} in {_count(count, 'run')} "
         f"to {logdir}; view them with: tensorboard --logdir {logdir}"
     )
+
+
+def _writer(open_writer, folder: Path):
+    try:
+        return open_writer(folder, "knapformer tensorboard")
+    except OSError as err:
+        raise UserError(f"{folder}: cannot write: {err.strerror or err}") from None
+
+
+def _scalars_to(logdir: Path, name: str, rows) -> tuple[int, int]:
+    """Write ``rows`` (step, time, figures) of the run store to ``name``'s folder; the
+    scalars and the steps written."""
+    from knapformer.contract.scalars import TAG_PREFIX, open_writer
+
+    writer = _writer(open_writer, run_folders(logdir, [name])[name])
+    scalars = steps = 0
+    try:
+        for step, walltime, figures in rows:
+            steps += 1
+            for tag, value in figures.items():
+                writer.add_scalar(TAG_PREFIX + tag, value, global_step=step, walltime=walltime)
+            scalars += len(figures)
+    finally:
+        writer.close()
+    if not steps:
+        raise UserError(f"{logdir}: the run store holds no step to write")
+    return scalars, steps
