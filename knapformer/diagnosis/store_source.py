@@ -73,9 +73,12 @@ def window_rows(run: str | os.PathLike, first: int | None, last: int | None) -> 
     if len(ranks) == 0:
         span = f"{'' if first is None else first}:{'' if last is None else last}"
         raise KnapformerError(f"{Path(run)}: the run store holds no step in {span}")
-    ranks = ranks.sort_by([("step", "ascending"), ("rank", "ascending")])
-    step = ranks["step"].to_numpy()
-    kept = np.unique(step)
+    step, rank = ranks["step"].to_numpy(), ranks["rank"].to_numpy()
+    if not _ordered(step, rank):  # the writer appends each step's rows in rank order
+        order = np.lexsort((rank, step))
+        ranks = ranks.take(order)
+        step, rank = step[order], rank[order]
+    kept = step[np.r_[True, step[1:] != step[:-1]]]
     # the floor of each step the ranks have (NaN for one the steps table lacks)
     listed = steps["step"].to_numpy()
     at = np.searchsorted(listed, kept).clip(max=max(len(listed) - 1, 0))
@@ -85,7 +88,7 @@ def window_rows(run: str | os.PathLike, first: int | None, last: int | None) -> 
     count = len(kept)
     return WindowRows(
         step=step,
-        rank=ranks["rank"].to_numpy(),
+        rank=rank,
         bag=ranks["bag"].to_numpy(),
         phase_ms={
             p: _floats(ranks[phase_column(p)])
@@ -103,6 +106,12 @@ def window_rows(run: str | os.PathLike, first: int | None, last: int | None) -> 
         load_axis=SHARE_AXIS,
         best_intra_gbps=_floats(ranks["link_gbps"]),
     )
+
+
+def _ordered(step: np.ndarray, rank: np.ndarray) -> bool:
+    """Whether rows are by step, then rank."""
+    same = step[1:] == step[:-1]
+    return bool((step[1:] >= step[:-1]).all() and (rank[1:][same] > rank[:-1][same]).all())
 
 
 def _floats(column: pa.ChunkedArray) -> np.ndarray:
