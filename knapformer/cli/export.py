@@ -13,14 +13,14 @@ from knapformer.cli.errors import UserError
 from knapformer.cli.extras import require
 from knapformer.contract.plan import RoutingPlan
 from knapformer.contract.plan_io import parse_step_range, plans_in_range, read_plans
+from knapformer.contract.run_store import has_store
 from knapformer.contract.runfiles import (
     RUNS_LAYOUT,
     every_run,
     safe_name,
-    single_run,
     writable_folder,
 )
-from knapformer.diagnosis.store_source import SOURCE_HELP, use_store
+from knapformer.diagnosis.store_source import SOURCE_HELP, reader_run
 
 PLANS_HELP = f"plan file (JSON, JSONL or legacy JSON) or a folder of runs ({RUNS_LAYOUT})"
 STEPS_HELP = "steps A:B (inclusive; A: or :B open) to export (default: every plan)"
@@ -132,8 +132,8 @@ def tensorboard(
     require("tensorboard", "knapformer tensorboard")
     from knapformer.contract.scalars import open_writer, store_step_figures, write_step
 
-    if use_store(plans, source):
-        name = single_run(plans).parent.name
+    if source != "plans" and (has_store(plans) or source == "store"):
+        name = reader_run(plans, source)[0].parent.name
         first, last = parse_step_range(steps) if steps else (None, None)
         scalars, total = _scalars_to(logdir, name, store_step_figures(plans, first, last))
         count = 1

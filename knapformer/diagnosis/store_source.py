@@ -21,6 +21,7 @@ import pyarrow as pa
 from knapformer.contract.phases import RECORDED_PHASES
 from knapformer.contract.plan_io import parse_step_range
 from knapformer.contract.run_store import has_store, read_table
+from knapformer.contract.runfiles import PLANS_FILE, single_run
 from knapformer.contract.store_schema import phase_column
 from knapformer.diagnosis.store_window import WindowRows
 from knapformer.errors import KnapformerError
@@ -47,6 +48,16 @@ def use_store(run: str | os.PathLike, source: str) -> bool:
     if source == "store" and not found:
         raise KnapformerError(f"{run}: no run store (store/ beside its plans); try --source plans")
     return found
+
+
+def reader_run(path: str | os.PathLike, source: str) -> tuple[Path, bool]:
+    """The plans file of the run at ``path`` (which may be missing when its store stands
+    alone) and whether to read its store (`use_store`)."""
+    path = Path(path)
+    if source in ("auto", "store") and path.is_dir() and has_store(path):
+        return path / PLANS_FILE, True
+    run = single_run(path)
+    return run, use_store(run, source)
 
 
 def step_window(
@@ -84,6 +95,7 @@ def window_rows(run: str | os.PathLike, first: int | None, last: int | None) -> 
     at = np.searchsorted(listed, kept).clip(max=max(len(listed) - 1, 0))
     floor = np.where(listed[at] == kept, _floats(steps["floor_load"])[at], np.nan)
     load = _floats(ranks["predicted_load"])
+    link = ranks["link_gbps"]  # the link probe's, in the steps that ran it
     speed = np.nan_to_num(_floats(ranks["speed"]), nan=1.0)  # null: nominal
     count = len(kept)
     return WindowRows(
@@ -104,7 +116,7 @@ def window_rows(run: str | os.PathLike, first: int | None, last: int | None) -> 
         token_dim=np.ones(count),
         shown_total=np.ones(count),
         load_axis=SHARE_AXIS,
-        best_intra_gbps=_floats(ranks["link_gbps"]),
+        best_intra_gbps=_floats(link) if link.null_count < len(link) else None,
     )
 
 
