@@ -212,6 +212,17 @@ def _stragglers(total_wait: np.ndarray, flat: _Flat) -> list[int | None]:
     return [int(r) if w else None for r, w in zip(ranks.tolist(), waited.tolist(), strict=True)]
 
 
+def _grid(values: np.ndarray, row: np.ndarray, col: np.ndarray, shape: tuple) -> np.ndarray:
+    """(r, s) float64 of per-row ``values``, NaN where a rank was not in a step: a
+    reshape when every step holds every rank in rank order (the usual window)."""
+    r, s = shape
+    if len(values) == r * s and (row.reshape(s, r) == np.arange(r)).all():
+        return np.ascontiguousarray(values.reshape(s, r).T, dtype=np.float64)
+    out = np.full(shape, np.nan)
+    out[row, col] = values
+    return out
+
+
 def _positions(rank: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The sorted distinct ranks and each row's index among them, by counting (ranks are
     small non-negative numbers; a sort of a million rows took a tenth of a second)."""
@@ -228,9 +239,7 @@ def window_figures(rows: WindowRows) -> WindowFigures:
     shape = (len(ranks), len(rows.steps))
     compute, phases = _compute(flat)
     figures, total_wait = _per_row(flat, compute)
-    out = {name: np.full(shape, np.nan) for name in figures}
-    for name, values in figures.items():
-        out[name][row, col] = values
+    out = {name: _grid(values, row, col, shape) for name, values in figures.items()}
     fixed = {}
     for p in FIXED_PHASES:
         if p in flat.present and flat.present[p].any():
