@@ -16,6 +16,7 @@ finds nothing new costs a directory listing.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +29,7 @@ from knapformer.dashboard.store import Runs
 from knapformer.dashboard.styles import HALF, HIDDEN
 from knapformer.visualization.figures import empty_figure
 from knapformer.visualization.run_figures import (
+    cell_steps,
     run_grid,
     run_rate_heatmap,
     run_steps_figure,
@@ -40,10 +42,16 @@ from knapformer.diagnosis.store_window import window_figures
 from knapformer.diagnosis.stragglers import THRESHOLDS, headline, judge
 from knapformer.errors import KnapformerError
 
+# pyarrow and plotly each import pandas on first use, and two callbacks that do so at
+# once in the server's threads see a half-imported module (a 500 on the first page):
+# import it once here, before any thread.
+with contextlib.suppress(ImportError):
+    import pandas  # noqa: F401
+
 #: What the whole-run callbacks' inputs may hold (`knapformer.dashboard.guard`).
 SHAPES = {
     ("run-heatmap", "clickData"): optional(
-        record(points=list_of(record(customdata=list_of(is_number)), nonempty=True))
+        record(points=list_of(record(x=is_number), nonempty=True))
     ),
 }
 #: The most steps a drill-down reads (a click on a wider cell opens its last ones).
@@ -110,6 +118,7 @@ def draw(store: Path) -> dict[str, Any]:
     )
     ranks, lo, hi, cells = _cells(windows)
     rate = cells["rate_median"]
+    grid = run_grid(ranks, lo, hi, rate)
     th = THRESHOLDS
     with np.errstate(invalid="ignore"):
         named = (cells["slow_steps"] >= th.persistence * np.maximum(cells["steps"], 1)) & (
@@ -117,7 +126,8 @@ def draw(store: Path) -> dict[str, Any]:
         )
     column = {name: steps[name].to_numpy(zero_copy_only=False) for name in steps.column_names}
     return {
-        "heatmap": run_rate_heatmap(run_grid(ranks, lo, hi, rate), validate=False),
+        "heatmap": run_rate_heatmap(grid, validate=False),
+        "grid": grid,
         "verdicts": run_verdicts_figure(ranks, lo, hi, named, rate, validate=False),
         "steps": run_steps_figure(
             column["step"],
@@ -209,7 +219,7 @@ def register(app: Dash, runs: Runs, timed: Callable) -> None:
             return {"style": HIDDEN} | {
                 n: no_update for n in ("summary", "heatmap", "verdicts", "steps")
             }
-        return {"style": _SHOWN, **drawn}
+        return {"style": _SHOWN} | {k: v for k, v in drawn.items() if k != "grid"}
 
     @app.callback(
         output={
@@ -224,11 +234,14 @@ def register(app: Dash, runs: Runs, timed: Callable) -> None:
         plans = _plans(runs, view)
         if click is None or plans is None:
             return {"figure": no_update, "label": "click a cell of the heatmap to open its steps"}
-        first, last = (int(v) for v in click["points"][0]["customdata"][:2])
         try:
+            drawn = kept.figures(plans)
+            if drawn is None:
+                return {"figure": no_update, "label": "the run has no store"}
+            first, last = cell_steps(drawn["grid"], float(click["points"][0]["x"]))
             figure, label = drill(plans, first, last)
         except KnapformerError as err:
-            return {"figure": no_update, "label": f"steps {first}–{last}: {err}"}
+            return {"figure": no_update, "label": f"the run store cannot be read: {err}"}
         return {"figure": figure, "label": label}
 
 

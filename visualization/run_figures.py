@@ -85,19 +85,9 @@ def run_rate_heatmap(grid: RunGrid, validate: bool = True) -> dict:
         return _empty("no measured step in the run store yet", validate)
     with np.errstate(divide="ignore", invalid="ignore"):
         z = np.log2(grid.rate)
-    x = ((grid.step_lo + grid.step_hi) / 2).tolist()
+    x = cell_centres(grid).tolist()
     y = ((grid.rank_lo + grid.rank_hi) / 2).tolist()
     cols, rows = len(x), len(y)
-    custom = np.stack(
-        [
-            np.broadcast_to(grid.step_lo[None, :], (rows, cols)),
-            np.broadcast_to(grid.step_hi[None, :], (rows, cols)),
-            np.broadcast_to(grid.rank_lo[:, None], (rows, cols)),
-            np.broadcast_to(grid.rank_hi[:, None], (rows, cols)),
-            grid.rate,
-        ],
-        axis=-1,
-    ).astype(np.float64)
     octaves = np.linspace(-RATIO_OCTAVES, RATIO_OCTAVES, 5)
     data = [
         {
@@ -105,7 +95,9 @@ def run_rate_heatmap(grid: RunGrid, validate: bool = True) -> dict:
             "z": z.astype(np.float32),
             "x": x,
             "y": y,
-            "customdata": custom,
+            # one number a cell (a click carries it back as a number, where a list a
+            # cell, sent as a typed array, arrives as an object)
+            "customdata": grid.rate.astype(np.float32),
             "zmin": -RATIO_OCTAVES,
             "zmax": RATIO_OCTAVES,
             "colorscale": _DIVERGING,
@@ -115,9 +107,8 @@ def run_rate_heatmap(grid: RunGrid, validate: bool = True) -> dict:
                 "tickvals": octaves.tolist(),
                 "ticktext": [f"{2**o:.2g}" for o in octaves],
             },
-            "hovertemplate": "steps %{customdata[0]:.0f}–%{customdata[1]:.0f}<br>ranks "
-            "%{customdata[2]:.0f}–%{customdata[3]:.0f}<br>largest median rate "
-            "%{customdata[4]:.2f}× the group's<br>(click: open these steps)<extra></extra>",
+            "hovertemplate": "step ≈ %{x:,.0f} · rank ≈ %{y:,.0f}<br>largest median rate "
+            "%{customdata:.2f}× the group's<br>(click: open these steps)<extra></extra>",
         }
     ]
     span = f"steps {int(grid.step_lo[0])}–{int(grid.step_hi[-1])}"
@@ -130,6 +121,17 @@ def run_rate_heatmap(grid: RunGrid, validate: bool = True) -> dict:
         "margin": {"l": 60, "r": 20, "t": 60, "b": 50},
     }
     return build_figure(data, layout, validate)
+
+
+def cell_centres(grid: RunGrid) -> np.ndarray:
+    """(cols,) the step at the middle of each column of ``grid`` (its x)."""
+    return (grid.step_lo + grid.step_hi) / 2
+
+
+def cell_steps(grid: RunGrid, x: float) -> tuple[int, int]:
+    """The steps of the column of ``grid`` whose middle is nearest ``x`` (a click's)."""
+    col = int(np.argmin(np.abs(cell_centres(grid) - x)))
+    return int(grid.step_lo[col]), int(grid.step_hi[col])
 
 
 def _bins(values: np.ndarray, edges: np.ndarray, reduce) -> np.ndarray:
