@@ -274,3 +274,33 @@ def test_every_reader_exits_0_or_1_without_traceback_and_writes_only_its_output(
     if escapes:
         # Helper D is making the writers path-safe (plan text such as run="../../x").
         pytest.xfail(f"{len(escapes)} write(s) outside the output folder, e.g. {escapes[:3]}")
+
+
+STORE_COPIES = max(12, RECORDS // 100)
+
+
+def test_hostile_run_stores_are_one_line_and_exit_0_or_1(tmp_path):
+    """Stores damaged at random (cut short, bytes overwritten) and in each named way
+    (`knapformer.testing.hostile_stores.CASES`): ``knapformer query`` and the library's
+    readers answer one line, never a traceback."""
+    from knapformer.contract.run_store import StoreError, read_table
+    from knapformer.contract.store_schema import TABLES
+    from knapformer.runtime.recorder import PlanRecorder
+    from knapformer.testing.hostile_stores import CASES, flipped_copy, hostile_copy
+    from knapformer.testing.measured_plans import measured_run
+
+    good = tmp_path / "good"
+    with PlanRecorder(good / "plans.jsonl", every=4, store_segment_steps=3) as rec:
+        for plan in measured_run(9, seed=2):
+            rec.record(plan)
+    rng = random.Random(SEED + 2)
+    runs = [flipped_copy(good, tmp_path / f"flip{i}", rng) for i in range(STORE_COPIES)]
+    runs += [hostile_copy(good, tmp_path / f"case{i}", c) for i, c in enumerate(CASES)]
+    for run in runs:
+        for table in TABLES:
+            with contextlib.suppress(StoreError):  # anything else fails the test
+                read_table(run, table)
+        code, text = run_cli("query", str(run), "SELECT count(*), max(step) FROM steps")
+        assert code in (0, 1) and "Traceback" not in text, (run, text[-3000:])
+        if code == 1:
+            assert text.startswith("error: ") and text.count("\n") == 1, text

@@ -156,7 +156,7 @@ def test_rotation_keeps_the_newest_files_up_to_retention(tmp_path, plans):
     with PlanRecorder(path, max_bytes=max_bytes, backups=2) as rec:
         for p in plans:
             rec.record(p)
-    names = sorted(f.name for f in tmp_path.iterdir())
+    names = sorted(f.name for f in tmp_path.iterdir() if f.is_file())  # not the store
     assert names == ["plans.1.jsonl", "plans.2.jsonl", "plans.jsonl"]
     newest = steps_in(path)
     older = steps_in(tmp_path / "plans.1.jsonl")
@@ -174,7 +174,7 @@ def test_rotation_without_backups_starts_over(tmp_path, plans):
     with PlanRecorder(path, max_bytes=int(1.5 * line), backups=0) as rec:
         for p in plans[:4]:
             rec.record(p)
-    assert [f.name for f in tmp_path.iterdir()] == ["plans.jsonl"]
+    assert [f.name for f in tmp_path.iterdir() if f.is_file()] == ["plans.jsonl"]
     assert steps_in(path) == [3]
 
 
@@ -486,7 +486,7 @@ def test_rotation_removes_backups_beyond_retention_left_by_earlier_runs(tmp_path
     with PlanRecorder(path, max_bytes=int(1.5 * line), backups=2) as rec:
         for p in plans[:4]:
             rec.record(p)
-    names = sorted(f.name for f in tmp_path.iterdir())
+    names = sorted(f.name for f in tmp_path.iterdir() if f.is_file())
     assert names == [
         "plans.1.jsonl",
         "plans.2.jsonl",
@@ -676,4 +676,6 @@ def test_a_rerun_whose_steps_restart_starts_a_new_file(tmp_path, plans, caplog):
         for plan in plans[3:5]:
             rec.record(plan)
     assert steps_in(path) == [0, 1, 2, 3, 4]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["plans.1.jsonl", "plans.jsonl"]
+    # the run store does the same: the earlier run's moved aside, the resumed one appended
+    names = ["plans.1.jsonl", "plans.jsonl", "store", "store.1"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == names

@@ -30,6 +30,7 @@ from knapformer.cli import (
     export,
     failures,
     plans,
+    query,
     render,
     stragglers,
 )
@@ -44,7 +45,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-for _module in (plans, demo, dashboard, render, debug, export, stragglers, failures):
+for _module in (plans, demo, dashboard, render, debug, export, stragglers, failures, query):
     _module.register(app)
 
 

@@ -17,6 +17,7 @@ EXTRA_MODULES = {
     "dashboard": ("dash", "plotly"),
     "animate": ("manim", "av"),
     "tensorboard": ("tensorboard",),
+    "query": ("duckdb",),
 }
 
 

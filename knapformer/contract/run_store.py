@@ -80,6 +80,16 @@ def store_folder(run: str | os.PathLike) -> Path:
     return path.with_name(STORE_FOLDER + suffix)
 
 
+def existing_store(run: str | os.PathLike) -> Path:
+    """`store_folder` of ``run`` once it is one (`StoreError` naming ``run`` otherwise)."""
+    if not os.path.exists(run):
+        raise StoreError(f"{run}: no such file or folder")
+    store = store_folder(run)
+    if not (store / RUN_FILE).is_file():
+        raise StoreError(f"{run}: no run store ({store} has no {RUN_FILE})")
+    return store
+
+
 def has_store(run: str | os.PathLike) -> bool:
     """Whether ``run`` has a store (its folder with ``run.json``)."""
     return (store_folder(run) / RUN_FILE).is_file()
@@ -147,7 +157,7 @@ def check_segment(segment: Segment, run: str) -> pq.ParquetFile:
     except FileNotFoundError:
         raise SegmentGone(f"{where}: removed while reading (compacted)") from None
     except (OSError, pa.ArrowException) as err:
-        what = f"not a readable segment (truncated or not Parquet: {err})"
+        what = f"not a readable segment (truncated or not Parquet: {one_line(err)})"
         raise StoreError(f"{where}: {what}") from None
     kv = schema.metadata or {}
     if kv.get(META_SCHEMA) != str(STORE_VERSION).encode():
@@ -173,7 +183,7 @@ def read_table(
     """``table`` of ``run``'s store (a run folder, its plans file or the store), its rows
     of steps ``first..last`` (inclusive; None: open-ended) and only ``columns`` (default:
     all), every segment checked (`check_segment`). Ordered by step."""
-    store = store_folder(run)
+    store = existing_store(run)
     run_name = run_id(store)
     wanted = None if columns is None else list(dict.fromkeys(columns))
     if wanted is not None:
@@ -220,7 +230,15 @@ def _read(parquet: pq.ParquetFile, seg: Segment, columns: list[str] | None) -> p
     except FileNotFoundError:
         raise SegmentGone(f"{seg.path}: removed while reading (compacted)") from None
     except (OSError, pa.ArrowException) as err:
-        raise StoreError(f"{seg.path}: not a readable segment (damaged: {err})") from None
+        raise StoreError(f"{seg.path}: not a readable segment (damaged: {one_line(err)})") from None
+
+
+def one_line(err: object) -> str:
+    """An error (Arrow's, DuckDB's) as a short printable phrase: they quote the damaged
+    bytes, newlines included."""
+    text = "".join(c if c.isprintable() else " " for c in str(err))
+    text = " ".join(text.split())
+    return (text[:160] + "…" if len(text) > 160 else text) or type(err).__name__
 
 
 def _window(values: pa.ChunkedArray, first: int | None, last: int | None) -> pa.ChunkedArray:

@@ -105,8 +105,17 @@ class DemoConfig:
         shown="the joint mix's data types on 8 GPUs",
     )
     out: Path = _option(DEMO_OUT, f"directory for {PLANS_FILE}")  # noqa: RUF009 (immutable)
-    record: bool = _option(True, "record the plans (every --every-th step's)")
-    every: int = _option(1, "record every k-th step's plan")
+    record: bool = _option(
+        True, "record the run: every step in the run store, full plans as --every says"
+    )
+    every: int = _option(
+        1,
+        "keep every k-th step's full plan (plus the steps a reader must open in full: "
+        "imbalanced, or a rank 1.3x slow); the run store keeps every step",
+    )
+    segment_steps: int = _option(
+        64, "close a run store segment (readable, safe from a crash) every k steps"
+    )
     length_scale: float = _option(
         LENGTH_SCALE,
         "the data mix's sequence lengths times this, at most 1 (small: a step takes well "
@@ -170,6 +179,7 @@ class DemoConfig:
         check_count(self.steps, MAX_STEP, "`steps`")  # 0: until Ctrl-C
         check_count(self.world_size, MAX_WORLD, "`world_size`", low=1)  # CPU processes
         check_count(self.every, MAX_STEP, "`every`", low=1)
+        check_count(self.segment_steps, MAX_STEP, "`segment_steps`", low=1)
         check_count(self.link_probe_every, MAX_STEP, "`link_probe_every`")
         check_count(self.n_layers, MAX_LAYERS, "`n_layers`", low=1)
         check_count(self.seed, MAX_SEED, "`seed`")

@@ -3,8 +3,9 @@
 ``run_demo`` starts one CPU worker process per rank on a gloo process group. The workers
 train `knapformer.local.models.ToyDiT` with a `SequenceBalancer` on a synthetic data mix (a
 flow-matching loss on tokens that share a per-sequence latent, so attention has something
-to learn), take an optimizer step every step and record every plan with a `PlanRecorder`
-to ``<out>/plans.jsonl``. Rank 0 sends one `StepReport` per step to the launcher, which
+to learn), take an optimizer step every step and record every plan with a `PlanRecorder`:
+every step to the run store ``<out>/store/``, every ``every``-th full plan to
+``<out>/plans.jsonl``. Rank 0 sends one `StepReport` per step to the launcher, which
 prints it and, unless told not to, serves the dashboard on the same file.
 
 Fault injection: ``slow_rank`` loses ``(slow_factor - 1)`` times its measured compute
@@ -56,6 +57,7 @@ from knapformer.local.launcher import (
     stop_requested,
 )
 from knapformer.runtime.roll_call import ANSWER_S
+from knapformer.runtime.store_writer import remove_stores
 
 # The configuration lives in the torch-free knapformer.local.config; its names are
 # importable from here as well.
@@ -115,6 +117,7 @@ def prepare_out(cfg: DemoConfig) -> None:
         raise file_error(out, err, "cannot create the folder") from err
     if cfg.record:
         remove_recording(plans_file(out))
+        remove_stores(out)
     remove_incident(out)  # an earlier run's failure is not this one's
 
 
@@ -183,7 +186,11 @@ def train(
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr)
     mixing = torch.randn(_LATENT_RANK, d_model) / math.sqrt(_LATENT_RANK)
-    recorder = PlanRecorder(plans_file(cfg.out), every=cfg.every) if cfg.record else None
+    recorder = (
+        PlanRecorder(plans_file(cfg.out), every=cfg.every, store_segment_steps=cfg.segment_steps)
+        if cfg.record
+        else None
+    )
     options = {"recorder": recorder, "run": cfg.run, "cost_model": cfg.cost_model}
     options["plan_ahead"] = cfg.plan_ahead
     options |= {"link_probe_every": cfg.link_probe_every, "link_probe_bytes": DEMO_PROBE_BYTES}

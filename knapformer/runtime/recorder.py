@@ -49,6 +49,14 @@ Guarantees (each one tested in ``tests/test_recorder*.py``):
   scalars (`knapformer.contract.scalars`) to TensorBoard, live; never on the training thread. A
   failure there logs one warning and stops the TensorBoard logging only.
 
+- The run store (``store=True``, the default): every step's plan, whatever ``every``
+  says, also goes to a `StoreWriter` (``<run>/store/``, Parquet: one row per rank per
+  step, one per step) on a thread of its own; ``record()`` only queues it there too
+  (its return value still says whether the JSONL will have it). That thread hands back
+  for the JSONL a step outside ``every`` that a reader must be able to open in full
+  (`knapformer.runtime.store_rows.worth_keeping`): such a line may follow the line of a
+  later step when the store's thread lags. ``close()`` closes the store first.
+
 A plain sink: it never reads the balancer, runs no collective and times nothing. With a
 balancer (``SequenceBalancer(..., recorder=PlanRecorder(path))``) the balancer hands it
 each plan it `wants` once every rank's measured times of that step are attached
@@ -77,8 +85,10 @@ from pydantic import ValidationError
 
 from knapformer.contract.plan import Measurements, RoutingPlan
 from knapformer.contract.plan_io import describe_validation_error, json_line_pieces
+from knapformer.contract.run_store import store_folder
 from knapformer.contract.runfiles import GROUP_TEMPLATE, group_file, rotated_copies, rotated_file
 from knapformer.errors import KnapformerError, MissingExtraError
+from knapformer.runtime.store_writer import StoreWriter
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +123,10 @@ class PlanRecorder:
         tensorboard_dir: also log every written plan's scalars to TensorBoard there (a
             folder; ``{group}`` and the ``.group<k>`` rule as for ``path``); needs the
             ``tensorboard`` extra (`MissingExtraError` here when it is missing).
+        store: also write every step to the run store beside the file (`store_folder`:
+            ``store/``, group k ``store.group<k>/``); ``every`` then thins the full plans
+            only. ``store_segment_steps`` / ``store_segment_seconds``: when a segment
+            closes (`StoreWriter`).
     """
 
     def __init__(
@@ -126,6 +140,9 @@ class PlanRecorder:
         backups: int = 5,
         enabled: bool = True,
         tensorboard_dir: str | os.PathLike | None = None,
+        store: bool = True,
+        store_segment_steps: int = 256,
+        store_segment_seconds: float = 60.0,
     ):
         if int(every) < 1:
             raise KnapformerError(f"every must be a positive number of steps, got {every}")
@@ -178,6 +195,13 @@ class PlanRecorder:
         self.dropped_times = 0
         self._calls = 0  # record() calls on plans without a step number
         self._pid = os.getpid()  # the writer thread exists only in this process
+        self.store_wanted = bool(store)
+        self._store_options = {
+            "segment_steps": int(store_segment_steps),
+            "segment_seconds": float(store_segment_seconds),
+        }
+        #: the run store's writer, made at the first plan (None: no store)
+        self.store: StoreWriter | None = None
 
     # ----------------------------------------------------------------- public API
     @property
@@ -196,20 +220,25 @@ class PlanRecorder:
         group. A balancer holds back for their measurements only the plans it wants."""
         if not self.active or self._pid != os.getpid():
             return False
-        if plan.step is not None and plan.step % self.every:
+        if plan.step is not None and plan.step % self.every and not self.store_wanted:
             return False
         return self._writes(plan)
 
     def record(self, plan: RoutingPlan) -> bool:
-        """Queue ``plan`` for writing; returns whether it was queued.
+        """Queue ``plan`` for writing; returns whether it was queued for the JSONL.
 
         Never blocks: a full queue drops the plan (counted in ``dropped``). In a process
         group, only the writing rank of the plan's group (``plan.gpus[writer]``) records.
-        Plans without a step number count the calls for ``every``.
+        Plans without a step number count the calls for ``every``. With the store, every
+        plan with a step number is queued for it too (the module doc).
         """
         if plan.step is not None:
             if not self.wants(plan):
                 return False
+            if self.store_wanted:
+                self._to_store(plan)
+                if plan.step % self.every:
+                    return False
         elif not self.active or self._pid != os.getpid():
             return False
         else:
@@ -224,7 +253,9 @@ class PlanRecorder:
         return self._enqueue(plan)
 
     def close(self, timeout: float | None = 30.0) -> None:
-        """Write everything queued, close the file. Idempotent."""
+        """Write everything queued, close the file and the store. Idempotent."""
+        if self.store is not None and self._pid == os.getpid():
+            self.store.close(timeout)  # first: it may hand plans kept in full to the JSONL
         with self._lock:
             if self._closed:
                 return
@@ -266,6 +297,20 @@ class PlanRecorder:
         )
 
     # ------------------------------------------------------------ training thread
+    def _to_store(self, plan: RoutingPlan) -> bool:
+        """Queue ``plan`` for the run store (made at the first plan: no I/O here), whose
+        thread hands back to `_enqueue` a plan outside ``every`` to keep in full."""
+        if self.store is None:
+            if self.file_path is None and _dist_rank() is not None:
+                self.file_path = self._group_path(plan.gpus)
+            self.store = StoreWriter(
+                store_folder(self.file_path or self.path),
+                every=self.every,
+                keep_full=self._enqueue,
+                **self._store_options,
+            )
+        return self.store.put(plan)
+
     def _enqueue(self, plan: RoutingPlan) -> bool:
         # Under the lock `close()` takes to set _closed: a plan is either queued before the
         # writer's stop item or refused here, never queued behind it (True, never written).

@@ -35,6 +35,7 @@ import json
 import logging
 import os
 import queue
+import re
 import shutil
 import threading
 import time
@@ -63,6 +64,7 @@ from knapformer.contract.store_schema import (
     RANK_WINDOWS,
     RANKS,
     STEPS,
+    STORE_FOLDER,
     STORE_VERSION,
     TABLES,
     loss_column,
@@ -92,10 +94,11 @@ class StoreWriter:
         queue_size: plans waiting for the thread before new ones are dropped.
         compact: merge this many small segments into one, every this many segments
             (0: never).
-        every: the recorder's ``every`` (a step it records in full has ``full_plan``).
-        keep_full: called (on the writer thread) with a plan outside ``every`` that a
-            reader must be able to open in full (`store_rows.worth_keeping`); returns
-            whether its full plan will be written.
+        every: the recorder's ``every``: the full plans of steps divisible by it are
+            written (``full_plan``) ...
+        keep_full: ... and this is called (on the writer thread) with a plan of any other
+            step that a reader must be able to open in full (`store_rows.worth_keeping`);
+            it returns whether that full plan will be written.
     """
 
     def __init__(
@@ -123,7 +126,8 @@ class StoreWriter:
         self.segments = 0
         #: plans kept in full beyond ``every`` (handed to ``keep_full``, which took them)
         self.kept = 0
-        self.failed = 0  # plans whose rows could not be built (skipped, one warning)
+        #: plans left out (rows that could not be built, a step not after the last one)
+        self.failed = 0
         self.disabled_reason: str | None = None
         self.run_id: str | None = None
         self._queue: queue.Queue = queue.Queue(maxsize=int(queue_size))
@@ -207,15 +211,17 @@ class StoreWriter:
         """Append ``plan``'s rows (the writer thread; or the caller's, without `put`)."""
         if plan.step is None:
             return
+        if self._last_step is not None and plan.step <= self._last_step:
+            self._skip(plan, f"its step is not after step {self._last_step}")
+            return
+        due = plan.step % self.every == 0
         try:
             rows = plan_rows(plan)
         except Exception as err:  # a plan the rows cannot be built from: skipped
-            self.failed += 1
-            if self.failed == 1:
-                log.warning("StoreWriter skipped step %s: %s", plan.step, err)
+            self._skip(plan, str(err))
             return
-        full = plan.step % self.every == 0
-        if not full and rows.notable and self.keep_full is not None and self.keep_full(plan):
+        full = due
+        if not due and rows.notable and self.keep_full is not None and self.keep_full(plan):
             self.kept += 1
             full = True
         rows.step["full_plan"] = full
@@ -224,6 +230,18 @@ class StoreWriter:
         segment.add_step(rows.step, rows.figures)
         self.written += 1
         self._after_step(plan.step)
+
+    def _skip(self, plan: RoutingPlan, why: str) -> None:
+        """Count a plan left out of the store; the first one is named in a warning."""
+        self.failed += 1
+        if self.failed == 1:
+            log.warning(
+                "StoreWriter left step %s out of %s: %s (later ones without a warning; "
+                "count in failed)",
+                plan.step,
+                self.folder,
+                why,
+            )
 
     def add_columns(self, ranks: pa.Table, steps: pa.Table) -> None:
         """The batch path: whole steps of rows (``ranks`` and ``steps`` with the tables'
@@ -516,6 +534,18 @@ def _parquet_writer(path: Path, table: str, run: str) -> pq.ParquetWriter:
         use_byte_stream_split=floats,
         write_statistics=True,
     )
+
+
+def remove_stores(run: str | os.PathLike) -> list[Path]:
+    """Remove the stores an earlier recording in the folder ``run`` left (``store``,
+    ``store.group<k>`` and their ``.1`` copies): a run that restarts its steps starts
+    fresh. Returns what was removed."""
+    pattern = re.compile(rf"{STORE_FOLDER}(\.group\d+)?(\.1)?")
+    folder = Path(run)
+    found = [p for p in folder.iterdir() if pattern.fullmatch(p.name) and p.is_dir()]
+    for path in found:
+        shutil.rmtree(path)
+    return found
 
 
 def _tmp_path(folder: Path, name: str) -> Path:

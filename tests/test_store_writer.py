@@ -1,0 +1,206 @@
+"""The run store's writer: segments, compaction, resume, the recorder's hook, and the
+demo writing it (for real: gloo worker processes, one of them killed with SIGKILL)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+from knapformer.cli import main
+from knapformer.contract.plan_io import read_plans
+from knapformer.contract.run_store import list_segments, read_table, run_id, store_folder
+from knapformer.contract.store_schema import RANKS, STEPS
+from knapformer.diagnosis.measured import measure
+from knapformer.runtime.recorder import PlanRecorder
+from knapformer.runtime.store_writer import StoreWriter
+from knapformer.testing.measured_plans import measured_run
+from knapformer.testing.polling import wait_until
+from knapformer.testing.processes import running
+
+ALL = (None, None)
+
+
+@pytest.fixture(scope="module")
+def plans():
+    """24 measured plans of 8 GPUs; rank 3 computes 1.6x slower in every step."""
+    return measured_run(24, slow_rank=3, slow_factor=1.6)
+
+
+@pytest.fixture(scope="module")
+def even_plans():
+    """12 measured plans with no slow rank and no noise: nothing to keep in full."""
+    return measured_run(12, noise=0.0, seed=1)
+
+
+def write(folder, plans, **options):
+    with StoreWriter(folder, **options) as writer:
+        for plan in plans:
+            assert writer.put(plan)
+    return writer
+
+
+def test_every_rank_step_is_one_row_with_the_plans_figures(tmp_path, plans):
+    writer = write(tmp_path / "store", plans, segment_steps=10)
+    assert (writer.written, writer.segments, writer.failed) == (24, 3, 0)
+    names = [(s.first, s.last) for s in list_segments(tmp_path / "store", "ranks")]
+    assert names == [(0, 9), (10, 19), (20, 23)]  # every 10 steps, the last at close
+    ranks = read_table(tmp_path, "ranks")
+    assert ranks.schema.equals(RANKS) and ranks.num_rows == 24 * 8
+    pairs = set(zip(ranks["step"].to_pylist(), ranks["rank"].to_pylist(), strict=True))
+    assert len(pairs) == 24 * 8  # each (step, rank) once
+    # the figures are the ones the readers compute from the full plan
+    plan = plans[17]
+    row = read_table(tmp_path, "ranks", (17, 17)).to_pydict()
+    m = measure(plan)
+    np.testing.assert_allclose(row["rate"], m.compute_ratio, rtol=1e-6)
+    np.testing.assert_allclose(row["compute_ms"], plan.measurements.per_rank_ms["compute"],
+                               atol=1 / 256)  # fmt: skip
+    assert row["tokens_in"] == plan.stats.tokens_before.tolist()
+    steps = read_table(tmp_path, "steps")
+    assert steps.schema.equals(STEPS) and steps["step"].to_pylist() == list(range(24))
+    assert set(steps["slowest_rank"].to_pylist()) == {3} == set(steps["straggler"].to_pylist())
+    assert all(v > 0.5 * p for v, p in zip(steps["lost_slow_ranks_ms"].to_pylist(),
+               steps["lost_ms"].to_pylist(), strict=True))  # fmt: skip
+    # rank_windows: one row per rank per segment, rank 3 slow in every step
+    windows = read_table(tmp_path, "rank_windows").to_pandas()
+    assert len(windows) == 3 * 8
+    slow = windows[windows["rank"] == 3]
+    assert slow["slow_steps"].tolist() == [10, 10, 4] == slow["steps"].tolist()
+    assert (windows[windows["rank"] != 3]["slow_steps"] == 0).all()
+    assert slow["rate_median"].min() > 1.4
+
+
+def test_a_window_reads_only_its_steps_and_columns(tmp_path, plans):
+    write(tmp_path / "store", plans, segment_steps=5)
+    window = read_table(tmp_path / "store", "ranks", (7, 12), ["rank", "rate"])
+    assert window.column_names == ["rank", "rate"] and window.num_rows == 6 * 8
+    assert read_table(tmp_path, "steps", (20, None), ["step"])["step"].to_pylist() == [
+        20, 21, 22, 23,
+    ]  # fmt: skip
+
+
+def test_a_segment_closes_after_its_seconds_without_more_steps(tmp_path, plans):
+    writer = StoreWriter(tmp_path / "store", segment_steps=1000, segment_seconds=0.2)
+    writer.put(plans[0])
+    wait_until(lambda: list_segments(tmp_path / "store", "ranks"), 30, "a segment closed")
+    assert read_table(tmp_path, "ranks").num_rows == 8  # readable while the run goes on
+    writer.close()
+
+
+def test_compaction_merges_old_segments_and_readers_see_each_row_once(tmp_path, plans):
+    write(tmp_path / "store", plans, segment_steps=2, compact=4)
+    segments = list_segments(tmp_path / "store", "ranks")
+    assert len(segments) < 12 and any(s.last - s.first + 1 == 8 for s in segments)
+    files = [p.name for p in (tmp_path / "store").iterdir()]
+    assert not [n for n in files if n.endswith(".tmp")]
+    assert read_table(tmp_path, "ranks")["step"].to_pylist() == np.repeat(range(24), 8).tolist()
+    assert read_table(tmp_path, "rank_windows").num_rows == 12 * 8  # a row per segment kept
+
+
+def test_a_resumed_run_appends_and_a_restarted_one_moves_the_store_aside(tmp_path, plans, caplog):
+    folder = tmp_path / "store"
+    write(folder, plans[:10])
+    first = run_id(folder)
+    write(folder, plans[10:])  # resumed from a checkpoint: steps go on
+    assert run_id(folder) == first and read_table(tmp_path, "steps").num_rows == 24
+    write(folder, plans[:4])  # the job again from step 0
+    assert read_table(tmp_path, "steps")["step"].to_pylist() == [0, 1, 2, 3]
+    assert run_id(folder) != first and run_id(tmp_path / "store.1") == first
+    assert any("moved to" in r.getMessage() for r in caplog.records)
+
+
+def test_a_step_out_of_order_is_left_out_and_counted(tmp_path, plans):
+    writer = write(tmp_path / "store", [plans[5], plans[3], plans[6]])
+    assert (writer.written, writer.failed) == (2, 1)
+    assert read_table(tmp_path, "steps")["step"].to_pylist() == [5, 6]
+
+
+def test_the_recorder_stores_every_step_and_keeps_full_plans_by_every(tmp_path, even_plans):
+    with PlanRecorder(tmp_path / "plans.jsonl", every=5) as rec:
+        queued = [rec.record(p) for p in even_plans]
+    assert queued == [p.step % 5 == 0 for p in even_plans]  # True: in the JSONL
+    assert [p.step for p in read_plans(tmp_path / "plans.jsonl").plans] == [0, 5, 10]
+    steps = read_table(tmp_path, "steps")
+    assert steps["step"].to_pylist() == list(range(12))
+    assert steps["full_plan"].to_pylist() == [s % 5 == 0 for s in range(12)]
+
+
+def test_the_recorder_keeps_in_full_the_steps_a_verdict_could_name(tmp_path, plans):
+    with PlanRecorder(tmp_path / "plans.jsonl", every=10) as rec:
+        for plan in plans:
+            rec.record(plan)
+    # rank 3 at 1.6x in every step: each step is kept in full beyond every=10
+    written = sorted(p.step for p in read_plans(tmp_path / "plans.jsonl").plans)
+    assert written == list(range(24)) and rec.store.kept == 24 - 3
+    assert all(read_table(tmp_path, "steps")["full_plan"].to_pylist())
+
+
+# ----------------------------------------------------------------------- the demo
+# small and quick steps: what is tested is the recording, not the training
+DEMO = ["demo", "--no-dashboard", "--world-size", "8", "--link-probe-every", "0",
+        "--n-layers", "1", "--length-scale", "0.05"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def demo40(tmp_path_factory):
+    """The done-when run: 40 steps on 8 gloo workers, --every 10 (one run, shared)."""
+    out = tmp_path_factory.mktemp("demo40")
+    args = [*DEMO, "--steps", "40", "--every", "10", "--segment-steps", "16", "--out", str(out)]
+    assert main(args) == 0
+    return out
+
+
+@pytest.mark.slow
+def test_the_demo_stores_every_rank_step_and_thins_full_plans(demo40):
+    ranks = read_table(demo40, "ranks", columns=["step", "rank", "compute_ms", "route_ms"])
+    assert ranks.num_rows == 320
+    assert sorted(zip(ranks["step"].to_pylist(), ranks["rank"].to_pylist(), strict=True)) == [
+        (s, r) for s in range(40) for r in range(8)
+    ]
+    assert ranks["compute_ms"].null_count == 0 and ranks["route_ms"].null_count == 0
+    steps = read_table(demo40, "steps")
+    full = [s for s, f in zip(steps["step"].to_pylist(), steps["full_plan"].to_pylist(),
+                              strict=True) if f]  # fmt: skip
+    # every 10th step, plus those a reader must open in full (a rank at 1.3x on a busy
+    # host, an imbalanced step): the JSONL holds exactly the steps marked full_plan
+    assert {0, 10, 20, 30} <= set(full)
+    assert sorted(p.step for p in read_plans(demo40 / "plans.jsonl").plans) == full
+    segments = [(s.first, s.last) for s in list_segments(store_folder(demo40), "ranks")]
+    assert segments == [(0, 15), (16, 31), (32, 39)]
+
+
+@pytest.mark.slow
+def test_the_demos_readers_and_query_work_on_its_folder(demo40, capsys):
+    assert main(["query", str(demo40), "SELECT count(*) AS n FROM ranks"]) == 0
+    assert main(["stragglers", str(demo40)]) == 0
+    assert main(["validate", str(demo40 / "plans.jsonl")]) == 0
+    assert "320" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_a_demo_killed_with_sigkill_leaves_a_store_every_reader_accepts(tmp_path):
+    out = tmp_path / "demo"
+    args = [*DEMO, "--world-size", "4", "--steps", "0", "--segment-steps", "1"]
+    command = [sys.executable, "-c", "from knapformer.cli import main; main()", *args]
+    with running([*command, "--out", str(out)]) as proc:
+        store = out / "store"
+        wait_until(lambda: len(list_segments(store, "ranks")) >= 3, 240, "segments closed")
+        family = [proc, *psutil.Process(proc.pid).children(recursive=True)]
+        for p in family:  # the whole job at once, the writing rank mid-segment
+            p.send_signal(signal.SIGKILL)
+        proc.wait(30)
+        time.sleep(0.1)
+    segments = list_segments(store, "ranks")
+    last = segments[-1].last
+    for table in ("ranks", "steps", "rank_windows"):
+        read_table(out, table)  # every segment checked: no error
+    steps = read_table(out, "steps")["step"].to_pylist()
+    assert steps[: last + 1] == list(range(last + 1))  # all but the open segment
+    assert json.loads((store / "run.json").read_text())["run_id"]
+    assert main(["query", str(out), "SELECT max(step) FROM steps"]) == 0
