@@ -89,3 +89,59 @@ def test_tensorboard_on_the_store_writes_the_plans_scalars(run, tmp_path, capsys
         assert [s for s, _ in on_store[tag]] == [s for s, _ in values]
         expected = [v for _, v in values]
         assert [v for _, v in on_store[tag]] == pytest.approx(expected, rel=1e-3, abs=0.01), tag
+
+
+@pytest.fixture(scope="module")
+def demo_run() -> Path:
+    """The real 8-worker demo with rank 5 twice as slow that docs/debugging.md runs (shared
+    with tests/test_stragglers_run.py and tests/test_docs.py): every plan and its store."""
+    from knapformer.testing.doc_blocks import run_block_of
+
+    run = run_block_of("docs/debugging.md", "--slow-rank 5 --slow-factor 2 --steps 16")
+    return run.path("runs/docs/slow")
+
+
+@pytest.mark.timeout(300)
+def test_a_real_demo_run_reads_the_same_on_its_store(demo_run, capsys):
+    assert (demo_run / "store").is_dir()
+    on_plans = _json(capsys, "stragglers", str(demo_run), "--source", "plans")
+    on_store = _json(capsys, "stragglers", str(demo_run), "--source", "store")
+    assert _verdicts(on_store) == _verdicts(on_plans)
+    assert _verdicts(on_store)[SLOW_RANK] == "slow_gpu"
+
+
+#: The table each hostile case damages (`knapformer.testing.hostile_stores.CASES`).
+DAMAGED = {"truncated segment": "ranks", "not parquet": "rank_windows", "bad run.json": "all"}
+
+
+def _cases() -> list[str]:
+    from knapformer.testing.hostile_stores import CASES
+
+    return list(CASES)
+
+
+@pytest.mark.parametrize("case", _cases())
+def test_a_hostile_store_is_one_line_from_every_store_reader(run, tmp_path, capsys, case):
+    """Each reader refuses the tables it reads (a reader that never opens the damaged
+    table answers as on a good store)."""
+    from knapformer.dashboard.whole_run import draw
+
+    from knapformer.contract.run_store import StoreError, store_folder
+    from knapformer.testing.hostile_stores import hostile_copy
+
+    bad = hostile_copy(run, tmp_path / "run", case)
+    damaged = DAMAGED.get(case, "steps")
+    readers = [  # (command, the tables it reads)
+        (["stragglers", str(bad), "--source", "store", "--window", "0"], "ranks steps"),
+        (["tensorboard", str(bad), "--source", "store", "--logdir", str(tmp_path)], "ranks steps"),
+    ]
+    for args, tables in readers:
+        refuses = damaged == "all" or damaged in tables.split()
+        assert main(args) == (1 if refuses else 0), args
+        captured = capsys.readouterr()
+        if refuses:
+            assert captured.err.startswith("error: ") and captured.err.count("\n") == 1, captured
+    if damaged in ("all", "steps", "rank_windows"):  # the dashboard's whole-run tables
+        with pytest.raises(StoreError) as refused:
+            draw(store_folder(bad))
+        assert "\n" not in str(refused.value)
