@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 from rich.console import Console
 from rich.table import Table
 
@@ -111,6 +112,12 @@ def bench_stragglers(run: Path, window: int) -> dict:
     return {"window_s": times, "command_s": command_s, "named": sorted(named), "starts": starts}
 
 
+def _server_rss_mb() -> float:
+    """The dashboard server's RSS now (the bench's one child running Python)."""
+    servers = [p for p in psutil.Process().children() if "serve(" in " ".join(p.cmdline())]
+    return servers[0].memory_info().rss / 1e6 if servers else float("nan")
+
+
 def bench_dashboard(run: Path) -> dict:
     """First draw of the whole-run views, a drill-down, and the server's peak RSS."""
     out: dict = {}
@@ -120,6 +127,7 @@ def bench_dashboard(run: Path) -> dict:
         page.goto(served.url)
         page.wait_for_function(DRAWN, timeout=120_000)
         out["first_draw_s"] = time.perf_counter() - began
+        out["first_rss_mb"] = _server_rss_mb()
         out["summary"] = page.inner_text("#run-summary")
         box = page.locator("#run-heatmap .nsewdrag").first.bounding_box()
         began = time.perf_counter()
@@ -196,7 +204,8 @@ def main() -> int:
                 dash["first_draw_s"] <= TARGETS["first_draw_s"],
             ),
             (
-                f"dashboard RSS ≤ {TARGETS['rss_mb']:g} MB ({dash['rss_mb']:,.0f} MB)",
+                f"dashboard RSS ≤ {TARGETS['rss_mb']:g} MB ({dash['first_rss_mb']:,.0f} MB at "
+                f"the first draw, {dash['rss_mb']:,.0f} MB at most)",
                 dash["rss_mb"] <= TARGETS["rss_mb"],
             ),
         ],
