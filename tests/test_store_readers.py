@@ -145,3 +145,25 @@ def test_a_hostile_store_is_one_line_from_every_store_reader(run, tmp_path, caps
         with pytest.raises(StoreError) as refused:
             draw(store_folder(bad))
         assert "\n" not in str(refused.value)
+
+
+def test_trace_on_the_store_lays_out_the_plans_phases(run, tmp_path, capsys):
+    traces = {}
+    for source in ("plans", "store"):
+        out = tmp_path / f"{source}.json"
+        assert main(["trace", str(run), "--source", source, "-o", str(out)]) == 0
+        assert "24 steps of 1 run" in capsys.readouterr().out
+        traces[source] = json.loads(out.read_text())["traceEvents"]
+    plans, store = traces["plans"], traces["store"]
+    assert [(e["ph"], e["name"], e.get("tid")) for e in store] == [
+        (e["ph"], e["name"], e.get("tid")) for e in plans
+    ]
+    for a, b in zip(plans, store, strict=True):
+        if a["ph"] == "X":  # slices: where and how long, to the store's 1/128 ms
+            assert b["ts"] == pytest.approx(a["ts"], abs=100)
+            assert b["dur"] == pytest.approx(a["dur"], abs=20)
+        if a["ph"] == "C":
+            assert b["args"] == pytest.approx(a["args"], rel=1e-3, abs=0.01)
+    window = tmp_path / "window.json"
+    assert main(["trace", str(run), "--steps", "20:", "-o", str(window)]) == 0
+    assert "4 steps of 1 run (run store, steps 20..23)" in capsys.readouterr().out

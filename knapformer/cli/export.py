@@ -20,10 +20,15 @@ from knapformer.contract.runfiles import (
     safe_name,
     writable_folder,
 )
-from knapformer.diagnosis.store_source import SOURCE_HELP, reader_run
+from knapformer.diagnosis.store_source import SOURCE_HELP, reader_run, step_window
 
 PLANS_HELP = f"plan file (JSON, JSONL or legacy JSON) or a folder of runs ({RUNS_LAYOUT})"
 STEPS_HELP = "steps A:B (inclusive; A: or :B open) to export (default: every plan)"
+
+
+#: Steps a trace of the run store holds without --steps: its last ones (every step of a
+#: long run is more than a trace viewer opens).
+STORE_TRACE_STEPS = 100
 
 
 def register(app: typer.Typer) -> None:
@@ -85,6 +90,9 @@ def trace(
         help="folder of torch.profiler Chrome traces, one per rank, to merge in (one "
         "process per rank, on the wall clock)",
     ),
+    source: str = typer.Option(
+        "auto", help=SOURCE_HELP + f" (on the store: {STORE_TRACE_STEPS} steps unless --steps)"
+    ),
 ) -> None:
     """Write recorded per-rank phases as a Chrome Trace Event Format file: one track per
     rank, steps at their recorded wall-clock times, phases as slices, plan figures as
@@ -94,6 +102,9 @@ def trace(
 
     if out.suffix.lower() != ".json":
         raise UserError(f"output must be a .json file, not {str(out)!r}")
+    if merge is None and source != "plans" and (has_store(plans) or source == "store"):
+        _store_trace(plans, out, steps, source)
+        return
     runs = read_runs(plans, steps)
     built = build_trace(runs, source=str(plans))
     profiled: Iterable[str] = ()
@@ -118,6 +129,25 @@ def trace(
             "holds the plans' figures only; a PlanRecorder attached to the balancer records "
             "them"
         )
+
+
+def _store_trace(plans: Path, out: Path, steps: str | None, source: str) -> None:
+    """``knapformer trace`` of the run store: the window's steps, phases and figures."""
+    from knapformer.tools.store_trace import store_steps
+    from knapformer.tools.trace import trace_document, write_trace
+
+    run, _ = reader_run(plans, source)
+    first, last = step_window(run, steps, STORE_TRACE_STEPS)
+    traced = list(store_steps(run, first, last))
+    if not traced:
+        raise UserError(f"{plans}: the run store holds no step in {steps or 'its last steps'}")
+    written = write_trace(out, trace_document({run.parent.name: traced}, str(plans)), ())
+    measured = sum(1 for s in traced if s.times)
+    print(
+        f"wrote {written}: {_count(len(traced), 'step')} of 1 run (run store, steps "
+        f"{traced[0].step}..{traced[-1].step}), {measured:,} with per-rank times; open it in "
+        "ui.perfetto.dev or chrome://tracing"
+    )
 
 
 def tensorboard(
