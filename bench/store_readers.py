@@ -64,12 +64,13 @@ DRILLED = """() => {
 }"""
 
 
-def build_store(folder: Path, gpus: int, steps: int) -> float:
-    """Synthesise the run into ``folder`` with the store bench's synthesiser; seconds."""
-    from run_store import synthesise_run  # bench/run_store.py (the store's own bench)
+def build_store(run: Path, gpus: int, steps: int) -> float:
+    """Synthesise the run's store into ``run`` through the store bench's synthesiser
+    (``bench/run_store.py``: the real writer's batch path); seconds."""
+    from run_store import write_run
 
     started = time.perf_counter()
-    synthesise_run(folder, gpus=gpus, steps=steps)
+    write_run(run / "store", gpus, steps)
     return time.perf_counter() - started
 
 

@@ -225,11 +225,25 @@ def run_verdicts_figure(
     layout = {
         "title": {"text": f"Ranks named slow over the run: {count:,} rank(s)"},
         "xaxis": {"title": {"text": "step"}, "range": [float(step_lo[0]), float(step_hi[-1])]},
-        "yaxis": {"title": {"text": "rank"}, "autorange": "reversed"},
+        "yaxis": {"title": {"text": "rank"}, "autorange": "reversed", **_rank_ticks(ranks[rows])},
         "height": 300,
         "margin": {"l": 60, "r": 20, "t": 60, "b": 50},
     }
     return build_figure(data, layout, validate)
+
+
+def _rank_ticks(named: np.ndarray) -> dict:
+    """A tick at each named rank when there are a few (never a fractional rank)."""
+    shown = np.unique(named)
+    if len(shown) > 24:
+        return {"tickformat": "d"}
+    top, bottom = float(shown[0]) - 1, float(shown[-1]) + 1
+    return {
+        "tickmode": "array",
+        "tickvals": shown.tolist(),
+        "autorange": False,
+        "range": [bottom, top],
+    }
 
 
 def _empty(message: str, validate: bool):
