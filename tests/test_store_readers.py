@@ -5,6 +5,7 @@ run, reading only the window asked for. The store is written by the real writer
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -167,3 +168,17 @@ def test_trace_on_the_store_lays_out_the_plans_phases(run, tmp_path, capsys):
     window = tmp_path / "window.json"
     assert main(["trace", str(run), "--steps", "20:", "-o", str(window)]) == 0
     assert "4 steps of 1 run (run store, steps 20..23)" in capsys.readouterr().out
+
+
+def test_report_takes_its_straggler_views_from_the_store(run, tmp_path, capsys):
+    pages = {}
+    for source in ("plans", "store"):
+        out = tmp_path / f"{source}.html"
+        assert (
+            main(["report", str(run), "--steps", "20:21", "--source", source, "-o", str(out)]) == 0
+        )
+        assert "(13 figures)" in capsys.readouterr().out
+        pages[source] = out.read_text()
+    lines = {s: re.findall(r"straggler: [^<]*", page) for s, page in pages.items()}
+    assert lines["store"] == lines["plans"] and len(lines["store"]) == 2
+    assert "slow_gpu: rank 5" in lines["store"][0]
