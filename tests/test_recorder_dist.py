@@ -10,6 +10,7 @@ import os
 import pytest
 
 from knapformer.contract.plan_io import read_plans
+from knapformer.contract.run_store import read_table, store_folder
 from knapformer.local.launcher import launch
 
 
@@ -43,6 +44,7 @@ def worker(rank: int, world: int, out: str, tensorboard: str) -> dict:
         "file": None if rec.file_path is None else str(rec.file_path),
         "warnings": warnings,
         "tensorboard": rec.tensorboard_written,
+        "kept": 0 if rec.store is None else rec.store.kept,  # in full beyond every
     }
 
 
@@ -58,10 +60,13 @@ def run(tmp_path_factory):
 
 def test_each_group_writer_writes_its_own_file(run):
     out, reports, _ = run
-    assert sorted(f.name for f in out.iterdir()) == ["plans.group1.jsonl", "plans.jsonl"]
+    names = ["plans.group1.jsonl", "plans.jsonl", "store", "store.group1"]  # and a store each
+    assert sorted(f.name for f in out.iterdir()) == names
     assert reports[0]["file"] == str(out / "plans.jsonl")
     assert reports[2]["file"] == str(out / "plans.group1.jsonl")
-    assert reports[0]["written"] == reports[2]["written"] == 3
+    # every=2 gives steps 0, 2, 4; a step a reader must open in full is kept too (here,
+    # the crafted times make a rank's rate >= 1.3x: knapformer.runtime.store_rows)
+    assert [reports[r]["written"] - reports[r]["kept"] for r in (0, 2)] == [3, 3]
 
 
 def test_non_writing_ranks_start_no_thread_and_open_no_file(run):
@@ -75,7 +80,7 @@ def test_non_writing_ranks_start_no_thread_and_open_no_file(run):
 
 def test_each_group_writer_logs_its_own_tensorboard_run(run):
     _, reports, tensorboard = run
-    assert reports[0]["tensorboard"] == reports[2]["tensorboard"] == 3
+    assert [reports[r]["tensorboard"] for r in (0, 2)] == [reports[r]["written"] for r in (0, 2)]
     logs = tensorboard.parent
     assert sorted(p.name for p in logs.iterdir()) == ["tb", "tb.group1"]
     for folder in logs.iterdir():
@@ -86,7 +91,12 @@ def test_every_k_and_per_rank_times_of_the_right_step(run):
     out, _, _ = run
     for name, gpus in (("plans.jsonl", [0, 1]), ("plans.group1.jsonl", [2, 3])):
         plans = read_plans(out / name, on_error="raise").plans
-        assert [p.step for p in plans] == [0, 2, 4]
+        assert [p.step for p in plans if p.step % 2 == 0] == [0, 2, 4]
+        # the others were kept in full, as the store says (every step is in the store)
+        steps = read_table(store_folder(out / name), "steps").to_pydict()
+        assert steps["step"] == [0, 1, 2, 3, 4]
+        full = [s for s, f in zip(steps["step"], steps["full_plan"], strict=True) if f]
+        assert sorted(p.step for p in plans) == full
         for plan in plans:
             assert plan.gpus == gpus
             ms = plan.measurements.per_rank_ms

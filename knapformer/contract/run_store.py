@@ -183,6 +183,7 @@ def read_table(
     """``table`` of ``run``'s store (a run folder, its plans file or the store), its rows
     of steps ``first..last`` (inclusive; None: open-ended) and only ``columns`` (default:
     all), every segment checked (`check_segment`). Ordered by step."""
+    _check_table(table)
     store = existing_store(run)
     run_name = run_id(store)
     wanted = None if columns is None else list(dict.fromkeys(columns))

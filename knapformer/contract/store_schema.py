@@ -18,7 +18,6 @@ from __future__ import annotations
 import pyarrow as pa
 
 from knapformer.contract.phases import RECORDED_PHASES
-from knapformer.diagnosis.step_loss import PARTS
 
 #: Version of the tables' layout, in every segment's metadata (`META_SCHEMA`).
 STORE_VERSION = 1
@@ -35,13 +34,21 @@ META_RUN = b"knapformer.run_id"
 META_TABLE = b"knapformer.table"
 
 
+#: The parts of a step's loss, as `knapformer.diagnosis.step_loss.PARTS` names them (the
+#: contract may not import the diagnosis; tests/test_run_store.py checks they agree).
+LOSS_PARTS = (
+    "layout_floor", "solver_gap", "slow_ranks", "input", "host", "communication",
+    "exchange_waits", "gather", "allreduce", "optimizer", "descheduled", "untimed", "other",
+)  # fmt: skip
+
+
 def phase_column(phase: str) -> str:
     """The `RANKS` column of a measured phase: ``<phase>_ms``."""
     return f"{phase}_ms"
 
 
 def loss_column(part: str) -> str:
-    """The `STEPS` column of a part of a step's loss (`PARTS`): ``lost_<part>_ms``."""
+    """The `STEPS` column of a part of a step's loss (`LOSS_PARTS`): ``lost_<part>_ms``."""
     return f"lost_{part}_ms"
 
 
@@ -92,7 +99,7 @@ STEPS = pa.schema(
         pa.field("measured_ms", _MS),
         pa.field("ideal_ms", _MS),
         pa.field("lost_ms", _MS),
-        *(pa.field(loss_column(p), _MS) for p in PARTS),
+        *(pa.field(loss_column(p), _MS) for p in LOSS_PARTS),
     ]
 )
 

@@ -305,14 +305,17 @@ def compute_ratio(compute_ms: np.ndarray, share: np.ndarray) -> np.ndarray:
     return per_work / typical
 
 
-def measure(plan: RoutingPlan) -> MeasuredStep | None:
-    """The per-rank measured figures of ``plan``; None when it measured no compute phase."""
+def measure(plan: RoutingPlan, links: bool = True) -> MeasuredStep | None:
+    """The per-rank measured figures of ``plan``; None when it measured no compute phase.
+    ``links=False`` leaves out the exchange scopes (one object per bag: the run store's
+    writer, which keeps none of them, saves most of its time at 1,024 GPUs)."""
     m = plan.measurements
     phase = None if m is None else m.compute_phase()
     if phase is None:
         return None
     n = len(plan.gpus)
-    per_rank = m.per_rank_ms
+    # each phase made an array once (they are lists in a plan; looked up several times)
+    per_rank = {name: np.asarray(v, dtype=np.float64) for name, v in m.per_rank_ms.items()}
     st = plan.stats
     total_work = float(st.work_after.sum())
     share = st.work_after / total_work if total_work > 0 else np.zeros(n)
@@ -368,7 +371,7 @@ def measure(plan: RoutingPlan) -> MeasuredStep | None:
         floor_load=floor_load,
         at_floor=at_floor,
         # the compute the exchanges serve by the wall clock (the step is at least that long)
-        links=link_steps(per_rank, plan.gpus, plan.bags, compute + descheduled),
+        links=link_steps(per_rank, plan.gpus, plan.bags, compute + descheduled) if links else (),
         probed=None if m.link_probe is None else probed_links(m.link_probe, plan.gpus),
     )
 

@@ -301,10 +301,11 @@ class PlanRecorder:
         """Queue ``plan`` for the run store (made at the first plan: no I/O here), whose
         thread hands back to `_enqueue` a plan outside ``every`` to keep in full."""
         if self.store is None:
+            path = self.file_path or self.path
             if self.file_path is None and _dist_rank() is not None:
-                self.file_path = self._group_path(plan.gpus)
+                path = self._group_path(plan.gpus)  # `record` sets file_path after this
             self.store = StoreWriter(
-                store_folder(self.file_path or self.path),
+                store_folder(path),
                 every=self.every,
                 keep_full=self._enqueue,
                 **self._store_options,

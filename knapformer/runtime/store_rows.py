@@ -41,7 +41,7 @@ def plan_rows(plan: RoutingPlan) -> PlanRows:
     """The rows of ``plan`` (which must have a step number)."""
     st = plan.stats
     n = len(plan.gpus)
-    measured = measure(plan)
+    measured = measure(plan, links=False)
     per_rank = {} if plan.measurements is None else plan.measurements.per_rank_ms
     load = st.load_after / st.mean_load if st.mean_load > 0 else np.full(n, np.nan)
     rate = None if measured is None else measured.compute_ratio.astype(np.float32)
@@ -81,7 +81,7 @@ def plan_rows(plan: RoutingPlan) -> PlanRows:
         "slowest_rank": slowest,
         "slowest_rate": slowest_rate,
     }
-    figures = None if measured is None else _lean(measured.figures())
+    figures = None if measured is None else dataclasses.replace(measured.figures(), probed=None)
     return PlanRows(ranks, step, figures, worth_keeping(step, measured))
 
 
@@ -125,9 +125,3 @@ def _link_gbps(measured: MeasuredStep | None, gpus: list[int]) -> np.ndarray | N
         rows = np.fromiter((at[int(r)] for r in end), np.int64, len(end))
         np.fmax.at(best, rows, gbps)
     return best.astype(np.float32)
-
-
-def _lean(figures: RankFigures) -> RankFigures:
-    """``figures`` without what a step's loss does not read (the link scopes, the probed
-    pairs): kept for a whole segment, they would be most of its memory."""
-    return dataclasses.replace(figures, links=(), probed=None)

@@ -10,8 +10,8 @@ them to the open segment. Guarantees:
   most its open segment; every reader accepts what is left (temporary files are never
   listed, and a new writer removes them).
 - Per closed segment: its ``ranks`` rows, its ``steps`` rows (with each step's loss,
-  `knapformer.diagnosis.step_loss` over the segment's steps as the window) and one
-  ``rank_windows`` row per rank (`window_rows`).
+  `knapformer.diagnosis.step_loss` over the segment's steps as the window, for groups
+  of up to `LOSS_MAX_GPUS`) and one ``rank_windows`` row per rank (`window_rows`).
 - Bounded memory: ``ranks`` rows go to the segment's file as row groups of
   `ROW_GROUP_ROWS`; what is held is one row group, the segment's per-step figures for its
   loss, and three numbers per rank-step for its windows (about 25 MB at 4,096 GPUs and
@@ -58,6 +58,7 @@ from knapformer.contract.run_store import (
     segment_name,
 )
 from knapformer.contract.store_schema import (
+    LOSS_PARTS,
     META_RUN,
     META_SCHEMA,
     META_TABLE,
@@ -70,7 +71,7 @@ from knapformer.contract.store_schema import (
     loss_column,
     phase_column,
 )
-from knapformer.diagnosis.step_loss import PARTS, step_losses
+from knapformer.diagnosis.step_loss import step_losses
 from knapformer.diagnosis.stragglers import THRESHOLDS
 from knapformer.runtime.store_rows import plan_rows, quantise_ms
 
@@ -78,6 +79,11 @@ log = logging.getLogger(__name__)
 
 #: Rows of a ``ranks`` row group (about 128 steps at 1,024 GPUs).
 ROW_GROUP_ROWS = 1 << 17
+#: Largest group whose steps' loss the writer computes: the loss rests on the window's
+#: compute fit (`knapformer.planning.compute_model.fit_compute`), which tries a line
+#: through every pair of ranks: 400 s for 10 steps of 1,024 GPUs. Above it the loss
+#: columns are null (readers fit their own window).
+LOSS_MAX_GPUS = 64
 _STOP = object()
 _TIME_COLUMNS = {f.name for f in (*RANKS, *STEPS) if f.name.endswith("_ms")}
 #: The columns that stand for compute in a rank window, best first (`COMPUTE_PHASES`).
@@ -286,7 +292,7 @@ class StoreWriter:
         self.segments += 1
         if self.compact > 1 and self.segments % self.compact == 0:
             for table in TABLES:
-                compact(self.folder, table, self.compact, self.run_id, self.segment_steps)
+                compact(self.folder, table, self.compact, self.segment_steps)
 
 
 class _OpenSegment:
@@ -343,15 +349,16 @@ class _OpenSegment:
 
     def _steps_table(self) -> pa.Table:
         rows = self._step_rows
-        if rows:
+        if rows and all(len(f.gpus) <= LOSS_MAX_GPUS for _, f in self._figures):
             losses = step_losses([f for _, f in self._figures])
             for (index, _), loss in zip(self._figures, losses, strict=True):
                 rows[index] |= {
                     "measured_ms": loss.measured_ms,
                     "ideal_ms": loss.ideal_ms,
                     "lost_ms": loss.lost_ms,
-                    **{loss_column(p): loss.part_ms[p] for p in PARTS},
+                    **{loss_column(p): loss.part_ms[p] for p in LOSS_PARTS},
                 }
+        if rows:
             self._step_tables.append(_steps_from_rows(rows))
         return pa.concat_tables(self._step_tables)
 
@@ -402,7 +409,7 @@ def write_segment(
     return final
 
 
-def compact(folder: Path, table: str, count: int, run: str | None, small: int) -> None:
+def compact(folder: Path, table: str, count: int, small: int) -> None:
     """Merge the oldest run of ``count`` consecutive segments of ``table`` of at most
     ``small`` steps each into one (the module doc): the merged file is renamed into place
     before the small ones are removed, and readers skip a segment inside another."""
@@ -416,7 +423,7 @@ def compact(folder: Path, table: str, count: int, run: str | None, small: int) -
         return
     first, last = batch[0].first, batch[-1].last
     tmp = _tmp_path(folder, segment_name(table, first, last))
-    writer = _parquet_writer(tmp, table, run or "")
+    writer = _parquet_writer(tmp, table, run_id(folder))
     for seg in batch:
         parquet = pq.ParquetFile(seg.path)
         for g in range(parquet.metadata.num_row_groups):
