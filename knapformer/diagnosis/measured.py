@@ -396,6 +396,22 @@ def collective_waits(t: np.ndarray, group: np.ndarray) -> tuple[np.ndarray, np.n
     rank's wait (n,) and the position of each group's last arrival (num_groups,; -1 for a
     group of one rank or with no measured time). A rank alone in its group neither waits
     nor arrives last; unmeasured (NaN) times count as no wait."""
+    wait, earliest, first, has = _group_waits(t, group)
+    # the last arrival: the first position holding its group's earliest time
+    position = np.where(earliest == first[group], np.arange(len(t)), len(t))
+    last = np.full(len(first), len(t), dtype=np.int64)
+    np.minimum.at(last, group, position)
+    return wait, np.where(has, last, -1)
+
+
+def group_waits(t: np.ndarray, group: np.ndarray) -> np.ndarray:
+    """The waits of `collective_waits` alone (a window of the run store needs no more)."""
+    return _group_waits(t, group)[0]
+
+
+def _group_waits(t: np.ndarray, group: np.ndarray) -> tuple[np.ndarray, ...]:
+    """(wait (n,), each time with NaN as inf (n,), each group's earliest time, whether a
+    group has a wait: two ranks or more, one measured)."""
     groups = int(group.max()) + 1 if len(group) else 0
     size = np.bincount(group, minlength=groups)
     earliest = np.where(np.isnan(t), np.inf, t)
@@ -404,11 +420,5 @@ def collective_waits(t: np.ndarray, group: np.ndarray) -> tuple[np.ndarray, np.n
     first = np.full(groups, np.inf)
     np.minimum.at(first, group, earliest)
     has = (size >= 2) & np.isfinite(first)
-    # the last arrival: the first position holding its group's earliest time
-    position = np.where(earliest == first[group], np.arange(len(t)), len(t))
-    last = np.full(groups, len(t), dtype=np.int64)
-    np.minimum.at(last, group, position)
-    last = np.where(has, last, -1)
-    first = np.where(has, first, np.inf)
     wait = np.nan_to_num(np.where(has[group], t - first[group], 0.0), nan=0.0)
-    return wait, last
+    return wait, earliest, first, has

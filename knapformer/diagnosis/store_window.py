@@ -35,7 +35,7 @@ from knapformer.contract.phases import (
     host_ms,
     phase_ms,
 )
-from knapformer.diagnosis.measured import collective_waits
+from knapformer.diagnosis.measured import group_waits
 from knapformer.diagnosis.rank_steps import RankSteps
 from knapformer.diagnosis.stragglers import ScopeTimes
 from knapformer.planning.compute_model import fit_compute
@@ -171,7 +171,7 @@ def _per_row(flat: _Flat, compute: np.ndarray) -> tuple[dict[str, np.ndarray], n
     for p in COLLECTIVE_PHASES:
         if p in per_rank:
             groups = flat.bag_groups if p in BAG_COLLECTIVES else col
-            waits[p] = collective_waits(per_rank[p], groups)[0]
+            waits[p] = group_waits(per_rank[p], groups)
     total_wait = sum(waits.values(), np.zeros(k))
     step_ms = np.where(flat.phase_in_step(STEP), per_rank.get(STEP, np.nan), np.nan)
     step_ms = np.maximum(step_ms - phase_ms(per_rank, PROBE, k), 0)
@@ -320,19 +320,23 @@ def _scope_keys(
 ) -> dict[tuple[str, tuple[int, ...]], np.ndarray]:
     """(scope, its ranks) -> the groups (indices, in step order) of ``keep`` that are
     that scope; a group's ranks are read once per distinct scope, not once per step."""
-    cum = np.r_[0, np.cumsum(ranks)]
-    cum2 = np.r_[0, np.cumsum(ranks * ranks)]
-    ends = starts + size
-    signature = np.stack(
-        [ranks[starts], size, cum[ends] - cum[starts], cum2[ends] - cum2[starts]], axis=1
-    )[keep]
-    _, first, inverse = np.unique(signature, axis=0, return_index=True, return_inverse=True)
+    running = np.r_[0, np.cumsum(ranks)]
+    cum = running[starts + size] - running[starts]
+    # a group is told by its first rank and size (its ranks' sum checks it): one key
+    first_rank, sizes, sums = ranks[starts][keep], size[keep], cum[keep]
+    key = first_rank.astype(np.int64) * (int(sizes.max(initial=0)) + 1) + sizes
+    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
     inverse = inverse.reshape(-1)
+    if (sums != sums[first][inverse]).any():  # bags that share a first rank and size
+        signature = np.stack([first_rank, sizes, sums], axis=1)
+        _, first, inverse = np.unique(signature, axis=0, return_index=True, return_inverse=True)
+        inverse = inverse.reshape(-1)
+    order = np.argsort(inverse, kind="stable")  # each scope's groups together, in step order
+    bounds = np.cumsum(np.bincount(inverse, minlength=len(first)))[:-1]
     out = {}
-    for u, at in enumerate(first.tolist()):
+    for at, groups in zip(first.tolist(), np.split(keep[order], bounds), strict=True):
         g = keep[at]
-        members = tuple(ranks[starts[g] : starts[g] + size[g]].tolist())
-        out[(scope, members)] = keep[inverse == u]
+        out[(scope, tuple(ranks[starts[g] : starts[g] + size[g]].tolist()))] = groups
     return out
 
 
