@@ -20,7 +20,7 @@ from knapformer.contract.runfiles import (
     safe_name,
     writable_folder,
 )
-from knapformer.diagnosis.store_source import SOURCE_HELP, reader_run, step_window
+from knapformer.diagnosis.store_source import SOURCE_HELP, reader_run, run_folder, step_window
 
 PLANS_HELP = f"plan file (JSON, JSONL or legacy JSON) or a folder of runs ({RUNS_LAYOUT})"
 STEPS_HELP = "steps A:B (inclusive; A: or :B open) to export (default: every plan)"
@@ -141,7 +141,7 @@ def _store_trace(plans: Path, out: Path, steps: str | None, source: str) -> None
     traced = list(store_steps(run, first, last))
     if not traced:
         raise UserError(f"{plans}: the run store holds no step in {steps or 'its last steps'}")
-    written = write_trace(out, trace_document({run.parent.name: traced}, str(plans)), ())
+    written = write_trace(out, trace_document({run_folder(run).name: traced}, str(plans)), ())
     measured = sum(1 for s in traced if s.times)
     print(
         f"wrote {written}: {_count(len(traced), 'step')} of 1 run (run store, steps "
@@ -163,7 +163,7 @@ def tensorboard(
     from knapformer.contract.scalars import open_writer, store_step_figures, write_step
 
     if source != "plans" and (has_store(plans) or source == "store"):
-        name = reader_run(plans, source)[0].parent.name
+        name = run_folder(reader_run(plans, source)[0]).name
         first, last = parse_step_range(steps) if steps else (None, None)
         scalars, total = _scalars_to(logdir, name, store_step_figures(plans, first, last))
         count = 1

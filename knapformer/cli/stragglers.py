@@ -15,7 +15,7 @@ from knapformer.cli.bounds import bounded
 from knapformer.cli.errors import UserError
 from knapformer.contract.incident import run_incident
 from knapformer.contract.plan_io import Problem, iter_plan_file, parse_step_range
-from knapformer.contract.runfiles import RUNS_LAYOUT
+from knapformer.contract.runfiles import PLANS_FILE, RUNS_LAYOUT
 from knapformer.contract.units import significant
 from knapformer.diagnosis.measured import RankFigures, measure
 from knapformer.diagnosis.probed import relative_bandwidth
@@ -28,7 +28,13 @@ from knapformer.diagnosis.step_loss import (
     summarise,
     window_losses,
 )
-from knapformer.diagnosis.store_source import SOURCE_HELP, reader_run, step_window, window_rows
+from knapformer.diagnosis.store_source import (
+    SOURCE_HELP,
+    reader_run,
+    run_folder,
+    step_window,
+    window_rows,
+)
 from knapformer.diagnosis.store_window import window_figures
 from knapformer.diagnosis.stragglers import (
     WINDOW,
@@ -81,7 +87,7 @@ def stragglers(
     (slow_gpu, slow_host, slow_input, slow_link, layout_floor, data_imbalance or ok)."""
     path, from_store = reader_run(plans, source)
     last = (None if steps else WINDOW) if window is None else (window or None)
-    _show_incident(path, as_json)
+    _show_incident(run_folder(path) / PLANS_FILE, as_json)  # its incident sits beside it
     if from_store:
         m, report = _store_window(path, steps, last)
     else:

@@ -51,13 +51,18 @@ def use_store(run: str | os.PathLike, source: str) -> bool:
 
 
 def reader_run(path: str | os.PathLike, source: str) -> tuple[Path, bool]:
-    """The plans file of the run at ``path`` (which may be missing when its store stands
-    alone) and whether to read its store (`use_store`)."""
+    """The run at ``path``: its plans file, or its folder when its store stands alone
+    (no plans file), and whether to read its store (`use_store`)."""
     path = Path(path)
     if source in ("auto", "store") and path.is_dir() and has_store(path):
-        return path / PLANS_FILE, True
+        return (path / PLANS_FILE if (path / PLANS_FILE).is_file() else path), True
     run = single_run(path)
     return run, use_store(run, source)
+
+
+def run_folder(run: Path) -> Path:
+    """The folder of a run that `reader_run` gave (its plans file's, or itself)."""
+    return run if run.is_dir() else run.parent
 
 
 def step_window(
