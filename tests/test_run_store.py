@@ -17,7 +17,8 @@ from knapformer.contract.run_store import (
     read_table,
     store_folder,
 )
-from knapformer.runtime.store_writer import StoreWriter, compact
+from knapformer.runtime.store_files import compact
+from knapformer.runtime.store_writer import StoreWriter
 from knapformer.testing.measured_plans import measured_run
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -218,15 +218,38 @@ def _read_parts(
     for seg in list_segments(store, table):
         if not seg.overlaps(first, last):
             continue
-        part = _read(check_segment(seg, run_name), seg, read)
+        parquet = check_segment(seg, run_name)
         if (first is not None and seg.first < first) or (last is not None and seg.last > last):
+            part = _read(parquet, seg, read, _row_groups(parquet, key, first, last))
             part = part.filter(_window(part[key], first, last))
+        else:
+            part = _read(parquet, seg, read)
         parts.append(part if read == wanted or wanted is None else part.select(wanted))
     return parts
 
 
-def _read(parquet: pq.ParquetFile, seg: Segment, columns: list[str] | None) -> pa.Table:
+def _row_groups(
+    parquet: pq.ParquetFile, key: str, first: int | None, last: int | None
+) -> list[int]:
+    """The row groups of ``parquet`` whose steps (by their statistics) meet the window: a
+    1,000-step window of a compacted 16,000-step segment reads 1/16 of it."""
+    meta, index = parquet.metadata, parquet.schema_arrow.get_field_index(key)
+    kept = []
+    for g in range(meta.num_row_groups):
+        stats = meta.row_group(g).column(index).statistics
+        known = stats is not None and stats.has_min_max
+        before = known and first is not None and stats.max < first
+        if not (before or (known and last is not None and stats.min > last)):
+            kept.append(g)
+    return kept
+
+
+def _read(
+    parquet: pq.ParquetFile, seg: Segment, columns: list[str] | None, groups: list | None = None
+) -> pa.Table:
     try:
+        if groups is not None:
+            return parquet.read_row_groups(groups, columns=columns)
         return parquet.read(columns=columns)
     except FileNotFoundError:
         raise SegmentGone(f"{seg.path}: removed while reading (compacted)") from None

@@ -7,8 +7,8 @@ summarising it (`RANK_WINDOWS`), as Parquet segments in ``<run>/store/``
 them). docs/recording.md ("Run store") shows every column.
 
 Units: times in ms as float32 rounded to 1/128 ms (`MS_QUANTUM`): the low mantissa bits
-are then zero and compress away (measured against int32 hundredths of a ms in
-``bench/run_store.py``: the same bytes, and every reader sees plain ms); loads and
+are then zero and compress away (``bench/run_store.py`` measures it against int32
+hundredths of a ms: 7 % more bytes, for plain ms in every reader); loads and
 rates are ratios (1.00 = the group's); tokens are counts. A figure that was not
 measured is null, never 0.
 """

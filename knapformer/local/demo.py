@@ -57,7 +57,7 @@ from knapformer.local.launcher import (
     stop_requested,
 )
 from knapformer.runtime.roll_call import ANSWER_S
-from knapformer.runtime.store_writer import remove_stores
+from knapformer.runtime.store_files import remove_stores
 
 # The configuration lives in the torch-free knapformer.local.config; its names are
 # importable from here as well.

@@ -1,4 +1,5 @@
-"""The run store's rows of one plan: what `knapformer.runtime.store_writer` appends.
+"""The run store's rows: of one plan (`plan_rows`), as tables, and a segment's rank
+windows (`window_rows`): what `knapformer.runtime.store_writer` appends.
 
 Every figure comes from where the readers take it: the plan's statistics
 (`knapformer.contract.stats`) and its measurements as `knapformer.diagnosis.measured.
@@ -9,15 +10,27 @@ working on the full plan agree. Built on the writer thread, never the training t
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import numpy as np
+import pyarrow as pa
 
-from knapformer.contract.phases import RECORDED_PHASES
+from knapformer.contract.phases import COMPUTE_PHASES, RECORDED_PHASES
 from knapformer.contract.plan import RoutingPlan
 from knapformer.contract.stats import bag_runs, measured_step_ms
-from knapformer.contract.store_schema import MS_QUANTUM, phase_column
+from knapformer.contract.store_schema import (
+    MS_QUANTUM,
+    RANK_WINDOWS,
+    RANKS,
+    STEPS,
+    phase_column,
+)
 from knapformer.diagnosis.measured import MeasuredStep, RankFigures, layout_floor, measure
 from knapformer.diagnosis.stragglers import THRESHOLDS
+
+_TIME_COLUMNS = {f.name for f in (*RANKS, *STEPS) if f.name.endswith("_ms")}
+#: The columns that stand for compute in a rank window, best first (`COMPUTE_PHASES`).
+_COMPUTE_COLUMNS = tuple(phase_column(p) for p in COMPUTE_PHASES if phase_column(p) in RANKS.names)
 
 
 @dataclasses.dataclass
@@ -125,3 +138,93 @@ def _link_gbps(measured: MeasuredStep | None, gpus: list[int]) -> np.ndarray | N
         rows = np.fromiter((at[int(r)] for r in end), np.int64, len(end))
         np.fmax.at(best, rows, gbps)
     return best.astype(np.float32)
+
+
+def window_rows(
+    first: int, last: int, rank: np.ndarray, rate: np.ndarray, compute: np.ndarray
+) -> pa.Table:
+    """One ``rank_windows`` row per rank of a segment from its rank-steps' (rank, rate,
+    compute ms), each (m,)."""
+    order = np.argsort(rank, kind="stable")
+    rank, rate, compute = rank[order], rate[order].astype(np.float64), compute[order]
+    ranks, starts, counts = np.unique(rank, return_index=True, return_counts=True)
+    measured = np.isfinite(rate)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a rank never measured: NaN
+        if len(counts) and (counts == counts[0]).all():
+            shape = (len(ranks), int(counts[0]))
+            rate_median = np.nanmedian(rate.reshape(shape), axis=1)
+            compute_median = np.nanmedian(compute.reshape(shape), axis=1)
+        else:
+            rate_median = np.array([np.nanmedian(r) for r in np.split(rate, starts[1:])])
+            compute_median = np.array([np.nanmedian(c) for c in np.split(compute, starts[1:])])
+        rate_max = np.fmax.reduceat(rate, starts) if len(rate) else np.zeros(0)
+    slow = measured & (np.nan_to_num(rate) >= THRESHOLDS.slow_ratio)
+    n = len(ranks)
+    columns = {
+        "first_step": np.full(n, first, np.int64),
+        "last_step": np.full(n, last, np.int64),
+        "rank": ranks.astype(np.int32),
+        "steps": _sums(measured, starts, n),
+        "rate_median": rate_median.astype(np.float32),
+        "rate_max": rate_max.astype(np.float32),
+        "slow_steps": _sums(slow, starts, n),
+        "compute_ms_median": quantise_ms(compute_median),
+    }
+    return pa.table(
+        {k: pa.array(v, RANK_WINDOWS.field(k).type, from_pandas=True) for k, v in columns.items()}
+    )
+
+
+def _sums(flags: np.ndarray, starts: np.ndarray, n: int) -> np.ndarray:
+    return np.add.reduceat(flags.astype(np.int32), starts) if n else np.zeros(0, np.int32)
+
+
+def window_figures(table: pa.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(rank, rate, compute ms) of ``ranks`` rows, compute by the first of
+    `_COMPUTE_COLUMNS` that holds a value."""
+    nan = np.full(table.num_rows, np.nan, np.float32)
+    compute = nan
+    for name in _COMPUTE_COLUMNS:
+        column = table[name]
+        if column.null_count < len(column):
+            compute = column.to_numpy(zero_copy_only=False)
+            break
+    rate = (
+        table["rate"].to_numpy(zero_copy_only=False) if table["rate"].null_count < len(nan) else nan
+    )
+    return table["rank"].to_numpy(), rate, compute
+
+
+def concat_columns(parts: list[tuple[np.ndarray, ...]]) -> tuple[np.ndarray, ...]:
+    return tuple(np.concatenate(column) for column in zip(*parts, strict=True))
+
+
+def ranks_table(columns: dict[str, np.ndarray | None]) -> pa.Table:
+    """A ``ranks`` table of one plan's columns (NaN and None: null)."""
+    n = len(columns["rank"])
+    arrays = []
+    for field in RANKS:
+        values = columns[field.name]
+        if values is None:
+            arrays.append(pa.nulls(n, field.type))
+        else:
+            nan = pa.types.is_floating(field.type)
+            arrays.append(pa.array(values, field.type, from_pandas=nan))
+    return pa.Table.from_arrays(arrays, schema=RANKS)
+
+
+def steps_table(rows: list[dict]) -> pa.Table:
+    """A ``steps`` table of dict rows (non-finite floats: null; times quantised)."""
+    columns = {}
+    for field in STEPS:
+        values = [row.get(field.name) for row in rows]
+        if pa.types.is_floating(field.type):
+            values = np.array([np.nan if v is None else float(v) for v in values])
+            values[~np.isfinite(values)] = np.nan
+            if field.name in _TIME_COLUMNS:
+                values = quantise_ms(values)
+            columns[field.name] = pa.array(values, field.type, from_pandas=True)
+        else:
+            columns[field.name] = pa.array(values, field.type)
+    return pa.table(columns, schema=STEPS)

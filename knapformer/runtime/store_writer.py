@@ -30,64 +30,53 @@ them to the open segment. Guarantees:
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import os
 import queue
-import re
-import shutil
 import threading
 import time
-import uuid
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
-from knapformer.contract.phases import COMPUTE_PHASES
 from knapformer.contract.plan import RoutingPlan
 from knapformer.contract.run_store import (
-    RUN_FILE,
     StoreError,
-    list_segments,
-    run_id,
     segment_name,
 )
 from knapformer.contract.store_schema import (
     LOSS_PARTS,
-    META_RUN,
-    META_SCHEMA,
-    META_TABLE,
-    RANK_WINDOWS,
-    RANKS,
-    STEPS,
-    STORE_FOLDER,
-    STORE_VERSION,
     TABLES,
     loss_column,
-    phase_column,
 )
 from knapformer.diagnosis.step_loss import step_losses
-from knapformer.diagnosis.stragglers import THRESHOLDS
-from knapformer.runtime.store_rows import plan_rows, quantise_ms
+from knapformer.runtime.store_files import (
+    ROW_GROUP_ROWS,
+    compact,
+    open_store,
+    parquet_writer,
+    tmp_path,
+    write_segment,
+)
+from knapformer.runtime.store_rows import (
+    concat_columns,
+    plan_rows,
+    ranks_table,
+    steps_table,
+    window_figures,
+    window_rows,
+)
 
 log = logging.getLogger(__name__)
 
-#: Rows of a ``ranks`` row group (about 128 steps at 1,024 GPUs).
-ROW_GROUP_ROWS = 1 << 17
 #: Largest group whose steps' loss the writer computes: the loss rests on the window's
 #: compute fit (`knapformer.planning.compute_model.fit_compute`), which tries a line
 #: through every pair of ranks: 400 s for 10 steps of 1,024 GPUs. Above it the loss
 #: columns are null (readers fit their own window).
 LOSS_MAX_GPUS = 64
 _STOP = object()
-_TIME_COLUMNS = {f.name for f in (*RANKS, *STEPS) if f.name.endswith("_ms")}
-#: The columns that stand for compute in a rank window, best first (`COMPUTE_PHASES`).
-_COMPUTE_COLUMNS = tuple(phase_column(p) for p in COMPUTE_PHASES if phase_column(p) in RANKS.names)
 
 
 class StoreWriter:
@@ -232,7 +221,7 @@ class StoreWriter:
             full = True
         rows.step["full_plan"] = full
         segment = self._segment_for(plan.step)
-        segment.add_ranks(_ranks_table(rows.ranks))
+        segment.add_ranks(ranks_table(rows.ranks))
         segment.add_step(rows.step, rows.figures)
         self.written += 1
         self._after_step(plan.step)
@@ -303,8 +292,8 @@ class _OpenSegment:
         self.folder, self.run, self.first, self.last = folder, run, first, first
         self.opened = time.monotonic()
         self.steps = 0
-        self._tmp = _tmp_path(folder, f"ranks-{first}")
-        self._ranks = _parquet_writer(self._tmp, "ranks", run)
+        self._tmp = tmp_path(folder, f"ranks-{first}")
+        self._ranks = parquet_writer(self._tmp, "ranks", run)
         self._pending: list[pa.Table] = []
         self._pending_rows = 0
         self._step_rows: list[dict] = []
@@ -318,7 +307,7 @@ class _OpenSegment:
     def add_ranks(self, table: pa.Table) -> None:
         self._pending.append(table)
         self._pending_rows += table.num_rows
-        self._window.append(_window_figures(table))
+        self._window.append(window_figures(table))
         if self._pending_rows >= ROW_GROUP_ROWS:
             self._flush_ranks()
 
@@ -341,7 +330,7 @@ class _OpenSegment:
         """Write the segment's three files (temporary names, then renamed)."""
         first, last = self.first, self.last
         write_segment(self.folder, "steps", first, last, self._steps_table(), self.run)
-        windows = window_rows(first, last, *_concat(self._window))
+        windows = window_rows(first, last, *concat_columns(self._window))
         write_segment(self.folder, "rank_windows", first, last, windows, self.run)
         self._flush_ranks()
         self._ranks.close()
@@ -359,208 +348,5 @@ class _OpenSegment:
                     **{loss_column(p): loss.part_ms[p] for p in LOSS_PARTS},
                 }
         if rows:
-            self._step_tables.append(_steps_from_rows(rows))
+            self._step_tables.append(steps_table(rows))
         return pa.concat_tables(self._step_tables)
-
-
-def open_store(folder: Path, first_step: int) -> str:
-    """Prepare ``folder`` for a run whose first step here is ``first_step``; returns its
-    run id (the module doc: append to a resumed run, else move the old store aside)."""
-    if folder.is_dir() and any(folder.iterdir()):
-        try:
-            run = run_id(folder)
-            last = max((s.last for t in ("steps", "ranks") for s in list_segments(folder, t)),
-                       default=None)  # fmt: skip
-        except StoreError as err:
-            run, last, why = None, None, str(err)
-        else:
-            why = f"it holds steps up to {last} and this run starts at step {first_step}"
-        if run is not None and (last is None or first_step > last):
-            _remove_temporary(folder)
-            return run  # a resumed run: append
-        aside = folder.with_name(folder.name + ".1")
-        shutil.rmtree(aside, ignore_errors=True)
-        os.replace(folder, aside)
-        log.warning(
-            "StoreWriter: %s was moved to %s (%s): two runs never mix in one store "
-            "(a run resumed from a checkpoint, whose steps go on, appends)",
-            folder,
-            aside,
-            why,
-        )
-    folder.mkdir(parents=True, exist_ok=True)
-    run = uuid.uuid4().hex
-    tmp = _tmp_path(folder, RUN_FILE)
-    tmp.write_text(json.dumps({"run_id": run, "store_version": STORE_VERSION}) + "\n")
-    os.replace(tmp, folder / RUN_FILE)
-    return run
-
-
-def write_segment(
-    folder: Path, table: str, first: int, last: int, rows: pa.Table, run: str
-) -> Path:
-    """Write ``rows`` as ``table``'s segment of steps ``first..last`` (atomically)."""
-    tmp = _tmp_path(folder, segment_name(table, first, last))
-    writer = _parquet_writer(tmp, table, run)
-    writer.write_table(rows.cast(TABLES[table]), ROW_GROUP_ROWS)
-    writer.close()
-    final = folder / segment_name(table, first, last)
-    os.replace(tmp, final)
-    return final
-
-
-def compact(folder: Path, table: str, count: int, small: int) -> None:
-    """Merge the oldest run of ``count`` consecutive segments of ``table`` of at most
-    ``small`` steps each into one (the module doc): the merged file is renamed into place
-    before the small ones are removed, and readers skip a segment inside another."""
-    segments = list_segments(folder, table)
-    batch: list = []
-    for seg in segments[:-1]:  # the newest is left alone: it is seconds old
-        batch = [*batch, seg] if seg.last - seg.first < small else []
-        if len(batch) == count:
-            break
-    if len(batch) < count:
-        return
-    first, last = batch[0].first, batch[-1].last
-    tmp = _tmp_path(folder, segment_name(table, first, last))
-    writer = _parquet_writer(tmp, table, run_id(folder))
-    for seg in batch:
-        parquet = pq.ParquetFile(seg.path)
-        for g in range(parquet.metadata.num_row_groups):
-            writer.write_table(parquet.read_row_group(g).cast(TABLES[table]), ROW_GROUP_ROWS)
-    writer.close()
-    os.replace(tmp, folder / segment_name(table, first, last))
-    for seg in batch:
-        with contextlib.suppress(FileNotFoundError):
-            seg.path.unlink()
-
-
-def window_rows(
-    first: int, last: int, rank: np.ndarray, rate: np.ndarray, compute: np.ndarray
-) -> pa.Table:
-    """One ``rank_windows`` row per rank of a segment from its rank-steps' (rank, rate,
-    compute ms), each (m,)."""
-    order = np.argsort(rank, kind="stable")
-    rank, rate, compute = rank[order], rate[order].astype(np.float64), compute[order]
-    ranks, starts, counts = np.unique(rank, return_index=True, return_counts=True)
-    measured = np.isfinite(rate)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # a rank never measured: NaN
-        if len(counts) and (counts == counts[0]).all():
-            shape = (len(ranks), int(counts[0]))
-            rate_median = np.nanmedian(rate.reshape(shape), axis=1)
-            compute_median = np.nanmedian(compute.reshape(shape), axis=1)
-        else:
-            rate_median = np.array([np.nanmedian(r) for r in np.split(rate, starts[1:])])
-            compute_median = np.array([np.nanmedian(c) for c in np.split(compute, starts[1:])])
-        rate_max = np.fmax.reduceat(rate, starts) if len(rate) else np.zeros(0)
-    slow = measured & (np.nan_to_num(rate) >= THRESHOLDS.slow_ratio)
-    n = len(ranks)
-    columns = {
-        "first_step": np.full(n, first, np.int64),
-        "last_step": np.full(n, last, np.int64),
-        "rank": ranks.astype(np.int32),
-        "steps": _sums(measured, starts, n),
-        "rate_median": rate_median.astype(np.float32),
-        "rate_max": rate_max.astype(np.float32),
-        "slow_steps": _sums(slow, starts, n),
-        "compute_ms_median": quantise_ms(compute_median),
-    }
-    return pa.table(
-        {k: pa.array(v, RANK_WINDOWS.field(k).type, from_pandas=True) for k, v in columns.items()}
-    )
-
-
-def _sums(flags: np.ndarray, starts: np.ndarray, n: int) -> np.ndarray:
-    return np.add.reduceat(flags.astype(np.int32), starts) if n else np.zeros(0, np.int32)
-
-
-def _window_figures(table: pa.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(rank, rate, compute ms) of ``ranks`` rows, compute by the first of
-    `_COMPUTE_COLUMNS` that holds a value."""
-    nan = np.full(table.num_rows, np.nan, np.float32)
-    compute = nan
-    for name in _COMPUTE_COLUMNS:
-        column = table[name]
-        if column.null_count < len(column):
-            compute = column.to_numpy(zero_copy_only=False)
-            break
-    rate = (
-        table["rate"].to_numpy(zero_copy_only=False) if table["rate"].null_count < len(nan) else nan
-    )
-    return table["rank"].to_numpy(), rate, compute
-
-
-def _concat(parts: list[tuple[np.ndarray, ...]]) -> tuple[np.ndarray, ...]:
-    return tuple(np.concatenate(column) for column in zip(*parts, strict=True))
-
-
-def _ranks_table(columns: dict[str, np.ndarray | None]) -> pa.Table:
-    """A ``ranks`` table of one plan's columns (NaN and None: null)."""
-    n = len(columns["rank"])
-    arrays = []
-    for field in RANKS:
-        values = columns[field.name]
-        if values is None:
-            arrays.append(pa.nulls(n, field.type))
-        else:
-            nan = pa.types.is_floating(field.type)
-            arrays.append(pa.array(values, field.type, from_pandas=nan))
-    return pa.Table.from_arrays(arrays, schema=RANKS)
-
-
-def _steps_from_rows(rows: list[dict]) -> pa.Table:
-    """A ``steps`` table of dict rows (non-finite floats: null; times quantised)."""
-    columns = {}
-    for field in STEPS:
-        values = [row.get(field.name) for row in rows]
-        if pa.types.is_floating(field.type):
-            values = np.array([np.nan if v is None else float(v) for v in values])
-            values[~np.isfinite(values)] = np.nan
-            if field.name in _TIME_COLUMNS:
-                values = quantise_ms(values)
-            columns[field.name] = pa.array(values, field.type, from_pandas=True)
-        else:
-            columns[field.name] = pa.array(values, field.type)
-    return pa.table(columns, schema=STEPS)
-
-
-def _parquet_writer(path: Path, table: str, run: str) -> pq.ParquetWriter:
-    """A Parquet writer of ``table``'s segments: its schema with the store's metadata,
-    zstd; floats split by byte stream (their zero low bytes then compress away)."""
-    schema = TABLES[table].with_metadata(
-        {META_SCHEMA: str(STORE_VERSION).encode(), META_RUN: run.encode(), META_TABLE: table}
-    )
-    floats = [f.name for f in schema if pa.types.is_floating(f.type)]
-    return pq.ParquetWriter(
-        path,
-        schema,
-        compression="zstd",
-        compression_level=3,
-        use_dictionary=[f.name for f in schema if not pa.types.is_floating(f.type)],
-        use_byte_stream_split=floats,
-        write_statistics=True,
-    )
-
-
-def remove_stores(run: str | os.PathLike) -> list[Path]:
-    """Remove the stores an earlier recording in the folder ``run`` left (``store``,
-    ``store.group<k>`` and their ``.1`` copies): a run that restarts its steps starts
-    fresh. Returns what was removed."""
-    pattern = re.compile(rf"{STORE_FOLDER}(\.group\d+)?(\.1)?")
-    folder = Path(run)
-    found = [p for p in folder.iterdir() if pattern.fullmatch(p.name) and p.is_dir()]
-    for path in found:
-        shutil.rmtree(path)
-    return found
-
-
-def _tmp_path(folder: Path, name: str) -> Path:
-    return folder / f".{name}.{os.getpid()}.tmp"
-
-
-def _remove_temporary(folder: Path) -> None:
-    """Remove what a killed writer left half-written (never listed by readers)."""
-    for path in folder.glob(".*.tmp"):
-        with contextlib.suppress(OSError):
-            path.unlink()

@@ -1,0 +1,151 @@
+"""The run store's files: a store made (or resumed, or moved aside), segments written
+atomically, compaction, removal. `knapformer.runtime.store_writer` decides when; this
+module how (see its doc for the guarantees).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from knapformer.contract.run_store import (
+    RUN_FILE,
+    StoreError,
+    list_segments,
+    run_id,
+    segment_name,
+)
+from knapformer.contract.store_schema import (
+    META_RUN,
+    META_SCHEMA,
+    META_TABLE,
+    STORE_FOLDER,
+    STORE_VERSION,
+    TABLES,
+)
+
+log = logging.getLogger(__name__)
+#: Rows of a ``ranks`` row group (about 128 steps at 1,024 GPUs).
+ROW_GROUP_ROWS = 1 << 17
+
+
+def open_store(folder: Path, first_step: int) -> str:
+    """Prepare ``folder`` for a run whose first step here is ``first_step``; returns its
+    run id (the module doc: append to a resumed run, else move the old store aside)."""
+    if folder.is_dir() and any(folder.iterdir()):
+        try:
+            run = run_id(folder)
+            last = max((s.last for t in ("steps", "ranks") for s in list_segments(folder, t)),
+                       default=None)  # fmt: skip
+        except StoreError as err:
+            run, last, why = None, None, str(err)
+        else:
+            why = f"it holds steps up to {last} and this run starts at step {first_step}"
+        if run is not None and (last is None or first_step > last):
+            _remove_temporary(folder)
+            return run  # a resumed run: append
+        aside = folder.with_name(folder.name + ".1")
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(folder, aside)
+        log.warning(
+            "StoreWriter: %s was moved to %s (%s): two runs never mix in one store "
+            "(a run resumed from a checkpoint, whose steps go on, appends)",
+            folder,
+            aside,
+            why,
+        )
+    folder.mkdir(parents=True, exist_ok=True)
+    run = uuid.uuid4().hex
+    tmp = tmp_path(folder, RUN_FILE)
+    tmp.write_text(json.dumps({"run_id": run, "store_version": STORE_VERSION}) + "\n")
+    os.replace(tmp, folder / RUN_FILE)
+    return run
+
+
+def write_segment(
+    folder: Path, table: str, first: int, last: int, rows: pa.Table, run: str
+) -> Path:
+    """Write ``rows`` as ``table``'s segment of steps ``first..last`` (atomically)."""
+    tmp = tmp_path(folder, segment_name(table, first, last))
+    writer = parquet_writer(tmp, table, run)
+    writer.write_table(rows.cast(TABLES[table]), ROW_GROUP_ROWS)
+    writer.close()
+    final = folder / segment_name(table, first, last)
+    os.replace(tmp, final)
+    return final
+
+
+def compact(folder: Path, table: str, count: int, small: int) -> None:
+    """Merge the oldest run of ``count`` consecutive segments of ``table`` of at most
+    ``small`` steps each into one (the module doc): the merged file is renamed into place
+    before the small ones are removed, and readers skip a segment inside another."""
+    segments = list_segments(folder, table)
+    batch: list = []
+    for seg in segments[:-1]:  # the newest is left alone: it is seconds old
+        batch = [*batch, seg] if seg.last - seg.first < small else []
+        if len(batch) == count:
+            break
+    if len(batch) < count:
+        return
+    first, last = batch[0].first, batch[-1].last
+    tmp = tmp_path(folder, segment_name(table, first, last))
+    writer = parquet_writer(tmp, table, run_id(folder))
+    for seg in batch:
+        parquet = pq.ParquetFile(seg.path)
+        for g in range(parquet.metadata.num_row_groups):
+            writer.write_table(parquet.read_row_group(g).cast(TABLES[table]), ROW_GROUP_ROWS)
+    writer.close()
+    os.replace(tmp, folder / segment_name(table, first, last))
+    for seg in batch:
+        with contextlib.suppress(FileNotFoundError):
+            seg.path.unlink()
+
+
+def parquet_writer(path: Path, table: str, run: str) -> pq.ParquetWriter:
+    """A Parquet writer of ``table``'s segments: its schema with the store's metadata,
+    zstd; floats split by byte stream (their zero low bytes then compress away)."""
+    schema = TABLES[table].with_metadata(
+        {META_SCHEMA: str(STORE_VERSION).encode(), META_RUN: run.encode(), META_TABLE: table}
+    )
+    floats = [f.name for f in schema if pa.types.is_floating(f.type)]
+    return pq.ParquetWriter(
+        path,
+        schema,
+        compression="zstd",
+        compression_level=3,
+        use_dictionary=[f.name for f in schema if not pa.types.is_floating(f.type)],
+        use_byte_stream_split=floats,
+        write_statistics=True,
+    )
+
+
+def remove_stores(run: str | os.PathLike) -> list[Path]:
+    """Remove the stores an earlier recording in the folder ``run`` left (``store``,
+    ``store.group<k>`` and their ``.1`` copies): a run that restarts its steps starts
+    fresh. Returns what was removed."""
+    pattern = re.compile(rf"{STORE_FOLDER}(\.group\d+)?(\.1)?")
+    folder = Path(run)
+    found = [p for p in folder.iterdir() if pattern.fullmatch(p.name) and p.is_dir()]
+    for path in found:
+        shutil.rmtree(path)
+    return found
+
+
+def tmp_path(folder: Path, name: str) -> Path:
+    return folder / f".{name}.{os.getpid()}.tmp"
+
+
+def _remove_temporary(folder: Path) -> None:
+    """Remove what a killed writer left half-written (never listed by readers)."""
+    for path in folder.glob(".*.tmp"):
+        with contextlib.suppress(OSError):
+            path.unlink()
