@@ -18,10 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 from knapformer.visualization import palette
-from knapformer.visualization.figures import build_figure
+from knapformer.visualization.figures import build_figure, empty_figure
 from knapformer.visualization.straggler_figures import RATIO_OCTAVES
-
-from knapformer.contract.nan_reduce import nan_reduce
 
 #: The most rows (rank bins) and columns (step bins) a whole-run heatmap sends.
 MAX_ROWS = 256
@@ -82,7 +80,7 @@ def run_rate_heatmap(grid: RunGrid, validate: bool = True) -> dict:
     """The whole run's rank x step heatmap of compute rate (`RunGrid`); its cells carry
     their step range for a click to open."""
     if grid.rate.size == 0:
-        return _empty("no measured step in the run store yet", validate)
+        return empty_figure("no measured step in the run store yet", validate)
     with np.errstate(divide="ignore", invalid="ignore"):
         z = np.log2(grid.rate)
     x = cell_centres(grid).tolist()
@@ -152,7 +150,7 @@ def run_steps_figure(
     lost against an ideal one (ms, right axis) over the run, at most ``most`` points a
     line, each its bin's largest."""
     if len(steps) == 0:
-        return _empty("no step in the run store yet", validate)
+        return empty_figure("no step in the run store yet", validate)
     edges = _edges(len(steps), most)
     x = np.asarray(steps)[edges].tolist()
     lines = [
@@ -207,7 +205,7 @@ def run_verdicts_figure(
     it, at their median ``rate`` (r, w): when each straggler started and stopped."""
     rows, cols = np.nonzero(named)
     if not len(rows):
-        return _empty("no rank named slow in any segment of the run", validate)
+        return empty_figure("no rank named slow in any segment of the run", validate)
     count = len(np.unique(rows))
     data = [
         {
@@ -244,14 +242,3 @@ def _rank_ticks(named: np.ndarray) -> dict:
         "autorange": False,
         "range": [bottom, top],
     }
-
-
-def _empty(message: str, validate: bool):
-    from knapformer.visualization.figures import empty_figure
-
-    return empty_figure(message, validate)
-
-
-def worst(values: np.ndarray) -> float:
-    """The largest value (NaN: none), for a header."""
-    return nan_reduce(np.nanmax, values)
