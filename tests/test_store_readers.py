@@ -1,6 +1,7 @@
 """The readers on a run store: the same verdicts and figures as on the plans of the same
 run, reading only the window asked for. The store is written by the real writer
-(`knapformer.runtime.store_writer`) from a measured run, and by a real demo run."""
+(`knapformer.runtime.store_writer`) from a measured run; tests/test_stragglers_run.py
+checks a real demo run's store."""
 
 from __future__ import annotations
 
@@ -90,25 +91,6 @@ def test_tensorboard_on_the_store_writes_the_plans_scalars(run, tmp_path, capsys
         assert [s for s, _ in on_store[tag]] == [s for s, _ in values]
         expected = [v for _, v in values]
         assert [v for _, v in on_store[tag]] == pytest.approx(expected, rel=1e-3, abs=0.01), tag
-
-
-@pytest.fixture(scope="module")
-def demo_run() -> Path:
-    """The real 8-worker demo with rank 5 twice as slow that docs/debugging.md runs (shared
-    with tests/test_stragglers_run.py and tests/test_docs.py): every plan and its store."""
-    from knapformer.testing.doc_blocks import run_block_of
-
-    run = run_block_of("docs/debugging.md", "--slow-rank 5 --slow-factor 2 --steps 16")
-    return run.path("runs/docs/slow")
-
-
-@pytest.mark.timeout(300)
-def test_a_real_demo_run_reads_the_same_on_its_store(demo_run, capsys):
-    assert (demo_run / "store").is_dir()
-    on_plans = _json(capsys, "stragglers", str(demo_run), "--source", "plans")
-    on_store = _json(capsys, "stragglers", str(demo_run), "--source", "store")
-    assert _verdicts(on_store) == _verdicts(on_plans)
-    assert _verdicts(on_store)[SLOW_RANK] == "slow_gpu"
 
 
 #: The table each hostile case damages (`knapformer.testing.hostile_stores.CASES`).
