@@ -116,7 +116,7 @@ def _card(label: str, value_id: str) -> html.Div:
     )
 
 
-def _layout(runs: Runs) -> html.Div:
+def _layout(runs: Runs, whole: whole_run.WholeRun) -> html.Div:
     # The newest step is chosen here, so the per-step views are computed in parallel with
     # the first tick instead of after it (one round trip less before the bars show).
     run = runs.default()
@@ -160,7 +160,7 @@ def _layout(runs: Runs) -> html.Div:
                 style={"display": "flex", "gap": "10px", "flexWrap": "wrap"},
             ),
             html.Div(id="notice", role="alert", style=HIDDEN),
-            whole_run.section(),
+            whole_run.section(whole, runs),
             html.Div(
                 [
                     html.Div(
@@ -338,7 +338,8 @@ def create_app(path: str | Path) -> Dash:
     gate = RequestGate()
     runs = Runs(path, gate)
     app = Dash(__name__, title="KnapFormer dashboard", update_title=None, serve_locally=True)
-    app.layout = lambda: _layout(runs)
+    whole = whole_run.WholeRun()
+    app.layout = lambda: _layout(runs, whole)
     runs.store(runs.default())  # start indexing now, not at the first page view
     log = _CallbackLog()
     app.server.config["KNAPFORMER_RUNS"] = runs
@@ -382,7 +383,7 @@ def create_app(path: str | Path) -> Dash:
     _step_selection(app, runs, timed)
     _timeline(app, runs, timed)
     step_frame.register(app, runs, timed)
-    whole_run.register(app, runs, timed)
+    whole_run.register(app, runs, timed, whole)
     _topology_view(app, runs, timed)
     _sequence_table(app, runs, timed)
     _pick_sequence(app, timed)

@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from dash import Dash, Input, Output, dcc, html, no_update
-from knapformer.dashboard.guard import is_number, list_of, optional, record
+from dash import Dash, Input, Output, State, dcc, html, no_update
+from dash.exceptions import PreventUpdate
+from knapformer.dashboard.guard import is_number, is_str, list_of, optional, record
 from knapformer.dashboard.store import Runs
 from knapformer.dashboard.styles import HALF, HIDDEN
 from knapformer.visualization.figures import empty_figure
@@ -53,6 +54,7 @@ SHAPES = {
     ("run-heatmap", "clickData"): optional(
         record(points=list_of(record(x=is_number), nonempty=True))
     ),
+    ("run-key", "data"): optional(is_str),
 }
 #: The most steps a drill-down reads (a click on a wider cell opens its last ones): a
 #: column each on the screen, and ~90 MB of the server's memory at 1,024 GPUs.
@@ -60,26 +62,46 @@ DRILL_STEPS = 256
 _SHOWN = {"display": "block"}
 
 
-def section() -> html.Div:
-    """The whole-run section of the layout (hidden until a store is found)."""
+def section(kept: WholeRun, runs: Runs) -> html.Div:
+    """The whole-run section of the layout, drawn with the page: its figures travel with
+    the layout, so the first draw waits for no callback (hidden without a store)."""
+    drawn = _drawn(kept, _plans(runs, None))
+    figures = {} if drawn is None or "summary" not in drawn else drawn
+
+    def graph(name: str, **style) -> dcc.Graph:
+        shown = {"figure": figures[name]} if name in figures else {}
+        return dcc.Graph(id=f"run-{name}", style=style, **shown)
+
     return html.Div(
         [
             html.H4("The whole run (from its run store)"),
-            html.Div(id="run-summary", style={"margin": "0 8px"}),
-            dcc.Graph(id="run-heatmap", style={"height": "420px"}),
             html.Div(
-                [
-                    html.Div(dcc.Graph(id="run-verdicts"), style=HALF),
-                    html.Div(dcc.Graph(id="run-steps"), style=HALF),
-                ],
+                figures.get("summary", (drawn or {}).get("error", "")),
+                id="run-summary",
+                style={"margin": "0 8px"},
+            ),
+            graph("heatmap", height="420px"),
+            html.Div(
+                [html.Div(graph("verdicts"), style=HALF), html.Div(graph("steps"), style=HALF)],
                 style={"display": "flex", "gap": "8px"},
             ),
             html.Div(id="drill-label", style={"margin": "0 8px", "fontWeight": "bold"}),
             dcc.Graph(id="drill-heatmap", style={"height": "420px"}),
+            # which store and segments the browser's figures show (redrawn when they change)
+            dcc.Store(id="run-key", data=figures.get("key")),
         ],
         id="run-box",
-        style=HIDDEN,
+        style=HIDDEN if drawn is None else _SHOWN,
     )
+
+
+def _drawn(kept: WholeRun, plans: Path | None) -> dict[str, Any] | None:
+    """The whole-run figures of ``plans``' store; None without one, ``{"error": line}``
+    when it cannot be read."""
+    try:
+        return None if plans is None else kept.figures(plans)
+    except KnapformerError as err:
+        return {"error": f"the run store cannot be read: {err}"}
 
 
 class WholeRun:
@@ -101,7 +123,7 @@ class WholeRun:
             kept = self._kept.get(store)
         if kept is not None and kept[0] == names:
             return kept[1]
-        drawn = draw(store)
+        drawn = draw(store) | {"key": f"{store}:{len(names)}:{names[-1] if names else ''}"}
         with self._lock:
             self._kept[store] = (names, drawn)
         return drawn
@@ -197,9 +219,9 @@ def drill(plans: Path, first: int, last: int) -> tuple[Any, str]:
     return figure, f"{shown}: {headline(judge(m, w.scopes, w.bandwidth))}"
 
 
-def register(app: Dash, runs: Runs, timed: Callable) -> None:
-    """The whole-run callback and the drill-down's."""
-    kept = WholeRun()
+def register(app: Dash, runs: Runs, timed: Callable, kept: WholeRun) -> None:
+    """The whole-run callback (on a change of the shown run or its steps: the first draw
+    comes with the layout) and the drill-down's."""
 
     @app.callback(
         output={
@@ -208,22 +230,22 @@ def register(app: Dash, runs: Runs, timed: Callable) -> None:
             "heatmap": Output("run-heatmap", "figure"),
             "verdicts": Output("run-verdicts", "figure"),
             "steps": Output("run-steps", "figure"),
+            "key": Output("run-key", "data"),
         },
         inputs={"view": Input("view", "data")},
+        state={"shown": State("run-key", "data")},
+        prevent_initial_call=True,
     )
     @timed
-    def whole_run(view):
-        plans = _plans(runs, view)
-        try:
-            drawn = None if plans is None else kept.figures(plans)
-        except KnapformerError as err:
-            return {"style": _SHOWN, "summary": f"the run store cannot be read: {err}"} | {
-                name: no_update for name in ("heatmap", "verdicts", "steps")
-            }
+    def whole_run(view, shown):
+        drawn = _drawn(kept, _plans(runs, view))
+        unchanged = dict.fromkeys(("summary", "heatmap", "verdicts", "steps", "key"), no_update)
         if drawn is None:
-            return {"style": HIDDEN} | {
-                n: no_update for n in ("summary", "heatmap", "verdicts", "steps")
-            }
+            return unchanged | {"style": HIDDEN, "key": None}
+        if "error" in drawn:
+            return unchanged | {"style": _SHOWN, "summary": drawn["error"]}
+        if drawn["key"] == shown:
+            raise PreventUpdate  # the browser shows these segments already
         return {"style": _SHOWN} | {k: v for k, v in drawn.items() if k != "grid"}
 
     @app.callback(
