@@ -161,7 +161,7 @@ def run_steps_figure(
         lines.append(("lost (ms)", lost_ms, palette.STEP_TIME, "y2"))
     data = [
         {
-            "type": "scattergl" if len(x) > 500 else "scatter",
+            "type": "scatter",  # 2,000 points at most: SVG draws them sooner than WebGL starts
             "mode": "lines",
             "name": name,
             "x": x,
