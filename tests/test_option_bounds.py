@@ -31,6 +31,7 @@ BASE = {
     "suggest": ["suggest", "--data-codes", "lowres", "--gpus", "32"],
     "calibrate": ["calibrate", "--benchmark"],
     "flight-recorder": ["flight-recorder", str(SAMPLES)],
+    "query": ["query", str(SAMPLES), "SELECT 1"],
 }
 #: demo's options are the fields of `knapformer.local.config.DemoConfig`, which checks
 #: itself where it is made (tests/test_demo.py).

@@ -50,7 +50,7 @@ def test_recorder_rotations_are_cleared_by_a_new_run_and_hidden_from_the_run_lis
     with PlanRecorder(path, max_bytes=int(2.5 * line), backups=2) as rec:
         for plan in plans:
             rec.record(plan)
-    written = sorted(p.name for p in path.parent.iterdir())
+    written = sorted(p.name for p in path.parent.iterdir() if p.is_file())  # not store/
     assert written == ["plans.1.jsonl", "plans.2.jsonl", "plans.jsonl"]
     assert [p.name for p in recording_files(path)] == written
     # The dashboard offers the run once, under its folder's name, not its rotated copies.
@@ -59,7 +59,7 @@ def test_recorder_rotations_are_cleared_by_a_new_run_and_hidden_from_the_run_lis
     (path.parent / "notes.jsonl").write_text("")
     removed = remove_recording(path)
     assert sorted(p.name for p in removed) == written
-    assert [p.name for p in path.parent.iterdir()] == ["notes.jsonl"]
+    assert sorted(p.name for p in path.parent.iterdir()) == ["notes.jsonl", "store"]
 
 
 def test_a_folder_of_runs_lists_run_folders_and_loose_plan_files(tmp_path):

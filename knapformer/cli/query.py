@@ -14,6 +14,7 @@ from pathlib import Path
 import pyarrow as pa
 import typer
 
+from knapformer.cli.bounds import bounded
 from knapformer.cli.errors import UserError
 from knapformer.cli.extras import require
 from knapformer.contract.run_store import (
@@ -35,9 +36,13 @@ def register(app: typer.Typer) -> None:
 
 
 def query(
-    run: Path = typer.Argument(..., help="a run folder (with store/), its plans.jsonl or store"),
-    sql: str = typer.Argument(..., help="SQL over the tables ranks, steps, rank_windows"),
-    rows: int = typer.Option(ROWS, min=0, max=10**9, help="rows printed (0: all)"),
+    run: Path = typer.Argument(
+        ..., metavar="RUN", help="a run folder (with store/), its plans.jsonl or store"
+    ),
+    sql: str = typer.Argument(
+        ..., metavar="SQL", help="SQL over the tables ranks, steps, rank_windows"
+    ),
+    rows: int = typer.Option(ROWS, help="rows printed (0: all)", callback=bounded),
     csv: bool = typer.Option(False, "--csv", help="print CSV (every row) instead of a table"),
 ) -> None:
     """Run SQL on a run's store (every step of every rank) with DuckDB.

@@ -171,6 +171,8 @@ OPTION_BOUNDS: dict[str, Bound] = {
     "port": Bound(0, 65535, whole=True),
     # the ranks of a job whose dumps are read (flight-recorder)
     "world": Bound(1, MAX_GPUS, whole=True, unit=" ranks"),
+    # rows a query prints (knapformer query; 0: all)
+    "rows": Bound(0, 10**9, whole=True),
 }
 
 

@@ -42,8 +42,9 @@ from knapformer.contract.store_schema import (
 from knapformer.errors import KnapformerError
 
 _SEGMENT = re.compile(r"(?P<table>[a-z_]+)-(?P<first>\d{1,19})-(?P<last>\d{1,19})\.parquet")
-#: Most bytes a value of a column may take uncompressed (strings: a partition, bag runs).
-_MAX_VALUE_BYTES = 4096
+#: Most bytes a value of a column may take uncompressed, on average over a column chunk
+#: (strings: a partition, or the bag runs of an auto plan at 16,384 GPUs, ~12 bytes a bag).
+_MAX_VALUE_BYTES = 256 << 10
 _MAX_RUN_FILE = 64 << 10
 
 

@@ -54,8 +54,9 @@ Guarantees (each one tested in ``tests/test_recorder*.py``):
   step, one per step) on a thread of its own; ``record()`` only queues it there too
   (its return value still says whether the JSONL will have it). That thread hands back
   for the JSONL a step outside ``every`` that a reader must be able to open in full
-  (`knapformer.runtime.store_rows.worth_keeping`): such a line may follow the line of a
-  later step when the store's thread lags. ``close()`` closes the store first.
+  (`knapformer.runtime.store_rows.worth_keeping`; the first of each window of ``every``
+  steps): such a line may follow the line of a later step when the store's thread lags.
+  ``close()`` closes the store first.
 
 A plain sink: it never reads the balancer, runs no collective and times nothing. With a
 balancer (``SequenceBalancer(..., recorder=PlanRecorder(path))``) the balancer hands it

@@ -92,8 +92,10 @@ class StoreWriter:
         every: the recorder's ``every``: the full plans of steps divisible by it are
             written (``full_plan``) ...
         keep_full: ... and this is called (on the writer thread) with a plan of any other
-            step that a reader must be able to open in full (`store_rows.worth_keeping`);
-            it returns whether that full plan will be written.
+            step that a reader must be able to open in full (`store_rows.worth_keeping`),
+            the first such step of each window of ``every`` steps (a straggler that lasts
+            keeps one full plan a window, not one a step); it returns whether that full
+            plan will be written.
     """
 
     def __init__(
@@ -121,6 +123,7 @@ class StoreWriter:
         self.segments = 0
         #: plans kept in full beyond ``every`` (handed to ``keep_full``, which took them)
         self.kept = 0
+        self._kept_window: int | None = None  # the window of `every` steps last kept in
         #: plans left out (rows that could not be built, a step not after the last one)
         self.failed = 0
         self.disabled_reason: str | None = None
@@ -216,8 +219,16 @@ class StoreWriter:
             self._skip(plan, str(err))
             return
         full = due
-        if not due and rows.notable and self.keep_full is not None and self.keep_full(plan):
+        window = plan.step // self.every
+        if (
+            not due
+            and rows.notable
+            and window != self._kept_window
+            and self.keep_full is not None
+            and self.keep_full(plan)
+        ):
             self.kept += 1
+            self._kept_window = window
             full = True
         rows.step["full_plan"] = full
         segment = self._segment_for(plan.step)
