@@ -17,6 +17,8 @@
 - timeline (`_timeline`) and partition per step (`_topology_view`): they mark the step in
   ``frame``; the timeline appends new steps with a `Patch` instead of resending the whole
   figure.
+- whole-run views (`knapformer.dashboard.whole_run`), when the run has a store: drawn
+  with the layout, redrawn when a segment closes, and a drill-down into one cell.
 - sequence table (`_sequence_table`, `_pick_sequence`): the sequences of the step in
   ``frame``, one page at a time, sorted and filtered on the server (`dashboard.table`);
   picking a row sets the ``highlight`` store.
