@@ -447,7 +447,8 @@ def _header_cards(app: Dash, runs: Runs, timed: Callable) -> None:
         n = len(snap.summaries) if snap else 0
         latest = snap.summaries[-1] if n else None
         return {
-            "straggler": _straggler(runs.store(run), snap),
+            "straggler": whole_run.store_headline(runs.files().get(run) if run else None)
+            or _straggler(runs.store(run), snap),
             "run": (latest.run if latest else None) or run or "–",
             "steps": f"{n:,}" + (" (indexing…)" if snap and snap.indexing else ""),
             "imbalance": (

@@ -38,9 +38,9 @@ from knapformer.visualization.run_figures import (
 )
 
 from knapformer.contract.run_store import has_store, list_segments, read_table, store_folder
-from knapformer.diagnosis.store_source import window_rows
+from knapformer.diagnosis.store_source import step_window, window_rows
 from knapformer.diagnosis.store_window import window_figures
-from knapformer.diagnosis.stragglers import THRESHOLDS, headline, judge
+from knapformer.diagnosis.stragglers import THRESHOLDS, WINDOW, headline, judge
 from knapformer.errors import KnapformerError
 
 # pyarrow and plotly each import pandas on first use, and two callbacks that do so at
@@ -217,6 +217,20 @@ def drill(plans: Path, first: int, last: int) -> tuple[Any, str]:
         f" (the last of {cell})" if cell != f"{first:,}–{last:,}" else ""
     )
     return figure, f"{shown}: {headline(judge(m, w.scopes, w.bandwidth))}"
+
+
+def store_headline(plans: Path | None) -> str | None:
+    """The header's straggler line from the run's store: the verdict over its last
+    `WINDOW` steps, every one of them (the plans may keep only every k-th); None
+    without a store, or when it cannot be read (the plans' line stands)."""
+    if plans is None or not has_store(plans):
+        return None
+    try:
+        first, last = step_window(plans, None, WINDOW)
+        w = window_figures(window_rows(plans, first, last))
+    except KnapformerError:
+        return None
+    return headline(judge(w.m, w.scopes, w.bandwidth)) if w.m.steps else None
 
 
 def register(app: Dash, runs: Runs, timed: Callable, kept: WholeRun) -> None:

@@ -94,3 +94,10 @@ def test_a_click_opens_that_cells_steps(page):
     drilled = _trace(page, "drill-heatmap")
     assert drilled["x"] == [20.0, 21.0, 22.0, 23.0]
     assert all(row[0] > 1.5 for row in drilled["custom"][5:6])
+
+
+def test_the_header_names_the_straggler_from_every_step_of_the_store(page):
+    # the plans keep every 8th step; the store every step: 20 steps, 12 of them slow
+    card = page.inner_text("#stat-straggler")
+    assert card.startswith("slow_gpu: rank 5"), card
+    assert "in 12 of 20 steps" in card, card
