@@ -17,6 +17,8 @@
 - timeline (`_timeline`) and partition per step (`_topology_view`): they mark the step in
   ``frame``; the timeline appends new steps with a `Patch` instead of resending the whole
   figure.
+- whole-run views (`knapformer.dashboard.whole_run`), when the run has a store: drawn
+  with the layout, redrawn when a segment closes, and a drill-down into one cell.
 - sequence table (`_sequence_table`, `_pick_sequence`): the sequences of the step in
   ``frame``, one page at a time, sorted and filtered on the server (`dashboard.table`);
   picking a row sets the ``highlight`` store.
@@ -37,7 +39,7 @@ from typing import Any
 import flask
 from dash import Dash, Input, Output, Patch, State, ctx, dash_table, dcc, html, no_update
 from dash.exceptions import PreventUpdate
-from knapformer.dashboard import step_frame
+from knapformer.dashboard import step_frame, whole_run
 from knapformer.dashboard.guard import (
     guard_callbacks,
     is_int,
@@ -116,7 +118,7 @@ def _card(label: str, value_id: str) -> html.Div:
     )
 
 
-def _layout(runs: Runs) -> html.Div:
+def _layout(runs: Runs, whole: whole_run.WholeRun) -> html.Div:
     # The newest step is chosen here, so the per-step views are computed in parallel with
     # the first tick instead of after it (one round trip less before the bars show).
     run = runs.default()
@@ -160,6 +162,7 @@ def _layout(runs: Runs) -> html.Div:
                 style={"display": "flex", "gap": "10px", "flexWrap": "wrap"},
             ),
             html.Div(id="notice", role="alert", style=HIDDEN),
+            whole_run.section(whole, runs),
             html.Div(
                 [
                     html.Div(
@@ -337,7 +340,8 @@ def create_app(path: str | Path) -> Dash:
     gate = RequestGate()
     runs = Runs(path, gate)
     app = Dash(__name__, title="KnapFormer dashboard", update_title=None, serve_locally=True)
-    app.layout = lambda: _layout(runs)
+    whole = whole_run.WholeRun()
+    app.layout = lambda: _layout(runs, whole)
     runs.store(runs.default())  # start indexing now, not at the first page view
     log = _CallbackLog()
     app.server.config["KNAPFORMER_RUNS"] = runs
@@ -353,7 +357,9 @@ def create_app(path: str | Path) -> Dash:
         page_load = flask.request.method == "GET" and not flask.request.path.startswith("/api")
         gate.leave(PAGE_LOAD_LINGER_S if page_load else 0.0)
 
-    guard_callbacks(app, CALLBACK_SHAPES)  # after the gate's hooks: a refusal still leaves it
+    guard_callbacks(
+        app, CALLBACK_SHAPES | whole_run.SHAPES
+    )  # after the gate's hooks: a refusal still leaves it
 
     @app.server.route("/api/status")
     def status():
@@ -379,6 +385,7 @@ def create_app(path: str | Path) -> Dash:
     _step_selection(app, runs, timed)
     _timeline(app, runs, timed)
     step_frame.register(app, runs, timed)
+    whole_run.register(app, runs, timed, whole)
     _topology_view(app, runs, timed)
     _sequence_table(app, runs, timed)
     _pick_sequence(app, timed)
@@ -440,7 +447,8 @@ def _header_cards(app: Dash, runs: Runs, timed: Callable) -> None:
         n = len(snap.summaries) if snap else 0
         latest = snap.summaries[-1] if n else None
         return {
-            "straggler": _straggler(runs.store(run), snap),
+            "straggler": whole_run.store_headline(runs.files().get(run) if run else None)
+            or _straggler(runs.store(run), snap),
             "run": (latest.run if latest else None) or run or "–",
             "steps": f"{n:,}" + (" (indexing…)" if snap and snap.indexing else ""),
             "imbalance": (

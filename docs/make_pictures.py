@@ -8,7 +8,9 @@ Writes ``docs/animation.png`` (the last frame of the 8-GPU animation), ``docs/an
 viewer Chromium ships, DevTools' Performance panel), ``docs/tensorboard.png``
 (``knapformer tensorboard sample_plans/demo.jsonl``, served by TensorBoard on 127.0.0.1),
 ``docs/stragglers.png`` (the dashboard's straggler views of the run docs/debugging.md
-records: the demo with rank 5 made twice as slow) and ``docs/dashboard.png`` (via
+records: the demo with rank 5 made twice as slow), ``docs/whole_run.png`` (the
+dashboard's whole-run views of a 64-rank run recorded with its store, rank 17 turning
+slow mid-run, one cell opened) and ``docs/dashboard.png`` (via
 ``dashboard.screenshot``). Needs the ``all`` extra, Playwright and a system Chromium.
 """
 
@@ -187,12 +189,50 @@ def stragglers_picture(tmp: Path) -> None:
     )
 
 
+def whole_run_picture(tmp: Path) -> None:
+    """The dashboard's whole-run views: 240 measured steps of 64 ranks recorded with the
+    run store (segments of 10 steps), rank 17 twice as slow from step 120, and the cell
+    of steps 200-209 opened."""
+    from knapformer.dashboard.server import start_server
+    from knapformer.visualization.browser import launch_chromium
+    from playwright.sync_api import sync_playwright
+
+    from knapformer.runtime.recorder import PlanRecorder
+    from knapformer.testing.measured_plans import measured_run
+
+    shape = {"topology": "g1n16+g2n8+g4n4+g8n2", "codes": "g32b4i256f1s0,g32b2i512f1s0"}
+    healthy = measured_run(120, seed=4, **shape)
+    slow = measured_run(240, seed=4, slow_rank=17, slow_factor=2.0, **shape)[120:]
+    run = tmp / "whole" / "run"
+    with PlanRecorder(run / "plans.jsonl", every=40, store_segment_steps=10) as recorder:
+        for plan in healthy + slow:
+            recorder.record(plan)
+    with start_server(run, port=0) as handle, sync_playwright() as pw:
+        browser = launch_chromium(pw)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1600})
+            page.goto(handle.url)
+            page.wait_for_selector("#run-heatmap .heatmaplayer", timeout=120_000)
+            box = page.locator("#run-heatmap .nsewdrag").first.bounding_box()
+            page.mouse.click(box["x"] + box["width"] * 205 / 240, box["y"] + box["height"] / 2)
+            page.wait_for_function(
+                "() => document.querySelector('#drill-label').innerText.includes('steps 200')",
+                timeout=60_000,
+            )
+            page.mouse.move(0, 0)  # no hover label in the picture
+            page.wait_for_timeout(800)
+            page.locator("#run-box").screenshot(path=str(DOCS / "whole_run.png"))
+        finally:
+            browser.close()
+
+
 PICTURES = {
     "animation": animation_pictures,
     "calibration": calibration_picture,
     "trace": trace_picture,
     "tensorboard": tensorboard_picture,
     "stragglers": stragglers_picture,
+    "whole_run": whole_run_picture,
 }
 
 

@@ -32,3 +32,16 @@ def test_the_slow_rank_is_named_and_no_other(recording, capsys):
     for rank, r in ranks.items():
         if rank != SLOW_RANK:
             assert r["verdict"] == "ok", r
+
+
+def test_the_runs_store_gives_the_verdicts_of_its_plans(recording, capsys):
+    """The demo records every step in its run store too: `stragglers` reads it (auto
+    prefers the store) and names what it names from the plans."""
+    run = recording.parent
+    assert (run / "store").is_dir()
+    verdicts = {}
+    for source in ("plans", "store"):
+        assert main(["stragglers", str(run), "--json", "--source", source]) == 0
+        verdicts[source] = {r["rank"]: r["verdict"] for r in json.loads(capsys.readouterr().out)}
+    assert verdicts["store"] == verdicts["plans"]
+    assert verdicts["store"][SLOW_RANK] == "slow_gpu"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from knapformer.visualization import figures as F
 from knapformer.visualization.browser import find_chromium, launch_chromium, missing_chromium
-from knapformer.visualization.straggler_figures import straggler_views
+from knapformer.visualization.straggler_figures import straggler_views, window_views
 
 from knapformer.contract.incident import Incident
 from knapformer.contract.plan import RoutingPlan
@@ -23,7 +23,9 @@ from knapformer.contract.runfiles import safe_name
 from knapformer.contract.stats import summarize
 from knapformer.contract.units import LoadUnit
 from knapformer.diagnosis.measured import MeasuredStep, RankFigures, measure
-from knapformer.diagnosis.stragglers import WINDOW
+from knapformer.diagnosis.store_source import window_rows
+from knapformer.diagnosis.store_window import window_figures
+from knapformer.diagnosis.stragglers import WINDOW, judge
 from knapformer.errors import KnapformerError, OptionError, file_error
 
 #: What `knapformer report -o` writes, by the output's suffix.
@@ -81,11 +83,27 @@ def measured_window(measured: list[MeasuredStep | None], index: int) -> list[Ran
     return [m.figures() for m in steps]
 
 
+def store_views(run: Path, step: int | None, run_start: int | None):
+    """The verdict line and straggler figures of the `WINDOW` steps up to ``step`` from
+    ``run``'s store (only those rows are read); None when it measured none of them."""
+    if step is None:
+        return None
+    w = window_figures(window_rows(run, max(step - WINDOW + 1, 0), step))
+    if not w.m.steps or w.m.steps[-1] != step:
+        return None
+    return window_views(w.m, judge(w.m, w.scopes, w.bandwidth), run_start)
+
+
 def build_report(
-    result: ReadResult, steps: str | None = None, source: str = "", incident: Incident | None = None
+    result: ReadResult,
+    steps: str | None = None,
+    source: str = "",
+    incident: Incident | None = None,
+    store: Path | None = None,
 ) -> tuple[str, list[ReportFigure]]:
     """HTML of the report of the plans in ``result`` (steps ``A:B``; default: the last plan);
-    ``incident``: the run's failed step, shown first."""
+    ``incident``: the run's failed step, shown first; ``store``: a run whose store gives
+    the straggler views (every step of the window, whichever full plans were kept)."""
     chosen = plans_in_range(result, steps) if steps else [result.records[-1].plan]
     if len(chosen) > MAX_STEPS:
         raise OptionError(
@@ -134,9 +152,14 @@ def build_report(
         )
         add(F.bag_load_figure(plan), "bag-load", plan)
         add(F.traffic_figure(plan), "traffic", plan)
-        window = measured_window(measured, position[id(plan)])
-        if window:
-            verdict, views = straggler_views(window, summaries[0].step)
+        shown = None
+        if store is not None:
+            shown = store_views(store, plan.step, summaries[0].step)
+        else:
+            window = measured_window(measured, position[id(plan)])
+            shown = straggler_views(window, summaries[0].step) if window else None
+        if shown is not None:
+            verdict, views = shown
             parts.append(f"<p class='verdict'>straggler: {html.escape(verdict)}</p>")
             for view, fig in views:
                 add(fig, view, plan)
@@ -171,12 +194,13 @@ def write_report(
     steps: str | None = None,
     source: str = "",
     incident: Incident | None = None,
+    store: Path | None = None,
 ) -> tuple[Path, list[ReportFigure]]:
     """Write the report HTML to ``out``; returns its path and the figures it holds."""
     out = Path(out)
     if not out.parent.exists():
         raise KnapformerError(f"output directory {str(out.parent)!r} does not exist")
-    page, figures = build_report(result, steps, source, incident)
+    page, figures = build_report(result, steps, source, incident, store)
     try:
         out.write_text(page, encoding="utf-8")
     except OSError as err:

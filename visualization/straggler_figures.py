@@ -23,8 +23,8 @@ from knapformer.diagnosis.step_loss import (
     PARTS,
     StepLoss,
     describe_loss,
-    step_losses,
     summarise,
+    window_losses,
 )
 from knapformer.diagnosis.stragglers import (
     RankSteps,
@@ -461,12 +461,18 @@ def straggler_views(
     (flagged ranks labelled; the wait scale without the warm-up of a run starting at step
     ``run_start``), compute vs waiting per rank, and what each step lost against an ideal
     one (`step_loss_figure`). For the static report."""
-    report = analyse(window, None)
+    return window_views(rank_steps(window), analyse(window, None), run_start, validate)
+
+
+def window_views(
+    m: RankSteps, report: StragglerReport, run_start: int | None = None, validate: bool = True
+) -> tuple[str, list[tuple[str, go.Figure]]]:
+    """`straggler_views` of a window's matrices ``m`` and its verdicts ``report`` (from
+    plans, or from the run store's rows)."""
     flagged = flagged_ranks(report)
-    m = rank_steps(window)
     return headline(report), [
         ("ratio-heatmap", ratio_heatmap(m, validate, flagged)),
         ("wait-heatmap", wait_heatmap(m, validate, flagged, run_start)),
         ("compute-wait", compute_wait_figure(report, m, validate)),
-        ("step-loss", step_loss_figure(step_losses(window, m), run_start, validate)),
+        ("step-loss", step_loss_figure(window_losses(m), run_start, validate)),
     ]

@@ -18,6 +18,7 @@ from knapformer.cli.extras import require
 from knapformer.cli.plans import PLAN_ARGUMENT, read_plan_file
 from knapformer.contract.incident import run_incident
 from knapformer.contract.runfiles import single_run, writable_folder
+from knapformer.diagnosis.store_source import SOURCE_HELP, use_store
 from knapformer.errors import KnapformerError
 from knapformer.visualization.layout import MIN_TEXT_PX
 from knapformer.visualization.render import (
@@ -101,6 +102,7 @@ def report(
         Path | None,
         typer.Option(help="Also export every figure as PNG into this directory (Chromium)."),
     ] = None,
+    source: Annotated[str, typer.Option(help=SOURCE_HELP)] = "auto",
 ) -> None:
     """Write a report with the dashboard's plotly figures: self-contained HTML, or a PDF
     printed by headless Chromium."""
@@ -122,12 +124,14 @@ def report(
             raise UserError(f"output directory {str(out.parent)!r} does not exist")
     if png is not None:  # before writing the report: --png must name a usable folder
         writable_folder(png, "`png`")
+    run = single_run(plans)
+    store = run if use_store(run, source) else None
     result = read_plan_file(plans)
     with tempfile.TemporaryDirectory(prefix="knapformer-report-") as scratch:
         html = Path(scratch) / "report.html" if pdf else out
         incident = _incident(plans)
         written, figures = write_report(
-            result, html, steps=steps, source=str(plans), incident=incident
+            result, html, steps=steps, source=str(plans), incident=incident, store=store
         )
         if pdf:
             try:

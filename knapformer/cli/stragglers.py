@@ -14,25 +14,36 @@ from rich.table import Table
 from knapformer.cli.bounds import bounded
 from knapformer.cli.errors import UserError
 from knapformer.contract.incident import run_incident
-from knapformer.contract.plan_io import Problem, iter_plan_file
-from knapformer.contract.runfiles import RUNS_LAYOUT, single_run
+from knapformer.contract.plan_io import Problem, iter_plan_file, parse_step_range
+from knapformer.contract.runfiles import PLANS_FILE, RUNS_LAYOUT
 from knapformer.contract.units import significant
 from knapformer.diagnosis.measured import RankFigures, measure
+from knapformer.diagnosis.probed import relative_bandwidth
+from knapformer.diagnosis.rank_steps import RankSteps, rank_steps
 from knapformer.diagnosis.step_loss import (
     PART_INFO,
     PARTS,
     StepLoss,
     describe_loss,
-    step_losses,
     summarise,
+    window_losses,
 )
+from knapformer.diagnosis.store_source import (
+    SOURCE_HELP,
+    reader_run,
+    run_folder,
+    step_window,
+    window_rows,
+)
+from knapformer.diagnosis.store_window import window_figures
 from knapformer.diagnosis.stragglers import (
     WINDOW,
     StragglerReport,
-    analyse,
     describe,
     describe_link,
     headline,
+    judge,
+    scope_times,
 )
 from knapformer.errors import KnapformerError
 
@@ -50,11 +61,17 @@ def stragglers(
         metavar="PLANS",
         help=f"recorded plans with measurements: a .jsonl, or a run folder ({RUNS_LAYOUT})",
     ),
-    window: int = typer.Option(
-        WINDOW,
+    window: int | None = typer.Option(
+        None,
         callback=bounded,
-        help="analyse the last N measured steps (0: every step in the file)",
+        show_default=False,
+        help=f"analyse the last N measured steps (0: every step; default: {WINDOW}, or every "
+        "step of --steps)",
     ),
+    steps: str | None = typer.Option(
+        None, help="analyse steps A:B (inclusive; A: or :B open), e.g. 40000:40999"
+    ),
+    source: str = typer.Option("auto", help=SOURCE_HELP),
     as_json: bool = typer.Option(
         False, "--json", help="print a JSON list of per-rank objects (rank, verdict, ...)"
     ),
@@ -68,20 +85,14 @@ def stragglers(
 ) -> None:
     """Name slow ranks: per rank, predicted share vs measured compute, waiting, and a verdict
     (slow_gpu, slow_host, slow_input, slow_link, layout_floor, data_imbalance or ok)."""
-    path = single_run(plans)
-    _show_incident(path, as_json)
-    figures, count, skipped = _measured_figures(path, window or None)
-    if skipped:
-        # On stderr, so that --json stays one document.
-        count_bad, first = skipped
-        print(f"skipped {count_bad:,} unreadable record(s) (first: {first})", file=sys.stderr)
-    if not figures:
-        raise UserError(
-            f"{path}: none of its {count} plan(s) measured a compute phase "
-            "(record with a balancer and a PlanRecorder)"
-        )
-    report = analyse(figures, window or None)
-    losses = step_losses(figures)
+    path, from_store = reader_run(plans, source)
+    last = (None if steps else WINDOW) if window is None else (window or None)
+    _show_incident(run_folder(path) / PLANS_FILE, as_json)  # its incident sits beside it
+    if from_store:
+        m, report = _store_window(path, steps, last)
+    else:
+        m, report = _plans_window(path, steps, last)
+    losses = window_losses(m)
     if loss:
         if as_json:
             print(json.dumps([item.as_dict() for item in losses], indent=1))
@@ -95,8 +106,39 @@ def stragglers(
         print(json.dumps([r.as_dict() for r in report.ranks], indent=1))
         return
     console = Console(highlight=False, width=max(Console().width, 110))
-    console.print(_table(report), _summary(report, len(figures)))
+    console.print(_table(report), _summary(report, len(m.steps)))
     console.print(f"what a step lost (--loss per step): {describe_loss(summarise(losses))}")
+
+
+def _store_window(
+    path: Path, steps: str | None, last: int | None
+) -> tuple[RankSteps, StragglerReport]:
+    """The window's matrices and verdicts from the run store: only its rows are read."""
+    first, end = step_window(path, steps, last)
+    w = window_figures(window_rows(path, first, end))
+    if not w.m.steps:
+        raise UserError(f"{path}: no step of the run store measured a compute phase")
+    return w.m, judge(w.m, w.scopes, w.bandwidth)
+
+
+def _plans_window(
+    path: Path, steps: str | None, last: int | None
+) -> tuple[RankSteps, StragglerReport]:
+    """The window's matrices and verdicts from the plans (streamed)."""
+    span = parse_step_range(steps) if steps else None
+    figures, count, skipped = _measured_figures(path, last, span)
+    if skipped:
+        # On stderr, so that --json stays one document.
+        count_bad, first = skipped
+        print(f"skipped {count_bad:,} unreadable record(s) (first: {first})", file=sys.stderr)
+    if not figures:
+        where = f" in steps {steps}" if steps else ""
+        raise UserError(
+            f"{path}: none of its {count} plan(s){where} measured a compute phase "
+            "(record with a balancer and a PlanRecorder)"
+        )
+    m = rank_steps(figures)
+    return m, judge(m, scope_times(figures), relative_bandwidth(figures, m.ranks))
 
 
 def _show_incident(path: Path, as_json: bool) -> None:
@@ -116,20 +158,27 @@ def _show_incident(path: Path, as_json: bool) -> None:
 
 
 def _measured_figures(
-    path: Path, window: int | None
+    path: Path, window: int | None, span: tuple[int | None, int | None] | None = None
 ) -> tuple[list[RankFigures], int, tuple[int, Problem] | None]:
-    """The per-rank figures of the last ``window`` measured plans of ``path`` (all: None),
-    how many plans it holds, and how many records were skipped with the first of them; the
-    file is streamed, so a long run is never held whole. A file with no plan at all is a
-    one-line `UserError` naming its first problem."""
+    """The per-rank figures of the last ``window`` measured plans of ``path`` (all: None)
+    whose step lies in ``span`` (inclusive; None: every plan), how many plans it holds,
+    and how many records were skipped with the first of them; the file is streamed, so a
+    long run is never held whole. A file with no plan at all is a one-line `UserError`
+    naming its first problem."""
     kept: deque[RankFigures] = deque(maxlen=window)
     count, problems, first_problem = 0, 0, None
+    low, high = span if span is not None else (None, None)
     for item in iter_plan_file(path):
         if isinstance(item, Problem):
             problems += 1
             first_problem = first_problem or item
             continue
         count += 1
+        step = item.plan.step
+        if span is not None and (
+            step is None or (low is not None and step < low) or (high is not None and step > high)
+        ):
+            continue
         measured = measure(item.plan)
         if measured is not None:
             kept.append(measured.figures())

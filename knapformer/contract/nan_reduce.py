@@ -29,4 +29,17 @@ def nan_reduce(
         return np.full(some.shape, np.nan)
     # Slices without a value are filled with zeros, which reduce quietly, then masked.
     filled = np.where(np.expand_dims(some, axis), x, 0.0)
+    if reduce is np.nanmedian:
+        return np.where(some, _nanmedian(filled, axis), np.nan)
     return np.where(some, reduce(filled, axis=axis), np.nan)
+
+
+def _nanmedian(x: np.ndarray, axis: int) -> np.ndarray:
+    """``np.nanmedian(x, axis)`` of slices that each hold a value, by one sort: numpy's
+    goes slice by slice in Python (0.4 s for a 1,024 x 1,000 window, a few ms here). The
+    same values: the middle one, or the mean of the middle two."""
+    ordered = np.moveaxis(np.sort(x, axis=axis), axis, -1)  # NaN sorts last
+    count = (~np.isnan(ordered)).sum(axis=-1, keepdims=True)
+    low = np.take_along_axis(ordered, (count - 1) // 2, axis=-1)[..., 0]
+    high = np.take_along_axis(ordered, count // 2, axis=-1)[..., 0]
+    return (low + high) / 2

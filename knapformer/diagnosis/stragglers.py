@@ -59,14 +59,15 @@ from typing import Literal
 import numpy as np
 
 from knapformer.contract.nan_reduce import nan_reduce
+from knapformer.contract.phases import BAG_COLLECTIVES, GROUP_EXCHANGES
 from knapformer.diagnosis.measured import RankFigures
 from knapformer.diagnosis.probed import relative_bandwidth
+from knapformer.diagnosis.rank_steps import RankSteps, rank_steps
 from knapformer.planning.compute_model import (
     DEPARTURE,
     MATERIAL,
     MIN_STEPS,
     ComputeFit,
-    fit_compute,
 )
 
 Verdict = Literal[
@@ -212,22 +213,35 @@ class LinkVerdict:
         }
 
 
-def link_verdicts(
-    figures: Sequence[RankFigures], th: Thresholds, healthy_links: frozenset[int] = frozenset()
-) -> list[LinkVerdict]:
-    """Every exchange scope of ``figures`` and its verdict (`Thresholds.link_cost` in at
-    least `Thresholds.persistence` of its steps, `Thresholds.min_steps` at least, and in
-    the median); a scope all of whose ranks are in ``healthy_links`` (the link probe
-    cleared them) is ``ok``, `LinkVerdict.cleared_by_probe`, unless it holds every rank:
-    the probe compares each rank's links with the group's, so it cannot clear them all."""
+#: (scope, its ranks) -> (cost (k,), no-wait ms (k,)) over the k steps it exchanged in
+ScopeTimes = dict[tuple[str, tuple[int, ...]], tuple[np.ndarray, np.ndarray]]
+
+
+def scope_times(figures: Sequence[RankFigures]) -> ScopeTimes:
+    """The exchange scopes of ``figures`` (`RankFigures.links`) and their times."""
     seen: dict[tuple[str, tuple[int, ...]], list] = {}
     for f in figures:
         for link in f.links:
             seen.setdefault((link.scope, link.ranks), []).append(link)
-    everyone = {int(g) for f in figures for g in f.gpus}
+    return {
+        key: (np.array([x.cost for x in links]), np.array([x.no_wait_ms for x in links]))
+        for key, links in seen.items()
+    }
+
+
+def link_verdicts(
+    scopes: ScopeTimes,
+    everyone: set[int],
+    th: Thresholds,
+    healthy_links: frozenset[int] = frozenset(),
+) -> list[LinkVerdict]:
+    """Every exchange scope of ``scopes`` and its verdict (`Thresholds.link_cost` in at
+    least `Thresholds.persistence` of its steps, `Thresholds.min_steps` at least, and in
+    the median); a scope all of whose ranks are in ``healthy_links`` (the link probe
+    cleared them) is ``ok``, `LinkVerdict.cleared_by_probe`, unless it holds ``everyone``:
+    the probe compares each rank's links with the group's, so it cannot clear them all."""
     out = []
-    for (scope, ranks), links in seen.items():
-        cost = np.array([link.cost for link in links])
+    for (scope, ranks), (cost, no_wait) in scopes.items():
         counted = int(np.isfinite(cost).sum())
         median = nan_reduce(np.nanmedian, cost)
         slow = int((cost >= th.link_cost).sum())
@@ -239,12 +253,12 @@ def link_verdicts(
             LinkVerdict(
                 scope=scope,
                 ranks=list(ranks),
-                phases=list(links[0].phases),
+                phases=list(GROUP_EXCHANGES if scope == "group" else BAG_COLLECTIVES),
                 verdict="slow_link" if is_slow and not cleared else "ok",
                 link_cost=median,
-                no_wait_ms=float(np.median([link.no_wait_ms for link in links])),
+                no_wait_ms=float(np.median(no_wait)),
                 slow_steps=slow,
-                steps=len(links),
+                steps=len(cost),
                 cleared_by_probe=cleared,
             )
         )
@@ -266,95 +280,6 @@ def describe_link(v: LinkVerdict) -> str:
         f"({', '.join(v.phases)}) — {v.no_wait_ms:.0f} ms per step in them with nobody "
         f"waiting, {v.link_cost:.2f}× the compute they serve, in {v.slow_steps} of "
         f"{v.steps} steps; {why}"
-    )
-
-
-@dataclass(frozen=True)
-class RankSteps:
-    """Rank × step matrices over a window (rows: ``ranks``, columns: ``steps``); NaN where
-    a rank was not in a step's plan."""
-
-    ranks: np.ndarray  # (r,) sorted ranks
-    steps: list[int | None]  # (s,) step numbers
-    ratio: np.ndarray  # (r, s) rate under the window's affine fit (1 = the group's)
-    compute_ms: np.ndarray  # (r, s)
-    wait_ms: np.ndarray  # (r, s)
-    predicted_share: np.ndarray  # (r, s)
-    predicted_load: np.ndarray  # (r, s)
-    predicted_shown: np.ndarray  # (r, s) predicted work in each plan's LoadUnit
-    straggler: list[int | None]  # (s,) the straggler of each step
-    phases: list[str]  # the compute phases the steps used, in first-seen order
-    load_axis: str  # the unit of predicted_shown (that of the last step)
-    fit: ComputeFit | None = None  # the affine fit ratio comes from
-    step_ms: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # (r, s)
-    data_ms: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # (r, s)
-    host_ms: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # (r, s)
-    gc_ms: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # (r, s), of host_ms
-    descheduled_ms: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # (r, s)
-    exchange_ms: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # (r, s)
-    exchange_wait_ms: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # (r, s)
-    exchange_values: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # (r, s)
-    at_floor: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), bool))  # (r, s)
-    floor_load: np.ndarray = field(default_factory=lambda: np.zeros(0))  # (s,)
-    #: phase of `knapformer.contract.phases.FIXED_PHASES` -> (r, s), where any step
-    #: measured it (NaN where a step did not)
-    fixed_ms: dict[str, np.ndarray] = field(default_factory=dict)
-
-
-_OPTIONAL = (
-    "step_ms", "data_ms", "host_ms", "gc_ms", "descheduled_ms", "exchange_ms",
-    "exchange_wait_ms", "exchange_values",
-)  # fmt: skip
-
-
-def rank_steps(figures: Sequence[RankFigures]) -> RankSteps:
-    """Line up per-step figures as rank × step matrices, with the window's affine fit."""
-    ranks = np.unique(np.concatenate([f.gpus for f in figures])) if figures else np.zeros(0, int)
-    shape = (len(ranks), len(figures))
-    names = ("compute_ms", "wait_ms", "share", "load", "shown", *_OPTIONAL)
-    out = {name: np.full(shape, np.nan) for name in names}
-    at_floor = np.zeros(shape, dtype=bool)
-    fixed: dict[str, np.ndarray] = {}
-    for col, f in enumerate(figures):
-        rows = np.searchsorted(ranks, f.gpus)
-        out["compute_ms"][rows, col] = f.compute_ms
-        out["wait_ms"][rows, col] = f.wait_ms
-        out["share"][rows, col] = f.predicted_share
-        out["load"][rows, col] = f.predicted_load
-        out["shown"][rows, col] = f.predicted_shown
-        for name in _OPTIONAL:
-            values = getattr(f, name)
-            if values is not None:
-                out[name][rows, col] = values
-        if f.at_floor is not None:
-            at_floor[rows, col] = f.at_floor
-        for phase, ms in (f.fixed_ms or {}).items():
-            fixed.setdefault(phase, np.full(shape, np.nan))[rows, col] = ms
-    fit = fit_compute(out["share"], out["compute_ms"])
-    return RankSteps(
-        ranks=ranks.astype(np.int64),
-        steps=[f.step for f in figures],
-        ratio=fit.rate_steps,
-        compute_ms=out["compute_ms"],
-        wait_ms=out["wait_ms"],
-        predicted_share=out["share"],
-        predicted_load=out["load"],
-        predicted_shown=out["shown"],
-        straggler=[f.straggler for f in figures],
-        phases=list(dict.fromkeys(f.phase for f in figures)),
-        load_axis=figures[-1].load_axis if figures else "",
-        fit=fit,
-        step_ms=out["step_ms"],
-        data_ms=out["data_ms"],
-        host_ms=out["host_ms"],
-        gc_ms=out["gc_ms"],
-        descheduled_ms=out["descheduled_ms"],
-        exchange_ms=out["exchange_ms"],
-        exchange_wait_ms=out["exchange_wait_ms"],
-        exchange_values=out["exchange_values"],
-        at_floor=at_floor,
-        floor_load=np.array([f.floor_load for f in figures], dtype=np.float64),
-        fixed_ms=fixed,
     )
 
 
@@ -506,6 +431,17 @@ def analyse(
     if window:
         figures = list(figures)[-window:]
     m = rank_steps(figures)
+    return judge(m, scope_times(figures), relative_bandwidth(figures, m.ranks), thresholds)
+
+
+def judge(
+    m: RankSteps,
+    scopes: ScopeTimes,
+    bandwidth_steps: np.ndarray,
+    thresholds: Thresholds = THRESHOLDS,
+) -> StragglerReport:
+    """Verdicts over the window ``m``, its exchange scopes' times (`scope_times`) and its
+    ranks' relative bandwidth (r, s) in the link probe (`relative_bandwidth`)."""
     th = thresholds
     fit = m.fit
     took_part = np.isfinite(m.compute_ms)  # (r, s); NaN marks a rank absent from a step
@@ -538,7 +474,6 @@ def analyse(
         # NaN compares False: absent steps never count
         slow_each = (m.ratio >= th.slow_ratio) & (readable[:, None] | (wall_excess >= material))
         heavy_each = m.predicted_load >= th.heavy_load
-    bandwidth_steps = relative_bandwidth(figures, m.ranks)  # (r, s)
     probes = np.isfinite(bandwidth_steps).sum(axis=1)
     with np.errstate(invalid="ignore"):
         slow_link_each = bandwidth_steps <= th.link_bandwidth
@@ -622,7 +557,8 @@ def analyse(
     # The probe times each rank's links alone, and noise only slows a link: one probe that
     # finds a rank's links healthy clears them (naming one slow takes `min_probes`).
     probed_healthy = (probes >= 1) & (link_bandwidth > th.link_bandwidth)
-    links = link_verdicts(figures, th, frozenset(m.ranks[probed_healthy].tolist()))
+    healthy = frozenset(m.ranks[probed_healthy].tolist())
+    links = link_verdicts(scopes, set(m.ranks.tolist()), th, healthy)
     return StragglerReport(verdicts, m.steps, m.phases, th, fit, step_ms, links)
 
 

@@ -139,7 +139,11 @@ COUNTERS = {
 def plan_counters(plan: RoutingPlan) -> dict[str, dict[str, float]]:
     """Counter name -> series -> value: the figures of one plan shown over time (a counter
     whose figures the plan lacks, e.g. measured compute, is left out)."""
-    figures = step_figures(plan)
+    return counters_of(step_figures(plan))
+
+
+def counters_of(figures: dict[str, float]) -> dict[str, dict[str, float]]:
+    """`COUNTERS` filled from a step's `step_figures` (those it has)."""
     counters = {
         name: {label: figures[key] for label, key in series.items() if key in figures}
         for name, series in COUNTERS.items()
@@ -147,12 +151,57 @@ def plan_counters(plan: RoutingPlan) -> dict[str, dict[str, float]]:
     return {name: series for name, series in counters.items() if series}
 
 
-def step_start_us(plan: RoutingPlan, previous_end_us: int) -> int:
-    """Where ``plan``'s step slot starts (whole µs since the Unix epoch): its recorded wall
-    clock ``plan.time``, or ``previous_end_us`` when that is later or the plan has no time."""
-    if plan.time is None:
+@dataclass(frozen=True)
+class TraceStep:
+    """What the trace shows of one step, from its plan (`plan_step`) or from the run
+    store's rows (`knapformer.tools.store_trace`)."""
+
+    step: int | None
+    time: float | None  # the wall clock when it began (None: unknown)
+    ranks: list[int]
+    labels: list[str]  # each rank's track name
+    times: list[dict[str, float]] | None  # each rank's phase -> ms (None: not measured)
+    figures: dict[str, Any]  # the step slice's arguments
+    counters: dict[str, dict[str, float]]
+
+    def name(self, index: int) -> str:
+        return f"step {self.step if self.step is not None else index}"
+
+
+def plan_step(plan: RoutingPlan) -> TraceStep:
+    """The `TraceStep` of ``plan``."""
+    st = plan.stats
+    m = plan.measurements
+    bags = gpu_bags(plan)
+    times = None
+    if m is not None and m.per_rank_ms:
+        times = [
+            {phase: values[position] for phase, values in m.per_rank_ms.items()}
+            for position in range(len(plan.gpus))
+        ]
+    return TraceStep(
+        step=plan.step,
+        time=plan.time,
+        ranks=list(plan.gpus),
+        labels=[f"GPU {r} · {plan.bag_label(int(bags[i]))}" for i, r in enumerate(plan.gpus)],
+        times=times,
+        figures={
+            "topology": plan.topology,
+            "sequences": len(plan.sequences),
+            "chunks": len(plan.chunks),
+            "moved_tokens": st.moved_tokens,
+            "total_tokens": st.total_tokens,
+        },
+        counters=plan_counters(plan),
+    )
+
+
+def step_start_us(step: TraceStep | RoutingPlan, previous_end_us: int) -> int:
+    """Where a step's slot starts (whole µs since the Unix epoch): its recorded wall
+    clock, or ``previous_end_us`` when that is later or the step has no time."""
+    if step.time is None:
         return previous_end_us
-    return max(round(plan.time * 1e6), previous_end_us)
+    return max(round(step.time * 1e6), previous_end_us)
 
 
 def _metadata(kind: str, pid: int, tid: int | None, args: dict[str, Any]) -> dict[str, Any]:
@@ -164,8 +213,13 @@ def _metadata(kind: str, pid: int, tid: int | None, args: dict[str, Any]) -> dic
 
 def trace_events(runs: dict[str, Sequence[RoutingPlan]]) -> list[dict[str, Any]]:
     """Every event of the trace of ``runs`` (run name -> its plans in step order)."""
+    return step_events({run: [plan_step(p) for p in plans] for run, plans in runs.items()})
+
+
+def step_events(runs: dict[str, Sequence[TraceStep]]) -> list[dict[str, Any]]:
+    """Every event of the trace of ``runs`` (run name -> its steps in order)."""
     events: list[dict[str, Any]] = []
-    for index, (run, plans) in enumerate(runs.items()):
+    for index, (run, steps) in enumerate(runs.items()):
         pid = index + 1
         events.append(_metadata("process_name", pid, None, {"name": f"knapformer · {run}"}))
         events.append(_metadata("process_sort_index", pid, None, {"sort_index": index}))
@@ -174,22 +228,20 @@ def trace_events(runs: dict[str, Sequence[RoutingPlan]]) -> list[dict[str, Any]]
         named: set[int] = set()
         at_us = round(ORIGIN_MS * US_PER_MS)  # whole µs: wall-clock values are ~1.8e15
         rank_end: dict[int, int] = {}  # where each rank's last step ended (µs)
-        for i, plan in enumerate(plans):
-            at_us = step_start_us(plan, at_us)
-            for position, rank in enumerate(plan.gpus):
+        for i, step in enumerate(steps):
+            at_us = step_start_us(step, at_us)
+            for rank, label in zip(step.ranks, step.labels, strict=True):
                 if rank not in named:
                     named.add(rank)
-                    bag = int(gpu_bags(plan)[position])
-                    label = f"GPU {rank} · {plan.bag_label(bag)}"
                     events.append(_metadata("thread_name", pid, rank, {"name": label}))
                     events.append(_metadata("thread_sort_index", pid, rank, {"sort_index": rank}))
-            slot_ms, rank_events = _rank_steps(plan, pid, at_us, i, rank_end)
-            following = plans[i + 1].time if i + 1 < len(plans) else None
+            slot_ms, rank_events = _rank_steps(step, pid, at_us, i, rank_end)
+            following = steps[i + 1].time if i + 1 < len(steps) else None
             if following is not None and round(following * 1e6) > at_us:
                 # the recorded step ends where the next one's planning began
                 slot_ms = (round(following * 1e6) - at_us) / US_PER_MS
             events += rank_events
-            events += _step_events(plan, pid, at_us, slot_ms, i)
+            events += _step_events(step, pid, at_us, slot_ms, i)
             at_us += round(slot_ms * US_PER_MS)
     return events
 
@@ -203,23 +255,17 @@ def _span_us(start_ms: float, ms: float, base_us: int = 0) -> dict[str, int]:
     return {"ts": base_us + start, "dur": round((start_ms + ms) * US_PER_MS) - start}
 
 
-def _step_name(plan: RoutingPlan, index: int) -> str:
-    return f"step {plan.step if plan.step is not None else index}"
-
-
 def _rank_steps(
-    plan: RoutingPlan, pid: int, at_us: int, index: int, rank_end: dict[int, int]
+    step: TraceStep, pid: int, at_us: int, index: int, rank_end: dict[int, int]
 ) -> tuple[float, list[dict]]:
-    """The slot length (ms) of ``plan``'s step, as long as its slowest rank, and the
-    slices of every rank in it: a rank's step starts at ``at_us``, or where its previous
-    one ended (``rank_end``, updated) when that is later."""
-    m = plan.measurements
-    if m is None or not m.per_rank_ms:
+    """The slot length (ms) of the step, as long as its slowest rank, and the slices of
+    every rank in it: a rank's step starts at ``at_us``, or where its previous one ended
+    (``rank_end``, updated) when that is later."""
+    if not step.times:
         return UNMEASURED_SLOT_MS, []
     events, slot = [], 0.0
-    name = _step_name(plan, index)
-    for position, rank in enumerate(plan.gpus):
-        times = {phase: values[position] for phase, values in m.per_rank_ms.items()}
+    name = step.name(index)
+    for rank, times in zip(step.ranks, step.times, strict=True):
         span, slices = layout_rank_step(times)
         slot = max(slot, span)
         start_us = max(at_us, rank_end.get(rank, at_us))
@@ -243,29 +289,24 @@ def _rank_steps(
     return (slot if slot > 0 else UNMEASURED_SLOT_MS), events
 
 
-def _step_events(plan: RoutingPlan, pid: int, at_us: int, slot_ms: float, index: int):
+def _step_events(step: TraceStep, pid: int, at_us: int, slot_ms: float, index: int):
     """The step's slice on the steps track and its counters."""
-    st = plan.stats
-    counters = plan_counters(plan)
+    counters = step.counters
     figures: dict[str, Any] = {
-        "topology": plan.topology,
-        "sequences": len(plan.sequences),
-        "chunks": len(plan.chunks),
-        "moved_tokens": st.moved_tokens,
-        "total_tokens": st.total_tokens,
+        **step.figures,
         **{
             f"{name}: {k}": round(v, 6)
             for name, series in counters.items()
             for k, v in series.items()
         },
     }
-    if plan.measurements is None or not plan.measurements.per_rank_ms:
+    if not step.times:
         figures["note"] = "no per-rank times recorded for this step"
     span = _span_us(0.0, slot_ms, at_us)
     events = [
         {
             "ph": "X",
-            "name": _step_name(plan, index),
+            "name": step.name(index),
             "cat": "step",
             "pid": pid,
             "tid": STEPS_TRACK,
@@ -282,12 +323,19 @@ def _step_events(plan: RoutingPlan, pid: int, at_us: int, slot_ms: float, index:
 
 def build_trace(runs: dict[str, Sequence[RoutingPlan]], source: str = "") -> dict[str, Any]:
     """The trace of ``runs`` (run name -> plans) as a JSON-ready dict."""
-    from knapformer import __version__
-
     if not any(runs.values()):
         raise KnapformerError("no plan to trace")
+    return trace_document(
+        {run: [plan_step(p) for p in plans] for run, plans in runs.items()}, source
+    )
+
+
+def trace_document(runs: dict[str, Sequence[TraceStep]], source: str = "") -> dict[str, Any]:
+    """The trace of ``runs`` (run name -> steps) as a JSON-ready dict."""
+    from knapformer import __version__
+
     return {
-        "traceEvents": trace_events(runs),
+        "traceEvents": step_events(runs),
         "displayTimeUnit": "ms",
         "otherData": {
             "generator": f"knapformer {__version__} trace",

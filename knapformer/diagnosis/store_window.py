@@ -1,0 +1,358 @@
+"""A window of the run store's rows as the straggler analysis's matrices, all at once.
+
+`knapformer.diagnosis.measured.measure` reads one plan at a time; a reader of the run
+store has, for a window of steps, one narrow row per rank per step (`WindowRows`) and
+builds the same `RankSteps`, exchange-scope times and probe bandwidths from them with
+numpy over the whole window (1,024 ranks x 1,000 steps in about a second, where a loop
+over steps took several). The figures are the ones `measure` defines, computed by the
+same functions (`_waits`, `phase_ms`, `host_ms`) over every row of the window at once,
+each collective's peers told apart by a group id per step (and per bag), so that the
+verdicts on the store equal those on the plans of the same steps (both keep float32
+figures, as `RankFigures` does).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from knapformer.contract.nan_reduce import nan_reduce
+from knapformer.contract.phases import (
+    BAG_COLLECTIVES,
+    COLLECTIVE_PHASES,
+    COMPUTE_PHASES,
+    DATA,
+    DESCHEDULED,
+    EXCHANGES,
+    FIXED_PHASES,
+    GC,
+    GROUP_EXCHANGES,
+    PROBE,
+    STEP,
+    host_ms,
+    phase_ms,
+)
+from knapformer.diagnosis.measured import group_waits
+from knapformer.diagnosis.rank_steps import RankSteps
+from knapformer.diagnosis.stragglers import ScopeTimes
+from knapformer.planning.compute_model import fit_compute
+
+
+@dataclass(frozen=True)
+class WindowRows:
+    """One row per rank per step of a window (k rows, sorted by step, then rank) and one
+    entry per step (s,). NaN marks a phase a row did not measure."""
+
+    step: np.ndarray  # (k,) int
+    rank: np.ndarray  # (k,) int
+    bag: np.ndarray  # (k,) int, the bag's id in its step's plan
+    phase_ms: Mapping[str, np.ndarray]  # phase -> (k,) ms
+    work: np.ndarray  # (k,) work after routing at nominal speed (``work_after``)
+    load: np.ndarray  # (k,) the plan's predicted time (``load_after``)
+    moved_tokens: np.ndarray  # (k,) tokens it sent plus tokens it received
+    steps: np.ndarray  # (s,) int, ascending
+    mean_load: np.ndarray  # (s,) the ideal load (`PlanStats.mean_load`)
+    floor: np.ndarray  # (s,) largest sequence workload over the largest bag capacity
+    token_dim: np.ndarray  # (s,) (1 where the plan had none)
+    shown_total: np.ndarray  # (s,) total work in the plan's `LoadUnit`
+    load_axis: str = ""
+    #: (k,) the rank's fastest link inside a node / across nodes in the step's link
+    #: probe (GB/s; NaN: no probe that step, or no pair of that kind)
+    best_intra_gbps: np.ndarray | None = None
+    best_cross_gbps: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class WindowFigures:
+    """What `knapformer.diagnosis.stragglers.judge` reads, for a window of the store."""
+
+    m: RankSteps
+    scopes: ScopeTimes
+    bandwidth: np.ndarray  # (r, s) relative bandwidth in the link probe
+
+
+@dataclass(frozen=True)
+class _Flat:
+    """The window's rows with their step column and presence of each phase per step."""
+
+    rows: WindowRows
+    col: np.ndarray  # (k,) the row's step's column
+    per_rank: dict[str, np.ndarray]  # phase -> (k,) float64
+    present: dict[str, np.ndarray]  # phase -> (s,) bool
+
+    @functools.cached_property
+    def bag_groups(self) -> np.ndarray:
+        """(k,) a group id per row: its step's bag."""
+        bag = np.asarray(self.rows.bag, dtype=np.int64)
+        # ids need not be contiguous (an unused id is an empty group): no sort
+        return self.col * (int(bag.max()) + 1) + bag
+
+    def phase_in_step(self, phase: str) -> np.ndarray:
+        """(k,) bool: the row's step measured ``phase``."""
+        return (
+            self.present[phase][self.col]
+            if phase in self.present
+            else np.zeros(len(self.col), bool)
+        )
+
+
+def _divide(a: np.ndarray, b: np.ndarray, empty: float) -> np.ndarray:
+    """``a / b``, ``empty`` where ``b`` is not > 0."""
+    return np.where(b > 0, a / np.where(b > 0, b, 1.0), empty)
+
+
+def _measured_only(rows: WindowRows) -> _Flat:
+    """The rows of the steps that measured a compute phase (`measure` skips the others)."""
+    s = len(rows.steps)
+    col = np.searchsorted(rows.steps, rows.step)
+    # a phase no row measured is left out, as a plan leaves it out of its measurements
+    per_rank = {
+        p: np.asarray(v, dtype=np.float64) for p, v in rows.phase_ms.items() if np.isfinite(v).any()
+    }
+    present = {p: np.bincount(col[np.isfinite(v)], minlength=s) > 0 for p, v in per_rank.items()}
+    measured = np.zeros(s, bool)
+    for p in COMPUTE_PHASES:
+        if p in present:
+            measured |= present[p]
+    if measured.all():
+        return _Flat(rows, col, per_rank, present)
+    keep_row, keep = measured[col], np.flatnonzero(measured)
+
+    def sub(a):
+        return None if a is None else np.asarray(a)[keep_row]
+
+    kept = WindowRows(
+        **{
+            name: sub(getattr(rows, name))
+            for name in (
+                "step",
+                "rank",
+                "bag",
+                "work",
+                "load",
+                "moved_tokens",
+                "best_intra_gbps",
+                "best_cross_gbps",
+            )
+        },
+        phase_ms={p: v[keep_row] for p, v in per_rank.items()},
+        **{
+            n: np.asarray(getattr(rows, n))[keep]
+            for n in ("steps", "mean_load", "floor", "token_dim", "shown_total")
+        },
+        load_axis=rows.load_axis,
+    )
+    return _measured_only(kept)
+
+
+def _compute(flat: _Flat) -> tuple[np.ndarray, list[str]]:
+    """(k,) each row's ms in its step's compute phase, and that phase per step."""
+    s = len(flat.rows.steps)
+    phase_of = np.full(s, -1)
+    for i, p in enumerate(COMPUTE_PHASES):
+        if p in flat.present:
+            phase_of = np.where((phase_of < 0) & flat.present[p], i, phase_of)
+    compute = np.full(len(flat.col), np.nan)
+    for i, p in enumerate(COMPUTE_PHASES):
+        take = phase_of[flat.col] == i
+        if take.any():
+            compute[take] = flat.per_rank[p][take]
+    return compute, [COMPUTE_PHASES[i] for i in phase_of]
+
+
+def _per_row(flat: _Flat, compute: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """The per-row figures `RankFigures` keeps (float32, as there), and each row's wait
+    in all its collectives together (float64, which names the straggler)."""
+    rows, col, per_rank, k = flat.rows, flat.col, flat.per_rank, len(flat.col)
+    waits = {}
+    for p in COLLECTIVE_PHASES:
+        if p in per_rank:
+            groups = flat.bag_groups if p in BAG_COLLECTIVES else col
+            waits[p] = group_waits(per_rank[p], groups)
+    total_wait = sum(waits.values(), np.zeros(k))
+    step_ms = np.where(flat.phase_in_step(STEP), per_rank.get(STEP, np.nan), np.nan)
+    step_ms = np.maximum(step_ms - phase_ms(per_rank, PROBE, k), 0)
+    work_total = np.bincount(col, weights=rows.work, minlength=len(rows.steps))[col]
+    share = _divide(np.asarray(rows.work, np.float64), work_total, 0.0)
+    token_dim = np.asarray(rows.token_dim, np.float64)[col]
+    figures = {
+        "compute_ms": compute,
+        "wait_ms": total_wait,
+        "share": share,
+        "load": _divide(np.asarray(rows.load, np.float64), rows.mean_load[col], 0.0),
+        "step_ms": step_ms,
+        "data_ms": phase_ms(per_rank, DATA, k),
+        "host_ms": host_ms(per_rank, k),
+        "gc_ms": phase_ms(per_rank, GC, k),
+        "descheduled_ms": phase_ms(per_rank, DESCHEDULED, k),
+        "exchange_ms": sum((phase_ms(per_rank, p, k) for p in EXCHANGES), np.zeros(k)),
+        "exchange_wait_ms": sum((waits[p] for p in EXCHANGES if p in waits), np.zeros(k)),
+        "exchange_values": np.asarray(rows.moved_tokens, np.float64) * 2 * token_dim,
+    }
+    figures = {name: v.astype(np.float32) for name, v in figures.items()}
+    # float64, as the plan's stats multiply it: float32 share x shown total
+    figures["shown"] = share.astype(np.float32).astype(np.float64) * rows.shown_total[col]
+    return figures, total_wait
+
+
+def _stragglers(total_wait: np.ndarray, flat: _Flat) -> list[int | None]:
+    """Per step, the rank that waited least (the first in row order on a tie), None when
+    nobody waited (`measure`'s straggler)."""
+    s, k = len(flat.rows.steps), len(flat.col)
+    least = np.full(s, np.inf)
+    np.minimum.at(least, flat.col, total_wait)
+    position = np.where(total_wait == least[flat.col], np.arange(k), k)
+    first = np.full(s, k, dtype=np.int64)
+    np.minimum.at(first, flat.col, position)
+    waited = np.bincount(flat.col, weights=total_wait, minlength=s) > 0
+    ranks = np.asarray(flat.rows.rank)[np.minimum(first, k - 1)]
+    return [int(r) if w else None for r, w in zip(ranks.tolist(), waited.tolist(), strict=True)]
+
+
+def _grid(values: np.ndarray, row: np.ndarray, col: np.ndarray, shape: tuple) -> np.ndarray:
+    """(r, s) float64 of per-row ``values``, NaN where a rank was not in a step: a
+    reshape when every step holds every rank in rank order (the usual window)."""
+    r, s = shape
+    if len(values) == r * s and (row.reshape(s, r) == np.arange(r)).all():
+        return np.ascontiguousarray(values.reshape(s, r).T, dtype=np.float64)
+    out = np.full(shape, np.nan)
+    out[row, col] = values
+    return out
+
+
+def _positions(rank: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The sorted distinct ranks and each row's index among them, by counting (ranks are
+    small non-negative numbers; a sort of a million rows took a tenth of a second)."""
+    seen = np.bincount(rank) > 0
+    index = np.cumsum(seen) - 1
+    return np.flatnonzero(seen).astype(np.int64), index[rank]
+
+
+def window_figures(rows: WindowRows) -> WindowFigures:
+    """The matrices, exchange-scope times and probe bandwidths of ``rows``."""
+    flat = _measured_only(rows)
+    rows, col = flat.rows, flat.col
+    ranks, row = _positions(np.asarray(rows.rank, np.int64))
+    shape = (len(ranks), len(rows.steps))
+    compute, phases = _compute(flat)
+    figures, total_wait = _per_row(flat, compute)
+    out = {name: _grid(values, row, col, shape) for name, values in figures.items()}
+    fixed = {}
+    for p in FIXED_PHASES:
+        if p in flat.present and flat.present[p].any():
+            fixed[p] = np.full(shape, np.nan)
+            take = flat.phase_in_step(p)
+            fixed[p][row[take], col[take]] = phase_ms(flat.per_rank, p, len(col))[take].astype(
+                np.float32
+            )
+    floor_load = _divide(np.asarray(rows.floor, np.float64), rows.mean_load, np.nan)
+    at_floor = np.zeros(shape, bool)
+    at_floor[row, col] = (rows.load >= 0.99 * rows.floor[col]) & (floor_load[col] > 1.0)
+    fit = fit_compute(out["share"], out["compute_ms"])
+    m = RankSteps(
+        ranks=ranks,
+        steps=[int(x) for x in rows.steps],
+        ratio=fit.rate_steps,
+        compute_ms=out["compute_ms"],
+        wait_ms=out["wait_ms"],
+        predicted_share=out["share"],
+        predicted_load=out["load"],
+        predicted_shown=out["shown"],
+        straggler=_stragglers(total_wait, flat),
+        phases=list(dict.fromkeys(phases)),
+        load_axis=rows.load_axis,
+        fit=fit,
+        **{
+            name: out[name]
+            for name in (
+                "step_ms",
+                "data_ms",
+                "host_ms",
+                "gc_ms",
+                "descheduled_ms",
+                "exchange_ms",
+                "exchange_wait_ms",
+                "exchange_values",
+            )
+        },
+        at_floor=at_floor,
+        floor_load=floor_load,
+        fixed_ms=fixed,
+    )
+    # the compute the exchanges serve by the wall clock, as `measure` gives `link_steps`
+    wall = compute + phase_ms(flat.per_rank, DESCHEDULED, len(col))
+    scopes = _scope_times(flat, wall)
+    return WindowFigures(m, scopes, _relative_bandwidth(flat, ranks, row, shape))
+
+
+def _scope_times(flat: _Flat, wall: np.ndarray) -> ScopeTimes:
+    """Per exchange scope (the group of each step for its routing, each bag of two or
+    more GPUs for its Ulysses exchanges), its cost and no-wait time in every step that
+    measured its exchanges (`knapformer.diagnosis.measured.link_steps`)."""
+    out: ScopeTimes = {}
+    for scope, phases in (("group", GROUP_EXCHANGES), ("bag", BAG_COLLECTIVES)):
+        groups = flat.col if scope == "group" else flat.bag_groups
+        order = np.argsort(groups, kind="stable")
+        starts = np.flatnonzero(np.r_[True, np.diff(groups[order]) != 0])
+        size = np.diff(np.r_[starts, len(order)])
+        step = flat.col[order[starts]]
+        measured = [p for p in phases if p in flat.present]
+        exchanged = np.zeros(len(starts), bool)
+        no_wait = np.zeros(len(starts))
+        for p in measured:
+            exchanged |= flat.present[p][step]
+            no_wait += np.minimum.reduceat(np.nan_to_num(flat.per_rank[p][order]), starts)
+        compute = np.fmax.reduceat(wall[order], starts)
+        keep = np.flatnonzero(exchanged & (size >= 2))
+        ranks = np.asarray(flat.rows.rank, np.int64)[order]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            cost = np.where(compute > 0, no_wait / compute, np.nan)
+        for key, members in _scope_keys(scope, ranks, starts, size, keep).items():
+            out[key] = (cost[members], no_wait[members])
+    return out
+
+
+def _scope_keys(
+    scope: str, ranks: np.ndarray, starts: np.ndarray, size: np.ndarray, keep: np.ndarray
+) -> dict[tuple[str, tuple[int, ...]], np.ndarray]:
+    """(scope, its ranks) -> the groups (indices, in step order) of ``keep`` that are
+    that scope; a group's ranks are read once per distinct scope, not once per step."""
+    running = np.r_[0, np.cumsum(ranks)]
+    cum = running[starts + size] - running[starts]
+    # a group is told by its first rank and size (its ranks' sum checks it): one key
+    first_rank, sizes, sums = ranks[starts][keep], size[keep], cum[keep]
+    key = first_rank.astype(np.int64) * (int(sizes.max(initial=0)) + 1) + sizes
+    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    if (sums != sums[first][inverse]).any():  # bags that share a first rank and size
+        signature = np.stack([first_rank, sizes, sums], axis=1)
+        _, first, inverse = np.unique(signature, axis=0, return_index=True, return_inverse=True)
+        inverse = inverse.reshape(-1)
+    order = np.argsort(inverse, kind="stable")  # each scope's groups together, in step order
+    bounds = np.cumsum(np.bincount(inverse, minlength=len(first)))[:-1]
+    out = {}
+    for at, groups in zip(first.tolist(), np.split(keep[order], bounds), strict=True):
+        g = keep[at]
+        out[(scope, tuple(ranks[starts[g] : starts[g] + size[g]].tolist()))] = groups
+    return out
+
+
+def _relative_bandwidth(
+    flat: _Flat, ranks: np.ndarray, row: np.ndarray, shape: tuple[int, int]
+) -> np.ndarray:
+    """(r, s) each rank's best link over the median rank's of the same kind, the worse of
+    its kinds (`knapformer.diagnosis.probed.relative_bandwidth`); NaN without a probe."""
+    out = np.full(shape, np.nan)
+    for best in (flat.rows.best_intra_gbps, flat.rows.best_cross_gbps):
+        if best is None:
+            continue
+        grid = np.full(shape, np.nan)
+        grid[row, flat.col] = np.asarray(best, np.float64)
+        reference = nan_reduce(np.nanmedian, grid, axis=0)  # (s,)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            relative = np.where(reference > 0, grid / reference, np.nan)
+        out = np.fmin(out, relative)
+    return out

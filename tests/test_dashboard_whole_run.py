@@ -1,0 +1,103 @@
+"""The dashboard's whole-run views in Debian's Chromium (headless) through Playwright, on a
+run recorded with its store: a rank x step heatmap of compute rate, the ranks named slow
+per segment, imbalance and lost time over the run, and a drill-down into one cell."""
+
+from __future__ import annotations
+
+import pytest
+from knapformer.visualization.browser import find_chromium, launch_chromium
+
+from knapformer.runtime.recorder import PlanRecorder
+from knapformer.testing.measured_plans import measured_run
+from knapformer.testing.polling import wait_until
+
+pytestmark = pytest.mark.browser
+if find_chromium() is None:
+    pytest.skip("no Chromium on this machine (make browser-deps)", allow_module_level=True)
+sync_api = pytest.importorskip("playwright.sync_api")
+
+STEPS, SEGMENT, SLOW_FROM = 24, 4, 12
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """24 measured steps of 8 ranks, rank 5 twice as slow from step 12 on, recorded with a
+    store in segments of 4 steps."""
+    folder = tmp_path_factory.mktemp("whole") / "run"
+    healthy = measured_run(SLOW_FROM, seed=3)
+    slow = measured_run(STEPS, slow_rank=5, slow_factor=2.0, seed=3)[SLOW_FROM:]
+    with PlanRecorder(folder / "plans.jsonl", every=8, store_segment_steps=SEGMENT) as rec:
+        for plan in healthy + slow:
+            rec.record(plan)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def page(run):
+    from knapformer.dashboard.server import start_server
+
+    handle = start_server(run, port=0)
+    with sync_api.sync_playwright() as pw:
+        browser = launch_chromium(pw)
+        try:
+            pg = browser.new_page(viewport={"width": 1400, "height": 1600})
+            pg.goto(handle.url)
+            pg.wait_for_selector("#run-heatmap .heatmaplayer", timeout=120_000)
+            yield pg
+        finally:
+            browser.close()
+            handle.stop()
+
+
+def _trace(page, graph_id: str) -> dict:
+    """The first drawn trace of a graph (typed arrays decoded) and its title."""
+    return page.evaluate(
+        f"""() => {{ const gd = document.querySelector('#{graph_id} .js-plotly-plot');
+        const list = v => v === undefined ? [] : Array.from(v, e =>
+            (e !== null && typeof e === 'object') ? Array.from(e) : e);
+        const t = gd._fullData[0];
+        return {{x: list(t.x), y: list(t.y), z: list(t.z), custom: list(t.customdata),
+                 type: t.type, title: gd._fullLayout.title.text}}; }}"""
+    )
+
+
+def test_the_heatmap_shows_every_rank_and_segment_and_the_slow_rank(page):
+    heat = _trace(page, "run-heatmap")
+    assert heat["type"] == "heatmap"
+    assert heat["y"] == [float(r) for r in range(8)]  # a row per rank: 8 fit the screen
+    assert len(heat["x"]) == STEPS // SEGMENT
+    rate = heat["custom"]
+    before, after = SLOW_FROM // SEGMENT - 1, SLOW_FROM // SEGMENT
+    assert rate[5][after] > 1.8 and rate[5][before] < 1.2
+    assert max(rate[r][after] for r in range(8) if r != 5) < 1.2
+
+
+def test_verdicts_and_imbalance_over_the_run(page):
+    summary = page.inner_text("#run-summary")
+    assert f"{STEPS} steps, 8 ranks, {STEPS // SEGMENT} segments" in summary
+    assert f"rank 5 named slow in steps {SLOW_FROM}–{STEPS - 1}" in summary
+    verdicts = _trace(page, "run-verdicts")
+    assert set(verdicts["y"]) == {5} and min(verdicts["x"]) > SLOW_FROM
+    steps = page.evaluate(
+        "() => document.querySelector('#run-steps .js-plotly-plot')._fullData.map(t => t.name)"
+    )
+    assert steps[:2] == ["imbalance before", "imbalance after"]
+    assert len(_trace(page, "run-steps")["x"]) == STEPS
+
+
+def test_a_click_opens_that_cells_steps(page):
+    box = page.locator("#run-heatmap .nsewdrag").first.bounding_box()
+    # the last column: steps 20..23, where rank 5 is slow
+    page.mouse.click(box["x"] + box["width"] * 0.95, box["y"] + box["height"] * 0.5)
+    wait_until(lambda: "steps 20–23" in page.inner_text("#drill-label"), 60)
+    assert "rank 5" in page.inner_text("#drill-label")
+    drilled = _trace(page, "drill-heatmap")
+    assert drilled["x"] == [20.0, 21.0, 22.0, 23.0]
+    assert all(row[0] > 1.5 for row in drilled["custom"][5:6])
+
+
+def test_the_header_names_the_straggler_from_every_step_of_the_store(page):
+    # the plans keep every 8th step; the store every step: 20 steps, 12 of them slow
+    card = page.inner_text("#stat-straggler")
+    assert card.startswith("slow_gpu: rank 5"), card
+    assert "in 12 of 20 steps" in card, card

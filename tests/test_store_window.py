@@ -1,0 +1,82 @@
+"""The straggler analysis over a window of store rows (`window_figures`, all steps at
+once) says what it says over the same steps' plans (`measure`, one plan at a time)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from knapformer.contract.phases import RECORDED_PHASES
+from knapformer.diagnosis.measured import measure
+from knapformer.diagnosis.rank_steps import rank_steps
+from knapformer.diagnosis.step_loss import window_losses
+from knapformer.diagnosis.store_window import WindowRows, window_figures
+from knapformer.diagnosis.stragglers import analyse, judge
+from knapformer.testing.measured_plans import measured_run
+
+
+def _rows(plans) -> WindowRows:
+    """The plans' figures as the run store keeps them: one row per rank per step."""
+    per_step = [(p, p.stats, len(p.gpus)) for p in plans]
+
+    def cat(values) -> np.ndarray:
+        return np.concatenate([np.asarray(v) for v in values])
+
+    def phase(name: str) -> np.ndarray:
+        got = [p.measurements.per_rank_ms.get(name) for p, _, _ in per_step]
+        return cat(
+            np.full(n, np.nan) if v is None else v
+            for v, (_, _, n) in zip(got, per_step, strict=True)
+        )
+
+    return WindowRows(
+        step=cat([np.full(n, p.step) for p, _, n in per_step]),
+        rank=cat([p.gpus for p, _, _ in per_step]),
+        bag=cat([st.gpu_bag for _, st, _ in per_step]),
+        phase_ms={name: phase(name) for name in RECORDED_PHASES},
+        work=cat([st.work_after for _, st, _ in per_step]),
+        load=cat([st.load_after / st.mean_load for _, st, _ in per_step]),
+        moved_tokens=cat([st.tokens_sent + st.tokens_received for _, st, _ in per_step]),
+        steps=np.array([p.step for p in plans]),
+        mean_load=np.ones(len(plans)),
+        floor=np.array([measure(p).floor_load for p in plans]),
+        token_dim=np.ones(len(plans)),
+        shown_total=np.ones(len(plans)),
+    )
+
+
+@pytest.mark.parametrize(
+    ("topology", "slow"),
+    [("g1n2+g2n1+g4n1", {"slow_rank": 5, "slow_factor": 2.0}), ("g2n2+g4n1", {})],
+)
+def test_store_rows_give_the_plans_verdicts(topology, slow):
+    plans = measured_run(10, topology=topology, seed=3, **slow)
+    figures = [measure(p).figures() for p in plans]
+    on_plans = analyse(figures, None)
+    w = window_figures(_rows(plans))
+    on_rows = judge(w.m, w.scopes, w.bandwidth)
+    assert [r.verdict for r in on_rows.ranks] == [r.verdict for r in on_plans.ranks]
+    if slow:
+        assert on_rows.straggler.rank == slow["slow_rank"]
+    for a, b in zip(on_plans.ranks, on_rows.ranks, strict=True):
+        for name, value in a.as_dict().items():
+            if isinstance(value, float):
+                assert b.as_dict()[name] == pytest.approx(value, rel=1e-6), name
+            else:
+                assert b.as_dict()[name] == value, name
+    assert [v.as_dict() for v in on_rows.links] == [v.as_dict() for v in on_plans.links]
+    m = rank_steps(figures)
+    assert w.m.straggler == m.straggler
+    for name in ("compute_ms", "wait_ms", "exchange_wait_ms", "step_ms", "host_ms"):
+        np.testing.assert_allclose(getattr(w.m, name), getattr(m, name), rtol=1e-6)
+    lost = [x.lost_ms for x in window_losses(w.m)]
+    assert lost == pytest.approx([x.lost_ms for x in window_losses(m)], rel=1e-6)
+
+
+def test_steps_without_a_compute_phase_are_left_out_as_by_the_plans():
+    plans = measured_run(6, seed=4)
+    rows = _rows(plans)
+    unmeasured = rows.step == plans[2].step
+    phases = {p: np.where(unmeasured, np.nan, v) for p, v in rows.phase_ms.items()}
+    w = window_figures(WindowRows(**{**rows.__dict__, "phase_ms": phases}))
+    assert w.m.steps == [p.step for p in plans if p.step != plans[2].step]
