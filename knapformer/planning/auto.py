@@ -65,6 +65,9 @@ _LEVEL_PARTNERS = 4  # least loaded bags offered to each
 _LEVEL_MEMBERS = 12  # members of a bag scored (a spread sample beyond)
 _REFINE_ROUNDS = 12  # GPU-exact refinement rounds of a small step (`_refine`)
 _REFINE_PARTNERS = 8  # least loaded bags whose sequences it tries swapping with
+# (candidate, GPU) cells a refinement round scores at most: a round costs the same
+# whether a GPU holds 4 sequences or 400 (sampled beyond, `_within_budget`).
+_REFINE_CELLS = 1 << 15
 
 
 def solve_auto(lengths, workload, src_pos, speed, max_tokens, solve_fixed, model, comm, sizes,
@@ -903,6 +906,20 @@ def _moved_estimate(step: Step) -> float:
     return float(np.sum(step.lengths * np.where(home, (g - 1) / g, 1.0)))
 
 
+def _within_budget(mine, theirs, num_bags, num_gpus, workload):
+    """``mine`` and ``theirs`` (sequence ids), or spread samples of them (`_spread_sample`)
+    when scoring every move of ``mine`` to each of ``num_bags`` bags and every swap with
+    ``theirs`` on each of ``num_gpus`` GPUs would exceed ``_REFINE_CELLS``: half the
+    candidates go to moves, the rest to swaps."""
+    cap = max(_REFINE_CELLS // num_gpus, 2 * num_bags)
+    if len(mine) * (num_bags + len(theirs)) <= cap:
+        return mine, theirs
+    most = min(len(mine), max(4, cap // (2 * num_bags)))
+    mine = _spread_sample(mine, workload, most)
+    swaps = max(4, (cap - len(mine) * num_bags) // len(mine))
+    return mine, _spread_sample(theirs, workload, swaps)
+
+
 def _refine(step: Step, model: WorkloadModel, comm: CommModel, speed, max_tokens) -> Step:
     """GPU-exact refinement of a small step (its chunk table made): the bag-level prices
     spread a sequence's sending over its home bag, but one GPU sends it, and a long video
@@ -970,6 +987,7 @@ def _refine(step: Step, model: WorkloadModel, comm: CommModel, speed, max_tokens
         light = least(per_bag, min(_REFINE_PARTNERS + 1, len(size)))
         light = light[light != a][:_REFINE_PARTNERS]
         theirs = np.flatnonzero(np.isin(bag, light) & (lengths > 0))
+        mine, theirs = _within_budget(mine, theirs, len(size), num_gpus, workload)
         # Moves to every bag, then swaps with the light bags' sequences.
         s1 = np.repeat(mine, len(size))
         t1 = np.tile(np.arange(len(size)), len(mine))
