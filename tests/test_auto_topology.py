@@ -253,3 +253,31 @@ def test_a_coarse_large_step_keeps_every_bound_and_cap():
             except KnapformerError:  # the cap rules this layout out
                 continue
             assert auto_ms <= plan_cost(fixed, comm).makespan * (1 + 1e-9), (kwargs, g)
+
+
+def test_a_slow_gpu_is_split_off_its_group_and_the_others_stop_waiting_for_it():
+    speed = np.ones(16)
+    speed[13] = 0.5
+    # g8 at 8 holds GPU 13: halved to g4 (8..11) + g4 (12..15), then g2 (12, 13) + g2, g1 + g1.
+    assert auto_solver._isolate_slow((4, 4, 8), speed) == (4, 4, 4, 1, 1, 2)
+    assert auto_solver._isolate_slow((4, 4, 8), np.full(16, 0.5)) is None  # none slower
+    assert auto_solver._isolate_slow((4, 4, 8), None) is None
+
+
+def test_auto_told_of_a_slow_gpu_wins_back_most_of_what_it_costs():
+    lengths = _lengths("joint", 1000)
+    comm = CommModel.cluster("nvlink")
+    speed = np.ones(32)
+    speed[-1] = 0.5  # inside a g8 bag of the healthy plan
+
+    def at_speed(plan):
+        run = plan.model_copy(update={"gpu_speed": speed.tolist()})
+        run._stats = None
+        return plan_cost(run, comm).step_ms
+
+    healthy = plan_routing(lengths, "auto", MODEL, comm=comm)
+    told = plan_routing(lengths, "auto", MODEL, comm=comm, gpu_speed=speed)
+    assert [31] in told.bags  # the slow GPU computes alone
+    blind, learnt = at_speed(healthy), at_speed(told)
+    base = plan_cost(healthy, comm).step_ms
+    assert (blind - learnt) / (blind - base) >= 0.6, (base, blind, learnt)

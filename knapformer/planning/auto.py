@@ -65,6 +65,7 @@ _LEVEL_PARTNERS = 4  # least loaded bags offered to each
 _LEVEL_MEMBERS = 12  # members of a bag scored (a spread sample beyond)
 _REFINE_ROUNDS = 12  # GPU-exact refinement rounds of a small step (`_refine`)
 _REFINE_PARTNERS = 8  # least loaded bags whose sequences it tries swapping with
+_SLOW = 0.9  # a GPU below this share of its group's fastest is split off (`_isolate_slow`)
 # (candidate, GPU) cells a refinement round scores at most: a round costs the same
 # whether a GPU holds 4 sequences or 400 (sampled beyond, `_within_budget`).
 _REFINE_CELLS = 1 << 15
@@ -111,9 +112,17 @@ def solve_auto(lengths, workload, src_pos, speed, max_tokens, solve_fixed, model
     mixed = mixed_partitions(workload, lengths, src_pos, num_gpus, sizes, per_token, node_size, eff)
     # Variants only pay off where sequences are coarse (few per GPU); a large step solves one.
     small = len(lengths) <= _AUTO_ALL_SEQUENCES and num_gpus <= _AUTO_ALL
-    for cand in mixed[: None if small else 1]:
-        consider(lambda c=cand: _solve_mixed(
-            c.bag_sizes, lengths, workload, src_pos, speed, max_tokens, per_token, floor,
+    layouts = [c.bag_sizes for c in mixed[: None if small else 1]]
+    # A slow GPU holds its whole group back: the same partition with it split off, beside
+    # (a small step) or instead of (a large one, which solves one partition) the original.
+    isolated = [_isolate_slow(b, speed) for b in layouts]
+    if small:
+        layouts += [b for b in isolated if b]
+    else:
+        layouts = [i or b for i, b in zip(isolated, layouts, strict=True)]
+    for bag_sizes in layouts:
+        consider(lambda b=bag_sizes: _solve_mixed(
+            b, lengths, workload, src_pos, speed, max_tokens, per_token, floor,
             comm, model))  # fmt: skip
     if small and best[0] is not None:  # the best mixed partition, GPU-exact
         refined = _refine(best[0], model, comm, speed, max_tokens)
@@ -134,6 +143,27 @@ def solve_auto(lengths, workload, src_pos, speed, max_tokens, solve_fixed, model
     if best[0] is None:
         raise failure or KnapformerError("topology 'auto' found no partition for the step")
     return best[0]
+
+
+def _isolate_slow(bag_sizes: tuple[int, ...], speed) -> tuple[int, ...] | None:
+    """``bag_sizes`` with every bag that holds a slow GPU (below ``_SLOW`` of its bag's
+    fastest) halved, again and again, until that GPU is alone: the halves stay aligned,
+    and the others no longer wait for it in Ulysses. None when no bag changes."""
+    if speed is None:
+        return None
+    out, start, changed = [], 0, False
+    for g in bag_sizes:
+        parts = [(start, g)]
+        while parts:
+            s, n = parts.pop(0)
+            part = speed[s : s + n]
+            if n > 1 and part.min() < _SLOW * part.max():
+                parts[:0] = [(s, n // 2), (s + n // 2, n // 2)]
+                changed = True
+            else:
+                out.append(n)
+        start += g
+    return tuple(out) if changed else None
 
 
 def _modelled_makespan(step: Step, model: WorkloadModel, comm: CommModel, speed) -> float:
