@@ -222,6 +222,8 @@ def chunk_table(step: Step):
     token of the others (the remainder never piles onto one GPU).
     """
     layout, lengths, bag = step.layout, step.lengths, step.bag
+    if len(layout.class_size) == 1:
+        return _uniform_chunk_table(step, int(layout.class_size[0]))
     g = layout.size[bag]
     quot = lengths // g
     ends = np.cumsum(g)
@@ -240,6 +242,32 @@ def chunk_table(step: Step):
     offset -= np.repeat(offset[first] if first.size else first, g)  # within the sequence
     idx = np.repeat(np.arange(len(lengths)), g)
     if quot.size and quot.min() == 0:  # some sequence is shorter than its bag
+        keep = length > 0
+        idx, pos, offset, length = idx[keep], pos[keep], offset[keep], length[keep]
+    return idx, pos, offset, length
+
+
+def _uniform_chunk_table(step: Step, g: int):
+    """`chunk_table` when every bag has ``g`` GPUs (the usual fixed topology): the chunks
+    form an (n, g) grid, built with broadcasts instead of per-chunk repeats."""
+    layout, lengths, bag = step.layout, step.lengths, step.bag
+    n = len(lengths)
+    quot = lengths // g
+    rem = lengths - quot * g
+    k = np.arange(g)
+    if layout.even:
+        start = _cycle_starts(bag, rem, np.full(n, g))
+        # Chunk k takes a remainder token when it lies in [start, start + rem) cyclically.
+        first, end = start[:, None], (start + rem)[:, None]
+        length = quot[:, None] + (((k >= first) & (k < end)) | (k + g < end))
+    else:
+        length = np.repeat(quot[:, None], g, axis=1)
+        length[np.arange(n), step.rem] += rem
+    pos = layout.start[bag][:, None] + k[None, :]
+    offset = np.cumsum(length, axis=1) - length
+    idx = np.repeat(np.arange(n), g)
+    length, pos, offset = length.ravel(), pos.ravel(), offset.ravel()
+    if n and quot.min() == 0:  # some sequence is shorter than its bag
         keep = length > 0
         idx, pos, offset, length = idx[keep], pos[keep], offset[keep], length[keep]
     return idx, pos, offset, length
