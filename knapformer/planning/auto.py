@@ -68,7 +68,7 @@ _REFINE_PARTNERS = 8  # least loaded bags whose sequences it tries swapping with
 _SLOW = 0.9  # a GPU below this share of its group's fastest is split off (`_isolate_slow`)
 # (candidate, GPU) cells a refinement round scores at most: a round costs the same
 # whether a GPU holds 4 sequences or 400 (sampled beyond, `_within_budget`).
-_REFINE_CELLS = 1 << 15
+_REFINE_CELLS = 1 << 14
 
 
 def solve_auto(lengths, workload, src_pos, speed, max_tokens, solve_fixed, model, comm, sizes,
