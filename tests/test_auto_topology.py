@@ -9,6 +9,7 @@ import pytest
 from knapformer.contract.plan import RoutingPlan
 from knapformer.errors import KnapformerError
 from knapformer.planning import auto as auto_solver
+from knapformer.planning import mixed as mixed_solver
 from knapformer.planning.communication import CommModel, plan_cost
 from knapformer.planning.datamix import parse_mix, sample_lengths, scale_mix
 from knapformer.planning.partitions import aligned_groups, allowed_sizes, layout_floor
@@ -216,18 +217,18 @@ def test_a_coarse_large_step_evens_its_size_classes_and_beats_the_exchange_alone
     comm = CommModel.cluster("nvlink")
     lengths = _large_joint(seed)
     taken = []
-    is_coarse = auto_solver._is_coarse
+    is_coarse = mixed_solver.is_coarse
 
     def spy(*args) -> bool:
         taken.append(is_coarse(*args))
         return taken[-1]
 
-    monkeypatch.setattr(auto_solver, "_is_coarse", spy)
+    monkeypatch.setattr(mixed_solver, "is_coarse", spy)
     plan = plan_routing(lengths, "auto", MODEL, comm=comm)
     assert taken == [True] and len({len(b) for b in plan.bags}) > 1 and _aligned(plan, 8)
     again = plan_routing(lengths, "auto", MODEL, comm=comm)
     assert np.array_equal(again.sequences.bag, plan.sequences.bag)  # deterministic
-    monkeypatch.setattr(auto_solver, "_is_coarse", lambda *a: False)
+    monkeypatch.setattr(mixed_solver, "is_coarse", lambda *a: False)
     exchange_only = plan_routing(lengths, "auto", MODEL, comm=comm)
     assert plan_cost(plan, comm).makespan < plan_cost(exchange_only, comm).makespan
 

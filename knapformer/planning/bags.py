@@ -17,10 +17,7 @@ from functools import lru_cache
 import numpy as np
 
 from knapformer.errors import KnapformerError
-
-EPS = 1e-12
-HEAVY_FRACTION = 0.25  # of one GPU's capacity: placed before the bulk "stay home" pass
-ONE_BY_ONE = 128  # steps of at most this many sequences are placed one by one
+from knapformer.planning.tuning import EPS
 
 
 class BagShape:

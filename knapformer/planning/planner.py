@@ -72,9 +72,6 @@ from knapformer.contract.topology import Topology, as_topology
 from knapformer.errors import KnapformerError
 from knapformer.planning.auto import solve_auto
 from knapformer.planning.bags import (
-    EPS,
-    HEAVY_FRACTION,
-    ONE_BY_ONE,
     BagLayout,
     BagShape,
     Step,
@@ -88,21 +85,23 @@ from knapformer.planning.bags import (
 )
 from knapformer.planning.communication import CommModel
 from knapformer.planning.partitions import DEFAULT_GROUP_SIZES, allowed_sizes
+from knapformer.planning.tuning import (
+    DENSE_CELLS,
+    EPS,
+    FALLBACK_TOLERANCE,
+    HEAVY_FRACTION,
+    ONE_BY_ONE,
+    SEARCH_PARTNERS,
+    SEARCH_TOLERANCE,
+)
 from knapformer.planning.workload import WorkloadModel
 
 DEFAULT_SOLVER = "knapformer"
 AUTO = "auto"  # the topology that lets the planner choose each step's bags
 SOLVERS = ("knapformer", "greedy")
-_ONE_BY_ONE = ONE_BY_ONE  # the fixed solvers' (tests lower it to take the large-step paths)
-# Further from the lower bound than this fraction, greedy is solved as well and the
-# better makespan kept: the result is then never worse than greedy's (which is >= the
-# bound) by more than 0.1 % of the bound.
-_FALLBACK_TOLERANCE = 1e-3
-_LEVEL_TOLERANCE = 8e-4  # the local search stops this close to the bound (with margin)
-_LEVEL_PARTNERS = 8  # least-loaded bags tried as exchange partners of the most-loaded one
-# A search round scores every (leaving, returning) pair while there are at most this many;
-# beyond, only the two candidates nearest the ideal exchange per partner.
-_DENSE_CELLS = 8192
+# The tuning constants the tests lower to take the large-step paths (knapformer/planning/tuning.py).
+_ONE_BY_ONE = ONE_BY_ONE
+_DENSE_CELLS = DENSE_CELLS
 
 
 def plan_routing(
@@ -438,7 +437,7 @@ def _solve_default(shape, lengths, workload, src_pos, speed, max_tokens, toleran
     step = Step.start(shape, lengths, workload, src_pos, layout)
     _solve_local(step, tolerance)
     makespan = layout.makespan()
-    if makespan <= bound * (1 + _FALLBACK_TOLERANCE):
+    if makespan <= bound * (1 + FALLBACK_TOLERANCE):
         return step
     try:
         greedy = _solve_greedy(shape, lengths, workload, src_pos, speed, max_tokens, even=True)
@@ -487,7 +486,7 @@ def _stay_home_in_bulk(seqs: np.ndarray, step: Step) -> None:
 
 def _level_makespan(step: Step, max_rounds: int | None = None, tolerance=None) -> None:
     """Local search on the makespan. Each round, every bag above the stopping load (up
-    to ``_LEVEL_PARTNERS`` of them, most loaded first) is paired with a distinct one of
+    to ``SEARCH_PARTNERS`` of them, most loaded first) is paired with a distinct one of
     the least-loaded bags: one sequence moves from it to the partner, or a pair is
     swapped, whichever evens the two out best, as long as that lowers the larger of the
     two. All pairs are scored in one vectorised pass. Staying home leaves uneven last
@@ -499,18 +498,18 @@ def _level_makespan(step: Step, max_rounds: int | None = None, tolerance=None) -
         return
     weight = layout.weight
     per_gpu = layout.per_gpu_time()
-    stop = lower_bound(step.workload, weight) * (1 + (tolerance or _LEVEL_TOLERANCE))
+    stop = lower_bound(step.workload, weight) * (1 + (tolerance or SEARCH_TOLERANCE))
     if per_gpu.max() <= stop:  # the usual case: nothing to level
         return
     accepts = layout.capacity * (1 + EPS)  # the largest workload each bag may take
     members = _Members(step.bag, step.lengths, step.workload, num_bags)
     one_size = len(layout.class_size) == 1
     for _ in range(4 * num_bags if max_rounds is None else max_rounds):
-        num_over = min(int(np.count_nonzero(per_gpu > stop)), _LEVEL_PARTNERS)
+        num_over = min(int(np.count_nonzero(per_gpu > stop)), SEARCH_PARTNERS)
         # The ends of the stable ascending order, without sorting every bag: the most
         # loaded (ties: the later bag first) and the least loaded that are not over.
         over = (num_bags - 1 - least(-per_gpu[::-1], num_over)).tolist()
-        partners = least(per_gpu, min(_LEVEL_PARTNERS, num_bags - num_over)).tolist()
+        partners = least(per_gpu, min(SEARCH_PARTNERS, num_bags - num_over)).tolist()
         if not over or not partners:
             return
         moves = _best_exchanges(
