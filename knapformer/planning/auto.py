@@ -74,17 +74,8 @@ def solve_auto(lengths, workload, src_pos, speed, max_tokens, solve_fixed, model
             best[:] = [step, key]
 
     mixed = mixed_partitions(workload, lengths, src_pos, num_gpus, sizes, per_token, node_size, eff)
-    # Variants only pay off where sequences are coarse (few per GPU); a large step solves one.
     small = len(lengths) <= SMALL_SEQUENCES and num_gpus <= SMALL_GPUS
-    layouts = [c.bag_sizes for c in mixed[: None if small else 1]]
-    # A slow GPU holds its whole group back: the same partition with it split off, beside
-    # (a small step) or instead of (a large one, which solves one partition) the original.
-    isolated = [_isolate_slow(b, speed) for b in layouts]
-    if small:
-        layouts += [b for b in isolated if b]
-    else:
-        layouts = [i or b for i, b in zip(isolated, layouts, strict=True)]
-    for bag_sizes in layouts:
+    for bag_sizes in _mixed_layouts(mixed, small, speed):
         consider(lambda b=bag_sizes: solve_mixed(
             b, lengths, workload, src_pos, speed, max_tokens, per_token, floor,
             comm, model))  # fmt: skip
@@ -93,12 +84,7 @@ def solve_auto(lengths, workload, src_pos, speed, max_tokens, solve_fixed, model
         if refined is not best[0]:
             best[:] = [refined, (modelled_makespan(refined, model, comm, speed),
                                  moved_estimate(refined))]  # fmt: skip
-    whole = sorted(
-        (max(float(eff[j].sum()) / num_gpus, float(eff[j].max(initial=0.0)) / g), g)
-        for j, g in enumerate(sizes)
-        if num_gpus % g == 0
-    )
-    for bound, g in whole:
+    for bound, g in _whole_family(eff, sizes, num_gpus):
         # Speeds change what a layout can reach: every layout is solved then.
         if speed is None and best[1] is not None and bound > best[1][0] * (1 + TIE):
             continue
@@ -107,6 +93,28 @@ def solve_auto(lengths, workload, src_pos, speed, max_tokens, solve_fixed, model
     if best[0] is None:
         raise failure or KnapformerError("topology 'auto' found no partition for the step")
     return best[0]
+
+
+def _mixed_layouts(mixed, small: bool, speed) -> list[tuple[int, ...]]:
+    """The bag sizes of the mixed partitions to solve: every one in a small step (variants
+    only pay off where sequences are coarse), the cheapest in a large one. A slow GPU holds
+    its whole group back: the same partition with it split off (`_isolate_slow`) comes
+    beside (a small step) or instead of (a large one) the original."""
+    layouts = [c.bag_sizes for c in mixed[: None if small else 1]]
+    isolated = [_isolate_slow(b, speed) for b in layouts]
+    if small:
+        return layouts + [b for b in isolated if b]
+    return [i or b for i, b in zip(isolated, layouts, strict=True)]
+
+
+def _whole_family(eff, sizes, num_gpus) -> list[tuple[float, int]]:
+    """(floor with Ulysses, g) of each whole-family layout gXnY that tiles the group,
+    lowest floor first: max(total / N, largest sequence / g) of the effective workloads."""
+    return sorted(
+        (max(float(eff[j].sum()) / num_gpus, float(eff[j].max(initial=0.0)) / g), g)
+        for j, g in enumerate(sizes)
+        if num_gpus % g == 0
+    )
 
 
 def _isolate_slow(bag_sizes: tuple[int, ...], speed) -> tuple[int, ...] | None:
