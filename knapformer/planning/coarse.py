@@ -243,20 +243,7 @@ def _even_classes(step: Step, prices: Prices, max_tokens) -> float:
             # largest-group donor in several, but one under a token cap), each sequence
             # moves once.
             sel = sel[np.argsort(np.abs(new_b[sel] - target), kind="stable")]
-            sel = sel[_first_each(b[sel])]
-            sel = sel[_first_each(i[sel])]
-            used = np.zeros(num_bags, dtype=bool)
-            shared = big & (max_tokens is None)
-            keep = []
-            for k, bk, ak, sh in zip(sel.tolist(), b[sel].tolist(), a[sel].tolist(),
-                                     shared[sel].tolist(), strict=True):  # fmt: skip
-                if used[bk] or (used[ak] and not sh):
-                    continue
-                used[bk] = True
-                if not sh:
-                    used[ak] = True
-                keep.append(k)
-            sel = np.asarray(keep, dtype=np.int64)
+            sel = _disjoint(sel, b, a, i, big & (max_tokens is None), num_bags)
             swap = sel[j[sel] >= 0]
             bag[j[swap]] = a[swap]
             bag[i[sel]] = b[sel]
@@ -267,6 +254,25 @@ def _even_classes(step: Step, prices: Prices, max_tokens) -> float:
         if not changed:
             break
     return handed
+
+
+def _disjoint(sel, b, a, i, shared, num_bags) -> np.ndarray:
+    """The exchanges ``sel`` (best first) that touch disjoint bags and sequences: each taker
+    ``b`` and sequence ``i`` takes part in one; a donor ``a`` too, unless ``shared`` (a
+    largest-group donor, which may give to several)."""
+    sel = sel[_first_each(b[sel])]
+    sel = sel[_first_each(i[sel])]
+    used = np.zeros(num_bags, dtype=bool)
+    keep = []
+    for k, bk, ak, sh in zip(sel.tolist(), b[sel].tolist(), a[sel].tolist(),
+                             shared[sel].tolist(), strict=True):  # fmt: skip
+        if used[bk] or (used[ak] and not sh):
+            continue
+        used[bk] = True
+        if not sh:
+            used[ak] = True
+        keep.append(k)
+    return np.asarray(keep, dtype=np.int64)
 
 
 def _first_each(values: np.ndarray) -> np.ndarray:
