@@ -90,18 +90,11 @@ def _level(step: Step, prices: Prices, floor: float, max_tokens) -> float:
         mean = float(load.sum() / weight.sum())
         if round_ == LEVEL_ROUNDS or top <= floor * (1 + FLOOR_STOP):
             break
-        donors = least(-per, LEVEL_DONORS)
-        donors = donors[per[donors] > mean]
-        takers = least(per, len(donors) * (LEVEL_PARTNERS + 1))
-        is_donor = np.zeros(num_bags, dtype=bool)
-        is_donor[donors] = True
-        takers = takers[~is_donor[takers]][: len(donors) * LEVEL_PARTNERS]
-        k = min(len(donors), len(takers))
-        if k == 0:
+        paired = _donors_and_takers(per, mean)
+        if paired is None:
             break
-        donors = donors[:k]
-        p = len(takers) // k
-        takers = takers[: k * p].reshape(p, k).T  # (k, p): donor d gets takers d, d+k, ...
+        donors, takers = paired
+        k, p = takers.shape
         # Each bag's members, lightest first, and a spread sample of them per bag.
         key = step.bag[by_weight]  # a stable sort of small ints is a radix sort
         order = by_weight[np.argsort(key.astype(np.int16) if num_bags < 2**15 else key,
@@ -130,23 +123,47 @@ def _level(step: Step, prices: Prices, floor: float, max_tokens) -> float:
         gain = value[np.arange(k), pick] < per[donors] * (1 - TIE)
         if not gain.any():
             break
-        pp, t = mb.shape[1:]
-        i, rest = np.divmod(pick, pp * t)
-        j, q = np.divmod(rest, t)
-        rows = np.arange(k)
-        x, y = ma[rows, i][gain], mb[rows, j, q][gain]
-        a, b = donors[gain], takers[rows, j][gain]
-        step.bag[x] = b
-        np.add.at(tokens, a, -lengths[x])
-        np.add.at(tokens, b, lengths[x])
-        swap = y >= 0
-        step.bag[y[swap]] = a[swap]
-        np.add.at(tokens, b[swap], -lengths[y[swap]])
-        np.add.at(tokens, a[swap], lengths[y[swap]])
+        _apply_picks(step, tokens, lengths, ma, mb, donors, takers, pick, gain)
     step.bag[:] = best_bag
     if max_tokens is not None:
         layout.bag_tokens[:] = np.bincount(step.bag, weights=lengths, minlength=num_bags)
     return best_top
+
+
+def _donors_and_takers(per: np.ndarray, mean: float):
+    """(donors (k,), takers (k, p)) of a `_level` round: the ``LEVEL_DONORS`` most loaded
+    bags above the mean, each dealt ``LEVEL_PARTNERS`` of the least loaded bags
+    round-robin (donor d gets takers d, d+k, ...: no bag serves two donors); None when
+    there is no pair."""
+    donors = least(-per, LEVEL_DONORS)
+    donors = donors[per[donors] > mean]
+    takers = least(per, len(donors) * (LEVEL_PARTNERS + 1))
+    is_donor = np.zeros(len(per), dtype=bool)
+    is_donor[donors] = True
+    takers = takers[~is_donor[takers]][: len(donors) * LEVEL_PARTNERS]
+    k = min(len(donors), len(takers))
+    if k == 0:
+        return None
+    p = len(takers) // k
+    return donors[:k], takers[: k * p].reshape(p, k).T
+
+
+def _apply_picks(step, tokens, lengths, ma, mb, donors, takers, pick, gain) -> None:
+    """Apply each donor's picked exchange where it ``gain``s: ``pick`` indexes its flattened
+    (member of the donor, taker, member of the taker or nothing) scores."""
+    pp, t = mb.shape[1:]
+    i, rest = np.divmod(pick, pp * t)
+    j, q = np.divmod(rest, t)
+    rows = np.arange(len(donors))
+    x, y = ma[rows, i][gain], mb[rows, j, q][gain]
+    a, b = donors[gain], takers[rows, j][gain]
+    step.bag[x] = b
+    np.add.at(tokens, a, -lengths[x])
+    np.add.at(tokens, b, lengths[x])
+    swap = y >= 0
+    step.bag[y[swap]] = a[swap]
+    np.add.at(tokens, b[swap], -lengths[y[swap]])
+    np.add.at(tokens, a[swap], lengths[y[swap]])
 
 
 def _even_classes(step: Step, prices: Prices, max_tokens) -> float:
