@@ -53,25 +53,15 @@ def _place_in_order(order: np.ndarray, step: Step, prefer_home: bool) -> None:
     lo, hi = np.divmod(layout.candidate_keys(workload, lengths), num_classes)
     home = step.home_bag[order]
     home_class = shape.class_of_bag_array[home]
-    may_stay = (
-        (lo <= home_class) & (home_class <= hi) & (home >= 0)
-        if prefer_home
-        else (np.zeros(len(lo), bool))
-    )
+    may_stay = (lo <= home_class) & (home_class <= hi) & (home >= 0) & prefer_home
     # Plain lists: for the few hundred to few thousand sequences placed one by one,
     # Python scalars beat per-item numpy calls several times over.
     load = layout.load.tolist()
     limit = (layout.capacity * (1 + EPS)).tolist()
     safe_capacity = np.where(layout.capacity > 0, layout.capacity, 1.0).tolist()
     occupancy = [x / c for x, c in zip(load, safe_capacity, strict=True)]
-    # One min-heap of (occupancy, bag) per size class; entries go stale when a bag's
-    # occupancy grows and are dropped when they surface (occupancy never decreases).
     class_of_bag = shape.class_of_bag
-    heaps: list[list[tuple[float, int]]] = [[] for _ in range(num_classes)]
-    for b, occ in enumerate(occupancy):
-        heaps[class_of_bag[b]].append((occ, b))
-    for heap in heaps:
-        heapq.heapify(heap)
+    heaps = _class_heaps(occupancy, class_of_bag, num_classes)
     size = layout.size.tolist()
     round_robin = [0] * len(size)
     capped = layout.max_tokens is not None
@@ -107,6 +97,17 @@ def _place_in_order(order: np.ndarray, step: Step, prefer_home: bool) -> None:
             layout.add(b, 0.0, length, r)
     step.bag[order], step.rem[order] = chosen_bag, chosen_rem
     layout.load[:] = load
+
+
+def _class_heaps(occupancy, class_of_bag, num_classes) -> list[list[tuple[float, int]]]:
+    """One min-heap of (occupancy, bag) per size class; entries go stale when a bag's
+    occupancy grows and are dropped when they surface (occupancy never decreases)."""
+    heaps: list[list[tuple[float, int]]] = [[] for _ in range(num_classes)]
+    for b, occ in enumerate(occupancy):
+        heaps[class_of_bag[b]].append((occ, b))
+    for heap in heaps:
+        heapq.heapify(heap)
+    return heaps
 
 
 def _least_occupied(
