@@ -87,19 +87,8 @@ def _place_priced(order, step: Step, load: np.ndarray, prices: Prices, level: fl
     class_size, class_of_bag = layout.class_size.tolist(), layout.shape.class_of_bag
     load = load.tolist()
     per = [x / w for x, w in zip(load, weight, strict=True)]
-    # The least loaded bag of each size: overall, and in each node.
-    heaps: dict[tuple[int, int], list[tuple[float, int]]] = {}
-    for b, p in enumerate(per):
-        for key in ((class_of_bag[b], -2), (class_of_bag[b], bag_node[b])):
-            heaps.setdefault(key, []).append((p, b))
-    for heap in heaps.values():
-        heapq.heapify(heap)
+    heaps, bag_heaps = _size_heaps(per, class_of_bag, bag_node)
     heappush = heapq.heappush
-    # Each bag's two heaps: a new entry goes to both when the bag's load grows.
-    bag_heaps = [
-        (heaps[(class_of_bag[b], -2)], heaps[(class_of_bag[b], bag_node[b])])
-        for b in range(len(per))
-    ]
     capped = layout.max_tokens is not None
     limit = level * (1 + EPS)
     intra, inter = prices.intra, prices.inter
@@ -172,6 +161,24 @@ def _place_priced(order, step: Step, load: np.ndarray, prices: Prices, level: fl
             layout.add(b, 0.0, length, 0)
     step.bag[order] = chosen
     return np.asarray(load)
+
+
+def _size_heaps(per, class_of_bag, bag_node):
+    """Min-heaps of (per-GPU time, bag) giving the least loaded bag of each size, overall
+    (node -2) and in each node, keyed (size class, node); and each bag's two heaps (a new
+    entry goes to both when the bag's load grows; stale ones are dropped when they
+    surface)."""
+    heaps: dict[tuple[int, int], list[tuple[float, int]]] = {}
+    for b, p in enumerate(per):
+        for key in ((class_of_bag[b], -2), (class_of_bag[b], bag_node[b])):
+            heaps.setdefault(key, []).append((p, b))
+    for heap in heaps.values():
+        heapq.heapify(heap)
+    bag_heaps = [
+        (heaps[(class_of_bag[b], -2)], heaps[(class_of_bag[b], bag_node[b])])
+        for b in range(len(per))
+    ]
+    return heaps, bag_heaps
 
 
 def _stay_home_priced(seqs, step: Step, load: np.ndarray, prices: Prices, level: float):
