@@ -9,6 +9,7 @@ import pytest
 from knapformer.contract.plan import RoutingPlan
 from knapformer.errors import KnapformerError
 from knapformer.planning import auto as auto_solver
+from knapformer.planning import mixed as mixed_solver
 from knapformer.planning.communication import CommModel, plan_cost
 from knapformer.planning.datamix import parse_mix, sample_lengths, scale_mix
 from knapformer.planning.partitions import aligned_groups, allowed_sizes, layout_floor
@@ -216,18 +217,18 @@ def test_a_coarse_large_step_evens_its_size_classes_and_beats_the_exchange_alone
     comm = CommModel.cluster("nvlink")
     lengths = _large_joint(seed)
     taken = []
-    is_coarse = auto_solver._is_coarse
+    is_coarse = mixed_solver.is_coarse
 
     def spy(*args) -> bool:
         taken.append(is_coarse(*args))
         return taken[-1]
 
-    monkeypatch.setattr(auto_solver, "_is_coarse", spy)
+    monkeypatch.setattr(mixed_solver, "is_coarse", spy)
     plan = plan_routing(lengths, "auto", MODEL, comm=comm)
     assert taken == [True] and len({len(b) for b in plan.bags}) > 1 and _aligned(plan, 8)
     again = plan_routing(lengths, "auto", MODEL, comm=comm)
     assert np.array_equal(again.sequences.bag, plan.sequences.bag)  # deterministic
-    monkeypatch.setattr(auto_solver, "_is_coarse", lambda *a: False)
+    monkeypatch.setattr(mixed_solver, "is_coarse", lambda *a: False)
     exchange_only = plan_routing(lengths, "auto", MODEL, comm=comm)
     assert plan_cost(plan, comm).makespan < plan_cost(exchange_only, comm).makespan
 
@@ -253,3 +254,53 @@ def test_a_coarse_large_step_keeps_every_bound_and_cap():
             except KnapformerError:  # the cap rules this layout out
                 continue
             assert auto_ms <= plan_cost(fixed, comm).makespan * (1 + 1e-9), (kwargs, g)
+
+
+def test_a_slow_gpu_is_split_off_its_group_and_the_others_stop_waiting_for_it():
+    speed = np.ones(16)
+    speed[13] = 0.5
+    # g8 at 8 holds GPU 13: halved to g4 (8..11) + g4 (12..15), then g2 (12, 13) + g2, g1 + g1.
+    assert auto_solver._isolate_slow((4, 4, 8), speed) == (4, 4, 4, 1, 1, 2)
+    assert auto_solver._isolate_slow((4, 4, 8), np.full(16, 0.5)) is None  # none slower
+    assert auto_solver._isolate_slow((4, 4, 8), None) is None
+
+
+def test_auto_told_of_a_slow_gpu_wins_back_most_of_what_it_costs():
+    lengths = _lengths("joint", 1000)
+    comm = CommModel.cluster("nvlink")
+    speed = np.ones(32)
+    speed[-1] = 0.5  # inside a g8 bag of the healthy plan
+
+    def at_speed(plan):
+        run = plan.model_copy(update={"gpu_speed": speed.tolist()})
+        run._stats = None
+        return plan_cost(run, comm).step_ms
+
+    healthy = plan_routing(lengths, "auto", MODEL, comm=comm)
+    told = plan_routing(lengths, "auto", MODEL, comm=comm, gpu_speed=speed)
+    assert [31] in told.bags  # the slow GPU computes alone
+    blind, learnt = at_speed(healthy), at_speed(told)
+    base = plan_cost(healthy, comm).step_ms
+    assert (blind - learnt) / (blind - base) >= 0.6, (base, blind, learnt)
+
+
+def test_the_exact_refinement_scores_a_bounded_number_of_cells_however_full_a_gpu_is(
+    monkeypatch,
+):
+    # seqheavy: one GPU of 32 holds 384 sequences; scoring every move and swap of them on
+    # every GPU took ~150,000 candidates x 32 GPUs a round (seconds a plan).
+    from knapformer.planning import refine as refine_module
+    from knapformer.planning.tuning import REFINE_CELLS
+
+    cells, real = [], refine_module._GpuLoads.deltas
+
+    def counted(self, seqs, to):
+        cells.append(len(seqs) * self.num_gpus)
+        return real(self, seqs, to)
+
+    monkeypatch.setattr(refine_module._GpuLoads, "deltas", counted)
+    lengths = _lengths("seqheavy", 5000)
+    plan = plan_routing(lengths, "auto", MODEL)
+    assert cells and max(cells) <= 2 * REFINE_CELLS, max(cells)
+    g8 = plan_routing(lengths, "g8n4", MODEL)
+    assert plan_cost(plan).step_ms <= plan_cost(g8, CommModel()).step_ms

@@ -13,9 +13,17 @@ def test_data_code_tokens():
 
 
 def test_named_mixes_cover_32_gpus_and_scale():
-    for name in ("lowres", "mixres", "joint"):
+    for name in ("lowres", "mixres", "joint", "video", "seqheavy"):
         assert mix_gpus(parse_mix(name)) == 32
         assert mix_gpus(scale_mix(parse_mix(name), 32)) == 1024
+
+
+def test_the_sequence_heavy_mix_piles_hundreds_of_sequences_on_one_gpu():
+    lengths = sample_lengths(parse_mix("seqheavy"), np.random.default_rng(0))
+    counts = [len(x) for x in lengths]
+    assert counts[0] == 384 and max(counts[1:]) <= 4 and sum(counts) == 490
+    # 64-px samples are mostly prompt: 16 visual tokens plus 0..392 of text
+    assert lengths[0].min() >= 15 and lengths[0].max() <= 16 * 1.04 + 392
 
 
 def test_sample_lengths_follow_the_codes():

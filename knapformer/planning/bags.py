@@ -17,10 +17,7 @@ from functools import lru_cache
 import numpy as np
 
 from knapformer.errors import KnapformerError
-
-EPS = 1e-12
-HEAVY_FRACTION = 0.25  # of one GPU's capacity: placed before the bulk "stay home" pass
-ONE_BY_ONE = 128  # steps of at most this many sequences are placed one by one
+from knapformer.planning.tuning import EPS
 
 
 class BagShape:
@@ -222,27 +219,48 @@ def chunk_table(step: Step):
     token of the others (the remainder never piles onto one GPU).
     """
     layout, lengths, bag = step.layout, step.lengths, step.bag
-    g = layout.size[bag]
-    quot = lengths // g
-    ends = np.cumsum(g)
-    first = ends - g  # row of each sequence's chunk 0
-    rows = np.arange(int(ends[-1]) if ends.size else 0)
-    k = rows - np.repeat(first, g)  # chunk index within its sequence
-    length = np.repeat(quot, g)
-    if layout.even:
-        rem = lengths - quot * g
-        start = np.repeat(_cycle_starts(bag, rem, g), g)
-        length += (k - start) % np.repeat(g, g) < np.repeat(rem, g)
-    else:
-        length[first + step.rem] += lengths - quot * g
-    pos = np.repeat(layout.start[bag], g) + k
-    offset = np.cumsum(length) - length
-    offset -= np.repeat(offset[first] if first.size else first, g)  # within the sequence
-    idx = np.repeat(np.arange(len(lengths)), g)
-    if quot.size and quot.min() == 0:  # some sequence is shorter than its bag
+    n = len(lengths)
+    size = layout.size[bag]
+    rem = lengths % size
+    start = _cycle_starts(bag, rem, size) if layout.even else None
+    if len(layout.class_size) == 1:  # the usual fixed topology: one (n, g) grid
+        g = int(layout.class_size[0])
+        idx = np.repeat(np.arange(n), g)
+        length, pos, offset = (x.ravel() for x in _chunk_grid(step, slice(None), g, start))
+    else:  # one grid per bag size, scattered to the rows of its sequences
+        ends = np.cumsum(size)
+        first = ends - size  # row of each sequence's chunk 0
+        total = int(ends[-1]) if n else 0
+        idx, pos, offset, length = (np.empty(total, dtype=np.int64) for _ in range(4))
+        for g in layout.class_size.tolist():
+            sel = np.flatnonzero(size == g)
+            rows = (first[sel][:, None] + np.arange(g)).ravel()
+            grid = _chunk_grid(step, sel, g, None if start is None else start[sel])
+            length[rows], pos[rows], offset[rows] = (x.ravel() for x in grid)
+            idx[rows] = np.repeat(sel, g)
+    if n and (lengths < size).any():  # some sequence is shorter than its bag
         keep = length > 0
         idx, pos, offset, length = idx[keep], pos[keep], offset[keep], length[keep]
     return idx, pos, offset, length
+
+
+def _chunk_grid(step: Step, sel, g: int, start):
+    """(length, position, offset), each (m, g), of the chunks of sequences ``sel``, all in
+    bags of ``g`` GPUs; ``start``: where each one's remainder starts in its bag's cycle
+    (even spread), None under round-robin."""
+    lengths, bag = step.lengths[sel], step.bag[sel]
+    quot = lengths // g
+    rem = lengths - quot * g
+    k = np.arange(g)
+    if start is not None:
+        # Chunk k takes a remainder token when it lies in [start, start + rem) cyclically.
+        first, end = start[:, None], (start + rem)[:, None]
+        length = quot[:, None] + (((k >= first) & (k < end)) | (k + g < end))
+    else:
+        length = np.repeat(quot[:, None], g, axis=1)
+        length[np.arange(len(quot)), step.rem[sel]] += rem
+    pos = step.layout.start[bag][:, None] + k[None, :]
+    return length, pos, np.cumsum(length, axis=1) - length
 
 
 def _cycle_starts(bag: np.ndarray, rem: np.ndarray, size: np.ndarray) -> np.ndarray:

@@ -34,6 +34,9 @@ MIXES = {
     ),
     # Many short text-image samples and two 61,440-token videos (512 px, 60 latent frames).
     "video": "g30b48i256f1s0,g2b1i512f204s1",
+    # Sequence-heavy: one GPU in 32 holds 384 tiny text-image samples (64 px: mostly
+    # prompt), the others a few images each, plus 2048-px images and short videos.
+    "seqheavy": "g1b384i64f1s0,g25b4i256f1s0,g2b1i2048f1s0,g4b1i512f85s1",
 }
 #: The joint mix's data types squeezed onto 8 GPUs: images of 256..2048 px, keyframes,
 #: videos (the 8-GPU sample plans and the demo).

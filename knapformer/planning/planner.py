@@ -45,15 +45,16 @@ times that speed; both solvers then balance modelled *times*.
 Speed: a plan is made every training step, for ~100 sequences (32 GPUs) up to ~130,000
 (4,096 GPUs). Per-sequence work is a fixed number of numpy calls; per-bag state that is
 read item by item (occupancies, heaps) is kept in Python lists, where numpy's per-call
-overhead would dominate; static per-topology arrays are cached (the solve state both
-solvers and auto share is in knapformer/planning/bags.py).
+overhead would dominate; static per-topology arrays are cached. The two solvers are in
+knapformer/planning/fixed.py, the solve state they and auto share in bags.py, their
+tuning constants in tuning.py (docs/planning.md).
 """
 
 from __future__ import annotations
 
-import heapq
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -67,42 +68,23 @@ from knapformer.contract.limits import (
     check_count,
 )
 from knapformer.contract.plan import Measurements, RoutingPlan
-from knapformer.contract.stats import lower_bound
 from knapformer.contract.topology import Topology, as_topology
 from knapformer.errors import KnapformerError
 from knapformer.planning.auto import solve_auto
 from knapformer.planning.bags import (
-    EPS,
-    HEAVY_FRACTION,
-    ONE_BY_ONE,
-    BagLayout,
     BagShape,
     Step,
     bag_shape,
-    bag_speeds,
-    by_home_heaviest_first,
     chunk_table,
-    descending,
-    least,
-    prefix_within_groups,
 )
 from knapformer.planning.communication import CommModel
+from knapformer.planning.fixed import solve_default, solve_greedy
 from knapformer.planning.partitions import DEFAULT_GROUP_SIZES, allowed_sizes
 from knapformer.planning.workload import WorkloadModel
 
 DEFAULT_SOLVER = "knapformer"
 AUTO = "auto"  # the topology that lets the planner choose each step's bags
 SOLVERS = ("knapformer", "greedy")
-_ONE_BY_ONE = ONE_BY_ONE  # the fixed solvers' (tests lower it to take the large-step paths)
-# Further from the lower bound than this fraction, greedy is solved as well and the
-# better makespan kept: the result is then never worse than greedy's (which is >= the
-# bound) by more than 0.1 % of the bound.
-_FALLBACK_TOLERANCE = 1e-3
-_LEVEL_TOLERANCE = 8e-4  # the local search stops this close to the bound (with margin)
-_LEVEL_PARTNERS = 8  # least-loaded bags tried as exchange partners of the most-loaded one
-# A search round scores every (leaving, returning) pair while there are at most this many;
-# beyond, only the two candidates nearest the ideal exchange per partner.
-_DENSE_CELLS = 8192
 
 
 def plan_routing(
@@ -136,77 +118,122 @@ def plan_routing(
     partition, its ``policy`` "auto", and ``solver_options`` hold ``comm`` and the sizes.
     """
     started = time.perf_counter()
-    auto = isinstance(topology, str) and topology.strip() == AUTO
     check_solver(solver, max_tokens_per_gpu)
+    auto = isinstance(topology, str) and topology.strip() == AUTO
     if auto:
-        num_gpus = len(lengths_per_gpu)
-        if num_gpus == 0:
-            raise KnapformerError("topology 'auto' needs the lengths of at least one GPU")
         comm = comm or CommModel()
-        sizes, node_size = allowed_sizes(
-            num_gpus, int(comm.node_size), tuple(group_sizes), min_group, max_group, cross_node
-        )
-        shape = bag_shape((sizes[0],) * (num_gpus // sizes[0]))  # positions only
+        group = _auto_group(len(lengths_per_gpu), comm, group_sizes, min_group, max_group,
+                            cross_node)  # fmt: skip
     else:
-        topo = as_topology(topology)
-        num_gpus = topo.num_gpus
-        shape = bag_shape(topo.bag_sizes)
-    if len(lengths_per_gpu) != num_gpus:
-        raise KnapformerError(
-            f"topology {topo} has {topo.num_gpus} GPUs but lengths were given for "
-            f"{len(lengths_per_gpu)} GPUs"
-        )
-    gpu_ranks = list(range(num_gpus)) if gpus is None else [int(g) for g in gpus]
-    if auto and len(gpu_ranks) != num_gpus:
-        raise KnapformerError(f"{len(gpu_ranks)} GPU ranks were given for {num_gpus} GPUs")
-    speed = check_speed(gpu_speed, num_gpus)
-
-    lengths, src_pos = _flatten(lengths_per_gpu, shape)
-    workload = model.workload(lengths)
-    with np.errstate(over="ignore"):
-        total = float(workload.sum())
-    if not np.isfinite(total):
-        raise KnapformerError(
-            f"the workloads of the step sum to {total} under {model}: loads cannot be balanced"
-        )
+        group = _fixed_group(as_topology(topology), len(lengths_per_gpu))
+    problem = StepProblem.build(lengths_per_gpu, group.shape, model, gpus, gpu_speed,
+                                max_tokens_per_gpu, auto)  # fmt: skip
+    solve = solve_greedy if solver == "greedy" else solve_default
 
     def solve_fixed(layout: BagShape) -> Step:
         """The chosen solver on a fixed layout (auto solves the whole-family ones too)."""
-        solve = _solve_greedy if solver == "greedy" else _solve_default
-        return solve(layout, lengths, workload, src_pos, speed, max_tokens_per_gpu)
+        return solve(layout, *problem.solver_args())
 
     options: dict = {} if max_tokens_per_gpu is None else {"max_tokens_per_gpu": max_tokens_per_gpu}
     if auto:
-        step_state = solve_auto(
-            lengths, workload, src_pos, speed, max_tokens_per_gpu, solve_fixed, model, comm,
-            sizes, node_size, num_gpus,
-        )  # fmt: skip
-        shape = step_state.layout.shape
-        topology_name = str(Topology.from_bag_sizes(shape.size.tolist()))
-        bags = [
-            gpu_ranks[s : s + g]
-            for s, g in zip(shape.start.tolist(), shape.size.tolist(), strict=True)
-        ]
-        options |= {"comm": comm.as_options(), "group_sizes": list(sizes)}
+        solved = solve_auto(*problem.solver_args(), solve_fixed, model, comm, group.sizes,
+                            group.node_size, group.num_gpus)  # fmt: skip
+        sizes = solved.layout.shape.size.tolist()
+        starts = solved.layout.shape.start.tolist()
+        topology_name = str(Topology.from_bag_sizes(sizes))
+        bags = [problem.gpus[s : s + g] for s, g in zip(starts, sizes, strict=True)]
+        options |= {"comm": comm.as_options(), "group_sizes": list(group.sizes)}
     else:
-        step_state = solve_fixed(shape)
-    if not auto:
-        topology_name, bags = str(topo), topo.bags(gpu_ranks)
+        solved = solve_fixed(group.shape)
+        topology_name, bags = str(group.topology), group.topology.bags(problem.gpus)
+    plan = _build_plan(problem, solved, model, gpus is None, step, run, topology_name, bags,
+                       solver, options, auto)  # fmt: skip
+    plan.measurements = Measurements(plan_ms=(time.perf_counter() - started) * 1e3)
+    return plan
 
-    chunk_seq, chunk_pos, chunk_off, chunk_len = step_state.chunks or chunk_table(step_state)
-    if gpus is None:  # positions are ranks
+
+@dataclass(frozen=True)
+class _Group:
+    """The balance group a step is planned on: its GPU count, the bag shape its positions
+    are read in, and either the fixed topology or auto's allowed sizes."""
+
+    num_gpus: int
+    shape: BagShape
+    topology: Topology | None = None
+    sizes: tuple[int, ...] = ()
+    node_size: int = 0
+
+
+def _fixed_group(topo: Topology, given: int) -> _Group:
+    if given != topo.num_gpus:
+        raise KnapformerError(
+            f"topology {topo} has {topo.num_gpus} GPUs but lengths were given for {given} GPUs"
+        )
+    return _Group(topo.num_gpus, bag_shape(topo.bag_sizes), topology=topo)
+
+
+def _auto_group(num_gpus, comm, group_sizes, min_group, max_group, cross_node) -> _Group:
+    if num_gpus == 0:
+        raise KnapformerError("topology 'auto' needs the lengths of at least one GPU")
+    sizes, node_size = allowed_sizes(
+        num_gpus, int(comm.node_size), tuple(group_sizes), min_group, max_group, cross_node
+    )
+    shape = bag_shape((sizes[0],) * (num_gpus // sizes[0]))  # positions only
+    return _Group(num_gpus, shape, sizes=tuple(sizes), node_size=node_size)
+
+
+@dataclass(frozen=True)
+class StepProblem:
+    """What every solve of a step reads, built once and never changed (docs/planning.md,
+    "The step problem"): each sequence's tokens, workload and source GPU position, the
+    GPUs' learnt speeds (None: nominal), the token cap and the group's ranks."""
+
+    lengths: np.ndarray
+    workload: np.ndarray
+    src_pos: np.ndarray
+    speed: np.ndarray | None
+    max_tokens: int | None
+    gpus: list[int]
+
+    @classmethod
+    def build(cls, lengths_per_gpu, shape, model, gpus, gpu_speed, max_tokens, auto):
+        num_gpus = len(shape.positions)
+        ranks = list(range(num_gpus)) if gpus is None else [int(g) for g in gpus]
+        if auto and len(ranks) != num_gpus:
+            raise KnapformerError(f"{len(ranks)} GPU ranks were given for {num_gpus} GPUs")
+        speed = check_speed(gpu_speed, num_gpus)
+        lengths, src_pos = _flatten(lengths_per_gpu, shape)
+        workload = model.workload(lengths)
+        with np.errstate(over="ignore"):
+            total = float(workload.sum())
+        if not np.isfinite(total):
+            raise KnapformerError(
+                f"the workloads of the step sum to {total} under {model}: loads cannot be balanced"
+            )
+        return cls(lengths, workload, src_pos, speed, max_tokens, ranks)
+
+    def solver_args(self) -> tuple:
+        """(lengths, workload, src_pos, speed, max_tokens): what the solvers take."""
+        return self.lengths, self.workload, self.src_pos, self.speed, self.max_tokens
+
+
+def _build_plan(problem, solved, model, positions_are_ranks, step, run, topology_name, bags,
+                solver, options, auto) -> RoutingPlan:  # fmt: skip
+    """The `RoutingPlan` of a solved step (columns, not validated: the hot path)."""
+    chunk_seq, chunk_pos, chunk_off, chunk_len = solved.chunks or chunk_table(solved)
+    src_pos, speed = problem.src_pos, problem.speed
+    if positions_are_ranks:
         src_gpu, chunk_src, chunk_dst = src_pos, src_pos[chunk_seq], chunk_pos
     else:
-        ranks = np.asarray(gpu_ranks, dtype=np.int64)
+        ranks = np.asarray(problem.gpus, dtype=np.int64)
         src_gpu, chunk_src, chunk_dst = ranks[src_pos], ranks[src_pos[chunk_seq]], ranks[chunk_pos]
-
-    plan = RoutingPlan.build(
+    return RoutingPlan.build(
         planner_version=__version__,
         step=step,
         time=time.time(),
         run=run,
         topology=topology_name,
-        gpus=gpu_ranks,
+        gpus=problem.gpus,
         bags=bags,
         token_dim=model.token_dim,
         gamma=model.gamma,
@@ -218,9 +245,9 @@ def plan_routing(
         solver_options=options,
         sequences={
             "src_gpu": src_gpu,
-            "length": lengths,
-            "workload": workload,
-            "bag": step_state.bag,
+            "length": problem.lengths,
+            "workload": problem.workload,
+            "bag": solved.bag,
         },
         chunks={
             "seq": chunk_seq,
@@ -230,8 +257,6 @@ def plan_routing(
             "length": chunk_len,
         },
     )
-    plan.measurements = Measurements(plan_ms=(time.perf_counter() - started) * 1e3)
-    return plan
 
 
 def check_solver(solver: str, max_tokens_per_gpu: int | None) -> None:
@@ -301,342 +326,3 @@ def _flatten(
             f"lengths on GPU position {int(src_pos[bad])} include a negative value {lengths[bad]}"
         )
     return lengths.astype(np.int64, copy=False), src_pos
-
-
-def _place_in_order(order: np.ndarray, step: Step, prefer_home: bool) -> None:
-    """Place ``order`` one by one into the least-occupied candidate bag (LPT).
-
-    With ``prefer_home`` a sequence stays in its home bag when that bag is a candidate
-    and still has room. Under round-robin the remainder goes to the bag's chunks in turn
-    (the published rule). Ties between equally occupied bags go to the lowest bag id.
-    """
-    if order.size == 0:
-        return
-    layout = step.layout
-    shape = layout.shape
-    num_classes = len(layout.class_size)
-    lengths, workload = step.lengths[order], step.workload[order]
-    lo, hi = np.divmod(layout.candidate_keys(workload, lengths), num_classes)
-    home = step.home_bag[order]
-    home_class = shape.class_of_bag_array[home]
-    may_stay = (
-        (lo <= home_class) & (home_class <= hi) & (home >= 0)
-        if prefer_home
-        else (np.zeros(len(lo), bool))
-    )
-    # Plain lists: for the few hundred to few thousand sequences placed one by one,
-    # Python scalars beat per-item numpy calls several times over.
-    load = layout.load.tolist()
-    limit = (layout.capacity * (1 + EPS)).tolist()
-    safe_capacity = np.where(layout.capacity > 0, layout.capacity, 1.0).tolist()
-    occupancy = [x / c for x, c in zip(load, safe_capacity, strict=True)]
-    # One min-heap of (occupancy, bag) per size class; entries go stale when a bag's
-    # occupancy grows and are dropped when they surface (occupancy never decreases).
-    class_of_bag = shape.class_of_bag
-    heaps: list[list[tuple[float, int]]] = [[] for _ in range(num_classes)]
-    for b, occ in enumerate(occupancy):
-        heaps[class_of_bag[b]].append((occ, b))
-    for heap in heaps:
-        heapq.heapify(heap)
-    size = layout.size.tolist()
-    round_robin = [0] * len(size)
-    capped = layout.max_tokens is not None
-    rows = zip(order.tolist(), lo.tolist(), hi.tolist(), may_stay.tolist(), workload.tolist(),
-               lengths.tolist(), home.tolist(), strict=True)  # fmt: skip
-    chosen_bag, chosen_rem = [], []  # written back in one call each at the end
-    for seq, lo, hi, may_stay, w, length, h in rows:
-        room = layout.token_room(length).tolist() if capped else None
-        if may_stay and load[h] + w <= limit[h] and (room is None or room[h]):
-            b = h
-        elif lo == hi and not capped:  # the usual case, one size class: its heap's top
-            b = _live_top(heaps[lo], occupancy)[1]
-        else:
-            b = _least_occupied(heaps, lo, hi, occupancy, room)
-            if b < 0:
-                raise layout.infeasible(seq, length)
-        r = 0
-        if not layout.even:
-            g = size[b]
-            r = round_robin[b] % g
-            if length % g:
-                round_robin[b] += 1
-        chosen_bag.append(b)
-        chosen_rem.append(r)
-        load[b] += w
-        occupancy[b] = load[b] / safe_capacity[b]
-        heap = heaps[class_of_bag[b]]
-        if heap[0][1] == b:  # b was the least occupied: update in place, nothing goes stale
-            heapq.heapreplace(heap, (occupancy[b], b))
-        else:
-            heapq.heappush(heap, (occupancy[b], b))
-        if capped:
-            layout.add(b, 0.0, length, r)
-    step.bag[order], step.rem[order] = chosen_bag, chosen_rem
-    layout.load[:] = load
-
-
-def _least_occupied(
-    heaps: list[list[tuple[float, int]]],
-    lo: int,
-    hi: int,
-    occupancy: list[float],
-    allowed: list[bool] | None,
-) -> int:
-    """The bag of size class lo..hi with the lowest (occupancy, id), or -1 if none is
-    ``allowed`` (under a token cap, a scan of the class's live entries)."""
-    best = None
-    for c in range(lo, hi + 1):
-        heap = heaps[c]
-        if allowed is None:
-            top = _live_top(heap, occupancy)
-        else:
-            live = (e for e in heap if allowed[e[1]] and e[0] == occupancy[e[1]])
-            top = min(live, default=None)
-        if top is not None and (best is None or top < best):
-            best = top
-    return -1 if best is None else best[1]
-
-
-def _live_top(heap: list[tuple[float, int]], occupancy: list[float]) -> tuple[float, int]:
-    """The heap's least (occupancy, bag), after dropping stale entries (bags whose load
-    grew since the entry was pushed)."""
-    while heap[0][0] != occupancy[heap[0][1]]:
-        heapq.heappop(heap)
-    return heap[0]
-
-
-def _solve_greedy(shape, lengths, workload, src_pos, speed, max_tokens, even=False) -> Step:
-    """The published greedy: capacity = total / #GPUs (by speed), largest first into the
-    least-occupied candidate bag. ``even=False``: its own round-robin chunk rule."""
-    bag_speed = bag_speeds(shape, speed)
-    weight = shape.size if bag_speed is None else shape.size * bag_speed
-    # Summed left to right (cumsum), as the published algorithm and its plain-Python
-    # transcription do: pairwise summation differs in the last bits and flips near-ties.
-    total = float(workload.cumsum()[-1]) if workload.size else 0.0
-    mean = total / float(weight.sum())
-    layout = BagLayout(shape, mean, max_tokens, bag_speed, even)
-    step = Step.start(shape, lengths, workload, src_pos, layout)
-    _place_in_order(descending(workload, np.arange(len(lengths))), step, prefer_home=False)
-    return step
-
-
-def _solve_default(shape, lengths, workload, src_pos, speed, max_tokens, tolerance=None) -> Step:
-    """The default solver, with greedy as a safety net.
-
-    Its per-GPU capacity is the lower bound on the makespan rather than greedy's mean
-    load: when one sequence outweighs the mean, every GPU under that bound can keep all
-    its sequences at no cost to the makespan. Chunks spread each bag's tokens evenly, so
-    every GPU of a bag computes the bag's load / g to within one token's linear cost:
-    scoring bags scores the real (Ulysses-exact) per-GPU loads. Where the local search
-    stalls short of the bound (coarse sequences), greedy's placement is solved too (with
-    the even spread) and the better makespan is kept.
-    """
-    bag_speed = bag_speeds(shape, speed)
-    weight = shape.size.astype(np.float64) if bag_speed is None else shape.size * bag_speed
-    bound = lower_bound(workload, weight)
-    layout = BagLayout(shape, bound, max_tokens, bag_speed, even=True)
-    step = Step.start(shape, lengths, workload, src_pos, layout)
-    _solve_local(step, tolerance)
-    makespan = layout.makespan()
-    if makespan <= bound * (1 + _FALLBACK_TOLERANCE):
-        return step
-    try:
-        greedy = _solve_greedy(shape, lengths, workload, src_pos, speed, max_tokens, even=True)
-    except ValueError:  # greedy cannot meet the token cap where ours did
-        return step
-    return greedy if greedy.layout.makespan() < makespan else step
-
-
-def _solve_local(step: Step, tolerance: float | None = None) -> None:
-    layout, lengths, workload = step.layout, step.lengths, step.workload
-    n = len(lengths)
-    empty = lengths == 0  # nothing to compute or move: keep at home, no chunks
-    step.bag[empty] = step.home_bag[empty]
-
-    # A small step is placed one by one, where a bulk pass would save little time and
-    # land further from the bound; a large one only its heavy sequences.
-    one_by_one = ~empty
-    if n > _ONE_BY_ONE:
-        one_by_one &= workload > HEAVY_FRACTION * layout.gpu_capacity
-    _place_in_order(descending(workload, np.flatnonzero(one_by_one)), step, prefer_home=True)
-    if n > _ONE_BY_ONE:
-        _stay_home_in_bulk(np.flatnonzero(step.bag < 0), step)
-        pool = descending(workload, np.flatnonzero(step.bag < 0))
-        _place_in_order(pool, step, prefer_home=True)
-    _level_makespan(step, tolerance=tolerance)
-
-
-def _stay_home_in_bulk(seqs: np.ndarray, step: Step) -> None:
-    """Within each home bag, the largest of ``seqs`` stay while there is room (one
-    vectorised pass; sequences shorter than their home bag are left to the pool)."""
-    layout, lengths, workload, home_bag = step.layout, step.lengths, step.workload, step.home_bag
-    seqs = seqs[home_bag[seqs] >= 0]
-    light = seqs[layout.size[home_bag[seqs]] <= lengths[seqs]]
-    order = by_home_heaviest_first(light, home_bag, workload, len(layout.size))
-    hb = home_bag[order]
-    room = layout.capacity - layout.load
-    stays = prefix_within_groups(workload[order], hb, room[hb])
-    if layout.max_tokens is not None:
-        # An even spread keeps a bag's fullest GPU at ceil(bag tokens / g).
-        token_room = layout.max_tokens * layout.size[hb] - layout.bag_tokens[hb]
-        stays &= prefix_within_groups(lengths[order].astype(np.float64), hb, token_room)
-    stay_ids = order[stays]
-    step.bag[stay_ids] = hb[stays]
-    layout.add_many(hb[stays], workload[stay_ids], lengths[stay_ids])
-
-
-def _level_makespan(step: Step, max_rounds: int | None = None, tolerance=None) -> None:
-    """Local search on the makespan. Each round, every bag above the stopping load (up
-    to ``_LEVEL_PARTNERS`` of them, most loaded first) is paired with a distinct one of
-    the least-loaded bags: one sequence moves from it to the partner, or a pair is
-    swapped, whichever evens the two out best, as long as that lowers the larger of the
-    two. All pairs are scored in one vectorised pass. Staying home leaves uneven last
-    gaps; a few well-sized moves and swaps close them (greedy gets the same effect from
-    placing the smallest last)."""
-    layout = step.layout
-    num_bags = len(layout.size)
-    if layout.gpu_capacity <= 0 or num_bags < 2:
-        return
-    weight = layout.weight
-    per_gpu = layout.per_gpu_time()
-    stop = lower_bound(step.workload, weight) * (1 + (tolerance or _LEVEL_TOLERANCE))
-    if per_gpu.max() <= stop:  # the usual case: nothing to level
-        return
-    accepts = layout.capacity * (1 + EPS)  # the largest workload each bag may take
-    members = _Members(step.bag, step.lengths, step.workload, num_bags)
-    one_size = len(layout.class_size) == 1
-    for _ in range(4 * num_bags if max_rounds is None else max_rounds):
-        num_over = min(int(np.count_nonzero(per_gpu > stop)), _LEVEL_PARTNERS)
-        # The ends of the stable ascending order, without sorting every bag: the most
-        # loaded (ties: the later bag first) and the least loaded that are not over.
-        over = (num_bags - 1 - least(-per_gpu[::-1], num_over)).tolist()
-        partners = least(per_gpu, min(_LEVEL_PARTNERS, num_bags - num_over)).tolist()
-        if not over or not partners:
-            return
-        moves = _best_exchanges(
-            over, partners, members, layout.size, weight, per_gpu, accepts, one_size
-        )
-        if not moves:
-            return
-        for a, b, out_of_a, out_of_b in moves:
-            if not _exchange(step, a, b, out_of_a, out_of_b):
-                return
-            members.swap(a, b, out_of_a, out_of_b)
-            per_gpu[a], per_gpu[b] = layout.load[a] / weight[a], layout.load[b] / weight[b]
-
-
-class _Members:
-    """Bag, length and workload of every sequence plus one *phantom* per bag (no tokens,
-    fits every bag): "nothing comes back" in an exchange is then just the partner's
-    phantom, scored like any other member."""
-
-    def __init__(self, bag, lengths, workload, num_bags):
-        self.num_real = len(bag)
-        self.bag = np.concatenate([bag, np.arange(num_bags)])
-        self.length = np.concatenate([lengths, np.full(num_bags, np.iinfo(np.int64).max)])
-        self.workload = np.concatenate([workload, np.zeros(num_bags)])
-
-    def real(self, member: int) -> int:
-        """The sequence id of ``member``, or -1 for a phantom."""
-        return member if member < self.num_real else -1
-
-    def swap(self, a: int, b: int, out_of_a: int, out_of_b: int) -> None:
-        self.bag[out_of_a] = b
-        if out_of_b >= 0:
-            self.bag[out_of_b] = a
-
-
-def _best_exchanges(over, partners, members, size, weight, per_gpu, accepts, one_size):
-    """One round's exchanges: each over-loaded bag ``a`` (most loaded first) with the free
-    partner ``b`` that evens the two out best. Returns (a, b, sequence leaving a, sequence
-    leaving b or -1) per exchange that lowers the larger of the two bags. ``size``: GPUs
-    per bag (a sequence must not be shorter, bar the rule's fallback); ``weight``: load per
-    GPU = load / weight; ``one_size``: every bag has the same number of GPUs."""
-    num_o, num_p = len(over), len(partners)
-    slot = np.full(len(size), num_o + num_p)  # over bag -> 0.., partner -> num_o.., rest last
-    slot[over] = np.arange(num_o)
-    slot[partners] = np.arange(num_o, num_o + num_p)
-    slot_of = slot[members.bag]
-    # Only the members of the paired bags are sorted (a round looks at a few bags of many).
-    involved = np.flatnonzero(slot_of < num_o + num_p)
-    by_slot = involved[slot_of[involved].argsort(kind="stable")]
-    bounds = np.searchsorted(slot_of[by_slot], np.arange(num_o + num_p + 1)).tolist()
-    # Rows: members that may leave the over-loaded bags; columns: members that may come
-    # back from the partners (a phantom: nothing). Both grouped by bag, none empty.
-    out, back = by_slot[: bounds[num_o]], by_slot[bounds[num_o] : bounds[-1]]
-    row_starts, col_starts = bounds[:num_o], [s - bounds[num_o] for s in bounds[num_o:-1]]
-    # With one bag size every bag is a candidate for every sequence (the rule's fallback
-    # is "the largest bags"): the size and capacity checks are then skipped.
-    if not one_size:
-        ov = np.asarray(over)
-        back = back[
-            (members.length[back] >= size[ov].min()) & (members.workload[back] <= accepts[ov].max())
-        ]
-        col_starts = np.searchsorted(slot_of[back], np.arange(num_o, num_o + num_p)).tolist()
-    out_w, a_bag = members.workload[out][:, None], members.bag[out][:, None]
-    w_a, per_a = weight[a_bag], per_gpu[a_bag]
-    if out.size * back.size <= _DENSE_CELLS:
-        came = back[None, :]  # every pair is scored
-    else:
-        pb = np.asarray(partners)
-        ideal = (per_a - per_gpu[pb]) / (1.0 / w_a + 1.0 / weight[pb])
-        came = _nearest_members(back, slot_of[back] - num_o, members.workload, out_w - ideal)
-        col_starts = list(range(0, 2 * num_p, 2))
-    came_w, b_bag = members.workload[came], members.bag[came]
-    w_b, per_b = weight[b_bag], per_gpu[b_bag]
-    delta = out_w - came_w  # net workload leaving a
-    new_max = np.maximum(per_a - delta / w_a, per_b + delta / w_b)
-    ok = (delta > 0) & (new_max < per_a * (1 - 1e-9))
-    if not one_size:
-        ok &= (members.length[out][:, None] >= size[b_bag]) & (out_w <= accepts[b_bag])
-        ok &= (members.length[came] >= size[a_bag]) & (came_w <= accepts[a_bag])
-    new_max = np.where(ok, new_max, np.inf)
-    # Best per (over-loaded bag, partner); each over-loaded bag, most loaded first, takes
-    # its best among the partners still free.
-    best = np.minimum.reduceat(np.minimum.reduceat(new_max, row_starts, 0), col_starts, 1)
-    row_ends, col_ends = [*row_starts[1:], len(out)], [*col_starts[1:], new_max.shape[1]]
-    free = [True] * num_p
-    moves = []
-    for o, row in enumerate(best.tolist()):
-        score = [s if is_free else np.inf for s, is_free in zip(row, free, strict=True)]
-        p = score.index(min(score))
-        if score[p] == np.inf:
-            continue
-        free[p] = False
-        block = new_max[row_starts[o] : row_ends[o], col_starts[p] : col_ends[p]]
-        i, c = divmod(int(block.argmin()), block.shape[1])
-        leaving = row_starts[o] + i
-        coming = came[leaving if came.shape[0] > 1 else 0, col_starts[p] + c]
-        moves.append((over[o], partners[p], int(out[leaving]), members.real(int(coming))))
-    return moves
-
-
-def _nearest_members(back, back_partner, workload, target):
-    """Per (leaving sequence, partner) the two members whose workload is nearest
-    ``target`` (rows x partners): the objective is V-shaped in the net workload moved, so
-    only these two can be best. Columns 2p and 2p+1 belong to partner p."""
-    num_p = target.shape[1]
-    back_w = workload[back]
-    span = 2.0 * float(back_w.max(initial=0.0)) + 1.0  # keeps partners' keys apart
-    column = np.arange(num_p) * span
-    key = back_partner * span + back_w
-    by_key = key.argsort(kind="stable")
-    key, back = key[by_key], back[by_key]
-    seg = np.searchsorted(key, column)  # each partner's first (lightest) member
-    seg_end = np.append(seg[1:], key.size) - 1
-    hit = np.searchsorted(key, np.clip(target, 0.0, span / 2) + column)
-    near = np.stack([np.maximum(hit - 1, seg), np.minimum(hit, seg_end)], 2)
-    return back[near.reshape(len(target), 2 * num_p)]
-
-
-def _exchange(step: Step, a: int, b: int, out_of_a: int, out_of_b: int) -> bool:
-    """Move ``out_of_a`` to bag b and ``out_of_b`` (or nothing if -1) to bag a; undone
-    (returns False) when it breaks the token cap (rare; the cap wins over balance)."""
-    moves = [(seq, src, dst) for seq, src, dst in ((out_of_a, a, b), (out_of_b, b, a)) if seq >= 0]
-    for seq, _, dst in moves:
-        step.move(seq, dst)
-    if step.layout.over_token_cap():
-        for seq, src, _ in moves:
-            step.move(seq, src)
-        return False
-    return True

@@ -1,0 +1,190 @@
+"""Moves and swaps between the most loaded bag of a mixed partition and the least loaded
+ones, each sequence re-priced at its new bag (`exchange_across`), and the member samples
+the exchange passes score."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from knapformer.planning.bags import (
+    Step,
+    least,
+)
+from knapformer.planning.pricing import Prices, priced_loads, sends, uneven_sends
+from knapformer.planning.tuning import (
+    EXCHANGE_MEMBERS,
+    EXCHANGE_MOVES,
+    EXCHANGE_MOVES_LARGE,
+    EXCHANGE_PARTNERS,
+    FLOOR_STOP,
+    SMALL_GPUS,
+    SMALL_SEQUENCES,
+    TIE,
+)
+
+_NONE = np.array([-1])  # an exchange's empty slot: a move, not a swap
+
+
+def exchange_across(step: Step, prices: Prices, floor: float, max_tokens) -> None:
+    """Exchanges between bags of any sizes, each sequence re-priced at its new bag
+    (`Prices`): the most loaded bag moves one sequence to, or swaps one with, whichever of
+    the least loaded bags (every bag in a step of at most ``SMALL_GPUS`` bags and
+    ``SMALL_SEQUENCES`` sequences, else ``EXCHANGE_PARTNERS``)
+    evens the two out best, while that lowers the larger of the two and leaves the
+    sequences' home bags (which pay the sending) below it (at most ``EXCHANGE_MOVES``
+    exchanges; stops within ``FLOOR_STOP`` of ``floor``). All pairs of a move are scored
+    in one vectorised pass (`_best_exchange`); a move is charged by `PricedLedger`."""
+    num_bags = len(step.layout.size)
+    if num_bags < 2:
+        return
+    ledger = PricedLedger(step, prices)
+    stop = floor * (1 + FLOOR_STOP)
+    placed = np.flatnonzero(step.lengths > 0)
+    # A stable sort of small ints is a radix sort (the same order, much faster).
+    bag_key = step.bag[placed].astype(np.int16 if num_bags < 2**15 else np.int64)
+    by_bag = placed[np.argsort(bag_key, kind="stable")]
+    cuts = np.searchsorted(step.bag[by_bag], np.arange(num_bags + 1)).tolist()
+    members = LazyMembers(by_bag, cuts)  # each bag's list, made when first asked for
+    small = num_bags <= SMALL_GPUS and len(step.lengths) <= SMALL_SEQUENCES
+    partners = num_bags - 1 if small else min(EXCHANGE_PARTNERS, num_bags - 1)
+    samples: dict[int, np.ndarray] = {}  # each bag's `spread_sample`, until it changes
+
+    def sample(bag: int) -> np.ndarray:
+        if bag not in samples:
+            samples[bag] = spread_sample(members[bag], step.workload, EXCHANGE_MEMBERS)
+        return samples[bag]
+
+    per = ledger.per
+    for _ in range(EXCHANGE_MOVES if small else EXCHANGE_MOVES_LARGE):
+        a = int(np.argmax(per))
+        if per[a] <= stop or not members[a]:
+            break
+        lightest = least(per, partners + 1)
+        lightest = lightest[lightest != a][:partners]
+        cols = [sample(b) for b in lightest.tolist()]
+        found = _best_exchange(ledger, a, sample(a), lightest, cols, max_tokens)
+        if found is None:
+            break
+        moves = [m for m in found if m[0] >= 0]
+        if not ledger.exchange(moves, per[a]):  # a home bag rose to the top: stop
+            break
+        for seq, src, to in moves:
+            step.bag[seq] = to
+            members[src].remove(seq)
+            members[to].append(seq)
+            samples.pop(src, None)
+            samples.pop(to, None)
+    if max_tokens is not None:
+        step.layout.bag_tokens[:] = ledger.tokens.astype(np.int64)
+
+
+def _best_exchange(ledger, a: int, ma, lightest, cols, max_tokens):
+    """The exchange of bag ``a`` (its members ``ma``) with one of the ``lightest`` bags
+    (members ``cols``, or nothing back: a move) that ends with the lowest larger per-GPU
+    time of the two: [(sequence, from, to)] x 2 (-1: nothing comes back), or None when
+    none lowers ``a``."""
+    size, weight = ledger.size, ledger.weight
+    per, price, tokens, lengths = ledger.per, ledger.price, ledger.tokens, ledger.lengths
+    mb = np.concatenate([x for c in cols for x in (c, _NONE)])  # -1: a move, no swap
+    col = np.repeat(np.arange(len(cols)), [len(c) + 1 for c in cols])  # partner of each
+    b = lightest[col]
+    real = mb >= 0
+    mbi = np.maximum(mb, 0)
+    lj = np.where(real, lengths[mbi], 0.0)
+    into_a = np.where(real, ledger.priced(mbi, np.full(len(mbi), a))[0], 0.0)
+    out_b = np.where(real, price[mbi], 0.0)
+    li = lengths[ma][:, None]
+    # (len(ma), len(b)): priced once per partner bag, then spread over its columns.
+    into_b = ledger.priced(ma[:, None], lightest[None, :])[0][:, col]
+    new_a = per[a] + (into_a[None, :] - price[ma][:, None]) / weight[a]
+    new_b = per[b][None, :] + (into_b - out_b[None, :]) / weight[b][None, :]
+    ok = (li >= size[b][None, :]) & ((lj >= size[a]) | ~real)[None, :]
+    if max_tokens is not None:
+        ok &= np.ceil((tokens[b][None, :] + li - lj[None, :]) / size[b][None, :]) <= max_tokens
+        ok &= np.ceil((tokens[a] - li + lj[None, :]) / size[a]) <= max_tokens
+    value = np.where(ok, np.maximum(new_a, new_b), np.inf)
+    i, j = divmod(int(value.argmin()), value.shape[1])
+    if not value[i, j] < per[a] * (1 - TIE):
+        return None
+    dst = int(b[j])
+    return [(int(ma[i]), a, dst), (int(mb[j]), dst, a)]
+
+
+class PricedLedger:
+    """What the bags of a mixed partition are charged while sequences move between them
+    (the move primitive of the priced passes): each sequence's price in its bag, each
+    bag's priced load, tokens and per-GPU time, and what each GPU and home bag pays to
+    send. One GPU sends a sequence placed away from it, not its bag: a bag's slowest GPU
+    is its spread load plus the most any of its GPUs sends, less that GPU's share."""
+
+    def __init__(self, step: Step, prices: Prices):
+        layout = step.layout
+        self.step, self.prices = step, prices
+        self.size, self.weight, self.start = layout.size, layout.weight, layout.start
+        self.lengths = step.lengths.astype(np.float64)
+        self.price, self.load, sent = priced_loads(step, prices)
+        self.tokens = np.bincount(step.bag, weights=self.lengths, minlength=len(self.size))
+        self.gpu_sends, self.bag_sends = sends(step, sent)
+        self.extra = uneven_sends(layout, self.gpu_sends, self.bag_sends)
+        self.per = self.load / self.weight + self.extra
+
+    def priced(self, seq, bag):
+        """(price in ``bag``, what its home bag pays for sending) of sequences ``seq``."""
+        return self.prices.cost(self.step, self.lengths, seq, bag)
+
+    def exchange(self, moves, before: float) -> bool:
+        """Charge ``moves`` [(sequence, from, to)] to the bags (uncharge where they leave);
+        undone (False) when a bag touched ends at or above ``before``."""
+        step = self.step
+        home, src_gpu = step.home_bag, step.src_pos
+        undo = [x.copy() for x in (self.load, self.tokens, self.price, self.gpu_sends,
+                                   self.bag_sends, self.extra)]  # fmt: skip
+        touched = {moves[0][1], moves[0][2]}
+        seqs, srcs, tos = (np.array(x) for x in zip(*moves, strict=True))
+        old_sents = self.priced(seqs, srcs)[1].tolist()
+        new_prices, new_sents = (x.tolist() for x in self.priced(seqs, tos))
+        for (seq, src, to), old_sent, new_price, new_sent in zip(
+            moves, old_sents, new_prices, new_sents, strict=True
+        ):
+            self.load[src] -= self.price[seq]
+            self.load[to] += new_price
+            self.price[seq] = new_price
+            self.tokens[src] -= self.lengths[seq]
+            self.tokens[to] += self.lengths[seq]
+            if home[seq] >= 0:
+                self.load[home[seq]] += new_sent - old_sent
+                self.gpu_sends[src_gpu[seq]] += new_sent - old_sent
+                self.bag_sends[home[seq]] += new_sent - old_sent
+                touched.add(int(home[seq]))
+        bags = list(touched)
+        most = np.maximum.reduceat(self.gpu_sends, self.start)[bags]
+        self.extra[bags] = most - self.bag_sends[bags] / self.weight[bags]
+        new_per = self.load[bags] / self.weight[bags] + self.extra[bags]
+        if new_per.max() >= before * (1 - TIE):
+            self.load, self.tokens, self.price, self.gpu_sends, self.bag_sends, self.extra = undo
+            return False
+        self.per[bags] = new_per
+        return True
+
+
+class LazyMembers(dict):
+    """Bag -> its sequence ids (a list), cut from ``by_bag`` (ids sorted by bag; bag b's
+    run is ``cuts[b]:cuts[b + 1]``) when first asked for: an exchange pass reads few bags."""
+
+    def __init__(self, by_bag: np.ndarray, cuts: list[int]):
+        super().__init__()
+        self.by_bag, self.cuts = by_bag, cuts
+
+    def __missing__(self, bag: int) -> list[int]:
+        self[bag] = part = self.by_bag[self.cuts[bag] : self.cuts[bag + 1]].tolist()
+        return part
+
+
+def spread_sample(members: list[int], workload: np.ndarray, most: int) -> np.ndarray:
+    """``members`` as an array, or ``most`` of them spread evenly over their workloads
+    (a large bag's exchanges are then scored on a sample from light to heavy)."""
+    m = np.asarray(members, dtype=np.int64)
+    if len(m) <= most:
+        return m
+    m = m[np.argsort(workload[m], kind="stable")]
+    return m[np.linspace(0, len(m) - 1, most).round().astype(np.int64)]

@@ -1,0 +1,264 @@
+"""One mixed partition of ``topology="auto"`` solved as one problem over all its bags:
+priced placement (heavy ones one by one, stay home in bulk, the pool poured or placed),
+then the exchange passes (`solve_mixed`)."""
+
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+
+from knapformer.planning.bags import (
+    BagLayout,
+    Step,
+    bag_shape,
+    bag_speeds,
+    by_home_heaviest_first,
+    descending,
+    prefix_within_groups,
+)
+from knapformer.planning.coarse import even_out, is_coarse
+from knapformer.planning.exchanges import exchange_across
+from knapformer.planning.pricing import Prices, priced_loads
+from knapformer.planning.tuning import EPS, HEAVY_FRACTION, ONE_BY_ONE, POUR
+
+
+def solve_mixed(bag_sizes, lengths, workload, src_pos, speed, max_tokens, per_token,
+                 floor, comm, model) -> Step:  # fmt: skip
+    """One problem over all bags of a mixed partition, each sequence priced at the bag it
+    is in (`Prices`: ``W + k_g*L`` plus the route its receivers pay; its source GPU's bag
+    pays the sending; a bag's per-GPU time is its priced load / its weight).
+
+    Largest first, a sequence stays in its home bag while that keeps the bag under
+    ``floor`` (`partition_floor`), else goes where the larger of its bag's and its home
+    bag's per-GPU time ends lowest (LPT across sizes, among the least loaded bag of each
+    size overall and in its source's node; a tie to the smaller group). In a large step
+    only the heavy sequences go one by one: the others stay home in bulk, and a large
+    remainder is poured into the bags' room at one water level (`_pour`).
+    `exchange_across` then evens out the top; in a coarse large step (`is_coarse`),
+    `even_out` does instead.
+    """
+    shape = bag_shape(tuple(bag_sizes))
+    layout = BagLayout(shape, floor, max_tokens, bag_speeds(shape, speed), even=True)
+    step = Step.start(shape, lengths, workload, src_pos, layout)
+    prices = Prices.of(shape, src_pos, per_token, comm, model)
+    empty = lengths == 0
+    step.bag[empty] = step.home_bag[empty]
+    load = np.zeros(len(shape.size))
+    placed = np.flatnonzero(~empty)
+    if len(placed) > ONE_BY_ONE:
+        # Only the heavy ones and the pool need the descending order (the bulk pass sorts
+        # by home bag itself): sorting every sequence would cost more than the rest.
+        heavy = workload[placed] > HEAVY_FRACTION * floor
+        load = _place_priced(descending(workload, placed[heavy]), step, load, prices, floor)
+        rest = placed[~heavy]
+        load = _stay_home_priced(rest, step, load, prices, floor)
+        pool = descending(workload, rest[step.bag[rest] < 0])
+        if len(pool) > POUR and max_tokens is None:
+            load = _pour(pool, step, load, prices)
+            pool = pool[step.bag[pool] < 0]
+        order = pool
+    else:
+        order = descending(workload, placed)
+    _place_priced(order, step, load, prices, floor)
+    if len(placed) > ONE_BY_ONE and max_tokens is None:
+        pool = _shave(step, prices)
+        if pool.size:
+            load = priced_loads(step, prices)[1]
+            if len(pool) > POUR:
+                load = _pour(pool, step, load, prices)
+            _place_priced(pool[step.bag[pool] < 0], step, load, prices, floor)
+    if is_coarse(step, len(placed)):
+        even_out(step, prices, floor, max_tokens)
+    else:
+        exchange_across(step, prices, floor, max_tokens)
+    layout.load[:] = np.bincount(step.bag, weights=workload, minlength=len(shape.size))
+    return step
+
+
+def _place_priced(order, step: Step, load: np.ndarray, prices: Prices, level: float):
+    """Place ``order`` one by one (see `solve_mixed`); ``load`` (num_bags,): each bag's
+    priced load so far. Returns the new loads."""
+    layout = step.layout
+    if order.size == 0:
+        return load
+    size, weight, kap = layout.size.tolist(), layout.weight.tolist(), prices.kappa.tolist()
+    bag_node = prices.bag_node.tolist()
+    class_size, class_of_bag = layout.class_size.tolist(), layout.shape.class_of_bag
+    load = load.tolist()
+    per = [x / w for x, w in zip(load, weight, strict=True)]
+    heaps, bag_heaps = _size_heaps(per, class_of_bag, bag_node)
+    heappush = heapq.heappush
+    capped = layout.max_tokens is not None
+    limit = level * (1 + EPS)
+    intra, inter = prices.intra, prices.inter
+    heappop = heapq.heappop
+    tries: dict[int, list] = {}  # per source node: (class, size, its two heaps) to try
+    rows = zip(order.tolist(), step.workload[order].tolist(), step.lengths[order].tolist(),
+               step.home_bag[order].tolist(), prices.src_node[order].tolist(),
+               strict=True)  # fmt: skip
+    chosen = []
+    for seq, w, length, h, node in rows:
+        room = layout.token_room(length).tolist() if capped else None
+        at_home = h >= 0 and size[h] <= length and (room is None or room[h])
+        if at_home:
+            home_cost = w + kap[h] * length + 2 * intra * length * (size[h] - 1) / size[h]
+            if (load[h] + home_cost) / weight[h] <= limit:
+                b, cost, sent = h, home_cost, 0.0
+                chosen.append(b)
+                load[b] += cost
+                per[b] = p = load[b] / weight[b]
+                for heap in bag_heaps[b]:
+                    heappush(heap, (p, b))
+                if capped:
+                    layout.add(b, 0.0, length, 0)
+                continue
+        b, lowest, cost, sent = -1, np.inf, 0.0, 0.0
+        if at_home:
+            b, lowest, cost = h, (load[h] + home_cost) / weight[h], home_cost
+        tried = tries.get(node)
+        if tried is None:
+            tried = tries[node] = [
+                (c, g, [heap for heap in (heaps.get((c, -2)), heaps.get((c, node))) if heap])
+                for c, g in enumerate(class_size)
+            ]
+        for c, g, class_heaps in tried:
+            if g > length and c > 0:
+                break  # groups larger than the sequence (the smallest always may)
+            for heap in class_heaps:
+                if room is None:
+                    while heap[0][0] != per[heap[0][1]]:  # `_live_top`, inlined
+                        heappop(heap)
+                    top = heap[0][1]
+                else:
+                    live = [e for e in heap if room[e[1]] and e[0] == per[e[1]]]
+                    if not live:
+                        continue
+                    top = min(live)[1]
+                if top == h:
+                    continue
+                route = (intra if bag_node[top] == node else inter) * length
+                value = (load[top] + w + kap[top] * length + route) / weight[top]
+                if h >= 0:
+                    sender = (load[h] + route) / weight[h]
+                    if sender > value:
+                        value = sender
+                if value < lowest:
+                    b, lowest, cost, sent = top, value, w + kap[top] * length + route, route
+        if b < 0:
+            raise layout.infeasible(seq, length)
+        chosen.append(b)
+        load[b] += cost
+        per[b] = p = load[b] / weight[b]
+        for heap in bag_heaps[b]:
+            heappush(heap, (p, b))
+        if sent and h >= 0:
+            load[h] += sent
+            per[h] = p = load[h] / weight[h]
+            for heap in bag_heaps[h]:
+                heappush(heap, (p, h))
+        if capped:
+            layout.add(b, 0.0, length, 0)
+    step.bag[order] = chosen
+    return np.asarray(load)
+
+
+def _size_heaps(per, class_of_bag, bag_node):
+    """Min-heaps of (per-GPU time, bag) giving the least loaded bag of each size, overall
+    (node -2) and in each node, keyed (size class, node); and each bag's two heaps (a new
+    entry goes to both when the bag's load grows; stale ones are dropped when they
+    surface)."""
+    heaps: dict[tuple[int, int], list[tuple[float, int]]] = {}
+    for b, p in enumerate(per):
+        for key in ((class_of_bag[b], -2), (class_of_bag[b], bag_node[b])):
+            heaps.setdefault(key, []).append((p, b))
+    for heap in heaps.values():
+        heapq.heapify(heap)
+    bag_heaps = [
+        (heaps[(class_of_bag[b], -2)], heaps[(class_of_bag[b], bag_node[b])])
+        for b in range(len(per))
+    ]
+    return heaps, bag_heaps
+
+
+def _stay_home_priced(seqs, step: Step, load: np.ndarray, prices: Prices, level: float):
+    """Within each home bag, the largest of ``seqs`` stay while the bag's priced load stays
+    under ``level`` per GPU (one vectorised pass, as `_stay_home_in_bulk`). Returns the new
+    loads."""
+    layout, lengths, home = step.layout, step.lengths, step.home_bag
+    seqs = seqs[(home[seqs] >= 0) & (layout.size[np.maximum(home[seqs], 0)] <= lengths[seqs])]
+    order = by_home_heaviest_first(seqs, home, step.workload, len(layout.size))
+    hb = home[order]
+    cost = (step.workload[order] + prices.kappa[hb] * lengths[order]
+            + 2 * prices.route(order, hb, hb, layout.size, lengths[order]))  # fmt: skip
+    stays = prefix_within_groups(cost, hb, (level * layout.weight - load)[hb])
+    if layout.max_tokens is not None:
+        token_room = layout.max_tokens * layout.size[hb] - layout.bag_tokens[hb]
+        stays &= prefix_within_groups(lengths[order].astype(np.float64), hb, token_room)
+    step.bag[order[stays]] = hb[stays]
+    if layout.max_tokens is not None:
+        layout.add_many(hb[stays], np.zeros(int(stays.sum())), lengths[order[stays]])
+    return load + np.bincount(hb[stays], weights=cost[stays], minlength=len(load))
+
+
+def _pour(pool, step: Step, load: np.ndarray, prices: Prices) -> np.ndarray:
+    """Pour many small sequences into the bags' room at one water level: bags of the
+    smallest groups first (no Ulysses), each sequence where the running sum of the pool's
+    costs puts its middle. The level is the least at which the whole pool fits. Sequences
+    shorter than some group are left unplaced (placed one by one after). Returns the new
+    loads (route priced over the network, on both ends)."""
+    layout, lengths, workload = step.layout, step.lengths, step.workload
+    pool = pool[lengths[pool] >= layout.class_size[-1]]
+    if pool.size == 0:
+        return load
+    kappa = prices.kappa
+    by_class = np.argsort(layout.size, kind="stable")  # bags, smallest groups first
+    base = workload[pool].sum()
+    # A bag's room in the pool's own units (cost without Ulysses): its priced room over the
+    # pool's mean inflation in that group.
+    inflation = 1.0 + (kappa[by_class] + prices.inter) * lengths[pool].sum() / base
+    weight = layout.weight[by_class]
+    held = load[by_class]
+
+    def room(level: float) -> np.ndarray:
+        return np.maximum(0.0, level * weight - held) / inflation
+
+    lo, hi = 0.0, float((held.sum() + base * inflation.max()) / weight.sum()) + held.max()
+    for _ in range(50):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (lo, mid) if room(mid).sum() >= base else (mid, hi)
+    ends = np.cumsum(room(hi))
+    cost = workload[pool]
+    middle = np.cumsum(cost) - 0.5 * cost
+    slot = np.minimum(np.searchsorted(ends, middle, side="right"), len(ends) - 1)
+    bags = by_class[slot]
+    step.bag[pool] = bags
+    sent = prices.inter * lengths[pool]
+    load = load + np.bincount(bags, weights=cost + kappa[bags] * lengths[pool] + sent,
+                              minlength=len(load))  # fmt: skip
+    home = step.home_bag[pool]
+    return load + np.bincount(home[home >= 0], weights=sent[home >= 0], minlength=len(load))
+
+
+def _shave(step: Step, prices: Prices) -> np.ndarray:
+    """Take the lightest sequences out of every bag above the mean priced per-GPU time until
+    it is at most that mean (sequences that fit any bag only), in one vectorised pass: the
+    bulk passes of a large step leave whole size classes above or below the mean, which a
+    few exchanges cannot even out. Returns them, unplaced (bag -1), heaviest first."""
+    layout = step.layout
+    price, load, _ = priced_loads(step, prices)
+    mean = float(load.sum() / layout.weight.sum())
+    excess = load - mean * layout.weight
+    movable = (step.lengths >= layout.class_size[-1]) & (step.bag >= 0)
+    movable &= excess[np.maximum(step.bag, 0)] > 0
+    seqs = np.flatnonzero(movable)
+    if seqs.size == 0:
+        return seqs
+    order = by_home_heaviest_first(seqs, step.bag, -step.workload, len(layout.size))
+    bags = step.bag[order]
+    # Lightest first within each bag, while the middle of each one's running price stays
+    # within the bag's excess (the nearest cut: sequences often outweigh the excess).
+    cost = price[order]
+    out = order[prefix_within_groups(cost, bags, excess[bags] + 0.5 * cost)]
+    step.bag[out] = -1
+    return descending(step.workload, out)

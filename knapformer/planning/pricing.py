@@ -1,0 +1,152 @@
+"""What a candidate placement of ``topology="auto"`` costs: its modelled makespan (the
+slowest GPU's compute + Ulysses + route, as `plan_cost` prices the plan it becomes) and
+the bag-level prices the placement and exchange passes score moves by (`Prices`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from knapformer.planning.bags import (
+    BagLayout,
+    Step,
+)
+from knapformer.planning.communication import CommModel, communication_loads
+from knapformer.planning.workload import WorkloadModel
+
+
+def modelled_makespan(step: Step, model: WorkloadModel, comm: CommModel, speed) -> float:
+    """The largest per-GPU load of ``step`` (its chunk table made), communication included:
+    what `plan_cost` gives the plan it becomes, computed before the plan exists."""
+    layout = step.layout
+    seq, pos, _, length = step.chunks
+    compute, tokens = compute_per_gpu(step, model, speed)
+    ulysses, route = communication_loads(
+        comm, model.token_dim, float(model.scale), layout.size[layout.shape.bag_of_pos], tokens,
+        step.src_pos[seq], pos, length,
+    )  # fmt: skip
+    return float((compute + ulysses + route).max(initial=0.0))
+
+
+def compute_per_gpu(step: Step, model: WorkloadModel, speed) -> tuple[np.ndarray, np.ndarray]:
+    """(compute, tokens), each (num_gpus,), of ``step``'s chunk table: each GPU's linear part
+    of its own tokens plus 1/g of the attention of every sequence of its bag, over its
+    speed."""
+    layout, lengths, workload = step.layout, step.lengths, step.workload
+    seq, pos, _, length = step.chunks
+    n = len(layout.shape.bag_of_pos)
+    share = np.where(lengths > 0, model.linear_share(lengths), 0.0)
+    per_token = np.divide(workload * share, lengths, out=np.zeros(len(lengths)),
+                          where=lengths > 0)  # fmt: skip
+    linear = np.bincount(pos, weights=per_token[seq] * length, minlength=n)
+    attention = np.bincount(step.bag, weights=workload * (1.0 - share), minlength=len(layout.size))
+    compute = linear + (attention / layout.size)[layout.shape.bag_of_pos]
+    if speed is not None:
+        compute = compute / speed
+    return compute, np.bincount(pos, weights=length, minlength=n)
+
+
+def route_per_token(comm: CommModel, model: WorkloadModel) -> tuple[float, float]:
+    """Workload units (per layer) a GPU pays per token it sends or returns over the node's
+    link and over the network."""
+    return tuple(
+        float(comm.work_of(model.token_dim * comm.dtype_bytes / (gbs * 1e9), model.scale))
+        / comm.layers
+        for gbs in (comm.intra_gbs, comm.inter_gbs)
+    )
+
+
+@dataclass(frozen=True)
+class Prices:
+    """What a sequence costs in each bag of a mixed partition, per layer, in workload
+    units: ``kappa`` (num_bags,) Ulysses per token; ``link`` (n, ...) via `route`: the route
+    per moved token (both ends alike) between its source GPU and a bag, over the node link
+    when the bag is in the source's node, else over the network."""
+
+    kappa: np.ndarray
+    bag_node: np.ndarray  # (num_bags,) node of each bag; -1: spans nodes
+    src_node: np.ndarray  # (n,)
+    intra: float
+    inter: float
+
+    @classmethod
+    def of(cls, shape, src_pos, per_token, comm, model):
+        node = int(comm.node_size)
+        per_token_route = route_per_token(comm, model)
+        bag_node = np.where(shape.size > node, -1, shape.start // node)
+        return cls(np.array([per_token[int(g)] for g in shape.size]), bag_node,
+                   np.where(src_pos >= 0, src_pos // node, -2), *per_token_route)  # fmt: skip
+
+    def route(self, seqs, bags, home, size, lengths):
+        """Per (sequence, bag) pair (broadcast): tokens that leave the source times the
+        route per token: all of them away from home, (g-1)/g at home."""
+        per = np.where(self.bag_node[bags] == self.src_node[seqs], self.intra, self.inter)
+        moved = np.where(bags == home, (size[bags] - 1) / size[bags], 1.0) * lengths
+        return per * moved
+
+    def cost(self, step: Step, lengths: np.ndarray, seq, bag):
+        """(price, sent) of sequences ``seq`` in bags ``bag`` (broadcast): ``W + k_g*L`` plus
+        the route its receivers pay (twice at home, where the bag also sends), and what its
+        home bag pays to send it (0 at home). ``lengths``: the step's, as floats."""
+        home = step.home_bag[seq]
+        r = self.route(seq, bag, home, step.layout.size, lengths[seq])
+        there = bag == home
+        return (step.workload[seq] + self.kappa[bag] * lengths[seq] + np.where(there, 2 * r, r),
+                np.where(there | (home < 0), 0.0, r))  # fmt: skip
+
+
+def priced_loads(step: Step, prices: Prices) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(price (n,) of each sequence in its bag (0 while unplaced), priced load (num_bags,),
+    sent (n,): what each sequence placed away from its home bag costs that bag to send):
+    ``W + k_g*L`` plus the route its receivers pay (twice at home, where the bag also sends),
+    and each home bag the sending of its sequences placed away."""
+    layout, home = step.layout, step.home_bag
+    num_bags = len(layout.size)
+    lengths = step.lengths.astype(np.float64)
+    placed = step.bag >= 0
+    bag = np.where(placed, step.bag, 0)
+    route = prices.route(np.arange(len(lengths)), bag, home, layout.size, lengths)
+    away = (bag != home) & (home >= 0) & placed
+    price = step.workload + prices.kappa[bag] * lengths + np.where(away, route, 2 * route)
+    price[~placed] = 0.0
+    load = np.bincount(bag, weights=price, minlength=num_bags)
+    sent = np.where(away, route, 0.0)
+    load += np.bincount(np.maximum(home, 0), weights=sent, minlength=num_bags)
+    return price, load, sent
+
+
+def bag_makespan(step: Step, prices: Prices) -> float:
+    """The largest priced per-GPU time of any bag, its sending GPU counted."""
+    _, load, sent = priced_loads(step, prices)
+    return float((load / step.layout.weight + sender_extra(step, sent)).max(initial=0.0))
+
+
+def sender_extra(step: Step, sent: np.ndarray) -> np.ndarray:
+    """(num_bags,) how far each bag's slowest GPU sits above the bag's spread load, given
+    ``sent`` (n,) (`priced_loads`): one GPU sends each of its sequences placed away, not
+    the whole bag (per GPU, workload units)."""
+    return uneven_sends(step.layout, *sends(step, sent))
+
+
+def sends(step: Step, sent: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """What each GPU (num_gpus,) and each home bag (num_bags,) pays to send its sequences
+    placed away (``sent`` (n,), `priced_loads`)."""
+    layout = step.layout
+    num_gpus = len(layout.shape.bag_of_pos)
+    gpu_sends = np.bincount(np.maximum(step.src_pos, 0), weights=sent, minlength=num_gpus)
+    bag_sends = np.bincount(np.maximum(step.home_bag, 0), weights=sent, minlength=len(layout.size))
+    return gpu_sends, bag_sends
+
+
+def uneven_sends(layout: BagLayout, gpu_sends: np.ndarray, bag_sends: np.ndarray) -> np.ndarray:
+    """(num_bags,) each bag's most sending GPU less the bag's sends spread over its GPUs."""
+    return np.maximum.reduceat(gpu_sends, layout.start) - bag_sends / layout.weight
+
+
+def moved_estimate(step: Step) -> float:
+    """Tokens that leave their GPU: all of a sequence placed away from home, (g-1)/g of one
+    at home in a g-GPU bag."""
+    g = step.layout.size[step.bag].astype(np.float64)
+    home = step.bag == step.home_bag
+    return float(np.sum(step.lengths * np.where(home, (g - 1) / g, 1.0)))

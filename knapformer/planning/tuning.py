@@ -1,0 +1,51 @@
+"""Every tuning constant of the planner's solvers, in one place (docs/planning.md).
+
+Each bounds how far a pass searches or how much it scores per round, so that a step's
+planning time follows its size, not how hard it is. The fixed-topology figures are part
+of what makes a fixed plan byte-identical across versions: changing one changes plans.
+"""
+
+from __future__ import annotations
+
+# Shared by the fixed and the auto solvers.
+EPS = 1e-12  # relative slack of a capacity check
+HEAVY_FRACTION = 0.25  # of one GPU's capacity: placed before the bulk "stay home" pass
+ONE_BY_ONE = 128  # steps of at most this many sequences are placed one by one
+
+# The fixed-topology solver (planner.py).
+# Further from the lower bound than this fraction, greedy is solved as well and the
+# better makespan kept: the result is then never worse than greedy's (which is >= the
+# bound) by more than 0.1 % of the bound.
+FALLBACK_TOLERANCE = 1e-3
+SEARCH_TOLERANCE = 8e-4  # the local search stops this close to the bound (with margin)
+SEARCH_PARTNERS = 8  # least-loaded bags tried as exchange partners of the most-loaded one
+# A search round scores every (leaving, returning) pair while there are at most this many;
+# beyond, only the two candidates nearest the ideal exchange per partner.
+DENSE_CELLS = 8192
+
+# topology="auto" (auto.py and the passes it runs).
+TIE = 1e-9  # modelled times this close are equal (then: fewer moved tokens)
+SMALL_GPUS = 64  # a *small* step: at most this many GPUs ...
+SMALL_SEQUENCES = 512  # ... and sequences: every partition solved, then refined exactly
+SLOW = 0.9  # a GPU below this share of its group's fastest is split off (`_isolate_slow`)
+POUR = 2048  # a larger pool is poured into the bags' room at once, not one by one
+FLOOR_STOP = 1e-4  # the exchange passes stop this close to the partition floor
+EXCHANGE_MOVES = 128  # exchanges of `exchange_across`, per mixed partition
+EXCHANGE_MOVES_LARGE = 24  # in a large step (where sequences are fine-grained)
+EXCHANGE_PARTNERS = 8  # least-loaded bags tried per exchange (every bag in a small step)
+EXCHANGE_MEMBERS = 32  # members of a bag scored per exchange (a spread sample beyond)
+# A coarse large step (`is_coarse`): few sequences per GPU and many GPUs in the smaller groups.
+COARSE_PER_GPU = 8  # sequences per GPU, at most
+COARSE_SHARE = 1 / 8  # of the GPUs in groups smaller than the largest, at least
+EVEN_ROUNDS = 4  # rounds of `_even_classes`
+EVEN_TRIES = 4  # distinct costs tried per sequence of a bag outside the band
+EVEN_BAND = 6e-4  # the band's width, of the mean per-GPU time
+LEVEL_ROUNDS = 6  # rounds of `_level`
+LEVEL_DONORS = 32  # most loaded bags that exchange in one round
+LEVEL_PARTNERS = 4  # least loaded bags offered to each
+LEVEL_MEMBERS = 12  # members of a bag scored (a spread sample beyond)
+REFINE_ROUNDS = 12  # GPU-exact refinement rounds of a small step (`refine`)
+REFINE_PARTNERS = 8  # least loaded bags whose sequences it tries swapping with
+# (candidate, GPU) cells a refinement round scores at most: a round costs the same
+# whether a GPU holds 4 sequences or 400 (sampled beyond, `_within_budget`).
+REFINE_CELLS = 1 << 14
