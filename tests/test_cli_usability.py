@@ -200,7 +200,10 @@ def test_a_mistyped_mix_name_gets_the_closest_name(capsys, command, typo, meant)
 def test_a_word_far_from_every_mix_gets_no_guess(capsys):
     assert main(["simulate", "--topology", "g8n4", "--data-codes", "textures"]) == 1
     err = capsys.readouterr().err
-    assert "not a mix name (lowres, mixres, joint, video, seqheavy)" in err and "did you mean" not in err
+    assert (
+        "not a mix name (lowres, mixres, joint, video, seqheavy)" in err
+        and "did you mean" not in err
+    )
 
 
 # ------------------------------------------------------------ calibration
