@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import multiprocessing
 import subprocess
 from pathlib import Path
 
@@ -167,7 +166,7 @@ def test_legacy_plan_replays_recorded_routing(legacy_path):
 
 
 def test_too_many_gpus_and_bad_heads_are_refused(tmp_path, capsys):
-    # Refused before any worker starts: in-process, where a spawned worker would be seen.
+    # Refused before any worker starts (nothing announced), so it runs in-process.
     path = tmp_path / "big.json"
     write_json(path, plan_routing([[10]] * 65, "g1n65", WorkloadModel(64)))
     assert main(["replay", str(path)]) == 1
@@ -185,7 +184,6 @@ def test_too_many_gpus_and_bad_heads_are_refused(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert out == ""
     assert err.strip() == "error: --dim 12 must be a positive multiple of --heads 8"
-    assert not multiprocessing.active_children()
 
 
 SAMPLES = sorted(p.name for p in (ROOT / "sample_plans").glob("*.json*"))

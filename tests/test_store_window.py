@@ -47,7 +47,11 @@ def _rows(plans) -> WindowRows:
 
 @pytest.mark.parametrize(
     ("topology", "slow"),
-    [("g1n2+g2n1+g4n1", {"slow_rank": 5, "slow_factor": 2.0}), ("g2n2+g4n1", {})],
+    [
+        ("g1n2+g2n1+g4n1", {"slow_rank": 5, "slow_factor": 2.0}),
+        ("g2n2+g4n1", {}),
+        ("g1n8", {"slow_rank": 2, "slow_factor": 2.0}),  # no multi-GPU bag: no bag scope
+    ],
 )
 def test_store_rows_give_the_plans_verdicts(topology, slow):
     plans = measured_run(10, topology=topology, seed=3, **slow)

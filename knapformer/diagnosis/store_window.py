@@ -320,6 +320,8 @@ def _scope_keys(
 ) -> dict[tuple[str, tuple[int, ...]], np.ndarray]:
     """(scope, its ranks) -> the groups (indices, in step order) of ``keep`` that are
     that scope; a group's ranks are read once per distinct scope, not once per step."""
+    if keep.size == 0:  # no group of this scope (only one-GPU bags): nothing to split
+        return {}
     running = np.r_[0, np.cumsum(ranks)]
     cum = running[starts + size] - running[starts]
     # a group is told by its first rank and size (its ranks' sum checks it): one key
