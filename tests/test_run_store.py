@@ -37,6 +37,10 @@ def run(tmp_path_factory):
 def test_the_store_of_a_run_folder_a_plans_file_and_a_groups_file():
     assert store_folder("runs/a/plans.jsonl") == Path("runs/a/store")
     assert store_folder("runs/a/plans.group3.jsonl") == Path("runs/a/store.group3")
+    # plans files of other names, e.g. a {group} template: never one store for two
+    assert store_folder("runs/a/balance.jsonl") == Path("runs/a/store.balance")
+    assert store_folder("runs/a/balance.group1.jsonl") == Path("runs/a/store.balance.group1")
+    assert store_folder("runs/a/g3.jsonl") != store_folder("runs/a/g4.jsonl")
 
 
 def test_the_loss_columns_are_the_diagnosis_parts():

@@ -84,3 +84,12 @@ def test_steps_without_a_compute_phase_are_left_out_as_by_the_plans():
     phases = {p: np.where(unmeasured, np.nan, v) for p, v in rows.phase_ms.items()}
     w = window_figures(WindowRows(**{**rows.__dict__, "phase_ms": phases}))
     assert w.m.steps == [p.step for p in plans if p.step != plans[2].step]
+
+
+def test_a_window_where_no_step_measured_compute_has_no_steps():
+    # A recorder without measurements: every phase column null. The reader then says so
+    # in one line (`knapformer stragglers`), which needs this to return, not raise.
+    rows = _rows(measured_run(3, seed=5))
+    phases = {p: np.full_like(v, np.nan) for p, v in rows.phase_ms.items()}
+    w = window_figures(WindowRows(**{**rows.__dict__, "phase_ms": phases}))
+    assert w.m.steps == [] and w.scopes == {}

@@ -113,6 +113,9 @@ def test_a_resumed_run_appends_and_a_restarted_one_moves_the_store_aside(tmp_pat
     assert read_table(tmp_path, "steps")["step"].to_pylist() == [0, 1, 2, 3]
     assert run_id(folder) != first and run_id(tmp_path / "store.1") == first
     assert any("moved to" in r.getMessage() for r in caplog.records)
+    second = run_id(folder)
+    write(folder, plans[:2])  # and again: the first one moved aside is kept
+    assert run_id(tmp_path / "store.1") == first and run_id(tmp_path / "store.2") == second
 
 
 def test_a_step_out_of_order_is_left_out_and_counted(tmp_path, plans):

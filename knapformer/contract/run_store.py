@@ -71,13 +71,16 @@ class Segment:
 
 def store_folder(run: str | os.PathLike) -> Path:
     """The store of ``run``: a run folder, its ``plans.jsonl`` (group k's
-    ``plans.group<k>.jsonl`` has ``store.group<k>``) or the store folder itself."""
+    ``plans.group<k>.jsonl`` has ``store.group<k>``) or the store folder itself. A plans
+    file of another name has a store named after it (``g3.jsonl``: ``store.g3``), so that
+    two recordings in one folder never share a store."""
     path = Path(run)
     if path.name.startswith(STORE_FOLDER) and (path / RUN_FILE).is_file():
         return path
     if path.is_dir():
         return path / STORE_FOLDER
-    suffix = path.stem.removeprefix(Path(PLANS_FILE).stem) if path.stem.startswith("plans") else ""
+    plans = Path(PLANS_FILE).stem
+    suffix = path.stem.removeprefix(plans) if path.stem.startswith(plans) else "." + path.stem
     return path.with_name(STORE_FOLDER + suffix)
 
 

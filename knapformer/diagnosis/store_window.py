@@ -293,6 +293,8 @@ def _scope_times(flat: _Flat, wall: np.ndarray) -> ScopeTimes:
     more GPUs for its Ulysses exchanges), its cost and no-wait time in every step that
     measured its exchanges (`knapformer.diagnosis.measured.link_steps`)."""
     out: ScopeTimes = {}
+    if not len(flat.col):  # no step measured its compute: no scope to time
+        return out
     for scope, phases in (("group", GROUP_EXCHANGES), ("bag", BAG_COLLECTIVES)):
         groups = flat.col if scope == "group" else flat.bag_groups
         order = np.argsort(groups, kind="stable")

@@ -311,6 +311,9 @@ class PlanRecorder:
                 keep_full=self._enqueue,
                 **self._store_options,
             )
+            # a run whose plans all fall outside `every` never starts the JSONL thread,
+            # which registers this otherwise: the store's open segment is flushed at exit
+            atexit.register(self._at_exit)
         return self.store.put(plan)
 
     def _enqueue(self, plan: RoutingPlan) -> bool:

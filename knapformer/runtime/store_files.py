@@ -53,8 +53,7 @@ def open_store(folder: Path, first_step: int) -> str:
         if run is not None and (last is None or first_step > last):
             _remove_temporary(folder)
             return run  # a resumed run: append
-        aside = folder.with_name(folder.name + ".1")
-        shutil.rmtree(aside, ignore_errors=True)
+        aside = _free_aside(folder)
         os.replace(folder, aside)
         log.warning(
             "StoreWriter: %s was moved to %s (%s): two runs never mix in one store "
@@ -69,6 +68,15 @@ def open_store(folder: Path, first_step: int) -> str:
     tmp.write_text(json.dumps({"run_id": run, "store_version": STORE_VERSION}) + "\n")
     os.replace(tmp, folder / RUN_FILE)
     return run
+
+
+def _free_aside(folder: Path) -> Path:
+    """``folder`` with the first of ``.1``, ``.2``, ... not taken: an earlier store moved
+    aside is never deleted (a run resumed twice from a checkpoint keeps both)."""
+    index = 1
+    while folder.with_name(f"{folder.name}.{index}").exists():
+        index += 1
+    return folder.with_name(f"{folder.name}.{index}")
 
 
 def write_segment(
@@ -130,9 +138,9 @@ def parquet_writer(path: Path, table: str, run: str) -> pq.ParquetWriter:
 
 def remove_stores(run: str | os.PathLike) -> list[Path]:
     """Remove the stores an earlier recording in the folder ``run`` left (``store``,
-    ``store.group<k>`` and their ``.1`` copies): a run that restarts its steps starts
+    ``store.group<k>`` and their ``.1``, ``.2``... copies): a run that restarts its steps starts
     fresh. Returns what was removed."""
-    pattern = re.compile(rf"{STORE_FOLDER}(\.group\d+)?(\.1)?")
+    pattern = re.compile(rf"{STORE_FOLDER}(\.group\d+)?(\.\d+)?")
     folder = Path(run)
     found = [p for p in folder.iterdir() if pattern.fullmatch(p.name) and p.is_dir()]
     for path in found:

@@ -23,7 +23,7 @@ them to the open segment. Guarantees:
 - One run per store: a store whose last step is below the first step written here is
   the same run resumed (from a checkpoint): it is appended to, under its run id. Any
   other store (steps that restart, an unreadable ``run.json``) is moved aside to
-  ``store.1`` (an older ``store.1`` is deleted), with one warning.
+  ``store.1`` (or the next free ``store.<n>``: none is deleted), with one warning.
 - ``add_columns`` is the batch path of the same writer: whole steps of ready-made rows
   (a bench or an importer), segments closed by the same rule.
 """
@@ -197,11 +197,13 @@ class StoreWriter:
         self._guarded(self._close_segment)
 
     def _guarded(self, action: Callable, *args: object) -> None:
-        """Run ``action``; an I/O error turns the store off (one warning), training goes on."""
+        """Run ``action``; an error (I/O, a store changed underneath, pyarrow) turns the store
+        off with one warning and training goes on: the thread must outlive it, or `put`
+        would fill the queue and `close` wait out its timeout."""
         try:
             action(*args)
-        except OSError as err:
-            self.disabled_reason = f"I/O error in {self.folder}: {err}"
+        except Exception as err:  # any failure: the store stops, not the run
+            self.disabled_reason = f"{type(err).__name__} in {self.folder}: {err}"
             log.warning("StoreWriter disabled (training goes on): %s", self.disabled_reason)
             self._segment = None
 
