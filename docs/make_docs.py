@@ -36,6 +36,8 @@ Options of console markers (``key=value``, shell quoting):
   target still has its table written);
 - ``mask-columns="a, b"``: table columns holding timings, ignored when comparing;
 - ``mask=REGEX``: more text ignored when comparing;
+- ``optional=REGEX``: whole lines that a run may print or not (a note that depends on the
+  machine's load), left out of both sides when comparing;
 - ``stop-after=REGEX``: the command is a server: it gets Ctrl-C (SIGINT) once a line
   matching REGEX is printed, and its output ends with that line;
 - ``timeout=S``: seconds a command may take (default 600);
@@ -78,7 +80,7 @@ SCRATCH = ROOT / "runs" / "docs"
 DEFAULT_COLUMNS = 120
 DEFAULT_TIMEOUT_S = 600.0
 KINDS = ("console", "console-bench", "include", "docs-index")
-OPTIONS = ("columns", "exit", "mask-columns", "mask", "stop-after", "timeout", "needs")
+OPTIONS = ("columns", "exit", "mask-columns", "mask", "optional", "stop-after", "timeout", "needs")
 
 _MARKER = re.compile(r"^<!--\s*(" + "|".join(map(re.escape, KINDS)) + r")(?=\s|-->|$)(.*)$")
 _INDEX_END = "<!-- /docs-index -->"
@@ -492,8 +494,11 @@ def masked(text: str, block: Block) -> list[str]:
     """``text`` line by line with what may differ between runs masked."""
     lines = mask_table_columns(text.split("\n"), block.masked_columns)
     extra = block.options.get("mask")
+    optional = block.options.get("optional")
     out = []
     for line in lines:
+        if optional and re.fullmatch(optional, line):
+            continue
         for pattern, replacement in _MASKS:
             line = pattern.sub(replacement, line)
         if extra:
