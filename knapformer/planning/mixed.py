@@ -94,6 +94,14 @@ def _place_priced(order, step: Step, load: np.ndarray, prices: Prices, level: fl
     intra, inter = prices.intra, prices.inter
     heappop = heapq.heappop
     tries: dict[int, list] = {}  # per source node: (class, size, its two heaps) to try
+
+    def charge(bag: int, cost: float) -> None:
+        """Add ``cost`` to ``bag``'s load and push its new per-weight load on its heaps."""
+        load[bag] += cost
+        per[bag] = p = load[bag] / weight[bag]
+        for heap in bag_heaps[bag]:
+            heappush(heap, (p, bag))
+
     rows = zip(order.tolist(), step.workload[order].tolist(), step.lengths[order].tolist(),
                step.home_bag[order].tolist(), prices.src_node[order].tolist(),
                strict=True)  # fmt: skip
@@ -104,14 +112,10 @@ def _place_priced(order, step: Step, load: np.ndarray, prices: Prices, level: fl
         if at_home:
             home_cost = w + kap[h] * length + 2 * intra * length * (size[h] - 1) / size[h]
             if (load[h] + home_cost) / weight[h] <= limit:
-                b, cost, sent = h, home_cost, 0.0
-                chosen.append(b)
-                load[b] += cost
-                per[b] = p = load[b] / weight[b]
-                for heap in bag_heaps[b]:
-                    heappush(heap, (p, b))
+                chosen.append(h)
+                charge(h, home_cost)
                 if capped:
-                    layout.add(b, 0.0, length, 0)
+                    layout.add(h, 0.0, length, 0)
                 continue
         b, lowest, cost, sent = -1, np.inf, 0.0, 0.0
         if at_home:
@@ -148,15 +152,9 @@ def _place_priced(order, step: Step, load: np.ndarray, prices: Prices, level: fl
         if b < 0:
             raise layout.infeasible(seq, length)
         chosen.append(b)
-        load[b] += cost
-        per[b] = p = load[b] / weight[b]
-        for heap in bag_heaps[b]:
-            heappush(heap, (p, b))
+        charge(b, cost)
         if sent and h >= 0:
-            load[h] += sent
-            per[h] = p = load[h] / weight[h]
-            for heap in bag_heaps[h]:
-                heappush(heap, (p, h))
+            charge(h, sent)
         if capped:
             layout.add(b, 0.0, length, 0)
     step.bag[order] = chosen
