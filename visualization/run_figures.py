@@ -19,14 +19,13 @@ from dataclasses import dataclass
 import numpy as np
 from knapformer.visualization import palette
 from knapformer.visualization.figures import build_figure, empty_figure
-from knapformer.visualization.straggler_figures import RATIO_OCTAVES
+from knapformer.visualization.straggler_figures import ratio_colour_axis
 
 #: The most rows (rank bins) and columns (step bins) a whole-run heatmap sends.
 MAX_ROWS = 256
 MAX_COLS = 600
 #: The most points a line over the run sends.
 MAX_POINTS = 2_000
-_DIVERGING = [[0.0, palette.FASTER], [0.5, palette.AS_PREDICTED], [1.0, palette.SLOWER]]
 
 
 @dataclass(frozen=True)
@@ -86,7 +85,6 @@ def run_rate_heatmap(grid: RunGrid, validate: bool = True) -> dict:
     x = cell_centres(grid).tolist()
     y = ((grid.rank_lo + grid.rank_hi) / 2).tolist()
     cols, rows = len(x), len(y)
-    octaves = np.linspace(-RATIO_OCTAVES, RATIO_OCTAVES, 5)
     data = [
         {
             "type": "heatmap",
@@ -96,15 +94,8 @@ def run_rate_heatmap(grid: RunGrid, validate: bool = True) -> dict:
             # one number a cell (a click carries it back as a number, where a list a
             # cell, sent as a typed array, arrives as an object)
             "customdata": grid.rate.astype(np.float32),
-            "zmin": -RATIO_OCTAVES,
-            "zmax": RATIO_OCTAVES,
-            "colorscale": _DIVERGING,
+            **ratio_colour_axis("rate ×<br>group's"),
             "hoverongaps": False,
-            "colorbar": {
-                "title": {"text": "rate ×<br>group's"},
-                "tickvals": octaves.tolist(),
-                "ticktext": [f"{2**o:.2g}" for o in octaves],
-            },
             "hovertemplate": "step ≈ %{x:,.0f} · rank ≈ %{y:,.0f}<br>largest median rate "
             "%{customdata:.2f}× the group's<br>(click: open these steps)<extra></extra>",
         }

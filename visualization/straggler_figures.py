@@ -39,6 +39,24 @@ from knapformer.diagnosis.stragglers import (
 #: faster than predicted, white = as predicted, red = slower (2x and beyond: full red).
 RATIO_OCTAVES = 1.0
 _DIVERGING = [[0.0, palette.FASTER], [0.5, palette.AS_PREDICTED], [1.0, palette.SLOWER]]
+
+
+def ratio_colour_axis(title: str) -> dict:
+    """A heatmap's colour keys over log2(ratio) in ±RATIO_OCTAVES, its colour bar titled
+    ``title`` and ticked in ratios (0.5 … 2)."""
+    octaves = np.linspace(-RATIO_OCTAVES, RATIO_OCTAVES, 5)
+    return {
+        "zmin": -RATIO_OCTAVES,
+        "zmax": RATIO_OCTAVES,
+        "colorscale": _DIVERGING,
+        "colorbar": {
+            "title": {"text": title},
+            "tickvals": octaves.tolist(),
+            "ticktext": [f"{2**o:.2g}" for o in octaves],
+        },
+    }
+
+
 _SEQUENTIAL = [[i / 8, c] for i, c in enumerate(plotly.colors.sequential.Oranges)]
 #: Nominal height of a heatmap's plot area (px), for its rank-label rule.
 HEATMAP_PLOT_PX = 260
@@ -119,7 +137,6 @@ def ratio_heatmap(m: RankSteps, validate: bool = True, flagged: Iterable[int] = 
     """Rank × step heatmap of measured compute ÷ predicted (1 = as the plan predicted for
     the work it gave; red: slower). Ranks not in a step's plan are left blank; the
     ``flagged`` ranks are labelled at any rank count."""
-    octaves = np.linspace(-RATIO_OCTAVES, RATIO_OCTAVES, 5)
     with np.errstate(divide="ignore", invalid="ignore"):
         z = np.log2(m.ratio)
     return _rank_step_heatmap(
@@ -129,14 +146,7 @@ def ratio_heatmap(m: RankSteps, validate: bool = True, flagged: Iterable[int] = 
         "measured ÷ predicted %{customdata[0]:.2f}<br>compute %{customdata[1]:,.3r} ms",
         {
             "customdata": np.stack([m.ratio, m.compute_ms], axis=-1).astype(np.float32),
-            "zmin": -RATIO_OCTAVES,
-            "zmax": RATIO_OCTAVES,
-            "colorscale": _DIVERGING,
-            "colorbar": {
-                "title": {"text": "measured ÷<br>predicted"},
-                "tickvals": octaves.tolist(),
-                "ticktext": [f"{2**o:.2g}" for o in octaves],
-            },
+            **ratio_colour_axis("measured ÷<br>predicted"),
         },
         validate,
         flagged,
