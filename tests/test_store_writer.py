@@ -17,6 +17,7 @@ from knapformer.contract.plan_io import read_plans
 from knapformer.contract.run_store import list_segments, read_table, run_id, store_folder
 from knapformer.contract.store_schema import RANKS, STEPS
 from knapformer.diagnosis.measured import measure
+from knapformer.diagnosis.step_loss import step_losses
 from knapformer.runtime.recorder import PlanRecorder
 from knapformer.runtime.store_writer import StoreWriter
 from knapformer.testing.measured_plans import measured_run
@@ -74,6 +75,26 @@ def test_every_rank_step_is_one_row_with_the_plans_figures(tmp_path, plans):
     assert slow["slow_steps"].tolist() == [10, 10, 4] == slow["steps"].tolist()
     assert (windows[windows["rank"] != 3]["slow_steps"] == 0).all()
     assert slow["rate_median"].min() > 1.4
+
+
+def test_a_group_of_any_size_gets_what_each_step_lost(tmp_path):
+    # 96 GPUs (above the 64 the loss columns once stopped at; the window's fit is the
+    # compute model's grid search there), rank 70 at 1.6x: each segment's steps carry
+    # the loss the diagnosis computes over the same window, and the slow rank's part.
+    codes = "g24b4i256f1s0,g24b5i512f1s0,g24b1i1024f1s0,g24b2i256f4s0"
+    big = measured_run(12, "g1n32+g2n16+g4n8", codes, slow_rank=70, slow_factor=1.6)
+    write(tmp_path / "store", big, segment_steps=6)
+    steps = read_table(tmp_path, "steps").to_pydict()
+    assert steps["gpus"] == [96] * 12
+    for first in (0, 6):
+        expected = step_losses([measure(p).figures() for p in big[first : first + 6]])
+        rows = slice(first, first + 6)
+        np.testing.assert_allclose(steps["lost_ms"][rows], [x.lost_ms for x in expected],
+                                   atol=0.01)  # fmt: skip
+        slow_part = [x.part_ms["slow_ranks"] for x in expected]
+        np.testing.assert_allclose(steps["lost_slow_ranks_ms"][rows], slow_part, atol=0.01)
+    assert all(s > 0.5 * lost for s, lost in zip(steps["lost_slow_ranks_ms"], steps["lost_ms"],
+                                                  strict=True))  # fmt: skip
 
 
 def test_a_window_reads_only_its_steps_and_columns(tmp_path, plans):
