@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import signal
 import sys
+import threading
 import time
 
 import numpy as np
@@ -165,6 +166,46 @@ def test_the_recorder_keeps_in_full_the_steps_a_verdict_could_name(tmp_path, pla
     assert written == [0, 1, 10, 11, 20, 21] and rec.store.kept == 3
     steps = read_table(tmp_path, "steps").to_pydict()
     assert [s for s, f in zip(steps["step"], steps["full_plan"], strict=True) if f] == written
+
+
+def _in_file(path) -> set[int]:
+    return {p.step for p in read_plans(path).plans}
+
+
+def test_full_plan_is_false_for_a_line_the_full_queue_dropped(tmp_path, even_plans, monkeypatch):
+    # A JSONL queue of one and its writer held up until every step is recorded: all
+    # but the first line or two are dropped, and the store's rows say which are in.
+    held = threading.Event()
+    serialize = PlanRecorder._serialize
+    monkeypatch.setattr(PlanRecorder, "_serialize",
+                        lambda self, plan: held.wait(30) and serialize(self, plan))  # fmt: skip
+    path = tmp_path / "plans.jsonl"
+    with PlanRecorder(path, every=2, queue_size=1) as rec:
+        queued = {p.step for p in even_plans if rec.record(p)}
+        held.set()
+    assert rec.dropped >= 4 and queued == _in_file(path) and queued <= {0, 2}
+    steps = read_table(tmp_path, "steps").to_pydict()
+    assert steps["step"] == list(range(12))  # the store has every step all the same
+    in_full = {s for s, f in zip(steps["step"], steps["full_plan"], strict=True) if f}
+    assert in_full == queued
+
+
+def test_full_plan_is_false_for_a_line_the_jsonl_writer_refused(tmp_path, even_plans):
+    # Step 1's plan has a NaN workload: its rows are stored, its line is refused (no
+    # reader would accept it), and the JSONL writer's word reaches the store before the
+    # last segment closes.
+    plan = even_plans[1]
+    workload = np.where(np.arange(len(plan.sequences)) == 0, np.nan, 1.0)
+    broken = plan.model_copy(
+        update={"sequences": plan.sequences.model_copy(update={"workload": workload})}
+    )
+    path = tmp_path / "plans.jsonl"
+    with PlanRecorder(path) as rec:
+        assert all(rec.record(p) for p in (even_plans[0], broken, *even_plans[2:5]))
+    assert rec.refused == 1 and _in_file(path) == {0, 2, 3, 4}
+    steps = read_table(tmp_path, "steps").to_pydict()
+    assert steps["step"] == [0, 1, 2, 3, 4]
+    assert steps["full_plan"] == [True, False, True, True, True]
 
 
 # ----------------------------------------------------------------------- the demo
