@@ -19,6 +19,7 @@ from knapformer.contract.run_store import list_segments, read_table, run_id, sto
 from knapformer.contract.store_schema import RANKS, STEPS
 from knapformer.diagnosis.measured import measure
 from knapformer.diagnosis.step_loss import step_losses
+from knapformer.runtime import store_files
 from knapformer.runtime.recorder import PlanRecorder
 from knapformer.runtime.store_writer import StoreWriter
 from knapformer.testing.measured_plans import measured_run
@@ -138,6 +139,82 @@ def test_a_resumed_run_appends_and_a_restarted_one_moves_the_store_aside(tmp_pat
     second = run_id(folder)
     write(folder, plans[:2])  # and again: the first one moved aside is kept
     assert run_id(tmp_path / "store.1") == first and run_id(tmp_path / "store.2") == second
+
+
+def _replayed(plans, steps):
+    """``plans`` as the steps ``steps`` of a run resumed from a checkpoint."""
+    return [p.model_copy(update={"step": s}) for p, s in zip(plans, steps, strict=False)]
+
+
+@pytest.mark.parametrize("segment_steps, compact", [(10, 0), (3, 2)])
+def test_a_run_that_replays_steps_trims_them_and_appends(
+    tmp_path, plans, caplog, segment_steps, compact
+):
+    # Steps 0..23, then the job resumes from a checkpoint at step 15: the store keeps its
+    # run and steps 0..14, the segment that straddles step 15 (one of 10 steps, or one
+    # merged by compaction) is rewritten, and the replayed steps are the new ones.
+    folder = tmp_path / "store"
+    write(folder, plans, segment_steps=segment_steps, compact=compact)
+    first = run_id(folder)
+    assert any(s.first < 15 <= s.last for s in list_segments(folder, "ranks"))
+    resumed = plans[::-1]
+    write(folder, _replayed(resumed, range(15, 27)), segment_steps=segment_steps)
+    assert run_id(folder) == first and not (tmp_path / "store.1").exists()
+    assert any("resumes at step 15" in r.getMessage() for r in caplog.records)
+    assert read_table(tmp_path, "steps")["step"].to_pylist() == list(range(27))  # each once
+    ranks = read_table(tmp_path, "ranks")
+    assert ranks["step"].to_pylist() == np.repeat(range(27), 8).tolist()
+    replayed = read_table(tmp_path, "ranks", (20, 20)).to_pydict()
+    np.testing.assert_allclose(replayed["compute_ms"], resumed[5].measurements
+                               .per_rank_ms["compute"], atol=1 / 256)  # fmt: skip
+    for table in ("ranks", "steps", "rank_windows"):
+        assert all(s.last <= 14 or s.first >= 15 for s in list_segments(folder, table))
+    # rank windows end before the replay or start at it, each counting its own steps
+    windows = read_table(tmp_path, "rank_windows").to_pandas()
+    span = windows["last_step"] - windows["first_step"] + 1
+    assert ((windows["last_step"] <= 14) | (windows["first_step"] >= 15)).all()
+    assert (windows["steps"] == span).all() and len(windows) == 8 * len(set(windows["first_step"]))
+    if segment_steps == 10:  # the window of steps 10..19 was cut to 10..14
+        assert (windows[windows["first_step"] == 10]["last_step"] == 14).all()
+
+
+class _Killed(Exception):
+    pass
+
+
+def test_a_trim_killed_midway_leaves_every_step_once_and_is_done_again(
+    tmp_path, plans, monkeypatch
+):
+    folder = tmp_path / "store"
+    write(folder, plans, segment_steps=10)
+    rewrite = store_files._rewrite_before
+
+    def killed(*args):  # the shorter copy renamed into place, then the process dies
+        rewrite(*args)
+        raise _Killed
+
+    monkeypatch.setattr(store_files, "_rewrite_before", killed)
+    with pytest.raises(_Killed):
+        store_files.trim(folder, 15)
+    monkeypatch.undo()
+    assert len(list(folder.glob("rank_windows-10-*.parquet"))) == 2  # both copies there
+    windows = read_table(tmp_path, "rank_windows")  # the shorter, inside, is skipped
+    assert sorted(set(windows["first_step"].to_pylist())) == [0, 10, 20]
+    assert read_table(tmp_path, "steps")["step"].to_pylist() == list(range(24))
+    write(folder, _replayed(plans, range(15, 20)), segment_steps=10)  # the job resumes
+    assert read_table(tmp_path, "steps")["step"].to_pylist() == list(range(20))
+    windows = read_table(tmp_path, "rank_windows").to_pandas()
+    assert sorted(set(zip(windows["first_step"], windows["last_step"], strict=True))) == [
+        (0, 9), (10, 14), (15, 19)
+    ]  # fmt: skip
+
+
+def test_a_run_that_restarts_before_the_stores_first_step_moves_it_aside(tmp_path, plans):
+    write(tmp_path / "store", _replayed(plans, range(5, 29)))
+    first = run_id(tmp_path / "store")
+    write(tmp_path / "store", plans[:3])  # steps 0..2: another run, not a replay
+    assert run_id(tmp_path / "store.1") == first
+    assert read_table(tmp_path, "steps")["step"].to_pylist() == [0, 1, 2]
 
 
 def test_a_step_out_of_order_is_left_out_and_counted(tmp_path, plans):

@@ -23,9 +23,13 @@ them to the open segment. Guarantees:
   a week-long run keeps hundreds of files, not tens of thousands. The store is never
   rotated away.
 - One run per store: a store whose last step is below the first step written here is
-  the same run resumed (from a checkpoint): it is appended to, under its run id. Any
-  other store (steps that restart, an unreadable ``run.json``) is moved aside to
-  ``store.1`` (or the next free ``store.<n>``: none is deleted), with one warning.
+  the same run resumed (from a checkpoint): it is appended to, under its run id. So is
+  one whose first step is below it and last step not (resumed from a checkpoint, it
+  replays steps): first its steps from the first written here on are removed
+  (`knapformer.runtime.store_files.trim`: a segment that straddles it rewritten), with
+  one warning. Any other store (steps that restart from the store's first or before,
+  an unreadable ``run.json``, a trim that failed) is moved aside to ``store.1`` (or the
+  next free ``store.<n>``: none is deleted), with one warning.
 - ``full_plan`` is true to the JSONL: a step's row says its full plan is in the file
   when the recorder queued its line (`put`'s ``full``; a line dropped from a full queue
   is not), unless the JSONL writer then says it could not write it (`not_written`:
