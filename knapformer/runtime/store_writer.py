@@ -11,9 +11,9 @@ them to the open segment. Guarantees:
   listed, and a new writer removes them).
 - Per closed segment: its ``ranks`` rows, its ``steps`` rows (with each step's loss,
   `knapformer.diagnosis.step_loss` over the segment's steps as the window, at any size:
-  0.7 s of CPU for 1,024 GPUs x 256 steps, 0.7 s for 4,096 x 60, the window's compute
-  fit by `knapformer.planning.line_fit`'s grid) and one ``rank_windows`` row per rank
-  (`window_rows`).
+  under a second of CPU for 1,024 GPUs x 256 steps or 4,096 x 60, the window's compute
+  fit by `knapformer.planning.line_fit`'s grid; bench/run_store.py) and one
+  ``rank_windows`` row per rank (`window_rows`).
 - Bounded memory: ``ranks`` rows go to the segment's file as row groups of
   `ROW_GROUP_ROWS`; what is held is one row group, the segment's per-step figures for its
   loss, and three numbers per rank-step for its windows (about 25 MB at 4,096 GPUs and
