@@ -22,7 +22,6 @@ from knapformer.contract.run_store import (
     RUN_FILE,
     StoreError,
     list_segments,
-    read_table,
     run_id,
     segment_name,
 )
@@ -140,10 +139,18 @@ def _rows_before(folder: Path, segment, step: int):
     straddling = windows.filter(pc.and_(pc.less(windows["first_step"], step),
                                         pc.greater_equal(windows["last_step"], step)))  # fmt: skip
     for first in sorted(set(straddling["first_step"].to_pylist())):
-        ranks = read_table(folder, "ranks", (first, step - 1))
+        ranks = _ranks_rows(folder, first, step - 1)
         if ranks.num_rows:
             last = pc.max(ranks["step"]).as_py()
             yield window_rows(first, last, *window_figures(ranks))
+
+
+def _ranks_rows(folder: Path, first: int, last: int) -> pa.Table:
+    """The ``ranks`` rows of steps ``first..last`` (a store of any folder name)."""
+    wanted = [("step", ">=", first), ("step", "<=", last)]
+    parts = [pq.read_table(s.path, filters=wanted) for s in list_segments(folder, "ranks")
+             if s.overlaps(first, last)]  # fmt: skip
+    return pa.concat_tables(parts) if parts else TABLES["ranks"].empty_table()
 
 
 def _free_aside(folder: Path) -> Path:
