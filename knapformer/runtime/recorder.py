@@ -59,7 +59,8 @@ Guarantees (each one tested in ``tests/test_recorder*.py``):
   ``every``, or dropped from a full queue) that a reader must be able to open in full
   (`knapformer.runtime.store_rows.worth_keeping`; the first of each window of ``every``
   steps): such a line may follow the line of a later step when the store's thread lags.
-  ``close()`` closes the store first.
+  ``close()`` drains the store first (the plans it keeps in full reach the JSONL's
+  queue) and closes it last (after the JSONL writer's word on every line).
 
 A plain sink: it never reads the balancer, runs no collective and times nothing. With a
 balancer (``SequenceBalancer(..., recorder=PlanRecorder(path))``) the balancer hands it
