@@ -13,6 +13,12 @@
    (target >= 100) and ms per step at ``--big-gpus`` (target: keeps up at one step/s),
    with the writer's memory; ``record()`` on the training thread with the store on
    (median, target <= 0.05 ms);
+   Each segment's steps carry what the step lost (`knapformer.diagnosis.step_loss`,
+   over the segment as its window): the loss columns filled at ``--gpus`` (target:
+   every step), the CPU time per step of that loss and of its window fit alone, at
+   ``--gpus`` x 256 steps and ``--big-gpus`` x 60 (a segment at one step per second),
+   and the fit's grid search against the every-pair enumeration it replaces above
+   `knapformer.planning.line_fit.EXACT_RANKS` ranks, on 128 GPUs x 10 steps;
 3. readers on the written run: the slowest rank of every step (pyarrow, target <= 1 s;
    DuckDB beside it, from the steps table and from all rank rows), the whole-run
    rank_windows, a 1,000-step window in the middle, each against parsing full plans
@@ -42,8 +48,12 @@ from knapformer.contract.plan_io import parse_plan_line
 from knapformer.contract.run_store import list_segments, read_table, store_folder
 from knapformer.contract.store_schema import LOSS_PARTS, RANKS, STEPS, loss_column, phase_column
 from knapformer.diagnosis.measured import measure
+from knapformer.diagnosis.rank_steps import rank_steps
+from knapformer.diagnosis.step_loss import step_losses
+from knapformer.planning import line_fit
+from knapformer.planning.compute_model import fit_compute
 from knapformer.runtime.recorder import PlanRecorder
-from knapformer.runtime.store_rows import quantise_ms
+from knapformer.runtime.store_rows import plan_rows, quantise_ms
 from knapformer.runtime.store_writer import StoreWriter
 from knapformer.testing.measured_plans import with_measurements
 from knapformer.testing.mix_plans import make_plans
@@ -197,6 +207,47 @@ def time_add_plan(folder: Path, plans: list, count: int, segment: int) -> tuple[
     return (time.perf_counter() - began) * 1e3 / count, peak
 
 
+def loss_filled(folder: Path) -> tuple[int, int]:
+    """(steps whose loss columns hold a value, steps) of the store in ``folder``."""
+    lost = read_table(folder, "steps", columns=["lost_ms"])["lost_ms"]
+    return len(lost) - lost.null_count, len(lost)
+
+
+def segment_figures(plans: list, steps: int) -> list:
+    """The figures the writer keeps for a segment's loss, of ``steps`` steps."""
+    return [plan_rows(fresh(plans[s % len(plans)], s)).figures for s in range(steps)]
+
+
+def time_loss(plans: list, steps: int) -> tuple[float, float]:
+    """CPU ms per step of a ``steps``-step segment's loss (what the writer computes when
+    it closes the segment), and of the window's compute fit alone."""
+    figures = segment_figures(plans, steps)
+    began = time.process_time()
+    step_losses(figures)
+    loss_s = time.process_time() - began
+    m = rank_steps(figures)
+    began = time.process_time()
+    fit_compute(m.predicted_share, m.compute_ms)
+    return loss_s * 1e3 / steps, (time.process_time() - began) * 1e3 / steps
+
+
+def exact_against_grid(plans: list, steps: int) -> tuple[float, float, bool]:
+    """CPU s of the window fit of ``steps`` steps of ``plans`` by the every-pair
+    enumeration and by the grid (`knapformer.planning.line_fit`), and whether both put
+    the same ranks off the group's line."""
+    m = rank_steps(segment_figures(plans, steps))
+    fits, times = [], []
+    for exact_ranks in (10**9, line_fit.EXACT_RANKS):
+        kept, line_fit.EXACT_RANKS = line_fit.EXACT_RANKS, exact_ranks
+        try:
+            began = time.process_time()
+            fits.append(fit_compute(m.predicted_share, m.compute_ms))
+            times.append(time.process_time() - began)
+        finally:
+            line_fit.EXACT_RANKS = kept
+    return times[0], times[1], bool((fits[0].agrees == fits[1].agrees).all())
+
+
 def time_record(folder: Path, plans: list, calls: int) -> list[float]:
     """ms of each `PlanRecorder.record` call with the store on (a 10 ms step between)."""
     times = []
@@ -266,9 +317,13 @@ def run(args: argparse.Namespace, tmp: Path) -> bool:
     per_rank_step = size / rank_steps
     plans = real_plans(n, 8)
     line_bytes, parse_s = jsonl_sample(plans[:4], tmp)
-    add_ms, _ = time_add_plan(tmp / "per-step", plans, args.plan_steps, 256)
+    add_ms, _ = time_add_plan(tmp / "per-step" / "store", plans, args.plan_steps, 256)
     big = real_plans(args.big_gpus, 4)
     big_ms, big_rss = time_add_plan(tmp / "big", big, args.big_steps, 60)
+    filled, written = loss_filled(tmp / "per-step" / "store")
+    loss_ms, fit_ms = time_loss(plans, 256)
+    big_loss_ms, big_fit_ms = time_loss(big, 60)
+    exact_s, grid_s, same = exact_against_grid(real_plans(128, 8), 10)
     record_ms = time_record(tmp / "record", plans, args.record_calls)
     as_float, as_hundredths = hundredths_bytes(store)
 
@@ -315,6 +370,14 @@ def run(args: argparse.Namespace, tmp: Path) -> bool:
         f"{1 / parse_s:,.1f} plans/s parsed", ">= 100 steps/s", 1e3 / add_ms >= 100)  # fmt: skip
     row(f"per-step write path, {args.big_gpus:,} GPUs", f"{big_ms:.1f} ms/step, "
         f"+{_mb(big_rss)} RSS", "", "keeps up at 1 step/s", big_ms < 1000)  # fmt: skip
+    row(f"steps with their loss, per-step path, {n:,} GPUs", f"{filled:,} of {written:,}", "",
+        "every step", filled == written)  # fmt: skip
+    for gpus, segment, loss, fit in ((n, 256, loss_ms, fit_ms), (args.big_gpus, 60, big_loss_ms,
+                                                                  big_fit_ms)):  # fmt: skip
+        row(f"  step loss (its window fit), {gpus:,} GPUs x {segment}", f"{loss:.1f} ms/step "
+            f"({fit:.1f}) CPU", "", "", None)  # fmt: skip
+    row("  window fit, 128 GPUs x 10: grid / every pair", f"{grid_s:.3f} s / {exact_s:.3f} s CPU",
+        "", "same ranks off", same)  # fmt: skip
     median = statistics.median(record_ms)
     row("record(), store on (median / p99)", f"{median:.4f} / {np.percentile(record_ms, 99):.3f}"
         " ms", "", "<= 0.05 ms", median <= 0.05)  # fmt: skip
@@ -340,8 +403,9 @@ def run(args: argparse.Namespace, tmp: Path) -> bool:
     paper.add_row("1,000-step window", f"{window_s * 10_000 / n * 1000 / window_steps:.1f} s "
                   f"({10_000 * 1000:,} rows)", "")  # fmt: skip
     console.print(paper)
-    for ok, what in zip(checks, ("size", "per-step write", "4,096-GPU writer", "record()",
-                                 "slowest rank"), strict=True):  # fmt: skip
+    names = ("size", "per-step write", "4,096-GPU writer", "loss columns", "grid fit",
+             "record()", "slowest rank")  # fmt: skip
+    for ok, what in zip(checks, names, strict=True):
         console.print(f"{'PASS' if ok else 'FAIL'}: {what}")
     return all(checks)
 

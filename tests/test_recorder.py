@@ -213,7 +213,8 @@ def test_directory_removed_mid_run_disables_with_one_warning(tmp_path, plans, ca
         rec = PlanRecorder(out / "plans.jsonl", max_bytes=int(1.5 * line), backups=1)
         rec.record(plans[0])
         deadline = time.monotonic() + 5
-        while rec.written < 1 and time.monotonic() < deadline:
+        # the line written and the store made (its first plan makes its folder, the run's)
+        while (rec.written < 1 or rec.store.written < 1) and time.monotonic() < deadline:
             time.sleep(0.01)
         shutil.rmtree(out)
         for p in plans[1:]:  # the next write must rotate, which needs the directory

@@ -81,4 +81,5 @@ def test_the_bench_runs_tiny_and_prints_its_table():
     assert done.returncode in (0, 1), done.stderr  # a miss on a busy machine is not a bug
     out = done.stdout
     assert "bytes per rank-step" in out and "10,000 GPUs" in out, out
-    assert out.count("PASS: ") + out.count("FAIL: ") == 5
+    assert out.count("PASS: ") + out.count("FAIL: ") == 7
+    assert "step loss (its window fit)" in out and "grid / every pair" in out, out

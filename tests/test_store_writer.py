@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import signal
 import sys
+import threading
 import time
 
 import numpy as np
@@ -17,6 +18,8 @@ from knapformer.contract.plan_io import read_plans
 from knapformer.contract.run_store import list_segments, read_table, run_id, store_folder
 from knapformer.contract.store_schema import RANKS, STEPS
 from knapformer.diagnosis.measured import measure
+from knapformer.diagnosis.step_loss import step_losses
+from knapformer.runtime import store_files
 from knapformer.runtime.recorder import PlanRecorder
 from knapformer.runtime.store_writer import StoreWriter
 from knapformer.testing.measured_plans import measured_run
@@ -76,6 +79,26 @@ def test_every_rank_step_is_one_row_with_the_plans_figures(tmp_path, plans):
     assert slow["rate_median"].min() > 1.4
 
 
+def test_a_group_of_any_size_gets_what_each_step_lost(tmp_path):
+    # 96 GPUs (above the 64 the loss columns once stopped at; the window's fit is the
+    # compute model's grid search there), rank 70 at 1.6x: each segment's steps carry
+    # the loss the diagnosis computes over the same window, and the slow rank's part.
+    codes = "g24b4i256f1s0,g24b5i512f1s0,g24b1i1024f1s0,g24b2i256f4s0"
+    big = measured_run(12, "g1n32+g2n16+g4n8", codes, slow_rank=70, slow_factor=1.6)
+    write(tmp_path / "store", big, segment_steps=6)
+    steps = read_table(tmp_path, "steps").to_pydict()
+    assert steps["gpus"] == [96] * 12
+    for first in (0, 6):
+        expected = step_losses([measure(p).figures() for p in big[first : first + 6]])
+        rows = slice(first, first + 6)
+        np.testing.assert_allclose(steps["lost_ms"][rows], [x.lost_ms for x in expected],
+                                   atol=0.01)  # fmt: skip
+        slow_part = [x.part_ms["slow_ranks"] for x in expected]
+        np.testing.assert_allclose(steps["lost_slow_ranks_ms"][rows], slow_part, atol=0.01)
+    assert all(s > 0.5 * lost for s, lost in zip(steps["lost_slow_ranks_ms"], steps["lost_ms"],
+                                                  strict=True))  # fmt: skip
+
+
 def test_a_window_reads_only_its_steps_and_columns(tmp_path, plans):
     write(tmp_path / "store", plans, segment_steps=5)
     window = read_table(tmp_path / "store", "ranks", (7, 12), ["rank", "rate"])
@@ -118,6 +141,84 @@ def test_a_resumed_run_appends_and_a_restarted_one_moves_the_store_aside(tmp_pat
     assert run_id(tmp_path / "store.1") == first and run_id(tmp_path / "store.2") == second
 
 
+def _replayed(plans, steps):
+    """``plans`` as the steps ``steps`` of a run resumed from a checkpoint."""
+    return [p.model_copy(update={"step": s}) for p, s in zip(plans, steps, strict=False)]
+
+
+@pytest.mark.parametrize("segment_steps, compact", [(10, 0), (3, 2)])
+def test_a_run_that_replays_steps_trims_them_and_appends(
+    tmp_path, plans, caplog, segment_steps, compact
+):
+    # Steps 0..23, then the job resumes from a checkpoint at step 15: the store keeps its
+    # run and steps 0..14, the segment that straddles step 15 (one of 10 steps, or one
+    # merged by compaction) is rewritten, and the replayed steps are the new ones. (The
+    # writer's folder may have any name; the readers below find it as the run's store.)
+    folder = tmp_path / "rows"
+    write(folder, plans, segment_steps=segment_steps, compact=compact)
+    first = run_id(folder)
+    assert any(s.first < 15 <= s.last for s in list_segments(folder, "ranks"))
+    resumed = plans[::-1]
+    write(folder, _replayed(resumed, range(15, 27)), segment_steps=segment_steps)
+    assert run_id(folder) == first and not (tmp_path / "rows.1").exists()
+    folder = folder.rename(tmp_path / "store")
+    assert any("resumes at step 15" in r.getMessage() for r in caplog.records)
+    assert read_table(tmp_path, "steps")["step"].to_pylist() == list(range(27))  # each once
+    ranks = read_table(tmp_path, "ranks")
+    assert ranks["step"].to_pylist() == np.repeat(range(27), 8).tolist()
+    replayed = read_table(tmp_path, "ranks", (20, 20)).to_pydict()
+    np.testing.assert_allclose(replayed["compute_ms"], resumed[5].measurements
+                               .per_rank_ms["compute"], atol=1 / 256)  # fmt: skip
+    for table in ("ranks", "steps", "rank_windows"):
+        assert all(s.last <= 14 or s.first >= 15 for s in list_segments(folder, table))
+    # rank windows end before the replay or start at it, each counting its own steps
+    windows = read_table(tmp_path, "rank_windows").to_pandas()
+    span = windows["last_step"] - windows["first_step"] + 1
+    assert ((windows["last_step"] <= 14) | (windows["first_step"] >= 15)).all()
+    assert (windows["steps"] == span).all() and len(windows) == 8 * len(set(windows["first_step"]))
+    if segment_steps == 10:  # the window of steps 10..19 was cut to 10..14
+        assert (windows[windows["first_step"] == 10]["last_step"] == 14).all()
+
+
+class _Killed(Exception):
+    pass
+
+
+def test_a_trim_killed_midway_leaves_every_step_once_and_is_done_again(
+    tmp_path, plans, monkeypatch
+):
+    folder = tmp_path / "store"
+    write(folder, plans, segment_steps=10)
+    rewrite = store_files._rewrite_before
+
+    def killed(*args):  # the shorter copy renamed into place, then the process dies
+        rewrite(*args)
+        raise _Killed
+
+    monkeypatch.setattr(store_files, "_rewrite_before", killed)
+    with pytest.raises(_Killed):
+        store_files.trim(folder, 15)
+    monkeypatch.undo()
+    assert len(list(folder.glob("rank_windows-10-*.parquet"))) == 2  # both copies there
+    windows = read_table(tmp_path, "rank_windows")  # the shorter, inside, is skipped
+    assert sorted(set(windows["first_step"].to_pylist())) == [0, 10, 20]
+    assert read_table(tmp_path, "steps")["step"].to_pylist() == list(range(24))
+    write(folder, _replayed(plans, range(15, 20)), segment_steps=10)  # the job resumes
+    assert read_table(tmp_path, "steps")["step"].to_pylist() == list(range(20))
+    windows = read_table(tmp_path, "rank_windows").to_pandas()
+    assert sorted(set(zip(windows["first_step"], windows["last_step"], strict=True))) == [
+        (0, 9), (10, 14), (15, 19)
+    ]  # fmt: skip
+
+
+def test_a_run_that_restarts_before_the_stores_first_step_moves_it_aside(tmp_path, plans):
+    write(tmp_path / "store", _replayed(plans, range(5, 29)))
+    first = run_id(tmp_path / "store")
+    write(tmp_path / "store", plans[:3])  # steps 0..2: another run, not a replay
+    assert run_id(tmp_path / "store.1") == first
+    assert read_table(tmp_path, "steps")["step"].to_pylist() == [0, 1, 2]
+
+
 def test_a_step_out_of_order_is_left_out_and_counted(tmp_path, plans):
     writer = write(tmp_path / "store", [plans[5], plans[3], plans[6]])
     assert (writer.written, writer.failed) == (2, 1)
@@ -144,6 +245,46 @@ def test_the_recorder_keeps_in_full_the_steps_a_verdict_could_name(tmp_path, pla
     assert written == [0, 1, 10, 11, 20, 21] and rec.store.kept == 3
     steps = read_table(tmp_path, "steps").to_pydict()
     assert [s for s, f in zip(steps["step"], steps["full_plan"], strict=True) if f] == written
+
+
+def _in_file(path) -> set[int]:
+    return {p.step for p in read_plans(path).plans}
+
+
+def test_full_plan_is_false_for_a_line_the_full_queue_dropped(tmp_path, even_plans, monkeypatch):
+    # A JSONL queue of one and its writer held up until every step is recorded: all
+    # but the first line or two are dropped, and the store's rows say which are in.
+    held = threading.Event()
+    serialize = PlanRecorder._serialize
+    monkeypatch.setattr(PlanRecorder, "_serialize",
+                        lambda self, plan: held.wait(30) and serialize(self, plan))  # fmt: skip
+    path = tmp_path / "plans.jsonl"
+    with PlanRecorder(path, every=2, queue_size=1) as rec:
+        queued = {p.step for p in even_plans if rec.record(p)}
+        held.set()
+    assert rec.dropped >= 4 and queued == _in_file(path) and queued <= {0, 2}
+    steps = read_table(tmp_path, "steps").to_pydict()
+    assert steps["step"] == list(range(12))  # the store has every step all the same
+    in_full = {s for s, f in zip(steps["step"], steps["full_plan"], strict=True) if f}
+    assert in_full == queued
+
+
+def test_full_plan_is_false_for_a_line_the_jsonl_writer_refused(tmp_path, even_plans):
+    # Step 1's plan has a NaN workload: its rows are stored, its line is refused (no
+    # reader would accept it), and the JSONL writer's word reaches the store before the
+    # last segment closes.
+    plan = even_plans[1]
+    workload = np.where(np.arange(len(plan.sequences)) == 0, np.nan, 1.0)
+    broken = plan.model_copy(
+        update={"sequences": plan.sequences.model_copy(update={"workload": workload})}
+    )
+    path = tmp_path / "plans.jsonl"
+    with PlanRecorder(path) as rec:
+        assert all(rec.record(p) for p in (even_plans[0], broken, *even_plans[2:5]))
+    assert rec.refused == 1 and _in_file(path) == {0, 2, 3, 4}
+    steps = read_table(tmp_path, "steps").to_pydict()
+    assert steps["step"] == [0, 1, 2, 3, 4]
+    assert steps["full_plan"] == [True, False, True, True, True]
 
 
 # ----------------------------------------------------------------------- the demo

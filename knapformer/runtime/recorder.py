@@ -52,11 +52,15 @@ Guarantees (each one tested in ``tests/test_recorder*.py``):
 - The run store (``store=True``, the default): every step's plan, whatever ``every``
   says, also goes to a `StoreWriter` (``<run>/store/``, Parquet: one row per rank per
   step, one per step) on a thread of its own; ``record()`` only queues it there too
-  (its return value still says whether the JSONL will have it). That thread hands back
-  for the JSONL a step outside ``every`` that a reader must be able to open in full
+  (its return value still says whether the JSONL will have it), after the JSONL queue,
+  with whether the line was queued: the store's ``full_plan`` says what reached the file
+  (the writer thread also tells the store of a queued line it could not write). The
+  store's thread hands back for the JSONL a step whose line was not queued (outside
+  ``every``, or dropped from a full queue) that a reader must be able to open in full
   (`knapformer.runtime.store_rows.worth_keeping`; the first of each window of ``every``
   steps): such a line may follow the line of a later step when the store's thread lags.
-  ``close()`` closes the store first.
+  ``close()`` drains the store first (the plans it keeps in full reach the JSONL's
+  queue) and closes it last (after the JSONL writer's word on every line).
 
 A plain sink: it never reads the balancer, runs no collective and times nothing. With a
 balancer (``SequenceBalancer(..., recorder=PlanRecorder(path))``) the balancer hands it
@@ -236,27 +240,30 @@ class PlanRecorder:
         if plan.step is not None:
             if not self.wants(plan):
                 return False
+            # the line first: the store's row says whether it was queued (`full_plan`)
+            queued = plan.step % self.every == 0 and self._enqueue_line(plan)
             if self.store_wanted:
-                self._to_store(plan)
-                if plan.step % self.every:
-                    return False
-        elif not self.active or self._pid != os.getpid():
+                self._to_store(plan, queued)
+            return queued
+        if not self.active or self._pid != os.getpid():
             return False
-        else:
-            due = self._calls % self.every == 0
-            self._calls += 1
-            if not (due and self._writes(plan)):
-                return False
-        if self.file_path is None and _dist_rank() is not None:
-            self.file_path = self._group_path(plan.gpus)
-            if self.tensorboard_dir is not None:
-                self._tensorboard_path = self._group_path(plan.gpus, self.tensorboard_dir)
-        return self._enqueue(plan)
+        due = self._calls % self.every == 0
+        self._calls += 1
+        return due and self._writes(plan) and self._enqueue_line(plan)
 
     def close(self, timeout: float | None = 30.0) -> None:
         """Write everything queued, close the file and the store. Idempotent."""
-        if self.store is not None and self._pid == os.getpid():
-            self.store.close(timeout)  # first: it may hand plans kept in full to the JSONL
+        store = self.store if self._pid == os.getpid() else None
+        if store is not None:
+            store.drain(timeout)  # first: it may hand plans kept in full to the JSONL
+        try:
+            self._close_lines(timeout)
+        finally:
+            if store is not None:  # last: the JSONL writer's word on each line is in
+                store.close(timeout)
+
+    def _close_lines(self, timeout: float | None) -> None:
+        """Write what the JSONL queue holds and close the file (`close`)."""
         with self._lock:
             if self._closed:
                 return
@@ -298,9 +305,18 @@ class PlanRecorder:
         )
 
     # ------------------------------------------------------------ training thread
-    def _to_store(self, plan: RoutingPlan) -> bool:
-        """Queue ``plan`` for the run store (made at the first plan: no I/O here), whose
-        thread hands back to `_enqueue` a plan outside ``every`` to keep in full."""
+    def _enqueue_line(self, plan: RoutingPlan) -> bool:
+        """Queue ``plan`` for the JSONL (this group's file, known from its first plan)."""
+        if self.file_path is None and _dist_rank() is not None:
+            self.file_path = self._group_path(plan.gpus)
+            if self.tensorboard_dir is not None:
+                self._tensorboard_path = self._group_path(plan.gpus, self.tensorboard_dir)
+        return self._enqueue(plan)
+
+    def _to_store(self, plan: RoutingPlan, queued: bool) -> bool:
+        """Queue ``plan`` for the run store (made at the first plan: no I/O here), with
+        whether its line was ``queued`` for the JSONL; the store's thread hands back to
+        `_enqueue` a plan whose line was not queued, to keep in full."""
         if self.store is None:
             path = self.file_path or self.path
             if self.file_path is None and _dist_rank() is not None:
@@ -314,7 +330,7 @@ class PlanRecorder:
             # a run whose plans all fall outside `every` never starts the JSONL thread,
             # which registers this otherwise: the store's open segment is flushed at exit
             atexit.register(self._at_exit)
-        return self.store.put(plan)
+        return self.store.put(plan, full=queued)
 
     def _enqueue(self, plan: RoutingPlan) -> bool:
         # Under the lock `close()` takes to set _closed: a plan is either queued before the
@@ -366,32 +382,38 @@ class PlanRecorder:
             item = self._queue.get()
             if item is _STOP:
                 break
-            if self._disabled_reason is not None:
-                self.lost += 1  # drain without writing
-                continue
-            plan = self._without_non_finite_times(item)
-            problem = _reader_problem(plan)
-            if problem is not None:
-                self._refuse(plan, problem)
-                continue
-            try:
-                data = self._serialize(plan)
-            except Exception as err:  # a broken plan is skipped, the recorder stays on
-                self.failed += 1
-                log.warning("PlanRecorder skipped a plan it could not serialise: %s", err)
-                continue
-            try:
-                self._write(data, plan.step)
-            except OSError as err:
-                self.lost += 1
-                self._disable(err)
-                continue
-            if self._tensorboard_path is not None:
-                self._log_scalars(item)
+            if not self._write_plan(item) and self.store is not None and item.step is not None:
+                self.store.not_written(item.step)  # its row must not say it is in the file
         self._close_file()
         if self._tensorboard is not None:
             with contextlib.suppress(Exception):  # what it could not flush is lost, no more
                 self._tensorboard.close()
+
+    def _write_plan(self, item: RoutingPlan) -> bool:
+        """Write one queued plan (writer thread); whether its line reached the file."""
+        if self._disabled_reason is not None:
+            self.lost += 1  # drain without writing
+            return False
+        plan = self._without_non_finite_times(item)
+        problem = _reader_problem(plan)
+        if problem is not None:
+            self._refuse(plan, problem)
+            return False
+        try:
+            data = self._serialize(plan)
+        except Exception as err:  # a broken plan is skipped, the recorder stays on
+            self.failed += 1
+            log.warning("PlanRecorder skipped a plan it could not serialise: %s", err)
+            return False
+        try:
+            written = self._write(data, plan.step)
+        except OSError as err:
+            self.lost += 1
+            self._disable(err)
+            return False
+        if self._tensorboard_path is not None:
+            self._log_scalars(item)
+        return written
 
     def _refuse(self, plan: RoutingPlan, problem: str) -> None:
         """Count a plan no reader would accept; the first one is named in a warning."""
@@ -457,10 +479,11 @@ class PlanRecorder:
         self.dropped_times += len(dropped)
         return plan.model_copy(update={"measurements": kept})
 
-    def _write(self, pieces: list[bytes], step: int | None = None) -> None:
+    def _write(self, pieces: list[bytes], step: int | None = None) -> bool:
+        """Append one line; False when the file's folder is gone (the recorder is off)."""
         if self._fd is not None and not self._follow_path():
             self.lost += 1
-            return
+            return False
         size = sum(map(len, pieces))
         if self._fd is None:
             self._open(step)
@@ -480,6 +503,7 @@ class PlanRecorder:
                 rest = rest[n:]
                 self._size += n
         self.written += 1
+        return True
 
     def _open(self, first_step: int | None) -> None:
         """Open the file for the first plan, of step ``first_step``: a file whose last step

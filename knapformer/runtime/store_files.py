@@ -15,6 +15,7 @@ import uuid
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from knapformer.contract.run_store import (
@@ -32,6 +33,7 @@ from knapformer.contract.store_schema import (
     STORE_VERSION,
     TABLES,
 )
+from knapformer.runtime.store_rows import window_figures, window_rows
 
 log = logging.getLogger(__name__)
 #: Rows of a ``ranks`` row group (about 128 steps at 1,024 GPUs).
@@ -40,24 +42,45 @@ ROW_GROUP_ROWS = 1 << 17
 
 def open_store(folder: Path, first_step: int) -> str:
     """Prepare ``folder`` for a run whose first step here is ``first_step``; returns its
-    run id (the module doc: append to a resumed run, else move the old store aside)."""
+    run id (`knapformer.runtime.store_writer`'s doc: append to a resumed run, trimmed of
+    the steps it replays, else move the old store aside)."""
     if folder.is_dir() and any(folder.iterdir()):
         try:
             run = run_id(folder)
-            last = max((s.last for t in ("steps", "ranks") for s in list_segments(folder, t)),
-                       default=None)  # fmt: skip
+            spans = [
+                (s.first, s.last) for t in ("steps", "ranks") for s in list_segments(folder, t)
+            ]
         except StoreError as err:
-            run, last, why = None, None, str(err)
-        else:
-            why = f"it holds steps up to {last} and this run starts at step {first_step}"
+            run, spans, why = None, [], str(err)
+        first = min((span[0] for span in spans), default=None)
+        last = max((span[1] for span in spans), default=None)
         if run is not None and (last is None or first_step > last):
             _remove_temporary(folder)
             return run  # a resumed run: append
+        if run is not None:
+            why = f"it holds steps from {first} and this run starts at step {first_step}"
+        if run is not None and first < first_step:  # resumed from a checkpoint, replayed
+            try:
+                _remove_temporary(folder)
+                trim(folder, first_step)
+            except (StoreError, OSError, pa.ArrowException) as err:  # then moved aside
+                why = f"its steps from {first_step} on could not be removed: {err}"
+            else:
+                log.warning(
+                    "StoreWriter: %s held steps up to %d and this run resumes at step %d "
+                    "(from a checkpoint): the steps from %d on were removed, to be written "
+                    "again",
+                    folder,
+                    last,
+                    first_step,
+                    first_step,
+                )
+                return run
         aside = _free_aside(folder)
         os.replace(folder, aside)
         log.warning(
             "StoreWriter: %s was moved to %s (%s): two runs never mix in one store "
-            "(a run resumed from a checkpoint, whose steps go on, appends)",
+            "(a run resumed from a checkpoint, whose steps go on or replay some, appends)",
             folder,
             aside,
             why,
@@ -68,6 +91,66 @@ def open_store(folder: Path, first_step: int) -> str:
     tmp.write_text(json.dumps({"run_id": run, "store_version": STORE_VERSION}) + "\n")
     os.replace(tmp, folder / RUN_FILE)
     return run
+
+
+def trim(folder: Path, step: int) -> None:
+    """Remove the steps from ``step`` on from every table of the store ``folder``: the
+    segments beyond are removed, one that straddles ``step`` is rewritten without them
+    (its rank windows recomputed from the ranks rows kept). Safe to kill at any moment:
+    the shorter copy is renamed into place before the segment it comes from is removed
+    (readers skip a segment inside another), and the next writer trims again."""
+    run = run_id(folder)
+    for table in ("rank_windows", "steps", "ranks"):  # windows first: from the ranks rows
+        while beyond := [s for s in list_segments(folder, table) if s.last >= step]:
+            for segment in beyond:  # (a segment that was inside one of them is listed next)
+                if segment.first < step:
+                    _rewrite_before(folder, segment, step, run)
+                segment.path.unlink(missing_ok=True)
+
+
+def _rewrite_before(folder: Path, segment, step: int, run: str) -> None:
+    """Write ``segment``'s rows of steps before ``step`` as a segment of their own."""
+    tmp = tmp_path(folder, f"{segment.table}-{segment.first}-trim")
+    writer = parquet_writer(tmp, segment.table, run)
+    last = None
+    for part in _rows_before(folder, segment, step):
+        if part.num_rows:
+            writer.write_table(part.cast(TABLES[segment.table]), ROW_GROUP_ROWS)
+            column = part["last_step" if segment.table == "rank_windows" else "step"]
+            last = max(last if last is not None else column[0].as_py(), pc.max(column).as_py())
+    writer.close()
+    if last is None:  # nothing before the step in it
+        tmp.unlink()
+        return
+    os.replace(tmp, folder / segment_name(segment.table, segment.first, last))
+
+
+def _rows_before(folder: Path, segment, step: int):
+    """``segment``'s rows of steps before ``step``, by row group; of ``rank_windows``,
+    the rows of windows that end before it, and a window that straddles it recomputed."""
+    parquet = pq.ParquetFile(segment.path)
+    if segment.table != "rank_windows":
+        for g in range(parquet.metadata.num_row_groups):
+            part = parquet.read_row_group(g)
+            yield part.filter(pc.less(part["step"], step))
+        return
+    windows = parquet.read()
+    yield windows.filter(pc.less(windows["last_step"], step))
+    straddling = windows.filter(pc.and_(pc.less(windows["first_step"], step),
+                                        pc.greater_equal(windows["last_step"], step)))  # fmt: skip
+    for first in sorted(set(straddling["first_step"].to_pylist())):
+        ranks = _ranks_rows(folder, first, step - 1)
+        if ranks.num_rows:
+            last = pc.max(ranks["step"]).as_py()
+            yield window_rows(first, last, *window_figures(ranks))
+
+
+def _ranks_rows(folder: Path, first: int, last: int) -> pa.Table:
+    """The ``ranks`` rows of steps ``first..last`` (a store of any folder name)."""
+    wanted = [("step", ">=", first), ("step", "<=", last)]
+    parts = [pq.read_table(s.path, filters=wanted) for s in list_segments(folder, "ranks")
+             if s.overlaps(first, last)]  # fmt: skip
+    return pa.concat_tables(parts) if parts else TABLES["ranks"].empty_table()
 
 
 def _free_aside(folder: Path) -> Path:

@@ -10,8 +10,10 @@ them to the open segment. Guarantees:
   most its open segment; every reader accepts what is left (temporary files are never
   listed, and a new writer removes them).
 - Per closed segment: its ``ranks`` rows, its ``steps`` rows (with each step's loss,
-  `knapformer.diagnosis.step_loss` over the segment's steps as the window, for groups
-  of up to `LOSS_MAX_GPUS`) and one ``rank_windows`` row per rank (`window_rows`).
+  `knapformer.diagnosis.step_loss` over the segment's steps as the window, at any size:
+  under a second of CPU for 1,024 GPUs x 256 steps or 4,096 x 60, the window's compute
+  fit by `knapformer.planning.line_fit`'s grid; bench/run_store.py) and one
+  ``rank_windows`` row per rank (`window_rows`).
 - Bounded memory: ``ranks`` rows go to the segment's file as row groups of
   `ROW_GROUP_ROWS`; what is held is one row group, the segment's per-step figures for its
   loss, and three numbers per rank-step for its windows (about 25 MB at 4,096 GPUs and
@@ -21,9 +23,17 @@ them to the open segment. Guarantees:
   a week-long run keeps hundreds of files, not tens of thousands. The store is never
   rotated away.
 - One run per store: a store whose last step is below the first step written here is
-  the same run resumed (from a checkpoint): it is appended to, under its run id. Any
-  other store (steps that restart, an unreadable ``run.json``) is moved aside to
-  ``store.1`` (or the next free ``store.<n>``: none is deleted), with one warning.
+  the same run resumed (from a checkpoint): it is appended to, under its run id. So is
+  one whose first step is below it and last step not (resumed from a checkpoint, it
+  replays steps): first its steps from the first written here on are removed
+  (`knapformer.runtime.store_files.trim`: a segment that straddles it rewritten), with
+  one warning. Any other store (steps that restart from the store's first or before,
+  an unreadable ``run.json``, a trim that failed) is moved aside to ``store.1`` (or the
+  next free ``store.<n>``: none is deleted), with one warning.
+- ``full_plan`` is true to the JSONL: a step's row says its full plan is in the file
+  when the recorder queued its line (`put`'s ``full``; a line dropped from a full queue
+  is not), unless the JSONL writer then says it could not write it (`not_written`:
+  refused, not serialisable, its file's folder gone) before the step's segment closes.
 - ``add_columns`` is the batch path of the same writer: whole steps of ready-made rows
   (a bench or an importer), segments closed by the same rule.
 """
@@ -71,11 +81,6 @@ from knapformer.runtime.store_rows import (
 
 log = logging.getLogger(__name__)
 
-#: Largest group whose steps' loss the writer computes: the loss rests on the window's
-#: compute fit (`knapformer.planning.compute_model.fit_compute`), which tries a line
-#: through every pair of ranks: 400 s for 10 steps of 1,024 GPUs. Above it the loss
-#: columns are null (readers fit their own window).
-LOSS_MAX_GPUS = 64
 _STOP = object()
 
 
@@ -90,9 +95,10 @@ class StoreWriter:
         compact: merge this many small segments into one, every this many segments
             (0: never).
         every: the recorder's ``every``: the full plans of steps divisible by it are
-            written (``full_plan``) ...
+            written (``full_plan``; `put` may say otherwise) ...
         keep_full: ... and this is called (on the writer thread) with a plan of any other
-            step that a reader must be able to open in full (`store_rows.worth_keeping`),
+            step (or one whose line was dropped) that a reader must be able to open in
+            full (`store_rows.worth_keeping`),
             the first such step of each window of ``every`` steps (a straggler that lasts
             keeps one full plan a window, not one a step); it returns whether that full
             plan will be written.
@@ -134,10 +140,12 @@ class StoreWriter:
         self._closed = False
         self._segment: _OpenSegment | None = None
         self._last_step: int | None = None
+        self._unwritten: set[int] = set()  # steps whose full plan did not reach the JSONL
 
     # ------------------------------------------------------------ training thread
-    def put(self, plan: RoutingPlan) -> bool:
-        """Queue ``plan`` (with a step number) for the store; never blocks."""
+    def put(self, plan: RoutingPlan, full: bool | None = None) -> bool:
+        """Queue ``plan`` (with a step number) for the store; never blocks. ``full``:
+        whether its full plan was queued for the JSONL (`add_plan`)."""
         with self._lock:
             if self._closed or self.disabled_reason is not None:
                 return False
@@ -147,7 +155,7 @@ class StoreWriter:
                 )
                 self._thread.start()
             try:
-                self._queue.put_nowait(plan)
+                self._queue.put_nowait((plan, full))
             except queue.Full:
                 self.dropped += 1
                 return False
@@ -175,6 +183,20 @@ class StoreWriter:
                 self._queue.maxsize,
             )
 
+    def drain(self, timeout: float | None = 30.0) -> None:
+        """Wait until the plans queued so far are in the open segment (and those to keep
+        in full handed back), without closing it: the recorder's `close` lets the JSONL
+        writer have its word (`not_written`) before the last segment closes."""
+        with self._lock:
+            if self._closed or self._thread is None:
+                return
+        done = threading.Event()
+        try:
+            self._queue.put(done, timeout=timeout)
+        except queue.Full:
+            return
+        done.wait(timeout)
+
     def __enter__(self) -> StoreWriter:
         return self
 
@@ -192,8 +214,11 @@ class StoreWriter:
                 continue
             if item is _STOP:
                 break
+            if isinstance(item, threading.Event):  # `drain`
+                item.set()
+                continue
             if self.disabled_reason is None:
-                self._guarded(self.add_plan, item)
+                self._guarded(self.add_plan, *item)
         self._guarded(self._close_segment)
 
     def _guarded(self, action: Callable, *args: object) -> None:
@@ -207,14 +232,23 @@ class StoreWriter:
             log.warning("StoreWriter disabled (training goes on): %s", self.disabled_reason)
             self._segment = None
 
-    def add_plan(self, plan: RoutingPlan) -> None:
-        """Append ``plan``'s rows (the writer thread; or the caller's, without `put`)."""
+    def not_written(self, step: int) -> None:
+        """The JSONL writer's word (from its thread) that the full plan of ``step`` it was
+        handed did not reach the file (refused, not serialisable, lost): the step's row
+        says so unless its segment was closed before the word came."""
+        with self._lock:
+            self._unwritten.add(int(step))
+
+    def add_plan(self, plan: RoutingPlan, full: bool | None = None) -> None:
+        """Append ``plan``'s rows (the writer thread; or the caller's, without `put`).
+        ``full``: whether its full plan was queued for the JSONL (None: the steps
+        divisible by ``every`` are taken for queued); if not, ``keep_full`` may keep it."""
         if plan.step is None:
             return
         if self._last_step is not None and plan.step <= self._last_step:
             self._skip(plan, f"its step is not after step {self._last_step}")
             return
-        due = plan.step % self.every == 0
+        due = plan.step % self.every == 0 if full is None else bool(full)
         try:
             rows = plan_rows(plan)
         except Exception as err:  # a plan the rows cannot be built from: skipped
@@ -290,7 +324,10 @@ class StoreWriter:
         segment, self._segment = self._segment, None
         if segment is None or not segment.steps:
             return
-        segment.close()
+        with self._lock:  # words on later steps wait for their segment
+            unwritten = {step for step in self._unwritten if step <= segment.last}
+            self._unwritten -= unwritten
+        segment.close(unwritten)
         self.segments += 1
         if self.compact > 1 and self.segments % self.compact == 0:
             for table in TABLES:
@@ -339,9 +376,12 @@ class _OpenSegment:
             self._ranks.write_table(pa.concat_tables(self._pending), ROW_GROUP_ROWS)
             self._pending, self._pending_rows = [], 0
 
-    def close(self) -> None:
-        """Write the segment's three files (temporary names, then renamed)."""
+    def close(self, unwritten: set[int]) -> None:
+        """Write the segment's three files (temporary names, then renamed); the steps of
+        ``unwritten`` have no full plan (`StoreWriter.not_written`)."""
         first, last = self.first, self.last
+        for row in self._step_rows:
+            row["full_plan"] = row["full_plan"] and row["step"] not in unwritten
         write_segment(self.folder, "steps", first, last, self._steps_table(), self.run)
         windows = window_rows(first, last, *concat_columns(self._window))
         write_segment(self.folder, "rank_windows", first, last, windows, self.run)
@@ -351,7 +391,7 @@ class _OpenSegment:
 
     def _steps_table(self) -> pa.Table:
         rows = self._step_rows
-        if rows and all(len(f.gpus) <= LOSS_MAX_GPUS for _, f in self._figures):
+        if rows:
             losses = step_losses([f for _, f in self._figures])
             for (index, _), loss in zip(self._figures, losses, strict=True):
                 rows[index] |= {
