@@ -138,10 +138,10 @@ class StoreWriter:
             "knapformer-store-writer",
             self._handle,
             queue_size=queue_size,
-            finish=self._finish,
+            finish=self._end_segment,
             at_exit=at_exit,
             idle_s=self._segment_seconds_left,
-            on_idle=self._finish,  # the open segment's time is up
+            on_idle=self._end_segment,  # the open segment's time is up
         )
         self._lock = threading.Lock()  # guards _unwritten
         self._segment: _OpenSegment | None = None
@@ -167,7 +167,7 @@ class StoreWriter:
         if not background.close(timeout):
             return
         if not background.started:
-            self._finish()  # the batch path's segment (`add_columns`), on this thread
+            self._end_segment()  # the batch path's segment (`add_columns`), on this thread
         elif not background.flushed:
             log.warning("StoreWriter could not flush %s in %s s", self.folder, timeout)
         if background.dropped:
@@ -194,7 +194,8 @@ class StoreWriter:
         if self.disabled_reason is None:
             self._guarded(self.add_plan, *item)
 
-    def _finish(self) -> None:
+    def _end_segment(self) -> None:
+        """Close the open segment (if any); an error turns the store off (`_guarded`)."""
         self._guarded(self._close_segment)
 
     def _segment_seconds_left(self) -> float | None:
