@@ -147,12 +147,12 @@ def gil_holds(plans: list) -> tuple[list[float], list[float]]:
     """Per plan, ms of the longest stretch without releasing the GIL: one-call serialising
     (``model_dump_json``, one C call) and the piecewise writer's (between its releases).
     CPU time of this thread, so other processes on a busy machine do not inflate it."""
-    import knapformer.runtime.recorder as recorder_module
+    import knapformer.runtime.plan_lines as lines_module  # where the writer yields the GIL
 
     one, piecewise = [], []
     rec = PlanRecorder(Path(tempfile.gettempdir()) / "unused.jsonl", enabled=False)
     marks = _SleepMarks()
-    real_time, recorder_module.time = recorder_module.time, marks
+    real_time, lines_module.time = lines_module.time, marks
     try:
         for plan in plans:
             began = time.thread_time()
@@ -163,7 +163,7 @@ def gil_holds(plans: list) -> tuple[list[float], list[float]]:
             marks.marks.append(time.thread_time())
             piecewise.append(max(np.diff(marks.marks)) * 1e3)
     finally:
-        recorder_module.time = real_time
+        lines_module.time = real_time
     return one, piecewise
 
 

@@ -25,6 +25,7 @@ from knapformer.planning.datamix import parse_mix, sample_lengths
 from knapformer.planning.planner import plan_routing
 from knapformer.planning.workload import WorkloadModel
 from knapformer.runtime.recorder import PlanRecorder
+from knapformer.runtime.writing_rank import group_path
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = WorkloadModel(token_dim=3072, gamma=0.4)
@@ -91,7 +92,7 @@ def test_disabled_recorder_does_nothing(tmp_path, plans):
     assert rec.record(plans[0]) is False
     rec.close()
     assert not (tmp_path / "plans.jsonl").exists()
-    assert rec._thread is None
+    assert not rec._lines.started
 
 
 @pytest.mark.parametrize(
@@ -471,7 +472,7 @@ def test_path_template_with_unknown_placeholder_is_refused_at_construction(tmp_p
 def test_path_braces_other_than_placeholders_are_taken_literally(tmp_path, plans):
     template = tmp_path / "odd{" / "run{group}" / "plans}.jsonl"
     rec = PlanRecorder(template)
-    assert rec._group_path([4, 5, 6, 7]) == tmp_path / "odd{" / "run1" / "plans}.jsonl"
+    assert group_path(rec.path, [4, 5, 6, 7]) == tmp_path / "odd{" / "run1" / "plans}.jsonl"
     with rec:
         rec.record(plans[0])
     assert steps_in(template) == [0]  # no process group: the path as given

@@ -39,7 +39,7 @@ def worker(rank: int, world: int, out: str, tensorboard: str) -> dict:
     bal.close()
     return {
         "rank": rank,
-        "thread": rec._thread is not None,
+        "thread": rec._lines.started,
         "written": rec.written,
         "file": None if rec.file_path is None else str(rec.file_path),
         "warnings": warnings,

@@ -19,10 +19,13 @@ from knapformer.contract.run_store import list_segments, read_table, run_id, sto
 from knapformer.contract.store_schema import RANKS, STEPS
 from knapformer.diagnosis.measured import measure
 from knapformer.diagnosis.step_loss import step_losses
+from knapformer.planning.datamix import parse_mix, sample_lengths
+from knapformer.planning.planner import plan_routing
+from knapformer.planning.workload import WorkloadModel
 from knapformer.runtime import store_files
 from knapformer.runtime.recorder import PlanRecorder
 from knapformer.runtime.store_writer import StoreWriter
-from knapformer.testing.measured_plans import measured_run
+from knapformer.testing.measured_plans import measured_run, with_measurements
 from knapformer.testing.polling import wait_until
 from knapformer.testing.processes import running
 
@@ -245,6 +248,58 @@ def test_the_recorder_keeps_in_full_the_steps_a_verdict_could_name(tmp_path, pla
     assert written == [0, 1, 10, 11, 20, 21] and rec.store.kept == 3
     steps = read_table(tmp_path, "steps").to_pydict()
     assert [s for s, f in zip(steps["step"], steps["full_plan"], strict=True) if f] == written
+
+
+class _FakeDist:
+    """``torch.distributed`` as the recorder looks it up: an initialised group, this rank."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+
+    def is_available(self) -> bool:
+        return True
+
+    def is_initialized(self) -> bool:
+        return True
+
+    def get_rank(self) -> int:
+        return self.rank
+
+
+def test_a_group_whose_first_step_is_kept_in_full_writes_its_own_file(tmp_path, monkeypatch):
+    # Group 1 (ranks 8..15) resumes at step 5 with every=4: step 5 is not due, but rank
+    # 11 is slow, so the store's thread hands it back to keep in full before any line was
+    # queued. That line, and every later one, belong in group 1's file.
+    rng = np.random.default_rng(2)
+    mix = parse_mix("g2b4i256f1s0,g2b5i512f1s0,g2b1i1024f1s0,g2b2i256f4s0")
+    model = WorkloadModel(3072, 0.4)
+    plans = [
+        with_measurements(
+            plan_routing(
+                sample_lengths(mix, rng), "g1n2+g2n1+g4n1", model, gpus=range(8, 16), step=s
+            ),
+            rng,
+            slow_rank=11,
+            slow_factor=1.6,
+        )
+        for s in range(5, 13)
+    ]
+    monkeypatch.setitem(sys.modules, "torch.distributed", _FakeDist(rank=8))
+    with PlanRecorder(tmp_path / "plans.jsonl", every=4) as rec:
+        rec.record(plans[0])
+        rec.store.drain()  # the store's thread has handed step 5 back
+        assert rec.store.kept == 1
+        for plan in plans[1:]:
+            rec.record(plan)
+    assert not (tmp_path / "plans.jsonl").exists()
+    assert sorted(p.step for p in read_plans(tmp_path / "plans.group1.jsonl").plans) == [
+        5,
+        8,
+        9,
+        12,
+    ]
+    steps = read_table(tmp_path / "store.group1", "steps").to_pydict()
+    assert steps["step"] == list(range(5, 13))
 
 
 def _in_file(path) -> set[int]:

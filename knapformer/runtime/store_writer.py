@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -62,6 +61,7 @@ from knapformer.contract.store_schema import (
     loss_column,
 )
 from knapformer.diagnosis.step_loss import step_losses
+from knapformer.runtime.background import BackgroundWriter
 from knapformer.runtime.store_files import (
     ROW_GROUP_ROWS,
     compact,
@@ -80,8 +80,6 @@ from knapformer.runtime.store_rows import (
 )
 
 log = logging.getLogger(__name__)
-
-_STOP = object()
 
 
 class StoreWriter:
@@ -102,6 +100,8 @@ class StoreWriter:
             the first such step of each window of ``every`` steps (a straggler that lasts
             keeps one full plan a window, not one a step); it returns whether that full
             plan will be written.
+        at_exit: called at interpreter exit while the thread runs, unless closed first
+            (the recorder's close, which closes the store in its turn).
     """
 
     def __init__(
@@ -114,6 +114,7 @@ class StoreWriter:
         compact: int = 16,
         every: int = 1,
         keep_full: Callable[[RoutingPlan], bool] | None = None,
+        at_exit: Callable[[], object] | None = None,
     ):
         if int(segment_steps) < 1 or not segment_seconds > 0:
             raise StoreError("segment_steps must be >= 1 and segment_seconds > 0")
@@ -123,8 +124,7 @@ class StoreWriter:
         self.compact = int(compact)
         self.every = max(int(every), 1)
         self.keep_full = keep_full
-        #: plans dropped because the queue was full; plans written; segments closed
-        self.dropped = 0
+        #: plans written; segments closed (``dropped``: plans that found the queue full)
         self.written = 0
         self.segments = 0
         #: plans kept in full beyond ``every`` (handed to ``keep_full``, which took them)
@@ -134,68 +134,54 @@ class StoreWriter:
         self.failed = 0
         self.disabled_reason: str | None = None
         self.run_id: str | None = None
-        self._queue: queue.Queue = queue.Queue(maxsize=int(queue_size))
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-        self._closed = False
+        self._background = BackgroundWriter(
+            "knapformer-store-writer",
+            self._handle,
+            queue_size=queue_size,
+            finish=self._end_segment,
+            at_exit=at_exit,
+            idle_s=self._segment_seconds_left,
+            on_idle=self._end_segment,  # the open segment's time is up
+        )
+        self._lock = threading.Lock()  # guards _unwritten
         self._segment: _OpenSegment | None = None
         self._last_step: int | None = None
         self._unwritten: set[int] = set()  # steps whose full plan did not reach the JSONL
 
     # ------------------------------------------------------------ training thread
+    @property
+    def dropped(self) -> int:
+        """Plans dropped because the queue was full."""
+        return self._background.dropped
+
     def put(self, plan: RoutingPlan, full: bool | None = None) -> bool:
         """Queue ``plan`` (with a step number) for the store; never blocks. ``full``:
         whether its full plan was queued for the JSONL (`add_plan`)."""
-        with self._lock:
-            if self._closed or self.disabled_reason is not None:
-                return False
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="knapformer-store-writer", daemon=True
-                )
-                self._thread.start()
-            try:
-                self._queue.put_nowait((plan, full))
-            except queue.Full:
-                self.dropped += 1
-                return False
-            return True
+        if self.disabled_reason is not None:
+            return False
+        return self._background.put((plan, full))
 
     def close(self, timeout: float | None = 30.0) -> None:
         """Write what is queued and close the open segment. Idempotent."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        if self._thread is not None:
-            try:
-                self._queue.put(_STOP, timeout=timeout)
-            except queue.Full:
-                log.warning("StoreWriter could not flush %s in %s s", self.folder, timeout)
-                return
-            self._thread.join(timeout)
-        else:
-            self._guarded(self._close_segment)
-        if self.dropped:
+        background = self._background
+        if not background.close(timeout):
+            return
+        if not background.started:
+            self._end_segment()  # the batch path's segment (`add_columns`), on this thread
+        elif not background.flushed:
+            log.warning("StoreWriter could not flush %s in %s s", self.folder, timeout)
+        if background.dropped:
             log.warning(
                 "StoreWriter dropped %d step(s) because it fell behind (queue of %d)",
-                self.dropped,
-                self._queue.maxsize,
+                background.dropped,
+                background.queue_size,
             )
 
     def drain(self, timeout: float | None = 30.0) -> None:
         """Wait until the plans queued so far are in the open segment (and those to keep
         in full handed back), without closing it: the recorder's `close` lets the JSONL
         writer have its word (`not_written`) before the last segment closes."""
-        with self._lock:
-            if self._closed or self._thread is None:
-                return
-        done = threading.Event()
-        try:
-            self._queue.put(done, timeout=timeout)
-        except queue.Full:
-            return
-        done.wait(timeout)
+        self._background.drain(timeout)
 
     def __enter__(self) -> StoreWriter:
         return self
@@ -204,22 +190,17 @@ class StoreWriter:
         self.close()
 
     # -------------------------------------------------------------- writer thread
-    def _run(self) -> None:
-        while True:
-            wait = None if self._segment is None else self._segment.seconds_left(self)
-            try:
-                item = self._queue.get(timeout=wait)
-            except queue.Empty:
-                self._guarded(self._close_segment)  # its time is up
-                continue
-            if item is _STOP:
-                break
-            if isinstance(item, threading.Event):  # `drain`
-                item.set()
-                continue
-            if self.disabled_reason is None:
-                self._guarded(self.add_plan, *item)
+    def _handle(self, item: tuple[RoutingPlan, bool | None]) -> None:
+        if self.disabled_reason is None:
+            self._guarded(self.add_plan, *item)
+
+    def _end_segment(self) -> None:
+        """Close the open segment (if any); an error turns the store off (`_guarded`)."""
         self._guarded(self._close_segment)
+
+    def _segment_seconds_left(self) -> float | None:
+        segment = self._segment
+        return None if segment is None else segment.seconds_left(self)
 
     def _guarded(self, action: Callable, *args: object) -> None:
         """Run ``action``; an error (I/O, a store changed underneath, pyarrow) turns the store
