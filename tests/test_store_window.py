@@ -93,3 +93,24 @@ def test_a_window_where_no_step_measured_compute_has_no_steps():
     phases = {p: np.full_like(v, np.nan) for p, v in rows.phase_ms.items()}
     w = window_figures(WindowRows(**{**rows.__dict__, "phase_ms": phases}))
     assert w.m.steps == [] and w.scopes == {}
+
+
+@pytest.mark.parametrize("width", [1, 2, 7])
+def test_a_dense_window_takes_the_waits_and_presence_the_scatter_gives(width):
+    # Every step holding the same ranks, the per-step reductions run on an (s, width)
+    # matrix; they must give, bit for bit, what the scatter over group ids gives.
+    from knapformer.diagnosis.measured import group_waits
+    from knapformer.diagnosis.store_window import _in_steps, _step_waits
+
+    rng = np.random.default_rng(width)
+    steps = 9
+    t = rng.lognormal(0, 1, steps * width)
+    t[rng.random(t.size) < 0.2] = np.nan
+    t[2 * width : 3 * width] = np.nan  # a step nobody measured
+    col = np.repeat(np.arange(steps), width)
+    waits = _step_waits(t, width)
+    assert waits.dtype == np.float64
+    assert np.array_equal(waits, group_waits(t, col))
+    finite = np.isfinite(t)
+    assert np.array_equal(_in_steps(finite, col, steps, width), _in_steps(finite, col, steps, None))
+    assert not _in_steps(finite, col, steps, width)[2]

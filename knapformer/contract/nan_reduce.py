@@ -28,7 +28,7 @@ def nan_reduce(
     if not some.any():
         return np.full(some.shape, np.nan)
     # Slices without a value are filled with zeros, which reduce quietly, then masked.
-    filled = np.where(np.expand_dims(some, axis), x, 0.0)
+    filled = x if some.all() else np.where(np.expand_dims(some, axis), x, 0.0)
     if reduce is np.nanmedian:
         return np.where(some, _nanmedian(filled, axis), np.nan)
     return np.where(some, reduce(filled, axis=axis), np.nan)

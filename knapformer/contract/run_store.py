@@ -24,6 +24,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -225,7 +226,7 @@ def _read_parts(
         parquet = check_segment(seg, run_name)
         if (first is not None and seg.first < first) or (last is not None and seg.last > last):
             part = _read(parquet, seg, read, _row_groups(parquet, key, first, last))
-            part = part.filter(_window(part[key], first, last))
+            part = _in_window(part, key, first, last)
         else:
             part = _read(parquet, seg, read)
         parts.append(part if read == wanted or wanted is None else part.select(wanted))
@@ -267,6 +268,20 @@ def one_line(err: object) -> str:
     text = "".join(c if c.isprintable() else " " for c in str(err))
     text = " ".join(text.split())
     return (text[:160] + "…" if len(text) > 160 else text) or type(err).__name__
+
+
+def _in_window(part: pa.Table, key: str, first: int | None, last: int | None) -> pa.Table:
+    """The rows of ``part`` whose ``key`` is in ``first..last``: a zero-copy slice when the
+    steps are in order (the writer's order: a filter copied every column of the window),
+    else a filter."""
+    values = part[key]
+    if values.null_count == 0:
+        steps = values.to_numpy()
+        if len(steps) < 2 or bool((steps[1:] >= steps[:-1]).all()):
+            lo = 0 if first is None else int(np.searchsorted(steps, first, side="left"))
+            hi = len(steps) if last is None else int(np.searchsorted(steps, last, side="right"))
+            return part.slice(lo, max(hi - lo, 0))
+    return part.filter(_window(values, first, last))
 
 
 def _window(values: pa.ChunkedArray, first: int | None, last: int | None) -> pa.ChunkedArray:

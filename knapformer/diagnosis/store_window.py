@@ -82,6 +82,9 @@ class _Flat:
     col: np.ndarray  # (k,) the row's step's column
     per_rank: dict[str, np.ndarray]  # phase -> (k,) float64
     present: dict[str, np.ndarray]  # phase -> (s,) bool
+    #: ranks per step when every step holds the same ranks in the same order (the usual
+    #: window: a (k,) column is then an (s, width) matrix), else None
+    width: int | None
 
     @functools.cached_property
     def bag_groups(self) -> np.ndarray:
@@ -104,21 +107,43 @@ def _divide(a: np.ndarray, b: np.ndarray, empty: float) -> np.ndarray:
     return np.where(b > 0, a / np.where(b > 0, b, 1.0), empty)
 
 
+def _dense_width(rows: WindowRows) -> int | None:
+    """The ranks per step when every step of ``rows`` holds the same ranks in the same
+    order (then its columns reshape to (steps, ranks)), else None."""
+    s, k = len(rows.steps), len(rows.step)
+    if s == 0 or k % s:
+        return None
+    width = k // s
+    rank = np.asarray(rows.rank).reshape(s, width)
+    step = np.asarray(rows.step).reshape(s, width)
+    same = (rank == rank[0]).all() and (step == np.asarray(rows.steps)[:, None]).all()
+    return width if same else None
+
+
+def _in_steps(values: np.ndarray, col: np.ndarray, s: int, width: int | None) -> np.ndarray:
+    """(s,) bool: whether any row of each step holds True in ``values`` (k,) bool."""
+    if width is not None:
+        return values.reshape(s, width).any(axis=1)
+    return np.bincount(col[values], minlength=s) > 0
+
+
 def _measured_only(rows: WindowRows) -> _Flat:
     """The rows of the steps that measured a compute phase (`measure` skips the others)."""
     s = len(rows.steps)
+    width = _dense_width(rows)
     col = np.searchsorted(rows.steps, rows.step)
     # a phase no row measured is left out, as a plan leaves it out of its measurements
-    per_rank = {
-        p: np.asarray(v, dtype=np.float64) for p, v in rows.phase_ms.items() if np.isfinite(v).any()
-    }
-    present = {p: np.bincount(col[np.isfinite(v)], minlength=s) > 0 for p, v in per_rank.items()}
+    per_rank, present = {}, {}
+    for p, v in rows.phase_ms.items():
+        steps = _in_steps(np.isfinite(v), col, s, width)
+        if steps.any():
+            per_rank[p], present[p] = np.asarray(v, dtype=np.float64), steps
     measured = np.zeros(s, bool)
     for p in COMPUTE_PHASES:
         if p in present:
             measured |= present[p]
     if measured.all():
-        return _Flat(rows, col, per_rank, present)
+        return _Flat(rows, col, per_rank, present, width)
     keep_row, keep = measured[col], np.flatnonzero(measured)
 
     def sub(a):
@@ -169,7 +194,9 @@ def _per_row(flat: _Flat, compute: np.ndarray) -> tuple[dict[str, np.ndarray], n
     rows, col, per_rank, k = flat.rows, flat.col, flat.per_rank, len(flat.col)
     waits = {}
     for p in COLLECTIVE_PHASES:
-        if p in per_rank:
+        if p in per_rank and p not in BAG_COLLECTIVES and flat.width is not None:
+            waits[p] = _step_waits(per_rank[p], flat.width)
+        elif p in per_rank:
             groups = flat.bag_groups if p in BAG_COLLECTIVES else col
             waits[p] = group_waits(per_rank[p], groups)
     total_wait = sum(waits.values(), np.zeros(k))
@@ -198,6 +225,16 @@ def _per_row(flat: _Flat, compute: np.ndarray) -> tuple[dict[str, np.ndarray], n
     return figures, total_wait
 
 
+def _step_waits(t: np.ndarray, width: int) -> np.ndarray:
+    """`group_waits` of ``t`` (k,) grouped by step when every step holds ``width`` rows
+    (`_Flat.width`): each row's time past its step's earliest, by a reduction along the
+    rows of an (s, width) matrix instead of an unbuffered scatter (the same values)."""
+    by_step = t.reshape(-1, width)
+    first = np.where(np.isnan(by_step), np.inf, by_step).min(axis=1, keepdims=True)
+    has = (width >= 2) & np.isfinite(first)
+    return np.nan_to_num(np.where(has, by_step - first, 0.0), nan=0.0).reshape(-1)
+
+
 def _stragglers(total_wait: np.ndarray, flat: _Flat) -> list[int | None]:
     """Per step, the rank that waited least (the first in row order on a tie), None when
     nobody waited (`measure`'s straggler)."""
@@ -217,7 +254,8 @@ def _grid(values: np.ndarray, row: np.ndarray, col: np.ndarray, shape: tuple) ->
     reshape when every step holds every rank in rank order (the usual window)."""
     r, s = shape
     if len(values) == r * s and (row.reshape(s, r) == np.arange(r)).all():
-        return np.ascontiguousarray(values.reshape(s, r).T, dtype=np.float64)
+        # transposed first, then widened: numpy's casting transpose took 10x longer
+        return np.ascontiguousarray(values.reshape(s, r).T).astype(np.float64)
     out = np.full(shape, np.nan)
     out[row, col] = values
     return out
@@ -243,11 +281,8 @@ def window_figures(rows: WindowRows) -> WindowFigures:
     fixed = {}
     for p in FIXED_PHASES:
         if p in flat.present and flat.present[p].any():
-            fixed[p] = np.full(shape, np.nan)
-            take = flat.phase_in_step(p)
-            fixed[p][row[take], col[take]] = phase_ms(flat.per_rank, p, len(col))[take].astype(
-                np.float32
-            )
+            ms = phase_ms(flat.per_rank, p, len(col)).astype(np.float32)
+            fixed[p] = _grid(np.where(flat.phase_in_step(p), ms, np.nan), row, col, shape)
     floor_load = _divide(np.asarray(rows.floor, np.float64), rows.mean_load, np.nan)
     at_floor = np.zeros(shape, bool)
     at_floor[row, col] = (rows.load >= 0.99 * rows.floor[col]) & (floor_load[col] > 1.0)
@@ -297,19 +332,24 @@ def _scope_times(flat: _Flat, wall: np.ndarray) -> ScopeTimes:
         return out
     for scope, phases in (("group", GROUP_EXCHANGES), ("bag", BAG_COLLECTIVES)):
         groups = flat.col if scope == "group" else flat.bag_groups
-        order = np.argsort(groups, kind="stable")
-        starts = np.flatnonzero(np.r_[True, np.diff(groups[order]) != 0])
-        size = np.diff(np.r_[starts, len(order)])
-        step = flat.col[order[starts]]
+        # rows come by step: a step's group needs no sort (a copy of every column)
+        order = None if scope == "group" else np.argsort(groups, kind="stable")
+
+        def ordered(a: np.ndarray, order=order) -> np.ndarray:
+            return a if order is None else a[order]
+
+        starts = np.flatnonzero(np.r_[True, np.diff(ordered(groups)) != 0])
+        size = np.diff(np.r_[starts, len(groups)])
+        step = ordered(flat.col)[starts]
         measured = [p for p in phases if p in flat.present]
         exchanged = np.zeros(len(starts), bool)
         no_wait = np.zeros(len(starts))
         for p in measured:
             exchanged |= flat.present[p][step]
-            no_wait += np.minimum.reduceat(np.nan_to_num(flat.per_rank[p][order]), starts)
-        compute = np.fmax.reduceat(wall[order], starts)
+            no_wait += np.minimum.reduceat(np.nan_to_num(ordered(flat.per_rank[p])), starts)
+        compute = np.fmax.reduceat(ordered(wall), starts)
         keep = np.flatnonzero(exchanged & (size >= 2))
-        ranks = np.asarray(flat.rows.rank, np.int64)[order]
+        ranks = ordered(np.asarray(flat.rows.rank, np.int64))
         with np.errstate(divide="ignore", invalid="ignore"):
             cost = np.where(compute > 0, no_wait / compute, np.nan)
         for key, members in _scope_keys(scope, ranks, starts, size, keep).items():
