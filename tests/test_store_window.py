@@ -114,3 +114,11 @@ def test_a_dense_window_takes_the_waits_and_presence_the_scatter_gives(width):
     finite = np.isfinite(t)
     assert np.array_equal(_in_steps(finite, col, steps, width), _in_steps(finite, col, steps, None))
     assert not _in_steps(finite, col, steps, width)[2]
+
+
+def test_a_dense_window_orders_its_bags_as_a_sort_of_the_whole_window():
+    from knapformer.diagnosis.store_window import _bag_order, _measured_only
+
+    flat = _measured_only(_rows(measured_run(5, topology="g1n2+g2n1+g4n1", seed=6)))
+    assert flat.width == 8
+    assert np.array_equal(_bag_order(flat), np.argsort(flat.bag_groups, kind="stable"))

@@ -333,7 +333,7 @@ def _scope_times(flat: _Flat, wall: np.ndarray) -> ScopeTimes:
     for scope, phases in (("group", GROUP_EXCHANGES), ("bag", BAG_COLLECTIVES)):
         groups = flat.col if scope == "group" else flat.bag_groups
         # rows come by step: a step's group needs no sort (a copy of every column)
-        order = None if scope == "group" else np.argsort(groups, kind="stable")
+        order = None if scope == "group" else _bag_order(flat)
 
         def ordered(a: np.ndarray, order=order) -> np.ndarray:
             return a if order is None else a[order]
@@ -355,6 +355,17 @@ def _scope_times(flat: _Flat, wall: np.ndarray) -> ScopeTimes:
         for key, members in _scope_keys(scope, ranks, starts, size, keep).items():
             out[key] = (cost[members], no_wait[members])
     return out
+
+
+def _bag_order(flat: _Flat) -> np.ndarray:
+    """The rows in the order of `_Flat.bag_groups` (stable): rows come by step, so in a
+    dense window one sort per step of its bag ids, at once, gives the order of a sort of
+    the whole window."""
+    if flat.width is None:
+        return np.argsort(flat.bag_groups, kind="stable")
+    bags = np.asarray(flat.rows.bag).reshape(-1, flat.width)
+    within = np.argsort(bags, axis=1, kind="stable")
+    return (within + (np.arange(len(bags)) * flat.width)[:, None]).reshape(-1)
 
 
 def _scope_keys(
