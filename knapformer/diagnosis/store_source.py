@@ -94,7 +94,7 @@ def window_rows(run: str | os.PathLike, first: int | None, last: int | None) -> 
         order = np.lexsort((rank, step))
         ranks = ranks.take(order)
         step, rank = step[order], rank[order]
-    kept = step[np.r_[True, step[1:] != step[:-1]]]
+    kept = step[np.concatenate(([True], step[1:] != step[:-1]))]
     # the floor of each step the ranks have (NaN for one the steps table lacks)
     listed = steps["step"].to_numpy()
     at = np.searchsorted(listed, kept).clip(max=max(len(listed) - 1, 0))
@@ -107,8 +107,8 @@ def window_rows(run: str | os.PathLike, first: int | None, last: int | None) -> 
         step=step,
         rank=rank,
         bag=ranks["bag"].to_numpy(),
-        phase_ms={
-            p: _floats(ranks[phase_column(p)])
+        phase_ms={  # float32, as stored (NaN: null)
+            p: ranks[phase_column(p)].to_numpy(zero_copy_only=False)
             for p in RECORDED_PHASES
             if ranks[phase_column(p)].null_count < len(ranks)
         },

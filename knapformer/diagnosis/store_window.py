@@ -80,7 +80,7 @@ class _Flat:
 
     rows: WindowRows
     col: np.ndarray  # (k,) the row's step's column
-    per_rank: dict[str, np.ndarray]  # phase -> (k,) float64
+    per_rank: dict[str, np.ndarray]  # phase -> (k,) float32 or float64 (`ms` widens it)
     present: dict[str, np.ndarray]  # phase -> (s,) bool
     #: ranks per step when every step holds the same ranks in the same order (the usual
     #: window: a (k,) column is then an (s, width) matrix), else None
@@ -93,6 +93,11 @@ class _Flat:
         # ids need not be contiguous (an unused id is an empty group): no sort
         return self.col * (int(bag.max()) + 1) + bag
 
+    def ms(self, phase: str) -> np.ndarray:
+        """(k,) float64 of a measured phase, a copy of its own (kept as stored, widened
+        where it is used; its user may change it in place)."""
+        return np.array(self.per_rank[phase], dtype=np.float64)
+
     def phase_in_step(self, phase: str) -> np.ndarray:
         """(k,) bool: the row's step measured ``phase``."""
         return (
@@ -100,6 +105,12 @@ class _Flat:
             if phase in self.present
             else np.zeros(len(self.col), bool)
         )
+
+
+def _floating(values) -> np.ndarray:
+    """``values`` as a float array: float32 as it is, anything else as float64."""
+    array = np.asarray(values)
+    return array if array.dtype in (np.float32, np.float64) else array.astype(np.float64)
 
 
 def _divide(a: np.ndarray, b: np.ndarray, empty: float) -> np.ndarray:
@@ -136,8 +147,8 @@ def _measured_only(rows: WindowRows) -> _Flat:
     per_rank, present = {}, {}
     for p, v in rows.phase_ms.items():
         steps = _in_steps(np.isfinite(v), col, s, width)
-        if steps.any():
-            per_rank[p], present[p] = np.asarray(v, dtype=np.float64), steps
+        if steps.any():  # float32 stays (the store's ms): every use widens it exactly
+            per_rank[p], present[p] = _floating(v), steps
     measured = np.zeros(s, bool)
     for p in COMPUTE_PHASES:
         if p in present:
@@ -192,34 +203,39 @@ def _per_row(flat: _Flat, compute: np.ndarray) -> tuple[dict[str, np.ndarray], n
     """The per-row figures `RankFigures` keeps (float32, as there), and each row's wait
     in all its collectives together (float64, which names the straggler)."""
     rows, col, per_rank, k = flat.rows, flat.col, flat.per_rank, len(flat.col)
-    waits = {}
+    # summed as they come, in `COLLECTIVE_PHASES` order (the order of a plan's sums)
+    total_wait, exchange_wait = np.zeros(k), np.zeros(k)
     for p in COLLECTIVE_PHASES:
         if p in per_rank and p not in BAG_COLLECTIVES and flat.width is not None:
-            waits[p] = _step_waits(per_rank[p], flat.width)
+            wait = _step_waits(flat.ms(p), flat.width)
         elif p in per_rank:
-            groups = flat.bag_groups if p in BAG_COLLECTIVES else col
-            waits[p] = group_waits(per_rank[p], groups)
-    total_wait = sum(waits.values(), np.zeros(k))
+            wait = group_waits(flat.ms(p), flat.bag_groups if p in BAG_COLLECTIVES else col)
+        else:
+            continue
+        total_wait += wait
+        if p in EXCHANGES:
+            exchange_wait += wait
     step_ms = np.where(flat.phase_in_step(STEP), per_rank.get(STEP, np.nan), np.nan)
     step_ms = np.maximum(step_ms - phase_ms(per_rank, PROBE, k), 0)
     work_total = np.bincount(col, weights=rows.work, minlength=len(rows.steps))[col]
     share = _divide(np.asarray(rows.work, np.float64), work_total, 0.0)
     token_dim = np.asarray(rows.token_dim, np.float64)[col]
-    figures = {
-        "compute_ms": compute,
-        "wait_ms": total_wait,
-        "share": share,
-        "load": _divide(np.asarray(rows.load, np.float64), rows.mean_load[col], 0.0),
-        "step_ms": step_ms,
-        "data_ms": phase_ms(per_rank, DATA, k),
-        "host_ms": host_ms(per_rank, k),
-        "gc_ms": phase_ms(per_rank, GC, k),
-        "descheduled_ms": phase_ms(per_rank, DESCHEDULED, k),
-        "exchange_ms": sum((phase_ms(per_rank, p, k) for p in EXCHANGES), np.zeros(k)),
-        "exchange_wait_ms": sum((waits[p] for p in EXCHANGES if p in waits), np.zeros(k)),
-        "exchange_values": np.asarray(rows.moved_tokens, np.float64) * 2 * token_dim,
+    # each made in float64 and kept in float32 one at a time (a million rows each)
+    made = {
+        "compute_ms": lambda: compute,
+        "wait_ms": lambda: total_wait,
+        "share": lambda: share,
+        "load": lambda: _divide(np.asarray(rows.load, np.float64), rows.mean_load[col], 0.0),
+        "step_ms": lambda: step_ms,
+        "data_ms": lambda: phase_ms(per_rank, DATA, k),
+        "host_ms": lambda: host_ms(per_rank, k),
+        "gc_ms": lambda: phase_ms(per_rank, GC, k),
+        "descheduled_ms": lambda: phase_ms(per_rank, DESCHEDULED, k),
+        "exchange_ms": lambda: sum((phase_ms(per_rank, p, k) for p in EXCHANGES), np.zeros(k)),
+        "exchange_wait_ms": lambda: exchange_wait,
+        "exchange_values": lambda: np.asarray(rows.moved_tokens, np.float64) * 2 * token_dim,
     }
-    figures = {name: v.astype(np.float32) for name, v in figures.items()}
+    figures = {name: make().astype(np.float32) for name, make in made.items()}
     # float64, as the plan's stats multiply it: float32 share x shown total
     figures["shown"] = share.astype(np.float32).astype(np.float64) * rows.shown_total[col]
     return figures, total_wait
@@ -230,9 +246,13 @@ def _step_waits(t: np.ndarray, width: int) -> np.ndarray:
     (`_Flat.width`): each row's time past its step's earliest, by a reduction along the
     rows of an (s, width) matrix instead of an unbuffered scatter (the same values)."""
     by_step = t.reshape(-1, width)
-    first = np.where(np.isnan(by_step), np.inf, by_step).min(axis=1, keepdims=True)
-    has = (width >= 2) & np.isfinite(first)
-    return np.nan_to_num(np.where(has, by_step - first, 0.0), nan=0.0).reshape(-1)
+    # NaN-skipping: a step nobody measured has NaN where `group_waits` has inf, and
+    # neither is finite; in place from there (a million rows a collective)
+    first = np.fmin.reduce(by_step, axis=1, keepdims=True)
+    with np.errstate(invalid="ignore"):  # inf - inf: a hostile row, zeroed below
+        wait = by_step - first
+    wait[~((width >= 2) & np.isfinite(first[:, 0]))] = 0.0
+    return np.nan_to_num(wait, nan=0.0, copy=False).reshape(-1)
 
 
 def _stragglers(total_wait: np.ndarray, flat: _Flat) -> list[int | None]:
@@ -277,7 +297,7 @@ def window_figures(rows: WindowRows) -> WindowFigures:
     shape = (len(ranks), len(rows.steps))
     compute, phases = _compute(flat)
     figures, total_wait = _per_row(flat, compute)
-    out = {name: _grid(values, row, col, shape) for name, values in figures.items()}
+    out = {name: _grid(figures.pop(name), row, col, shape) for name in list(figures)}
     fixed = {}
     for p in FIXED_PHASES:
         if p in flat.present and flat.present[p].any():
@@ -338,15 +358,17 @@ def _scope_times(flat: _Flat, wall: np.ndarray) -> ScopeTimes:
         def ordered(a: np.ndarray, order=order) -> np.ndarray:
             return a if order is None else a[order]
 
-        starts = np.flatnonzero(np.r_[True, np.diff(ordered(groups)) != 0])
-        size = np.diff(np.r_[starts, len(groups)])
+        sorted_groups = ordered(groups)
+        starts = np.concatenate(([0], np.flatnonzero(sorted_groups[1:] != sorted_groups[:-1]) + 1))
+        size = np.diff(starts, append=len(groups))
         step = ordered(flat.col)[starts]
         measured = [p for p in phases if p in flat.present]
         exchanged = np.zeros(len(starts), bool)
         no_wait = np.zeros(len(starts))
         for p in measured:
             exchanged |= flat.present[p][step]
-            no_wait += np.minimum.reduceat(np.nan_to_num(ordered(flat.per_rank[p])), starts)
+            ms = np.nan_to_num(flat.ms(p), copy=False)
+            no_wait += np.minimum.reduceat(ordered(ms), starts)
         compute = np.fmax.reduceat(ordered(wall), starts)
         keep = np.flatnonzero(exchanged & (size >= 2))
         ranks = ordered(np.asarray(flat.rows.rank, np.int64))
@@ -375,7 +397,7 @@ def _scope_keys(
     that scope; a group's ranks are read once per distinct scope, not once per step."""
     if keep.size == 0:  # no group of this scope (only one-GPU bags): nothing to split
         return {}
-    running = np.r_[0, np.cumsum(ranks)]
+    running = np.concatenate(([0], np.cumsum(ranks)))
     cum = running[starts + size] - running[starts]
     # a group is told by its first rank and size (its ranks' sum checks it): one key
     first_rank, sizes, sums = ranks[starts][keep], size[keep], cum[keep]
