@@ -269,13 +269,21 @@ def _stragglers(total_wait: np.ndarray, flat: _Flat) -> list[int | None]:
     return [int(r) if w else None for r, w in zip(ranks.tolist(), waited.tolist(), strict=True)]
 
 
+#: Steps a block of `_grid`'s transpose holds.
+_BLOCK = 64
+
+
 def _grid(values: np.ndarray, row: np.ndarray, col: np.ndarray, shape: tuple) -> np.ndarray:
     """(r, s) float64 of per-row ``values``, NaN where a rank was not in a step: a
     reshape when every step holds every rank in rank order (the usual window)."""
     r, s = shape
     if len(values) == r * s and (row.reshape(s, r) == np.arange(r)).all():
-        # transposed first, then widened: numpy's casting transpose took 10x longer
-        return np.ascontiguousarray(values.reshape(s, r).T).astype(np.float64)
+        # widened and transposed by blocks of steps that stay in the cache: one transpose
+        # of a 1,024 x 1,000 window took 7x longer
+        out, by_step = np.empty(shape), values.reshape(s, r)
+        for first in range(0, s, _BLOCK):
+            out[:, first : first + _BLOCK] = by_step[first : first + _BLOCK].T
+        return out
     out = np.full(shape, np.nan)
     out[row, col] = values
     return out
