@@ -109,7 +109,7 @@ def test_a_dense_window_takes_the_waits_and_presence_the_scatter_gives(width):
     t[2 * width : 3 * width] = np.nan  # a step nobody measured
     t[4 * width] = np.inf  # hostile: as the scatter takes it
     col = np.repeat(np.arange(steps), width)
-    waits = _step_waits(t, width)
+    waits = _step_waits(t.copy(), width)
     assert waits.dtype == np.float64
     with np.errstate(invalid="ignore"):  # inf - inf in the scatter too
         assert np.array_equal(waits, group_waits(t, col))

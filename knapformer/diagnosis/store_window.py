@@ -14,7 +14,7 @@ figures, as `RankFigures` does).
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -199,15 +199,17 @@ def _compute(flat: _Flat) -> tuple[np.ndarray, list[str]]:
     return compute, [COMPUTE_PHASES[i] for i in phase_of]
 
 
-def _per_row(flat: _Flat, compute: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """The per-row figures `RankFigures` keeps (float32, as there), and each row's wait
-    in all its collectives together (float64, which names the straggler)."""
+def _per_row(flat: _Flat, compute: np.ndarray) -> tuple[dict[str, Callable], np.ndarray]:
+    """The per-row figures `RankFigures` keeps, each as a maker of its float64 values (the
+    caller makes them one at a time, a million rows each, and keeps them in float32 as
+    `RankFigures` does, ``shown`` in float64), and each row's wait in all its collectives
+    together (float64, which names the straggler)."""
     rows, col, per_rank, k = flat.rows, flat.col, flat.per_rank, len(flat.col)
     # summed as they come, in `COLLECTIVE_PHASES` order (the order of a plan's sums)
     total_wait, exchange_wait = np.zeros(k), np.zeros(k)
     for p in COLLECTIVE_PHASES:
         if p in per_rank and p not in BAG_COLLECTIVES and flat.width is not None:
-            wait = _step_waits(flat.ms(p), flat.width)
+            wait = _step_waits(flat.ms(p), flat.width)  # its own copy, changed in place
         elif p in per_rank:
             wait = group_waits(flat.ms(p), flat.bag_groups if p in BAG_COLLECTIVES else col)
         else:
@@ -220,7 +222,6 @@ def _per_row(flat: _Flat, compute: np.ndarray) -> tuple[dict[str, np.ndarray], n
     work_total = np.bincount(col, weights=rows.work, minlength=len(rows.steps))[col]
     share = _divide(np.asarray(rows.work, np.float64), work_total, 0.0)
     token_dim = np.asarray(rows.token_dim, np.float64)[col]
-    # each made in float64 and kept in float32 one at a time (a million rows each)
     made = {
         "compute_ms": lambda: compute,
         "wait_ms": lambda: total_wait,
@@ -235,22 +236,22 @@ def _per_row(flat: _Flat, compute: np.ndarray) -> tuple[dict[str, np.ndarray], n
         "exchange_wait_ms": lambda: exchange_wait,
         "exchange_values": lambda: np.asarray(rows.moved_tokens, np.float64) * 2 * token_dim,
     }
-    figures = {name: make().astype(np.float32) for name, make in made.items()}
     # float64, as the plan's stats multiply it: float32 share x shown total
-    figures["shown"] = share.astype(np.float32).astype(np.float64) * rows.shown_total[col]
-    return figures, total_wait
+    made["shown"] = lambda: share.astype(np.float32).astype(np.float64) * rows.shown_total[col]
+    return made, total_wait
 
 
 def _step_waits(t: np.ndarray, width: int) -> np.ndarray:
-    """`group_waits` of ``t`` (k,) grouped by step when every step holds ``width`` rows
-    (`_Flat.width`): each row's time past its step's earliest, by a reduction along the
-    rows of an (s, width) matrix instead of an unbuffered scatter (the same values)."""
-    by_step = t.reshape(-1, width)
+    """`group_waits` of ``t`` (k,) float64 grouped by step when every step holds
+    ``width`` rows (`_Flat.width`): each row's time past its step's earliest, by a
+    reduction along the rows of an (s, width) matrix instead of an unbuffered scatter
+    (the same values). ``t`` becomes the waits (in place: a million rows a collective)."""
+    wait = t.reshape(-1, width)
     # NaN-skipping: a step nobody measured has NaN where `group_waits` has inf, and
-    # neither is finite; in place from there (a million rows a collective)
-    first = np.fmin.reduce(by_step, axis=1, keepdims=True)
+    # neither is finite
+    first = np.fmin.reduce(wait, axis=1, keepdims=True)
     with np.errstate(invalid="ignore"):  # inf - inf: a hostile row, zeroed below
-        wait = by_step - first
+        wait -= first
     wait[~((width >= 2) & np.isfinite(first[:, 0]))] = 0.0
     return np.nan_to_num(wait, nan=0.0, copy=False).reshape(-1)
 
@@ -273,19 +274,23 @@ def _stragglers(total_wait: np.ndarray, flat: _Flat) -> list[int | None]:
 _BLOCK = 64
 
 
-def _grid(values: np.ndarray, row: np.ndarray, col: np.ndarray, shape: tuple) -> np.ndarray:
-    """(r, s) float64 of per-row ``values``, NaN where a rank was not in a step: a
-    reshape when every step holds every rank in rank order (the usual window)."""
+def _grid(
+    values: np.ndarray, row: np.ndarray, col: np.ndarray, shape: tuple, narrow: bool = False
+) -> np.ndarray:
+    """(r, s) float64 of per-row ``values`` (through float32 first when ``narrow``), NaN
+    where a rank was not in a step: a transpose when every step holds every rank in rank
+    order (the usual window)."""
     r, s = shape
     if len(values) == r * s and (row.reshape(s, r) == np.arange(r)).all():
-        # widened and transposed by blocks of steps that stay in the cache: one transpose
-        # of a 1,024 x 1,000 window took 7x longer
+        # by blocks of steps that stay in the cache (one transpose of a 1,024 x 1,000
+        # window took 7x longer), each narrowed on its own (no float32 copy of it all)
         out, by_step = np.empty(shape), values.reshape(s, r)
         for first in range(0, s, _BLOCK):
-            out[:, first : first + _BLOCK] = by_step[first : first + _BLOCK].T
+            block = by_step[first : first + _BLOCK]
+            out[:, first : first + _BLOCK] = (block.astype(np.float32) if narrow else block).T
         return out
     out = np.full(shape, np.nan)
-    out[row, col] = values
+    out[row, col] = values.astype(np.float32) if narrow else values
     return out
 
 
@@ -304,13 +309,13 @@ def window_figures(rows: WindowRows) -> WindowFigures:
     ranks, row = _positions(np.asarray(rows.rank, np.int64))
     shape = (len(ranks), len(rows.steps))
     compute, phases = _compute(flat)
-    figures, total_wait = _per_row(flat, compute)
-    out = {name: _grid(figures.pop(name), row, col, shape) for name in list(figures)}
+    made, total_wait = _per_row(flat, compute)
+    out = {name: _grid(make(), row, col, shape, name != "shown") for name, make in made.items()}
     fixed = {}
     for p in FIXED_PHASES:
         if p in flat.present and flat.present[p].any():
-            ms = phase_ms(flat.per_rank, p, len(col)).astype(np.float32)
-            fixed[p] = _grid(np.where(flat.phase_in_step(p), ms, np.nan), row, col, shape)
+            ms = np.where(flat.phase_in_step(p), phase_ms(flat.per_rank, p, len(col)), np.nan)
+            fixed[p] = _grid(ms, row, col, shape, narrow=True)
     floor_load = _divide(np.asarray(rows.floor, np.float64), rows.mean_load, np.nan)
     at_floor = np.zeros(shape, bool)
     at_floor[row, col] = (rows.load >= 0.99 * rows.floor[col]) & (floor_load[col] > 1.0)
