@@ -3,12 +3,20 @@
 `knapformer.diagnosis.measured.measure` reads one plan at a time; a reader of the run
 store has, for a window of steps, one narrow row per rank per step (`WindowRows`) and
 builds the same `RankSteps`, exchange-scope times and probe bandwidths from them with
-numpy over the whole window (1,024 ranks x 1,000 steps in about a second, where a loop
-over steps took several). The figures are the ones `measure` defines, computed by the
-same functions (`_waits`, `phase_ms`, `host_ms`) over every row of the window at once,
-each collective's peers told apart by a group id per step (and per bag), so that the
-verdicts on the store equal those on the plans of the same steps (both keep float32
-figures, as `RankFigures` does).
+numpy over the whole window (1,024 ranks x 1,000 steps in about half a second of CPU,
+where a loop over steps took several). The figures are the ones `measure` defines,
+computed by the same functions (`_waits`, `phase_ms`, `host_ms`) over every row of the
+window at once, each collective's peers told apart by a group id per step (and per bag),
+so that the verdicts on the store equal those on the plans of the same steps (both keep
+float32 figures, as `RankFigures` does).
+
+The usual window is dense (every step holds the same ranks in the same order): its
+columns are then (steps, ranks) matrices, and the per-step reductions, sorts and the
+rank x step grids run on them directly (`_Flat.width`); any other window takes the
+general path by group ids, which gives the same figures. A million rows a column, the
+window makes its large arrays one at a time and reuses its own copies in place: memory
+a process has not touched yet costs a page fault per 4 KB, a large share of the time of
+a process's first window.
 """
 
 from __future__ import annotations
