@@ -319,6 +319,7 @@ def window_figures(rows: WindowRows) -> WindowFigures:
     compute, phases = _compute(flat)
     made, total_wait = _per_row(flat, compute)
     out = {name: _grid(make(), row, col, shape, name != "shown") for name, make in made.items()}
+    del made  # and the per-row arrays its makers hold (the fit and the scopes need memory)
     fixed = {}
     for p in FIXED_PHASES:
         if p in flat.present and flat.present[p].any():
