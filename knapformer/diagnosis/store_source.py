@@ -127,8 +127,8 @@ def window_rows(run: str | os.PathLike, first: int | None, last: int | None) -> 
 
 def _ordered(step: np.ndarray, rank: np.ndarray) -> bool:
     """Whether rows are by step, then rank."""
-    same = step[1:] == step[:-1]
-    return bool((step[1:] >= step[:-1]).all() and (rank[1:][same] > rank[:-1][same]).all())
+    later = (step[1:] > step[:-1]) | ((step[1:] == step[:-1]) & (rank[1:] > rank[:-1]))
+    return bool(later.all())
 
 
 def _floats(column: pa.ChunkedArray) -> np.ndarray:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from knapformer.contract.nan_reduce import nan_reduce
+from knapformer.contract.nan_reduce import nan_reduce, nan_to_zero
 from knapformer.contract.phases import (
     BAG_COLLECTIVES,
     COLLECTIVE_PHASES,
@@ -130,7 +130,7 @@ def _dense_width(rows: WindowRows) -> int | None:
     """The ranks per step when every step of ``rows`` holds the same ranks in the same
     order (then its columns reshape to (steps, ranks)), else None."""
     s, k = len(rows.steps), len(rows.step)
-    if s == 0 or k % s:
+    if s == 0 or k == 0 or k % s:
         return None
     width = k // s
     rank = np.asarray(rows.rank).reshape(s, width)
@@ -150,7 +150,7 @@ def _measured_only(rows: WindowRows) -> _Flat:
     """The rows of the steps that measured a compute phase (`measure` skips the others)."""
     s = len(rows.steps)
     width = _dense_width(rows)
-    col = np.searchsorted(rows.steps, rows.step)
+    col = np.repeat(np.arange(s), width) if width else np.searchsorted(rows.steps, rows.step)
     # a phase no row measured is left out, as a plan leaves it out of its measurements
     per_rank, present = {}, {}
     for p, v in rows.phase_ms.items():
@@ -261,7 +261,7 @@ def _step_waits(t: np.ndarray, width: int) -> np.ndarray:
     with np.errstate(invalid="ignore"):  # inf - inf: a hostile row, zeroed below
         wait -= first
     wait[~((width >= 2) & np.isfinite(first[:, 0]))] = 0.0
-    return np.nan_to_num(wait, nan=0.0, copy=False).reshape(-1)
+    return nan_to_zero(wait, copy=False).reshape(-1)
 
 
 def _stragglers(total_wait: np.ndarray, flat: _Flat) -> list[int | None]:
@@ -389,7 +389,7 @@ def _scope_times(flat: _Flat, wall: np.ndarray) -> ScopeTimes:
         no_wait = np.zeros(len(starts))
         for p in measured:
             exchanged |= flat.present[p][step]
-            ms = np.nan_to_num(flat.ms(p), copy=False)
+            ms = nan_to_zero(flat.ms(p), copy=False)
             no_wait += np.minimum.reduceat(ordered(ms), starts)
         compute = np.fmax.reduceat(ordered(wall), starts)
         keep = np.flatnonzero(exchanged & (size >= 2))
