@@ -3,7 +3,7 @@ a long run, and the dashboard's whole-run views, on a run store.
 
 Run: ``python bench/store_readers.py [--gpus 1024] [--steps 100000] [--window 1000]``
 (``--store RUN`` reuses a run folder that already has a store, e.g. the one
-``bench/run_store.py --keep`` leaves).
+``--keep RUN`` or ``bench/run_store.py --out`` leaves).
 
 1. Synthesises the run through the store's own writer (``bench/run_store.py``'s
    synthesiser: realistic figures, stragglers appearing mid-run), unless ``--store``.
@@ -147,10 +147,13 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=100_000)
     parser.add_argument("--window", type=int, default=1000)
     parser.add_argument("--store", type=Path, help="a run folder with a store to reuse")
+    parser.add_argument(
+        "--keep", type=Path, help="synthesise the run into this folder and keep it (for --store)"
+    )
     args = parser.parse_args()
     console = Console(highlight=False, width=110)
     with tempfile.TemporaryDirectory(prefix="knapformer-store-readers-") as scratch:
-        run = args.store or Path(scratch) / "run"
+        run = args.store or args.keep or Path(scratch) / "run"
         built = None if args.store else build_store(run, args.gpus, args.steps)
         gpus = int(read_table(run, "steps", (None, None), ["gpus"])["gpus"][0].as_py())
         steps = read_table(run, "steps", columns=["step"]).num_rows

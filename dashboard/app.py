@@ -52,7 +52,7 @@ from knapformer.dashboard.guard import (
 )
 from knapformer.dashboard.step_frame import key, plan_of, step_of
 from knapformer.dashboard.store import PlanStore, RequestGate, Runs, Snapshot
-from knapformer.dashboard.styles import CARD, HALF, HIDDEN, INCIDENT, NOTICE, PICKER
+from knapformer.dashboard.styles import CARD, HALF, HIDDEN, INCIDENT, NOTICE, PICKER, WAITING
 from knapformer.dashboard.table import query
 from knapformer.visualization.figures import (
     SEQUENCE_COLUMNS,
@@ -203,26 +203,26 @@ def _layout(runs: Runs, whole: whole_run.WholeRun) -> html.Div:
             ),
             html.Div(id="detail-notice", role="alert", style=HIDDEN),
             # Full width: the GPU label rule plans for a plot `axes.PLOT_PX` wide.
-            dcc.Graph(id="bag-load", style={"height": "440px"}),
+            _graph("bag-load", height="440px"),
             _row(
-                html.Div(dcc.Graph(id="phase-step", style={"height": "440px"}), style=HALF),
-                html.Div(dcc.Graph(id="phase-window", style={"height": "440px"}), style=HALF),
+                html.Div(_graph("phase-step", height="440px"), style=HALF),
+                html.Div(_graph("phase-window", height="440px"), style=HALF),
             ),
-            dcc.Graph(id="tokens", style={"height": "360px"}),
+            _graph("tokens", height="360px"),
             _row(
-                html.Div(dcc.Graph(id="timeline"), style=HALF),
-                html.Div(dcc.Graph(id="traffic", style={"height": "430px"}), style=HALF),
+                html.Div(_graph("timeline"), style=HALF),
+                html.Div(_graph("traffic", height="430px"), style=HALF),
             ),
-            dcc.Graph(id="topology-timeline"),
+            _graph("topology-timeline"),
             html.Div(
                 [
                     html.H4("Stragglers: measured compute apart from waiting"),
                     _row(
-                        html.Div(dcc.Graph(id="ratio-heatmap"), style=HALF),
-                        html.Div(dcc.Graph(id="wait-heatmap"), style=HALF),
+                        html.Div(_graph("ratio-heatmap"), style=HALF),
+                        html.Div(_graph("wait-heatmap"), style=HALF),
                     ),
-                    dcc.Graph(id="compute-wait"),
-                    dcc.Graph(id="step-loss"),
+                    _graph("compute-wait"),
+                    _graph("step-loss"),
                 ],
                 id="straggler-box",
                 style=HIDDEN,
@@ -248,6 +248,11 @@ def _layout(runs: Runs, whole: whole_run.WholeRun) -> html.Div:
         ],
         style={"fontFamily": "system-ui, sans-serif", "margin": "8px 16px"},
     )
+
+
+def _graph(name: str, **style: str) -> dcc.Graph:
+    """A per-step graph, axis-less until its callback draws it (`WAITING`)."""
+    return dcc.Graph(id=name, figure=WAITING, style=style)
 
 
 def _row(*cells: html.Div) -> html.Div:

@@ -27,7 +27,7 @@ from dash import Dash, Input, Output, State, dcc, html, no_update
 from dash.exceptions import PreventUpdate
 from knapformer.dashboard.guard import is_number, is_str, list_of, optional, record
 from knapformer.dashboard.store import Runs
-from knapformer.dashboard.styles import HALF, HIDDEN
+from knapformer.dashboard.styles import HALF, HIDDEN, WAITING
 from knapformer.visualization.figures import empty_figure
 from knapformer.visualization.run_figures import (
     cell_steps,
@@ -69,8 +69,7 @@ def section(kept: WholeRun, runs: Runs) -> html.Div:
     figures = {} if drawn is None or "summary" not in drawn else drawn
 
     def graph(name: str, **style) -> dcc.Graph:
-        shown = {"figure": figures[name]} if name in figures else {}
-        return dcc.Graph(id=f"run-{name}", style=style, **shown)
+        return dcc.Graph(id=f"run-{name}", figure=figures.get(name, WAITING), style=style)
 
     return html.Div(
         [
@@ -86,7 +85,7 @@ def section(kept: WholeRun, runs: Runs) -> html.Div:
                 style={"display": "flex", "gap": "8px"},
             ),
             html.Div(id="drill-label", style={"margin": "0 8px", "fontWeight": "bold"}),
-            dcc.Graph(id="drill-heatmap", style={"height": "420px"}),
+            dcc.Graph(id="drill-heatmap", figure=WAITING, style={"height": "420px"}),
             # which store and segments the browser's figures show (redrawn when they change)
             dcc.Store(id="run-key", data=figures.get("key")),
         ],

@@ -53,3 +53,31 @@ def test_stop_closes_the_socket(tmp_path, steps50_path):
     handle.stop()
     with pytest.raises(OSError):
         _get(url)
+
+
+def test_every_graph_of_the_first_page_has_a_figure_so_none_lays_out_made_up_axes(server):
+    # A graph without a figure gets plotly's default axes, laid out and measured only to
+    # be replaced: the page's dozen such graphs delayed the whole-run views' first draw.
+    handle, _ = server
+    layout = json.loads(_get(handle.url + "_dash-layout")[1])
+    graphs = []
+
+    def walk(node):
+        if isinstance(node, dict):
+            if node.get("type") == "Graph":
+                graphs.append(node["props"])
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(layout)
+    assert {"bag-load", "timeline", "run-heatmap", "drill-heatmap"} <= {g["id"] for g in graphs}
+    for graph in graphs:
+        figure = graph.get("figure")
+        assert figure is not None, graph["id"]
+        if not figure.get("data"):
+            layout_of = figure.get("layout", {})
+            assert layout_of["xaxis"]["visible"] is False, graph["id"]
+            assert layout_of["yaxis"]["visible"] is False, graph["id"]

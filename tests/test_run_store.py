@@ -72,6 +72,50 @@ def test_a_merged_segment_and_the_ones_it_replaces_give_each_row_once(run, tmp_p
     ]
 
 
+def test_a_window_inside_a_segment_is_its_rows_and_only_them(run):
+    # segments of 2 steps: steps 3..6 take the second of one, two whole ones, the first
+    # of another (sliced from each sorted segment)
+    window = read_table(run, "ranks", (3, 6), ["step", "rank"])
+    assert window["step"].to_pylist() == [s for s in range(3, 7) for _ in range(8)]
+    assert window["rank"].to_pylist() == list(range(8)) * 4
+    assert read_table(run, "ranks", (10, 12), ["step"]).num_rows == 0
+
+
+def test_columns_come_as_numpy_gives_them():
+    import numpy as np
+    import pyarrow as pa
+
+    from knapformer.contract.run_store import as_numpy
+
+    cases = [
+        pa.chunked_array([pa.array([1, 2, 3], pa.int32()), pa.array([4, 5], pa.int32()).slice(1)]),
+        pa.chunked_array([pa.array([1.5, None, 3], pa.float32()), pa.array([None], pa.float32())]),
+        pa.chunked_array([pa.array([1, None], pa.int32()), pa.array([7], pa.int32())]),
+        pa.chunked_array([pa.array([1, 2], pa.int64())]).slice(1),
+        pa.chunked_array([], pa.float32()),
+        pa.array([None] * 20 + [1.0] * 5, pa.float32()).slice(13, 9),
+        pa.chunked_array([pa.array([None, None], pa.float32())]),
+    ]
+    for column in cases:
+        got, expected = as_numpy(column), column.to_numpy(zero_copy_only=False)
+        assert got.dtype == expected.dtype, column
+        assert np.array_equal(got, expected, equal_nan=True), column
+
+
+def test_the_straggler_window_never_imports_pandas(run):
+    # pyarrow's to_numpy imports pandas on first use: 0.4 s of a reader's first window
+    code = (
+        "import sys; from knapformer.diagnosis.store_source import window_rows; "
+        "from knapformer.diagnosis.store_window import window_figures; "
+        "from knapformer.diagnosis.stragglers import judge; "
+        f"w = window_figures(window_rows({str(run)!r}, 2, 8)); judge(w.m, w.scopes, w.bandwidth); "
+        "assert w.m.steps == list(range(2, 9)); print('pandas' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"
+
+
 def test_the_bench_runs_tiny_and_prints_its_table():
     args = ["--steps", "300", "--gpus", "16", "--big-gpus", "32", "--plan-steps", "4",
             "--big-steps", "2", "--record-calls", "4", "--skip-duckdb-ranks"]  # fmt: skip

@@ -93,3 +93,63 @@ def test_a_window_where_no_step_measured_compute_has_no_steps():
     phases = {p: np.full_like(v, np.nan) for p, v in rows.phase_ms.items()}
     w = window_figures(WindowRows(**{**rows.__dict__, "phase_ms": phases}))
     assert w.m.steps == [] and w.scopes == {}
+
+
+@pytest.mark.parametrize("width", [1, 2, 7])
+def test_a_dense_window_takes_the_waits_and_presence_the_scatter_gives(width):
+    # Every step holding the same ranks, the per-step reductions run on an (s, width)
+    # matrix; they must give, bit for bit, what the scatter over group ids gives.
+    from knapformer.diagnosis.measured import group_waits
+    from knapformer.diagnosis.store_window import _in_steps, _step_waits
+
+    rng = np.random.default_rng(width)
+    steps = 9
+    t = rng.lognormal(0, 1, steps * width)
+    t[rng.random(t.size) < 0.2] = np.nan
+    t[2 * width : 3 * width] = np.nan  # a step nobody measured
+    t[4 * width] = np.inf  # hostile: as the scatter takes it
+    col = np.repeat(np.arange(steps), width)
+    waits = _step_waits(t.copy(), width)
+    assert waits.dtype == np.float64
+    with np.errstate(invalid="ignore"):  # inf - inf in the scatter too
+        assert np.array_equal(waits, group_waits(t, col))
+    finite = np.isfinite(t)
+    assert np.array_equal(_in_steps(finite, col, steps, width), _in_steps(finite, col, steps, None))
+    assert not _in_steps(finite, col, steps, width)[2]
+
+
+def test_a_dense_window_orders_its_bags_as_a_sort_of_the_whole_window():
+    from knapformer.diagnosis.store_window import _bag_order, _measured_only
+
+    flat = _measured_only(_rows(measured_run(5, topology="g1n2+g2n1+g4n1", seed=6)))
+    assert flat.width == 8
+    assert np.array_equal(_bag_order(flat), np.argsort(flat.bag_groups, kind="stable"))
+
+
+def test_a_dense_window_gives_what_the_general_path_gives(monkeypatch):
+    import dataclasses
+
+    import knapformer.diagnosis.store_window as store_window
+
+    rows = _rows(measured_run(8, topology="g1n2+g2n1+g4n1", seed=7, slow_rank=5, slow_factor=2.0))
+    dense = window_figures(rows)
+    monkeypatch.setattr(store_window, "_dense_width", lambda rows: None)
+    general = window_figures(rows)
+    for field in dataclasses.fields(dense.m):
+        a, b = getattr(dense.m, field.name), getattr(general.m, field.name)
+        if isinstance(a, np.ndarray):
+            assert a.dtype == b.dtype and np.array_equal(a, b, equal_nan=True), field.name
+        elif isinstance(a, dict):
+            assert a.keys() == b.keys(), field.name
+            for key in a:
+                assert np.array_equal(a[key], b[key], equal_nan=True), (field.name, key)
+        elif field.name != "fit":
+            assert a == b, field.name
+    assert dense.scopes.keys() == general.scopes.keys()
+    for key, (cost, no_wait) in dense.scopes.items():
+        assert np.array_equal(cost, general.scopes[key][0], equal_nan=True), key
+        assert np.array_equal(no_wait, general.scopes[key][1]), key
+    assert np.array_equal(dense.bandwidth, general.bandwidth, equal_nan=True)
+    said = [judge(w.m, w.scopes, w.bandwidth) for w in (dense, general)]
+    assert [r.as_dict() for r in said[0].ranks] == [r.as_dict() for r in said[1].ranks]
+    assert said[0].straggler.rank == 5

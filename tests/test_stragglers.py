@@ -205,6 +205,20 @@ def test_nan_reduce_gives_nan_for_a_slice_without_values_and_never_warns():
     assert nan_reduce(np.nanmax, [np.inf, np.nan]) == np.inf  # only NaN means "no value"
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_nan_to_zero_gives_numpys_nan_to_num(dtype):
+    from knapformer.contract.nan_reduce import nan_to_zero
+
+    values = np.array([1.5, np.nan, np.inf, -np.inf, -2.0, 0.0], dtype=dtype)
+    expected = np.nan_to_num(np.asarray(values, np.float64))
+    out = nan_to_zero(values)
+    assert out.dtype == np.float64 and np.array_equal(out, expected)
+    assert np.isnan(values[1])  # a copy by default
+    assert np.array_equal(nan_to_zero([np.nan, 2]), [0.0, 2.0])  # a list too
+    own = np.asarray(values, np.float64).copy()
+    assert nan_to_zero(own, copy=False) is own and np.array_equal(own, expected)
+
+
 def test_the_diagnosis_never_touches_the_process_wide_warning_filters(monkeypatch):
     """The dashboard analyses in its server's threads, where ``warnings.catch_warnings``
     (process-wide filters) races. A window with ranks absent from a step and phases

@@ -1,4 +1,5 @@
-"""numpy's NaN-skipping reductions, NaN for a slice with no value, without a warning.
+"""numpy's NaN-skipping reductions, NaN for a slice with no value, without a warning;
+and ``np.nan_to_num`` in fewer passes (`nan_to_zero`).
 
 ``np.nanmedian`` and its kin warn on an all-NaN slice. A rank absent from every step of
 a window, or a step nobody measured, is such a slice on purpose, and silencing the warning
@@ -28,7 +29,7 @@ def nan_reduce(
     if not some.any():
         return np.full(some.shape, np.nan)
     # Slices without a value are filled with zeros, which reduce quietly, then masked.
-    filled = np.where(np.expand_dims(some, axis), x, 0.0)
+    filled = x if some.all() else np.where(np.expand_dims(some, axis), x, 0.0)
     if reduce is np.nanmedian:
         return np.where(some, _nanmedian(filled, axis), np.nan)
     return np.where(some, reduce(filled, axis=axis), np.nan)
@@ -43,3 +44,19 @@ def _nanmedian(x: np.ndarray, axis: int) -> np.ndarray:
     low = np.take_along_axis(ordered, (count - 1) // 2, axis=-1)[..., 0]
     high = np.take_along_axis(ordered, count // 2, axis=-1)[..., 0]
     return (low + high) / 2
+
+
+_LARGEST = float(np.finfo(np.float64).max)
+
+
+def nan_to_zero(values, copy: bool = True) -> np.ndarray:
+    """``np.nan_to_num(values)`` as float64 (NaN as 0, +-inf as the largest finite
+    floats), the same values: numpy looks for each of NaN, +inf and -inf in a pass of
+    its own (a million rows a phase in a store window), this once for NaN and once for
+    any inf. ``copy=False`` changes a float64 ``values`` in place."""
+    out = np.array(values, dtype=np.float64, copy=copy or None)
+    np.copyto(out, 0.0, where=np.isnan(out))
+    infinite = np.isinf(out)
+    if infinite.any():
+        np.copyto(out, np.where(out > 0, _LARGEST, -_LARGEST), where=infinite)
+    return out

@@ -30,6 +30,8 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
+from knapformer.contract.nan_reduce import nan_to_zero
+
 # ------------------------------------------------------------------------- the names
 PLAN = "plan"
 GATHER = "gather"
@@ -127,7 +129,7 @@ def compute_phase(phases: Iterable[str]) -> str | None:
 def phase_ms(per_rank: Mapping[str, Sequence[float]], name: str, n: int) -> np.ndarray:
     """(n,) every rank's ms in phase ``name``; 0 where it was not measured."""
     values = per_rank.get(name)
-    return np.zeros(n) if values is None else np.nan_to_num(np.asarray(values, float))
+    return np.zeros(n) if values is None else nan_to_zero(values)
 
 
 def outside_compute_ms(values: Mapping[str, float]) -> float:

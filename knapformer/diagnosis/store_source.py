@@ -20,7 +20,7 @@ import pyarrow as pa
 
 from knapformer.contract.phases import RECORDED_PHASES
 from knapformer.contract.plan_io import parse_step_range
-from knapformer.contract.run_store import has_store, read_table
+from knapformer.contract.run_store import as_numpy, has_store, read_table
 from knapformer.contract.runfiles import PLANS_FILE, single_run
 from knapformer.contract.store_schema import phase_column
 from knapformer.diagnosis.store_window import WindowRows
@@ -89,14 +89,14 @@ def window_rows(run: str | os.PathLike, first: int | None, last: int | None) -> 
     if len(ranks) == 0:
         span = f"{'' if first is None else first}:{'' if last is None else last}"
         raise KnapformerError(f"{Path(run)}: the run store holds no step in {span}")
-    step, rank = ranks["step"].to_numpy(), ranks["rank"].to_numpy()
+    step, rank = as_numpy(ranks["step"]), as_numpy(ranks["rank"])
     if not _ordered(step, rank):  # the writer appends each step's rows in rank order
         order = np.lexsort((rank, step))
         ranks = ranks.take(order)
         step, rank = step[order], rank[order]
-    kept = step[np.r_[True, step[1:] != step[:-1]]]
+    kept = step[np.concatenate(([True], step[1:] != step[:-1]))]
     # the floor of each step the ranks have (NaN for one the steps table lacks)
-    listed = steps["step"].to_numpy()
+    listed = as_numpy(steps["step"])
     at = np.searchsorted(listed, kept).clip(max=max(len(listed) - 1, 0))
     floor = np.where(listed[at] == kept, _floats(steps["floor_load"])[at], np.nan)
     load = _floats(ranks["predicted_load"])
@@ -106,9 +106,9 @@ def window_rows(run: str | os.PathLike, first: int | None, last: int | None) -> 
     return WindowRows(
         step=step,
         rank=rank,
-        bag=ranks["bag"].to_numpy(),
-        phase_ms={
-            p: _floats(ranks[phase_column(p)])
+        bag=as_numpy(ranks["bag"]),
+        phase_ms={  # float32, as stored (NaN: null)
+            p: as_numpy(ranks[phase_column(p)])
             for p in RECORDED_PHASES
             if ranks[phase_column(p)].null_count < len(ranks)
         },
@@ -127,10 +127,10 @@ def window_rows(run: str | os.PathLike, first: int | None, last: int | None) -> 
 
 def _ordered(step: np.ndarray, rank: np.ndarray) -> bool:
     """Whether rows are by step, then rank."""
-    same = step[1:] == step[:-1]
-    return bool((step[1:] >= step[:-1]).all() and (rank[1:][same] > rank[:-1][same]).all())
+    later = (step[1:] > step[:-1]) | ((step[1:] == step[:-1]) & (rank[1:] > rank[:-1]))
+    return bool(later.all())
 
 
 def _floats(column: pa.ChunkedArray) -> np.ndarray:
     """A column as float64, null as NaN."""
-    return column.to_numpy(zero_copy_only=False).astype(np.float64, copy=False)
+    return as_numpy(column).astype(np.float64, copy=False)

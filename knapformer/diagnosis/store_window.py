@@ -3,23 +3,31 @@
 `knapformer.diagnosis.measured.measure` reads one plan at a time; a reader of the run
 store has, for a window of steps, one narrow row per rank per step (`WindowRows`) and
 builds the same `RankSteps`, exchange-scope times and probe bandwidths from them with
-numpy over the whole window (1,024 ranks x 1,000 steps in about a second, where a loop
-over steps took several). The figures are the ones `measure` defines, computed by the
-same functions (`_waits`, `phase_ms`, `host_ms`) over every row of the window at once,
-each collective's peers told apart by a group id per step (and per bag), so that the
-verdicts on the store equal those on the plans of the same steps (both keep float32
-figures, as `RankFigures` does).
+numpy over the whole window (1,024 ranks x 1,000 steps in about half a second of CPU,
+where a loop over steps took several). The figures are the ones `measure` defines,
+computed by the same functions (`_waits`, `phase_ms`, `host_ms`) over every row of the
+window at once, each collective's peers told apart by a group id per step (and per bag),
+so that the verdicts on the store equal those on the plans of the same steps (both keep
+float32 figures, as `RankFigures` does).
+
+The usual window is dense (every step holds the same ranks in the same order): its
+columns are then (steps, ranks) matrices, and the per-step reductions, sorts and the
+rank x step grids run on them directly (`_Flat.width`); any other window takes the
+general path by group ids, which gives the same figures. A million rows a column, the
+window makes its large arrays one at a time and reuses its own copies in place: memory
+a process has not touched yet costs a page fault per 4 KB, a large share of the time of
+a process's first window.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
-from knapformer.contract.nan_reduce import nan_reduce
+from knapformer.contract.nan_reduce import nan_reduce, nan_to_zero
 from knapformer.contract.phases import (
     BAG_COLLECTIVES,
     COLLECTIVE_PHASES,
@@ -80,8 +88,11 @@ class _Flat:
 
     rows: WindowRows
     col: np.ndarray  # (k,) the row's step's column
-    per_rank: dict[str, np.ndarray]  # phase -> (k,) float64
+    per_rank: dict[str, np.ndarray]  # phase -> (k,) float32 or float64 (`ms` widens it)
     present: dict[str, np.ndarray]  # phase -> (s,) bool
+    #: ranks per step when every step holds the same ranks in the same order (the usual
+    #: window: a (k,) column is then an (s, width) matrix), else None
+    width: int | None
 
     @functools.cached_property
     def bag_groups(self) -> np.ndarray:
@@ -89,6 +100,11 @@ class _Flat:
         bag = np.asarray(self.rows.bag, dtype=np.int64)
         # ids need not be contiguous (an unused id is an empty group): no sort
         return self.col * (int(bag.max()) + 1) + bag
+
+    def ms(self, phase: str) -> np.ndarray:
+        """(k,) float64 of a measured phase, a copy of its own (kept as stored, widened
+        where it is used; its user may change it in place)."""
+        return np.array(self.per_rank[phase], dtype=np.float64)
 
     def phase_in_step(self, phase: str) -> np.ndarray:
         """(k,) bool: the row's step measured ``phase``."""
@@ -99,26 +115,54 @@ class _Flat:
         )
 
 
+def _floating(values) -> np.ndarray:
+    """``values`` as a float array: float32 as it is, anything else as float64."""
+    array = np.asarray(values)
+    return array if array.dtype in (np.float32, np.float64) else array.astype(np.float64)
+
+
 def _divide(a: np.ndarray, b: np.ndarray, empty: float) -> np.ndarray:
     """``a / b``, ``empty`` where ``b`` is not > 0."""
     return np.where(b > 0, a / np.where(b > 0, b, 1.0), empty)
 
 
+def _dense_width(rows: WindowRows) -> int | None:
+    """The ranks per step when every step of ``rows`` holds the same ranks in the same
+    order (then its columns reshape to (steps, ranks)), else None."""
+    s, k = len(rows.steps), len(rows.step)
+    if s == 0 or k == 0 or k % s:
+        return None
+    width = k // s
+    rank = np.asarray(rows.rank).reshape(s, width)
+    step = np.asarray(rows.step).reshape(s, width)
+    same = (rank == rank[0]).all() and (step == np.asarray(rows.steps)[:, None]).all()
+    return width if same else None
+
+
+def _in_steps(values: np.ndarray, col: np.ndarray, s: int, width: int | None) -> np.ndarray:
+    """(s,) bool: whether any row of each step holds True in ``values`` (k,) bool."""
+    if width is not None:
+        return values.reshape(s, width).any(axis=1)
+    return np.bincount(col[values], minlength=s) > 0
+
+
 def _measured_only(rows: WindowRows) -> _Flat:
     """The rows of the steps that measured a compute phase (`measure` skips the others)."""
     s = len(rows.steps)
-    col = np.searchsorted(rows.steps, rows.step)
+    width = _dense_width(rows)
+    col = np.repeat(np.arange(s), width) if width else np.searchsorted(rows.steps, rows.step)
     # a phase no row measured is left out, as a plan leaves it out of its measurements
-    per_rank = {
-        p: np.asarray(v, dtype=np.float64) for p, v in rows.phase_ms.items() if np.isfinite(v).any()
-    }
-    present = {p: np.bincount(col[np.isfinite(v)], minlength=s) > 0 for p, v in per_rank.items()}
+    per_rank, present = {}, {}
+    for p, v in rows.phase_ms.items():
+        steps = _in_steps(np.isfinite(v), col, s, width)
+        if steps.any():  # float32 stays (the store's ms): every use widens it exactly
+            per_rank[p], present[p] = _floating(v), steps
     measured = np.zeros(s, bool)
     for p in COMPUTE_PHASES:
         if p in present:
             measured |= present[p]
     if measured.all():
-        return _Flat(rows, col, per_rank, present)
+        return _Flat(rows, col, per_rank, present, width)
     keep_row, keep = measured[col], np.flatnonzero(measured)
 
     def sub(a):
@@ -163,39 +207,61 @@ def _compute(flat: _Flat) -> tuple[np.ndarray, list[str]]:
     return compute, [COMPUTE_PHASES[i] for i in phase_of]
 
 
-def _per_row(flat: _Flat, compute: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """The per-row figures `RankFigures` keeps (float32, as there), and each row's wait
-    in all its collectives together (float64, which names the straggler)."""
+def _per_row(flat: _Flat, compute: np.ndarray) -> tuple[dict[str, Callable], np.ndarray]:
+    """The per-row figures `RankFigures` keeps, each as a maker of its float64 values (the
+    caller makes them one at a time, a million rows each, and keeps them in float32 as
+    `RankFigures` does, ``shown`` in float64), and each row's wait in all its collectives
+    together (float64, which names the straggler)."""
     rows, col, per_rank, k = flat.rows, flat.col, flat.per_rank, len(flat.col)
-    waits = {}
+    # summed as they come, in `COLLECTIVE_PHASES` order (the order of a plan's sums)
+    total_wait, exchange_wait = np.zeros(k), np.zeros(k)
     for p in COLLECTIVE_PHASES:
-        if p in per_rank:
-            groups = flat.bag_groups if p in BAG_COLLECTIVES else col
-            waits[p] = group_waits(per_rank[p], groups)
-    total_wait = sum(waits.values(), np.zeros(k))
+        if p in per_rank and p not in BAG_COLLECTIVES and flat.width is not None:
+            wait = _step_waits(flat.ms(p), flat.width)  # its own copy, changed in place
+        elif p in per_rank:
+            wait = group_waits(flat.ms(p), flat.bag_groups if p in BAG_COLLECTIVES else col)
+        else:
+            continue
+        total_wait += wait
+        if p in EXCHANGES:
+            exchange_wait += wait
     step_ms = np.where(flat.phase_in_step(STEP), per_rank.get(STEP, np.nan), np.nan)
     step_ms = np.maximum(step_ms - phase_ms(per_rank, PROBE, k), 0)
     work_total = np.bincount(col, weights=rows.work, minlength=len(rows.steps))[col]
     share = _divide(np.asarray(rows.work, np.float64), work_total, 0.0)
     token_dim = np.asarray(rows.token_dim, np.float64)[col]
-    figures = {
-        "compute_ms": compute,
-        "wait_ms": total_wait,
-        "share": share,
-        "load": _divide(np.asarray(rows.load, np.float64), rows.mean_load[col], 0.0),
-        "step_ms": step_ms,
-        "data_ms": phase_ms(per_rank, DATA, k),
-        "host_ms": host_ms(per_rank, k),
-        "gc_ms": phase_ms(per_rank, GC, k),
-        "descheduled_ms": phase_ms(per_rank, DESCHEDULED, k),
-        "exchange_ms": sum((phase_ms(per_rank, p, k) for p in EXCHANGES), np.zeros(k)),
-        "exchange_wait_ms": sum((waits[p] for p in EXCHANGES if p in waits), np.zeros(k)),
-        "exchange_values": np.asarray(rows.moved_tokens, np.float64) * 2 * token_dim,
+    made = {
+        "compute_ms": lambda: compute,
+        "wait_ms": lambda: total_wait,
+        "share": lambda: share,
+        "load": lambda: _divide(np.asarray(rows.load, np.float64), rows.mean_load[col], 0.0),
+        "step_ms": lambda: step_ms,
+        "data_ms": lambda: phase_ms(per_rank, DATA, k),
+        "host_ms": lambda: host_ms(per_rank, k),
+        "gc_ms": lambda: phase_ms(per_rank, GC, k),
+        "descheduled_ms": lambda: phase_ms(per_rank, DESCHEDULED, k),
+        "exchange_ms": lambda: sum((phase_ms(per_rank, p, k) for p in EXCHANGES), np.zeros(k)),
+        "exchange_wait_ms": lambda: exchange_wait,
+        "exchange_values": lambda: np.asarray(rows.moved_tokens, np.float64) * 2 * token_dim,
     }
-    figures = {name: v.astype(np.float32) for name, v in figures.items()}
     # float64, as the plan's stats multiply it: float32 share x shown total
-    figures["shown"] = share.astype(np.float32).astype(np.float64) * rows.shown_total[col]
-    return figures, total_wait
+    made["shown"] = lambda: share.astype(np.float32).astype(np.float64) * rows.shown_total[col]
+    return made, total_wait
+
+
+def _step_waits(t: np.ndarray, width: int) -> np.ndarray:
+    """`group_waits` of ``t`` (k,) float64 grouped by step when every step holds
+    ``width`` rows (`_Flat.width`): each row's time past its step's earliest, by a
+    reduction along the rows of an (s, width) matrix instead of an unbuffered scatter
+    (the same values). ``t`` becomes the waits (in place: a million rows a collective)."""
+    wait = t.reshape(-1, width)
+    # NaN-skipping: a step nobody measured has NaN where `group_waits` has inf, and
+    # neither is finite
+    first = np.fmin.reduce(wait, axis=1, keepdims=True)
+    with np.errstate(invalid="ignore"):  # inf - inf: a hostile row, zeroed below
+        wait -= first
+    wait[~((width >= 2) & np.isfinite(first[:, 0]))] = 0.0
+    return nan_to_zero(wait, copy=False).reshape(-1)
 
 
 def _stragglers(total_wait: np.ndarray, flat: _Flat) -> list[int | None]:
@@ -212,14 +278,27 @@ def _stragglers(total_wait: np.ndarray, flat: _Flat) -> list[int | None]:
     return [int(r) if w else None for r, w in zip(ranks.tolist(), waited.tolist(), strict=True)]
 
 
-def _grid(values: np.ndarray, row: np.ndarray, col: np.ndarray, shape: tuple) -> np.ndarray:
-    """(r, s) float64 of per-row ``values``, NaN where a rank was not in a step: a
-    reshape when every step holds every rank in rank order (the usual window)."""
+#: Steps a block of `_grid`'s transpose holds.
+_BLOCK = 64
+
+
+def _grid(
+    values: np.ndarray, row: np.ndarray, col: np.ndarray, shape: tuple, narrow: bool = False
+) -> np.ndarray:
+    """(r, s) float64 of per-row ``values`` (through float32 first when ``narrow``), NaN
+    where a rank was not in a step: a transpose when every step holds every rank in rank
+    order (the usual window)."""
     r, s = shape
     if len(values) == r * s and (row.reshape(s, r) == np.arange(r)).all():
-        return np.ascontiguousarray(values.reshape(s, r).T, dtype=np.float64)
+        # by blocks of steps that stay in the cache (one transpose of a 1,024 x 1,000
+        # window took 7x longer), each narrowed on its own (no float32 copy of it all)
+        out, by_step = np.empty(shape), values.reshape(s, r)
+        for first in range(0, s, _BLOCK):
+            block = by_step[first : first + _BLOCK]
+            out[:, first : first + _BLOCK] = (block.astype(np.float32) if narrow else block).T
+        return out
     out = np.full(shape, np.nan)
-    out[row, col] = values
+    out[row, col] = values.astype(np.float32) if narrow else values
     return out
 
 
@@ -238,16 +317,14 @@ def window_figures(rows: WindowRows) -> WindowFigures:
     ranks, row = _positions(np.asarray(rows.rank, np.int64))
     shape = (len(ranks), len(rows.steps))
     compute, phases = _compute(flat)
-    figures, total_wait = _per_row(flat, compute)
-    out = {name: _grid(values, row, col, shape) for name, values in figures.items()}
+    made, total_wait = _per_row(flat, compute)
+    out = {name: _grid(make(), row, col, shape, name != "shown") for name, make in made.items()}
+    del made  # and the per-row arrays its makers hold (the fit and the scopes need memory)
     fixed = {}
     for p in FIXED_PHASES:
         if p in flat.present and flat.present[p].any():
-            fixed[p] = np.full(shape, np.nan)
-            take = flat.phase_in_step(p)
-            fixed[p][row[take], col[take]] = phase_ms(flat.per_rank, p, len(col))[take].astype(
-                np.float32
-            )
+            ms = np.where(flat.phase_in_step(p), phase_ms(flat.per_rank, p, len(col)), np.nan)
+            fixed[p] = _grid(ms, row, col, shape, narrow=True)
     floor_load = _divide(np.asarray(rows.floor, np.float64), rows.mean_load, np.nan)
     at_floor = np.zeros(shape, bool)
     at_floor[row, col] = (rows.load >= 0.99 * rows.floor[col]) & (floor_load[col] > 1.0)
@@ -297,24 +374,42 @@ def _scope_times(flat: _Flat, wall: np.ndarray) -> ScopeTimes:
         return out
     for scope, phases in (("group", GROUP_EXCHANGES), ("bag", BAG_COLLECTIVES)):
         groups = flat.col if scope == "group" else flat.bag_groups
-        order = np.argsort(groups, kind="stable")
-        starts = np.flatnonzero(np.r_[True, np.diff(groups[order]) != 0])
-        size = np.diff(np.r_[starts, len(order)])
-        step = flat.col[order[starts]]
+        # rows come by step: a step's group needs no sort (a copy of every column)
+        order = None if scope == "group" else _bag_order(flat)
+
+        def ordered(a: np.ndarray, order=order) -> np.ndarray:
+            return a if order is None else a[order]
+
+        sorted_groups = ordered(groups)
+        starts = np.concatenate(([0], np.flatnonzero(sorted_groups[1:] != sorted_groups[:-1]) + 1))
+        size = np.diff(starts, append=len(groups))
+        step = ordered(flat.col)[starts]
         measured = [p for p in phases if p in flat.present]
         exchanged = np.zeros(len(starts), bool)
         no_wait = np.zeros(len(starts))
         for p in measured:
             exchanged |= flat.present[p][step]
-            no_wait += np.minimum.reduceat(np.nan_to_num(flat.per_rank[p][order]), starts)
-        compute = np.fmax.reduceat(wall[order], starts)
+            ms = nan_to_zero(flat.ms(p), copy=False)
+            no_wait += np.minimum.reduceat(ordered(ms), starts)
+        compute = np.fmax.reduceat(ordered(wall), starts)
         keep = np.flatnonzero(exchanged & (size >= 2))
-        ranks = np.asarray(flat.rows.rank, np.int64)[order]
+        ranks = ordered(np.asarray(flat.rows.rank, np.int64))
         with np.errstate(divide="ignore", invalid="ignore"):
             cost = np.where(compute > 0, no_wait / compute, np.nan)
         for key, members in _scope_keys(scope, ranks, starts, size, keep).items():
             out[key] = (cost[members], no_wait[members])
     return out
+
+
+def _bag_order(flat: _Flat) -> np.ndarray:
+    """The rows in the order of `_Flat.bag_groups` (stable): rows come by step, so in a
+    dense window one sort per step of its bag ids, at once, gives the order of a sort of
+    the whole window."""
+    if flat.width is None:
+        return np.argsort(flat.bag_groups, kind="stable")
+    bags = np.asarray(flat.rows.bag).reshape(-1, flat.width)
+    within = np.argsort(bags, axis=1, kind="stable")
+    return (within + (np.arange(len(bags)) * flat.width)[:, None]).reshape(-1)
 
 
 def _scope_keys(
@@ -324,7 +419,7 @@ def _scope_keys(
     that scope; a group's ranks are read once per distinct scope, not once per step."""
     if keep.size == 0:  # no group of this scope (only one-GPU bags): nothing to split
         return {}
-    running = np.r_[0, np.cumsum(ranks)]
+    running = np.concatenate(([0], np.cumsum(ranks)))
     cum = running[starts + size] - running[starts]
     # a group is told by its first rank and size (its ranks' sum checks it): one key
     first_rank, sizes, sums = ranks[starts][keep], size[keep], cum[keep]

@@ -480,7 +480,11 @@ def judge(
     link_bandwidth = row_medians(bandwidth_steps)
     slow_steps = (m.ratio >= th.slow_ratio).sum(axis=1)
     heavy_steps = heavy_each.sum(axis=1)
-    ratio, load = row_medians(m.ratio), row_medians(m.predicted_load)
+    # the fit took the median of each rank's rates already (the same reduction)
+    same_fit = fit is not None and m.ratio is fit.rate_steps
+    ratio = fit.rate if same_fit else row_medians(m.ratio)
+    load = row_medians(m.predicted_load)
+    host_excess, data_excess = row_medians(excess["host"]), row_medians(excess["data"])
     enough = rated_steps >= th.min_steps
 
     def persistent(each: np.ndarray, counted: np.ndarray) -> np.ndarray:
@@ -508,7 +512,7 @@ def judge(
     named = [s for s in m.straggler if s is not None]
     last = np.bincount(np.searchsorted(m.ranks, named), minlength=len(m.ranks))
     columns = {
-        "predicted_share": row_medians(m.predicted_share).tolist(),
+        "predicted_share": share.tolist(),
         "predicted_load": load.tolist(),
         "measured_ms": row_medians(m.compute_ms).tolist(),
         "ratio": ratio.tolist(),
@@ -520,10 +524,10 @@ def judge(
         "predicted_ms": row_medians(predicted).tolist(),
         "compute_excess_ms": row_medians(compute_excess).tolist(),
         "host_ms": _zeros(row_medians(m.host_ms)),
-        "host_excess_ms": _zeros(row_medians(excess["host"])),
+        "host_excess_ms": _zeros(host_excess),
         "gc_ms": _zeros(row_medians(m.gc_ms)),
         "data_ms": _zeros(row_medians(m.data_ms)),
-        "data_excess_ms": _zeros(row_medians(excess["data"])),
+        "data_excess_ms": _zeros(data_excess),
         "exchange_ms": _zeros(row_medians(m.exchange_ms)),
         "exchange_excess_ms": _zeros(row_medians(excess["exchange"])),
         "bandwidth": bandwidth.tolist(),
@@ -535,8 +539,8 @@ def judge(
     }
     costs = {
         "slow_gpu": row_medians(wall_excess),
-        "slow_host": row_medians(excess["host"]),
-        "slow_input": row_medians(excess["data"]),
+        "slow_host": host_excess,
+        "slow_input": data_excess,
     }
     verdicts = []
     for i, rank in enumerate(m.ranks.tolist()):
