@@ -18,6 +18,7 @@ from knapformer.planning.bags import (
     Step,
     bag_speeds,
     by_home_heaviest_first,
+    by_small_key,
     descending,
     least,
     prefix_within_groups,
@@ -263,22 +264,54 @@ def _level_makespan(step: Step, max_rounds: int | None = None, tolerance=None) -
 class _Members:
     """Bag, length and workload of every sequence plus one *phantom* per bag (no tokens,
     fits every bag): "nothing comes back" in an exchange is then just the partner's
-    phantom, scored like any other member."""
+    phantom, scored like any other member.
+
+    A round reads the members of a few bags of many: they are looked up in a by-bag index
+    built once (`grouped`), plus the few members that moved in since, so a round costs
+    what its bags hold, not what the step holds."""
 
     def __init__(self, bag, lengths, workload, num_bags):
         self.num_real = len(bag)
         self.bag = np.concatenate([bag, np.arange(num_bags)])
         self.length = np.concatenate([lengths, np.full(num_bags, np.iinfo(np.int64).max)])
         self.workload = np.concatenate([workload, np.zeros(num_bags)])
+        self.home = self.bag.copy()  # the bag each member was indexed under
+        self.by_bag = by_small_key(self.home, num_bags)  # members, grouped by bag, id order
+        self.first = np.searchsorted(self.home[self.by_bag], np.arange(num_bags + 1))
+        self.moved_in: dict[int, set[int]] = {}  # bag -> members indexed under another bag
 
     def real(self, member: int) -> int:
         """The sequence id of ``member``, or -1 for a phantom."""
         return member if member < self.num_real else -1
 
     def swap(self, a: int, b: int, out_of_a: int, out_of_b: int) -> None:
-        self.bag[out_of_a] = b
-        if out_of_b >= 0:
-            self.bag[out_of_b] = a
+        for member, src, dst in ((out_of_a, a, b), (out_of_b, b, a)):
+            if member < 0:
+                continue
+            self.bag[member] = dst
+            self.moved_in.get(src, set()).discard(member)
+            if self.home[member] != dst:
+                self.moved_in.setdefault(dst, set()).add(member)
+
+    def grouped(self, bags: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """The members now in ``bags``, grouped by bag in the order given, by id within one
+        (what a stable sort of every member by its bag's slot gives), and each one's slot."""
+        bags_arr = np.asarray(bags)
+        starts, ends = self.first[bags_arr], self.first[bags_arr + 1]
+        counts = ends - starts
+        slot = np.repeat(np.arange(len(bags)), counts)
+        # The index ranges of the bags, concatenated: each range's start plus 0..count-1.
+        offsets = np.cumsum(counts) - counts
+        members = self.by_bag[np.repeat(starts - offsets, counts) + np.arange(int(counts.sum()))]
+        still = self.bag[members] == bags_arr[slot]
+        members, slot = members[still], slot[still]
+        extra = [(m, s) for s, b in enumerate(bags) for m in self.moved_in.get(b, ())]
+        if extra:
+            members = np.concatenate([members, [m for m, _ in extra]]).astype(np.int64)
+            slot = np.concatenate([slot, [s for _, s in extra]]).astype(np.int64)
+            order = np.argsort(slot * len(self.bag) + members)
+            members, slot = members[order], slot[order]
+        return members, slot
 
 
 def _best_exchanges(over, partners, members, size, weight, per_gpu, accepts, one_size):
@@ -288,26 +321,23 @@ def _best_exchanges(over, partners, members, size, weight, per_gpu, accepts, one
     per bag (a sequence must not be shorter, bar the rule's fallback); ``weight``: load per
     GPU = load / weight; ``one_size``: every bag has the same number of GPUs."""
     num_o, num_p = len(over), len(partners)
-    slot = np.full(len(size), num_o + num_p)  # over bag -> 0.., partner -> num_o.., rest last
-    slot[over] = np.arange(num_o)
-    slot[partners] = np.arange(num_o, num_o + num_p)
-    slot_of = slot[members.bag]
-    # Only the members of the paired bags are sorted (a round looks at a few bags of many).
-    involved = np.flatnonzero(slot_of < num_o + num_p)
-    by_slot = involved[slot_of[involved].argsort(kind="stable")]
-    bounds = np.searchsorted(slot_of[by_slot], np.arange(num_o + num_p + 1)).tolist()
+    # Slots: over bag -> 0.., partner -> num_o.. (the two never share a bag).
+    by_slot, slot_sorted = members.grouped(over + partners)
+    bounds = np.searchsorted(slot_sorted, np.arange(num_o + num_p + 1)).tolist()
     # Rows: members that may leave the over-loaded bags; columns: members that may come
     # back from the partners (a phantom: nothing). Both grouped by bag, none empty.
     out, back = by_slot[: bounds[num_o]], by_slot[bounds[num_o] : bounds[-1]]
+    back_slot = slot_sorted[bounds[num_o] : bounds[-1]]
     row_starts, col_starts = bounds[:num_o], [s - bounds[num_o] for s in bounds[num_o:-1]]
     # With one bag size every bag is a candidate for every sequence (the rule's fallback
     # is "the largest bags"): the size and capacity checks are then skipped.
     if not one_size:
         ov = np.asarray(over)
-        back = back[
-            (members.length[back] >= size[ov].min()) & (members.workload[back] <= accepts[ov].max())
-        ]
-        col_starts = np.searchsorted(slot_of[back], np.arange(num_o, num_o + num_p)).tolist()
+        fits = (members.length[back] >= size[ov].min()) & (
+            members.workload[back] <= accepts[ov].max()
+        )
+        back, back_slot = back[fits], back_slot[fits]
+        col_starts = np.searchsorted(back_slot, np.arange(num_o, num_o + num_p)).tolist()
     out_w, a_bag = members.workload[out][:, None], members.bag[out][:, None]
     w_a, per_a = weight[a_bag], per_gpu[a_bag]
     if out.size * back.size <= _DENSE_CELLS:
@@ -315,7 +345,7 @@ def _best_exchanges(over, partners, members, size, weight, per_gpu, accepts, one
     else:
         pb = np.asarray(partners)
         ideal = (per_a - per_gpu[pb]) / (1.0 / w_a + 1.0 / weight[pb])
-        came = _nearest_members(back, slot_of[back] - num_o, members.workload, out_w - ideal)
+        came = _nearest_members(back, back_slot - num_o, members.workload, out_w - ideal)
         col_starts = list(range(0, 2 * num_p, 2))
     came_w, b_bag = members.workload[came], members.bag[came]
     w_b, per_b = weight[b_bag], per_gpu[b_bag]
