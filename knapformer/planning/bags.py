@@ -324,7 +324,7 @@ def _chunk_grid(step: Step, sel, g: int, start):
 _PATTERN_SIZES = 64  # bags of at most this many GPUs look their remainder patterns up
 
 
-@lru_cache(maxsize=None)
+@lru_cache(maxsize=_PATTERN_SIZES)
 def _remainder_patterns(g: int) -> tuple[np.ndarray, np.ndarray]:
     """For a bag of ``g`` GPUs, row ``start * g + rem``: which of the g chunks take a
     remainder token when ``rem`` of them do from chunk ``start`` on, cyclically, and the
