@@ -21,7 +21,9 @@ from knapformer.planning.bags import (
     by_small_key,
     descending,
     least,
+    pour_slots,
     prefix_within_groups,
+    water_room,
 )
 from knapformer.planning.tuning import (
     DENSE_CELLS,
@@ -29,6 +31,7 @@ from knapformer.planning.tuning import (
     FALLBACK_TOLERANCE,
     HEAVY_FRACTION,
     ONE_BY_ONE,
+    POUR,
     SEARCH_PARTNERS,
     SEARCH_TOLERANCE,
 )
@@ -36,6 +39,7 @@ from knapformer.planning.tuning import (
 # The tuning constants the tests lower to take the large-step paths.
 _ONE_BY_ONE = ONE_BY_ONE
 _DENSE_CELLS = DENSE_CELLS
+_POUR = POUR
 
 
 def _place_in_order(order: np.ndarray, step: Step, prefer_home: bool) -> None:
@@ -198,8 +202,23 @@ def _solve_local(step: Step, tolerance: float | None = None) -> None:
     if n > _ONE_BY_ONE:
         _stay_home_in_bulk(np.flatnonzero(step.bag < 0), step)
         pool = descending(workload, np.flatnonzero(step.bag < 0))
+        if len(pool) > _POUR and len(layout.class_size) == 1 and layout.max_tokens is None:
+            pool = _pour(pool, step)
         _place_in_order(pool, step, prefer_home=True)
     _level_makespan(step, tolerance=tolerance)
+
+
+def _pour(pool: np.ndarray, step: Step) -> np.ndarray:
+    """Pour the heaviest of a large pool (heaviest first; one bag size, no token cap)
+    into the bags' room at one water level, in one pass; returns the ``_POUR // 2``
+    lightest, left to the one-by-one placement, which evens out the last gaps."""
+    layout = step.layout
+    poured = pool[: len(pool) - _POUR // 2]
+    cost = step.workload[poured]
+    bags = pour_slots(cost, water_room(layout.load, layout.weight, float(cost.sum())))
+    step.bag[poured] = bags
+    layout.add_many(bags, cost, step.lengths[poured])
+    return pool[len(poured) :]
 
 
 def _stay_home_in_bulk(seqs: np.ndarray, step: Step) -> None:
