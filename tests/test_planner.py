@@ -51,24 +51,27 @@ def _check_plan(plan: RoutingPlan, topo: Topology, lengths) -> None:
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 # Steps up to fixed._ONE_BY_ONE sequences are placed one by one, larger ones mostly in
 # bulk; small search rounds score every pair (up to fixed._DENSE_CELLS), large ones only
-# the nearest candidates. The drawn problems are small, so each property is also checked
-# with those limits at 0 (every step takes the large-step paths).
+# the nearest candidates; a pool of more than fixed._POUR sequences is poured. The drawn
+# problems are small, so each property is also checked with those limits at 0 (every
+# step takes the large-step paths).
 ONE_BY_ONE = st.sampled_from(
     [
-        (fixed._ONE_BY_ONE, fixed._DENSE_CELLS),
-        (0, fixed._DENSE_CELLS),
-        (fixed._ONE_BY_ONE, 0),
-        (0, 0),
+        (fixed._ONE_BY_ONE, fixed._DENSE_CELLS, fixed._POUR),
+        (0, fixed._DENSE_CELLS, fixed._POUR),
+        (0, fixed._DENSE_CELLS, 0),
+        (fixed._ONE_BY_ONE, 0, fixed._POUR),
+        (0, 0, 0),
     ]
 )
 
 
 @contextmanager
-def _limit(limits: tuple[int, int]):
-    one_by_one, dense_cells = limits
+def _limit(limits: tuple[int, int, int]):
+    one_by_one, dense_cells, pour = limits
     with (
         patch.object(fixed, "_ONE_BY_ONE", one_by_one),
         patch.object(fixed, "_DENSE_CELLS", dense_cells),
+        patch.object(fixed, "_POUR", pour),
     ):
         yield
 
