@@ -85,3 +85,26 @@ def test_a_large_pool_is_poured_and_plans_within_the_bound():
     greedy = plan_routing(lengths, "g8n128", MODEL, solver="greedy").stats
     assert plan.stats.makespan_over_lb <= 1 + FALLBACK_TOLERANCE
     assert plan.stats.moved_fraction <= greedy.moved_fraction + 1e-9
+
+
+@pytest.mark.parametrize("topology", ["g1n128", "g2n64"])
+def test_wide_rounds_level_as_well_as_narrow_rounds(topology):
+    # With the wide rounds forced on a small step, every pair exchanges at once; the plan
+    # stays valid and ends as close to the bound as the narrow rounds alone get it.
+    lengths = sample_lengths(scale_mix(parse_mix("lowres"), 4), np.random.default_rng(4))
+    narrow = plan_routing(lengths, topology, MODEL).stats
+    rounds = []
+    real = fixed._paired_exchanges
+
+    def spy(*args):
+        found = real(*args)
+        rounds.append(len(found[0]))
+        return found
+
+    with patch.object(fixed, "_WIDE_BAGS", 0), patch.object(fixed, "_paired_exchanges", spy):
+        plan = plan_routing(lengths, topology, MODEL)
+    assert rounds and rounds[0] > fixed.SEARCH_PARTNERS  # many pairs exchanged at once
+    plan.validated()
+    wide = plan.stats
+    assert wide.tokens_after.sum() == sum(map(sum, lengths))
+    assert wide.makespan_over_lb <= max(narrow.makespan_over_lb, 1 + fixed.SEARCH_TOLERANCE)

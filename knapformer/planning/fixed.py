@@ -34,12 +34,15 @@ from knapformer.planning.tuning import (
     POUR,
     SEARCH_PARTNERS,
     SEARCH_TOLERANCE,
+    WIDE_BAGS,
+    WIDE_ROUNDS,
 )
 
 # The tuning constants the tests lower to take the large-step paths.
 _ONE_BY_ONE = ONE_BY_ONE
 _DENSE_CELLS = DENSE_CELLS
 _POUR = POUR
+_WIDE_BAGS = WIDE_BAGS
 
 
 def _place_in_order(order: np.ndarray, step: Step, prefer_home: bool) -> None:
@@ -260,6 +263,9 @@ def _level_makespan(step: Step, max_rounds: int | None = None, tolerance=None) -
     accepts = layout.capacity * (1 + EPS)  # the largest workload each bag may take
     members = _Members(step.bag, step.lengths, step.workload, num_bags)
     one_size = len(layout.class_size) == 1
+    if num_bags > _WIDE_BAGS and one_size and layout.max_tokens is None:
+        _level_in_pairs(step, members, stop)
+        per_gpu = layout.per_gpu_time()
     for _ in range(4 * num_bags if max_rounds is None else max_rounds):
         num_over = min(int(np.count_nonzero(per_gpu > stop)), SEARCH_PARTNERS)
         # The ends of the stable ascending order, without sorting every bag: the most
@@ -280,6 +286,69 @@ def _level_makespan(step: Step, max_rounds: int | None = None, tolerance=None) -
             per_gpu[a], per_gpu[b] = layout.load[a] / weight[a], layout.load[b] / weight[b]
 
 
+def _level_in_pairs(step: Step, members: _Members, stop: float) -> None:
+    """Wide rounds, for a step of many bags (one bag size, no token cap), where rounds of
+    a few bags would take thousands: every bag above the stopping load, most loaded
+    first, is paired with one of as many least-loaded bags, in rank order, and every pair
+    makes its best exchange at once (`_paired_exchanges`); at most ``WIDE_ROUNDS`` rounds,
+    until few bags are over. The narrow rounds then finish."""
+    layout = step.layout
+    for _ in range(WIDE_ROUNDS):
+        per_gpu = layout.per_gpu_time()
+        over = np.flatnonzero(per_gpu > stop)
+        k = min(len(over), len(per_gpu) - len(over))
+        if k <= SEARCH_PARTNERS:
+            return
+        over = over[np.argsort(-per_gpu[over], kind="stable")[:k]]
+        a, b, x, y = _paired_exchanges(over, least(per_gpu, k), members, layout.weight, per_gpu)
+        if a.size == 0:
+            return
+        real = y < members.num_real
+        step.bag[x], step.bag[y[real]] = b, a[real]
+        members.bag[x], members.bag[y[real]] = b, a[real]
+        net = members.workload[x] - members.workload[y]  # a phantom weighs nothing
+        num_bags = len(layout.load)
+        layout.load += np.bincount(b, net, num_bags) - np.bincount(a, net, num_bags)
+        members.index()
+
+
+def _paired_exchanges(over, partners, members, weight, per_gpu):
+    """Per pair (``over[i]``, ``partners[i]``), the exchange that evens the two out best:
+    a member leaving the over-loaded bag, and the partner's member whose workload is
+    nearest the ideal coming back (its phantom: nothing). Returns (a, b, leaving a,
+    leaving b) arrays of the pairs whose exchange lowers the larger of the two."""
+    k = len(over)
+    out, slot = members.grouped(over.tolist())
+    back, back_slot = members.grouped(partners.tolist())
+    w = members.workload
+    wa, wb, pa = weight[over][slot], weight[partners][slot], per_gpu[over][slot]
+    pb = per_gpu[partners][slot]
+    ideal = (pa - pb) / (1.0 / wa + 1.0 / wb)
+    # Each partner's members by workload, partners apart (as `_nearest_members` keys them).
+    span = 2.0 * float(w[back].max(initial=0.0)) + 1.0
+    key = back_slot * span + w[back]
+    by_key = np.argsort(key, kind="stable")
+    key, back = key[by_key], back[by_key]
+    seg = np.searchsorted(key, np.arange(k) * span)
+    first, last = seg[slot], np.append(seg[1:], key.size)[slot] - 1
+    hit = np.searchsorted(key, np.clip(w[out] - ideal, 0.0, span / 2) + slot * span)
+    came = back[np.stack([np.maximum(hit - 1, first), np.minimum(hit, last)], 1)]
+    delta = w[out][:, None] - w[came]
+    new_max = np.maximum((pa - delta.T / wa).T, (pb + delta.T / wb).T)
+    ok = (delta > 0) & (new_max < pa[:, None] * (1 - 1e-9))
+    new_max = np.where(ok, new_max, np.inf)
+    col = new_max.argmin(1)
+    score = new_max[np.arange(len(out)), col]
+    # Rows come grouped by pair (every pair has one: the bag's phantom): each pair's first
+    # row of its least score.
+    starts = np.searchsorted(slot, np.arange(k))
+    least_score = np.minimum.reduceat(score, starts)
+    rows = np.flatnonzero((score == least_score[slot]) & np.isfinite(score))
+    best = rows[np.flatnonzero(np.diff(slot[rows], prepend=-1))]
+    pair = slot[best]
+    return over[pair], partners[pair], out[best], came[best, col[best]]
+
+
 class _Members:
     """Bag, length and workload of every sequence plus one *phantom* per bag (no tokens,
     fits every bag): "nothing comes back" in an exchange is then just the partner's
@@ -294,6 +363,11 @@ class _Members:
         self.bag = np.concatenate([bag, np.arange(num_bags)])
         self.length = np.concatenate([lengths, np.full(num_bags, np.iinfo(np.int64).max)])
         self.workload = np.concatenate([workload, np.zeros(num_bags)])
+        self.index()
+
+    def index(self) -> None:
+        """Index the members by their bags now (`grouped` reads them from it)."""
+        num_bags = len(self.bag) - self.num_real
         self.home = self.bag.copy()  # the bag each member was indexed under
         self.by_bag = by_small_key(self.home, num_bags)  # members, grouped by bag, id order
         self.first = np.searchsorted(self.home[self.by_bag], np.arange(num_bags + 1))

@@ -22,6 +22,11 @@ SEARCH_PARTNERS = 8  # least-loaded bags tried as exchange partners of the most-
 # A search round scores every (leaving, returning) pair while there are at most this many;
 # beyond, only the two candidates nearest the ideal exchange per partner.
 DENSE_CELLS = 8192
+# A step of more bags than this (one size, no token cap) first levels in wide rounds: every
+# bag over the stopping load paired with one of the least loaded, all at once; at most
+# WIDE_ROUNDS of them (its work follows the bags', not the rounds of a few bags each).
+WIDE_BAGS = 1024
+WIDE_ROUNDS = 16
 
 # topology="auto" (auto.py and the passes it runs).
 TIE = 1e-9  # modelled times this close are equal (then: fewer moved tokens)
