@@ -7,9 +7,11 @@ from unittest.mock import patch
 import numpy as np
 import pytest
 
-from knapformer.planning import bags, fixed
+from knapformer.planning import auto, bags, fixed
+from knapformer.planning.communication import CommModel
 from knapformer.planning.datamix import parse_mix, sample_lengths, scale_mix
 from knapformer.planning.planner import plan_routing
+from knapformer.planning.pricing import makespan_floor
 from knapformer.planning.tuning import FALLBACK_TOLERANCE
 from knapformer.planning.workload import WorkloadModel
 
@@ -108,3 +110,36 @@ def test_wide_rounds_level_as_well_as_narrow_rounds(topology):
     wide = plan.stats
     assert wide.tokens_after.sum() == sum(map(sum, lengths))
     assert wide.makespan_over_lb <= max(narrow.makespan_over_lb, 1 + fixed.SEARCH_TOLERANCE)
+
+
+def _auto_candidates(lengths, price_all: bool):
+    """The auto plan of a step and (floor, modelled makespan) of every candidate it priced;
+    ``price_all``: with the floor's skip turned off."""
+    comm, seen = CommModel(), []
+    per_token = {g: comm.ulysses_per_token(MODEL.token_dim, g, 1.0) for g in (1, 2, 4, 8)}
+    real = auto.modelled_makespan
+
+    def spy(step, model, comm_, speed):
+        value = real(step, model, comm_, speed)
+        seen.append((makespan_floor(step, per_token), value))
+        return value
+
+    floor = (lambda step, per_token: 0.0) if price_all else auto.makespan_floor
+    with patch.object(auto, "modelled_makespan", spy), patch.object(auto, "makespan_floor", floor):
+        plan = plan_routing(lengths, "auto", MODEL, comm=comm)
+    return plan, seen
+
+
+@pytest.mark.parametrize(
+    ("mix", "factor"), [("seqheavy", 1), ("seqheavy", 32), ("joint", 1), ("mixres", 4)]
+)
+def test_auto_skips_only_candidates_its_floor_rules_out(mix, factor):
+    lengths = sample_lengths(scale_mix(parse_mix(mix), factor), np.random.default_rng(11))
+    plan, priced = _auto_candidates(lengths, price_all=False)
+    every, all_priced = _auto_candidates(lengths, price_all=True)
+    assert all(floor <= value for floor, value in all_priced)  # a true lower bound
+    assert plan.topology == every.topology
+    assert np.array_equal(plan.sequences.bag, every.sequences.bag)
+    assert np.array_equal(plan.chunks.dst_gpu, every.chunks.dst_gpu)
+    if (mix, factor) == ("seqheavy", 32):  # g4n256 and g8n128 lose to the mixed partition
+        assert len(priced) < len(all_priced)
