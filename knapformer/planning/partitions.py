@@ -115,17 +115,23 @@ def partition_floor(eff: np.ndarray, lengths: np.ndarray, sizes, num_gpus: int) 
     (len(sizes), n): `effective_workloads`; ``lengths`` (n,)."""
     if eff.shape[1] == 0:
         return 0.0
-    size = np.asarray(sizes, dtype=np.float64)[:, None]
-    fits = lengths[None, :] >= size
-    fits[0] = True  # a sequence shorter than every group still goes to the smallest
-    per_gpu = np.where(fits, eff / size, np.inf)
-    lo = max(float(eff.min(axis=0).sum()) / num_gpus, float(per_gpu.min(axis=0).max()))
+    size = np.asarray(sizes, dtype=np.float64)
+    # Each sequence's least per-GPU cost over the groups it fits (a sequence shorter than
+    # every group still goes to the smallest), one size at a time: no (sizes, n) temporary.
+    smallest = eff[0] / size[0]
+    cheapest = smallest.copy()
+    for j in range(1, len(size)):
+        np.minimum(cheapest, np.where(lengths >= size[j], eff[j] / size[j], np.inf), out=cheapest)
+    lo = max(float(eff.min(axis=0).sum()) / num_gpus, float(cheapest.max()))
     # Only sequences above lo per GPU in their cheapest group depend on T.
-    big = np.flatnonzero(per_gpu[0] > lo)
+    big = np.flatnonzero(smallest > lo)
     if big.size == 0:
         return lo
     rest = float(np.delete(eff[0], big).sum())
-    big_eff, big_per_gpu = np.where(fits[:, big], eff[:, big], np.inf), per_gpu[:, big]
+    fits = lengths[big][None, :] >= size[:, None]
+    fits[0] = True
+    big_eff = np.where(fits, eff[:, big], np.inf)
+    big_per_gpu = np.where(fits, eff[:, big] / size[:, None], np.inf)
 
     def fits_at(target: float) -> bool:
         cost = np.where(big_per_gpu <= target, big_eff, np.inf).min(axis=0)
