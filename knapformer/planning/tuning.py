@@ -25,7 +25,7 @@ DENSE_CELLS = 8192
 # A step of more bags than this (one size, no token cap) first levels in wide rounds: every
 # bag over the stopping load paired with one of the least loaded, all at once; at most
 # WIDE_ROUNDS of them (its work follows the bags', not the rounds of a few bags each).
-WIDE_BAGS = 1024
+WIDE_BAGS = 512
 WIDE_ROUNDS = 16
 
 # topology="auto" (auto.py and the passes it runs).
