@@ -7,7 +7,7 @@ from unittest.mock import patch
 import numpy as np
 import pytest
 
-from knapformer.planning import auto, bags, fixed
+from knapformer.planning import auto, bags, fixed, levelling
 from knapformer.planning.communication import CommModel
 from knapformer.planning.datamix import parse_mix, sample_lengths, scale_mix
 from knapformer.planning.planner import plan_routing
@@ -51,7 +51,7 @@ def test_member_index_groups_as_a_stable_sort_by_slot():
     rng = np.random.default_rng(7)
     num_bags, n = 12, 300
     bag = rng.integers(0, num_bags, n)
-    members = fixed._Members(bag.copy(), rng.integers(1, 999, n), rng.random(n), num_bags)
+    members = levelling._Members(bag.copy(), rng.integers(1, 999, n), rng.random(n), num_bags)
     for _ in range(200):  # random exchanges: moves (nothing back) and swaps
         a, b = (int(x) for x in rng.choice(num_bags, 2, replace=False))
         in_a = np.flatnonzero(members.bag[:n] == a)
@@ -96,20 +96,21 @@ def test_wide_rounds_level_as_well_as_narrow_rounds(topology):
     lengths = sample_lengths(scale_mix(parse_mix("lowres"), 4), np.random.default_rng(4))
     narrow = plan_routing(lengths, topology, MODEL).stats
     rounds = []
-    real = fixed._paired_exchanges
+    real = levelling._paired_exchanges
 
     def spy(*args):
         found = real(*args)
         rounds.append(len(found[0]))
         return found
 
-    with patch.object(fixed, "_WIDE_BAGS", 0), patch.object(fixed, "_paired_exchanges", spy):
+    forced = patch.object(levelling, "_WIDE_BAGS", 0)
+    with forced, patch.object(levelling, "_paired_exchanges", spy):
         plan = plan_routing(lengths, topology, MODEL)
-    assert rounds and rounds[0] > fixed.SEARCH_PARTNERS  # many pairs exchanged at once
+    assert rounds and rounds[0] > levelling.SEARCH_PARTNERS  # many pairs exchanged at once
     plan.validated()
     wide = plan.stats
     assert wide.tokens_after.sum() == sum(map(sum, lengths))
-    assert wide.makespan_over_lb <= max(narrow.makespan_over_lb, 1 + fixed.SEARCH_TOLERANCE)
+    assert wide.makespan_over_lb <= max(narrow.makespan_over_lb, 1 + levelling.SEARCH_TOLERANCE)
 
 
 def _auto_candidates(lengths, price_all: bool):
