@@ -51,15 +51,15 @@ def _check_plan(plan: RoutingPlan, topo: Topology, lengths) -> None:
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 # Steps up to fixed._ONE_BY_ONE sequences are placed one by one, larger ones mostly in
 # bulk; small search rounds score every pair (up to levelling._DENSE_CELLS), large ones only
-# the nearest candidates; a pool of more than fixed._POUR sequences is poured. The drawn
+# the nearest candidates; a pool of more than fixed._POUR_TAIL sequences is poured. The drawn
 # problems are small, so each property is also checked with those limits at 0 (every
 # step takes the large-step paths).
 ONE_BY_ONE = st.sampled_from(
     [
-        (fixed._ONE_BY_ONE, levelling._DENSE_CELLS, fixed._POUR),
-        (0, levelling._DENSE_CELLS, fixed._POUR),
+        (fixed._ONE_BY_ONE, levelling._DENSE_CELLS, fixed._POUR_TAIL),
+        (0, levelling._DENSE_CELLS, fixed._POUR_TAIL),
         (0, levelling._DENSE_CELLS, 0),
-        (fixed._ONE_BY_ONE, 0, fixed._POUR),
+        (fixed._ONE_BY_ONE, 0, fixed._POUR_TAIL),
         (0, 0, 0),
     ]
 )
@@ -71,7 +71,7 @@ def _limit(limits: tuple[int, int, int]):
     with (
         patch.object(fixed, "_ONE_BY_ONE", one_by_one),
         patch.object(levelling, "_DENSE_CELLS", dense_cells),
-        patch.object(fixed, "_POUR", pour),
+        patch.object(fixed, "_POUR_TAIL", pour),
     ):
         yield
 

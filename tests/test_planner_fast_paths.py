@@ -82,7 +82,7 @@ def test_a_large_pool_is_poured_and_plans_within_the_bound():
 
     with patch.object(fixed, "_pour", spy):
         plan = plan_routing(lengths, "g8n128", MODEL)
-    assert poured and poured[0] > fixed._POUR
+    assert poured and poured[0] > fixed._POUR_TAIL
     plan.validated()
     greedy = plan_routing(lengths, "g8n128", MODEL, solver="greedy").stats
     assert plan.stats.makespan_over_lb <= 1 + FALLBACK_TOLERANCE

@@ -29,12 +29,12 @@ from knapformer.planning.tuning import (
     FALLBACK_TOLERANCE,
     HEAVY_FRACTION,
     ONE_BY_ONE,
-    POUR,
+    POUR_TAIL,
 )
 
 # The tuning constants the tests lower to take the large-step paths.
 _ONE_BY_ONE = ONE_BY_ONE
-_POUR = POUR
+_POUR_TAIL = POUR_TAIL
 
 
 def _place_in_order(order: np.ndarray, step: Step, prefer_home: bool) -> None:
@@ -197,7 +197,7 @@ def _solve_local(step: Step, tolerance: float | None = None) -> None:
     if n > _ONE_BY_ONE:
         _stay_home_in_bulk(np.flatnonzero(step.bag < 0), step)
         pool = descending(workload, np.flatnonzero(step.bag < 0))
-        if len(pool) > _POUR and len(layout.class_size) == 1 and layout.max_tokens is None:
+        if len(pool) > _POUR_TAIL and len(layout.class_size) == 1 and layout.max_tokens is None:
             pool = _pour(pool, step)
         _place_in_order(pool, step, prefer_home=True)
     level_makespan(step, tolerance=tolerance)
@@ -205,10 +205,10 @@ def _solve_local(step: Step, tolerance: float | None = None) -> None:
 
 def _pour(pool: np.ndarray, step: Step) -> np.ndarray:
     """Pour the heaviest of a large pool (heaviest first; one bag size, no token cap)
-    into the bags' room at one water level, in one pass; returns the ``_POUR // 2``
+    into the bags' room at one water level, in one pass; returns the ``_POUR_TAIL``
     lightest, left to the one-by-one placement, which evens out the last gaps."""
     layout = step.layout
-    poured = pool[: len(pool) - _POUR // 2]
+    poured = pool[: len(pool) - _POUR_TAIL]
     cost = step.workload[poured]
     bags = pour_slots(cost, water_room(layout.load, layout.weight, float(cost.sum())))
     step.bag[poured] = bags

@@ -34,6 +34,9 @@ SMALL_GPUS = 64  # a *small* step: at most this many GPUs ...
 SMALL_SEQUENCES = 512  # ... and sequences: every partition solved, then refined exactly
 SLOW = 0.9  # a GPU below this share of its group's fastest is split off (`_isolate_slow`)
 POUR = 2048  # a larger pool is poured into the bags' room at once, not one by one
+# The fixed solver pours a pool of more than this many, all but this many lightest (which
+# the one-by-one placement then lays into the last gaps, so few exchanges are left to do).
+POUR_TAIL = 4096
 FLOOR_STOP = 1e-4  # the exchange passes stop this close to the partition floor
 EXCHANGE_MOVES = 128  # exchanges of `exchange_across`, per mixed partition
 EXCHANGE_MOVES_LARGE = 24  # in a large step (where sequences are fine-grained)
