@@ -140,7 +140,7 @@ def plan_routing(
                             group.node_size, group.num_gpus)  # fmt: skip
         sizes = solved.layout.shape.size.tolist()
         starts = solved.layout.shape.start.tolist()
-        topology_name = str(Topology.from_bag_sizes(sizes))
+        topology_name = solved.layout.shape.topology
         bags = [problem.gpus[s : s + g] for s, g in zip(starts, sizes, strict=True)]
         options |= {"comm": comm.as_options(), "group_sizes": list(group.sizes)}
     else:
