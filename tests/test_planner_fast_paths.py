@@ -29,6 +29,18 @@ def test_ranked_stable_sort_is_the_stable_sort(distinct):
     assert np.array_equal(bags.stable_argsort(-values), np.argsort(-values, kind="stable"))
 
 
+@pytest.mark.parametrize("distinct", [3, 400, 50_000])
+def test_by_home_heaviest_first_is_the_lexsort(distinct):
+    # Sequence ids in any order (ties go by position), many ties or none.
+    rng = np.random.default_rng(distinct)
+    seqs = rng.permutation(60_000)[:40_000]
+    home = rng.integers(0, 300, 60_000)
+    workload = rng.integers(0, distinct, 60_000) * 0.75
+    assert len(seqs) >= bags._RANKED_SORT
+    expected = seqs[np.lexsort((-workload[seqs], home[seqs]))]
+    assert np.array_equal(bags.by_home_heaviest_first(seqs, home, workload, 300), expected)
+
+
 def test_by_small_key_is_the_stable_sort():
     key = np.random.default_rng(1).integers(0, 500, 20_000)
     assert np.array_equal(bags.by_small_key(key, 500), np.argsort(key, kind="stable"))

@@ -199,17 +199,24 @@ def stable_argsort(values: np.ndarray) -> np.ndarray:
     sort of the ranks as int16 orders the ties by position, as the stable sort does."""
     if values.size < _RANKED_SORT:
         return np.argsort(values, kind="stable")
+    ranks, distinct = _dense_ranks(values, np.int16)
+    if distinct > 2**15:  # too many distinct values for a radix sort
+        return np.argsort(values, kind="stable")
+    return np.argsort(ranks, kind="stable")
+
+
+def _dense_ranks(values: np.ndarray, dtype) -> tuple[np.ndarray, int]:
+    """(each value's rank among the distinct values, least first, as ``dtype``; how many
+    distinct values there are), from one unstable sort."""
     order = np.argsort(values)
     ordered = values[order]
     new = np.empty(values.size, dtype=bool)
     new[0] = True
     np.not_equal(ordered[1:], ordered[:-1], out=new[1:])
     rank = np.cumsum(new)
-    if rank[-1] > 2**15:  # too many distinct values for a radix sort
-        return np.argsort(values, kind="stable")
-    ranks = np.empty(values.size, dtype=np.int16)
-    ranks[order] = rank - 1
-    return np.argsort(ranks, kind="stable")
+    ranks = np.empty(values.size, dtype=dtype)
+    ranks[order] = rank - 1  # int16 wraps beyond 2**15: the caller checks the count
+    return ranks, int(rank[-1])
 
 
 def bag_speeds(shape: BagShape, speed: np.ndarray | None) -> np.ndarray | None:
@@ -218,9 +225,15 @@ def bag_speeds(shape: BagShape, speed: np.ndarray | None) -> np.ndarray | None:
 
 
 def by_home_heaviest_first(seqs, home, workload, num_bags) -> np.ndarray:
-    """``seqs`` ordered by home bag, heaviest first within one (ties by id): what
-    ``seqs[np.lexsort((-workload[seqs], home[seqs]))]`` gives, in two stable passes, the
-    second over small ints (a radix sort, faster than lexsort's)."""
+    """``seqs`` ordered by home bag, heaviest first within one (ties by position in
+    ``seqs``): what ``seqs[np.lexsort((-workload[seqs], home[seqs]))]`` gives. Many
+    sequences: one unstable sort of keys made unique by (home, workload rank, position);
+    else two stable passes, the second over small ints (a radix sort)."""
+    n = len(seqs)
+    if n >= _RANKED_SORT:
+        ranks, distinct = _dense_ranks(-workload[seqs], np.int64)
+        if num_bags * distinct * n < 2**62:
+            return seqs[np.argsort((home[seqs] * distinct + ranks) * n + np.arange(n))]
     by_w = descending(workload, seqs)
     return by_w[by_small_key(home[by_w], num_bags)]
 
