@@ -96,7 +96,7 @@ class Prices:
         """Per (sequence, bag) pair (broadcast): tokens that leave the source times the
         route per token: all of them away from home, (g-1)/g at home."""
         per = np.where(self.bag_node[bags] == self.src_node[seqs], self.intra, self.inter)
-        moved = np.where(bags == home, (size[bags] - 1) / size[bags], 1.0) * lengths
+        moved = np.where(bags == home, ((size - 1) / size)[bags], 1.0) * lengths
         return per * moved
 
     def cost(self, step: Step, lengths: np.ndarray, seq, bag):
@@ -120,7 +120,7 @@ def priced_loads(step: Step, prices: Prices) -> tuple[np.ndarray, np.ndarray, np
     lengths = step.lengths.astype(np.float64)
     placed = step.bag >= 0
     bag = np.where(placed, step.bag, 0)
-    route = prices.route(np.arange(len(lengths)), bag, home, layout.size, lengths)
+    route = prices.route(slice(None), bag, home, layout.size, lengths)  # every sequence
     away = (bag != home) & (home >= 0) & placed
     price = step.workload + prices.kappa[bag] * lengths + np.where(away, route, 2 * route)
     price[~placed] = 0.0
