@@ -300,13 +300,13 @@ def chunk_table(step: Step):
         ends = np.cumsum(size)
         first = ends - size  # row of each sequence's chunk 0
         total = int(ends[-1]) if n else 0
-        idx, pos, offset, length = (np.empty(total, dtype=np.int64) for _ in range(4))
+        pos, offset, length = (np.empty(total, dtype=np.int64) for _ in range(3))
+        idx = np.repeat(np.arange(n), size)
         for g in layout.class_size.tolist():
             sel = np.flatnonzero(size == g)
             rows = (first[sel][:, None] + np.arange(g)).ravel()
             grid = _chunk_grid(step, sel, g, None if start is None else start[sel])
             length[rows], pos[rows], offset[rows] = (x.ravel() for x in grid)
-            idx[rows] = np.repeat(sel, g)
     if n and (lengths < size).any():  # some sequence is shorter than its bag
         keep = length > 0
         idx, pos, offset, length = idx[keep], pos[keep], offset[keep], length[keep]
