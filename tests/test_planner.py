@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from knapformer.contract.plan import RoutingPlan
 from knapformer.contract.topology import Topology
-from knapformer.planning import fixed
+from knapformer.planning import fixed, levelling
 from knapformer.planning.datamix import parse_mix, sample_lengths
 from knapformer.planning.planner import plan_routing
 from knapformer.planning.workload import WorkloadModel
@@ -50,25 +50,28 @@ def _check_plan(plan: RoutingPlan, topo: Topology, lengths) -> None:
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 # Steps up to fixed._ONE_BY_ONE sequences are placed one by one, larger ones mostly in
-# bulk; small search rounds score every pair (up to fixed._DENSE_CELLS), large ones only
-# the nearest candidates. The drawn problems are small, so each property is also checked
-# with those limits at 0 (every step takes the large-step paths).
+# bulk; small search rounds score every pair (up to levelling._DENSE_CELLS), large ones only
+# the nearest candidates; a pool of more than fixed._POUR_TAIL sequences is poured. The drawn
+# problems are small, so each property is also checked with those limits at 0 (every
+# step takes the large-step paths).
 ONE_BY_ONE = st.sampled_from(
     [
-        (fixed._ONE_BY_ONE, fixed._DENSE_CELLS),
-        (0, fixed._DENSE_CELLS),
-        (fixed._ONE_BY_ONE, 0),
-        (0, 0),
+        (fixed._ONE_BY_ONE, levelling._DENSE_CELLS, fixed._POUR_TAIL),
+        (0, levelling._DENSE_CELLS, fixed._POUR_TAIL),
+        (0, levelling._DENSE_CELLS, 0),
+        (fixed._ONE_BY_ONE, 0, fixed._POUR_TAIL),
+        (0, 0, 0),
     ]
 )
 
 
 @contextmanager
-def _limit(limits: tuple[int, int]):
-    one_by_one, dense_cells = limits
+def _limit(limits: tuple[int, int, int]):
+    one_by_one, dense_cells, pour = limits
     with (
         patch.object(fixed, "_ONE_BY_ONE", one_by_one),
-        patch.object(fixed, "_DENSE_CELLS", dense_cells),
+        patch.object(levelling, "_DENSE_CELLS", dense_cells),
+        patch.object(fixed, "_POUR_TAIL", pour),
     ):
         yield
 
@@ -143,13 +146,13 @@ def test_both_exchange_searches_find_equally_good_exchanges():
     # Scoring every pair (small rounds) and only the two candidates nearest the ideal
     # exchange per partner (large rounds) must pick equally good exchanges: the same bag
     # pairs, leaving the same larger load (ties between sequences may differ).
-    real, calls = fixed._best_exchanges, []
+    real, calls = levelling._best_exchanges, []
 
     def spy(*args):
         calls.append(copy.deepcopy(args))  # the search state changes after the call
         return real(*args)
 
-    with patch.object(fixed, "_best_exchanges", spy):
+    with patch.object(levelling, "_best_exchanges", spy):
         for topo in ("g4n8", "g8n4", "g1n32", "g1n8+g2n4+g4n2+g8n1"):
             for seed in range(4):
                 for mix in ("mixres", "joint", "lowres"):
@@ -157,9 +160,9 @@ def test_both_exchange_searches_find_equally_good_exchanges():
                     plan_routing(lengths, topo, MODEL)
     assert len(calls) >= 20
     for args in calls:
-        with patch.object(fixed, "_DENSE_CELLS", 10**9):
+        with patch.object(levelling, "_DENSE_CELLS", 10**9):
             every = _exchange_outcome(args, real(*args))
-        with patch.object(fixed, "_DENSE_CELLS", 0):
+        with patch.object(levelling, "_DENSE_CELLS", 0):
             nearest = _exchange_outcome(args, real(*args))
         assert [m[:2] for m in every] == [m[:2] for m in nearest]
         assert np.allclose([m[2] for m in every], [m[2] for m in nearest], rtol=1e-12)

@@ -30,9 +30,11 @@ from knapformer.planning.partitions import (
     mixed_partitions,
     partition_floor,
 )
-from knapformer.planning.pricing import modelled_makespan, moved_estimate
+from knapformer.planning.pricing import makespan_floor, modelled_makespan, moved_estimate
 from knapformer.planning.refine import refine
 from knapformer.planning.tuning import SLOW, SMALL_GPUS, SMALL_SEQUENCES, TIE
+
+_FLOOR_MARGIN = 1e-9  # rounding between `makespan_floor` and `modelled_makespan`, and more
 
 
 def solve_auto(lengths, workload, src_pos, speed, max_tokens, solve_fixed, model, comm, sizes,
@@ -66,9 +68,14 @@ def solve_auto(lengths, workload, src_pos, speed, max_tokens, solve_fixed, model
         except KnapformerError as err:
             failure = failure or err
             return
+        held = best[1]
+        # A candidate whose bags alone model slower than the best is neither cut into
+        # chunks nor priced (the bound is a true floor: the choice is the same).
+        may_skip = held is not None and speed is None
+        if may_skip and makespan_floor(step, per_token) * (1 - _FLOOR_MARGIN) > held[0] * (1 + TIE):
+            return
         step.chunks = chunk_table(step)
         key = (modelled_makespan(step, model, comm, speed), moved_estimate(step))
-        held = best[1]
         if (held is None or key[0] < held[0] * (1 - TIE)
                 or (key[0] <= held[0] * (1 + TIE) and key[1] < held[1])):  # fmt: skip
             best[:] = [step, key]

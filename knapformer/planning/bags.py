@@ -12,10 +12,11 @@ would dominate; static per-topology arrays are cached (`bag_shape`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 import numpy as np
 
+from knapformer.contract.topology import Topology
 from knapformer.errors import KnapformerError
 from knapformer.planning.tuning import EPS
 
@@ -41,6 +42,12 @@ class BagShape:
             self.positions,
         ):
             arr.flags.writeable = False
+
+    @cached_property
+    def topology(self) -> str:
+        """The layout's topology name (``g1n2+g4n1``): made once per cached shape (a
+        partition of 4,096 bags takes milliseconds to name)."""
+        return str(Topology.from_bag_sizes(self.size.tolist()))
 
 
 @lru_cache(maxsize=64)
@@ -147,6 +154,9 @@ class BagLayout:
         )
 
 
+_RANKED_SORT = 4096  # `stable_argsort` ranks first from this many values
+
+
 @dataclass
 class Step:
     """The state of one solve: the step's sequences (read-only) and where they go."""
@@ -180,7 +190,33 @@ class Step:
 
 def descending(workload: np.ndarray, seq: np.ndarray) -> np.ndarray:
     """``seq`` ordered by workload, largest first; ties by sequence id (stable)."""
-    return seq[np.argsort(-workload[seq], kind="stable")]
+    return seq[stable_argsort(-workload[seq])]
+
+
+def stable_argsort(values: np.ndarray) -> np.ndarray:
+    """``np.argsort(values, kind="stable")``, faster for many values of few distinct ones
+    (a step's workloads): an unstable sort ranks the distinct values, and a stable radix
+    sort of the ranks as int16 orders the ties by position, as the stable sort does."""
+    if values.size < _RANKED_SORT:
+        return np.argsort(values, kind="stable")
+    ranks, distinct = _dense_ranks(values, np.int16)
+    if distinct > 2**15:  # too many distinct values for a radix sort
+        return np.argsort(values, kind="stable")
+    return np.argsort(ranks, kind="stable")
+
+
+def _dense_ranks(values: np.ndarray, dtype) -> tuple[np.ndarray, int]:
+    """(each value's rank among the distinct values, least first, as ``dtype``; how many
+    distinct values there are), from one unstable sort."""
+    order = np.argsort(values)
+    ordered = values[order]
+    new = np.empty(values.size, dtype=bool)
+    new[0] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=new[1:])
+    rank = np.cumsum(new)
+    ranks = np.empty(values.size, dtype=dtype)
+    ranks[order] = rank - 1  # int16 wraps beyond 2**15: the caller checks the count
+    return ranks, int(rank[-1])
 
 
 def bag_speeds(shape: BagShape, speed: np.ndarray | None) -> np.ndarray | None:
@@ -189,12 +225,23 @@ def bag_speeds(shape: BagShape, speed: np.ndarray | None) -> np.ndarray | None:
 
 
 def by_home_heaviest_first(seqs, home, workload, num_bags) -> np.ndarray:
-    """``seqs`` ordered by home bag, heaviest first within one (ties by id): what
-    ``seqs[np.lexsort((-workload[seqs], home[seqs]))]`` gives, in two stable passes, the
-    second over small ints (a radix sort, faster than lexsort's)."""
-    by_w = seqs[np.argsort(-workload[seqs], kind="stable")]
-    key = home[by_w]
-    return by_w[np.argsort(key.astype(np.int16) if num_bags < 2**15 else key, kind="stable")]
+    """``seqs`` ordered by home bag, heaviest first within one (ties by position in
+    ``seqs``): what ``seqs[np.lexsort((-workload[seqs], home[seqs]))]`` gives. Many
+    sequences: one unstable sort of keys made unique by (home, workload rank, position);
+    else two stable passes, the second over small ints (a radix sort)."""
+    n = len(seqs)
+    if n >= _RANKED_SORT:
+        ranks, distinct = _dense_ranks(-workload[seqs], np.int64)
+        if num_bags * distinct * n < 2**62:
+            return seqs[np.argsort((home[seqs] * distinct + ranks) * n + np.arange(n))]
+    by_w = descending(workload, seqs)
+    return by_w[by_small_key(home[by_w], num_bags)]
+
+
+def by_small_key(key: np.ndarray, bound: int) -> np.ndarray:
+    """``np.argsort(key, kind="stable")`` for ints in 0..bound-1: below 2**15 a stable
+    sort of int16 is a radix sort (the same order, several times faster)."""
+    return np.argsort(key.astype(np.int16) if bound <= 2**15 else key, kind="stable")
 
 
 def prefix_within_groups(values: np.ndarray, group: np.ndarray, room: np.ndarray) -> np.ndarray:
@@ -206,6 +253,28 @@ def prefix_within_groups(values: np.ndarray, group: np.ndarray, room: np.ndarray
     before = np.concatenate([[0.0], total[:-1]])[starts]
     group_start_sum = np.repeat(before, np.diff(np.concatenate([starts, [values.size]])))
     return total - group_start_sum <= room * (1 + EPS)
+
+
+def water_room(held: np.ndarray, weight: np.ndarray, amount: float, inflation=1.0):
+    """Each bag's room up to one water level: the least per-GPU level (to 50 halvings) at
+    which the bags, holding ``held`` on ``weight`` GPUs, have room for ``amount`` (a bag's
+    room: ``max(0, level * weight - held) / inflation``)."""
+
+    def room(level: float) -> np.ndarray:
+        return np.maximum(0.0, level * weight - held) / inflation
+
+    lo, hi = 0.0, float((held.sum() + amount * np.max(inflation)) / weight.sum()) + held.max()
+    for _ in range(50):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (lo, mid) if room(mid).sum() >= amount else (mid, hi)
+    return room(hi)
+
+
+def pour_slots(cost: np.ndarray, room: np.ndarray) -> np.ndarray:
+    """The slot (index into ``room``) each of a run of sequences is poured into: where the
+    running sum of ``cost`` puts the sequence's middle among the slots' running room."""
+    middle = np.cumsum(cost) - 0.5 * cost
+    return np.minimum(np.searchsorted(np.cumsum(room), middle, side="right"), len(room) - 1)
 
 
 def chunk_table(step: Step):
@@ -231,13 +300,13 @@ def chunk_table(step: Step):
         ends = np.cumsum(size)
         first = ends - size  # row of each sequence's chunk 0
         total = int(ends[-1]) if n else 0
-        idx, pos, offset, length = (np.empty(total, dtype=np.int64) for _ in range(4))
+        pos, offset, length = (np.empty(total, dtype=np.int64) for _ in range(3))
+        idx = np.repeat(np.arange(n), size)
         for g in layout.class_size.tolist():
             sel = np.flatnonzero(size == g)
             rows = (first[sel][:, None] + np.arange(g)).ravel()
             grid = _chunk_grid(step, sel, g, None if start is None else start[sel])
             length[rows], pos[rows], offset[rows] = (x.ravel() for x in grid)
-            idx[rows] = np.repeat(sel, g)
     if n and (lengths < size).any():  # some sequence is shorter than its bag
         keep = length > 0
         idx, pos, offset, length = idx[keep], pos[keep], offset[keep], length[keep]
@@ -252,6 +321,16 @@ def _chunk_grid(step: Step, sel, g: int, start):
     quot = lengths // g
     rem = lengths - quot * g
     k = np.arange(g)
+    pos = step.layout.start[bag][:, None] + k[None, :]
+    if start is not None and g <= _PATTERN_SIZES:
+        # One of g*g remainder patterns per sequence, looked up with its running sum.
+        extra, before = _remainder_patterns(g)
+        pattern = start * g + rem
+        length = extra[pattern]
+        length += quot[:, None]
+        offset = np.multiply.outer(quot, k)
+        offset += before[pattern]
+        return length, pos, offset
     if start is not None:
         # Chunk k takes a remainder token when it lies in [start, start + rem) cyclically.
         first, end = start[:, None], (start + rem)[:, None]
@@ -259,16 +338,27 @@ def _chunk_grid(step: Step, sel, g: int, start):
     else:
         length = np.repeat(quot[:, None], g, axis=1)
         length[np.arange(len(quot)), step.rem[sel]] += rem
-    pos = step.layout.start[bag][:, None] + k[None, :]
     return length, pos, np.cumsum(length, axis=1) - length
+
+
+_PATTERN_SIZES = 64  # bags of at most this many GPUs look their remainder patterns up
+
+
+@lru_cache(maxsize=_PATTERN_SIZES)
+def _remainder_patterns(g: int) -> tuple[np.ndarray, np.ndarray]:
+    """For a bag of ``g`` GPUs, row ``start * g + rem``: which of the g chunks take a
+    remainder token when ``rem`` of them do from chunk ``start`` on, cyclically, and the
+    tokens those add before each chunk (each (g * g, g))."""
+    start, rem = np.divmod(np.arange(g * g), g)
+    k = np.arange(g)
+    extra = ((k - start[:, None]) % g < rem[:, None]).astype(np.int64)
+    return extra, np.cumsum(extra, axis=1) - extra
 
 
 def _cycle_starts(bag: np.ndarray, rem: np.ndarray, size: np.ndarray) -> np.ndarray:
     """(n,) where each sequence's remainder starts in its bag's cycle: the remainders of the
     bag's earlier sequences (id order), summed, modulo the bag size."""
-    # A stable sort of small ints is a radix sort (same order as on int64, much faster).
-    order = np.argsort(bag.astype(np.int16) if bag.size and bag.max() < 2**15 else bag,
-                       kind="stable")  # fmt: skip
+    order = by_small_key(bag, int(bag.max()) + 1 if bag.size else 0)
     r = rem[order]
     before = np.cumsum(r) - r  # exclusive running sum over all bags
     group_start = np.ones(len(order), dtype=bool)

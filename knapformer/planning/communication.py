@@ -202,16 +202,15 @@ def communication_loads(comm, token_dim, scale, group_size, tokens_after, src, d
     per_size = np.array([comm.ulysses_per_token(token_dim, int(g), scale) for g in sizes])
     per_token = per_size[size_of] if n else np.zeros(0)
     ulysses = per_token * tokens_after  # a link's speed does not follow the GPU's
-    away = src != dst
-    src, dst, length = src[away], dst[away], np.asarray(length)[away].astype(np.float64)
+    # Chunks that stay weigh nothing (adding 0.0 leaves a bin's running sum as it was).
+    moved = np.where(src != dst, np.asarray(length, dtype=np.float64), 0.0)
     across = (src // comm.node_size) != (dst // comm.node_size)
-    # Route sends a GPU's moved tokens, reverse route the ones it received: bytes leaving it.
-    leaving = {
-        link: np.bincount(src[mask], weights=length[mask], minlength=n)
-        + np.bincount(dst[mask], weights=length[mask], minlength=n)
-        for link, mask in (("intra", ~across), ("inter", across))
-    }
+    # Route sends a GPU's moved tokens, reverse route the ones it received: bytes leaving it,
+    # binned by GPU over the node link (0..n-1) and over the network (n..2n-1).
+    leaving = np.bincount(src + n * across, weights=moved, minlength=2 * n) + np.bincount(
+        dst + n * across, weights=moved, minlength=2 * n
+    )
     token_bytes = token_dim * comm.dtype_bytes
-    seconds = comm.transfer_seconds(leaving["intra"] * token_bytes, leaving["inter"] * token_bytes)
+    seconds = comm.transfer_seconds(leaving[:n] * token_bytes, leaving[n:] * token_bytes)
     route = comm.work_of(seconds, scale) / comm.layers
     return ulysses, route

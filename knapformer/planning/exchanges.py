@@ -137,10 +137,13 @@ class PricedLedger:
         undone (False) when a bag touched ends at or above ``before``."""
         step = self.step
         home, src_gpu = step.home_bag, step.src_pos
-        undo = [x.copy() for x in (self.load, self.tokens, self.price, self.gpu_sends,
-                                   self.bag_sends, self.extra)]  # fmt: skip
+        # Per-bag and per-GPU state is copied whole; a price only where a sequence moves
+        # (the step's prices are many, the moves two).
+        undo = [x.copy() for x in (self.load, self.tokens, self.gpu_sends, self.bag_sends,
+                                   self.extra)]  # fmt: skip
         touched = {moves[0][1], moves[0][2]}
         seqs, srcs, tos = (np.array(x) for x in zip(*moves, strict=True))
+        old_prices = self.price[seqs]
         old_sents = self.priced(seqs, srcs)[1].tolist()
         new_prices, new_sents = (x.tolist() for x in self.priced(seqs, tos))
         for (seq, src, to), old_sent, new_price, new_sent in zip(
@@ -161,7 +164,8 @@ class PricedLedger:
         self.extra[bags] = most - self.bag_sends[bags] / self.weight[bags]
         new_per = self.load[bags] / self.weight[bags] + self.extra[bags]
         if new_per.max() >= before * (1 - TIE):
-            self.load, self.tokens, self.price, self.gpu_sends, self.bag_sends, self.extra = undo
+            self.load, self.tokens, self.gpu_sends, self.bag_sends, self.extra = undo
+            self.price[seqs] = old_prices
             return False
         self.per[bags] = new_per
         return True

@@ -19,22 +19,22 @@ from knapformer.planning.bags import (
     bag_speeds,
     by_home_heaviest_first,
     descending,
-    least,
+    pour_slots,
     prefix_within_groups,
+    water_room,
 )
+from knapformer.planning.levelling import level_makespan
 from knapformer.planning.tuning import (
-    DENSE_CELLS,
     EPS,
     FALLBACK_TOLERANCE,
     HEAVY_FRACTION,
     ONE_BY_ONE,
-    SEARCH_PARTNERS,
-    SEARCH_TOLERANCE,
+    POUR_TAIL,
 )
 
 # The tuning constants the tests lower to take the large-step paths.
 _ONE_BY_ONE = ONE_BY_ONE
-_DENSE_CELLS = DENSE_CELLS
+_POUR_TAIL = POUR_TAIL
 
 
 def _place_in_order(order: np.ndarray, step: Step, prefer_home: bool) -> None:
@@ -197,8 +197,23 @@ def _solve_local(step: Step, tolerance: float | None = None) -> None:
     if n > _ONE_BY_ONE:
         _stay_home_in_bulk(np.flatnonzero(step.bag < 0), step)
         pool = descending(workload, np.flatnonzero(step.bag < 0))
+        if len(pool) > _POUR_TAIL and len(layout.class_size) == 1 and layout.max_tokens is None:
+            pool = _pour(pool, step)
         _place_in_order(pool, step, prefer_home=True)
-    _level_makespan(step, tolerance=tolerance)
+    level_makespan(step, tolerance=tolerance)
+
+
+def _pour(pool: np.ndarray, step: Step) -> np.ndarray:
+    """Pour the heaviest of a large pool (heaviest first; one bag size, no token cap)
+    into the bags' room at one water level, in one pass; returns the ``_POUR_TAIL``
+    lightest, left to the one-by-one placement, which evens out the last gaps."""
+    layout = step.layout
+    poured = pool[: len(pool) - _POUR_TAIL]
+    cost = step.workload[poured]
+    bags = pour_slots(cost, water_room(layout.load, layout.weight, float(cost.sum())))
+    step.bag[poured] = bags
+    layout.add_many(bags, cost, step.lengths[poured])
+    return pool[len(poured) :]
 
 
 def _stay_home_in_bulk(seqs: np.ndarray, step: Step) -> None:
@@ -218,160 +233,3 @@ def _stay_home_in_bulk(seqs: np.ndarray, step: Step) -> None:
     stay_ids = order[stays]
     step.bag[stay_ids] = hb[stays]
     layout.add_many(hb[stays], workload[stay_ids], lengths[stay_ids])
-
-
-def _level_makespan(step: Step, max_rounds: int | None = None, tolerance=None) -> None:
-    """Local search on the makespan. Each round, every bag above the stopping load (up
-    to ``SEARCH_PARTNERS`` of them, most loaded first) is paired with a distinct one of
-    the least-loaded bags: one sequence moves from it to the partner, or a pair is
-    swapped, whichever evens the two out best, as long as that lowers the larger of the
-    two. All pairs are scored in one vectorised pass. Staying home leaves uneven last
-    gaps; a few well-sized moves and swaps close them (greedy gets the same effect from
-    placing the smallest last)."""
-    layout = step.layout
-    num_bags = len(layout.size)
-    if layout.gpu_capacity <= 0 or num_bags < 2:
-        return
-    weight = layout.weight
-    per_gpu = layout.per_gpu_time()
-    stop = lower_bound(step.workload, weight) * (1 + (tolerance or SEARCH_TOLERANCE))
-    if per_gpu.max() <= stop:  # the usual case: nothing to level
-        return
-    accepts = layout.capacity * (1 + EPS)  # the largest workload each bag may take
-    members = _Members(step.bag, step.lengths, step.workload, num_bags)
-    one_size = len(layout.class_size) == 1
-    for _ in range(4 * num_bags if max_rounds is None else max_rounds):
-        num_over = min(int(np.count_nonzero(per_gpu > stop)), SEARCH_PARTNERS)
-        # The ends of the stable ascending order, without sorting every bag: the most
-        # loaded (ties: the later bag first) and the least loaded that are not over.
-        over = (num_bags - 1 - least(-per_gpu[::-1], num_over)).tolist()
-        partners = least(per_gpu, min(SEARCH_PARTNERS, num_bags - num_over)).tolist()
-        if not over or not partners:
-            return
-        moves = _best_exchanges(
-            over, partners, members, layout.size, weight, per_gpu, accepts, one_size
-        )
-        if not moves:
-            return
-        for a, b, out_of_a, out_of_b in moves:
-            if not _exchange(step, a, b, out_of_a, out_of_b):
-                return
-            members.swap(a, b, out_of_a, out_of_b)
-            per_gpu[a], per_gpu[b] = layout.load[a] / weight[a], layout.load[b] / weight[b]
-
-
-class _Members:
-    """Bag, length and workload of every sequence plus one *phantom* per bag (no tokens,
-    fits every bag): "nothing comes back" in an exchange is then just the partner's
-    phantom, scored like any other member."""
-
-    def __init__(self, bag, lengths, workload, num_bags):
-        self.num_real = len(bag)
-        self.bag = np.concatenate([bag, np.arange(num_bags)])
-        self.length = np.concatenate([lengths, np.full(num_bags, np.iinfo(np.int64).max)])
-        self.workload = np.concatenate([workload, np.zeros(num_bags)])
-
-    def real(self, member: int) -> int:
-        """The sequence id of ``member``, or -1 for a phantom."""
-        return member if member < self.num_real else -1
-
-    def swap(self, a: int, b: int, out_of_a: int, out_of_b: int) -> None:
-        self.bag[out_of_a] = b
-        if out_of_b >= 0:
-            self.bag[out_of_b] = a
-
-
-def _best_exchanges(over, partners, members, size, weight, per_gpu, accepts, one_size):
-    """One round's exchanges: each over-loaded bag ``a`` (most loaded first) with the free
-    partner ``b`` that evens the two out best. Returns (a, b, sequence leaving a, sequence
-    leaving b or -1) per exchange that lowers the larger of the two bags. ``size``: GPUs
-    per bag (a sequence must not be shorter, bar the rule's fallback); ``weight``: load per
-    GPU = load / weight; ``one_size``: every bag has the same number of GPUs."""
-    num_o, num_p = len(over), len(partners)
-    slot = np.full(len(size), num_o + num_p)  # over bag -> 0.., partner -> num_o.., rest last
-    slot[over] = np.arange(num_o)
-    slot[partners] = np.arange(num_o, num_o + num_p)
-    slot_of = slot[members.bag]
-    # Only the members of the paired bags are sorted (a round looks at a few bags of many).
-    involved = np.flatnonzero(slot_of < num_o + num_p)
-    by_slot = involved[slot_of[involved].argsort(kind="stable")]
-    bounds = np.searchsorted(slot_of[by_slot], np.arange(num_o + num_p + 1)).tolist()
-    # Rows: members that may leave the over-loaded bags; columns: members that may come
-    # back from the partners (a phantom: nothing). Both grouped by bag, none empty.
-    out, back = by_slot[: bounds[num_o]], by_slot[bounds[num_o] : bounds[-1]]
-    row_starts, col_starts = bounds[:num_o], [s - bounds[num_o] for s in bounds[num_o:-1]]
-    # With one bag size every bag is a candidate for every sequence (the rule's fallback
-    # is "the largest bags"): the size and capacity checks are then skipped.
-    if not one_size:
-        ov = np.asarray(over)
-        back = back[
-            (members.length[back] >= size[ov].min()) & (members.workload[back] <= accepts[ov].max())
-        ]
-        col_starts = np.searchsorted(slot_of[back], np.arange(num_o, num_o + num_p)).tolist()
-    out_w, a_bag = members.workload[out][:, None], members.bag[out][:, None]
-    w_a, per_a = weight[a_bag], per_gpu[a_bag]
-    if out.size * back.size <= _DENSE_CELLS:
-        came = back[None, :]  # every pair is scored
-    else:
-        pb = np.asarray(partners)
-        ideal = (per_a - per_gpu[pb]) / (1.0 / w_a + 1.0 / weight[pb])
-        came = _nearest_members(back, slot_of[back] - num_o, members.workload, out_w - ideal)
-        col_starts = list(range(0, 2 * num_p, 2))
-    came_w, b_bag = members.workload[came], members.bag[came]
-    w_b, per_b = weight[b_bag], per_gpu[b_bag]
-    delta = out_w - came_w  # net workload leaving a
-    new_max = np.maximum(per_a - delta / w_a, per_b + delta / w_b)
-    ok = (delta > 0) & (new_max < per_a * (1 - 1e-9))
-    if not one_size:
-        ok &= (members.length[out][:, None] >= size[b_bag]) & (out_w <= accepts[b_bag])
-        ok &= (members.length[came] >= size[a_bag]) & (came_w <= accepts[a_bag])
-    new_max = np.where(ok, new_max, np.inf)
-    # Best per (over-loaded bag, partner); each over-loaded bag, most loaded first, takes
-    # its best among the partners still free.
-    best = np.minimum.reduceat(np.minimum.reduceat(new_max, row_starts, 0), col_starts, 1)
-    row_ends, col_ends = [*row_starts[1:], len(out)], [*col_starts[1:], new_max.shape[1]]
-    free = [True] * num_p
-    moves = []
-    for o, row in enumerate(best.tolist()):
-        score = [s if is_free else np.inf for s, is_free in zip(row, free, strict=True)]
-        p = score.index(min(score))
-        if score[p] == np.inf:
-            continue
-        free[p] = False
-        block = new_max[row_starts[o] : row_ends[o], col_starts[p] : col_ends[p]]
-        i, c = divmod(int(block.argmin()), block.shape[1])
-        leaving = row_starts[o] + i
-        coming = came[leaving if came.shape[0] > 1 else 0, col_starts[p] + c]
-        moves.append((over[o], partners[p], int(out[leaving]), members.real(int(coming))))
-    return moves
-
-
-def _nearest_members(back, back_partner, workload, target):
-    """Per (leaving sequence, partner) the two members whose workload is nearest
-    ``target`` (rows x partners): the objective is V-shaped in the net workload moved, so
-    only these two can be best. Columns 2p and 2p+1 belong to partner p."""
-    num_p = target.shape[1]
-    back_w = workload[back]
-    span = 2.0 * float(back_w.max(initial=0.0)) + 1.0  # keeps partners' keys apart
-    column = np.arange(num_p) * span
-    key = back_partner * span + back_w
-    by_key = key.argsort(kind="stable")
-    key, back = key[by_key], back[by_key]
-    seg = np.searchsorted(key, column)  # each partner's first (lightest) member
-    seg_end = np.append(seg[1:], key.size) - 1
-    hit = np.searchsorted(key, np.clip(target, 0.0, span / 2) + column)
-    near = np.stack([np.maximum(hit - 1, seg), np.minimum(hit, seg_end)], 2)
-    return back[near.reshape(len(target), 2 * num_p)]
-
-
-def _exchange(step: Step, a: int, b: int, out_of_a: int, out_of_b: int) -> bool:
-    """Move ``out_of_a`` to bag b and ``out_of_b`` (or nothing if -1) to bag a; undone
-    (returns False) when it breaks the token cap (rare; the cap wins over balance)."""
-    moves = [(seq, src, dst) for seq, src, dst in ((out_of_a, a, b), (out_of_b, b, a)) if seq >= 0]
-    for seq, _, dst in moves:
-        step.move(seq, dst)
-    if step.layout.over_token_cap():
-        for seq, src, _ in moves:
-            step.move(seq, src)
-        return False
-    return True

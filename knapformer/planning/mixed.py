@@ -15,7 +15,9 @@ from knapformer.planning.bags import (
     bag_speeds,
     by_home_heaviest_first,
     descending,
+    pour_slots,
     prefix_within_groups,
+    water_room,
 )
 from knapformer.planning.coarse import even_out, is_coarse
 from knapformer.planning.exchanges import exchange_across
@@ -215,21 +217,9 @@ def _pour(pool, step: Step, load: np.ndarray, prices: Prices) -> np.ndarray:
     # A bag's room in the pool's own units (cost without Ulysses): its priced room over the
     # pool's mean inflation in that group.
     inflation = 1.0 + (kappa[by_class] + prices.inter) * lengths[pool].sum() / base
-    weight = layout.weight[by_class]
-    held = load[by_class]
-
-    def room(level: float) -> np.ndarray:
-        return np.maximum(0.0, level * weight - held) / inflation
-
-    lo, hi = 0.0, float((held.sum() + base * inflation.max()) / weight.sum()) + held.max()
-    for _ in range(50):
-        mid = 0.5 * (lo + hi)
-        lo, hi = (lo, mid) if room(mid).sum() >= base else (mid, hi)
-    ends = np.cumsum(room(hi))
+    room = water_room(load[by_class], layout.weight[by_class], base, inflation)
     cost = workload[pool]
-    middle = np.cumsum(cost) - 0.5 * cost
-    slot = np.minimum(np.searchsorted(ends, middle, side="right"), len(ends) - 1)
-    bags = by_class[slot]
+    bags = by_class[pour_slots(cost, room)]
     step.bag[pool] = bags
     sent = prices.inter * lengths[pool]
     load = load + np.bincount(bags, weights=cost + kappa[bags] * lengths[pool] + sent,

@@ -115,17 +115,16 @@ def partition_floor(eff: np.ndarray, lengths: np.ndarray, sizes, num_gpus: int) 
     (len(sizes), n): `effective_workloads`; ``lengths`` (n,)."""
     if eff.shape[1] == 0:
         return 0.0
-    size = np.asarray(sizes, dtype=np.float64)[:, None]
-    fits = lengths[None, :] >= size
-    fits[0] = True  # a sequence shorter than every group still goes to the smallest
-    per_gpu = np.where(fits, eff / size, np.inf)
-    lo = max(float(eff.min(axis=0).sum()) / num_gpus, float(per_gpu.min(axis=0).max()))
+    size = np.asarray(sizes, dtype=np.float64)
+    smallest, cheapest = _per_gpu_costs(eff, lengths, size)
+    lo = max(float(eff.min(axis=0).sum()) / num_gpus, cheapest)
     # Only sequences above lo per GPU in their cheapest group depend on T.
-    big = np.flatnonzero(per_gpu[0] > lo)
+    big = np.flatnonzero(smallest > lo)
     if big.size == 0:
         return lo
     rest = float(np.delete(eff[0], big).sum())
-    big_eff, big_per_gpu = np.where(fits[:, big], eff[:, big], np.inf), per_gpu[:, big]
+    fits, big_per_gpu = _fitting(eff, lengths, size, big)
+    big_eff = np.where(fits, eff[:, big], np.inf)
 
     def fits_at(target: float) -> bool:
         cost = np.where(big_per_gpu <= target, big_eff, np.inf).min(axis=0)
@@ -138,6 +137,26 @@ def partition_floor(eff: np.ndarray, lengths: np.ndarray, sizes, num_gpus: int) 
         mid = 0.5 * (lo + hi)
         lo, hi = (lo, mid) if fits_at(mid) else (mid, hi)
     return hi
+
+
+def _per_gpu_costs(eff: np.ndarray, lengths: np.ndarray, size: np.ndarray):
+    """(each sequence's per-GPU cost in the smallest group (n,), the largest over the
+    sequences of their least per-GPU cost in a group they fit): a sequence shorter than
+    every group still goes to the smallest. One size at a time: no (sizes, n) temporary."""
+    smallest = eff[0] / size[0]
+    cheapest = smallest.copy()
+    for j in range(1, len(size)):
+        np.minimum(cheapest, np.where(lengths >= size[j], eff[j] / size[j], np.inf), out=cheapest)
+    return smallest, float(cheapest.max())
+
+
+def _fitting(eff: np.ndarray, lengths: np.ndarray, size: np.ndarray, seqs: np.ndarray):
+    """(fits, per-GPU cost), each (sizes, len(seqs)), of sequences ``seqs`` in a group of
+    each size: whether it may go there (never shorter than the group, bar the smallest),
+    and its cost there per GPU (inf where it may not)."""
+    fits = lengths[seqs][None, :] >= size[:, None]
+    fits[0] = True
+    return fits, np.where(fits, eff[:, seqs] / size[:, None], np.inf)
 
 
 def mixed_partitions(
@@ -185,23 +204,21 @@ def _mixed(eff, size, lengths, num_gpus, sizes, whole):
     is worth solving."""
     if len(sizes) < 2 or not whole or eff.shape[1] == 0:
         return None
-    per_gpu = eff / size[:, None]
-    fits = lengths[None, :] >= size[:, None]
-    fits[0] = True
-    per_gpu = np.where(fits, per_gpu, np.inf)
-    lo = max(float(eff[0].sum()) / num_gpus, float(per_gpu.min(axis=0).max()))
+    smallest, cheapest = _per_gpu_costs(eff, lengths, size)
+    lo = max(float(eff[0].sum()) / num_gpus, cheapest)
     hi = min(whole)
     if lo >= hi * (1 - 1e-9):
         return None
-    big = np.flatnonzero(per_gpu[0] > lo)  # the only ones whose group depends on T
+    big = np.flatnonzero(smallest > lo)  # the only ones whose group depends on T
     small = np.ones(eff.shape[1], dtype=bool)
     small[big] = False
     x0_small = float(eff[0, small].sum())
     # What short sequences cost when they fill a bigger group, relative to their own.
-    fill_base = np.array([float(eff[0, small & fits[j]].sum()) for j in range(len(size))])
-    fill_cost = np.array([float(eff[j, small & fits[j]].sum()) for j in range(len(size))])
+    filling = [small] + [small & (lengths >= g) for g in size[1:]]
+    fill_base = np.array([float(eff[0, mask].sum()) for mask in filling])
+    fill_cost = np.array([float(eff[j, mask].sum()) for j, mask in enumerate(filling)])
     inflation = np.divide(fill_cost, fill_base, out=np.ones(len(size)), where=fill_base > 0)
-    big_eff, big_per_gpu = eff[:, big], per_gpu[:, big]
+    big_eff, big_per_gpu = eff[:, big], _fitting(eff, lengths, size, big)[1]
 
     def demand(target: float):
         ok = big_per_gpu <= target

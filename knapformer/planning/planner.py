@@ -22,13 +22,17 @@ sequence outweighs the mean, and then every GPU under it keeps its own work).
    sequences at once with a sorted cumulative sum per bag (largest stay home);
 3. the rest (the *pool*, usually a few percent) is placed largest first: home when it
    still fits, else the least-occupied candidate bag, so the smallest sequences even
-   out the last gaps as in greedy;
+   out the last gaps as in greedy (a pool of more than 4,096, in one bag size without a
+   token cap, is first poured into the bags' room at one water level, all but its
+   4,096 lightest);
 4. a local search moves or swaps sequences between the most-loaded bag and the
    least-loaded ones until the makespan is within 0.08 % of the lower bound, or no
    exchange helps; if it ends more than 0.1 % above the bound, greedy is solved too and
    the better makespan kept (so it is never worse than greedy's beyond 0.1 % of the bound).
    A small round scores every (leaving, returning) pair at once; a large one only the two
    members per partner nearest the ideal exchange (the best one is always among them).
+   A step of more than 512 bags (one size, no token cap) first runs wide rounds: every
+   bag above the stopping load paired with one of as many least-loaded bags at once.
 In a multi-GPU bag the default solver spreads the bag's tokens evenly: each chunk takes
 L // g tokens and the L % g remainder tokens go one each to the next GPUs of a cycle
 through the bag's sequences, so every GPU of a bag ends within one token of the others.
@@ -46,8 +50,8 @@ Speed: a plan is made every training step, for ~100 sequences (32 GPUs) up to ~1
 (4,096 GPUs). Per-sequence work is a fixed number of numpy calls; per-bag state that is
 read item by item (occupancies, heaps) is kept in Python lists, where numpy's per-call
 overhead would dominate; static per-topology arrays are cached. The two solvers are in
-knapformer/planning/fixed.py, the solve state they and auto share in bags.py, their
-tuning constants in tuning.py (docs/planning.md).
+knapformer/planning/fixed.py (their local search in levelling.py), the solve state they
+and auto share in bags.py, their tuning constants in tuning.py (docs/planning.md).
 """
 
 from __future__ import annotations
@@ -140,7 +144,7 @@ def plan_routing(
                             group.node_size, group.num_gpus)  # fmt: skip
         sizes = solved.layout.shape.size.tolist()
         starts = solved.layout.shape.start.tolist()
-        topology_name = str(Topology.from_bag_sizes(sizes))
+        topology_name = solved.layout.shape.topology
         bags = [problem.gpus[s : s + g] for s, g in zip(starts, sizes, strict=True)]
         options |= {"comm": comm.as_options(), "group_sizes": list(group.sizes)}
     else:

@@ -29,6 +29,20 @@ def modelled_makespan(step: Step, model: WorkloadModel, comm: CommModel, speed) 
     return float((compute + ulysses + route).max(initial=0.0))
 
 
+def makespan_floor(step: Step, per_token: dict[int, float]) -> float:
+    """A lower bound on `modelled_makespan` of ``step`` at nominal speeds, from its bags'
+    sums alone (no chunk table): the largest mean over a bag's GPUs of compute + Ulysses
+    (``per_token``: Ulysses per token by group size). A bag's GPUs share its workload and
+    tokens, its slowest GPU is at least their mean, and the route only adds."""
+    layout = step.layout
+    num_bags = len(layout.size)
+    per_class = np.array([per_token[int(g)] for g in layout.class_size])
+    kappa = per_class[layout.shape.class_of_bag_array]
+    load = np.bincount(step.bag, weights=step.workload, minlength=num_bags)
+    tokens = np.bincount(step.bag, weights=step.lengths, minlength=num_bags)
+    return float(((load + kappa * tokens) / layout.size).max(initial=0.0))
+
+
 def compute_per_gpu(step: Step, model: WorkloadModel, speed) -> tuple[np.ndarray, np.ndarray]:
     """(compute, tokens), each (num_gpus,), of ``step``'s chunk table: each GPU's linear part
     of its own tokens plus 1/g of the attention of every sequence of its bag, over its
@@ -82,7 +96,7 @@ class Prices:
         """Per (sequence, bag) pair (broadcast): tokens that leave the source times the
         route per token: all of them away from home, (g-1)/g at home."""
         per = np.where(self.bag_node[bags] == self.src_node[seqs], self.intra, self.inter)
-        moved = np.where(bags == home, (size[bags] - 1) / size[bags], 1.0) * lengths
+        moved = np.where(bags == home, ((size - 1) / size)[bags], 1.0) * lengths
         return per * moved
 
     def cost(self, step: Step, lengths: np.ndarray, seq, bag):
@@ -106,7 +120,7 @@ def priced_loads(step: Step, prices: Prices) -> tuple[np.ndarray, np.ndarray, np
     lengths = step.lengths.astype(np.float64)
     placed = step.bag >= 0
     bag = np.where(placed, step.bag, 0)
-    route = prices.route(np.arange(len(lengths)), bag, home, layout.size, lengths)
+    route = prices.route(slice(None), bag, home, layout.size, lengths)  # every sequence
     away = (bag != home) & (home >= 0) & placed
     price = step.workload + prices.kappa[bag] * lengths + np.where(away, route, 2 * route)
     price[~placed] = 0.0

@@ -22,6 +22,11 @@ SEARCH_PARTNERS = 8  # least-loaded bags tried as exchange partners of the most-
 # A search round scores every (leaving, returning) pair while there are at most this many;
 # beyond, only the two candidates nearest the ideal exchange per partner.
 DENSE_CELLS = 8192
+# A step of more bags than this (one size, no token cap) first levels in wide rounds: every
+# bag over the stopping load paired with one of the least loaded, all at once; at most
+# WIDE_ROUNDS of them (its work follows the bags', not the rounds of a few bags each).
+WIDE_BAGS = 512
+WIDE_ROUNDS = 16
 
 # topology="auto" (auto.py and the passes it runs).
 TIE = 1e-9  # modelled times this close are equal (then: fewer moved tokens)
@@ -29,6 +34,9 @@ SMALL_GPUS = 64  # a *small* step: at most this many GPUs ...
 SMALL_SEQUENCES = 512  # ... and sequences: every partition solved, then refined exactly
 SLOW = 0.9  # a GPU below this share of its group's fastest is split off (`_isolate_slow`)
 POUR = 2048  # a larger pool is poured into the bags' room at once, not one by one
+# The fixed solver pours a pool of more than this many, all but this many lightest (which
+# the one-by-one placement then lays into the last gaps, so few exchanges are left to do).
+POUR_TAIL = 4096
 FLOOR_STOP = 1e-4  # the exchange passes stop this close to the partition floor
 EXCHANGE_MOVES = 128  # exchanges of `exchange_across`, per mixed partition
 EXCHANGE_MOVES_LARGE = 24  # in a large step (where sequences are fine-grained)

@@ -1,0 +1,158 @@
+"""The planner's fast paths give what the plain formulation gives: the ranked stable
+sort, the remainder-pattern chunk table, the by-bag member index of the exchange rounds;
+and a large step's poured pool still plans within the solver's bound."""
+
+from unittest.mock import patch
+
+import numpy as np
+import pytest
+
+from knapformer.planning import auto, bags, fixed, levelling
+from knapformer.planning.communication import CommModel
+from knapformer.planning.datamix import parse_mix, sample_lengths, scale_mix
+from knapformer.planning.planner import plan_routing
+from knapformer.planning.pricing import makespan_floor
+from knapformer.planning.tuning import FALLBACK_TOLERANCE
+from knapformer.planning.workload import WorkloadModel
+
+MODEL = WorkloadModel(token_dim=3072, gamma=0.4)
+
+
+@pytest.mark.parametrize("distinct", [1, 7, 300, 40_000])
+def test_ranked_stable_sort_is_the_stable_sort(distinct):
+    rng = np.random.default_rng(distinct)
+    values = rng.integers(0, distinct, 50_000) * 0.37 - 1.0  # many ties, a -0.0 maybe
+    values[:3] = [0.0, -0.0, 0.0]
+    assert values.size >= bags._RANKED_SORT
+    expected = np.argsort(values, kind="stable")
+    assert np.array_equal(bags.stable_argsort(values), expected)
+    assert np.array_equal(bags.stable_argsort(-values), np.argsort(-values, kind="stable"))
+
+
+@pytest.mark.parametrize("distinct", [3, 400, 50_000])
+def test_by_home_heaviest_first_is_the_lexsort(distinct):
+    # Sequence ids in any order (ties go by position), many ties or none.
+    rng = np.random.default_rng(distinct)
+    seqs = rng.permutation(60_000)[:40_000]
+    home = rng.integers(0, 300, 60_000)
+    workload = rng.integers(0, distinct, 60_000) * 0.75
+    assert len(seqs) >= bags._RANKED_SORT
+    expected = seqs[np.lexsort((-workload[seqs], home[seqs]))]
+    assert np.array_equal(bags.by_home_heaviest_first(seqs, home, workload, 300), expected)
+
+
+def test_by_small_key_is_the_stable_sort():
+    key = np.random.default_rng(1).integers(0, 500, 20_000)
+    assert np.array_equal(bags.by_small_key(key, 500), np.argsort(key, kind="stable"))
+    big = key * 100  # beyond int16: the plain stable sort
+    assert np.array_equal(bags.by_small_key(big, 50_000), np.argsort(big, kind="stable"))
+
+
+@pytest.mark.parametrize("topology", ["g8n16", "g4n32", "g2n8+g4n4+g8n12"])
+def test_remainder_patterns_give_the_formulas_chunks(topology):
+    lengths = sample_lengths(scale_mix(parse_mix("joint"), 4), np.random.default_rng(3))
+    table = plan_routing(lengths, topology, MODEL)
+    with patch.object(bags, "_PATTERN_SIZES", 0):  # every size by the cyclic formula
+        formula = plan_routing(lengths, topology, MODEL)
+    for name in ("seq", "src_gpu", "dst_gpu", "offset", "length"):
+        assert np.array_equal(getattr(table.chunks, name), getattr(formula.chunks, name))
+    assert table.chunks.length.sum() == sum(map(sum, lengths))
+
+
+def test_member_index_groups_as_a_stable_sort_by_slot():
+    rng = np.random.default_rng(7)
+    num_bags, n = 12, 300
+    bag = rng.integers(0, num_bags, n)
+    members = levelling._Members(bag.copy(), rng.integers(1, 999, n), rng.random(n), num_bags)
+    for _ in range(200):  # random exchanges: moves (nothing back) and swaps
+        a, b = (int(x) for x in rng.choice(num_bags, 2, replace=False))
+        in_a = np.flatnonzero(members.bag[:n] == a)
+        in_b = np.flatnonzero(members.bag[:n] == b)
+        if in_a.size == 0:
+            continue
+        out_of_b = int(rng.choice(in_b)) if in_b.size and rng.random() < 0.5 else -1
+        members.swap(a, b, int(rng.choice(in_a)), out_of_b)
+        chosen = [int(x) for x in rng.choice(num_bags, 5, replace=False)]
+        got, slot = members.grouped(chosen)
+        slot_of = np.full(num_bags, len(chosen))
+        slot_of[chosen] = np.arange(len(chosen))
+        every = slot_of[members.bag]
+        want = np.flatnonzero(every < len(chosen))
+        want = want[np.argsort(every[want], kind="stable")]
+        assert np.array_equal(got, want) and np.array_equal(slot, every[want])
+
+
+def test_a_large_pool_is_poured_and_plans_within_the_bound():
+    # seqheavy on 1,024 GPUs under g8: ~12,000 small sequences leave their full home bags.
+    lengths = sample_lengths(scale_mix(parse_mix("seqheavy"), 32), np.random.default_rng(2))
+    poured = []
+    real = fixed._pour
+
+    def spy(pool, step):
+        poured.append(len(pool))
+        return real(pool, step)
+
+    with patch.object(fixed, "_pour", spy):
+        plan = plan_routing(lengths, "g8n128", MODEL)
+    assert poured and poured[0] > fixed._POUR_TAIL
+    plan.validated()
+    greedy = plan_routing(lengths, "g8n128", MODEL, solver="greedy").stats
+    assert plan.stats.makespan_over_lb <= 1 + FALLBACK_TOLERANCE
+    assert plan.stats.moved_fraction <= greedy.moved_fraction + 1e-9
+
+
+@pytest.mark.parametrize("topology", ["g1n128", "g2n64"])
+def test_wide_rounds_level_as_well_as_narrow_rounds(topology):
+    # With the wide rounds forced on a small step, every pair exchanges at once; the plan
+    # stays valid and ends as close to the bound as the narrow rounds alone get it.
+    lengths = sample_lengths(scale_mix(parse_mix("lowres"), 4), np.random.default_rng(4))
+    narrow = plan_routing(lengths, topology, MODEL).stats
+    rounds = []
+    real = levelling._paired_exchanges
+
+    def spy(*args):
+        found = real(*args)
+        rounds.append(len(found[0]))
+        return found
+
+    forced = patch.object(levelling, "_WIDE_BAGS", 0)
+    with forced, patch.object(levelling, "_paired_exchanges", spy):
+        plan = plan_routing(lengths, topology, MODEL)
+    assert rounds and rounds[0] > levelling.SEARCH_PARTNERS  # many pairs exchanged at once
+    plan.validated()
+    wide = plan.stats
+    assert wide.tokens_after.sum() == sum(map(sum, lengths))
+    assert wide.makespan_over_lb <= max(narrow.makespan_over_lb, 1 + levelling.SEARCH_TOLERANCE)
+
+
+def _auto_candidates(lengths, price_all: bool):
+    """The auto plan of a step and (floor, modelled makespan) of every candidate it priced;
+    ``price_all``: with the floor's skip turned off."""
+    comm, seen = CommModel(), []
+    per_token = {g: comm.ulysses_per_token(MODEL.token_dim, g, 1.0) for g in (1, 2, 4, 8)}
+    real = auto.modelled_makespan
+
+    def spy(step, model, comm_, speed):
+        value = real(step, model, comm_, speed)
+        seen.append((makespan_floor(step, per_token), value))
+        return value
+
+    floor = (lambda step, per_token: 0.0) if price_all else auto.makespan_floor
+    with patch.object(auto, "modelled_makespan", spy), patch.object(auto, "makespan_floor", floor):
+        plan = plan_routing(lengths, "auto", MODEL, comm=comm)
+    return plan, seen
+
+
+@pytest.mark.parametrize(
+    ("mix", "factor"), [("seqheavy", 1), ("seqheavy", 32), ("joint", 1), ("mixres", 4)]
+)
+def test_auto_skips_only_candidates_its_floor_rules_out(mix, factor):
+    lengths = sample_lengths(scale_mix(parse_mix(mix), factor), np.random.default_rng(11))
+    plan, priced = _auto_candidates(lengths, price_all=False)
+    every, all_priced = _auto_candidates(lengths, price_all=True)
+    assert all(floor <= value for floor, value in all_priced)  # a true lower bound
+    assert plan.topology == every.topology
+    assert np.array_equal(plan.sequences.bag, every.sequences.bag)
+    assert np.array_equal(plan.chunks.dst_gpu, every.chunks.dst_gpu)
+    if (mix, factor) == ("seqheavy", 32):  # g4n256 and g8n128 lose to the mixed partition
+        assert len(priced) < len(all_priced)
