@@ -1,9 +1,9 @@
-"""The group counts a step's sequences ask for, per size, at a per-GPU target: each
-sequence's cost per GPU in each group size (`per_gpu_costs`, `fitting_costs`), and the
-mixed partition of `knapformer.planning.partitions.mixed_partitions` with its variants
-(`mixed_counts`): the least target whose groups fit the GPUs (`_Demand`), its largest
-groups merged in pairs, and those packed with the lower classes' long sequences
-(`_absorb`)."""
+"""The group counts per size a step's sequences ask for at a per-GPU target, and the
+mixed partitions `knapformer.planning.partitions.mixed_partitions` offers (`mixed_counts`).
+
+Each sequence's cost per GPU in each group size (`per_gpu_costs`, `fitting_costs`); the
+least target whose groups fit the GPUs, by bisection (`_Demand`); its largest groups
+merged in pairs, and those packed with the lower classes' long sequences (`_absorb`)."""
 
 from __future__ import annotations
 
