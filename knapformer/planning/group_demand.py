@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from knapformer.planning.tuning import BISECTIONS
+from knapformer.planning.tuning import BISECTIONS, TIE
 
 
 def per_gpu_costs(eff: np.ndarray, lengths: np.ndarray, size: np.ndarray):
@@ -43,7 +43,7 @@ def mixed_counts(eff, size, lengths, num_gpus, sizes, whole):
     smallest, cheapest = per_gpu_costs(eff, lengths, size)
     lo = max(float(eff[0].sum()) / num_gpus, cheapest)
     hi = min(whole)
-    if lo >= hi * (1 - 1e-9):
+    if lo >= hi * (1 - TIE):
         return None
     # Only the sequences above lo in the smallest group have a class that depends on T.
     need = _Demand(eff, size, lengths, num_gpus, int(sizes[0]), np.flatnonzero(smallest > lo))
@@ -90,12 +90,12 @@ class _Demand:
 
     def groups(self, cls: np.ndarray, target: float):
         """(load, groups) per size for the big sequences of classes ``cls`` at ``target``:
-        enough room for the load, and a group of its own for each sequence above half a
-        group's room (two cannot share)."""
+        enough room for the load (within `TIE` of whole groups needs no more), and a group
+        of its own for each sequence above half a group's room (two cannot share)."""
         load = self.load(cls)
         alone = self.big_per_gpu[cls, np.arange(len(self.big))] > 0.5 * target
         size = self.size
-        groups = np.maximum(np.ceil(load / (size * target) - 1e-9),
+        groups = np.maximum(np.ceil(load / (size * target) - TIE),
                             np.bincount(cls[alone], minlength=len(size)))  # fmt: skip
         return load, groups.astype(np.int64)
 
@@ -113,7 +113,7 @@ class _Demand:
         slack = groups * size * target - load
         fill = np.minimum(slack / self.inflation, self.fill_base)[1:].sum()
         rest = max(0.0, load[0] - fill)
-        groups[0] = int(np.ceil(rest / (size[0] * target) - 1e-9))
+        groups[0] = int(np.ceil(rest / (size[0] * target) - TIE))
         return int((groups * size).sum()), groups, cls
 
     def fits(self, target: float) -> bool:
@@ -179,7 +179,7 @@ def _absorb(cls, top, merged, big_eff, size, target):
     least loaded group it fits (the top ones) or the fullest (the lower ones). None when a
     top sequence fits no group."""
     bins = np.repeat([top + 1, top], [merged[top + 1], merged[top]])
-    cap = size[bins] * target * (1 + 1e-9)
+    cap = size[bins] * target * (1 + TIE)
     held = np.zeros(len(bins))
     out = cls.copy()
     tops = np.flatnonzero(cls == top)
