@@ -2,8 +2,9 @@
 mixed partitions `knapformer.planning.partitions.mixed_partitions` offers (`mixed_counts`).
 
 Each sequence's cost per GPU in each group size (`per_gpu_costs`, `fitting_costs`); the
-least target whose groups fit the GPUs, by bisection (`_Demand`); its largest groups
-merged in pairs, and those packed with the lower classes' long sequences (`_absorb`)."""
+least target whose groups fit the GPUs (`_Demand`), by the bisection the partition floor
+uses too (`least_fitting`); its largest groups merged in pairs, and those packed with the
+lower classes' long sequences (`_absorb`)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,15 @@ def fitting_costs(eff: np.ndarray, lengths: np.ndarray, size: np.ndarray, seqs: 
     fits = lengths[seqs][None, :] >= size[:, None]
     fits[0] = True
     return fits, np.where(fits, eff[:, seqs] / size[:, None], np.inf)
+
+
+def least_fitting(fits, lo: float, hi: float) -> float:
+    """The least target in (lo, hi] that ``fits`` (a predicate true at ``hi``, and from
+    some point on), to ``BISECTIONS`` halvings of the bracket."""
+    for _ in range(BISECTIONS):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    return hi
 
 
 def mixed_counts(eff, size, lengths, num_gpus, sizes, whole):
@@ -123,12 +133,7 @@ class _Demand:
     def least_target(self, lo: float, hi: float) -> float | None:
         """The least target in (lo, hi] whose groups fit the GPUs, by bisection; None when
         even ``hi`` does not."""
-        if not self.fits(hi):
-            return None
-        for _ in range(BISECTIONS):
-            mid = 0.5 * (lo + hi)
-            lo, hi = (lo, mid) if self.fits(mid) else (mid, hi)
-        return hi
+        return least_fitting(self.fits, lo, hi) if self.fits(hi) else None
 
     def counts(self, cls: np.ndarray, target: float) -> np.ndarray:
         """Groups per size for the big sequences of classes ``cls`` at ``target`` (as `at`),

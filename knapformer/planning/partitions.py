@@ -28,8 +28,12 @@ import numpy as np
 
 from knapformer.contract.topology import Topology
 from knapformer.errors import KnapformerError
-from knapformer.planning.group_demand import fitting_costs, mixed_counts, per_gpu_costs
-from knapformer.planning.tuning import BISECTIONS
+from knapformer.planning.group_demand import (
+    fitting_costs,
+    least_fitting,
+    mixed_counts,
+    per_gpu_costs,
+)
 
 DEFAULT_GROUP_SIZES = (1, 2, 4, 8)
 
@@ -134,10 +138,7 @@ def partition_floor(eff: np.ndarray, lengths: np.ndarray, sizes, num_gpus: int) 
     hi = lo
     while not fits_at(hi):
         hi *= 2.0
-    for _ in range(BISECTIONS):
-        mid = 0.5 * (lo + hi)
-        lo, hi = (lo, mid) if fits_at(mid) else (mid, hi)
-    return hi
+    return least_fitting(fits_at, lo, hi)
 
 
 def mixed_partitions(
