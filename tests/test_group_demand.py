@@ -9,7 +9,7 @@ import pytest
 
 from knapformer.planning.communication import CommModel
 from knapformer.planning.datamix import parse_mix, sample_lengths, scale_mix
-from knapformer.planning.group_demand import _Demand, mixed_counts, per_gpu_costs
+from knapformer.planning.group_demand import _Demand, least_fitting, mixed_counts, per_gpu_costs
 from knapformer.planning.partitions import effective_workloads
 from knapformer.planning.workload import WorkloadModel
 
@@ -73,3 +73,8 @@ def test_the_bisection_finds_the_least_target_whose_groups_fit():
     assert (need.big_per_gpu[cls, np.arange(len(need.big))] <= target).all()
     assert not need.fits(target * (1 - 1e-6))  # least: a hair below it does not fit
     assert need.least_target(lo, lo * (1 + 1e-9)) is None  # no fit in a bracket too low
+
+
+def test_the_bisection_closes_on_the_threshold_from_above():
+    found = least_fitting(lambda t: t >= np.pi, 0.0, 10.0)
+    assert np.pi <= found <= np.pi + 10.0 / 2**39  # fits, and within the last halving
