@@ -12,6 +12,7 @@ from knapformer.planning.bags import (
 )
 from knapformer.planning.exchanges import exchange_across
 from knapformer.planning.pricing import Prices, bag_makespan, priced_loads, sender_extra
+from knapformer.planning.token_cap import within_token_cap
 from knapformer.planning.tuning import (
     COARSE_PER_GPU,
     COARSE_SHARE,
@@ -51,11 +52,7 @@ def even_out(step: Step, prices: Prices, floor: float, max_tokens) -> None:
     before = step.bag.copy()
     top = _even_classes(step, prices, max_tokens)
     if _level(step, prices, floor, max_tokens) > top * (1 + TIE):
-        step.bag[:] = before
-        if max_tokens is not None:
-            lengths = step.lengths.astype(np.float64)
-            step.layout.bag_tokens[:] = np.bincount(before, weights=lengths,
-                                                    minlength=len(step.layout.size))  # fmt: skip
+        _restore(step, before, max_tokens)
         exchange_across(step, prices, floor, max_tokens)
 
 
@@ -69,65 +66,91 @@ def _level(step: Step, prices: Prices, floor: float, max_tokens) -> float:
     (`sender_extra`). The best assignment seen (by the bag-level makespan) is kept;
     returns its bag-level makespan."""
     layout = step.layout
-    size, weight = layout.size, layout.weight
-    num_bags = len(size)
+    num_bags = len(layout.size)
     lengths = step.lengths.astype(np.float64)
-    workload = step.workload
     tokens = np.bincount(step.bag, weights=lengths, minlength=num_bags)
     placed = np.flatnonzero(step.lengths > 0)
-    by_weight = placed[np.argsort(workload[placed], kind="stable")]  # lightest first
+    by_weight = placed[np.argsort(step.workload[placed], kind="stable")]  # lightest first
     best_bag, best_top = None, np.inf
-
-    def priced(seq, bag):
-        return prices.cost(step, lengths, seq, bag)[0]
-
     for round_ in range(LEVEL_ROUNDS + 1):
-        price, load, sent = priced_loads(step, prices)
-        per = load / weight + sender_extra(step, sent)
+        price, load, per = _per_gpu(step, prices)
         top = float(per.max())
         if top < best_top * (1 - TIE):
             best_bag, best_top = step.bag.copy(), top
-        mean = float(load.sum() / weight.sum())
+        mean = float(load.sum() / layout.weight.sum())
         if round_ == LEVEL_ROUNDS or top <= floor * (1 + FLOOR_STOP):
             break
         paired = _donors_and_takers(per, mean)
         if paired is None:
             break
         donors, takers = paired
-        k, p = takers.shape
-        # Each bag's members, lightest first, and a spread sample of them per bag.
-        key = step.bag[by_weight]  # a stable sort of small ints is a radix sort
-        order = by_weight[np.argsort(key.astype(np.int16) if num_bags < 2**15 else key,
-                                     kind="stable")]  # fmt: skip
-        cuts = np.searchsorted(step.bag[order], np.arange(num_bags + 1))
-        ma = _member_sample(order, cuts, donors, LEVEL_MEMBERS)  # (k, s)
-        mb = _member_sample(order, cuts, takers.ravel(), LEVEL_MEMBERS)
-        mb = np.concatenate([mb, np.full((len(mb), 1), -1)], axis=1).reshape(k, p, -1)
-        ra, rb = ma >= 0, mb >= 0
-        mai, mbi = np.maximum(ma, 0), np.maximum(mb, 0)
-        a_, b_ = donors[:, None, None, None], takers[:, None, :, None]  # (k, 1, 1|p, 1)
-        into_b = priced(mai[:, :, None, None], b_)  # (k, s, p, 1)
-        into_a = np.where(rb, priced(mbi, donors[:, None, None]), 0.0)[:, None]  # (k, 1, p, t)
-        out_a = np.where(ra, price[mai], 0.0)[:, :, None, None]
-        out_b = np.where(rb, price[mbi], 0.0)[:, None]
-        new_a = per[a_] + (into_a - out_a) / weight[a_]
-        new_b = per[b_] + (into_b - out_b) / weight[b_]
-        li = lengths[mai][:, :, None, None]
-        lj = np.where(rb, lengths[mbi], 0.0)[:, None]
-        ok = ra[:, :, None, None] & (li >= size[b_]) & ((lj >= size[a_]) | ~rb[:, None])
-        if max_tokens is not None:
-            ok &= np.ceil((tokens[b_] + li - lj) / size[b_]) <= max_tokens
-            ok &= np.ceil((tokens[a_] - li + lj) / size[a_]) <= max_tokens
-        value = np.where(ok, np.maximum(new_a, new_b), np.inf).reshape(k, -1)
+        ma, mb = _level_members(step, by_weight, donors, takers)
+        value = _exchange_values(step, prices, (price, per, tokens), ma, mb, paired, max_tokens)
         pick = value.argmin(axis=1)
-        gain = value[np.arange(k), pick] < per[donors] * (1 - TIE)
+        gain = value[np.arange(len(donors)), pick] < per[donors] * (1 - TIE)
         if not gain.any():
             break
         _apply_picks(step, tokens, lengths, ma, mb, donors, takers, pick, gain)
-    step.bag[:] = best_bag
-    if max_tokens is not None:
-        layout.bag_tokens[:] = np.bincount(step.bag, weights=lengths, minlength=num_bags)
+    _restore(step, best_bag, max_tokens)
     return best_top
+
+
+def _restore(step: Step, bag: np.ndarray, max_tokens) -> None:
+    """Put the step back to the assignment ``bag``; under a token cap its bags' token
+    counts too (what the later passes check the cap by)."""
+    step.bag[:] = bag
+    if max_tokens is not None:
+        lengths = step.lengths.astype(np.float64)
+        step.layout.bag_tokens[:] = np.bincount(bag, weights=lengths,
+                                                minlength=len(step.layout.size))  # fmt: skip
+
+
+def _per_gpu(step: Step, prices: Prices):
+    """(each sequence's price, each bag's priced load, each bag's per-GPU time): the load
+    spread over the bag's GPUs plus what its slowest GPU pays to send (`sender_extra`)."""
+    price, load, sent = priced_loads(step, prices)
+    return price, load, load / step.layout.weight + sender_extra(step, sent)
+
+
+def _level_members(step: Step, by_weight: np.ndarray, donors: np.ndarray, takers: np.ndarray):
+    """(ma (k, s), mb (k, p, s + 1)) of a `_level` round: a spread sample of each donor's
+    and each taker's members (`_member_sample`), lightest first, -1 padding; each taker's
+    row ends with an empty slot (a move, not a swap)."""
+    num_bags = len(step.layout.size)
+    key = step.bag[by_weight]  # a stable sort of small ints is a radix sort
+    order = by_weight[np.argsort(key.astype(np.int16) if num_bags < 2**15 else key,
+                                 kind="stable")]  # fmt: skip
+    cuts = np.searchsorted(step.bag[order], np.arange(num_bags + 1))
+    k, p = takers.shape
+    ma = _member_sample(order, cuts, donors, LEVEL_MEMBERS)
+    mb = _member_sample(order, cuts, takers.ravel(), LEVEL_MEMBERS)
+    return ma, np.concatenate([mb, np.full((len(mb), 1), -1)], axis=1).reshape(k, p, -1)
+
+
+def _exchange_values(step, prices, loads, ma, mb, paired, max_tokens) -> np.ndarray:
+    """(k, s * p * t) the larger per-GPU time of donor and taker after each exchange of a
+    `_level` round (inf where a sequence would be shorter than its new group, or a token
+    cap breaks): donor member i of ``ma`` to taker j, with taker j's member q of ``mb``
+    back (or nothing). ``loads``: (price, per-GPU time, tokens) before the round."""
+    size, weight = step.layout.size, step.layout.weight
+    price, per, tokens = loads
+    donors, takers = paired
+    lengths = step.lengths.astype(np.float64)
+    ra, rb = ma >= 0, mb >= 0
+    mai, mbi = np.maximum(ma, 0), np.maximum(mb, 0)
+    a_, b_ = donors[:, None, None, None], takers[:, None, :, None]  # (k, 1, 1|p, 1)
+    into_b = prices.cost(step, lengths, mai[:, :, None, None], b_)[0]  # (k, s, p, 1)
+    into_a = np.where(rb, prices.cost(step, lengths, mbi, donors[:, None, None])[0], 0.0)
+    out_a = np.where(ra, price[mai], 0.0)[:, :, None, None]
+    out_b = np.where(rb, price[mbi], 0.0)[:, None]
+    new_a = per[a_] + (into_a[:, None] - out_a) / weight[a_]  # into_a: (k, 1, p, t)
+    new_b = per[b_] + (into_b - out_b) / weight[b_]
+    li = lengths[mai][:, :, None, None]
+    lj = np.where(rb, lengths[mbi], 0.0)[:, None]
+    ok = ra[:, :, None, None] & (li >= size[b_]) & ((lj >= size[a_]) | ~rb[:, None])
+    if max_tokens is not None:
+        ok &= within_token_cap(tokens, size, a_, b_, li - lj, max_tokens)
+    return np.where(ok, np.maximum(new_a, new_b), np.inf).reshape(len(donors), -1)
 
 
 def _donors_and_takers(per: np.ndarray, mean: float):
@@ -177,100 +200,133 @@ def _even_classes(step: Step, prices: Prices, max_tokens) -> float:
     for (or takes) one of a largest-group bag's, or of a smaller bag above the band, whose
     cost brings it into the band, as close to its top as it gets: load moves between the
     size classes in steps as fine as the differences between sequences, not their sizes.
-    Candidates are found by bisection on their cost (the ``EVEN_TRIES`` nearest distinct
-    costs, the least loaded donor of each), then priced exactly (`Prices`); a donor of
-    the largest size may not end above the band's top unless it already was, a smaller
-    one must end nearer the band. Each bag and sequence takes part in one exchange a round.
-    Returns the bag-level makespan (`bag_makespan`) of the step as it was handed in.
+    Candidates are found by bisection on their cost (`_even_offers`), then priced exactly
+    (`_even_scores`); each bag and sequence takes part in one exchange a round
+    (`_even_apply`). Returns the bag-level makespan (`bag_makespan`) of the step as it was
+    handed in.
     """
     layout = step.layout
-    size, weight, kappa = layout.size, layout.weight, prices.kappa
-    top_size = int(size.max())
-    if not (size < top_size).any():
+    size, kappa = layout.size, prices.kappa
+    if not (size < size.max()).any():
         return bag_makespan(step, prices)
-    lengths = step.lengths.astype(np.float64)
-    workload = step.workload
-    num_bags = len(size)
-    live = step.lengths > 0
     kappa_of = {int(g): float(kappa[int(np.argmax(size == g))]) for g in layout.class_size}
-
-    def priced(seq, bag):
-        return prices.cost(step, lengths, seq, bag)[0]
-
     handed = None
     for _ in range(EVEN_ROUNDS):
-        price, load, sent = priced_loads(step, prices)
-        per = load / weight + sender_extra(step, sent)
-        handed = float(per.max()) if handed is None else handed
-        mean = float(load.sum() / weight.sum())
-        band = EVEN_BAND * mean
-        target = mean + band
-        bag = step.bag
-        bag_of = np.where(live, bag, 0)
-        outside = (per < target - band) | (per > target)
-        pool = np.flatnonzero(live & ((size == top_size) | (per > target))[bag_of])
-        tokens = np.bincount(bag_of, weights=np.where(live, lengths, 0.0), minlength=num_bags)
+        band = _Band(step, prices)
+        handed = float(band.per.max()) if handed is None else handed
         changed = False
         for g in layout.class_size[:-1].tolist():
-            takers = np.flatnonzero((size == g) & outside)
-            cand = pool[step.lengths[pool] >= g]
-            if not takers.size or not cand.size:
+            offers = _even_offers(step, band, g, kappa_of[g] + prices.inter)
+            if offers is None:
                 continue
-            # Candidates by what each costs in a g-GPU bag of another node (most are), the
-            # least loaded donor first among equal costs (sequences' costs repeat).
-            key = workload[cand] + (kappa_of[g] + prices.inter) * lengths[cand]
-            order = np.lexsort((per[bag[cand]], key))
-            cand, key = cand[order], key[order]
-            run = np.flatnonzero(np.concatenate([[True], key[1:] != key[:-1]]))
-            is_taker = np.zeros(num_bags, dtype=bool)
-            is_taker[takers] = True
-            mine = np.flatnonzero(live & is_taker[bag_of])
-            # Each taker's sequences, and one empty slot per taker (a move, not a swap).
-            j = np.concatenate([mine, np.full(len(takers), -1)])
-            b = np.concatenate([bag[mine], takers])
-            jj = np.maximum(j, 0)
-            out_j = np.where(j >= 0, price[jj], 0.0)
-            lo = out_j + (target - band - per[b]) * weight[b]
-            hi = out_j + (target - per[b]) * weight[b]
-            u = (np.searchsorted(key[run], hi, "right") - 1)[:, None] - np.arange(EVEN_TRIES)
-            first = run[np.maximum(u, 0)]
-            ok = (u >= 0) & (key[first] >= lo[:, None]) & (bag[cand[first]] != b[:, None])
-            rows, cols = np.nonzero(ok)
-            if not rows.size:
-                continue
-            j, jj, b, i = j[rows], jj[rows], b[rows], cand[first[rows, cols]]
-            a = bag[i]
-            into_a = np.where(j >= 0, priced(jj, a), 0.0)
-            out_j = np.where(j >= 0, price[jj], 0.0)
-            new_b = per[b] + (priced(i, b) - out_j) / weight[b]
-            new_a = per[a] + (into_a - price[i]) / weight[a]
-            big = size[a] == top_size
-            good = (np.abs(new_b - target) < np.abs(per[b] - target)) & (new_b <= target + band)
-            good &= (j < 0) | (step.lengths[jj] >= size[a])
-            good &= np.where(big, new_a <= np.maximum(per[a], target),
-                             np.abs(new_a - target) < np.abs(per[a] - target))  # fmt: skip
-            if max_tokens is not None:
-                shift = lengths[i] - np.where(j >= 0, lengths[jj], 0.0)
-                good &= np.ceil((tokens[b] + shift) / size[b]) <= max_tokens
-                good &= np.ceil((tokens[a] - shift) / size[a]) <= max_tokens
-            sel = np.flatnonzero(good)
-            if not sel.size:
-                continue
-            # The exchanges closest to the band's top first; each bag takes part in one (a
-            # largest-group donor in several, but one under a token cap), each sequence
-            # moves once.
-            sel = sel[np.argsort(np.abs(new_b[sel] - target), kind="stable")]
-            sel = _disjoint(sel, b, a, i, big & (max_tokens is None), num_bags)
-            swap = sel[j[sel] >= 0]
-            bag[j[swap]] = a[swap]
-            bag[i[sel]] = b[sel]
-            moved = np.zeros(len(live), dtype=bool)
-            moved[i[sel]] = True
-            pool = pool[~moved[pool]]
-            changed = True
+            good, new_b, a, big = _even_scores(step, prices, band, offers, max_tokens)
+            if good.any():
+                _even_apply(step, band, offers, good, new_b, a, big & (max_tokens is None))
+                changed = True
         if not changed:
             break
     return handed
+
+
+class _Band:
+    """One `_even_classes` round as it starts: each sequence's price, each bag's per-GPU
+    time and tokens, the band's top (``target``) and width, the bags outside it, and the
+    ``pool`` of sequences a smaller bag may take (those of the largest groups' bags and of
+    the bags above the band; each leaves it once taken)."""
+
+    def __init__(self, step: Step, prices: Prices):
+        size, weight = step.layout.size, step.layout.weight
+        self.price, load, self.per = _per_gpu(step, prices)
+        mean = float(load.sum() / weight.sum())
+        self.band = EVEN_BAND * mean
+        self.target = mean + self.band
+        self.live = live = step.lengths > 0
+        self.bag_of = bag_of = np.where(live, step.bag, 0)
+        per, target = self.per, self.target
+        self.outside = (per < target - self.band) | (per > target)
+        above = (size == size.max()) | (per > target)
+        self.pool = np.flatnonzero(live & above[bag_of])
+        weights = np.where(live, step.lengths.astype(np.float64), 0.0)
+        self.tokens = np.bincount(bag_of, weights=weights, minlength=len(size))
+
+
+def _even_offers(step: Step, band: _Band, g: int, per_token: float):
+    """(j, b, i) of the exchanges worth pricing for the ``g``-GPU bags outside the band:
+    taker ``b`` gives its sequence ``j`` (-1: nothing, a move) for the pool's sequence
+    ``i``, one of the ``EVEN_TRIES`` nearest distinct costs that bring ``b`` into the band
+    (priced as in a g-GPU bag of another node, ``per_token`` its tokens' cost). None when
+    there is none."""
+    size, bag, per, price = step.layout.size, step.bag, band.per, band.price
+    takers = np.flatnonzero((size == g) & band.outside)
+    cand = band.pool[step.lengths[band.pool] >= g]
+    if not takers.size or not cand.size:
+        return None
+    # Candidates by their cost, the least loaded donor first among equal costs (sequences'
+    # costs repeat); ``run``: the first of each distinct cost.
+    key = step.workload[cand] + per_token * step.lengths[cand].astype(np.float64)
+    order = np.lexsort((per[bag[cand]], key))
+    cand, key = cand[order], key[order]
+    run = np.flatnonzero(np.concatenate([[True], key[1:] != key[:-1]]))
+    is_taker = np.zeros(len(size), dtype=bool)
+    is_taker[takers] = True
+    mine = np.flatnonzero(band.live & is_taker[band.bag_of])
+    # Each taker's sequences, and one empty slot per taker (a move, not a swap).
+    j = np.concatenate([mine, np.full(len(takers), -1)])
+    b = np.concatenate([bag[mine], takers])
+    out_j = np.where(j >= 0, price[np.maximum(j, 0)], 0.0)
+    weight = step.layout.weight[b]
+    lo = out_j + (band.target - band.band - per[b]) * weight
+    hi = out_j + (band.target - per[b]) * weight
+    u = (np.searchsorted(key[run], hi, "right") - 1)[:, None] - np.arange(EVEN_TRIES)
+    first = run[np.maximum(u, 0)]
+    ok = (u >= 0) & (key[first] >= lo[:, None]) & (bag[cand[first]] != b[:, None])
+    rows, cols = np.nonzero(ok)
+    if not rows.size:
+        return None
+    return j[rows], b[rows], cand[first[rows, cols]]
+
+
+def _even_scores(step: Step, prices: Prices, band: _Band, offers, max_tokens):
+    """(good, new_b, a, big) of ``offers`` (`_even_offers`) priced exactly (`Prices`):
+    whether each may be made, the taker's per-GPU time after it, the donor bag and whether
+    it is of the largest size. A taker must end nearer the band's top and within the band;
+    a donor of the largest size may not end above the top unless it already was, a
+    smaller one must end nearer it."""
+    size, weight, per, price = step.layout.size, step.layout.weight, band.per, band.price
+    j, b, i = offers
+    lengths = step.lengths.astype(np.float64)
+    jj = np.maximum(j, 0)
+    a = step.bag[i]
+    into_a = np.where(j >= 0, prices.cost(step, lengths, jj, a)[0], 0.0)
+    out_j = np.where(j >= 0, price[jj], 0.0)
+    new_b = per[b] + (prices.cost(step, lengths, i, b)[0] - out_j) / weight[b]
+    new_a = per[a] + (into_a - price[i]) / weight[a]
+    big = size[a] == size.max()
+    target = band.target
+    good = (np.abs(new_b - target) < np.abs(per[b] - target)) & (new_b <= target + band.band)
+    good &= (j < 0) | (step.lengths[jj] >= size[a])
+    good &= np.where(big, new_a <= np.maximum(per[a], target),
+                     np.abs(new_a - target) < np.abs(per[a] - target))  # fmt: skip
+    if max_tokens is not None:
+        shift = lengths[i] - np.where(j >= 0, lengths[jj], 0.0)
+        good &= within_token_cap(band.tokens, size, a, b, shift, max_tokens)
+    return good, new_b, a, big
+
+
+def _even_apply(step: Step, band: _Band, offers, good, new_b, a, shared) -> None:
+    """Make the ``good`` offers closest to the band's top first, each bag in one (a donor
+    ``shared``, of the largest size without a token cap, in several) and each sequence
+    moved once; the sequences taken leave the pool."""
+    j, b, i = offers
+    sel = np.flatnonzero(good)
+    sel = sel[np.argsort(np.abs(new_b[sel] - band.target), kind="stable")]
+    sel = _disjoint(sel, b, a, i, shared, len(step.layout.size))
+    swap = sel[j[sel] >= 0]
+    step.bag[j[swap]] = a[swap]
+    step.bag[i[sel]] = b[sel]
+    moved = np.zeros(len(band.live), dtype=bool)
+    moved[i[sel]] = True
+    band.pool = band.pool[~moved[band.pool]]
 
 
 def _disjoint(sel, b, a, i, shared, num_bags) -> np.ndarray:

@@ -177,14 +177,7 @@ def fit_compute(work: ArrayLike, compute_ms: ArrayLike) -> ComputeFit:
 
     A figure with work <= 0, compute <= 0 or either not finite is left out. A window with
     no usable figure gives rates and costs of NaN."""
-    w = np.asarray(work, dtype=np.float64)
-    c = np.asarray(compute_ms, dtype=np.float64)
-    if w.ndim == 1:
-        w, c = w[:, None], c[:, None]
-    if w.shape != c.shape:
-        raise ValueError(f"work {w.shape} and compute {c.shape} differ in shape")
-    valid = np.isfinite(w) & np.isfinite(c) & (w > 0) & (c > 0)
-    w, c = np.where(valid, w, np.nan), np.where(valid, c, np.nan)
+    w, c, valid = _usable(work, compute_ms)
     r, s = w.shape
     if not valid.any():
         nan_r, nan_s = np.full(r, np.nan), np.full(s, np.nan)
@@ -199,15 +192,7 @@ def fit_compute(work: ArrayLike, compute_ms: ArrayLike) -> ComputeFit:
         separable = _spread(work_r[known]) >= SEPARATION
         medians = work_r[known], compute_r[known]
         overhead, slope, ambiguous = consensus_line(w, c, medians, typical, separable)
-        agrees = agreeing(w, c, overhead, slope)
-        for _ in range(_ROUNDS):
-            if separable and agrees.sum() >= 2:
-                overhead = refine_overhead(w[agrees], c[agrees], typical)
-            slope = centred_slope(w[agrees], c[agrees], overhead)
-            again = agreeing(w, c, overhead, slope)
-            if (again == agrees).all():
-                break
-            agrees = again if again.any() else agrees
+        overhead, agrees = _settle(w, c, overhead, slope, typical, separable)
         scale = nan_reduce(np.nanmedian, c[agrees] / (overhead + w[agrees]), axis=0)  # (s,)
         predicted = scale * (overhead + w)  # (r, s)
         rate_steps = (c / scale - overhead) / w
@@ -215,20 +200,11 @@ def fit_compute(work: ArrayLike, compute_ms: ArrayLike) -> ComputeFit:
         cost_steps = c / predicted
         cost = nan_reduce(np.nanmedian, cost_steps, axis=1)
         overhead_ms = nan_reduce(np.nanmedian, scale * overhead)
-    note = (
-        f"overhead {overhead_ms:.3g} ms per step, fitted on the line {int(agrees.sum())} of "
-        f"{int(known.sum())} ranks agree with (within {TOLERANCE - 1:.0%})"
-        if separable
-        else f"overhead not separable: every rank's median work is within {SEPARATION:.0%} "
-        "of the others' (taken as 0; with equal work it does not change which rank is slow)"
-    )
-    if ambiguous:
-        note += "; ambiguous: another line, with other ranks off it, fits about as well"
     return ComputeFit(
         overhead=float(overhead),
         overhead_ms=overhead_ms,
         separable=separable,
-        note=note,
+        note=_note(overhead_ms, int(agrees.sum()), int(known.sum()), separable, ambiguous),
         scale_ms=scale,
         rate=rate,
         cost=cost,
@@ -238,6 +214,49 @@ def fit_compute(work: ArrayLike, compute_ms: ArrayLike) -> ComputeFit:
         cost_steps=cost_steps,
         ambiguous=ambiguous,
     )
+
+
+def _usable(work: ArrayLike, compute_ms: ArrayLike):
+    """(work, compute, usable) as (r, s) float arrays (a 1-D window is one step), NaN where
+    a figure is not usable: work or compute <= 0 or not finite."""
+    w = np.asarray(work, dtype=np.float64)
+    c = np.asarray(compute_ms, dtype=np.float64)
+    if w.ndim == 1:
+        w, c = w[:, None], c[:, None]
+    if w.shape != c.shape:
+        raise ValueError(f"work {w.shape} and compute {c.shape} differ in shape")
+    valid = np.isfinite(w) & np.isfinite(c) & (w > 0) & (c > 0)
+    return np.where(valid, w, np.nan), np.where(valid, c, np.nan), valid
+
+
+def _settle(w, c, overhead: float, slope: float, typical: float, separable: bool):
+    """(overhead, agreeing ranks (r,) bool) once the consensus line's overhead is refined
+    over the ranks that agree with it and the agreeing set recomputed, until that set no
+    longer changes (at most `_ROUNDS` times; an empty set keeps the last one)."""
+    agrees = agreeing(w, c, overhead, slope)
+    for _ in range(_ROUNDS):
+        if separable and agrees.sum() >= 2:
+            overhead = refine_overhead(w[agrees], c[agrees], typical)
+        slope = centred_slope(w[agrees], c[agrees], overhead)
+        again = agreeing(w, c, overhead, slope)
+        if (again == agrees).all():
+            break
+        agrees = again if again.any() else agrees
+    return overhead, agrees
+
+
+def _note(overhead_ms: float, agree: int, known: int, separable: bool, ambiguous: bool) -> str:
+    """`ComputeFit.note`: how the overhead was found."""
+    note = (
+        f"overhead {overhead_ms:.3g} ms per step, fitted on the line {agree} of "
+        f"{known} ranks agree with (within {TOLERANCE - 1:.0%})"
+        if separable
+        else f"overhead not separable: every rank's median work is within {SEPARATION:.0%} "
+        "of the others' (taken as 0; with equal work it does not change which rank is slow)"
+    )
+    if ambiguous:
+        note += "; ambiguous: another line, with other ranks off it, fits about as well"
+    return note
 
 
 def _persistent(figure: np.ndarray, median: np.ndarray) -> np.ndarray:

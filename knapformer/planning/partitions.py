@@ -15,9 +15,9 @@ target per-GPU time T every sequence takes the smallest group size that brings i
 T; the GPUs each size needs follow, short sequences fill what rounding to whole groups
 leaves over in the big groups, and the smallest T whose GPUs fit the group is found by
 bisection (only the few sequences above the mean take part in it). Variants merge the
-largest groups in pairs and pack the lower classes' long sequences into their room
-(`_absorb`). The auto solver solves these beside the whole-family layouts (``gXnY``) and
-keeps the best (auto.py).
+largest groups in pairs and pack the lower classes' long sequences into their room (the
+counts: `knapformer.planning.group_demand`). The auto solver solves these beside the
+whole-family layouts (``gXnY``) and keeps the best (auto.py).
 """
 
 from __future__ import annotations
@@ -28,9 +28,14 @@ import numpy as np
 
 from knapformer.contract.topology import Topology
 from knapformer.errors import KnapformerError
+from knapformer.planning.group_demand import (
+    fitting_costs,
+    least_fitting,
+    mixed_counts,
+    per_gpu_costs,
+)
 
 DEFAULT_GROUP_SIZES = (1, 2, 4, 8)
-_BISECTIONS = 40
 
 
 def allowed_sizes(
@@ -116,14 +121,14 @@ def partition_floor(eff: np.ndarray, lengths: np.ndarray, sizes, num_gpus: int) 
     if eff.shape[1] == 0:
         return 0.0
     size = np.asarray(sizes, dtype=np.float64)
-    smallest, cheapest = _per_gpu_costs(eff, lengths, size)
+    smallest, cheapest = per_gpu_costs(eff, lengths, size)
     lo = max(float(eff.min(axis=0).sum()) / num_gpus, cheapest)
     # Only sequences above lo per GPU in their cheapest group depend on T.
     big = np.flatnonzero(smallest > lo)
     if big.size == 0:
         return lo
     rest = float(np.delete(eff[0], big).sum())
-    fits, big_per_gpu = _fitting(eff, lengths, size, big)
+    fits, big_per_gpu = fitting_costs(eff, lengths, size, big)
     big_eff = np.where(fits, eff[:, big], np.inf)
 
     def fits_at(target: float) -> bool:
@@ -133,30 +138,7 @@ def partition_floor(eff: np.ndarray, lengths: np.ndarray, sizes, num_gpus: int) 
     hi = lo
     while not fits_at(hi):
         hi *= 2.0
-    for _ in range(_BISECTIONS):
-        mid = 0.5 * (lo + hi)
-        lo, hi = (lo, mid) if fits_at(mid) else (mid, hi)
-    return hi
-
-
-def _per_gpu_costs(eff: np.ndarray, lengths: np.ndarray, size: np.ndarray):
-    """(each sequence's per-GPU cost in the smallest group (n,), the largest over the
-    sequences of their least per-GPU cost in a group they fit): a sequence shorter than
-    every group still goes to the smallest. One size at a time: no (sizes, n) temporary."""
-    smallest = eff[0] / size[0]
-    cheapest = smallest.copy()
-    for j in range(1, len(size)):
-        np.minimum(cheapest, np.where(lengths >= size[j], eff[j] / size[j], np.inf), out=cheapest)
-    return smallest, float(cheapest.max())
-
-
-def _fitting(eff: np.ndarray, lengths: np.ndarray, size: np.ndarray, seqs: np.ndarray):
-    """(fits, per-GPU cost), each (sizes, len(seqs)), of sequences ``seqs`` in a group of
-    each size: whether it may go there (never shorter than the group, bar the smallest),
-    and its cost there per GPU (inf where it may not)."""
-    fits = lengths[seqs][None, :] >= size[:, None]
-    fits[0] = True
-    return fits, np.where(fits, eff[:, seqs] / size[:, None], np.inf)
+    return least_fitting(fits_at, lo, hi)
 
 
 def mixed_partitions(
@@ -172,8 +154,8 @@ def mixed_partitions(
     """Mixed partitions worth solving for this step (none when one group size is best for
     every sequence): the bisection's (module doc), the same with the groups of its
     largest size merged in pairs (fewer, larger groups: coarse sequences share them), and
-    the merged groups packed with the lower classes' long sequences (`_absorb`), cheapest
-    first by the work each costs at the bisection's time. Deterministic.
+    the merged groups packed with the lower classes' long sequences (`mixed_counts`),
+    cheapest first by the work each costs at the bisection's time. Deterministic.
 
     ``workload``, ``lengths``, ``src_pos`` (n,): each sequence's compute, tokens and source
     GPU position; ``per_token[g]``: Ulysses cost per token in a g-GPU group; ``eff``: their
@@ -187,7 +169,7 @@ def mixed_partitions(
         for j, g in enumerate(sizes)
         if num_gpus % g == 0
     ]
-    found = _mixed(eff, size, lengths, num_gpus, sizes, whole)
+    found = mixed_counts(eff, size, lengths, num_gpus, sizes, whole)
     if found is None:
         return []
     out = []
@@ -196,138 +178,6 @@ def mixed_partitions(
         if Candidate(bag_sizes) not in out:
             out.append(Candidate(bag_sizes))
     return out
-
-
-def _mixed(eff, size, lengths, num_gpus, sizes, whole):
-    """(group counts per size, each sequence's size class) of the bisection's partition
-    and of its variants (`mixed_partitions`), cheapest first; None when no mixed partition
-    is worth solving."""
-    if len(sizes) < 2 or not whole or eff.shape[1] == 0:
-        return None
-    smallest, cheapest = _per_gpu_costs(eff, lengths, size)
-    lo = max(float(eff[0].sum()) / num_gpus, cheapest)
-    hi = min(whole)
-    if lo >= hi * (1 - 1e-9):
-        return None
-    big = np.flatnonzero(smallest > lo)  # the only ones whose group depends on T
-    small = np.ones(eff.shape[1], dtype=bool)
-    small[big] = False
-    x0_small = float(eff[0, small].sum())
-    # What short sequences cost when they fill a bigger group, relative to their own.
-    filling = [small] + [small & (lengths >= g) for g in size[1:]]
-    fill_base = np.array([float(eff[0, mask].sum()) for mask in filling])
-    fill_cost = np.array([float(eff[j, mask].sum()) for j, mask in enumerate(filling)])
-    inflation = np.divide(fill_cost, fill_base, out=np.ones(len(size)), where=fill_base > 0)
-    big_eff, big_per_gpu = eff[:, big], _fitting(eff, lengths, size, big)[1]
-
-    def demand(target: float):
-        ok = big_per_gpu <= target
-        if not ok.any(axis=0).all():
-            return None
-        cls = ok.argmax(axis=0)
-        load = np.bincount(cls, weights=big_eff[cls, np.arange(len(big))], minlength=len(size))
-        load[0] += x0_small
-        # A sequence above half a group's room takes a group of its own (two cannot share).
-        alone = big_per_gpu[cls, np.arange(len(big))] > 0.5 * target
-        groups = np.maximum(
-            np.ceil(load / (size * target) - 1e-9), np.bincount(cls[alone], minlength=len(size))
-        ).astype(np.int64)
-        groups[0] = 0
-        slack = groups * size * target - load
-        fill = np.minimum(slack / inflation, fill_base)[1:].sum()
-        rest = max(0.0, load[0] - fill)
-        groups[0] = int(np.ceil(rest / (size[0] * target) - 1e-9))
-        return int((groups * size).sum()), groups, cls
-
-    if demand(hi) is None or demand(hi)[0] > num_gpus:
-        return None
-    for _ in range(_BISECTIONS):
-        mid = 0.5 * (lo + hi)
-        got = demand(mid)
-        if got is not None and got[0] <= num_gpus:
-            hi = mid
-        else:
-            lo = mid
-    used, groups, cls = demand(hi)
-    groups[0] += (num_gpus - used) // sizes[0]  # spare GPUs go to the smallest groups
-    if (groups[1:] == 0).all():
-        return None  # no bigger group needed: that is the smallest whole-family layout
-
-    def counts(cls: np.ndarray) -> np.ndarray:
-        """Groups per size for big sequences of classes ``cls`` at ``hi`` (as `demand`),
-        the spare GPUs in the smallest groups."""
-        load = np.bincount(cls, weights=big_eff[cls, np.arange(len(big))], minlength=len(size))
-        alone = big_per_gpu[cls, np.arange(len(big))] > 0.5 * hi
-        out = np.maximum(
-            np.ceil(load / (size * hi) - 1e-9), np.bincount(cls[alone], minlength=len(size))
-        ).astype(np.int64)
-        out[0] = (num_gpus - int((out[1:] * size[1:]).sum())) // sizes[0]
-        return out
-
-    def waste(groups: np.ndarray, cls: np.ndarray) -> float:
-        """Work the step costs at ``hi`` under ``groups``: the big sequences at their class,
-        every bigger group's room filled with short ones at its inflation, the remaining short
-        ones alone (lower: less Ulysses paid)."""
-        load = np.bincount(cls, weights=big_eff[cls, np.arange(len(big))], minlength=len(size))
-        room = np.maximum(groups * size * hi - load, 0.0)[1:]
-        filled = np.minimum(room / inflation[1:], fill_base[1:])
-        return float(load[1:].sum() + (filled * inflation[1:]).sum()
-                     + max(0.0, load[0] + x0_small - filled.sum()))  # fmt: skip
-
-    variants = [(groups, cls)]
-    top = int(np.flatnonzero(groups)[-1])
-    if top > 0 and top + 1 < len(sizes) and sizes[top + 1] == 2 * sizes[top] and groups[top] > 1:
-        merged = groups.copy()
-        merged[top + 1] += merged[top] // 2
-        merged[top] %= 2
-        variants.append((merged, cls))
-        packed = _absorb(cls, top, merged, big_eff, size, hi)
-        if packed is not None:
-            # The shared groups as packed; the lower classes' groups for what is left.
-            repacked = counts(np.where(packed >= top, 0, packed))
-            repacked[top:] = merged[top:]
-            repacked[0] = (num_gpus - int((repacked[1:] * size[1:]).sum())) // sizes[0]
-            if repacked[0] >= 0:
-                variants.append((repacked, packed))
-    # The cheapest first (a large step solves only that one); ties keep the order above.
-    scores = [waste(g, c) for g, c in variants]
-    out = []
-    for i in sorted(range(len(variants)), key=lambda i: scores[i]):
-        seq_class = np.zeros(eff.shape[1], dtype=np.int64)
-        seq_class[big] = variants[i][1]
-        out.append((variants[i][0], seq_class))
-    return out
-
-
-def _absorb(cls, top, merged, big_eff, size, target):
-    """Big sequences' classes when the class-``top`` sequences share ``merged``'s groups of
-    twice their size (and the odd one left of their own size) and the lower classes' big
-    sequences move into those groups' room where they fit: each lower group so emptied
-    goes back to the smallest size, whose GPUs pay no exchange. Largest first, each to the
-    least loaded group it fits (the top ones) or the fullest (the lower ones). None when a
-    top sequence fits no group."""
-    bins = np.repeat([top + 1, top], [merged[top + 1], merged[top]])
-    cap = size[bins] * target * (1 + 1e-9)
-    held = np.zeros(len(bins))
-    out = cls.copy()
-    tops = np.flatnonzero(cls == top)
-    for x in tops[np.argsort(-big_eff[top + 1, tops], kind="stable")].tolist():
-        cost = big_eff[bins, x]
-        fit = np.flatnonzero(held + cost <= cap)
-        if fit.size == 0:
-            return None
-        b = int(fit[np.argmin(held[fit] / size[bins[fit]])])
-        held[b] += cost[b]
-        out[x] = bins[b]
-    lower = np.flatnonzero((cls > 0) & (cls < top))
-    for x in lower[np.argsort(-big_eff[0, lower], kind="stable")].tolist():
-        cost = big_eff[bins, x]
-        fit = np.flatnonzero(held + cost <= cap)
-        if fit.size:
-            b = int(fit[np.argmax(held[fit] / cap[fit])])
-            held[b] += cost[b]
-            out[x] = bins[b]
-    return None if np.array_equal(out, cls) else out
 
 
 def _place(groups, sizes, num_gpus, node_size, eff, seq_class, src_pos):

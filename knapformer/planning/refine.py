@@ -13,7 +13,8 @@ from knapformer.planning.bags import (
 from knapformer.planning.communication import CommModel
 from knapformer.planning.exchanges import spread_sample
 from knapformer.planning.pricing import compute_per_gpu, modelled_makespan, route_per_token
-from knapformer.planning.tuning import REFINE_CELLS, REFINE_PARTNERS, REFINE_ROUNDS, TIE
+from knapformer.planning.token_cap import within_token_cap
+from knapformer.planning.tuning import EPS, REFINE_CELLS, REFINE_PARTNERS, REFINE_ROUNDS, TIE
 from knapformer.planning.workload import WorkloadModel
 
 
@@ -193,15 +194,13 @@ def _best_candidate(new, load, moves, state: _GpuLoads, max_tokens) -> int:
         moved_to = np.concatenate([t1, bag[o2]])
         moved = np.concatenate([s1, s2])
         gain = fl[moved] - np.concatenate([np.zeros(len(s1)), fl[o2]])
-        ok = np.ceil((bag_tokens[moved_to] + gain) / size[moved_to]) <= max_tokens
-        ok &= np.ceil((bag_tokens[bag[moved]] - gain) / size[bag[moved]]) <= max_tokens
-        new[~ok] = np.inf
+        new[~within_token_cap(bag_tokens, size, bag[moved], moved_to, gain, max_tokens)] = np.inf
     worst = new.max(1)
     score = np.square(np.maximum(new - mean, 0.0)).sum(1)
-    better = worst < top * (1 - 1e-9)
+    better = worst < top * (1 - TIE)
     if better.any():
         return int(np.argmin(np.where(better, worst, np.inf)))
-    better = (worst <= top * (1 + 1e-12)) & (score < spill * (1 - 1e-9))
+    better = (worst <= top * (1 + EPS)) & (score < spill * (1 - TIE))
     if not better.any():
         return -1
     return int(np.flatnonzero(better)[np.argmin(score[better])])

@@ -32,6 +32,9 @@ WIDE_ROUNDS = 16
 TIE = 1e-9  # modelled times this close are equal (then: fewer moved tokens)
 SMALL_GPUS = 64  # a *small* step: at most this many GPUs ...
 SMALL_SEQUENCES = 512  # ... and sequences: every partition solved, then refined exactly
+# Bisections on the per-GPU target of the partition floor and of the mixed partition
+# (partitions.py): 2^-40 of the starting bracket, far below any cost's resolution.
+BISECTIONS = 40
 SLOW = 0.9  # a GPU below this share of its group's fastest is split off (`_isolate_slow`)
 POUR = 2048  # a larger pool is poured into the bags' room at once, not one by one
 # The fixed solver pours a pool of more than this many, all but this many lightest (which

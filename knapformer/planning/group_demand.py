@@ -1,0 +1,207 @@
+"""The group counts per size a step's sequences ask for at a per-GPU target, and the
+mixed partitions `knapformer.planning.partitions.mixed_partitions` offers (`mixed_counts`).
+
+Each sequence's cost per GPU in each group size (`per_gpu_costs`, `fitting_costs`); the
+least target whose groups fit the GPUs (`_Demand`), by the bisection the partition floor
+uses too (`least_fitting`); its largest groups merged in pairs, and those packed with the
+lower classes' long sequences (`_absorb`)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from knapformer.planning.tuning import BISECTIONS, TIE
+
+
+def per_gpu_costs(eff: np.ndarray, lengths: np.ndarray, size: np.ndarray):
+    """(each sequence's per-GPU cost in the smallest group (n,), the largest over the
+    sequences of their least per-GPU cost in a group they fit): a sequence shorter than
+    every group still goes to the smallest. One size at a time: no (sizes, n) temporary."""
+    smallest = eff[0] / size[0]
+    cheapest = smallest.copy()
+    for j in range(1, len(size)):
+        np.minimum(cheapest, np.where(lengths >= size[j], eff[j] / size[j], np.inf), out=cheapest)
+    return smallest, float(cheapest.max())
+
+
+def fitting_costs(eff: np.ndarray, lengths: np.ndarray, size: np.ndarray, seqs: np.ndarray):
+    """(fits, per-GPU cost), each (sizes, len(seqs)), of sequences ``seqs`` in a group of
+    each size: whether it may go there (never shorter than the group, bar the smallest),
+    and its cost there per GPU (inf where it may not)."""
+    fits = lengths[seqs][None, :] >= size[:, None]
+    fits[0] = True
+    return fits, np.where(fits, eff[:, seqs] / size[:, None], np.inf)
+
+
+def least_fitting(fits, lo: float, hi: float) -> float:
+    """The least target in (lo, hi] that ``fits`` (a predicate true at ``hi``, and from
+    some point on), to ``BISECTIONS`` halvings of the bracket."""
+    for _ in range(BISECTIONS):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    return hi
+
+
+def mixed_counts(eff, size, lengths, num_gpus, sizes, whole):
+    """(group counts per size, each sequence's size class) of the bisection's partition
+    (`_Demand.least_target`) and of its variants (`_merged_variants`), cheapest first by
+    `_Demand.waste`; None when no mixed partition is worth solving. ``eff`` (sizes, n):
+    the effective workloads; ``size``: ``sizes`` as floats; ``whole``: the floor of each
+    whole-family layout (the bisection's top)."""
+    if len(sizes) < 2 or not whole or eff.shape[1] == 0:
+        return None
+    smallest, cheapest = per_gpu_costs(eff, lengths, size)
+    lo = max(float(eff[0].sum()) / num_gpus, cheapest)
+    hi = min(whole)
+    if lo >= hi * (1 - TIE):
+        return None
+    # Only the sequences above lo in the smallest group have a class that depends on T.
+    need = _Demand(eff, size, lengths, num_gpus, int(sizes[0]), np.flatnonzero(smallest > lo))
+    hi = need.least_target(lo, hi)
+    if hi is None:
+        return None
+    used, groups, cls = need.at(hi)
+    groups[0] += (num_gpus - used) // sizes[0]  # spare GPUs go to the smallest groups
+    if (groups[1:] == 0).all():
+        return None  # no bigger group needed: that is the smallest whole-family layout
+    variants = [(groups, cls), *_merged_variants(need, groups, cls, hi, sizes)]
+    # The cheapest first (a large step solves only that one); ties keep the order above.
+    scores = [need.waste(g, c, hi) for g, c in variants]
+    out = []
+    for i in sorted(range(len(variants)), key=lambda i: scores[i]):
+        seq_class = np.zeros(eff.shape[1], dtype=np.int64)
+        seq_class[need.big] = variants[i][1]
+        out.append((variants[i][0], seq_class))
+    return out
+
+
+class _Demand:
+    """The groups a per-GPU target T asks for (`_mixed`): each big sequence (``big``) takes
+    the smallest size that brings it under T, and the short ones fill the bigger groups'
+    room at their ``inflation`` (what they cost there over what they cost alone), the rest
+    going to the smallest groups."""
+
+    def __init__(self, eff, size, lengths, num_gpus: int, unit: int, big: np.ndarray):
+        self.size, self.num_gpus, self.unit, self.big = size, num_gpus, unit, big
+        small = np.ones(eff.shape[1], dtype=bool)
+        small[big] = False
+        self.x0_small = float(eff[0, small].sum())
+        filling = [small] + [small & (lengths >= g) for g in size[1:]]
+        self.fill_base = np.array([float(eff[0, mask].sum()) for mask in filling])
+        fill_cost = np.array([float(eff[j, mask].sum()) for j, mask in enumerate(filling)])
+        self.inflation = np.divide(fill_cost, self.fill_base, out=np.ones(len(size)),
+                                   where=self.fill_base > 0)  # fmt: skip
+        self.big_eff, self.big_per_gpu = eff[:, big], fitting_costs(eff, lengths, size, big)[1]
+
+    def load(self, cls: np.ndarray) -> np.ndarray:
+        """Each size's load from the big sequences of classes ``cls``."""
+        at = self.big_eff[cls, np.arange(len(self.big))]
+        return np.bincount(cls, weights=at, minlength=len(self.size))
+
+    def groups(self, cls: np.ndarray, target: float):
+        """(load, groups) per size for the big sequences of classes ``cls`` at ``target``:
+        enough room for the load (within `TIE` of whole groups needs no more), and a group
+        of its own for each sequence above half a group's room (two cannot share)."""
+        load = self.load(cls)
+        alone = self.big_per_gpu[cls, np.arange(len(self.big))] > 0.5 * target
+        size = self.size
+        groups = np.maximum(np.ceil(load / (size * target) - TIE),
+                            np.bincount(cls[alone], minlength=len(size)))  # fmt: skip
+        return load, groups.astype(np.int64)
+
+    def at(self, target: float):
+        """(GPUs used, groups per size, classes of the big sequences) at ``target``; None
+        when a big sequence fits no size at it."""
+        ok = self.big_per_gpu <= target
+        if not ok.any(axis=0).all():
+            return None
+        cls = ok.argmax(axis=0)
+        load, groups = self.groups(cls, target)
+        load[0] += self.x0_small
+        groups[0] = 0
+        size = self.size
+        slack = groups * size * target - load
+        fill = np.minimum(slack / self.inflation, self.fill_base)[1:].sum()
+        rest = max(0.0, load[0] - fill)
+        groups[0] = int(np.ceil(rest / (size[0] * target) - TIE))
+        return int((groups * size).sum()), groups, cls
+
+    def fits(self, target: float) -> bool:
+        got = self.at(target)
+        return got is not None and got[0] <= self.num_gpus
+
+    def least_target(self, lo: float, hi: float) -> float | None:
+        """The least target in (lo, hi] whose groups fit the GPUs, by bisection; None when
+        even ``hi`` does not."""
+        return least_fitting(self.fits, lo, hi) if self.fits(hi) else None
+
+    def counts(self, cls: np.ndarray, target: float) -> np.ndarray:
+        """Groups per size for the big sequences of classes ``cls`` at ``target`` (as `at`),
+        the spare GPUs in the smallest groups."""
+        out = self.groups(cls, target)[1]
+        out[0] = (self.num_gpus - int((out[1:] * self.size[1:]).sum())) // self.unit
+        return out
+
+    def waste(self, groups: np.ndarray, cls: np.ndarray, target: float) -> float:
+        """Work the step costs at ``target`` under ``groups``: the big sequences at their
+        class, every bigger group's room filled with short ones at its inflation, the
+        remaining short ones alone (lower: less Ulysses paid)."""
+        load, inflation = self.load(cls), self.inflation[1:]
+        room = np.maximum(groups * self.size * target - load, 0.0)[1:]
+        filled = np.minimum(room / inflation, self.fill_base[1:])
+        return float(load[1:].sum() + (filled * inflation).sum()
+                     + max(0.0, load[0] + self.x0_small - filled.sum()))  # fmt: skip
+
+
+def _merged_variants(need: _Demand, groups, cls, target: float, sizes) -> list[tuple]:
+    """The variants of the partition ``groups`` (`_mixed`): its largest size's groups merged
+    in pairs into the next size, and the same with the lower classes' big sequences packed
+    into the merged groups' room (`_absorb`); none when the next size is not twice it."""
+    top = int(np.flatnonzero(groups)[-1])
+    if not (top > 0 and top + 1 < len(sizes) and sizes[top + 1] == 2 * sizes[top]
+            and groups[top] > 1):  # fmt: skip
+        return []
+    merged = groups.copy()
+    merged[top + 1] += merged[top] // 2
+    merged[top] %= 2
+    out = [(merged, cls)]
+    packed = _absorb(cls, top, merged, need.big_eff, need.size, target)
+    if packed is not None:
+        # The shared groups as packed; the lower classes' groups for what is left.
+        repacked = need.counts(np.where(packed >= top, 0, packed), target)
+        repacked[top:] = merged[top:]
+        repacked[0] = (need.num_gpus - int((repacked[1:] * need.size[1:]).sum())) // sizes[0]
+        if repacked[0] >= 0:
+            out.append((repacked, packed))
+    return out
+
+
+def _absorb(cls, top, merged, big_eff, size, target):
+    """Big sequences' classes when the class-``top`` sequences share ``merged``'s groups of
+    twice their size (and the odd one left of their own size) and the lower classes' big
+    sequences move into those groups' room where they fit: each lower group so emptied
+    goes back to the smallest size, whose GPUs pay no exchange. Largest first, each to the
+    least loaded group it fits (the top ones) or the fullest (the lower ones). None when a
+    top sequence fits no group."""
+    bins = np.repeat([top + 1, top], [merged[top + 1], merged[top]])
+    cap = size[bins] * target * (1 + TIE)
+    held = np.zeros(len(bins))
+    out = cls.copy()
+    tops = np.flatnonzero(cls == top)
+    for x in tops[np.argsort(-big_eff[top + 1, tops], kind="stable")].tolist():
+        cost = big_eff[bins, x]
+        fit = np.flatnonzero(held + cost <= cap)
+        if fit.size == 0:
+            return None
+        b = int(fit[np.argmin(held[fit] / size[bins[fit]])])
+        held[b] += cost[b]
+        out[x] = bins[b]
+    lower = np.flatnonzero((cls > 0) & (cls < top))
+    for x in lower[np.argsort(-big_eff[0, lower], kind="stable")].tolist():
+        cost = big_eff[bins, x]
+        fit = np.flatnonzero(held + cost <= cap)
+        if fit.size:
+            b = int(fit[np.argmax(held[fit] / cap[fit])])
+            held[b] += cost[b]
+            out[x] = bins[b]
+    return None if np.array_equal(out, cls) else out
