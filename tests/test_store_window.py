@@ -121,8 +121,13 @@ def test_a_dense_window_takes_the_waits_and_presence_the_scatter_gives(width):
 def test_a_dense_window_orders_its_bags_as_a_sort_of_the_whole_window():
     from knapformer.diagnosis.store_window import _bag_order, _measured_only
 
-    flat = _measured_only(_rows(measured_run(5, topology="g1n2+g2n1+g4n1", seed=6)))
-    assert flat.width == 8
+    rows = _rows(measured_run(5, topology="g1n2+g2n1+g4n1", seed=6))
+    # each bag's ranks in a row (the usual layout): in order already
+    flat = _measured_only(rows)
+    assert flat.width == 8 and _bag_order(flat) is None
+    assert np.array_equal(np.argsort(flat.bag_groups, kind="stable"), np.arange(len(rows.step)))
+    # bag ids against the ranks' order: one sort per step gives the whole window's sort
+    flat = _measured_only(WindowRows(**{**rows.__dict__, "bag": rows.bag.max() - rows.bag}))
     assert np.array_equal(_bag_order(flat), np.argsort(flat.bag_groups, kind="stable"))
 
 

@@ -1,11 +1,11 @@
-"""numpy's NaN-skipping reductions, NaN for a slice with no value, without a warning;
-and ``np.nan_to_num`` in fewer passes (`nan_to_zero`).
+"""numpy's NaN-skipping reductions, NaN for a slice with no value, without a warning.
 
 ``np.nanmedian`` and its kin warn on an all-NaN slice. A rank absent from every step of
 a window, or a step nobody measured, is such a slice on purpose, and silencing the warning
 with ``warnings.catch_warnings`` is not thread-safe: the dashboard analyses plans in its
 server's threads, where one thread's filter is lost or leaks into another's.
-`nan_reduce` never reaches numpy with an all-NaN slice.
+`nan_reduce` never reaches numpy with an all-NaN slice. `nan_to_zero` is
+``np.nan_to_num`` in fewer passes over a large array.
 """
 
 from __future__ import annotations

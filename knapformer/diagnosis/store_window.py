@@ -375,7 +375,7 @@ def _scope_times(flat: _Flat, wall: np.ndarray) -> ScopeTimes:
     for scope, phases in (("group", GROUP_EXCHANGES), ("bag", BAG_COLLECTIVES)):
         groups = flat.col if scope == "group" else flat.bag_groups
         # rows come by step: a step's group needs no sort (a copy of every column)
-        order = None if scope == "group" else _bag_order(flat)
+        order = None if scope == "group" else _bag_order(flat)  # None: in order
 
         def ordered(a: np.ndarray, order=order) -> np.ndarray:
             return a if order is None else a[order]
@@ -401,10 +401,14 @@ def _scope_times(flat: _Flat, wall: np.ndarray) -> ScopeTimes:
     return out
 
 
-def _bag_order(flat: _Flat) -> np.ndarray:
-    """The rows in the order of `_Flat.bag_groups` (stable): rows come by step, so in a
+def _bag_order(flat: _Flat) -> np.ndarray | None:
+    """The rows in the order of `_Flat.bag_groups` (stable); None when they are in it
+    already (each bag's ranks in a row, the usual layout). Rows come by step, so in a
     dense window one sort per step of its bag ids, at once, gives the order of a sort of
     the whole window."""
+    groups = flat.bag_groups
+    if (groups[1:] >= groups[:-1]).all():
+        return None
     if flat.width is None:
         return np.argsort(flat.bag_groups, kind="stable")
     bags = np.asarray(flat.rows.bag).reshape(-1, flat.width)
