@@ -2,12 +2,13 @@
 sort, the remainder-pattern chunk table, the by-bag member index of the exchange rounds;
 and a large step's poured pool still plans within the solver's bound."""
 
+from dataclasses import replace
 from unittest.mock import patch
 
 import numpy as np
 import pytest
 
-from knapformer.planning import auto, bags, fixed, levelling
+from knapformer.planning import auto, bags, fixed, levelling, pricing
 from knapformer.planning.communication import CommModel
 from knapformer.planning.datamix import parse_mix, sample_lengths, scale_mix
 from knapformer.planning.planner import plan_routing
@@ -156,3 +157,37 @@ def test_auto_skips_only_candidates_its_floor_rules_out(mix, factor):
     assert np.array_equal(plan.chunks.dst_gpu, every.chunks.dst_gpu)
     if (mix, factor) == ("seqheavy", 32):  # g4n256 and g8n128 lose to the mixed partition
         assert len(priced) < len(all_priced)
+
+
+def _auto_ceilings(lengths, solver: str, ceiling_on: bool):
+    """The auto plan of a step and (ceiling, exact modelled makespan) of every candidate
+    whose ceiling was asked for; ``ceiling_on=False``: the ceiling never settles anything."""
+    comm, seen = CommModel(), []
+    real = auto.makespan_ceiling
+
+    def spy(step, model, comm_, per_token):
+        value = real(step, model, comm_, per_token)
+        chunks = step.chunks or bags.chunk_table(step)
+        exact = pricing.modelled_makespan(replace(step, chunks=chunks), model, comm_, None)
+        seen.append((value, exact))
+        return value if ceiling_on else np.inf
+
+    with patch.object(auto, "makespan_ceiling", spy):
+        plan = plan_routing(lengths, "auto", MODEL, solver=solver, comm=comm)
+    return plan, seen
+
+
+@pytest.mark.parametrize(
+    ("mix", "factor", "solver"),
+    [("video", 4, "knapformer"), ("joint", 4, "knapformer"), ("lowres", 4, "greedy"),
+     ("seqheavy", 1, "knapformer"), ("joint", 1, "greedy")],
+)  # fmt: skip
+def test_auto_ceiling_bounds_every_candidate_and_changes_no_plan(mix, factor, solver):
+    lengths = sample_lengths(scale_mix(parse_mix(mix), factor), np.random.default_rng(17))
+    plan, seen = _auto_ceilings(lengths, solver, ceiling_on=True)
+    exact, _ = _auto_ceilings(lengths, solver, ceiling_on=False)
+    assert seen and all(exact_value <= ceiling for ceiling, exact_value in seen)
+    assert plan.topology == exact.topology
+    assert np.array_equal(plan.sequences.bag, exact.sequences.bag)
+    assert all(np.array_equal(getattr(plan.chunks, c), getattr(exact.chunks, c))
+               for c in ("seq", "dst_gpu", "offset", "length"))  # fmt: skip
