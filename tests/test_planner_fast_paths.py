@@ -191,3 +191,35 @@ def test_auto_ceiling_bounds_every_candidate_and_changes_no_plan(mix, factor, so
     assert np.array_equal(plan.sequences.bag, exact.sequences.bag)
     assert all(np.array_equal(getattr(plan.chunks, c), getattr(exact.chunks, c))
                for c in ("seq", "dst_gpu", "offset", "length"))  # fmt: skip
+
+
+def _chunks_by_definition(lengths, bag, bag_gpus):
+    """The even-spread chunk table one sequence at a time, as bags.chunk_table documents it:
+    L // g tokens per chunk, the L % g remainder one token each to the next GPUs of a cycle
+    through the bag's sequences in id order; zero-length chunks dropped."""
+    cycle = [0] * len(bag_gpus)
+    rows = []
+    for seq, (length, b) in enumerate(zip(lengths.tolist(), bag.tolist(), strict=True)):
+        gpus = bag_gpus[b]
+        g, rem, offset = len(gpus), length % len(gpus), 0
+        for k, gpu in enumerate(gpus):
+            size = length // g + ((k - cycle[b]) % g < rem)
+            if size:
+                rows.append((seq, gpu, offset, size))
+            offset += size
+        cycle[b] = (cycle[b] + rem) % g
+    return [np.array(col) for col in zip(*rows, strict=True)]
+
+
+@pytest.mark.parametrize("whole", [0.0, 0.9])
+def test_chunk_table_of_one_gpu_bags_and_few_remainders_is_the_definition(whole):
+    """One-GPU bags take the whole sequence; where most lengths are multiples of their bag
+    size, the remainder cycles are run over the others only: the same table."""
+    rng = np.random.default_rng(5)
+    lengths = [rng.integers(1, 3000, 40) for _ in range(32)]
+    for part in lengths:  # a share ``whole`` of lengths made multiples of 8
+        part[rng.random(part.size) < whole] &= ~7
+    plan = plan_routing(lengths, "g1n8+g2n4+g4n2+g8n1", MODEL)
+    expected = _chunks_by_definition(plan.sequences.length, plan.sequences.bag, plan.bags)
+    for name, column in zip(("seq", "dst_gpu", "offset", "length"), expected, strict=True):
+        assert np.array_equal(getattr(plan.chunks, name), column), name

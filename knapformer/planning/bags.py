@@ -291,7 +291,7 @@ def chunk_table(step: Step):
     n = len(lengths)
     size = layout.size[bag]
     rem = lengths % size
-    start = _cycle_starts(bag, rem, size) if layout.even else None
+    start = _remainder_starts(bag, rem, size) if layout.even else None
     if len(layout.class_size) == 1:  # the usual fixed topology: one (n, g) grid
         g = int(layout.class_size[0])
         idx = np.repeat(np.arange(n), g)
@@ -304,6 +304,10 @@ def chunk_table(step: Step):
         idx = np.repeat(np.arange(n), size)
         for g in layout.class_size.tolist():
             sel = np.flatnonzero(size == g)
+            if g == 1:  # one whole chunk each, on the bag's GPU
+                rows = first[sel]
+                length[rows], pos[rows], offset[rows] = lengths[sel], layout.start[bag[sel]], 0
+                continue
             rows = (first[sel][:, None] + np.arange(g)).ravel()
             grid = _chunk_grid(step, sel, g, None if start is None else start[sel])
             length[rows], pos[rows], offset[rows] = (x.ravel() for x in grid)
@@ -353,6 +357,18 @@ def _remainder_patterns(g: int) -> tuple[np.ndarray, np.ndarray]:
     k = np.arange(g)
     extra = ((k - start[:, None]) % g < rem[:, None]).astype(np.int64)
     return extra, np.cumsum(extra, axis=1) - extra
+
+
+def _remainder_starts(bag: np.ndarray, rem: np.ndarray, size: np.ndarray) -> np.ndarray:
+    """`_cycle_starts`, computed over the sequences with a remainder only when they are
+    few (one-GPU bags, or most lengths a multiple of g): a sequence without one adds
+    nothing to its bag's cycle, and its own start is never read (0 here)."""
+    some = np.flatnonzero(rem)
+    if 2 * len(some) >= len(rem):
+        return _cycle_starts(bag, rem, size)
+    starts = np.zeros_like(rem)
+    starts[some] = _cycle_starts(bag[some], rem[some], size[some])
+    return starts
 
 
 def _cycle_starts(bag: np.ndarray, rem: np.ndarray, size: np.ndarray) -> np.ndarray:
