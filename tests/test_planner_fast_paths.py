@@ -3,6 +3,7 @@ sort, the remainder-pattern chunk table, the by-bag member index of the exchange
 and a large step's poured pool still plans within the solver's bound."""
 
 from dataclasses import replace
+from functools import partial
 from unittest.mock import patch
 
 import numpy as np
@@ -40,6 +41,16 @@ def test_by_home_heaviest_first_is_the_lexsort(distinct):
     assert len(seqs) >= bags._RANKED_SORT
     expected = seqs[np.lexsort((-workload[seqs], home[seqs]))]
     assert np.array_equal(bags.by_home_heaviest_first(seqs, home, workload, 300), expected)
+    # The step's shared ranks (of all 60,000, both ways) order a subset the same way.
+    step = bags.Step(workload, workload, home, home, None, home, home)
+    shared = bags.by_home_heaviest_first(seqs, home, workload, 300, step.ranks)
+    assert np.array_equal(shared, expected)
+    lightest = bags.by_home_heaviest_first(
+        seqs, home, -workload, 300, partial(step.ranks, lightest=True)
+    )
+    assert np.array_equal(lightest, seqs[np.lexsort((workload[seqs], home[seqs]))])
+    stable = seqs[np.argsort(-workload[seqs], kind="stable")]
+    assert np.array_equal(bags.descending(workload, seqs, step), stable)
 
 
 def test_by_small_key_is_the_stable_sort():

@@ -11,7 +11,7 @@ would dominate; static per-topology arrays are cached (`bag_shape`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 
 import numpy as np
@@ -169,6 +169,7 @@ class Step:
     bag: np.ndarray  # (n,) assigned bag; -1 while unplaced
     rem: np.ndarray  # (n,) round-robin only: the chunk that takes the L % g remainder
     chunks: tuple | None = None  # `chunk_table`, once made (auto prices candidates by it)
+    _ranks: dict = field(default_factory=dict, repr=False)  # `ranks`, once made
 
     @classmethod
     def start(cls, shape, lengths, workload, src_pos, layout) -> Step:
@@ -180,6 +181,18 @@ class Step:
         return cls(lengths, workload, src_pos, home, layout, bag,
                    np.zeros(n, dtype=np.int64))  # fmt: skip
 
+    def ranks(self, lightest: bool = False) -> tuple[np.ndarray, int]:
+        """(each sequence's rank among the step's distinct workloads, heaviest first, or
+        lightest first; how many distinct there are), made once: the large sorts of a
+        solve read their subsets' order from it instead of sorting their workloads."""
+        if lightest not in self._ranks:
+            if lightest:
+                rank, distinct = self.ranks()
+                self._ranks[True] = (distinct - 1 - rank, distinct)
+            else:
+                self._ranks[False] = _dense_ranks(-self.workload, np.int64)
+        return self._ranks[lightest]
+
     def move(self, seq: int, dst: int) -> None:
         """Move a placed sequence to bag ``dst`` (even spread: no remainder to track)."""
         w, length = float(self.workload[seq]), int(self.lengths[seq])
@@ -188,8 +201,13 @@ class Step:
         self.bag[seq] = dst
 
 
-def descending(workload: np.ndarray, seq: np.ndarray) -> np.ndarray:
-    """``seq`` ordered by workload, largest first; ties by sequence id (stable)."""
+def descending(workload: np.ndarray, seq: np.ndarray, step: Step | None = None) -> np.ndarray:
+    """``seq`` ordered by workload, largest first; ties by sequence id (stable). Many of a
+    ``step``'s sequences: a radix sort of their ranks (`Step.ranks`), the same order."""
+    if step is not None and len(seq) >= _RANKED_SORT:
+        rank, distinct = step.ranks()
+        if distinct <= 2**15:
+            return seq[np.argsort(rank[seq].astype(np.int16), kind="stable")]
     return seq[stable_argsort(-workload[seq])]
 
 
@@ -224,14 +242,19 @@ def bag_speeds(shape: BagShape, speed: np.ndarray | None) -> np.ndarray | None:
     return None if speed is None else np.minimum.reduceat(speed, shape.start)
 
 
-def by_home_heaviest_first(seqs, home, workload, num_bags) -> np.ndarray:
+def by_home_heaviest_first(seqs, home, workload, num_bags, ranks=None) -> np.ndarray:
     """``seqs`` ordered by home bag, heaviest first within one (ties by position in
     ``seqs``): what ``seqs[np.lexsort((-workload[seqs], home[seqs]))]`` gives. Many
-    sequences: one unstable sort of keys made unique by (home, workload rank, position);
+    sequences: one unstable sort of keys made unique by (home, workload rank, position),
+    the ranks read from ``ranks()`` (`Step.ranks` in ``workload``'s order) when given;
     else two stable passes, the second over small ints (a radix sort)."""
     n = len(seqs)
     if n >= _RANKED_SORT:
-        ranks, distinct = _dense_ranks(-workload[seqs], np.int64)
+        if ranks is None:
+            ranks, distinct = _dense_ranks(-workload[seqs], np.int64)
+        else:
+            step_ranks, distinct = ranks()
+            ranks = step_ranks[seqs]
         if num_bags * distinct * n < 2**62:
             return seqs[np.argsort((home[seqs] * distinct + ranks) * n + np.arange(n))]
     by_w = descending(workload, seqs)
