@@ -353,10 +353,11 @@ def _chunk_grid(step: Step, sel, g: int, start):
         # One of g*g remainder patterns per sequence, looked up with its running sum.
         extra, before = _remainder_patterns(g)
         pattern = start * g + rem
-        length = extra[pattern]
+        # (np.take gathers rows faster than fancy indexing; the product is the temporary.)
+        length = np.take(extra, pattern, axis=0)
         length += quot[:, None]
-        offset = np.multiply.outer(quot, k)
-        offset += before[pattern]
+        offset = np.take(before, pattern, axis=0)
+        offset += np.multiply.outer(quot, k)
         return length, pos, offset
     if start is not None:
         # Chunk k takes a remainder token when it lies in [start, start + rem) cyclically.
