@@ -399,13 +399,14 @@ def _cycle_starts(bag: np.ndarray, rem: np.ndarray, size: np.ndarray) -> np.ndar
     """(n,) where each sequence's remainder starts in its bag's cycle: the remainders of the
     bag's earlier sequences (id order), summed, modulo the bag size."""
     order = by_small_key(bag, int(bag.max()) + 1 if bag.size else 0)
-    r = rem[order]
+    r = np.take(rem, order)
     before = np.cumsum(r) - r  # exclusive running sum over all bags
+    sorted_bag = np.take(bag, order)
     group_start = np.ones(len(order), dtype=bool)
-    group_start[1:] = bag[order][1:] != bag[order][:-1]
+    np.not_equal(sorted_bag[1:], sorted_bag[:-1], out=group_start[1:])
     base = np.maximum.accumulate(np.where(group_start, before, 0))
     starts = np.empty_like(rem)
-    starts[order] = (before - base) % size[order]
+    starts[order] = (before - base) % np.take(size, order)
     return starts
 
 
