@@ -169,7 +169,8 @@ class Step:
     bag: np.ndarray  # (n,) assigned bag; -1 while unplaced
     rem: np.ndarray  # (n,) round-robin only: the chunk that takes the L % g remainder
     chunks: tuple | None = None  # `chunk_table`, once made (auto prices candidates by it)
-    _ranks: dict = field(default_factory=dict, repr=False)  # `ranks`, once made
+    # `ranks`, made on first need; not a constructor argument (a new step ranks anew).
+    _ranks: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def start(cls, shape, lengths, workload, src_pos, layout) -> Step:
