@@ -2,12 +2,14 @@
 sort, the remainder-pattern chunk table, the by-bag member index of the exchange rounds;
 and a large step's poured pool still plans within the solver's bound."""
 
+from dataclasses import replace
+from functools import partial
 from unittest.mock import patch
 
 import numpy as np
 import pytest
 
-from knapformer.planning import auto, bags, fixed, levelling
+from knapformer.planning import auto, bags, fixed, levelling, pricing
 from knapformer.planning.communication import CommModel
 from knapformer.planning.datamix import parse_mix, sample_lengths, scale_mix
 from knapformer.planning.planner import plan_routing
@@ -39,6 +41,16 @@ def test_by_home_heaviest_first_is_the_lexsort(distinct):
     assert len(seqs) >= bags._RANKED_SORT
     expected = seqs[np.lexsort((-workload[seqs], home[seqs]))]
     assert np.array_equal(bags.by_home_heaviest_first(seqs, home, workload, 300), expected)
+    # The step's shared ranks (of all 60,000, both ways) order a subset the same way.
+    step = bags.Step(workload, workload, home, home, None, home, home)
+    shared = bags.by_home_heaviest_first(seqs, home, workload, 300, step.ranks)
+    assert np.array_equal(shared, expected)
+    lightest = bags.by_home_heaviest_first(
+        seqs, home, -workload, 300, partial(step.ranks, lightest=True)
+    )
+    assert np.array_equal(lightest, seqs[np.lexsort((workload[seqs], home[seqs]))])
+    stable = seqs[np.argsort(-workload[seqs], kind="stable")]
+    assert np.array_equal(bags.descending(workload, seqs, step), stable)
 
 
 def test_by_small_key_is_the_stable_sort():
@@ -156,3 +168,69 @@ def test_auto_skips_only_candidates_its_floor_rules_out(mix, factor):
     assert np.array_equal(plan.chunks.dst_gpu, every.chunks.dst_gpu)
     if (mix, factor) == ("seqheavy", 32):  # g4n256 and g8n128 lose to the mixed partition
         assert len(priced) < len(all_priced)
+
+
+def _auto_ceilings(lengths, solver: str, ceiling_on: bool):
+    """The auto plan of a step and (ceiling, exact modelled makespan) of every candidate
+    whose ceiling was asked for; ``ceiling_on=False``: the ceiling never settles anything."""
+    comm, seen = CommModel(), []
+    real = auto.makespan_ceiling
+
+    def spy(step, model, comm_, per_token):
+        value = real(step, model, comm_, per_token)
+        chunks = step.chunks or bags.chunk_table(step)
+        exact = pricing.modelled_makespan(replace(step, chunks=chunks), model, comm_, None)
+        seen.append((value, exact))
+        return value if ceiling_on else np.inf
+
+    with patch.object(auto, "makespan_ceiling", spy):
+        plan = plan_routing(lengths, "auto", MODEL, solver=solver, comm=comm)
+    return plan, seen
+
+
+@pytest.mark.parametrize(
+    ("mix", "factor", "solver"),
+    [("video", 4, "knapformer"), ("joint", 4, "knapformer"), ("lowres", 4, "greedy"),
+     ("seqheavy", 1, "knapformer"), ("joint", 1, "greedy")],
+)  # fmt: skip
+def test_auto_ceiling_bounds_every_candidate_and_changes_no_plan(mix, factor, solver):
+    lengths = sample_lengths(scale_mix(parse_mix(mix), factor), np.random.default_rng(17))
+    plan, seen = _auto_ceilings(lengths, solver, ceiling_on=True)
+    exact, _ = _auto_ceilings(lengths, solver, ceiling_on=False)
+    assert seen and all(exact_value <= ceiling for ceiling, exact_value in seen)
+    assert plan.topology == exact.topology
+    assert np.array_equal(plan.sequences.bag, exact.sequences.bag)
+    assert all(np.array_equal(getattr(plan.chunks, c), getattr(exact.chunks, c))
+               for c in ("seq", "dst_gpu", "offset", "length"))  # fmt: skip
+
+
+def _chunks_by_definition(lengths, bag, bag_gpus):
+    """The even-spread chunk table one sequence at a time, as bags.chunk_table documents it:
+    L // g tokens per chunk, the L % g remainder one token each to the next GPUs of a cycle
+    through the bag's sequences in id order; zero-length chunks dropped."""
+    cycle = [0] * len(bag_gpus)
+    rows = []
+    for seq, (length, b) in enumerate(zip(lengths.tolist(), bag.tolist(), strict=True)):
+        gpus = bag_gpus[b]
+        g, rem, offset = len(gpus), length % len(gpus), 0
+        for k, gpu in enumerate(gpus):
+            size = length // g + ((k - cycle[b]) % g < rem)
+            if size:
+                rows.append((seq, gpu, offset, size))
+            offset += size
+        cycle[b] = (cycle[b] + rem) % g
+    return [np.array(col) for col in zip(*rows, strict=True)]
+
+
+@pytest.mark.parametrize("whole", [0.0, 0.9])
+def test_chunk_table_of_one_gpu_bags_and_few_remainders_is_the_definition(whole):
+    """One-GPU bags take the whole sequence; where most lengths are multiples of their bag
+    size, the remainder cycles are run over the others only: the same table."""
+    rng = np.random.default_rng(5)
+    lengths = [rng.integers(1, 3000, 40) for _ in range(32)]
+    for part in lengths:  # a share ``whole`` of lengths made multiples of 8
+        part[rng.random(part.size) < whole] &= ~7
+    plan = plan_routing(lengths, "g1n8+g2n4+g4n2+g8n1", MODEL)
+    expected = _chunks_by_definition(plan.sequences.length, plan.sequences.bag, plan.bags)
+    for name, column in zip(("seq", "dst_gpu", "offset", "length"), expected, strict=True):
+        assert np.array_equal(getattr(plan.chunks, name), column), name

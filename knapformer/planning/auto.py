@@ -30,11 +30,17 @@ from knapformer.planning.partitions import (
     mixed_partitions,
     partition_floor,
 )
-from knapformer.planning.pricing import makespan_floor, modelled_makespan, moved_estimate
+from knapformer.planning.pricing import (
+    makespan_ceiling,
+    makespan_floor,
+    modelled_makespan,
+    moved_estimate,
+)
 from knapformer.planning.refine import refine
 from knapformer.planning.tuning import SLOW, SMALL_GPUS, SMALL_SEQUENCES, TIE
 
-_FLOOR_MARGIN = 1e-9  # rounding between `makespan_floor` and `modelled_makespan`, and more
+# Rounding between `makespan_floor` or `makespan_ceiling` and the exact price, and more.
+_FLOOR_MARGIN = 1e-9
 
 
 def solve_auto(lengths, workload, src_pos, speed, max_tokens, solve_fixed, model, comm, sizes,
@@ -58,8 +64,12 @@ def solve_auto(lengths, workload, src_pos, speed, max_tokens, solve_fixed, model
     per_token = {g: comm.ulysses_per_token(model.token_dim, g, scale) for g in sizes}
     eff = effective_workloads(workload, lengths, sizes, per_token)
     floor = partition_floor(eff, lengths, sizes, num_gpus)
-    best: list = [None, None]  # step, (makespan, moved tokens)
+    best: list = [None]  # the best `_Candidate` so far
     failure = None
+
+    def priced(step: Step) -> _Candidate:
+        return _Candidate(step, lambda: makespan_ceiling(step, model, comm, per_token),
+                          lambda: _exact_key(step, model, comm, speed))  # fmt: skip
 
     def consider(solve) -> None:
         nonlocal failure
@@ -68,17 +78,20 @@ def solve_auto(lengths, workload, src_pos, speed, max_tokens, solve_fixed, model
         except KnapformerError as err:
             failure = failure or err
             return
-        held = best[1]
+        held = best[0]
+        if held is None:  # the first is the best so far whatever its price
+            best[0] = priced(step)
+            return
         # A candidate whose bags alone model slower than the best is neither cut into
         # chunks nor priced (the bound is a true floor: the choice is the same).
-        may_skip = held is not None and speed is None
-        if may_skip and makespan_floor(step, per_token) * (1 - _FLOOR_MARGIN) > held[0] * (1 + TIE):
+        if speed is None and held.slower_than(
+            makespan_floor(step, per_token) * (1 - _FLOOR_MARGIN)
+        ):
             return
-        step.chunks = chunk_table(step)
-        key = (modelled_makespan(step, model, comm, speed), moved_estimate(step))
-        if (held is None or key[0] < held[0] * (1 - TIE)
-                or (key[0] <= held[0] * (1 + TIE) and key[1] < held[1])):  # fmt: skip
-            best[:] = [step, key]
+        key, held_key = (new := priced(step)).key(), held.key()
+        if (key[0] < held_key[0] * (1 - TIE)
+                or (key[0] <= held_key[0] * (1 + TIE) and key[1] < held_key[1])):  # fmt: skip
+            best[0] = new
 
     mixed = mixed_partitions(workload, lengths, src_pos, num_gpus, sizes, per_token, node_size, eff)
     small = len(lengths) <= SMALL_SEQUENCES and num_gpus <= SMALL_GPUS
@@ -87,19 +100,54 @@ def solve_auto(lengths, workload, src_pos, speed, max_tokens, solve_fixed, model
             b, lengths, workload, src_pos, speed, max_tokens, per_token, floor,
             comm, model))  # fmt: skip
     if small and best[0] is not None:  # the best mixed partition, GPU-exact
-        refined = refine(best[0], model, comm, speed, max_tokens)
-        if refined is not best[0]:
-            best[:] = [refined, (modelled_makespan(refined, model, comm, speed),
-                                 moved_estimate(refined))]  # fmt: skip
+        best[0].key()  # refine reads the chunk table
+        refined = refine(best[0].step, model, comm, speed, max_tokens)
+        if refined is not best[0].step:
+            best[0] = priced(refined)
     for bound, g in _whole_family(eff, sizes, num_gpus):
         # Speeds change what a layout can reach: every layout is solved then.
-        if speed is None and best[1] is not None and bound > best[1][0] * (1 + TIE):
+        if speed is None and best[0] is not None and best[0].slower_than(bound):
             continue
         shape = bag_shape((g,) * (num_gpus // g))
         consider(lambda s=shape: solve_fixed(s))
     if best[0] is None:
         raise failure or KnapformerError("topology 'auto' found no partition for the step")
-    return best[0]
+    return best[0].step
+
+
+def _exact_key(step: Step, model, comm, speed) -> tuple[float, float]:
+    """(modelled makespan, moved tokens) of ``step``, its chunk table made (and kept)."""
+    step.chunks = step.chunks or chunk_table(step)
+    return modelled_makespan(step, model, comm, speed), moved_estimate(step)
+
+
+class _Candidate:
+    """A solved candidate and its price, made only when a comparison needs it: at nominal
+    speeds a cheap ceiling (`makespan_ceiling`) often settles whether another layout could
+    beat it, and then it is neither cut into chunks nor priced before it is chosen."""
+
+    def __init__(self, step: Step, price_ceiling, price_exact):
+        self.step = step
+        self._price_ceiling, self._price_exact = price_ceiling, price_exact
+        self._ceiling: float | None = None
+        self._key: tuple[float, float] | None = None
+
+    def key(self) -> tuple[float, float]:
+        """(modelled makespan, moved tokens), exact."""
+        if self._key is None:
+            self._key = self._price_exact()
+        return self._key
+
+    def slower_than(self, bound: float) -> bool:
+        """Whether a layout no faster than ``bound`` models slower than this one beyond
+        ``TIE`` (asked at nominal speeds only): first against the ceiling, with a margin
+        for rounding, then exactly."""
+        if self._key is None:
+            if self._ceiling is None:
+                self._ceiling = self._price_ceiling() * (1 + _FLOOR_MARGIN)
+            if bound > self._ceiling * (1 + TIE):
+                return True
+        return bound > self.key()[0] * (1 + TIE)
 
 
 def _mixed_layouts(mixed, small: bool, speed) -> list[tuple[int, ...]]:

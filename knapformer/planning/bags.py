@@ -11,7 +11,7 @@ would dominate; static per-topology arrays are cached (`bag_shape`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 
 import numpy as np
@@ -169,6 +169,8 @@ class Step:
     bag: np.ndarray  # (n,) assigned bag; -1 while unplaced
     rem: np.ndarray  # (n,) round-robin only: the chunk that takes the L % g remainder
     chunks: tuple | None = None  # `chunk_table`, once made (auto prices candidates by it)
+    # `ranks`, made on first need; not a constructor argument (a new step ranks anew).
+    _ranks: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def start(cls, shape, lengths, workload, src_pos, layout) -> Step:
@@ -180,6 +182,18 @@ class Step:
         return cls(lengths, workload, src_pos, home, layout, bag,
                    np.zeros(n, dtype=np.int64))  # fmt: skip
 
+    def ranks(self, lightest: bool = False) -> tuple[np.ndarray, int]:
+        """(each sequence's rank among the step's distinct workloads, heaviest first, or
+        lightest first; how many distinct there are), made once: the large sorts of a
+        solve read their subsets' order from it instead of sorting their workloads."""
+        if lightest not in self._ranks:
+            if lightest:
+                rank, distinct = self.ranks()
+                self._ranks[True] = (distinct - 1 - rank, distinct)
+            else:
+                self._ranks[False] = _dense_ranks(-self.workload, np.int64)
+        return self._ranks[lightest]
+
     def move(self, seq: int, dst: int) -> None:
         """Move a placed sequence to bag ``dst`` (even spread: no remainder to track)."""
         w, length = float(self.workload[seq]), int(self.lengths[seq])
@@ -188,8 +202,13 @@ class Step:
         self.bag[seq] = dst
 
 
-def descending(workload: np.ndarray, seq: np.ndarray) -> np.ndarray:
-    """``seq`` ordered by workload, largest first; ties by sequence id (stable)."""
+def descending(workload: np.ndarray, seq: np.ndarray, step: Step | None = None) -> np.ndarray:
+    """``seq`` ordered by workload, largest first; ties by sequence id (stable). Many of a
+    ``step``'s sequences: a radix sort of their ranks (`Step.ranks`), the same order."""
+    if step is not None and len(seq) >= _RANKED_SORT:
+        rank, distinct = step.ranks()
+        if distinct <= 2**15:
+            return seq[np.argsort(rank[seq].astype(np.int16), kind="stable")]
     return seq[stable_argsort(-workload[seq])]
 
 
@@ -224,14 +243,19 @@ def bag_speeds(shape: BagShape, speed: np.ndarray | None) -> np.ndarray | None:
     return None if speed is None else np.minimum.reduceat(speed, shape.start)
 
 
-def by_home_heaviest_first(seqs, home, workload, num_bags) -> np.ndarray:
+def by_home_heaviest_first(seqs, home, workload, num_bags, ranks=None) -> np.ndarray:
     """``seqs`` ordered by home bag, heaviest first within one (ties by position in
     ``seqs``): what ``seqs[np.lexsort((-workload[seqs], home[seqs]))]`` gives. Many
-    sequences: one unstable sort of keys made unique by (home, workload rank, position);
+    sequences: one unstable sort of keys made unique by (home, workload rank, position),
+    the ranks read from ``ranks()`` (`Step.ranks` in ``workload``'s order) when given;
     else two stable passes, the second over small ints (a radix sort)."""
     n = len(seqs)
     if n >= _RANKED_SORT:
-        ranks, distinct = _dense_ranks(-workload[seqs], np.int64)
+        if ranks is None:
+            ranks, distinct = _dense_ranks(-workload[seqs], np.int64)
+        else:
+            step_ranks, distinct = ranks()
+            ranks = step_ranks[seqs]
         if num_bags * distinct * n < 2**62:
             return seqs[np.argsort((home[seqs] * distinct + ranks) * n + np.arange(n))]
     by_w = descending(workload, seqs)
@@ -291,7 +315,7 @@ def chunk_table(step: Step):
     n = len(lengths)
     size = layout.size[bag]
     rem = lengths % size
-    start = _cycle_starts(bag, rem, size) if layout.even else None
+    start = _remainder_starts(bag, rem, size) if layout.even else None
     if len(layout.class_size) == 1:  # the usual fixed topology: one (n, g) grid
         g = int(layout.class_size[0])
         idx = np.repeat(np.arange(n), g)
@@ -304,6 +328,10 @@ def chunk_table(step: Step):
         idx = np.repeat(np.arange(n), size)
         for g in layout.class_size.tolist():
             sel = np.flatnonzero(size == g)
+            if g == 1:  # one whole chunk each, on the bag's GPU
+                rows = first[sel]
+                length[rows], pos[rows], offset[rows] = lengths[sel], layout.start[bag[sel]], 0
+                continue
             rows = (first[sel][:, None] + np.arange(g)).ravel()
             grid = _chunk_grid(step, sel, g, None if start is None else start[sel])
             length[rows], pos[rows], offset[rows] = (x.ravel() for x in grid)
@@ -326,10 +354,11 @@ def _chunk_grid(step: Step, sel, g: int, start):
         # One of g*g remainder patterns per sequence, looked up with its running sum.
         extra, before = _remainder_patterns(g)
         pattern = start * g + rem
-        length = extra[pattern]
+        # (np.take gathers rows faster than fancy indexing; the product is the temporary.)
+        length = np.take(extra, pattern, axis=0)
         length += quot[:, None]
-        offset = np.multiply.outer(quot, k)
-        offset += before[pattern]
+        offset = np.take(before, pattern, axis=0)
+        offset += np.multiply.outer(quot, k)
         return length, pos, offset
     if start is not None:
         # Chunk k takes a remainder token when it lies in [start, start + rem) cyclically.
@@ -355,17 +384,30 @@ def _remainder_patterns(g: int) -> tuple[np.ndarray, np.ndarray]:
     return extra, np.cumsum(extra, axis=1) - extra
 
 
+def _remainder_starts(bag: np.ndarray, rem: np.ndarray, size: np.ndarray) -> np.ndarray:
+    """`_cycle_starts`, computed over the sequences with a remainder only when they are
+    few (one-GPU bags, or most lengths a multiple of g): a sequence without one adds
+    nothing to its bag's cycle, and its own start is never read (0 here)."""
+    some = np.flatnonzero(rem)
+    if 2 * len(some) >= len(rem):
+        return _cycle_starts(bag, rem, size)
+    starts = np.zeros_like(rem)
+    starts[some] = _cycle_starts(bag[some], rem[some], size[some])
+    return starts
+
+
 def _cycle_starts(bag: np.ndarray, rem: np.ndarray, size: np.ndarray) -> np.ndarray:
     """(n,) where each sequence's remainder starts in its bag's cycle: the remainders of the
     bag's earlier sequences (id order), summed, modulo the bag size."""
     order = by_small_key(bag, int(bag.max()) + 1 if bag.size else 0)
-    r = rem[order]
+    r = np.take(rem, order)
     before = np.cumsum(r) - r  # exclusive running sum over all bags
+    sorted_bag = np.take(bag, order)
     group_start = np.ones(len(order), dtype=bool)
-    group_start[1:] = bag[order][1:] != bag[order][:-1]
+    np.not_equal(sorted_bag[1:], sorted_bag[:-1], out=group_start[1:])
     base = np.maximum.accumulate(np.where(group_start, before, 0))
     starts = np.empty_like(rem)
-    starts[order] = (before - base) % size[order]
+    starts[order] = (before - base) % np.take(size, order)
     return starts
 
 

@@ -4,6 +4,8 @@ the exchange passes score."""
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
 
 from knapformer.planning.bags import (
@@ -91,7 +93,7 @@ def _best_exchange(ledger, a: int, ma, lightest, cols, max_tokens):
     real = mb >= 0
     mbi = np.maximum(mb, 0)
     lj = np.where(real, lengths[mbi], 0.0)
-    into_a = np.where(real, ledger.priced(mbi, np.full(len(mbi), a))[0], 0.0)
+    into_a = np.where(real, ledger.priced(mbi, a)[0], 0.0)  # every one priced in a
     out_b = np.where(real, price[mbi], 0.0)
     li = lengths[ma][:, None]
     # (len(ma), len(b)): priced once per partner bag, then spread over its columns.
@@ -190,5 +192,12 @@ def spread_sample(members: list[int], workload: np.ndarray, most: int) -> np.nda
     m = np.asarray(members, dtype=np.int64)
     if len(m) <= most:
         return m
-    m = m[np.argsort(workload[m], kind="stable")]
-    return m[np.linspace(0, len(m) - 1, most).round().astype(np.int64)]
+    return m[np.argsort(workload[m], kind="stable")][_spread(len(m), most)]
+
+
+@lru_cache(maxsize=1024)
+def _spread(count: int, most: int) -> np.ndarray:
+    """``most`` indices spread evenly over 0..count-1 (the ends included)."""
+    spread = np.linspace(0, count - 1, most).round().astype(np.int64)
+    spread.flags.writeable = False  # shared by every caller
+    return spread

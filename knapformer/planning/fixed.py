@@ -196,7 +196,7 @@ def _solve_local(step: Step, tolerance: float | None = None) -> None:
     _place_in_order(descending(workload, np.flatnonzero(one_by_one)), step, prefer_home=True)
     if n > _ONE_BY_ONE:
         _stay_home_in_bulk(np.flatnonzero(step.bag < 0), step)
-        pool = descending(workload, np.flatnonzero(step.bag < 0))
+        pool = descending(workload, np.flatnonzero(step.bag < 0), step)
         if len(pool) > _POUR_TAIL and len(layout.class_size) == 1 and layout.max_tokens is None:
             pool = _pour(pool, step)
         _place_in_order(pool, step, prefer_home=True)
@@ -222,7 +222,7 @@ def _stay_home_in_bulk(seqs: np.ndarray, step: Step) -> None:
     layout, lengths, workload, home_bag = step.layout, step.lengths, step.workload, step.home_bag
     seqs = seqs[home_bag[seqs] >= 0]
     light = seqs[layout.size[home_bag[seqs]] <= lengths[seqs]]
-    order = by_home_heaviest_first(light, home_bag, workload, len(layout.size))
+    order = by_home_heaviest_first(light, home_bag, workload, len(layout.size), step.ranks)
     hb = home_bag[order]
     room = layout.capacity - layout.load
     stays = prefix_within_groups(workload[order], hb, room[hb])

@@ -5,6 +5,7 @@ then the exchange passes (`solve_mixed`)."""
 from __future__ import annotations
 
 import heapq
+from functools import partial
 
 import numpy as np
 
@@ -52,16 +53,16 @@ def solve_mixed(bag_sizes, lengths, workload, src_pos, speed, max_tokens, per_to
         # Only the heavy ones and the pool need the descending order (the bulk pass sorts
         # by home bag itself): sorting every sequence would cost more than the rest.
         heavy = workload[placed] > HEAVY_FRACTION * floor
-        load = _place_priced(descending(workload, placed[heavy]), step, load, prices, floor)
+        load = _place_priced(descending(workload, placed[heavy], step), step, load, prices, floor)
         rest = placed[~heavy]
         load = _stay_home_priced(rest, step, load, prices, floor)
-        pool = descending(workload, rest[step.bag[rest] < 0])
+        pool = descending(workload, rest[step.bag[rest] < 0], step)
         if len(pool) > POUR and max_tokens is None:
             load = _pour(pool, step, load, prices)
             pool = pool[step.bag[pool] < 0]
         order = pool
     else:
-        order = descending(workload, placed)
+        order = descending(workload, placed, step)
     _place_priced(order, step, load, prices, floor)
     if len(placed) > ONE_BY_ONE and max_tokens is None:
         pool = _shave(step, prices)
@@ -187,7 +188,7 @@ def _stay_home_priced(seqs, step: Step, load: np.ndarray, prices: Prices, level:
     loads."""
     layout, lengths, home = step.layout, step.lengths, step.home_bag
     seqs = seqs[(home[seqs] >= 0) & (layout.size[np.maximum(home[seqs], 0)] <= lengths[seqs])]
-    order = by_home_heaviest_first(seqs, home, step.workload, len(layout.size))
+    order = by_home_heaviest_first(seqs, home, step.workload, len(layout.size), step.ranks)
     hb = home[order]
     cost = (step.workload[order] + prices.kappa[hb] * lengths[order]
             + 2 * prices.route(order, hb, hb, layout.size, lengths[order]))  # fmt: skip
@@ -242,11 +243,13 @@ def _shave(step: Step, prices: Prices) -> np.ndarray:
     seqs = np.flatnonzero(movable)
     if seqs.size == 0:
         return seqs
-    order = by_home_heaviest_first(seqs, step.bag, -step.workload, len(layout.size))
+    order = by_home_heaviest_first(
+        seqs, step.bag, -step.workload, len(layout.size), partial(step.ranks, lightest=True)
+    )
     bags = step.bag[order]
     # Lightest first within each bag, while the middle of each one's running price stays
     # within the bag's excess (the nearest cut: sequences often outweigh the excess).
     cost = price[order]
     out = order[prefix_within_groups(cost, bags, excess[bags] + 0.5 * cost)]
     step.bag[out] = -1
-    return descending(step.workload, out)
+    return descending(step.workload, out, step)
