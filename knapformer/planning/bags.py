@@ -18,7 +18,7 @@ import numpy as np
 
 from knapformer.contract.topology import Topology
 from knapformer.errors import KnapformerError
-from knapformer.planning.tuning import EPS
+from knapformer.planning.tuning import EPS, PATTERN_SIZES, POUR_BISECTIONS, RANKED_SORT
 
 
 class BagShape:
@@ -154,9 +154,6 @@ class BagLayout:
         )
 
 
-_RANKED_SORT = 4096  # `stable_argsort` ranks first from this many values
-
-
 @dataclass
 class Step:
     """The state of one solve: the step's sequences (read-only) and where they go."""
@@ -205,7 +202,7 @@ class Step:
 def descending(workload: np.ndarray, seq: np.ndarray, step: Step | None = None) -> np.ndarray:
     """``seq`` ordered by workload, largest first; ties by sequence id (stable). Many of a
     ``step``'s sequences: a radix sort of their ranks (`Step.ranks`), the same order."""
-    if step is not None and len(seq) >= _RANKED_SORT:
+    if step is not None and len(seq) >= RANKED_SORT:
         rank, distinct = step.ranks()
         if distinct <= 2**15:
             return seq[np.argsort(rank[seq].astype(np.int16), kind="stable")]
@@ -216,7 +213,7 @@ def stable_argsort(values: np.ndarray) -> np.ndarray:
     """``np.argsort(values, kind="stable")``, faster for many values of few distinct ones
     (a step's workloads): an unstable sort ranks the distinct values, and a stable radix
     sort of the ranks as int16 orders the ties by position, as the stable sort does."""
-    if values.size < _RANKED_SORT:
+    if values.size < RANKED_SORT:
         return np.argsort(values, kind="stable")
     ranks, distinct = _dense_ranks(values, np.int16)
     if distinct > 2**15:  # too many distinct values for a radix sort
@@ -250,7 +247,7 @@ def by_home_heaviest_first(seqs, home, workload, num_bags, ranks=None) -> np.nda
     the ranks read from ``ranks()`` (`Step.ranks` in ``workload``'s order) when given;
     else two stable passes, the second over small ints (a radix sort)."""
     n = len(seqs)
-    if n >= _RANKED_SORT:
+    if n >= RANKED_SORT:
         if ranks is None:
             ranks, distinct = _dense_ranks(-workload[seqs], np.int64)
         else:
@@ -280,15 +277,15 @@ def prefix_within_groups(values: np.ndarray, group: np.ndarray, room: np.ndarray
 
 
 def water_room(held: np.ndarray, weight: np.ndarray, amount: float, inflation=1.0):
-    """Each bag's room up to one water level: the least per-GPU level (to 50 halvings) at
-    which the bags, holding ``held`` on ``weight`` GPUs, have room for ``amount`` (a bag's
-    room: ``max(0, level * weight - held) / inflation``)."""
+    """Each bag's room up to one water level: the least per-GPU level (to
+    ``POUR_BISECTIONS`` halvings) at which the bags, holding ``held`` on ``weight`` GPUs,
+    have room for ``amount`` (a bag's room: ``max(0, level * weight - held) / inflation``)."""
 
     def room(level: float) -> np.ndarray:
         return np.maximum(0.0, level * weight - held) / inflation
 
     lo, hi = 0.0, float((held.sum() + amount * np.max(inflation)) / weight.sum()) + held.max()
-    for _ in range(50):
+    for _ in range(POUR_BISECTIONS):
         mid = 0.5 * (lo + hi)
         lo, hi = (lo, mid) if room(mid).sum() >= amount else (mid, hi)
     return room(hi)
@@ -350,7 +347,7 @@ def _chunk_grid(step: Step, sel, g: int, start):
     rem = lengths - quot * g
     k = np.arange(g)
     pos = step.layout.start[bag][:, None] + k[None, :]
-    if start is not None and g <= _PATTERN_SIZES:
+    if start is not None and g <= PATTERN_SIZES:
         # One of g*g remainder patterns per sequence, looked up with its running sum.
         extra, before = _remainder_patterns(g)
         pattern = start * g + rem
@@ -370,10 +367,7 @@ def _chunk_grid(step: Step, sel, g: int, start):
     return length, pos, np.cumsum(length, axis=1) - length
 
 
-_PATTERN_SIZES = 64  # bags of at most this many GPUs look their remainder patterns up
-
-
-@lru_cache(maxsize=_PATTERN_SIZES)
+@lru_cache(maxsize=PATTERN_SIZES)
 def _remainder_patterns(g: int) -> tuple[np.ndarray, np.ndarray]:
     """For a bag of ``g`` GPUs, row ``start * g + rem``: which of the g chunks take a
     remainder token when ``rem`` of them do from chunk ``start`` on, cyclically, and the
