@@ -82,28 +82,13 @@ def solve_mixed(bag_sizes, lengths, workload, src_pos, speed, max_tokens, per_to
 def _place_priced(order, step: Step, load: np.ndarray, prices: Prices, level: float):
     """Place ``order`` one by one (see `solve_mixed`); ``load`` (num_bags,): each bag's
     priced load so far. Returns the new loads."""
-    layout = step.layout
     if order.size == 0:
         return load
-    bags = _PricedBags(layout, prices, load)
-    capped = layout.max_tokens is not None
-    limit = level * (1 + EPS)
+    bags = _PricedBags(step.layout, prices, load)
     rows = zip(order.tolist(), step.workload[order].tolist(), step.lengths[order].tolist(),
                step.home_bag[order].tolist(), prices.src_node[order].tolist(),
                strict=True)  # fmt: skip
-    chosen = []
-    for seq, w, length, h, node in rows:
-        room = layout.token_room(length).tolist() if capped else None
-        b, cost, sent = bags.choose(w, length, h, node, room, limit)
-        if b < 0:
-            raise layout.infeasible(seq, length)
-        chosen.append(b)
-        bags.charge(b, cost)
-        if sent and h >= 0:
-            bags.charge(h, sent)
-        if capped:
-            layout.add(b, 0.0, length, 0)
-    step.bag[order] = chosen
+    step.bag[order] = bags.place(rows, step.layout, level * (1 + EPS))
     return np.asarray(bags.load)
 
 
@@ -130,27 +115,37 @@ class _PricedBags:
         for heap in self.bag_heaps[bag]:
             heapq.heappush(heap, (p, bag))
 
-    def choose(self, w, length, h, node, room, limit) -> tuple[int, float, float]:
-        """(bag, its cost, what the home bag pays to send) of a sequence of workload ``w``
-        from home bag ``h`` (-1: none) on node ``node``: home while that keeps it within
-        ``limit`` per GPU, else where the larger of the two bags' times ends lowest (-1:
-        nowhere). ``room``: which bags have token room (None: no cap)."""
-        size, load, weight = self.size, self.load, self.weight
-        b, lowest, cost = -1, np.inf, 0.0
-        if h >= 0 and size[h] <= length and (room is None or room[h]):
-            cost = w + self.kap[h] * length + 2 * self.intra * length * (size[h] - 1) / size[h]
-            lowest = (load[h] + cost) / weight[h]
-            if lowest <= limit:
-                return h, cost, 0.0
-            b = h
-        return self._least_away(w, length, h, node, room, (b, lowest, cost, 0.0))
+    def place(self, rows, layout: BagLayout, limit: float) -> list[int]:
+        """The bag of each (sequence, workload, length, home bag, source node) of ``rows``,
+        in turn: home while that keeps it within ``limit`` per GPU, else `_least_away`."""
+        size, load, weight, kap, intra = self.size, self.load, self.weight, self.kap, self.intra
+        capped, charge, chosen = layout.max_tokens is not None, self.charge, []
+        for seq, w, length, h, node in rows:
+            room = layout.token_room(length).tolist() if capped else None
+            b, lowest, cost, sent = -1, np.inf, 0.0, 0.0
+            if h >= 0 and size[h] <= length and (room is None or room[h]):
+                cost = w + kap[h] * length + 2 * intra * length * (size[h] - 1) / size[h]
+                b, lowest = h, (load[h] + cost) / weight[h]
+            if not lowest <= limit:  # the home bag (if any) would end too high: look away
+                b, cost, sent = self._least_away(w, length, h, node, room, (b, lowest, cost))
+                if b < 0:
+                    raise layout.infeasible(seq, length)
+            chosen.append(b)
+            charge(b, cost)
+            if sent and h >= 0:
+                charge(h, sent)
+            if capped:
+                layout.add(b, 0.0, length, 0)
+        return chosen
 
     def _least_away(self, w, length, h, node, room, best) -> tuple[int, float, float]:
-        """`choose` beyond home: the least loaded bag of each size the sequence may go to
-        (overall and in its node), unless ``best`` (bag, value, cost, sent) is lower."""
+        """(bag, its cost, what the home bag pays to send): where the larger of the two
+        bags' per-GPU times ends lowest, among the least loaded bag of each size the
+        sequence may go to (overall and in its node), unless ``best`` (bag, value, cost:
+        home or -1) is lower."""
         load, weight, per, kap, bag_node = self.load, self.weight, self.per, self.kap, self.bag_node
-        b, lowest, cost, sent = best
-        for c, g, class_heaps in self._candidates(node):
+        (b, lowest, cost), sent = best, 0.0
+        for c, g, class_heaps in self.tries.get(node) or self._candidates(node):
             if g > length and c > 0:
                 break  # groups larger than the sequence (the smallest always may)
             for heap in class_heaps:
@@ -176,14 +171,13 @@ class _PricedBags:
         return b, cost, sent
 
     def _candidates(self, node: int) -> list:
-        """(class, size, [its heaps overall and in ``node``]) of every size class."""
-        tried = self.tries.get(node)
-        if tried is None:
-            heaps = self.heaps
-            tried = self.tries[node] = [
-                (c, g, [heap for heap in (heaps.get((c, -2)), heaps.get((c, node))) if heap])
-                for c, g in enumerate(self.class_size)
-            ]
+        """(class, size, [its heaps overall and in ``node``]) of every size class, made
+        once per source node."""
+        heaps = self.heaps
+        tried = self.tries[node] = [
+            (c, g, [heap for heap in (heaps.get((c, -2)), heaps.get((c, node))) if heap])
+            for c, g in enumerate(self.class_size)
+        ]
         return tried
 
 
