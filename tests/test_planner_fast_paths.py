@@ -9,7 +9,7 @@ from unittest.mock import patch
 import numpy as np
 import pytest
 
-from knapformer.planning import auto, bags, fixed, levelling, pricing
+from knapformer.planning import auto, bags, chunks, fixed, levelling, pricing
 from knapformer.planning.communication import CommModel
 from knapformer.planning.datamix import parse_mix, sample_lengths, scale_mix
 from knapformer.planning.planner import plan_routing
@@ -64,7 +64,7 @@ def test_by_small_key_is_the_stable_sort():
 def test_remainder_patterns_give_the_formulas_chunks(topology):
     lengths = sample_lengths(scale_mix(parse_mix("joint"), 4), np.random.default_rng(3))
     table = plan_routing(lengths, topology, MODEL)
-    with patch.object(bags, "PATTERN_SIZES", 0):  # every size by the cyclic formula
+    with patch.object(chunks, "PATTERN_SIZES", 0):  # every size by the cyclic formula
         formula = plan_routing(lengths, topology, MODEL)
     for name in ("seq", "src_gpu", "dst_gpu", "offset", "length"):
         assert np.array_equal(getattr(table.chunks, name), getattr(formula.chunks, name))
@@ -178,8 +178,8 @@ def _auto_ceilings(lengths, solver: str, ceiling_on: bool):
 
     def spy(step, model, comm_, per_token):
         value = real(step, model, comm_, per_token)
-        chunks = step.chunks or bags.chunk_table(step)
-        exact = pricing.modelled_makespan(replace(step, chunks=chunks), model, comm_, None)
+        table = step.chunks or chunks.chunk_table(step)
+        exact = pricing.modelled_makespan(replace(step, chunks=table), model, comm_, None)
         seen.append((value, exact))
         return value if ceiling_on else np.inf
 
@@ -205,7 +205,7 @@ def test_auto_ceiling_bounds_every_candidate_and_changes_no_plan(mix, factor, so
 
 
 def _chunks_by_definition(lengths, bag, bag_gpus):
-    """The even-spread chunk table one sequence at a time, as bags.chunk_table documents it:
+    """The even-spread chunk table one sequence at a time, as chunks.chunk_table documents it:
     L // g tokens per chunk, the L % g remainder one token each to the next GPUs of a cycle
     through the bag's sequences in id order; zero-length chunks dropped."""
     cycle = [0] * len(bag_gpus)

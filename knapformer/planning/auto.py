@@ -22,8 +22,8 @@ from knapformer.errors import KnapformerError
 from knapformer.planning.bags import (
     Step,
     bag_shape,
-    chunk_table,
 )
+from knapformer.planning.chunks import chunk_table
 from knapformer.planning.mixed import solve_mixed
 from knapformer.planning.partitions import (
     effective_workloads,

@@ -79,8 +79,8 @@ from knapformer.planning.bags import (
     BagShape,
     Step,
     bag_shape,
-    chunk_table,
 )
+from knapformer.planning.chunks import chunk_table
 from knapformer.planning.communication import CommModel
 from knapformer.planning.fixed import solve_default, solve_greedy
 from knapformer.planning.partitions import DEFAULT_GROUP_SIZES, allowed_sizes

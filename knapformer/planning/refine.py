@@ -7,9 +7,9 @@ import numpy as np
 
 from knapformer.planning.bags import (
     Step,
-    chunk_table,
     least,
 )
+from knapformer.planning.chunks import chunk_table
 from knapformer.planning.communication import CommModel
 from knapformer.planning.exchanges import spread_sample
 from knapformer.planning.pricing import compute_per_gpu, modelled_makespan, route_per_token

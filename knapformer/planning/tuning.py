@@ -11,7 +11,7 @@ from __future__ import annotations
 EPS = 1e-12  # relative slack of a capacity check
 HEAVY_FRACTION = 0.25  # of one GPU's capacity: placed before the bulk "stay home" pass
 ONE_BY_ONE = 128  # steps of at most this many sequences are placed one by one
-# The shared solve state (bags.py): sorts and chunk tables by the faster path from a size on.
+# The shared solve state (bags.py, chunks.py): sorts and chunk tables by the faster path.
 RANKED_SORT = 4096  # `stable_argsort` ranks values first (one cheap sort) from this many
 PATTERN_SIZES = 64  # bags of at most this many GPUs look their remainder patterns up
 # Halvings of `water_room`'s bracket on the pour's water level: 2^-50 of the bracket, below
