@@ -49,17 +49,17 @@ def _check_plan(plan: RoutingPlan, topo: Topology, lengths) -> None:
 
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-# Steps up to fixed._ONE_BY_ONE sequences are placed one by one, larger ones mostly in
-# bulk; small search rounds score every pair (up to levelling._DENSE_CELLS), large ones only
-# the nearest candidates; a pool of more than fixed._POUR_TAIL sequences is poured. The drawn
+# Steps up to fixed.ONE_BY_ONE sequences are placed one by one, larger ones mostly in
+# bulk; small search rounds score every pair (up to levelling.DENSE_CELLS), large ones only
+# the nearest candidates; a pool of more than fixed.POUR_TAIL sequences is poured. The drawn
 # problems are small, so each property is also checked with those limits at 0 (every
 # step takes the large-step paths).
 ONE_BY_ONE = st.sampled_from(
     [
-        (fixed._ONE_BY_ONE, levelling._DENSE_CELLS, fixed._POUR_TAIL),
-        (0, levelling._DENSE_CELLS, fixed._POUR_TAIL),
-        (0, levelling._DENSE_CELLS, 0),
-        (fixed._ONE_BY_ONE, 0, fixed._POUR_TAIL),
+        (fixed.ONE_BY_ONE, levelling.DENSE_CELLS, fixed.POUR_TAIL),
+        (0, levelling.DENSE_CELLS, fixed.POUR_TAIL),
+        (0, levelling.DENSE_CELLS, 0),
+        (fixed.ONE_BY_ONE, 0, fixed.POUR_TAIL),
         (0, 0, 0),
     ]
 )
@@ -69,9 +69,9 @@ ONE_BY_ONE = st.sampled_from(
 def _limit(limits: tuple[int, int, int]):
     one_by_one, dense_cells, pour = limits
     with (
-        patch.object(fixed, "_ONE_BY_ONE", one_by_one),
-        patch.object(levelling, "_DENSE_CELLS", dense_cells),
-        patch.object(fixed, "_POUR_TAIL", pour),
+        patch.object(fixed, "ONE_BY_ONE", one_by_one),
+        patch.object(levelling, "DENSE_CELLS", dense_cells),
+        patch.object(fixed, "POUR_TAIL", pour),
     ):
         yield
 
@@ -160,9 +160,9 @@ def test_both_exchange_searches_find_equally_good_exchanges():
                     plan_routing(lengths, topo, MODEL)
     assert len(calls) >= 20
     for args in calls:
-        with patch.object(levelling, "_DENSE_CELLS", 10**9):
+        with patch.object(levelling, "DENSE_CELLS", 10**9):
             every = _exchange_outcome(args, real(*args))
-        with patch.object(levelling, "_DENSE_CELLS", 0):
+        with patch.object(levelling, "DENSE_CELLS", 0):
             nearest = _exchange_outcome(args, real(*args))
         assert [m[:2] for m in every] == [m[:2] for m in nearest]
         assert np.allclose([m[2] for m in every], [m[2] for m in nearest], rtol=1e-12)

@@ -9,7 +9,7 @@ from unittest.mock import patch
 import numpy as np
 import pytest
 
-from knapformer.planning import auto, bags, fixed, levelling, pricing
+from knapformer.planning import auto, bags, chunks, fixed, levelling, pricing
 from knapformer.planning.communication import CommModel
 from knapformer.planning.datamix import parse_mix, sample_lengths, scale_mix
 from knapformer.planning.planner import plan_routing
@@ -25,7 +25,7 @@ def test_ranked_stable_sort_is_the_stable_sort(distinct):
     rng = np.random.default_rng(distinct)
     values = rng.integers(0, distinct, 50_000) * 0.37 - 1.0  # many ties, a -0.0 maybe
     values[:3] = [0.0, -0.0, 0.0]
-    assert values.size >= bags._RANKED_SORT
+    assert values.size >= bags.RANKED_SORT
     expected = np.argsort(values, kind="stable")
     assert np.array_equal(bags.stable_argsort(values), expected)
     assert np.array_equal(bags.stable_argsort(-values), np.argsort(-values, kind="stable"))
@@ -38,7 +38,7 @@ def test_by_home_heaviest_first_is_the_lexsort(distinct):
     seqs = rng.permutation(60_000)[:40_000]
     home = rng.integers(0, 300, 60_000)
     workload = rng.integers(0, distinct, 60_000) * 0.75
-    assert len(seqs) >= bags._RANKED_SORT
+    assert len(seqs) >= bags.RANKED_SORT
     expected = seqs[np.lexsort((-workload[seqs], home[seqs]))]
     assert np.array_equal(bags.by_home_heaviest_first(seqs, home, workload, 300), expected)
     # The step's shared ranks (of all 60,000, both ways) order a subset the same way.
@@ -64,7 +64,7 @@ def test_by_small_key_is_the_stable_sort():
 def test_remainder_patterns_give_the_formulas_chunks(topology):
     lengths = sample_lengths(scale_mix(parse_mix("joint"), 4), np.random.default_rng(3))
     table = plan_routing(lengths, topology, MODEL)
-    with patch.object(bags, "_PATTERN_SIZES", 0):  # every size by the cyclic formula
+    with patch.object(chunks, "PATTERN_SIZES", 0):  # every size by the cyclic formula
         formula = plan_routing(lengths, topology, MODEL)
     for name in ("seq", "src_gpu", "dst_gpu", "offset", "length"):
         assert np.array_equal(getattr(table.chunks, name), getattr(formula.chunks, name))
@@ -106,7 +106,7 @@ def test_a_large_pool_is_poured_and_plans_within_the_bound():
 
     with patch.object(fixed, "_pour", spy):
         plan = plan_routing(lengths, "g8n128", MODEL)
-    assert poured and poured[0] > fixed._POUR_TAIL
+    assert poured and poured[0] > fixed.POUR_TAIL
     plan.validated()
     greedy = plan_routing(lengths, "g8n128", MODEL, solver="greedy").stats
     assert plan.stats.makespan_over_lb <= 1 + FALLBACK_TOLERANCE
@@ -127,7 +127,7 @@ def test_wide_rounds_level_as_well_as_narrow_rounds(topology):
         rounds.append(len(found[0]))
         return found
 
-    forced = patch.object(levelling, "_WIDE_BAGS", 0)
+    forced = patch.object(levelling, "WIDE_BAGS", 0)
     with forced, patch.object(levelling, "_paired_exchanges", spy):
         plan = plan_routing(lengths, topology, MODEL)
     assert rounds and rounds[0] > levelling.SEARCH_PARTNERS  # many pairs exchanged at once
@@ -178,8 +178,8 @@ def _auto_ceilings(lengths, solver: str, ceiling_on: bool):
 
     def spy(step, model, comm_, per_token):
         value = real(step, model, comm_, per_token)
-        chunks = step.chunks or bags.chunk_table(step)
-        exact = pricing.modelled_makespan(replace(step, chunks=chunks), model, comm_, None)
+        table = step.chunks or chunks.chunk_table(step)
+        exact = pricing.modelled_makespan(replace(step, chunks=table), model, comm_, None)
         seen.append((value, exact))
         return value if ceiling_on else np.inf
 
@@ -205,7 +205,7 @@ def test_auto_ceiling_bounds_every_candidate_and_changes_no_plan(mix, factor, so
 
 
 def _chunks_by_definition(lengths, bag, bag_gpus):
-    """The even-spread chunk table one sequence at a time, as bags.chunk_table documents it:
+    """The even-spread chunk table one sequence at a time, as chunks.chunk_table documents it:
     L // g tokens per chunk, the L % g remainder one token each to the next GPUs of a cycle
     through the bag's sequences in id order; zero-length chunks dropped."""
     cycle = [0] * len(bag_gpus)

@@ -22,8 +22,8 @@ from knapformer.errors import KnapformerError
 from knapformer.planning.bags import (
     Step,
     bag_shape,
-    chunk_table,
 )
+from knapformer.planning.chunks import chunk_table
 from knapformer.planning.mixed import solve_mixed
 from knapformer.planning.partitions import (
     effective_workloads,
@@ -37,10 +37,7 @@ from knapformer.planning.pricing import (
     moved_estimate,
 )
 from knapformer.planning.refine import refine
-from knapformer.planning.tuning import SLOW, SMALL_GPUS, SMALL_SEQUENCES, TIE
-
-# Rounding between `makespan_floor` or `makespan_ceiling` and the exact price, and more.
-_FLOOR_MARGIN = 1e-9
+from knapformer.planning.tuning import FLOOR_MARGIN, SLOW, SMALL_GPUS, SMALL_SEQUENCES, TIE
 
 
 def solve_auto(lengths, workload, src_pos, speed, max_tokens, solve_fixed, model, comm, sizes,
@@ -64,55 +61,78 @@ def solve_auto(lengths, workload, src_pos, speed, max_tokens, solve_fixed, model
     per_token = {g: comm.ulysses_per_token(model.token_dim, g, scale) for g in sizes}
     eff = effective_workloads(workload, lengths, sizes, per_token)
     floor = partition_floor(eff, lengths, sizes, num_gpus)
-    best: list = [None]  # the best `_Candidate` so far
-    failure = None
-
-    def priced(step: Step) -> _Candidate:
-        return _Candidate(step, lambda: makespan_ceiling(step, model, comm, per_token),
-                          lambda: _exact_key(step, model, comm, speed))  # fmt: skip
-
-    def consider(solve) -> None:
-        nonlocal failure
-        try:
-            step = solve()
-        except KnapformerError as err:
-            failure = failure or err
-            return
-        held = best[0]
-        if held is None:  # the first is the best so far whatever its price
-            best[0] = priced(step)
-            return
-        # A candidate whose bags alone model slower than the best is neither cut into
-        # chunks nor priced (the bound is a true floor: the choice is the same).
-        if speed is None and held.slower_than(
-            makespan_floor(step, per_token) * (1 - _FLOOR_MARGIN)
-        ):
-            return
-        key, held_key = (new := priced(step)).key(), held.key()
-        if (key[0] < held_key[0] * (1 - TIE)
-                or (key[0] <= held_key[0] * (1 + TIE) and key[1] < held_key[1])):  # fmt: skip
-            best[0] = new
-
+    best = _Best(model, comm, per_token, speed)
     mixed = mixed_partitions(workload, lengths, src_pos, num_gpus, sizes, per_token, node_size, eff)
     small = len(lengths) <= SMALL_SEQUENCES and num_gpus <= SMALL_GPUS
     for bag_sizes in _mixed_layouts(mixed, small, speed):
-        consider(lambda b=bag_sizes: solve_mixed(
+        best.consider(lambda b=bag_sizes: solve_mixed(
             b, lengths, workload, src_pos, speed, max_tokens, per_token, floor,
             comm, model))  # fmt: skip
-    if small and best[0] is not None:  # the best mixed partition, GPU-exact
-        best[0].key()  # refine reads the chunk table
-        refined = refine(best[0].step, model, comm, speed, max_tokens)
-        if refined is not best[0].step:
-            best[0] = priced(refined)
+    if small:  # the best mixed partition, GPU-exact
+        best.refine(max_tokens)
     for bound, g in _whole_family(eff, sizes, num_gpus):
-        # Speeds change what a layout can reach: every layout is solved then.
-        if speed is None and best[0] is not None and best[0].slower_than(bound):
-            continue
-        shape = bag_shape((g,) * (num_gpus // g))
-        consider(lambda s=shape: solve_fixed(s))
-    if best[0] is None:
-        raise failure or KnapformerError("topology 'auto' found no partition for the step")
-    return best[0].step
+        if not best.beats(bound):
+            shape = bag_shape((g,) * (num_gpus // g))
+            best.consider(lambda s=shape: solve_fixed(s))
+    return best.step()
+
+
+class _Best:
+    """The best candidate of `solve_auto` so far, by (modelled makespan, moved tokens): a
+    makespan within ``TIE`` of the best's is a tie, won by fewer moved tokens; and the
+    first failure met (a candidate that breaks the token cap), raised when none is found."""
+
+    def __init__(self, model, comm, per_token, speed):
+        self.model, self.comm, self.per_token, self.speed = model, comm, per_token, speed
+        self.held: _Candidate | None = None
+        self.failure: KnapformerError | None = None
+
+    def priced(self, step: Step) -> _Candidate:
+        model, comm = self.model, self.comm
+        return _Candidate(step, lambda: makespan_ceiling(step, model, comm, self.per_token),
+                          lambda: _exact_key(step, model, comm, self.speed))  # fmt: skip
+
+    def consider(self, solve) -> None:
+        """Solve a candidate (``solve()``) and keep it when it beats the best."""
+        try:
+            step = solve()
+        except KnapformerError as err:
+            self.failure = self.failure or err
+            return
+        held = self.held
+        if held is None:  # the first is the best so far whatever its price
+            self.held = self.priced(step)
+            return
+        # A candidate whose bags alone model slower than the best is neither cut into
+        # chunks nor priced (the bound is a true floor: the choice is the same).
+        if self.speed is None and held.slower_than(
+            makespan_floor(step, self.per_token) * (1 - FLOOR_MARGIN)
+        ):
+            return
+        key, held_key = (new := self.priced(step)).key(), held.key()
+        if (key[0] < held_key[0] * (1 - TIE)
+                or (key[0] <= held_key[0] * (1 + TIE) and key[1] < held_key[1])):  # fmt: skip
+            self.held = new
+
+    def refine(self, max_tokens) -> None:
+        """The best so far refined GPU by GPU (`refine`)."""
+        if self.held is None:
+            return
+        self.held.key()  # refine reads the chunk table
+        refined = refine(self.held.step, self.model, self.comm, self.speed, max_tokens)
+        if refined is not self.held.step:
+            self.held = self.priced(refined)
+
+    def beats(self, bound: float) -> bool:
+        """Whether the best models faster than any layout no faster than ``bound`` (asked
+        at nominal speeds only: speeds change what a layout can reach)."""
+        return self.speed is None and self.held is not None and self.held.slower_than(bound)
+
+    def step(self) -> Step:
+        """The best candidate's step (a `KnapformerError` when none was found)."""
+        if self.held is None:
+            raise self.failure or KnapformerError("topology 'auto' found no partition for the step")
+        return self.held.step
 
 
 def _exact_key(step: Step, model, comm, speed) -> tuple[float, float]:
@@ -144,7 +164,7 @@ class _Candidate:
         for rounding, then exactly."""
         if self._key is None:
             if self._ceiling is None:
-                self._ceiling = self._price_ceiling() * (1 + _FLOOR_MARGIN)
+                self._ceiling = self._price_ceiling() * (1 + FLOOR_MARGIN)
             if bound > self._ceiling * (1 + TIE):
                 return True
         return bound > self.key()[0] * (1 + TIE)

@@ -2,8 +2,8 @@
 
 The fixed-topology solvers (planner.py) and the ``topology="auto"`` solver (auto.py) share
 a layout's static bag arrays (`BagShape`), its mutable loads and token counts
-(`BagLayout`), where each sequence goes (`Step`), the chunk table a placement becomes
-(`chunk_table`), and the orderings both solvers sort by.
+(`BagLayout`), where each sequence goes (`Step`; the chunk table it becomes is made in
+chunks.py), and the orderings both solvers sort by.
 
 Per-bag state read item by item stays in Python lists where numpy's per-call overhead
 would dominate; static per-topology arrays are cached (`bag_shape`).
@@ -18,7 +18,7 @@ import numpy as np
 
 from knapformer.contract.topology import Topology
 from knapformer.errors import KnapformerError
-from knapformer.planning.tuning import EPS
+from knapformer.planning.tuning import EPS, POUR_BISECTIONS, RANKED_SORT
 
 
 class BagShape:
@@ -154,9 +154,6 @@ class BagLayout:
         )
 
 
-_RANKED_SORT = 4096  # `stable_argsort` ranks first from this many values
-
-
 @dataclass
 class Step:
     """The state of one solve: the step's sequences (read-only) and where they go."""
@@ -205,7 +202,7 @@ class Step:
 def descending(workload: np.ndarray, seq: np.ndarray, step: Step | None = None) -> np.ndarray:
     """``seq`` ordered by workload, largest first; ties by sequence id (stable). Many of a
     ``step``'s sequences: a radix sort of their ranks (`Step.ranks`), the same order."""
-    if step is not None and len(seq) >= _RANKED_SORT:
+    if step is not None and len(seq) >= RANKED_SORT:
         rank, distinct = step.ranks()
         if distinct <= 2**15:
             return seq[np.argsort(rank[seq].astype(np.int16), kind="stable")]
@@ -216,7 +213,7 @@ def stable_argsort(values: np.ndarray) -> np.ndarray:
     """``np.argsort(values, kind="stable")``, faster for many values of few distinct ones
     (a step's workloads): an unstable sort ranks the distinct values, and a stable radix
     sort of the ranks as int16 orders the ties by position, as the stable sort does."""
-    if values.size < _RANKED_SORT:
+    if values.size < RANKED_SORT:
         return np.argsort(values, kind="stable")
     ranks, distinct = _dense_ranks(values, np.int16)
     if distinct > 2**15:  # too many distinct values for a radix sort
@@ -250,7 +247,7 @@ def by_home_heaviest_first(seqs, home, workload, num_bags, ranks=None) -> np.nda
     the ranks read from ``ranks()`` (`Step.ranks` in ``workload``'s order) when given;
     else two stable passes, the second over small ints (a radix sort)."""
     n = len(seqs)
-    if n >= _RANKED_SORT:
+    if n >= RANKED_SORT:
         if ranks is None:
             ranks, distinct = _dense_ranks(-workload[seqs], np.int64)
         else:
@@ -280,15 +277,15 @@ def prefix_within_groups(values: np.ndarray, group: np.ndarray, room: np.ndarray
 
 
 def water_room(held: np.ndarray, weight: np.ndarray, amount: float, inflation=1.0):
-    """Each bag's room up to one water level: the least per-GPU level (to 50 halvings) at
-    which the bags, holding ``held`` on ``weight`` GPUs, have room for ``amount`` (a bag's
-    room: ``max(0, level * weight - held) / inflation``)."""
+    """Each bag's room up to one water level: the least per-GPU level (to
+    ``POUR_BISECTIONS`` halvings) at which the bags, holding ``held`` on ``weight`` GPUs,
+    have room for ``amount`` (a bag's room: ``max(0, level * weight - held) / inflation``)."""
 
     def room(level: float) -> np.ndarray:
         return np.maximum(0.0, level * weight - held) / inflation
 
     lo, hi = 0.0, float((held.sum() + amount * np.max(inflation)) / weight.sum()) + held.max()
-    for _ in range(50):
+    for _ in range(POUR_BISECTIONS):
         mid = 0.5 * (lo + hi)
         lo, hi = (lo, mid) if room(mid).sum() >= amount else (mid, hi)
     return room(hi)
@@ -299,116 +296,6 @@ def pour_slots(cost: np.ndarray, room: np.ndarray) -> np.ndarray:
     running sum of ``cost`` puts the sequence's middle among the slots' running room."""
     middle = np.cumsum(cost) - 0.5 * cost
     return np.minimum(np.searchsorted(np.cumsum(room), middle, side="right"), len(room) - 1)
-
-
-def chunk_table(step: Step):
-    """Split each sequence into one chunk per GPU of its bag (zero-length chunks dropped).
-
-    Returns (seq, dst GPU position, offset, length), ordered by sequence then chunk
-    index; chunk k of a sequence goes to the k-th GPU of its bag. Each chunk gets
-    ``L // g`` tokens; the ``L % g`` remainder goes, under round-robin, all to chunk
-    ``rem`` (the published rule), else one token each to the next GPUs of a cycle that
-    runs through the bag's sequences in id order, so every GPU of a bag ends within one
-    token of the others (the remainder never piles onto one GPU).
-    """
-    layout, lengths, bag = step.layout, step.lengths, step.bag
-    n = len(lengths)
-    size = layout.size[bag]
-    rem = lengths % size
-    start = _remainder_starts(bag, rem, size) if layout.even else None
-    if len(layout.class_size) == 1:  # the usual fixed topology: one (n, g) grid
-        g = int(layout.class_size[0])
-        idx = np.repeat(np.arange(n), g)
-        length, pos, offset = (x.ravel() for x in _chunk_grid(step, slice(None), g, start))
-    else:  # one grid per bag size, scattered to the rows of its sequences
-        ends = np.cumsum(size)
-        first = ends - size  # row of each sequence's chunk 0
-        total = int(ends[-1]) if n else 0
-        pos, offset, length = (np.empty(total, dtype=np.int64) for _ in range(3))
-        idx = np.repeat(np.arange(n), size)
-        for g in layout.class_size.tolist():
-            sel = np.flatnonzero(size == g)
-            if g == 1:  # one whole chunk each, on the bag's GPU
-                rows = first[sel]
-                length[rows], pos[rows], offset[rows] = lengths[sel], layout.start[bag[sel]], 0
-                continue
-            rows = (first[sel][:, None] + np.arange(g)).ravel()
-            grid = _chunk_grid(step, sel, g, None if start is None else start[sel])
-            length[rows], pos[rows], offset[rows] = (x.ravel() for x in grid)
-    if n and (lengths < size).any():  # some sequence is shorter than its bag
-        keep = length > 0
-        idx, pos, offset, length = idx[keep], pos[keep], offset[keep], length[keep]
-    return idx, pos, offset, length
-
-
-def _chunk_grid(step: Step, sel, g: int, start):
-    """(length, position, offset), each (m, g), of the chunks of sequences ``sel``, all in
-    bags of ``g`` GPUs; ``start``: where each one's remainder starts in its bag's cycle
-    (even spread), None under round-robin."""
-    lengths, bag = step.lengths[sel], step.bag[sel]
-    quot = lengths // g
-    rem = lengths - quot * g
-    k = np.arange(g)
-    pos = step.layout.start[bag][:, None] + k[None, :]
-    if start is not None and g <= _PATTERN_SIZES:
-        # One of g*g remainder patterns per sequence, looked up with its running sum.
-        extra, before = _remainder_patterns(g)
-        pattern = start * g + rem
-        # (np.take gathers rows faster than fancy indexing; the product is the temporary.)
-        length = np.take(extra, pattern, axis=0)
-        length += quot[:, None]
-        offset = np.take(before, pattern, axis=0)
-        offset += np.multiply.outer(quot, k)
-        return length, pos, offset
-    if start is not None:
-        # Chunk k takes a remainder token when it lies in [start, start + rem) cyclically.
-        first, end = start[:, None], (start + rem)[:, None]
-        length = quot[:, None] + (((k >= first) & (k < end)) | (k + g < end))
-    else:
-        length = np.repeat(quot[:, None], g, axis=1)
-        length[np.arange(len(quot)), step.rem[sel]] += rem
-    return length, pos, np.cumsum(length, axis=1) - length
-
-
-_PATTERN_SIZES = 64  # bags of at most this many GPUs look their remainder patterns up
-
-
-@lru_cache(maxsize=_PATTERN_SIZES)
-def _remainder_patterns(g: int) -> tuple[np.ndarray, np.ndarray]:
-    """For a bag of ``g`` GPUs, row ``start * g + rem``: which of the g chunks take a
-    remainder token when ``rem`` of them do from chunk ``start`` on, cyclically, and the
-    tokens those add before each chunk (each (g * g, g))."""
-    start, rem = np.divmod(np.arange(g * g), g)
-    k = np.arange(g)
-    extra = ((k - start[:, None]) % g < rem[:, None]).astype(np.int64)
-    return extra, np.cumsum(extra, axis=1) - extra
-
-
-def _remainder_starts(bag: np.ndarray, rem: np.ndarray, size: np.ndarray) -> np.ndarray:
-    """`_cycle_starts`, computed over the sequences with a remainder only when they are
-    few (one-GPU bags, or most lengths a multiple of g): a sequence without one adds
-    nothing to its bag's cycle, and its own start is never read (0 here)."""
-    some = np.flatnonzero(rem)
-    if 2 * len(some) >= len(rem):
-        return _cycle_starts(bag, rem, size)
-    starts = np.zeros_like(rem)
-    starts[some] = _cycle_starts(bag[some], rem[some], size[some])
-    return starts
-
-
-def _cycle_starts(bag: np.ndarray, rem: np.ndarray, size: np.ndarray) -> np.ndarray:
-    """(n,) where each sequence's remainder starts in its bag's cycle: the remainders of the
-    bag's earlier sequences (id order), summed, modulo the bag size."""
-    order = by_small_key(bag, int(bag.max()) + 1 if bag.size else 0)
-    r = np.take(rem, order)
-    before = np.cumsum(r) - r  # exclusive running sum over all bags
-    sorted_bag = np.take(bag, order)
-    group_start = np.ones(len(order), dtype=bool)
-    np.not_equal(sorted_bag[1:], sorted_bag[:-1], out=group_start[1:])
-    base = np.maximum.accumulate(np.where(group_start, before, 0))
-    starts = np.empty_like(rem)
-    starts[order] = (before - base) % np.take(size, order)
-    return starts
 
 
 def least(values: np.ndarray, k: int) -> np.ndarray:

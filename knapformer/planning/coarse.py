@@ -10,7 +10,7 @@ from knapformer.planning.bags import (
     Step,
     least,
 )
-from knapformer.planning.exchanges import exchange_across
+from knapformer.planning.exchanges import exchange_across, member_samples
 from knapformer.planning.pricing import Prices, bag_makespan, priced_loads, sender_extra
 from knapformer.planning.token_cap import within_token_cap
 from knapformer.planning.tuning import (
@@ -114,7 +114,7 @@ def _per_gpu(step: Step, prices: Prices):
 
 def _level_members(step: Step, by_weight: np.ndarray, donors: np.ndarray, takers: np.ndarray):
     """(ma (k, s), mb (k, p, s + 1)) of a `_level` round: a spread sample of each donor's
-    and each taker's members (`_member_sample`), lightest first, -1 padding; each taker's
+    and each taker's members (`member_samples`), lightest first, -1 padding; each taker's
     row ends with an empty slot (a move, not a swap)."""
     num_bags = len(step.layout.size)
     key = step.bag[by_weight]  # a stable sort of small ints is a radix sort
@@ -122,8 +122,8 @@ def _level_members(step: Step, by_weight: np.ndarray, donors: np.ndarray, takers
                                  kind="stable")]  # fmt: skip
     cuts = np.searchsorted(step.bag[order], np.arange(num_bags + 1))
     k, p = takers.shape
-    ma = _member_sample(order, cuts, donors, LEVEL_MEMBERS)
-    mb = _member_sample(order, cuts, takers.ravel(), LEVEL_MEMBERS)
+    ma = member_samples(order, cuts, donors, LEVEL_MEMBERS)
+    mb = member_samples(order, cuts, takers.ravel(), LEVEL_MEMBERS)
     return ma, np.concatenate([mb, np.full((len(mb), 1), -1)], axis=1).reshape(k, p, -1)
 
 
@@ -353,16 +353,3 @@ def _first_each(values: np.ndarray) -> np.ndarray:
     order = np.argsort(values, kind="stable")
     v = values[order]
     return np.sort(order[np.concatenate([[True], v[1:] != v[:-1]])]) if len(v) else order
-
-
-def _member_sample(order: np.ndarray, cuts: np.ndarray, bags: np.ndarray, most: int):
-    """(len(bags), most) sequence ids of each of ``bags`` (-1 pads): all of a bag's members
-    when it has at most ``most``, else ``most`` spread evenly from its lightest to its
-    heaviest. ``order``: placed sequences sorted by bag, lightest first; bag b's run is
-    ``cuts[b]:cuts[b + 1]``."""
-    first, count = cuts[bags], cuts[bags + 1] - cuts[bags]
-    q = np.arange(most)
-    spread = np.round(q[None, :] * ((count[:, None] - 1) / max(most - 1, 1))).astype(np.int64)
-    offset = np.where(count[:, None] > most, spread, q[None, :])
-    valid = q[None, :] < count[:, None]
-    return np.where(valid, order[np.minimum(first[:, None] + offset, len(order) - 1)], -1)

@@ -13,6 +13,7 @@ from knapformer.planning.bags import (
     least,
 )
 from knapformer.planning.pricing import Prices, priced_loads, sends, uneven_sends
+from knapformer.planning.token_cap import within_token_cap
 from knapformer.planning.tuning import (
     EXCHANGE_MEMBERS,
     EXCHANGE_MOVES,
@@ -102,8 +103,8 @@ def _best_exchange(ledger, a: int, ma, lightest, cols, max_tokens):
     new_b = per[b][None, :] + (into_b - out_b[None, :]) / weight[b][None, :]
     ok = (li >= size[b][None, :]) & ((lj >= size[a]) | ~real)[None, :]
     if max_tokens is not None:
-        ok &= np.ceil((tokens[b][None, :] + li - lj[None, :]) / size[b][None, :]) <= max_tokens
-        ok &= np.ceil((tokens[a] - li + lj[None, :]) / size[a]) <= max_tokens
+        # Token counts are whole numbers: the shift's grouping changes no bit of the test.
+        ok &= within_token_cap(tokens, size, a, b[None, :], li - lj[None, :], max_tokens)
     value = np.where(ok, np.maximum(new_a, new_b), np.inf)
     i, j = divmod(int(value.argmin()), value.shape[1])
     if not value[i, j] < per[a] * (1 - TIE):
@@ -188,16 +189,37 @@ class LazyMembers(dict):
 
 def spread_sample(members: list[int], workload: np.ndarray, most: int) -> np.ndarray:
     """``members`` as an array, or ``most`` of them spread evenly over their workloads
-    (a large bag's exchanges are then scored on a sample from light to heavy)."""
+    (a large bag's exchanges are then scored on a sample from light to heavy): one bag's
+    `member_samples`."""
     m = np.asarray(members, dtype=np.int64)
     if len(m) <= most:
         return m
     return m[np.argsort(workload[m], kind="stable")][_spread(len(m), most)]
 
 
+def member_samples(order: np.ndarray, cuts: np.ndarray, bags: np.ndarray, most: int):
+    """(len(bags), most) sequence ids of each of ``bags`` (-1 pads): all of a bag's members
+    when it has at most ``most``, else ``most`` spread evenly from its lightest to its
+    heaviest. ``order``: placed sequences sorted by bag, lightest first; bag b's run is
+    ``cuts[b]:cuts[b + 1]``."""
+    first, count = cuts[bags], cuts[bags + 1] - cuts[bags]
+    q = np.arange(most)
+    offset = np.where(count[:, None] > most, _spread_offsets(count, most), q[None, :])
+    valid = q[None, :] < count[:, None]
+    return np.where(valid, order[np.minimum(first[:, None] + offset, len(order) - 1)], -1)
+
+
 @lru_cache(maxsize=1024)
 def _spread(count: int, most: int) -> np.ndarray:
-    """``most`` indices spread evenly over 0..count-1 (the ends included)."""
-    spread = np.linspace(0, count - 1, most).round().astype(np.int64)
+    """``most`` indices spread evenly over 0..count-1 (`_spread_offsets` of one run,
+    cached: a bag's exchanges sample runs of few distinct lengths)."""
+    spread = _spread_offsets(np.array([count]), most)[0]
     spread.flags.writeable = False  # shared by every caller
     return spread
+
+
+def _spread_offsets(count: np.ndarray, most: int) -> np.ndarray:
+    """(len(count), most): ``most`` offsets spread evenly over 0..count-1 of each run (the
+    ends included, rounded half to even)."""
+    q = np.arange(most)
+    return np.round(q[None, :] * ((count[:, None] - 1) / max(most - 1, 1))).astype(np.int64)

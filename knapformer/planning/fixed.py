@@ -32,10 +32,6 @@ from knapformer.planning.tuning import (
     POUR_TAIL,
 )
 
-# The tuning constants the tests lower to take the large-step paths.
-_ONE_BY_ONE = ONE_BY_ONE
-_POUR_TAIL = POUR_TAIL
-
 
 def _place_in_order(order: np.ndarray, step: Step, prefer_home: bool) -> None:
     """Place ``order`` one by one into the least-occupied candidate bag (LPT).
@@ -191,13 +187,13 @@ def _solve_local(step: Step, tolerance: float | None = None) -> None:
     # A small step is placed one by one, where a bulk pass would save little time and
     # land further from the bound; a large one only its heavy sequences.
     one_by_one = ~empty
-    if n > _ONE_BY_ONE:
+    if n > ONE_BY_ONE:
         one_by_one &= workload > HEAVY_FRACTION * layout.gpu_capacity
     _place_in_order(descending(workload, np.flatnonzero(one_by_one)), step, prefer_home=True)
-    if n > _ONE_BY_ONE:
+    if n > ONE_BY_ONE:
         _stay_home_in_bulk(np.flatnonzero(step.bag < 0), step)
         pool = descending(workload, np.flatnonzero(step.bag < 0), step)
-        if len(pool) > _POUR_TAIL and len(layout.class_size) == 1 and layout.max_tokens is None:
+        if len(pool) > POUR_TAIL and len(layout.class_size) == 1 and layout.max_tokens is None:
             pool = _pour(pool, step)
         _place_in_order(pool, step, prefer_home=True)
     level_makespan(step, tolerance=tolerance)
@@ -205,10 +201,10 @@ def _solve_local(step: Step, tolerance: float | None = None) -> None:
 
 def _pour(pool: np.ndarray, step: Step) -> np.ndarray:
     """Pour the heaviest of a large pool (heaviest first; one bag size, no token cap)
-    into the bags' room at one water level, in one pass; returns the ``_POUR_TAIL``
+    into the bags' room at one water level, in one pass; returns the ``POUR_TAIL``
     lightest, left to the one-by-one placement, which evens out the last gaps."""
     layout = step.layout
-    poured = pool[: len(pool) - _POUR_TAIL]
+    poured = pool[: len(pool) - POUR_TAIL]
     cost = step.workload[poured]
     bags = pour_slots(cost, water_room(layout.load, layout.weight, float(cost.sum())))
     step.bag[poured] = bags

@@ -20,10 +20,6 @@ from knapformer.planning.tuning import (
     WIDE_ROUNDS,
 )
 
-# The tuning constants the tests lower to take the large-step paths.
-_DENSE_CELLS = DENSE_CELLS
-_WIDE_BAGS = WIDE_BAGS
-
 
 def level_makespan(step: Step, max_rounds: int | None = None, tolerance=None) -> None:
     """Local search on the makespan. Each round, every bag above the stopping load (up
@@ -45,7 +41,7 @@ def level_makespan(step: Step, max_rounds: int | None = None, tolerance=None) ->
     accepts = layout.capacity * (1 + EPS)  # the largest workload each bag may take
     members = _Members(step.bag, step.lengths, step.workload, num_bags)
     one_size = len(layout.class_size) == 1
-    if num_bags > _WIDE_BAGS and one_size and layout.max_tokens is None:
+    if num_bags > WIDE_BAGS and one_size and layout.max_tokens is None:
         _level_in_pairs(step, members, stop)
         per_gpu = layout.per_gpu_time()
     for _ in range(4 * num_bags if max_rounds is None else max_rounds):
@@ -215,7 +211,7 @@ def _best_exchanges(over, partners, members, size, weight, per_gpu, accepts, one
         col_starts = np.searchsorted(back_slot, np.arange(num_o, num_o + num_p)).tolist()
     out_w, a_bag = members.workload[out][:, None], members.bag[out][:, None]
     w_a, per_a = weight[a_bag], per_gpu[a_bag]
-    if out.size * back.size <= _DENSE_CELLS:
+    if out.size * back.size <= DENSE_CELLS:
         came = back[None, :]  # every pair is scored
     else:
         pb = np.asarray(partners)

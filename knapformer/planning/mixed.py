@@ -82,60 +82,76 @@ def solve_mixed(bag_sizes, lengths, workload, src_pos, speed, max_tokens, per_to
 def _place_priced(order, step: Step, load: np.ndarray, prices: Prices, level: float):
     """Place ``order`` one by one (see `solve_mixed`); ``load`` (num_bags,): each bag's
     priced load so far. Returns the new loads."""
-    layout = step.layout
     if order.size == 0:
         return load
-    size, weight, kap = layout.size.tolist(), layout.weight.tolist(), prices.kappa.tolist()
-    bag_node = prices.bag_node.tolist()
-    class_size, class_of_bag = layout.class_size.tolist(), layout.shape.class_of_bag
-    load = load.tolist()
-    per = [x / w for x, w in zip(load, weight, strict=True)]
-    heaps, bag_heaps = _size_heaps(per, class_of_bag, bag_node)
-    heappush = heapq.heappush
-    capped = layout.max_tokens is not None
-    limit = level * (1 + EPS)
-    intra, inter = prices.intra, prices.inter
-    heappop = heapq.heappop
-    tries: dict[int, list] = {}  # per source node: (class, size, its two heaps) to try
-
-    def charge(bag: int, cost: float) -> None:
-        """Add ``cost`` to ``bag``'s load and push its new per-weight load on its heaps."""
-        load[bag] += cost
-        per[bag] = p = load[bag] / weight[bag]
-        for heap in bag_heaps[bag]:
-            heappush(heap, (p, bag))
-
+    bags = _PricedBags(step.layout, prices, load)
     rows = zip(order.tolist(), step.workload[order].tolist(), step.lengths[order].tolist(),
                step.home_bag[order].tolist(), prices.src_node[order].tolist(),
                strict=True)  # fmt: skip
-    chosen = []
-    for seq, w, length, h, node in rows:
-        room = layout.token_room(length).tolist() if capped else None
-        at_home = h >= 0 and size[h] <= length and (room is None or room[h])
-        if at_home:
-            home_cost = w + kap[h] * length + 2 * intra * length * (size[h] - 1) / size[h]
-            if (load[h] + home_cost) / weight[h] <= limit:
-                chosen.append(h)
-                charge(h, home_cost)
-                if capped:
-                    layout.add(h, 0.0, length, 0)
-                continue
-        b, lowest, cost, sent = -1, np.inf, 0.0, 0.0
-        if at_home:
-            b, lowest, cost = h, (load[h] + home_cost) / weight[h], home_cost
-        tried = tries.get(node)
-        if tried is None:
-            tried = tries[node] = [
-                (c, g, [heap for heap in (heaps.get((c, -2)), heaps.get((c, node))) if heap])
-                for c, g in enumerate(class_size)
-            ]
-        for c, g, class_heaps in tried:
+    step.bag[order] = bags.place(rows, step.layout, level * (1 + EPS))
+    return np.asarray(bags.load)
+
+
+class _PricedBags:
+    """The bags' priced loads while `_place_priced` places sequences one by one, kept in
+    Python lists (read item by item, where numpy's per-call overhead would dominate), with
+    the heaps of the least loaded bag of each size (`_size_heaps`)."""
+
+    def __init__(self, layout: BagLayout, prices: Prices, load: np.ndarray):
+        self.size, self.weight = layout.size.tolist(), layout.weight.tolist()
+        self.kap, self.bag_node = prices.kappa.tolist(), prices.bag_node.tolist()
+        self.class_size = layout.class_size.tolist()
+        self.intra, self.inter = prices.intra, prices.inter
+        self.load = load.tolist()
+        self.per = [x / w for x, w in zip(self.load, self.weight, strict=True)]
+        self.heaps, self.bag_heaps = _size_heaps(self.per, layout.shape.class_of_bag,
+                                                 self.bag_node)  # fmt: skip
+        self.tries: dict[int, list] = {}  # per source node: (class, size, its two heaps)
+
+    def charge(self, bag: int, cost: float) -> None:
+        """Add ``cost`` to ``bag``'s load and push its new per-weight load on its heaps."""
+        self.load[bag] += cost
+        self.per[bag] = p = self.load[bag] / self.weight[bag]
+        for heap in self.bag_heaps[bag]:
+            heapq.heappush(heap, (p, bag))
+
+    def place(self, rows, layout: BagLayout, limit: float) -> list[int]:
+        """The bag of each (sequence, workload, length, home bag, source node) of ``rows``,
+        in turn: home while that keeps it within ``limit`` per GPU, else `_least_away`."""
+        size, load, weight, kap, intra = self.size, self.load, self.weight, self.kap, self.intra
+        capped, charge, chosen = layout.max_tokens is not None, self.charge, []
+        for seq, w, length, h, node in rows:
+            room = layout.token_room(length).tolist() if capped else None
+            b, lowest, cost, sent = -1, np.inf, 0.0, 0.0
+            if h >= 0 and size[h] <= length and (room is None or room[h]):
+                cost = w + kap[h] * length + 2 * intra * length * (size[h] - 1) / size[h]
+                b, lowest = h, (load[h] + cost) / weight[h]
+            if not lowest <= limit:  # the home bag (if any) would end too high: look away
+                b, cost, sent = self._least_away(w, length, h, node, room, (b, lowest, cost))
+                if b < 0:
+                    raise layout.infeasible(seq, length)
+            chosen.append(b)
+            charge(b, cost)
+            if sent and h >= 0:
+                charge(h, sent)
+            if capped:
+                layout.add(b, 0.0, length, 0)
+        return chosen
+
+    def _least_away(self, w, length, h, node, room, best) -> tuple[int, float, float]:
+        """(bag, its cost, what the home bag pays to send): where the larger of the two
+        bags' per-GPU times ends lowest, among the least loaded bag of each size the
+        sequence may go to (overall and in its node), unless ``best`` (bag, value, cost:
+        home or -1) is lower."""
+        load, weight, per, kap, bag_node = self.load, self.weight, self.per, self.kap, self.bag_node
+        (b, lowest, cost), sent = best, 0.0
+        for c, g, class_heaps in self.tries.get(node) or self._candidates(node):
             if g > length and c > 0:
                 break  # groups larger than the sequence (the smallest always may)
             for heap in class_heaps:
                 if room is None:
                     while heap[0][0] != per[heap[0][1]]:  # `_live_top`, inlined
-                        heappop(heap)
+                        heapq.heappop(heap)
                     top = heap[0][1]
                 else:
                     live = [e for e in heap if room[e[1]] and e[0] == per[e[1]]]
@@ -144,7 +160,7 @@ def _place_priced(order, step: Step, load: np.ndarray, prices: Prices, level: fl
                     top = min(live)[1]
                 if top == h:
                     continue
-                route = (intra if bag_node[top] == node else inter) * length
+                route = (self.intra if bag_node[top] == node else self.inter) * length
                 value = (load[top] + w + kap[top] * length + route) / weight[top]
                 if h >= 0:
                     sender = (load[h] + route) / weight[h]
@@ -152,16 +168,17 @@ def _place_priced(order, step: Step, load: np.ndarray, prices: Prices, level: fl
                         value = sender
                 if value < lowest:
                     b, lowest, cost, sent = top, value, w + kap[top] * length + route, route
-        if b < 0:
-            raise layout.infeasible(seq, length)
-        chosen.append(b)
-        charge(b, cost)
-        if sent and h >= 0:
-            charge(h, sent)
-        if capped:
-            layout.add(b, 0.0, length, 0)
-    step.bag[order] = chosen
-    return np.asarray(load)
+        return b, cost, sent
+
+    def _candidates(self, node: int) -> list:
+        """(class, size, [its heaps overall and in ``node``]) of every size class, made
+        once per source node."""
+        heaps = self.heaps
+        tried = self.tries[node] = [
+            (c, g, [heap for heap in (heaps.get((c, -2)), heaps.get((c, node))) if heap])
+            for c, g in enumerate(self.class_size)
+        ]
+        return tried
 
 
 def _size_heaps(per, class_of_bag, bag_node):

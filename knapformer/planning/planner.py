@@ -79,8 +79,8 @@ from knapformer.planning.bags import (
     BagShape,
     Step,
     bag_shape,
-    chunk_table,
 )
+from knapformer.planning.chunks import chunk_table
 from knapformer.planning.communication import CommModel
 from knapformer.planning.fixed import solve_default, solve_greedy
 from knapformer.planning.partitions import DEFAULT_GROUP_SIZES, allowed_sizes
@@ -132,20 +132,12 @@ def plan_routing(
         group = _fixed_group(as_topology(topology), len(lengths_per_gpu))
     problem = StepProblem.build(lengths_per_gpu, group.shape, model, gpus, gpu_speed,
                                 max_tokens_per_gpu, auto)  # fmt: skip
-    solve = solve_greedy if solver == "greedy" else solve_default
-
-    def solve_fixed(layout: BagShape) -> Step:
-        """The chosen solver on a fixed layout (auto solves the whole-family ones too)."""
-        return solve(layout, *problem.solver_args())
-
+    solve_fixed = problem.fixed_solver(solver)
     options: dict = {} if max_tokens_per_gpu is None else {"max_tokens_per_gpu": max_tokens_per_gpu}
     if auto:
         solved = solve_auto(*problem.solver_args(), solve_fixed, model, comm, group.sizes,
                             group.node_size, group.num_gpus)  # fmt: skip
-        sizes = solved.layout.shape.size.tolist()
-        starts = solved.layout.shape.start.tolist()
-        topology_name = solved.layout.shape.topology
-        bags = [problem.gpus[s : s + g] for s, g in zip(starts, sizes, strict=True)]
+        topology_name, bags = solved.layout.shape.topology, _chosen_bags(solved, problem.gpus)
         options |= {"comm": comm.as_options(), "group_sizes": list(group.sizes)}
     else:
         solved = solve_fixed(group.shape)
@@ -154,6 +146,12 @@ def plan_routing(
                        solver, options, auto)  # fmt: skip
     plan.measurements = Measurements(plan_ms=(time.perf_counter() - started) * 1e3)
     return plan
+
+
+def _chosen_bags(solved: Step, gpus: list[int]) -> list[list[int]]:
+    """The GPU ranks of each bag of the partition auto chose, in position order."""
+    shape = solved.layout.shape
+    return [gpus[s : s + g] for s, g in zip(shape.start.tolist(), shape.size.tolist(), strict=True)]
 
 
 @dataclass(frozen=True)
@@ -219,6 +217,12 @@ class StepProblem:
     def solver_args(self) -> tuple:
         """(lengths, workload, src_pos, speed, max_tokens): what the solvers take."""
         return self.lengths, self.workload, self.src_pos, self.speed, self.max_tokens
+
+    def fixed_solver(self, solver: str):
+        """``solve(shape) -> Step``: ``solver`` on a fixed layout of this step (auto solves
+        the whole-family layouts with it too)."""
+        solve = solve_greedy if solver == "greedy" else solve_default
+        return lambda shape: solve(shape, *self.solver_args())
 
 
 def _build_plan(problem, solved, model, positions_are_ranks, step, run, topology_name, bags,

@@ -7,14 +7,21 @@ import numpy as np
 
 from knapformer.planning.bags import (
     Step,
-    chunk_table,
     least,
 )
+from knapformer.planning.chunks import chunk_table
 from knapformer.planning.communication import CommModel
 from knapformer.planning.exchanges import spread_sample
 from knapformer.planning.pricing import compute_per_gpu, modelled_makespan, route_per_token
 from knapformer.planning.token_cap import within_token_cap
-from knapformer.planning.tuning import EPS, REFINE_CELLS, REFINE_PARTNERS, REFINE_ROUNDS, TIE
+from knapformer.planning.tuning import (
+    EPS,
+    REFINE_CELLS,
+    REFINE_PARTNERS,
+    REFINE_ROUNDS,
+    REFINE_SAMPLE,
+    TIE,
+)
 from knapformer.planning.workload import WorkloadModel
 
 
@@ -26,9 +33,9 @@ def _within_budget(mine, theirs, num_bags, num_gpus, workload):
     cap = max(REFINE_CELLS // num_gpus, 2 * num_bags)
     if len(mine) * (num_bags + len(theirs)) <= cap:
         return mine, theirs
-    most = min(len(mine), max(4, cap // (2 * num_bags)))
+    most = min(len(mine), max(REFINE_SAMPLE, cap // (2 * num_bags)))
     mine = spread_sample(mine, workload, most)
-    swaps = max(4, (cap - len(mine) * num_bags) // len(mine))
+    swaps = max(REFINE_SAMPLE, (cap - len(mine) * num_bags) // len(mine))
     return mine, spread_sample(theirs, workload, swaps)
 
 

@@ -1,5 +1,6 @@
 """The per-GPU token cap (``max_tokens_per_gpu``) of an exchange between two bags: the
-one rule the exchange passes (coarse.py, refine.py) check a candidate move or swap by."""
+one rule the exchange passes (exchanges.py, coarse.py, refine.py) check a candidate move
+or swap by."""
 
 from __future__ import annotations
 

@@ -11,6 +11,12 @@ from __future__ import annotations
 EPS = 1e-12  # relative slack of a capacity check
 HEAVY_FRACTION = 0.25  # of one GPU's capacity: placed before the bulk "stay home" pass
 ONE_BY_ONE = 128  # steps of at most this many sequences are placed one by one
+# The shared solve state (bags.py, chunks.py): sorts and chunk tables by the faster path.
+RANKED_SORT = 4096  # `stable_argsort` ranks values first (one cheap sort) from this many
+PATTERN_SIZES = 64  # bags of at most this many GPUs look their remainder patterns up
+# Halvings of `water_room`'s bracket on the pour's water level: 2^-50 of the bracket, below
+# a float's resolution of the level.
+POUR_BISECTIONS = 50
 
 # The fixed-topology solver (planner.py).
 # Further from the lower bound than this fraction, greedy is solved as well and the
@@ -30,6 +36,9 @@ WIDE_ROUNDS = 16
 
 # topology="auto" (auto.py and the passes it runs).
 TIE = 1e-9  # modelled times this close are equal (then: fewer moved tokens)
+# Rounding between a bound (`makespan_floor`, `makespan_ceiling`) and the exact price, and
+# more: a candidate is only skipped on a bound that clears it by this margin as well.
+FLOOR_MARGIN = 1e-9
 SMALL_GPUS = 64  # a *small* step: at most this many GPUs ...
 SMALL_SEQUENCES = 512  # ... and sequences: every partition solved, then refined exactly
 # Bisections on the per-GPU target of the partition floor and of the mixed partition
@@ -60,3 +69,4 @@ REFINE_PARTNERS = 8  # least loaded bags whose sequences it tries swapping with
 # (candidate, GPU) cells a refinement round scores at most: a round costs the same
 # whether a GPU holds 4 sequences or 400 (sampled beyond, `_within_budget`).
 REFINE_CELLS = 1 << 14
+REFINE_SAMPLE = 4  # members sampled per side at least, however large the step
