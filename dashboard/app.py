@@ -115,9 +115,12 @@ CALLBACK_SHAPES = {
 }
 
 
-def _card(label: str, value_id: str) -> html.Div:
+def _card(label: str, value_id: str, value: str | None = None) -> html.Div:
     return html.Div(
-        [html.Div(label, style={"fontSize": "12px", "color": "#868e96"}), html.B(id=value_id)],
+        [
+            html.Div(label, style={"fontSize": "12px", "color": "#868e96"}),
+            html.B(value, id=value_id),
+        ],
         style=CARD,
     )
 
@@ -127,6 +130,9 @@ def _layout(runs: Runs, whole: whole_run.WholeRun) -> html.Div:
     # views (a dozen graphs, a table and their callbacks) come once the browser has drawn
     # them (`_deferred`), so that they do not delay that first draw.
     later = whole_run.has_store_view(runs)
+    # Its header is filled here too: the view that fills it comes after the first draw,
+    # and a header growing then would move the whole-run figures under the user's hand.
+    shown = _header_values(runs, {"run": runs.default()}) if later else {}
     return html.Div(
         [
             # What the shown run holds now (set by the run picker; the rest follow it).
@@ -138,18 +144,32 @@ def _layout(runs: Runs, whole: whole_run.WholeRun) -> html.Div:
             html.Div([] if later else _picker(), id="picker-slot"),
             html.Div(
                 [
-                    _card("run", "stat-run"),
-                    _card("steps seen", "stat-steps"),
-                    _card("latest imbalance before → after", "stat-imbalance"),
-                    _card("mean modelled speedup", "stat-speedup"),
-                    _card(f"straggler (last {WINDOW} measured steps)", "stat-straggler"),
-                    _card("malformed records skipped", "stat-skipped"),
+                    _card("run", "stat-run", shown.get("run")),
+                    _card("steps seen", "stat-steps", shown.get("steps")),
+                    _card(
+                        "latest imbalance before → after",
+                        "stat-imbalance",
+                        shown.get("imbalance"),
+                    ),
+                    _card("mean modelled speedup", "stat-speedup", shown.get("speedup")),
+                    _card(
+                        f"straggler (last {WINDOW} measured steps)",
+                        "stat-straggler",
+                        shown.get("straggler"),
+                    ),
+                    _card("malformed records skipped", "stat-skipped", shown.get("skipped")),
                 ],
                 style={"display": "flex", "gap": "10px", "flexWrap": "wrap"},
             ),
             html.Div(id="notice", role="alert", style=HIDDEN),
             whole_run.section(whole, runs),
-            html.Div([] if later else _per_step(runs), id="per-step"),
+            # Kept a screen tall until filled: the page has its scroll bar from the start,
+            # so the whole-run figures are not resized (and redrawn) when it comes.
+            html.Div(
+                [] if later else _per_step(runs),
+                id="per-step",
+                style={"minHeight": "100vh"} if later else {},
+            ),
         ],
         style={"fontFamily": "system-ui, sans-serif", "margin": "8px 16px"},
     )
@@ -521,21 +541,26 @@ def _header_cards(app: Dash, runs: Runs, timed: Callable) -> None:
     )
     @timed
     def header_cards(view):
-        snap = _snapshot(runs, view)
-        run = view["run"] if view else None
-        n = len(snap.summaries) if snap else 0
-        latest = snap.summaries[-1] if n else None
-        return {
-            "straggler": whole_run.store_headline(runs.files().get(run) if run else None)
-            or _straggler(runs.store(run), snap),
-            "run": (latest.run if latest else None) or run or "–",
-            "steps": f"{n:,}" + (" (indexing…)" if snap and snap.indexing else ""),
-            "imbalance": (
-                before_after(latest.imbalance_before, latest.imbalance_after) if latest else "–"
-            ),
-            "speedup": _fmt(snap.mean_speedup if snap else None, ".2f") + ("×" if n else ""),
-            "skipped": str(snap.problem_count if snap else 0),
-        }
+        return _header_values(runs, view)
+
+
+def _header_values(runs: Runs, view: dict | None) -> dict[str, str]:
+    """The header cards' values for the view's run."""
+    snap = _snapshot(runs, view)
+    run = view["run"] if view else None
+    n = len(snap.summaries) if snap else 0
+    latest = snap.summaries[-1] if n else None
+    return {
+        "straggler": whole_run.store_headline(runs.files().get(run) if run else None)
+        or _straggler(runs.store(run), snap),
+        "run": (latest.run if latest else None) or run or "–",
+        "steps": f"{n:,}" + (" (indexing…)" if snap and snap.indexing else ""),
+        "imbalance": (
+            before_after(latest.imbalance_before, latest.imbalance_after) if latest else "–"
+        ),
+        "speedup": _fmt(snap.mean_speedup if snap else None, ".2f") + ("×" if n else ""),
+        "skipped": str(snap.problem_count if snap else 0),
+    }
 
 
 def _straggler(store: PlanStore | None, snap: Snapshot | None) -> str:
