@@ -139,8 +139,13 @@ def bench_dashboard(run: Path) -> dict:
         out["first_rss_mb"] = _server_rss_mb()
         out["summary"] = page.inner_text("#run-summary")
         box = page.locator("#run-heatmap .nsewdrag").first.bounding_box()
+        x, y = box["x"] + box["width"] * 0.5, box["y"] + box["height"] * 0.5
+        # Hover first, as a user would: Plotly's click names the point its hover found,
+        # and a click at the very moment the page is still laying itself out finds none.
+        page.mouse.move(x, y)
+        page.wait_for_selector("#run-heatmap .hoverlayer .hovertext", timeout=60_000)
         began = time.perf_counter()
-        page.mouse.click(box["x"] + box["width"] * 0.5, box["y"] + box["height"] * 0.5)
+        page.mouse.click(x, y)
         page.wait_for_function(DRILLED, timeout=120_000)
         wait_until(lambda: "steps" in page.inner_text("#drill-label"), 60, "drill label")
         out["drill_s"] = time.perf_counter() - began

@@ -18,7 +18,10 @@
   ``frame``; the timeline appends new steps with a `Patch` instead of resending the whole
   figure.
 - whole-run views (`knapformer.dashboard.whole_run`), when the run has a store: drawn
-  with the layout, redrawn when a segment closes, and a drill-down into one cell.
+  with the layout, redrawn when a segment closes, and a drill-down into one cell. On
+  such a run the first layout holds nothing else of weight: the run picker, the tick and
+  every per-step view are laid out (`_deferred`) once the browser has drawn the whole
+  run, so that their graphs, table and callbacks do not delay that first draw.
 - sequence table (`_sequence_table`, `_pick_sequence`): the sequences of the step in
   ``frame``, one page at a time, sorted and filtered on the server (`dashboard.table`);
   picking a row sets the ``highlight`` store.
@@ -108,17 +111,86 @@ CALLBACK_SHAPES = {
     ("seq-table", "filter_query"): optional(is_str),
     ("seq-table", "selected_rows"): optional(list_of(is_int)),
     ("seq-table", "data"): optional(list_of(record(id=is_int))),
+    ("deferred", "data"): optional(lambda value: isinstance(value, bool)),
 }
 
 
-def _card(label: str, value_id: str) -> html.Div:
+def _card(label: str, value_id: str, value: str | None = None) -> html.Div:
     return html.Div(
-        [html.Div(label, style={"fontSize": "12px", "color": "#868e96"}), html.B(id=value_id)],
+        [
+            html.Div(label, style={"fontSize": "12px", "color": "#868e96"}),
+            html.B(value, id=value_id),
+        ],
         style=CARD,
     )
 
 
 def _layout(runs: Runs, whole: whole_run.WholeRun) -> html.Div:
+    # A run with a store shows its whole-run views first: the run picker and the per-step
+    # views (a dozen graphs, a table and their callbacks) come once the browser has drawn
+    # them (`_deferred`), so that they do not delay that first draw.
+    later = whole_run.has_store_view(runs)
+    # Its header is filled here too: the view that fills it comes after the first draw,
+    # and a header growing then would move the whole-run figures under the user's hand.
+    shown = _header_values(runs, {"run": runs.default()}) if later else {}
+    return html.Div(
+        [
+            # What the shown run holds now (set by the run picker; the rest follow it).
+            dcc.Store(id="view"),
+            # Whether the two slots below are filled after the whole-run views are drawn.
+            dcc.Store(id="deferred", data=later),
+            html.H2("KnapFormer routing plans", style={"margin": "4px 0"}),
+            html.Div(id="incident", role="alert", style=HIDDEN),
+            html.Div([] if later else _picker(), id="picker-slot"),
+            html.Div(
+                [
+                    _card("run", "stat-run", shown.get("run")),
+                    _card("steps seen", "stat-steps", shown.get("steps")),
+                    _card(
+                        "latest imbalance before → after",
+                        "stat-imbalance",
+                        shown.get("imbalance"),
+                    ),
+                    _card("mean modelled speedup", "stat-speedup", shown.get("speedup")),
+                    _card(
+                        f"straggler (last {WINDOW} measured steps)",
+                        "stat-straggler",
+                        shown.get("straggler"),
+                    ),
+                    _card("malformed records skipped", "stat-skipped", shown.get("skipped")),
+                ],
+                style={"display": "flex", "gap": "10px", "flexWrap": "wrap"},
+            ),
+            html.Div(id="notice", role="alert", style=HIDDEN),
+            whole_run.section(whole, runs),
+            # Kept a screen tall until filled: the page has its scroll bar from the start,
+            # so the whole-run figures are not resized (and redrawn) when it comes.
+            html.Div(
+                [] if later else _per_step(runs),
+                id="per-step",
+                style={"minHeight": "100vh"} if later else {},
+            ),
+        ],
+        style={"fontFamily": "system-ui, sans-serif", "margin": "8px 16px"},
+    )
+
+
+def _picker() -> list:
+    """The run picker (shown when the folder holds more than one run)."""
+    return [
+        html.Div(
+            [
+                html.Span("run ", style={"marginRight": "6px"}),
+                dcc.Dropdown(id="run-picker", clearable=False, style={"width": "360px"}),
+            ],
+            id="run-picker-box",
+            style=HIDDEN,
+        ),
+    ]
+
+
+def _per_step(runs: Runs) -> list:
+    """The per-step views, the tick that follows the run, and the stores they share."""
     # The newest step is chosen here, so the per-step views are computed in parallel with
     # the first tick instead of after it (one round trip less before the bars show).
     run = runs.default()
@@ -127,127 +199,120 @@ def _layout(runs: Runs, whole: whole_run.WholeRun) -> html.Div:
     initial = None
     if snap is not None and snap.summaries:
         initial = {"run": run, "reset": snap.reset, "index": len(snap.summaries) - 1}
-    return html.Div(
-        [
-            dcc.Interval(id="tick", interval=TICK_MS),
-            # What the shown run holds now (set by the run picker; the rest follow it).
-            dcc.Store(id="view"),
-            # What the browser's timeline currently holds, so an update can append to it.
-            dcc.Store(id="client", data={"run": None, "reset": None, "count": 0}),
-            # The step the per-step views are to show: run, reset counter, index.
-            dcc.Store(id="selection", data=initial),
-            # The step they show (`step_frame`), which the timelines and the table follow.
-            dcc.Store(id="frame"),
-            # The sequence whose chunks are highlighted: the step it belongs to, and its id.
-            dcc.Store(id="highlight"),
-            html.H2("KnapFormer routing plans", style={"margin": "4px 0"}),
-            html.Div(id="incident", role="alert", style=HIDDEN),
-            html.Div(
-                [
-                    html.Span("run ", style={"marginRight": "6px"}),
-                    dcc.Dropdown(id="run-picker", clearable=False, style={"width": "360px"}),
-                ],
-                id="run-picker-box",
-                style=HIDDEN,
-            ),
-            html.Div(
-                [
-                    _card("run", "stat-run"),
-                    _card("steps seen", "stat-steps"),
-                    _card("latest imbalance before → after", "stat-imbalance"),
-                    _card("mean modelled speedup", "stat-speedup"),
-                    _card(f"straggler (last {WINDOW} measured steps)", "stat-straggler"),
-                    _card("malformed records skipped", "stat-skipped"),
-                ],
-                style={"display": "flex", "gap": "10px", "flexWrap": "wrap"},
-            ),
-            html.Div(id="notice", role="alert", style=HIDDEN),
-            whole_run.section(whole, runs),
-            html.Div(
-                [
-                    html.Div(
-                        dcc.Slider(
-                            id="step-slider",
-                            min=0,
-                            max=0,
-                            step=1,
-                            value=0,
-                            marks={},
-                            # its box would take an index, not a step: "go to step" does
-                            allow_direct_input=False,
-                        ),
-                        style={"flex": "1"},
+    return [
+        dcc.Interval(id="tick", interval=TICK_MS),
+        # What the browser's timeline currently holds, so an update can append to it.
+        dcc.Store(id="client", data={"run": None, "reset": None, "count": 0}),
+        # The step the per-step views are to show: run, reset counter, index.
+        dcc.Store(id="selection", data=initial),
+        # The step they show (`step_frame`), which the timelines and the table follow.
+        dcc.Store(id="frame"),
+        # The sequence whose chunks are highlighted: the step it belongs to, and its id.
+        dcc.Store(id="highlight"),
+        *_step_controls(),
+        *_step_graphs(),
+        *_sequence_table_layout(),
+    ]
+
+
+def _step_controls() -> list:
+    """Slider, "go to step", "follow live", and the line naming the step shown."""
+    return [
+        html.Div(
+            [
+                html.Div(
+                    dcc.Slider(
+                        id="step-slider",
+                        min=0,
+                        max=0,
+                        step=1,
+                        value=0,
+                        marks={},
+                        # its box would take an index, not a step: "go to step" does
+                        allow_direct_input=False,
                     ),
-                    dcc.Input(
-                        id="step-input",
-                        type="number",
-                        placeholder="go to step",
-                        debounce=True,  # the value is sent with Enter (n_submit)
-                        style={"width": "170px"},
-                    ),
-                    dcc.Checklist(
-                        id="follow",
-                        options=[{"label": " follow live", "value": "on"}],
-                        value=["on"],
-                        style={"whiteSpace": "nowrap"},
-                    ),
-                ],
-                style={"display": "flex", "gap": "16px", "alignItems": "center", "margin": "8px"},
-            ),
-            html.Div(
-                [
-                    html.Span(id="step-label", style={"fontWeight": "bold"}),
-                    html.Span(id="follow-note", style={"color": "#868e96", "marginLeft": "8px"}),
-                ],
-                style={"margin": "0 8px"},
-            ),
-            html.Div(id="detail-notice", role="alert", style=HIDDEN),
-            # Full width: the GPU label rule plans for a plot `axes.PLOT_PX` wide.
-            _graph("bag-load", height="440px"),
-            _row(
-                html.Div(_graph("phase-step", height="440px"), style=HALF),
-                html.Div(_graph("phase-window", height="440px"), style=HALF),
-            ),
-            _graph("tokens", height="360px"),
-            _row(
-                html.Div(_graph("timeline"), style=HALF),
-                html.Div(_graph("traffic", height="430px"), style=HALF),
-            ),
-            _graph("topology-timeline"),
-            html.Div(
-                [
-                    html.H4("Stragglers: measured compute apart from waiting"),
-                    _row(
-                        html.Div(_graph("ratio-heatmap"), style=HALF),
-                        html.Div(_graph("wait-heatmap"), style=HALF),
-                    ),
-                    _graph("compute-wait"),
-                    _graph("step-loss"),
-                ],
-                id="straggler-box",
-                style=HIDDEN,
-            ),
-            html.H4("Sequences of the step (select one to highlight its chunks)"),
-            dash_table.DataTable(
-                id="seq-table",
-                columns=_table_columns(None),
-                data=[],
-                page_action="custom",
-                page_current=0,
-                page_size=PAGE_SIZE,
-                page_count=1,
-                sort_action="custom",
-                sort_mode="single",
-                sort_by=[],
-                filter_action="custom",
-                filter_query="",
-                row_selectable="single",
-                selected_rows=[],
-                style_cell={"fontFamily": "monospace", "padding": "2px 8px"},
-            ),
-        ],
-        style={"fontFamily": "system-ui, sans-serif", "margin": "8px 16px"},
-    )
+                    style={"flex": "1"},
+                ),
+                dcc.Input(
+                    id="step-input",
+                    type="number",
+                    placeholder="go to step",
+                    debounce=True,  # the value is sent with Enter (n_submit)
+                    style={"width": "170px"},
+                ),
+                dcc.Checklist(
+                    id="follow",
+                    options=[{"label": " follow live", "value": "on"}],
+                    value=["on"],
+                    style={"whiteSpace": "nowrap"},
+                ),
+            ],
+            style={"display": "flex", "gap": "16px", "alignItems": "center", "margin": "8px"},
+        ),
+        html.Div(
+            [
+                html.Span(id="step-label", style={"fontWeight": "bold"}),
+                html.Span(id="follow-note", style={"color": "#868e96", "marginLeft": "8px"}),
+            ],
+            style={"margin": "0 8px"},
+        ),
+        html.Div(id="detail-notice", role="alert", style=HIDDEN),
+    ]
+
+
+def _step_graphs() -> list:
+    """The per-step graphs (`step_frame`), the timeline and the partitions over the run."""
+    return [
+        # Full width: the GPU label rule plans for a plot `axes.PLOT_PX` wide.
+        _graph("bag-load", height="440px"),
+        _row(
+            html.Div(_graph("phase-step", height="440px"), style=HALF),
+            html.Div(_graph("phase-window", height="440px"), style=HALF),
+        ),
+        _graph("tokens", height="360px"),
+        _row(
+            html.Div(_graph("timeline"), style=HALF),
+            html.Div(_graph("traffic", height="430px"), style=HALF),
+        ),
+        _graph("topology-timeline"),
+        html.Div(
+            [
+                html.H4("Stragglers: measured compute apart from waiting"),
+                _row(
+                    html.Div(_graph("ratio-heatmap"), style=HALF),
+                    html.Div(_graph("wait-heatmap"), style=HALF),
+                ),
+                _graph("compute-wait"),
+                _graph("step-loss"),
+            ],
+            id="straggler-box",
+            style=HIDDEN,
+        ),
+    ]
+
+
+def _sequence_table_layout() -> list:
+    """The sequences of the step, one page at a time (`_sequence_table`)."""
+    return [
+        html.H4("Sequences of the step (select one to highlight its chunks)"),
+        dash_table.DataTable(
+            id="seq-table",
+            columns=_table_columns(None),
+            data=[],
+            page_action="custom",
+            page_current=0,
+            page_size=PAGE_SIZE,
+            page_count=1,
+            sort_action="custom",
+            sort_mode="single",
+            sort_by=[],
+            filter_action="custom",
+            filter_query="",
+            row_selectable="single",
+            selected_rows=[],
+            style_cell={"fontFamily": "monospace", "padding": "2px 8px"},
+        ),
+    ]
 
 
 def _graph(name: str, **style: str) -> dcc.Graph:
@@ -344,7 +409,15 @@ def create_app(path: str | Path) -> Dash:
     path = Path(path)
     gate = RequestGate()
     runs = Runs(path, gate)
-    app = Dash(__name__, title="KnapFormer dashboard", update_title=None, serve_locally=True)
+    # The picker and the per-step views are laid out later on a run with a store (their
+    # callbacks name components the first layout does not hold).
+    app = Dash(
+        __name__,
+        title="KnapFormer dashboard",
+        update_title=None,
+        serve_locally=True,
+        suppress_callback_exceptions=True,
+    )
     whole = whole_run.WholeRun()
     app.layout = lambda: _layout(runs, whole)
     runs.store(runs.default())  # start indexing now, not at the first page view
@@ -383,6 +456,7 @@ def create_app(path: str | Path) -> Dash:
         }
 
     timed = log.timed
+    _deferred(app, runs, timed)
     _watch_runs(app, runs, path, timed)
     _header_cards(app, runs, timed)
     _notices(app, timed)
@@ -401,6 +475,26 @@ def _snapshot(runs: Runs, view: dict | None) -> Snapshot | None:
     """The current snapshot of the view's run (None: no run)."""
     store = runs.store(view["run"]) if view else None
     return store.snapshot() if store else None
+
+
+def _deferred(app: Dash, runs: Runs, timed: Callable) -> None:
+    """Lays out the run picker and the per-step views once the browser has drawn the
+    whole-run views (``run-drawn``), where the first layout left them out."""
+
+    @app.callback(
+        output={
+            "picker": Output("picker-slot", "children"),
+            "per_step": Output("per-step", "children"),
+        },
+        inputs={"drawn": Input("run-drawn", "data")},
+        state={"later": State("deferred", "data")},
+        prevent_initial_call=True,
+    )
+    @timed
+    def deferred(drawn, later):
+        if not (drawn and later):
+            raise PreventUpdate  # laid out with the page
+        return {"picker": _picker(), "per_step": _per_step(runs)}
 
 
 def _watch_runs(app: Dash, runs: Runs, path: Path, timed: Callable) -> None:
@@ -447,21 +541,26 @@ def _header_cards(app: Dash, runs: Runs, timed: Callable) -> None:
     )
     @timed
     def header_cards(view):
-        snap = _snapshot(runs, view)
-        run = view["run"] if view else None
-        n = len(snap.summaries) if snap else 0
-        latest = snap.summaries[-1] if n else None
-        return {
-            "straggler": whole_run.store_headline(runs.files().get(run) if run else None)
-            or _straggler(runs.store(run), snap),
-            "run": (latest.run if latest else None) or run or "–",
-            "steps": f"{n:,}" + (" (indexing…)" if snap and snap.indexing else ""),
-            "imbalance": (
-                before_after(latest.imbalance_before, latest.imbalance_after) if latest else "–"
-            ),
-            "speedup": _fmt(snap.mean_speedup if snap else None, ".2f") + ("×" if n else ""),
-            "skipped": str(snap.problem_count if snap else 0),
-        }
+        return _header_values(runs, view)
+
+
+def _header_values(runs: Runs, view: dict | None) -> dict[str, str]:
+    """The header cards' values for the view's run."""
+    snap = _snapshot(runs, view)
+    run = view["run"] if view else None
+    n = len(snap.summaries) if snap else 0
+    latest = snap.summaries[-1] if n else None
+    return {
+        "straggler": whole_run.store_headline(runs.files().get(run) if run else None)
+        or _straggler(runs.store(run), snap),
+        "run": (latest.run if latest else None) or run or "–",
+        "steps": f"{n:,}" + (" (indexing…)" if snap and snap.indexing else ""),
+        "imbalance": (
+            before_after(latest.imbalance_before, latest.imbalance_after) if latest else "–"
+        ),
+        "speedup": _fmt(snap.mean_speedup if snap else None, ".2f") + ("×" if n else ""),
+        "skipped": str(snap.problem_count if snap else 0),
+    }
 
 
 def _straggler(store: PlanStore | None, snap: Snapshot | None) -> str:

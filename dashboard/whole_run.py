@@ -55,11 +55,29 @@ SHAPES = {
         record(points=list_of(record(x=is_number), nonempty=True))
     ),
     ("run-key", "data"): optional(is_str),
+    ("run-drawn", "data"): optional(lambda value: value is True),
 }
 #: The most steps a drill-down reads (a click on a wider cell opens its last ones): a
 #: column each on the screen, and ~90 MB of the server's memory at 1,024 GPUs.
 DRILL_STEPS = 256
 _SHOWN = {"display": "block"}
+#: Resolves once the browser has drawn the whole-run figures the layout brought (at once
+#: without any): the per-step views, a dozen graphs, a table and their callbacks, are
+#: started only then, so that they do not delay the first draw of the whole run.
+DRAWN_JS = """async function(key, drawn) {
+  if (drawn) { return window.dash_clientside.no_update; }
+  const ids = ['run-heatmap', 'run-verdicts', 'run-steps'];
+  // drawn by Plotly: the layout's figures (one may hold no trace: no rank named slow)
+  const ready = () => ids.every(id => {
+    const gd = document.querySelector('#' + id + ' .js-plotly-plot');
+    return gd && gd._fullLayout && gd.data;
+  });
+  const until = performance.now() + 10000;  // never hold the page back for long
+  while (key && !ready() && performance.now() < until) {
+    await new Promise(done => requestAnimationFrame(done));
+  }
+  return true;
+}"""
 
 
 def section(kept: WholeRun, runs: Runs) -> html.Div:
@@ -88,10 +106,19 @@ def section(kept: WholeRun, runs: Runs) -> html.Div:
             dcc.Graph(id="drill-heatmap", figure=WAITING, style={"height": "420px"}),
             # which store and segments the browser's figures show (redrawn when they change)
             dcc.Store(id="run-key", data=figures.get("key")),
+            # set once the browser has drawn the figures above (`DRAWN_JS`): the run
+            # picker and the per-step views are laid out then (`app._deferred`)
+            dcc.Store(id="run-drawn"),
         ],
         id="run-box",
         style=HIDDEN if drawn is None else _SHOWN,
     )
+
+
+def has_store_view(runs: Runs) -> bool:
+    """Whether the page's first run shows whole-run views (it has a store)."""
+    plans = _plans(runs, None)
+    return plans is not None and has_store(plans)
 
 
 def _drawn(kept: WholeRun, plans: Path | None) -> dict[str, Any] | None:
@@ -234,7 +261,14 @@ def store_headline(plans: Path | None) -> str | None:
 
 def register(app: Dash, runs: Runs, timed: Callable, kept: WholeRun) -> None:
     """The whole-run callback (on a change of the shown run or its steps: the first draw
-    comes with the layout) and the drill-down's."""
+    comes with the layout), the drill-down's, and the browser's note that the first
+    figures are drawn (``run-drawn``)."""
+    app.clientside_callback(
+        DRAWN_JS,
+        Output("run-drawn", "data"),
+        Input("run-key", "data"),
+        State("run-drawn", "data"),
+    )
 
     @app.callback(
         output={

@@ -108,6 +108,8 @@ def callbacks(server) -> list[dict]:
     assert status == 200
     out = []
     for dep in json.loads(text):
+        if dep.get("clientside_function"):
+            continue  # run by the browser: never posted to the server
         outputs = [
             dict(zip(("id", "property"), name.split("@")[0].split("."), strict=True))
             for name in dep["output"].strip(".").split("...")

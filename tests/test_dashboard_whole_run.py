@@ -4,6 +4,8 @@ per segment, imbalance and lost time over the run, and a drill-down into one cel
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from knapformer.visualization.browser import find_chromium, launch_chromium
 
@@ -101,3 +103,35 @@ def test_the_header_names_the_straggler_from_every_step_of_the_store(page):
     card = page.inner_text("#stat-straggler")
     assert card.startswith("slow_gpu: rank 5"), card
     assert "in 12 of 20 steps" in card, card
+
+
+#: Notes, when ``#bag-load`` first enters the page, whether the whole-run heatmap was
+#: drawn by then (a MutationObserver sees each change of the page as it happens).
+_ORDER_JS = """
+window.__bagLoadAfterHeatmap = null;
+new MutationObserver((_changes, observer) => {
+  if (!document.getElementById('bag-load')) { return; }
+  const gd = document.querySelector('#run-heatmap .js-plotly-plot');
+  window.__bagLoadAfterHeatmap = Boolean(gd && gd.data && gd.data.length > 0);
+  observer.disconnect();
+}).observe(document, {childList: true, subtree: true});
+"""
+
+
+def test_the_per_step_views_come_after_the_whole_run_views_and_work(page, run):
+    # a second page of the same server, watched from its first change on
+    pg = page.context.browser.new_page(viewport={"width": 1400, "height": 1600})
+    try:
+        pg.add_init_script(_ORDER_JS)
+        pg.goto(page.url)
+        pg.wait_for_selector("#bag-load .main-svg .bars", timeout=120_000)
+        assert pg.evaluate("window.__bagLoadAfterHeatmap") is True
+        # laid out late, they follow the run like any: its newest plan, in full
+        lines = (run / "plans.jsonl").read_text().splitlines()
+        newest = f"step {json.loads(lines[-1])['step']} · {len(lines)} of {len(lines)}"
+        wait_until(lambda: newest in pg.inner_text("#step-label"), 60)
+        assert pg.inner_text("#stat-steps") == str(len(lines))
+        assert pg.locator("#seq-table").count() == 1
+        assert pg.locator("#run-picker").count() == 1
+    finally:
+        pg.close()
