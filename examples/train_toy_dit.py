@@ -93,6 +93,7 @@ def main() -> None:
             )
     balancer.finish()  # optional: the last steps' measured times too
     balancer.close()  # (3) flushes the recorder
+    dist.barrier()  # no rank tears the default group down while a peer still uses it
     dist.destroy_process_group()
     if rank == 0:
         print(f"plans in {args.out / 'plans.jsonl'}")
