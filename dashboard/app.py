@@ -421,6 +421,7 @@ def create_app(path: str | Path) -> Dash:
     whole = whole_run.WholeRun()
     app.layout = lambda: _layout(runs, whole)
     runs.store(runs.default())  # start indexing now, not at the first page view
+    whole.warm(runs.files().get(runs.default()))  # and drawing its whole-run views
     log = _CallbackLog()
     app.server.config["KNAPFORMER_RUNS"] = runs
 
