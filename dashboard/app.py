@@ -53,6 +53,7 @@ from knapformer.dashboard.guard import (
     optional,
     record,
 )
+from knapformer.dashboard.page_index import index_string
 from knapformer.dashboard.step_frame import key, plan_of, step_of
 from knapformer.dashboard.store import PlanStore, RequestGate, Runs, Snapshot
 from knapformer.dashboard.styles import CARD, HALF, HIDDEN, INCIDENT, NOTICE, PICKER, WAITING
@@ -418,6 +419,7 @@ def create_app(path: str | Path) -> Dash:
         serve_locally=True,
         suppress_callback_exceptions=True,
     )
+    app.index_string = index_string(app.config.requests_pathname_prefix)
     whole = whole_run.WholeRun()
     app.layout = lambda: _layout(runs, whole)
     runs.store(runs.default())  # start indexing now, not at the first page view

@@ -112,6 +112,16 @@ def test_the_whole_run_figures_keep_fixed_margins_that_hold_all_they_draw(page):
         assert seen["drawn"] >= 4 and seen["out"] == [], (graph, seen)
 
 
+def test_the_layout_and_plotly_js_are_fetched_once_each_from_the_pages_preloads(page):
+    # started as the page is read (a <link rel=preload>), and taken from there by Dash's
+    # own requests: a preload they did not match would be a second request of each
+    fetched = page.evaluate(
+        "() => performance.getEntriesByType('resource').map(e => [e.name, e.initiatorType])"
+    )
+    assert [how for url, how in fetched if url.endswith("/_dash-layout")] == ["link"]
+    assert [how for url, how in fetched if "/plotly.min.js" in url] == ["link"]
+
+
 def test_a_click_opens_that_cells_steps(page):
     box = page.locator("#run-heatmap .nsewdrag").first.bounding_box()
     # the last column: steps 20..23, where rank 5 is slow
