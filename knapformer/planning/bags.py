@@ -188,7 +188,8 @@ class Step:
                 rank, distinct = self.ranks()
                 self._ranks[True] = (distinct - 1 - rank, distinct)
             else:
-                self._ranks[False] = _dense_ranks(-self.workload, np.int64)
+                by_length = _ranks_by_length(self.lengths, self.workload)
+                self._ranks[False] = by_length or _dense_ranks(-self.workload, np.int64)
         return self._ranks[lightest]
 
     def move(self, seq: int, dst: int) -> None:
@@ -233,6 +234,37 @@ def _dense_ranks(values: np.ndarray, dtype) -> tuple[np.ndarray, int]:
     ranks = np.empty(values.size, dtype=dtype)
     ranks[order] = rank - 1  # int16 wraps beyond 2**15: the caller checks the count
     return ranks, int(rank[-1])
+
+
+def _ranks_by_length(lengths: np.ndarray, workload: np.ndarray) -> tuple[np.ndarray, int] | None:
+    """`_dense_ranks` of ``-workload`` read off a table indexed by length, without sorting:
+    the same ranks when the workload is a non-decreasing function of the length (the
+    workload model's always is; checked here), else None. Only for lengths that span at
+    most a few times as many values as there are sequences (the table's size)."""
+    if lengths.size == 0 or lengths.dtype.kind not in "iu":
+        return None
+    low = int(lengths.min())
+    span = int(lengths.max()) - low + 1
+    if span > 4 * lengths.size + 4096:
+        return None
+    at = lengths - low
+    of_length = np.zeros(span)
+    of_length[at] = workload
+    present = np.zeros(span, dtype=bool)
+    present[at] = True
+    if not np.array_equal(of_length[at], workload):  # not a function of the length
+        return None
+    ordered = of_length[present]  # the distinct lengths' workloads, shortest first
+    if (ordered[1:] < ordered[:-1]).any():  # not non-decreasing
+        return None
+    new = np.empty(ordered.size, dtype=bool)
+    new[0] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=new[1:])
+    ascending = np.cumsum(new)  # 1-based rank among the distinct workloads
+    distinct = int(ascending[-1])
+    rank_of_length = np.zeros(span, dtype=np.int64)
+    rank_of_length[present] = distinct - ascending  # heaviest first, 0-based
+    return rank_of_length[at], distinct
 
 
 def bag_speeds(shape: BagShape, speed: np.ndarray | None) -> np.ndarray | None:
