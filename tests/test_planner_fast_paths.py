@@ -284,3 +284,17 @@ def test_remainder_cycle_starts_are_the_definition(sizes):
     assert np.array_equal(chunks._cycle_starts(bag, rem, size, distinct), expected)
     if len(sizes) == 1:  # one size for every bag, given once
         assert np.array_equal(chunks._cycle_starts(bag, rem, sizes[0], sizes), expected)
+
+
+def test_prefix_within_groups_keeps_each_groups_running_sum_within_its_room():
+    rng = np.random.default_rng(9)
+    group = np.sort(rng.integers(0, 40, 5_000))
+    values = rng.random(group.size)
+    room = rng.random(40)[group] * 80
+    total, first, expected = np.cumsum(values), {}, []
+    for i, g in enumerate(group.tolist()):  # the group's running sum, off the global one
+        first.setdefault(g, i)
+        before = total[first[g] - 1] if first[g] else 0.0
+        expected.append(total[i] - before <= room[i] * (1 + bags.EPS))
+    got = bags.prefix_within_groups(values, group, room)
+    assert got.any() and not got.all() and np.array_equal(got, expected)

@@ -301,11 +301,16 @@ def prefix_within_groups(values: np.ndarray, group: np.ndarray, room: np.ndarray
     """For rows sorted by ``group``: True while the running sum within the group <= room."""
     if values.size == 0:
         return np.zeros(0, dtype=bool)
-    total = np.cumsum(values)
-    starts = np.flatnonzero(np.concatenate([[True], group[1:] != group[:-1]]))
-    before = np.concatenate([[0.0], total[:-1]])[starts]
-    group_start_sum = np.repeat(before, np.diff(np.concatenate([starts, [values.size]])))
-    return total - group_start_sum <= room * (1 + EPS)
+    total = np.cumsum(values)  # over every group: a group's sums are differences of it
+    new = np.empty(values.size, dtype=bool)
+    new[0] = True
+    np.not_equal(group[1:], group[:-1], out=new[1:])
+    starts = np.flatnonzero(new)
+    before = np.empty(starts.size, dtype=total.dtype)  # the sum before each group
+    before[0] = 0.0
+    np.take(total, starts[1:] - 1, out=before[1:])
+    total -= np.repeat(before, np.diff(starts, append=values.size))
+    return total <= room * (1 + EPS)
 
 
 def water_room(held: np.ndarray, weight: np.ndarray, amount: float, inflation=1.0):
