@@ -135,8 +135,9 @@ class BagLayout:
                 self.tokens[s : s + g] += sign * (length // g)
                 self.tokens[s + rem] += sign * (length % g)
 
-    def add_many(self, bag: np.ndarray, workload: np.ndarray, lengths: np.ndarray) -> None:
-        """Vectorised ``add`` of sequences placed in ``bag`` (each (m,)), even spread."""
+    def add_many(self, bag: np.ndarray, workload: np.ndarray, lengths: np.ndarray | None) -> None:
+        """Vectorised ``add`` of sequences placed in ``bag`` (each (m,)), even spread;
+        ``lengths`` may be None when there is no token cap."""
         self.load += np.bincount(bag, weights=workload, minlength=len(self.size))
         if self.max_tokens is not None:
             self.bag_tokens += np.bincount(bag, weights=lengths, minlength=len(self.size)).astype(
@@ -175,7 +176,9 @@ class Step:
         bag = np.full(n, -1, dtype=np.int64)
         # A source position of -1: the sequence comes from a GPU outside these bags (one
         # size class of an auto partition), so it has no home bag.
-        home = np.where(src_pos >= 0, shape.bag_of_pos[src_pos], -1)
+        home = shape.bag_of_pos[src_pos]
+        if n and src_pos.min() < 0:
+            home[src_pos < 0] = -1
         return cls(lengths, workload, src_pos, home, layout, bag,
                    np.zeros(n, dtype=np.int64))  # fmt: skip
 

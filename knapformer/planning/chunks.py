@@ -128,9 +128,9 @@ def _remainder_starts(bag: np.ndarray, rem: np.ndarray, size, sizes) -> np.ndarr
     few (one-GPU bags, or most lengths a multiple of g): a sequence without one adds
     nothing to its bag's cycle, and its own start is never read (0 here). ``size``: each
     sequence's bag size, or the one size of every bag; ``sizes``: the distinct sizes."""
-    some = np.flatnonzero(rem)
-    if 2 * len(some) >= len(rem):
+    if 2 * np.count_nonzero(rem) >= len(rem):
         return _cycle_starts(bag, rem, size, sizes)
+    some = np.flatnonzero(rem)
     starts = np.zeros_like(rem)
     size_some = size if np.ndim(size) == 0 else size[some]
     starts[some] = _cycle_starts(bag[some], rem[some], size_some, sizes)

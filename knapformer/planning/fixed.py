@@ -208,7 +208,7 @@ def _pour(pool: np.ndarray, step: Step) -> np.ndarray:
     cost = step.workload[poured]
     bags = pour_slots(cost, water_room(layout.load, layout.weight, float(cost.sum())))
     step.bag[poured] = bags
-    layout.add_many(bags, cost, step.lengths[poured])
+    layout.add_many(bags, cost, None if layout.max_tokens is None else step.lengths[poured])
     return pool[len(poured) :]
 
 
@@ -222,13 +222,14 @@ def _stay_home_in_bulk(step: Step) -> None:
         fits = layout.size[home_bag] <= lengths
     light = np.flatnonzero((step.bag < 0) & (home_bag >= 0) & fits)
     order = by_home_heaviest_first(light, home_bag, workload, len(layout.size), step.ranks)
-    hb = home_bag[order]
+    hb, cost = home_bag[order], workload[order]
     room = layout.capacity - layout.load
-    stays = prefix_within_groups(workload[order], hb, room[hb])
-    if layout.max_tokens is not None:
+    stays = prefix_within_groups(cost, hb, room[hb])
+    capped = layout.max_tokens is not None
+    if capped:
         # An even spread keeps a bag's fullest GPU at ceil(bag tokens / g).
         token_room = layout.max_tokens * layout.size[hb] - layout.bag_tokens[hb]
         stays &= prefix_within_groups(lengths[order].astype(np.float64), hb, token_room)
     stay_ids, stay_bags = order[stays], hb[stays]
     step.bag[stay_ids] = stay_bags
-    layout.add_many(stay_bags, workload[stay_ids], lengths[stay_ids])
+    layout.add_many(stay_bags, cost[stays], lengths[stay_ids] if capped else None)
