@@ -242,20 +242,18 @@ def _dense_ranks(values: np.ndarray, dtype) -> tuple[np.ndarray, int]:
 def _ranks_by_length(lengths: np.ndarray, workload: np.ndarray) -> tuple[np.ndarray, int] | None:
     """`_dense_ranks` of ``-workload`` read off a table indexed by length, without sorting:
     the same ranks when the workload is a non-decreasing function of the length (the
-    workload model's always is; checked here), else None. Only for lengths that span at
-    most a few times as many values as there are sequences (the table's size)."""
-    if lengths.size == 0 or lengths.dtype.kind not in "iu":
+    workload model's always is; checked here), else None. Only for lengths of at most a
+    few times as many tokens as there are sequences (the table's size)."""
+    if lengths.size == 0 or lengths.dtype.kind not in "iu" or lengths.min() < 0:
         return None
-    low = int(lengths.min())
-    span = int(lengths.max()) - low + 1
+    span = int(lengths.max()) + 1  # the table: lengths 0.. (the lengths index it)
     if span > 4 * lengths.size + 4096:
         return None
-    at = lengths - low
     of_length = np.zeros(span)
-    of_length[at] = workload
+    of_length[lengths] = workload
     present = np.zeros(span, dtype=bool)
-    present[at] = True
-    if not np.array_equal(of_length[at], workload):  # not a function of the length
+    present[lengths] = True
+    if not np.array_equal(of_length[lengths], workload):  # not a function of the length
         return None
     ordered = of_length[present]  # the distinct lengths' workloads, shortest first
     if (ordered[1:] < ordered[:-1]).any():  # not non-decreasing
@@ -267,7 +265,7 @@ def _ranks_by_length(lengths: np.ndarray, workload: np.ndarray) -> tuple[np.ndar
     distinct = int(ascending[-1])
     rank_of_length = np.zeros(span, dtype=np.int64)
     rank_of_length[present] = distinct - ascending  # heaviest first, 0-based
-    return rank_of_length[at], distinct
+    return rank_of_length[lengths], distinct
 
 
 def bag_speeds(shape: BagShape, speed: np.ndarray | None) -> np.ndarray | None:
@@ -289,7 +287,12 @@ def by_home_heaviest_first(seqs, home, workload, num_bags, ranks=None) -> np.nda
             step_ranks, distinct = ranks()
             ranks = step_ranks[seqs]
         if num_bags * distinct * n < 2**62:
-            return seqs[np.argsort((home[seqs] * distinct + ranks) * n + np.arange(n))]
+            key = home[seqs]  # (home * distinct + rank) * n + position, in place
+            key *= distinct
+            key += ranks
+            key *= n
+            key += np.arange(n)
+            return seqs[np.argsort(key)]
     by_w = descending(workload, seqs)
     return by_w[by_small_key(home[by_w], num_bags)]
 
