@@ -95,7 +95,8 @@ def _chunk_grid(step: Step, sel, g: int, start, quot, rem):
         # One of g*g remainder patterns per sequence, looked up by (start, rem): the only
         # temporaries are the looked-up int8 rows.
         extra, before = _remainder_patterns(g)
-        pattern = start * g + rem
+        pattern = start * g
+        pattern += rem
         length = np.repeat(quot, g).reshape(m, g)
         length += np.take(extra, pattern, axis=0)
         offset = np.empty((m, g), dtype=np.int64)
