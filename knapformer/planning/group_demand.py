@@ -88,10 +88,9 @@ class _Demand:
         self.size, self.num_gpus, self.unit, self.big = size, num_gpus, unit, big
         small = np.ones(eff.shape[1], dtype=bool)
         small[big] = False
-        self.x0_small = float(eff[0, small].sum())
-        filling = [small] + [small & (lengths >= g) for g in size[1:]]
-        self.fill_base = np.array([float(eff[0, mask].sum()) for mask in filling])
-        fill_cost = np.array([float(eff[j, mask].sum()) for j, mask in enumerate(filling)])
+        base, fill_cost = _filling_sums(eff, lengths, size, np.flatnonzero(small))
+        self.x0_small, self.fill_base = base[0], np.array(base)
+        fill_cost = np.array(fill_cost)
         self.inflation = np.divide(fill_cost, self.fill_base, out=np.ones(len(size)),
                                    where=self.fill_base > 0)  # fmt: skip
         self.big_eff, self.big_per_gpu = eff[:, big], fitting_costs(eff, lengths, size, big)[1]
@@ -154,6 +153,24 @@ class _Demand:
         filled = np.minimum(room / inflation, self.fill_base[1:])
         return float(load[1:].sum() + (filled * inflation).sum()
                      + max(0.0, load[0] + self.x0_small - filled.sum()))  # fmt: skip
+
+
+def _filling_sums(eff, lengths, size, small: np.ndarray) -> tuple[list[float], list[float]]:
+    """(alone, there) per size: what the short sequences (``small``, ids) that may fill a
+    group of that size (as long as it; all of them for the smallest) cost alone (``eff[0]``)
+    and in it (``eff[j]``). Each distinct set is gathered once: where every short sequence
+    is as long as the largest group, that is one gather for all sizes."""
+    alone, there, rows = [], [], None
+    seqs = small
+    for j, g in enumerate(size):
+        if j and not (lengths[seqs] >= g).all():
+            seqs, rows = seqs[lengths[seqs] >= g], None
+        if rows is None:
+            rows = eff[:, seqs]
+            total = float(rows[0].sum())
+        alone.append(total)
+        there.append(float(rows[j].sum()))
+    return alone, there
 
 
 def _merged_variants(need: _Demand, groups, cls, target: float, sizes) -> list[tuple]:
