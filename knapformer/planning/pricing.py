@@ -141,24 +141,37 @@ class Prices:
                 np.where(there | (home < 0), 0.0, r))  # fmt: skip
 
 
-def priced_loads(step: Step, prices: Prices) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def priced_loads(step: Step, prices: Prices,
+                 known=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
     """(price (n,) of each sequence in its bag (0 while unplaced), priced load (num_bags,),
     sent (n,): what each sequence placed away from its home bag costs that bag to send):
     ``W + k_g*L`` plus the route its receivers pay (twice at home, where the bag also sends),
-    and each home bag the sending of its sequences placed away."""
-    layout, home = step.layout, step.home_bag
-    num_bags = len(layout.size)
-    lengths = step.lengths.astype(np.float64)
-    placed = step.bag >= 0
-    bag = np.where(placed, step.bag, 0)
-    route = prices.route(slice(None), bag, home, layout.size, lengths)  # every sequence
-    away = (bag != home) & (home >= 0) & placed
-    price = step.workload + prices.kappa[bag] * lengths + np.where(away, route, 2 * route)
-    price[~placed] = 0.0
-    load = np.bincount(bag, weights=price, minlength=num_bags)
-    sent = np.where(away, route, 0.0)
-    load += np.bincount(np.maximum(home, 0), weights=sent, minlength=num_bags)
+    and each home bag the sending of its sequences placed away. ``known``: (price, sent,
+    seqs) of an earlier call on this step, stale only for sequences ``seqs`` (ids) whose bag
+    changed since: only those are priced again (a sequence's price is its own: the same
+    values), the loads summed anew."""
+    if known is None:
+        price, sent = _priced(step, prices, slice(None))
+    else:
+        price, sent, seqs = known
+        price, sent = price.copy(), sent.copy()
+        price[seqs], sent[seqs] = _priced(step, prices, seqs)
+    num_bags = len(step.layout.size)
+    load = np.bincount(np.maximum(step.bag, 0), weights=price, minlength=num_bags)
+    load += np.bincount(np.maximum(step.home_bag, 0), weights=sent, minlength=num_bags)
     return price, load, sent
+
+
+def _priced(step: Step, prices: Prices, seqs) -> tuple[np.ndarray, np.ndarray]:
+    """(price, sent) of sequences ``seqs`` (ids or a slice) as `priced_loads` gives them."""
+    home, lengths = step.home_bag[seqs], step.lengths[seqs].astype(np.float64)
+    placed = step.bag[seqs] >= 0
+    bag = np.where(placed, step.bag[seqs], 0)
+    route = prices.route(seqs, bag, home, step.layout.size, lengths)
+    away = (bag != home) & (home >= 0) & placed
+    price = step.workload[seqs] + prices.kappa[bag] * lengths + np.where(away, route, 2 * route)
+    price[~placed] = 0.0
+    return price, np.where(away, route, 0.0)
 
 
 def bag_makespan(step: Step, prices: Prices) -> float:
