@@ -14,6 +14,7 @@ from knapformer.planning.communication import CommModel, plan_cost
 from knapformer.planning.datamix import parse_mix, sample_lengths, scale_mix
 from knapformer.planning.partitions import aligned_groups, allowed_sizes, layout_floor
 from knapformer.planning.planner import plan_routing
+from knapformer.planning.pricing import Prices, priced_loads
 from knapformer.planning.workload import WorkloadModel
 
 MODEL = WorkloadModel(token_dim=3072, gamma=0.4)
@@ -304,3 +305,28 @@ def test_the_exact_refinement_scores_a_bounded_number_of_cells_however_full_a_gp
     assert cells and max(cells) <= 2 * REFINE_CELLS, max(cells)
     g8 = plan_routing(lengths, "g8n4", MODEL)
     assert plan_cost(plan).step_ms <= plan_cost(g8, CommModel()).step_ms
+
+
+def test_priced_loads_from_known_prices_equal_a_full_pricing(monkeypatch):
+    """A large mixed step prices its sequences once before its shave and then re-prices
+    only the ones whose bag changed: every price, send and load the same bits as a full
+    pricing, whatever moved (placed, unplaced, home or away)."""
+    steps = []
+    solve = mixed_solver.solve_mixed
+    monkeypatch.setattr(auto_solver, "solve_mixed", lambda *a: steps.append(solve(*a)) or steps[-1])
+    lengths = sample_lengths(scale_mix(parse_mix("video"), 4), np.random.default_rng(3))
+    comm = CommModel.cluster("nvlink")
+    plan_routing(lengths, "auto", MODEL, comm=comm)
+    step = steps[0]
+    per_token = {g: comm.ulysses_per_token(MODEL.token_dim, g, MODEL.scale) for g in (1, 2, 4, 8)}
+    prices = Prices.of(step.layout.shape, step.src_pos, per_token, comm, MODEL)
+    price, _, sent = priced_loads(step, prices)
+    rng = np.random.default_rng(0)
+    moved = rng.choice(len(step.bag), 300, replace=False)
+    step.bag[moved[:100]] = -1
+    step.bag[moved[100:200]] = step.home_bag[moved[100:200]]
+    step.bag[moved[200:]] = rng.integers(0, len(step.layout.size), 100)
+    full = priced_loads(step, prices)
+    known = priced_loads(step, prices, (price, sent, moved))
+    assert all(np.array_equal(a, b) for a, b in zip(full, known, strict=True))
+    assert not np.array_equal(full[1], priced_loads(step, prices, (price, sent, moved[:1]))[1])
