@@ -50,28 +50,40 @@ def makespan_ceiling(step: Step, model: WorkloadModel, comm: CommModel,
     tokens (even spread; ``+ L % g`` under round-robin), a GPU holds at most its bag's
     tokens / g + 1 (even spread), and every token a GPU sends or receives is priced over
     the slower link. Where it already settles a comparison, the exact price is not needed."""
+    return float(ceiling_per_gpu(step, model, comm, per_token).max(initial=0.0))
+
+
+def ceiling_per_gpu(step: Step, model: WorkloadModel, comm: CommModel,
+                    per_token: dict[int, float]) -> np.ndarray:  # fmt: skip
+    """(num_gpus,) each GPU's upper bound of `makespan_ceiling`."""
     layout, lengths, workload, bag = step.layout, step.lengths, step.workload, step.bag
     num_bags = len(layout.size)
     g = layout.size.astype(np.float64)
-    share = np.where(lengths > 0, model.linear_share(lengths), 0.0)
-    per_len = np.divide(workload * share, lengths, out=np.zeros(len(lengths)),
-                        where=lengths > 0)  # fmt: skip
-    size = layout.size[bag]
-    rem = lengths % size
-    # Linear work beyond an even L/g share that the fullest chunk of a sequence may take.
-    extra = per_len * (np.where(rem > 0, size - rem, 0) if layout.even else rem * (size - 1))
-    work = np.bincount(bag, weights=workload + extra, minlength=num_bags)
+    # Linear work beyond an even L/g share that the fullest chunk of a sequence may take
+    # (none in a one-GPU bag, where most of a large step's sequences often are).
+    multi = np.flatnonzero(layout.size[bag] > 1)
+    length, size = lengths[multi], layout.size[bag[multi]]
+    share = np.where(length > 0, model.linear_share(length), 0.0)
+    per_len = np.divide(workload[multi] * share, length, out=np.zeros(len(multi)),
+                        where=length > 0)  # fmt: skip
+    rem = length % size
+    spill = np.where(rem > 0, size - rem, 0) if layout.even else rem * (size - 1)
+    weights = workload.copy()
+    weights[multi] += per_len * spill
+    work = np.bincount(bag, weights=weights, minlength=num_bags)
     tokens = np.bincount(bag, weights=lengths, minlength=num_bags)
     if layout.even:
         held = tokens / g + 1.0
     else:
-        held = (tokens + np.bincount(bag, weights=rem * (size - 1), minlength=num_bags)) / g
+        rems = np.zeros(len(lengths))
+        rems[multi] = spill
+        held = (tokens + np.bincount(bag, weights=rems, minlength=num_bags)) / g
     kappa = np.array([per_token[int(c)] for c in layout.class_size])
     per_bag = work / g + kappa[layout.shape.class_of_bag_array] * held
     of_pos = layout.shape.bag_of_pos
     sent = np.bincount(step.src_pos, weights=lengths, minlength=len(of_pos))
     route = max(route_per_token(comm, model)) * (sent + held[of_pos])
-    return float((per_bag[of_pos] + route).max(initial=0.0))
+    return per_bag[of_pos] + route
 
 
 def compute_per_gpu(step: Step, model: WorkloadModel, speed) -> tuple[np.ndarray, np.ndarray]:
