@@ -45,15 +45,16 @@ def least_fitting(fits, lo: float, hi: float) -> float:
     return hi
 
 
-def mixed_counts(eff, size, lengths, num_gpus, sizes, whole):
+def mixed_counts(eff, size, lengths, num_gpus, sizes, whole, costs=None):
     """(group counts per size, each sequence's size class) of the bisection's partition
     (`_Demand.least_target`) and of its variants (`_merged_variants`), cheapest first by
     `_Demand.waste`; None when no mixed partition is worth solving. ``eff`` (sizes, n):
     the effective workloads; ``size``: ``sizes`` as floats; ``whole``: the floor of each
-    whole-family layout (the bisection's top)."""
+    whole-family layout (the bisection's top); ``costs``: `per_gpu_costs` of the step, where
+    the caller has them already."""
     if len(sizes) < 2 or not whole or eff.shape[1] == 0:
         return None
-    smallest, cheapest = per_gpu_costs(eff, lengths, size)
+    smallest, cheapest = costs or per_gpu_costs(eff, lengths, size)
     lo = max(float(eff[0].sum()) / num_gpus, cheapest)
     hi = min(whole)
     if lo >= hi * (1 - TIE):
