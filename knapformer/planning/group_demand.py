@@ -159,18 +159,17 @@ class _Demand:
 def _filling_sums(eff, lengths, size, small: np.ndarray) -> tuple[list[float], list[float]]:
     """(alone, there) per size: what the short sequences (``small``, ids) that may fill a
     group of that size (as long as it; all of them for the smallest) cost alone (``eff[0]``)
-    and in it (``eff[j]``). Each distinct set is gathered once: where every short sequence
-    is as long as the largest group, that is one gather for all sizes."""
-    alone, there, rows = [], [], None
+    and in it (``eff[j]``). A set is cut and summed alone only where it changes: where
+    every short sequence is as long as the largest group, once for all sizes."""
     seqs = small
+    total = float(eff[0, seqs].sum())
+    alone, there = [], []
     for j, g in enumerate(size):
         if j and not (lengths[seqs] >= g).all():
-            seqs, rows = seqs[lengths[seqs] >= g], None
-        if rows is None:
-            rows = eff[:, seqs]
-            total = float(rows[0].sum())
+            seqs = seqs[lengths[seqs] >= g]
+            total = float(eff[0, seqs].sum())
         alone.append(total)
-        there.append(float(rows[j].sum()))
+        there.append(float(eff[j, seqs].sum()) if j else total)
     return alone, there
 
 

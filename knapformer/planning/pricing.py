@@ -132,7 +132,8 @@ class Prices:
         node = int(comm.node_size)
         per_token_route = route_per_token(comm, model)
         bag_node = np.where(shape.size > node, -1, shape.start // node)
-        return cls(np.array([per_token[int(g)] for g in shape.size]), bag_node,
+        per_class = np.array([per_token[int(g)] for g in shape.class_size])
+        return cls(per_class[shape.class_of_bag_array], bag_node,
                    np.where(src_pos >= 0, src_pos // node, -2), *per_token_route)  # fmt: skip
 
     def route(self, seqs, bags, home, size, lengths):
