@@ -22,6 +22,7 @@ from knapformer.planning.pricing import (
     priced_loads,
     route_per_token,
 )
+from knapformer.planning.tuning import EPS
 from knapformer.planning.workload import WorkloadModel
 
 MODEL = WorkloadModel(token_dim=3072, gamma=0.4)
@@ -386,3 +387,75 @@ def _ceiling_by_formula(step, comm, per_token) -> np.ndarray:
     sent = np.bincount(step.src_pos, weights=lengths, minlength=len(of_pos))
     route = max(route_per_token(comm, MODEL)) * (sent + held[of_pos])
     return per_bag[of_pos] + route
+
+
+def _least_by_full_scan(bags, row, limit):
+    """The bag `_PricedBags.place` should pick for ``row`` (sequence, workload, length, home,
+    source node), found by scanning every bag's load (no heaps): home while within
+    ``limit``, else the least loaded bag of each allowed size, overall and in the source's
+    node, where the larger of its and the home bag's per-GPU time ends lowest."""
+    _, w, length, h, node = row
+    load, weight, size, kap = bags.load, bags.weight, bags.size, bags.kap
+    per = np.asarray(load) / np.asarray(weight)
+    best = (-1, np.inf, 0.0, 0.0)
+    if h >= 0 and size[h] <= length:
+        cost = w + kap[h] * length + 2 * bags.intra * length * (size[h] - 1) / size[h]
+        best = (h, (load[h] + cost) / weight[h], cost, 0.0)
+        if best[1] <= limit:
+            return best
+    cls, bag_node = np.asarray(bags.class_of_bag), np.asarray(bags.bag_node)
+    for c, g in enumerate(bags.class_size):
+        if g > length and c > 0:
+            break
+        for group in (cls == c, (cls == c) & (bag_node == node)):
+            if not group.any():
+                continue
+            top = int(np.flatnonzero(group)[np.argmin(per[group])])  # lowest bag on a tie
+            if top == h:
+                continue
+            route = (bags.intra if bag_node[top] == node else bags.inter) * length
+            value = (load[top] + w + kap[top] * length + route) / weight[top]
+            if h >= 0:
+                value = max(value, (load[h] + route) / weight[h])
+            if value < best[1]:
+                best = (top, value, w + kap[top] * length + route, route)
+    return best
+
+
+@pytest.mark.parametrize("mix", ["joint", "mixres"])
+def test_priced_placement_picks_what_a_full_scan_of_the_bags_picks(mix, monkeypatch):
+    """The heavy sequences of a large mixed step, placed one by one with the heaps of the
+    least loaded bag of each size (stale entries dropped as they surface), go where a scan
+    of every bag's current load sends them, each bag ending with the same priced load."""
+    calls = []
+    place = mixed_solver._place_priced
+    monkeypatch.setattr(mixed_solver, "_place_priced", lambda *a: calls.append(
+        (a[0].copy(), a[2].copy(), a[4])) or place(*a))  # fmt: skip
+    steps = []
+    solve = mixed_solver.solve_mixed
+    monkeypatch.setattr(auto_solver, "solve_mixed", lambda *a: steps.append(solve(*a)) or steps[-1])
+    lengths = sample_lengths(scale_mix(parse_mix(mix), 4), np.random.default_rng(7))
+    comm = CommModel.cluster("nvlink")
+    plan_routing(lengths, "auto", MODEL, comm=comm)
+    step, (order, load, level) = steps[0], calls[0]
+    assert len(order) > 100  # the heavy pass of a large step
+    per_token = {g: comm.ulysses_per_token(MODEL.token_dim, g, MODEL.scale) for g in (1, 2, 4, 8)}
+    prices = Prices.of(step.layout.shape, step.src_pos, per_token, comm, MODEL)
+    columns = (order, step.workload[order], step.lengths[order], step.home_bag[order],
+               prices.src_node[order])  # fmt: skip
+    rows = list(zip(*(c.tolist() for c in columns), strict=True))
+    limit = level * (1 + EPS)
+    heaped = mixed_solver._PricedBags(step.layout, prices, load)
+    scanned = mixed_solver._PricedBags(step.layout, prices, load)
+    scanned.class_of_bag = step.layout.shape.class_of_bag
+    chosen = heaped.place(rows, step.layout, limit)
+    expected = []
+    for row in rows:
+        b, _, cost, sent = _least_by_full_scan(scanned, row, limit)
+        expected.append(b)
+        scanned.load[b] += cost
+        if sent and row[3] >= 0:
+            scanned.load[row[3]] += sent
+    assert chosen == expected
+    assert heaped.load == scanned.load
+    assert len(set(chosen)) > 10 and any(b != row[3] for b, row in zip(chosen, rows, strict=True))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import heapq
 from functools import partial
+from heapq import heappop, heappush
 
 import numpy as np
 
@@ -111,32 +112,31 @@ class _PricedBags:
                                                  self.bag_node)  # fmt: skip
         self.tries: dict[int, list] = {}  # per source node: (class, size, its two heaps)
 
-    def charge(self, bag: int, cost: float) -> None:
-        """Add ``cost`` to ``bag``'s load and push its new per-weight load on its heaps."""
-        self.load[bag] += cost
-        self.per[bag] = p = self.load[bag] / self.weight[bag]
-        for heap in self.bag_heaps[bag]:
-            heapq.heappush(heap, (p, bag))
-
     def place(self, rows, layout: BagLayout, limit: float) -> list[int]:
         """The bag of each (sequence, workload, length, home bag, source node) of ``rows``,
         in turn: home while that keeps it within ``limit`` per GPU, else `_least_away`."""
         size, load, weight, kap, intra = self.size, self.load, self.weight, self.kap, self.intra
-        capped, charge, chosen = layout.max_tokens is not None, self.charge, []
+        per, bag_heaps, least_away, inf = self.per, self.bag_heaps, self._least_away, np.inf
+        capped, chosen = layout.max_tokens is not None, []
         for seq, w, length, h, node in rows:
             room = layout.token_room(length).tolist() if capped else None
-            b, lowest, cost, sent = -1, np.inf, 0.0, 0.0
+            b, lowest, cost, sent = -1, inf, 0.0, 0.0
             if h >= 0 and size[h] <= length and (room is None or room[h]):
                 cost = w + kap[h] * length + 2 * intra * length * (size[h] - 1) / size[h]
                 b, lowest = h, (load[h] + cost) / weight[h]
             if not lowest <= limit:  # the home bag (if any) would end too high: look away
-                b, cost, sent = self._least_away(w, length, h, node, room, (b, lowest, cost))
+                b, cost, sent = least_away(w, length, h, node, room, (b, lowest, cost))
                 if b < 0:
                     raise layout.infeasible(seq, length)
             chosen.append(b)
-            charge(b, cost)
-            if sent and h >= 0:
-                charge(h, sent)
+            # Charge the bag (and the home bag its sending) and push each new per-GPU load
+            # on the bag's heaps; inlined, as thousands of sequences come through here.
+            for bag, paid in ((b, cost), (h, sent)) if sent and h >= 0 else ((b, cost),):
+                load[bag] += paid
+                per[bag] = p = load[bag] / weight[bag]
+                entry = (p, bag)
+                for heap in bag_heaps[bag]:
+                    heappush(heap, entry)
             if capped:
                 layout.add(b, 0.0, length, 0)
         return chosen
@@ -147,15 +147,17 @@ class _PricedBags:
         sequence may go to (overall and in its node), unless ``best`` (bag, value, cost:
         home or -1) is lower."""
         load, weight, per, kap, bag_node = self.load, self.weight, self.per, self.kap, self.bag_node
+        near, far = self.intra * length, self.inter * length  # the route in its node or not
         (b, lowest, cost), sent = best, 0.0
         for c, g, class_heaps in self.tries.get(node) or self._candidates(node):
             if g > length and c > 0:
                 break  # groups larger than the sequence (the smallest always may)
             for heap in class_heaps:
                 if room is None:
-                    while heap[0][0] != per[heap[0][1]]:  # `_live_top`, inlined
-                        heapq.heappop(heap)
-                    top = heap[0][1]
+                    top_per, top = heap[0]
+                    while top_per != per[top]:  # `_live_top`, inlined
+                        heappop(heap)
+                        top_per, top = heap[0]
                 else:
                     live = [e for e in heap if room[e[1]] and e[0] == per[e[1]]]
                     if not live:
@@ -163,7 +165,7 @@ class _PricedBags:
                     top = min(live)[1]
                 if top == h:
                     continue
-                route = (self.intra if bag_node[top] == node else self.inter) * length
+                route = near if bag_node[top] == node else far
                 value = (load[top] + w + kap[top] * length + route) / weight[top]
                 if h >= 0:
                     sender = (load[h] + route) / weight[h]
