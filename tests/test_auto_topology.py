@@ -459,3 +459,37 @@ def test_priced_placement_picks_what_a_full_scan_of_the_bags_picks(mix, monkeypa
     assert chosen == expected
     assert heaped.load == scanned.load
     assert len(set(chosen)) > 10 and any(b != row[3] for b, row in zip(chosen, rows, strict=True))
+
+
+def test_priced_loads_price_every_sequence_as_prices_cost_does_with_or_without_a_home(
+    monkeypatch,
+):
+    """The loads the passes start from (`priced_loads`) and the prices they score moves by
+    (`Prices.cost`) agree sequence by sequence: home (route twice: the bag sends and
+    receives), away (the receivers once, the home bag the sending) and with no source GPU,
+    hence no home bag (the receivers once, nobody sending)."""
+    steps = []
+    solve = mixed_solver.solve_mixed
+    monkeypatch.setattr(auto_solver, "solve_mixed", lambda *a: steps.append(solve(*a)) or steps[-1])
+    lengths = sample_lengths(scale_mix(parse_mix("joint"), 4), np.random.default_rng(3))
+    comm = CommModel.cluster("nvlink")
+    plan_routing(lengths, "auto", MODEL, comm=comm)
+    step = steps[0]
+    sourceless = np.random.default_rng(0).choice(len(step.bag), 40, replace=False)
+    step.src_pos[sourceless], step.home_bag[sourceless] = -1, -1
+    per_token = {g: comm.ulysses_per_token(MODEL.token_dim, g, MODEL.scale) for g in (1, 2, 4, 8)}
+    prices = Prices.of(step.layout.shape, step.src_pos, per_token, comm, MODEL)
+    price, load, sent = priced_loads(step, prices)
+    seqs = np.arange(len(step.bag))
+    expected_price, expected_sent = prices.cost(step, step.lengths.astype(np.float64), seqs,
+                                                step.bag)  # fmt: skip
+    assert np.allclose(price, expected_price, rtol=1e-12, atol=0.0)
+    assert np.array_equal(sent, expected_sent)
+    at_home, away = step.bag == step.home_bag, (step.bag != step.home_bag) & (step.home_bag >= 0)
+    assert at_home.any() and away.any() and (sent[away] > 0).all()
+    assert (price[sourceless] > step.workload[sourceless]).all() and not sent[sourceless].any()
+    num_bags = len(step.layout.size)
+    total = np.bincount(step.bag, weights=expected_price, minlength=num_bags) + np.bincount(
+        step.home_bag[away], weights=expected_sent[away], minlength=num_bags
+    )
+    assert np.allclose(load, total, rtol=1e-12, atol=0.0)

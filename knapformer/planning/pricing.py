@@ -181,8 +181,9 @@ def _priced(step: Step, prices: Prices, seqs) -> tuple[np.ndarray, np.ndarray]:
     placed = step.bag[seqs] >= 0
     bag = np.where(placed, step.bag[seqs], 0)
     route = prices.route(seqs, bag, home, step.layout.size, lengths)
-    away = (bag != home) & (home >= 0) & placed
-    price = step.workload[seqs] + prices.kappa[bag] * lengths + np.where(away, route, 2 * route)
+    there = bag == home  # its home bag sends it and receives it: the route twice
+    away = ~there & (home >= 0) & placed
+    price = step.workload[seqs] + prices.kappa[bag] * lengths + np.where(there, 2 * route, route)
     price[~placed] = 0.0
     return price, np.where(away, route, 0.0)
 
