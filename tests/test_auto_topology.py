@@ -3,6 +3,8 @@ communication, and the layout floor."""
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pytest
 
@@ -493,3 +495,27 @@ def test_priced_loads_price_every_sequence_as_prices_cost_does_with_or_without_a
         step.home_bag[away], weights=expected_sent[away], minlength=num_bags
     )
     assert np.allclose(load, total, rtol=1e-12, atol=0.0)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_priced_placement_pauses_the_garbage_collector_and_restores_it(enabled, monkeypatch):
+    """The one-by-one placement of a large mixed step runs with Python's cyclic collector
+    off (its heaps' entries would set off collections) and leaves it as it found it, on
+    or off, also when the placement fails."""
+    seen = []
+    place = mixed_solver._PricedBags.place
+    monkeypatch.setattr(mixed_solver._PricedBags, "place",
+                        lambda *a: seen.append(gc.isenabled()) or place(*a))  # fmt: skip
+    lengths = sample_lengths(scale_mix(parse_mix("joint"), 4), np.random.default_rng(3))
+    was = gc.isenabled()
+    try:
+        (gc.enable if enabled else gc.disable)()
+        plan_routing(lengths, "auto", MODEL, comm=CommModel.cluster("nvlink"))
+        assert seen and not any(seen)
+        assert gc.isenabled() == enabled
+        monkeypatch.setattr(mixed_solver._PricedBags, "place", lambda *a: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            plan_routing(lengths, "auto", MODEL, comm=CommModel.cluster("nvlink"))
+        assert gc.isenabled() == enabled
+    finally:
+        (gc.enable if was else gc.disable)()
