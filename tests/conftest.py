@@ -1,4 +1,5 @@
-"""Shared fixtures: paths of the committed sample plans, and an auto plan made here."""
+"""Shared fixtures: paths of the committed sample plans, and an auto plan made here; and
+the order in which `make test`'s workers take the test files (tests/suite_order.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,22 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "sample_plans"
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--record-scope-seconds",
+        action="store_true",
+        help="write the seconds each unit of work took to tests/scope_seconds.json "
+        "(the order in which `make test` starts them)",
+    )
+
+
+def pytest_configure(config):
+    if config.pluginmanager.hasplugin("xdist"):
+        from suite_order import SuiteOrder  # tests/ is on the path of its conftest
+
+        config.pluginmanager.register(SuiteOrder(config), "knapformer-suite-order")
 
 
 @pytest.fixture

@@ -256,14 +256,19 @@ def test_the_command_alone_prints_its_commands_and_no_error():
     assert "error" not in done.stderr
 
 
-def test_every_command_writes_its_arguments_in_one_placeholder_style():
-    """Upper-case names; {NAME} required, [NAME] optional, ... for several."""
+def test_every_command_writes_its_arguments_in_one_placeholder_style(capsys):
+    """Upper-case names; {NAME} required, [NAME] optional, ... for several. (The help
+    texts are asked for in this process: one start-up per command would cost more than
+    all of them; the tests around this one start the real one.)"""
     import typer.main
 
     from knapformer.cli import app
 
     names = sorted(typer.main.get_command(app).commands)  # type: ignore[attr-defined]
-    usage = {name: run(name, "--help").stdout for name in names}
+    usage = {}
+    for name in names:
+        assert main([name, "--help"]) == 0, name
+        usage[name] = capsys.readouterr().out
     placeholder = re.compile(r"^(\{[A-Z]+\}|\[[A-Z]+\])(\.\.\.)?$")
     for name, text in usage.items():
         line = next(line for line in text.splitlines() if "Usage:" in line)

@@ -112,10 +112,10 @@ def imports_of(module: str, path: Path, type_only: bool = False) -> set[str]:
             found.add(base)
             # `from knapformer.contract import plan` imports the module knapformer.contract.plan
             found.update(f"{base}.{alias.name}" for alias in node.names)
-    known = {name for name, _ in modules()}
-    return {name for name in found if name in known and name != module}
+    return {name for name in found if name in KNOWN and name != module}
 
 
+KNOWN = frozenset(name for name, _ in modules())  # listed once: a walk of every folder
 GRAPH = {module: imports_of(module, path) for module, path in modules()}
 #: The same with the imports under ``if TYPE_CHECKING:``: what a circle is looked for in.
 TYPED_GRAPH = {module: imports_of(module, path, type_only=True) for module, path in modules()}
