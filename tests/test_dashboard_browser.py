@@ -519,7 +519,11 @@ def _switch_to(page, run: str, ready) -> None:
     _wait_for(lambda: search.count() and search.last.is_visible())
     # The open list renders only the runs near the chosen one: search, as a user would.
     search.last.fill(run)
-    page.get_by_text(run, exact=True).last.click()
+    # the option itself: the header card may show the same name, and under load the
+    # filtered list may not be drawn yet when a search of the whole page resolves
+    option = page.locator(".dash-dropdown-option").get_by_text(run, exact=True)
+    _wait_for(lambda: option.count() > 0)
+    option.first.click()
     _wait_for(ready)
 
 
