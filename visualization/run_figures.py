@@ -131,6 +131,14 @@ def cell_steps(grid: RunGrid, x: float) -> tuple[int, int]:
     return int(grid.step_lo[col]), int(grid.step_hi[col])
 
 
+def binned_note(count: int, bins: int) -> str:
+    """A title's second, smaller line saying how ``count`` steps were binned into ``bins``
+    points (nothing when each point is one step): on one line it ran past the figure."""
+    if bins >= count:
+        return ""
+    return f"<br><sup>each point the largest of ~{count // bins:,} steps</sup>"
+
+
 def _bins(values: np.ndarray, edges: np.ndarray, reduce) -> np.ndarray:
     filled = np.where(np.isnan(values), -np.inf, values)
     out = reduce.reduceat(filled, edges) if len(values) else filled
@@ -170,13 +178,9 @@ def run_steps_figure(
         }
         for name, values, colour, axis in lines
     ]
-    per = (
-        ""
-        if len(edges) == len(steps)
-        else f" (each point the largest of ~{len(steps) // len(edges)} steps)"
-    )
+    title = f"Imbalance and lost time over the run · {len(steps):,} steps"
     layout = {
-        "title": {"text": f"Imbalance and lost time over the run · {len(steps):,} steps{per}"},
+        "title": {"text": title + binned_note(len(steps), len(edges))},
         "xaxis": {"title": {"text": "step"}},
         "yaxis": {"title": {"text": "max / mean load"}},
         "yaxis2": {
@@ -227,12 +231,8 @@ def run_timeline_figure(
     index = list(range(len(x)))
     binned = [(x, _bins(np.asarray(v, np.float64), edges, np.maximum).tolist(), index)
               for v in lines]  # fmt: skip
-    per = (
-        ""
-        if len(edges) == len(steps)
-        else f", each point the largest of ~{len(steps) // len(edges)}"
-    )
-    title = f"Every step in the run store · {len(steps):,} steps{per}"
+    title = f"Every step in the run store · {len(steps):,} steps"
+    title += binned_note(len(steps), len(edges))
     shapes = [] if selected_step is None else [step_marker(selected_step)]
     return timeline_of_columns(binned, shapes, title, validate)
 
