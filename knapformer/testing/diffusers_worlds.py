@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from knapformer.local.launcher import TRAINING_PRELOAD, WorkerFailed, launch
-from knapformer.testing.diffusers_models import MODELS, cast, samples_for
+from knapformer.testing.diffusers_models import MODELS, cast, one_thread, samples_for
 
 # Indices into each model's sizes (big first): rank 0 heavy, ranks 3 (and 5) empty.
 RANK_SAMPLES = {
@@ -318,16 +318,9 @@ def trained(workdir: Path) -> dict[int, list[dict[str, dict]]]:
 @functools.cache
 def reference(name: str, world: int, dtype: torch.dtype = torch.float32, mean: bool = False):
     """The unmodified model on each sample alone, in ``dtype``, with the workers' loss:
-    outputs per rank (fp32) and gradients (fp32). Cached: several variants share it.
-
-    On one thread: these tensors are tiny, and a second thread only spins (8 times the
-    CPU time, on a loaded machine, for the same result)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # this thread's setting only
-    try:
+    outputs per rank (fp32) and gradients (fp32). Cached: several variants share it."""
+    with one_thread():
         return _reference(name, world, dtype, mean)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _reference(name: str, world: int, dtype: torch.dtype, mean: bool):
