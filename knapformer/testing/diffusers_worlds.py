@@ -304,7 +304,12 @@ def trained(workdir: Path) -> dict[int, list[dict[str, dict]]]:
     folder = tempfile.mkdtemp(prefix="diffusers-worlds-", dir=workdir)
     driver = multiprocessing.get_context("spawn").Process(target=_drive, args=(folder,))
     driver.start()
-    driver.join()
+    try:
+        driver.join()
+    except BaseException:  # a timeout or Ctrl-C: the driver stops its workers on SIGTERM
+        driver.terminate()
+        driver.join()
+        raise
     path = Path(folder) / "trained.pkl"
     if not path.exists():
         raise RuntimeError(f"the diffusers worlds' driver exited with code {driver.exitcode}")
