@@ -13,7 +13,13 @@ from knapformer.errors import KnapformerError
 from knapformer.integrations.diffusers import BalancedFlux, BalancedWan, FluxBatch, balance
 from knapformer.integrations.diffusers.layouts import StepLayouts, activated
 from knapformer.integrations.diffusers.per_sample import PerSample
-from knapformer.testing.diffusers_models import MODELS, samples_for
+from knapformer.testing.diffusers_models import MODELS, one_thread, samples_for
+
+
+@pytest.fixture(autouse=True)
+def _on_one_thread():
+    with one_thread():
+        yield
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

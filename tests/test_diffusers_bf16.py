@@ -18,9 +18,16 @@ import pytest
 import torch
 
 from knapformer.runtime.conditioning import rows_to_tokens
+from knapformer.testing.diffusers_models import one_thread
 
 TOKENS = 4096  # per sample
 FACTOR = 2.0
+
+
+@pytest.fixture(autouse=True)
+def _on_one_thread():
+    with one_thread():
+        yield
 
 
 def _err(got: torch.Tensor, truth: torch.Tensor) -> float:

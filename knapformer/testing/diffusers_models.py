@@ -11,7 +11,8 @@ mask). Sizes are chosen so that samples differ in image and prompt sizes.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -206,3 +207,16 @@ def cast(sample: dict[str, Any], dtype: torch.dtype, keep: tuple[str, ...] = ("t
         return x
 
     return {k: to(k, v) for k, v in sample.items()}
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Torch on one thread in the calling thread while inside (restored after): these
+    models are small enough that a second thread mostly spins, which doubled a test's
+    CPU time on 2 loaded cores, and tripled that of the references run beside workers."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

@@ -4,8 +4,9 @@ tests/test_diffusers_models.py (and tests/test_diffusers_gpu.py on CUDA).
 Each rank's samples are fixed (`RANK_SAMPLES`: rank 0 far heavier than the others, ranks
 without any, prompts of mixed lengths), so that the test process can run the unmodified
 model on every sample alone and compare. Launching a gloo world and importing diffusers
-in every worker dominate a test's time, so `trained` runs every variant of every model
-in ONE world per world size, once per process, shared by the test files.
+dominate a test's time, so `trained` runs every variant of every model in ONE world per
+world size, once per process, and both worlds' ranks fork from one driver that imported
+diffusers (each rank importing it again cost 2.8 s of CPU; 12 ranks on 2 cores).
 
 A variant's loss is ``sum_i (out_i * w_i).sum()`` over this rank's samples, ``w_i`` fixed
 random weights of sample i (`loss_weights`), divided by the world's output elements for
@@ -18,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import gc
+import importlib
 import multiprocessing
 import pickle
 import signal
@@ -29,7 +31,7 @@ from typing import Any
 import torch
 
 from knapformer.local.launcher import TRAINING_PRELOAD, WorkerFailed, launch
-from knapformer.testing.diffusers_models import MODELS, cast, samples_for
+from knapformer.testing.diffusers_models import MODELS, cast, one_thread, samples_for
 
 # Indices into each model's sizes (big first): rank 0 heavy, ranks 3 (and 5) empty.
 RANK_SAMPLES = {
@@ -227,7 +229,7 @@ def _summed_grads(model, world: int, options: dict) -> dict[str, torch.Tensor]:
 
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     if options.get("fsdp"):  # FSDP2 averages over the mesh
-        return {n: g.full_tensor().float().cpu() * world for n, g in grads.items()}
+        return {n: g * world for n, g in _unsharded(grads, world).items()}
     if options.get("ddp"):  # DDP averages too
         return {n: g.float().cpu() * world for n, g in grads.items()}
     # One all-reduce for all: each is a round of every rank on shared cores.
@@ -238,21 +240,45 @@ def _summed_grads(model, world: int, options: dict) -> dict[str, torch.Tensor]:
     return {n: s.view(g.shape).clone() for (n, g), s in zip(grads.items(), summed, strict=True)}
 
 
+def _unsharded(grads: dict[str, Any], world: int) -> dict[str, torch.Tensor]:
+    """FSDP2's sharded gradients whole (fp32, CPU), in one exchange, not one per tensor:
+    FSDP2 shards dim 0 (``Shard(0)``), rank r holding its r-th chunk."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard
+
+    mine = {}
+    for name, g in grads.items():
+        if tuple(g.placements) != (Shard(0),):
+            raise AssertionError(f"{name}'s gradient is laid out {g.placements}, not Shard(0)")
+        mine[name] = g.to_local().float().cpu()
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, mine)
+    return {name: torch.cat([theirs[name] for theirs in every]) for name in grads}
+
+
 def _worker(rank: int, world: int) -> dict[str, dict]:
     return {name: run_variant(rank, world, *spec) for name, spec in VARIANTS[world].items()}
+
+
+# What the ranks use, imported once by the driver (FSDP2, DTensor and DDP on first use).
+_DRIVER_PRELOAD = (
+    *TRAINING_PRELOAD,
+    *("diffusers", "knapformer.integrations.diffusers", "torch.distributed.fsdp"),
+    *("torch.distributed.tensor", "torch.nn.parallel"),
+)
 
 
 def _drive(folder: str) -> None:
     """The spawned driver of `trained`: imports diffusers once, then forks each world's
     ranks from itself (a single thread that never ran a parallel op: safe to fork).
     Leaves ``{world: results}``, or the failure's (rank, what, traceback), in a file."""
-    import diffusers
-
-    from knapformer.integrations import diffusers as _integration  # noqa: F401
-
     if sys.platform.startswith("linux"):  # SIGTERM when the test process dies: no orphans
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     torch.set_num_threads(1)
+    for module in _DRIVER_PRELOAD:
+        importlib.import_module(module)
+    import diffusers
+
     for tiny in MODELS.values():
         getattr(diffusers, tiny.cls)  # diffusers imports a model's module on first use
     # The imports' objects (~400k) are never garbage: frozen, the workers' collections
@@ -260,7 +286,7 @@ def _drive(folder: str) -> None:
     gc.freeze()
     try:
         out: Any = {w: launch(_worker, w, backend="gloo", start_method="fork",
-                              preload=TRAINING_PRELOAD, group_timeout_s=60, workdir=Path(folder))
+                              preload=_DRIVER_PRELOAD, group_timeout_s=60, workdir=Path(folder))
                     for w in VARIANTS}  # fmt: skip
     except WorkerFailed as err:
         out = (err.rank, err.what, err.traceback)
@@ -278,7 +304,12 @@ def trained(workdir: Path) -> dict[int, list[dict[str, dict]]]:
     folder = tempfile.mkdtemp(prefix="diffusers-worlds-", dir=workdir)
     driver = multiprocessing.get_context("spawn").Process(target=_drive, args=(folder,))
     driver.start()
-    driver.join()
+    try:
+        driver.join()
+    except BaseException:  # a timeout or Ctrl-C: the driver stops its workers on SIGTERM
+        driver.terminate()
+        driver.join()
+        raise
     path = Path(folder) / "trained.pkl"
     if not path.exists():
         raise RuntimeError(f"the diffusers worlds' driver exited with code {driver.exitcode}")
@@ -292,16 +323,9 @@ def trained(workdir: Path) -> dict[int, list[dict[str, dict]]]:
 @functools.cache
 def reference(name: str, world: int, dtype: torch.dtype = torch.float32, mean: bool = False):
     """The unmodified model on each sample alone, in ``dtype``, with the workers' loss:
-    outputs per rank (fp32) and gradients (fp32). Cached: several variants share it.
-
-    On one thread: these tensors are tiny, and a second thread only spins (8 times the
-    CPU time, on a loaded machine, for the same result)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # this thread's setting only
-    try:
+    outputs per rank (fp32) and gradients (fp32). Cached: several variants share it."""
+    with one_thread():
         return _reference(name, world, dtype, mean)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _reference(name: str, world: int, dtype: torch.dtype, mean: bool):
