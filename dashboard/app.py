@@ -53,6 +53,7 @@ from knapformer.dashboard.guard import (
     optional,
     record,
 )
+from knapformer.dashboard.page_index import index_string
 from knapformer.dashboard.step_frame import key, plan_of, step_of
 from knapformer.dashboard.store import PlanStore, RequestGate, Runs, Snapshot
 from knapformer.dashboard.styles import CARD, HALF, HIDDEN, INCIDENT, NOTICE, PICKER, WAITING
@@ -132,7 +133,7 @@ def _layout(runs: Runs, whole: whole_run.WholeRun) -> html.Div:
     later = whole_run.has_store_view(runs)
     # Its header is filled here too: the view that fills it comes after the first draw,
     # and a header growing then would move the whole-run figures under the user's hand.
-    shown = _header_values(runs, {"run": runs.default()}) if later else {}
+    shown = _header_values(runs, whole, {"run": runs.default()}) if later else {}
     return html.Div(
         [
             # What the shown run holds now (set by the run picker; the rest follow it).
@@ -418,9 +419,11 @@ def create_app(path: str | Path) -> Dash:
         serve_locally=True,
         suppress_callback_exceptions=True,
     )
+    app.index_string = index_string(app.config.requests_pathname_prefix)
     whole = whole_run.WholeRun()
     app.layout = lambda: _layout(runs, whole)
     runs.store(runs.default())  # start indexing now, not at the first page view
+    whole.warm(runs.files().get(runs.default()))  # and drawing its whole-run views
     log = _CallbackLog()
     app.server.config["KNAPFORMER_RUNS"] = runs
 
@@ -458,7 +461,7 @@ def create_app(path: str | Path) -> Dash:
     timed = log.timed
     _deferred(app, runs, timed)
     _watch_runs(app, runs, path, timed)
-    _header_cards(app, runs, timed)
+    _header_cards(app, runs, whole, timed)
     _notices(app, timed)
     _incident_banner(app, timed)
     _step_selection(app, runs, timed)
@@ -527,7 +530,7 @@ def _watch_runs(app: Dash, runs: Runs, path: Path, timed: Callable) -> None:
         return _changed(new, {"options": options, "value": picked, "style": style, "view": view})
 
 
-def _header_cards(app: Dash, runs: Runs, timed: Callable) -> None:
+def _header_cards(app: Dash, runs: Runs, whole: whole_run.WholeRun, timed: Callable) -> None:
     @app.callback(
         output={
             "run": Output("stat-run", "children"),
@@ -541,17 +544,17 @@ def _header_cards(app: Dash, runs: Runs, timed: Callable) -> None:
     )
     @timed
     def header_cards(view):
-        return _header_values(runs, view)
+        return _header_values(runs, whole, view)
 
 
-def _header_values(runs: Runs, view: dict | None) -> dict[str, str]:
-    """The header cards' values for the view's run."""
+def _header_values(runs: Runs, whole: whole_run.WholeRun, view: dict | None) -> dict[str, str]:
+    """The header cards' values for the view's run (its store's straggler line as kept)."""
     snap = _snapshot(runs, view)
     run = view["run"] if view else None
     n = len(snap.summaries) if snap else 0
     latest = snap.summaries[-1] if n else None
     return {
-        "straggler": whole_run.store_headline(runs.files().get(run) if run else None)
+        "straggler": whole.headline(runs.files().get(run) if run else None)
         or _straggler(runs.store(run), snap),
         "run": (latest.run if latest else None) or run or "–",
         "steps": f"{n:,}" + (" (indexing…)" if snap and snap.indexing else ""),

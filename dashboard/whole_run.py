@@ -61,6 +61,16 @@ SHAPES = {
 #: column each on the screen, and ~90 MB of the server's memory at 1,024 GPUs.
 DRILL_STEPS = 256
 _SHOWN = {"display": "block"}
+#: Each whole-run figure's margins, fixed (px): room for what Plotly would push them out
+#: for (the heatmap's colour bar, the legend under the imbalance figure, tick labels on
+#: the edges), as Chromium measured them at 1,024 GPUs x 100,000 steps, and some. With
+#: margins that may grow, Plotly draws a figure, measures those and draws it again: that
+#: second pass was half the time the browser took to draw the whole-run figures.
+MARGINS = {
+    "heatmap": {"l": 70, "r": 110, "t": 60, "b": 55},
+    "verdicts": {"l": 70, "r": 30, "t": 60, "b": 55},
+    "steps": {"l": 60, "r": 80, "t": 60, "b": 90},
+}
 #: Resolves once the browser has drawn the whole-run figures the layout brought (at once
 #: without any): the per-step views, a dozen graphs, a table and their callbacks, are
 #: started only then, so that they do not delay the first draw of the whole run.
@@ -131,28 +141,60 @@ def _drawn(kept: WholeRun, plans: Path | None) -> dict[str, Any] | None:
 
 
 class WholeRun:
-    """The whole-run figures of each store, redrawn when its segments change."""
+    """What the page draws from each store, each kept until the segments it reads change:
+    the whole-run figures (`draw`) and the header's straggler line (`store_headline`). The
+    page is laid out anew for each visitor, so neither is recomputed per page."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._kept: dict[Path, tuple[tuple[str, ...], dict[str, Any]]] = {}
+        self._making = threading.Lock()  # one at a time: a page waits for the warm-up's
+        self._kept: dict[tuple[Path, str], tuple[tuple[str, ...], Any]] = {}
+
+    def warm(self, plans: Path | None) -> threading.Thread:
+        """Makes ``plans``' figures and header line in a thread now, so that the first
+        page waits for them less (or not at all): a few tenths of a second of reading
+        and judging at 1,024 GPUs x 100,000 steps."""
+
+        def make() -> None:
+            if plans is not None:
+                _drawn(self, plans)
+                self.headline(plans)
+
+        thread = threading.Thread(target=make, name="whole-run-warm-up", daemon=True)
+        thread.start()
+        return thread
 
     def figures(self, plans: Path) -> dict[str, Any] | None:
         """The figures of the store beside ``plans`` (None: it has none)."""
         if not has_store(plans):
             return None
+
+        def drawn(store: Path, names: tuple[str, ...]) -> dict[str, Any]:
+            return draw(store) | {"key": f"{store}:{len(names)}:{names[-1] if names else ''}"}
+
+        return self._kept_or(plans, ("rank_windows", "steps"), drawn)
+
+    def headline(self, plans: Path | None) -> str | None:
+        """`store_headline` of ``plans``, kept while the store's closed rows stay the same."""
+        if plans is None or not has_store(plans):
+            return None
+        return self._kept_or(plans, ("ranks", "steps"), lambda _s, _n: store_headline(plans))
+
+    def _kept_or(self, plans: Path, tables: tuple[str, ...], make: Callable) -> Any:
+        """What ``make(store, names)`` gave for ``tables``' segments ``names`` when they
+        are still these (a reader reads closed segments only: same names, same rows)."""
         store = store_folder(plans)
-        names = tuple(
-            s.path.name for t in ("rank_windows", "steps") for s in list_segments(store, t)
-        )
-        with self._lock:
-            kept = self._kept.get(store)
-        if kept is not None and kept[0] == names:
-            return kept[1]
-        drawn = draw(store) | {"key": f"{store}:{len(names)}:{names[-1] if names else ''}"}
-        with self._lock:
-            self._kept[store] = (names, drawn)
-        return drawn
+        names = tuple(s.path.name for t in tables for s in list_segments(store, t))
+        key = (store, tables[0])
+        with self._making:
+            with self._lock:
+                kept = self._kept.get(key)
+            if kept is not None and kept[0] == names:
+                return kept[1]
+            value = make(store, names)
+            with self._lock:
+                self._kept[key] = (names, value)
+            return value
 
 
 def draw(store: Path) -> dict[str, Any]:
@@ -174,9 +216,8 @@ def draw(store: Path) -> dict[str, Any]:
             rate >= th.slow_ratio
         )
     column = {name: steps[name].to_numpy(zero_copy_only=False) for name in steps.column_names}
-    return {
+    figures = {
         "heatmap": run_rate_heatmap(grid, validate=False),
-        "grid": grid,
         "verdicts": run_verdicts_figure(ranks, lo, hi, named, rate, validate=False),
         "steps": run_steps_figure(
             column["step"],
@@ -185,8 +226,19 @@ def draw(store: Path) -> dict[str, Any]:
             column["lost_ms"].astype(np.float64),
             validate=False,
         ),
+    }
+    return {name: fixed_margins(f, MARGINS[name]) for name, f in figures.items()} | {
+        "grid": grid,
         "summary": _summary(ranks, lo, hi, named, len(column["step"])),
     }
+
+
+def fixed_margins(figure: Any, margin: dict[str, int]) -> Any:
+    """``figure`` with ``margin`` (`MARGINS`) that Plotly keeps as they are; a figure with
+    nothing to show keeps its own."""
+    if figure.data:
+        figure.layout.margin = {**margin, "autoexpand": False}
+    return figure
 
 
 def _cells(windows) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, np.ndarray]]:
@@ -234,7 +286,7 @@ def drill(plans: Path, first: int, last: int) -> tuple[Any, str]:
         return empty_figure(f"no measured step in {first}..{last}", False), ""
     steps = np.asarray(m.steps)
     grid = run_grid(m.ranks, steps, steps, m.ratio)
-    figure = run_rate_heatmap(grid, validate=False)
+    figure = fixed_margins(run_rate_heatmap(grid, validate=False), MARGINS["heatmap"])
     figure.layout.title.text = (
         f"Steps {first:,}–{last:,}: compute rate under the window's fit (the verdicts' "
         f"figure), {grid.rate.shape[0]} × {grid.rate.shape[1]} cells"

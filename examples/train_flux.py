@@ -82,4 +82,5 @@ for step in range(args.steps):
               f"{s.imbalance_before:.2f} -> {s.imbalance_after:.2f}")  # fmt: skip
 balancer.finish()  # KF
 balancer.close()  # KF
+dist.barrier()  # no rank tears the default group down while a peer still uses it
 dist.destroy_process_group()

@@ -10,10 +10,18 @@ from knapformer.contract.plan import RoutingPlan
 from knapformer.errors import KnapformerError
 from knapformer.planning import auto as auto_solver
 from knapformer.planning import mixed as mixed_solver
+from knapformer.planning.bags import bag_shape
 from knapformer.planning.communication import CommModel, plan_cost
 from knapformer.planning.datamix import parse_mix, sample_lengths, scale_mix
+from knapformer.planning.fixed import solve_greedy
 from knapformer.planning.partitions import aligned_groups, allowed_sizes, layout_floor
 from knapformer.planning.planner import plan_routing
+from knapformer.planning.pricing import (
+    Prices,
+    ceiling_per_gpu,
+    priced_loads,
+    route_per_token,
+)
 from knapformer.planning.workload import WorkloadModel
 
 MODEL = WorkloadModel(token_dim=3072, gamma=0.4)
@@ -304,3 +312,77 @@ def test_the_exact_refinement_scores_a_bounded_number_of_cells_however_full_a_gp
     assert cells and max(cells) <= 2 * REFINE_CELLS, max(cells)
     g8 = plan_routing(lengths, "g8n4", MODEL)
     assert plan_cost(plan).step_ms <= plan_cost(g8, CommModel()).step_ms
+
+
+def test_priced_loads_from_known_prices_equal_a_full_pricing(monkeypatch):
+    """A large mixed step prices its sequences once before its shave and then re-prices
+    only the ones whose bag changed: every price, send and load the same bits as a full
+    pricing, whatever moved (placed, unplaced, home or away)."""
+    steps = []
+    solve = mixed_solver.solve_mixed
+    monkeypatch.setattr(auto_solver, "solve_mixed", lambda *a: steps.append(solve(*a)) or steps[-1])
+    lengths = sample_lengths(scale_mix(parse_mix("video"), 4), np.random.default_rng(3))
+    comm = CommModel.cluster("nvlink")
+    plan_routing(lengths, "auto", MODEL, comm=comm)
+    step = steps[0]
+    per_token = {g: comm.ulysses_per_token(MODEL.token_dim, g, MODEL.scale) for g in (1, 2, 4, 8)}
+    prices = Prices.of(step.layout.shape, step.src_pos, per_token, comm, MODEL)
+    price, _, sent = priced_loads(step, prices)
+    rng = np.random.default_rng(0)
+    moved = rng.choice(len(step.bag), 300, replace=False)
+    step.bag[moved[:100]] = -1
+    step.bag[moved[100:200]] = step.home_bag[moved[100:200]]
+    step.bag[moved[200:]] = rng.integers(0, len(step.layout.size), 100)
+    full = priced_loads(step, prices)
+    known = priced_loads(step, prices, (price, sent, moved))
+    assert all(np.array_equal(a, b) for a, b in zip(full, known, strict=True))
+    assert not np.array_equal(full[1], priced_loads(step, prices, (price, sent, moved[:1]))[1])
+
+
+@pytest.mark.parametrize("solver", ["knapformer", "greedy"])
+def test_makespan_ceiling_is_its_formula_over_every_sequence(solver, monkeypatch):
+    """The ceiling adds the spill of a sequence's fullest chunk only where its bag has more
+    than one GPU: the same bits as the formula taken over every sequence (one-GPU bags
+    spill nothing), on the candidates auto bounds and on a g8 layout of either chunk rule."""
+    steps = []
+    real = auto_solver.makespan_ceiling
+    monkeypatch.setattr(auto_solver, "makespan_ceiling",
+                        lambda step, *a: steps.append(step) or real(step, *a))  # fmt: skip
+    comm = CommModel.cluster("nvlink")
+    for mix in ("video", "lowres"):
+        lengths = sample_lengths(scale_mix(parse_mix(mix), 4), np.random.default_rng(9))
+        plan_routing(lengths, "auto", MODEL, solver=solver, comm=comm)
+    first = steps[0]
+    g8 = bag_shape((8,) * (len(first.layout.shape.bag_of_pos) // 8))
+    steps.append(solve_greedy(g8, first.lengths, first.workload, first.src_pos, None, None,
+                              even=solver == "knapformer"))  # fmt: skip
+    per_token = {g: comm.ulysses_per_token(MODEL.token_dim, g, MODEL.scale) for g in (1, 2, 4, 8)}
+    for step in steps:
+        expected = _ceiling_by_formula(step, comm, per_token)
+        assert np.array_equal(ceiling_per_gpu(step, MODEL, comm, per_token), expected)
+        assert real(step, MODEL, comm, per_token) == float(expected.max())
+    assert {s.layout.even for s in steps} == ({True} if solver == "knapformer" else {True, False})
+
+
+def _ceiling_by_formula(step, comm, per_token) -> np.ndarray:
+    """`ceiling_per_gpu` as `makespan_ceiling`'s doc states it, every sequence's spill
+    computed."""
+    layout, lengths, workload, bag = step.layout, step.lengths, step.workload, step.bag
+    g = layout.size.astype(np.float64)
+    share = np.where(lengths > 0, MODEL.linear_share(lengths), 0.0)
+    per_len = np.divide(workload * share, lengths, out=np.zeros(len(lengths)),
+                        where=lengths > 0)  # fmt: skip
+    size = layout.size[bag]
+    rem = lengths % size
+    spill = np.where(rem > 0, size - rem, 0) if layout.even else rem * (size - 1)
+    work = np.bincount(bag, weights=workload + per_len * spill, minlength=len(g))
+    tokens = np.bincount(bag, weights=lengths, minlength=len(g))
+    if layout.even:
+        held = tokens / g + 1.0
+    else:
+        held = (tokens + np.bincount(bag, weights=spill, minlength=len(g))) / g
+    per_bag = work / g + np.array([per_token[int(x)] for x in layout.size]) * held
+    of_pos = layout.shape.bag_of_pos
+    sent = np.bincount(step.src_pos, weights=lengths, minlength=len(of_pos))
+    route = max(route_per_token(comm, MODEL)) * (sent + held[of_pos])
+    return per_bag[of_pos] + route

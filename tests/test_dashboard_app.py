@@ -81,3 +81,31 @@ def test_every_graph_of_the_first_page_has_a_figure_so_none_lays_out_made_up_axe
             layout_of = figure.get("layout", {})
             assert layout_of["xaxis"]["visible"] is False, graph["id"]
             assert layout_of["yaxis"]["visible"] is False, graph["id"]
+
+
+def test_the_header_straggler_line_is_kept_until_the_store_closes_a_segment(tmp_path, monkeypatch):
+    # The page is laid out anew for each visitor: the store's straggler line (a read and
+    # an analysis of its last steps) is made once per set of closed segments, not per page.
+    from knapformer.dashboard import whole_run
+
+    from knapformer.runtime.recorder import PlanRecorder
+    from knapformer.testing.measured_plans import measured_run
+
+    plans = measured_run(16, slow_rank=5, slow_factor=2.0, seed=3)
+    made = []
+    real = whole_run.store_headline
+    monkeypatch.setattr(whole_run, "store_headline", lambda p: made.append(p) or real(p))
+    kept, path = whole_run.WholeRun(), tmp_path / "run" / "plans.jsonl"
+    with PlanRecorder(path, every=8, store_segment_steps=4) as rec:
+        for plan in plans[:8]:
+            rec.record(plan)
+    kept.warm(path).join()  # what the server does as it starts
+    assert made == [path]
+    first = kept.headline(path)
+    assert first.startswith("slow_gpu: rank 5") and "in 8 of 8 steps" in first
+    assert kept.headline(path) == first and len(made) == 1  # kept: not made again
+    with PlanRecorder(path, every=8, store_segment_steps=4) as rec:  # resumes the run
+        for plan in plans[8:]:
+            rec.record(plan)
+    assert "in 16 of 16 steps" in kept.headline(path) and len(made) == 2
+    assert kept.headline(tmp_path / "none.jsonl") is None and len(made) == 2

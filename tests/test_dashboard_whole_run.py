@@ -87,6 +87,41 @@ def test_verdicts_and_imbalance_over_the_run(page):
     assert len(_trace(page, "run-steps")["x"]) == STEPS
 
 
+#: Per whole-run graph: whether Plotly may grow its margins, and what of the figure
+#: (colour bar, legend, tick labels, axis titles) lies outside the figure's own box.
+_CUT_OFF_JS = """id => {
+  const gd = document.querySelector('#' + id + ' .js-plotly-plot');
+  const box = gd.querySelector('.main-svg').getBoundingClientRect();
+  const parts = gd.querySelectorAll('.colorbar, .legend, .xtick text, .ytick text, ' +
+    '.y2tick text, .g-xtitle, .g-ytitle, .g-y2title');
+  const out = Array.from(parts).filter(e => {
+    const r = e.getBoundingClientRect();
+    return r.width > 0 && (r.left < box.left - 1 || r.right > box.right + 1 ||
+                           r.top < box.top - 1 || r.bottom > box.bottom + 1);
+  }).map(e => e.getAttribute('class'));
+  return {autoexpand: gd._fullLayout.margin.autoexpand, drawn: parts.length, out: out};
+}"""
+
+
+def test_the_whole_run_figures_keep_fixed_margins_that_hold_all_they_draw(page):
+    # Margins that may grow cost Plotly a second pass over each figure; fixed ones must
+    # still leave room for the colour bar, the legend and the labels on the edges.
+    for graph in ("run-heatmap", "run-verdicts", "run-steps"):
+        seen = page.evaluate(_CUT_OFF_JS, graph)
+        assert seen["autoexpand"] is False, graph
+        assert seen["drawn"] >= 4 and seen["out"] == [], (graph, seen)
+
+
+def test_the_layout_and_plotly_js_are_fetched_once_each_from_the_pages_preloads(page):
+    # started as the page is read (a <link rel=preload>), and taken from there by Dash's
+    # own requests: a preload they did not match would be a second request of each
+    fetched = page.evaluate(
+        "() => performance.getEntriesByType('resource').map(e => [e.name, e.initiatorType])"
+    )
+    assert [how for url, how in fetched if url.endswith("/_dash-layout")] == ["link"]
+    assert [how for url, how in fetched if "/plotly.min.js" in url] == ["link"]
+
+
 def test_a_click_opens_that_cells_steps(page):
     box = page.locator("#run-heatmap .nsewdrag").first.bounding_box()
     # the last column: steps 20..23, where rank 5 is slow

@@ -9,7 +9,13 @@ import pytest
 
 from knapformer.planning.communication import CommModel
 from knapformer.planning.datamix import parse_mix, sample_lengths, scale_mix
-from knapformer.planning.group_demand import _Demand, least_fitting, mixed_counts, per_gpu_costs
+from knapformer.planning.group_demand import (
+    _absorb,
+    _Demand,
+    least_fitting,
+    mixed_counts,
+    per_gpu_costs,
+)
 from knapformer.planning.partitions import effective_workloads
 from knapformer.planning.workload import WorkloadModel
 
@@ -78,3 +84,45 @@ def test_the_bisection_finds_the_least_target_whose_groups_fit():
 def test_the_bisection_closes_on_the_threshold_from_above():
     found = least_fitting(lambda t: t >= np.pi, 0.0, 10.0)
     assert np.pi <= found <= np.pi + 10.0 / 2**39  # fits, and within the last halving
+
+
+def _absorb_one_group_at_a_time(cls, top, merged, big_eff, size, target):
+    """`_absorb` as its doc reads, every group scored for every sequence (the oracle)."""
+    bins = np.repeat([top + 1, top], [merged[top + 1], merged[top]])
+    cap, held, out = size[bins] * target * (1 + 1e-9), np.zeros(len(bins)), cls.copy()
+    tops = np.flatnonzero(cls == top)
+    for x in tops[np.argsort(-big_eff[top + 1, tops], kind="stable")]:
+        fit = np.flatnonzero(held + big_eff[bins, x] <= cap)
+        if fit.size == 0:
+            return None
+        b = fit[np.argmin(held[fit] / size[bins[fit]])]  # least per GPU, first on a tie
+        held[b] += big_eff[bins[b], x]
+        out[x] = bins[b]
+    lower = np.flatnonzero((cls > 0) & (cls < top))
+    for x in lower[np.argsort(-big_eff[0, lower], kind="stable")]:
+        fit = np.flatnonzero(held + big_eff[bins, x] <= cap)
+        if fit.size:
+            b = fit[np.argmax(held[fit] / cap[fit])]  # the fullest, first on a tie
+            held[b] += big_eff[bins[b], x]
+            out[x] = bins[b]
+    return None if np.array_equal(out, cls) else out
+
+
+def test_absorb_chooses_the_groups_scoring_every_group_would():
+    # Few distinct costs: ties between groups (and between kinds) are the usual case.
+    rng = np.random.default_rng(7)
+    size = np.asarray(SIZES, float)
+    outcomes = set()
+    for _ in range(400):
+        n, top = int(rng.integers(1, 40)), int(rng.integers(1, 3))
+        cls = rng.integers(0, top + 1, n)
+        merged = np.zeros(len(SIZES), dtype=np.int64)
+        merged[top + 1], merged[top] = rng.integers(1, 6), rng.integers(0, 2)
+        big_eff = rng.integers(1, 6, (len(SIZES), n)) * float(rng.choice([1.0, 0.1, 1 / 3]))
+        target = float(rng.choice([0.7, 1.0, 2.5]))
+        got = _absorb(cls, top, merged, big_eff, size, target)
+        want = _absorb_one_group_at_a_time(cls, top, merged, big_eff, size, target)
+        assert (got is None) == (want is None)
+        assert got is None or np.array_equal(got, want)
+        outcomes.add(None if got is None else "moved")
+    assert outcomes == {None, "moved"}  # both outcomes exercised

@@ -234,3 +234,67 @@ def test_chunk_table_of_one_gpu_bags_and_few_remainders_is_the_definition(whole)
     expected = _chunks_by_definition(plan.sequences.length, plan.sequences.bag, plan.bags)
     for name, column in zip(("seq", "dst_gpu", "offset", "length"), expected, strict=True):
         assert np.array_equal(getattr(plan.chunks, name), column), name
+
+
+@pytest.mark.parametrize("scale", [1e-30, 1.0, 1e9])
+def test_ranks_read_by_length_are_the_sorted_ranks(scale):
+    # The workload model's workloads (many ties, lengths 0 included) are ranked off a
+    # table by length; workloads that are not a non-decreasing function of the length
+    # fall back to the sort: Step.ranks is the dense ranking of -workload either way.
+    rng = np.random.default_rng(3)
+    lengths = np.concatenate([[0, 0], rng.integers(1, 5000, 20_000)])
+    model = WorkloadModel(token_dim=3072, gamma=0.4, scale=scale)
+    workload = model.workload(lengths)
+    assert bags._ranks_by_length(lengths, workload) is not None
+    shuffled = workload[rng.permutation(workload.size)]  # not a function of the length
+    falling = model.workload(lengths.max() - lengths)  # a function, but decreasing
+    for w in (workload, shuffled, falling):
+        step = bags.Step(lengths, w, lengths, lengths, None, lengths, lengths)
+        rank, distinct = step.ranks()
+        expected, expected_distinct = bags._dense_ranks(-w, np.int64)
+        assert distinct == expected_distinct and np.array_equal(rank, expected)
+    assert bags._ranks_by_length(lengths, shuffled) is None
+    assert bags._ranks_by_length(lengths, falling) is None
+
+
+def _cycle_starts_by_definition(bag, rem, size):
+    """Each sequence's remainder start: its bag's earlier remainders summed, mod the size."""
+    cycle, starts = {}, []
+    for b, r, g in zip(bag.tolist(), rem.tolist(), size.tolist(), strict=True):
+        starts.append(cycle.get(b, 0))
+        cycle[b] = (cycle.get(b, 0) + r) % g
+    return np.array(starts, dtype=np.int64)
+
+
+@pytest.mark.parametrize("sizes", [(8,), (1, 2, 4, 8), (3,), (2, 3, 8)])
+def test_remainder_cycle_starts_are_the_definition(sizes):
+    # Summed in uint16 when every size is a power of two: 100,000 remainders in few bags
+    # run far past 2**16 and wrap around; other sizes are summed in int64.
+    rng = np.random.default_rng(len(sizes))
+    n, num_bags = 100_000, 5
+    bag_size = rng.choice(sizes, num_bags)
+    bag = rng.integers(0, num_bags, n)
+    size = bag_size[bag]
+    rem = rng.integers(0, 1 << 20, n) % size
+    rem[rng.random(n) < 0.3] = 0
+    expected = _cycle_starts_by_definition(bag, rem, size)
+    distinct = np.unique(bag_size)
+    got = chunks._remainder_starts(bag, rem, size, distinct)
+    assert np.array_equal(got[rem > 0], expected[rem > 0])  # a start is read only there
+    assert np.array_equal(chunks._cycle_starts(bag, rem, size, distinct), expected)
+    if len(sizes) == 1:  # one size for every bag, given once
+        assert np.array_equal(chunks._cycle_starts(bag, rem, sizes[0], sizes), expected)
+
+
+def test_prefix_within_groups_keeps_each_groups_running_sum_within_its_room():
+    rng = np.random.default_rng(9)
+    group = np.sort(rng.integers(0, 40, 5_000))
+    values = rng.random(group.size)
+    room = rng.random(40)[group] * 80
+    total, first, expected = np.cumsum(values), {}, []
+    for i, g in enumerate(group.tolist()):  # the group's running sum, off the global one
+        first.setdefault(g, i)
+        before = total[first[g] - 1] if first[g] else 0.0
+        expected.append(total[i] - before <= room[i] * (1 + bags.EPS))
+    got = bags.prefix_within_groups(values, group, room)
+    assert got.any() and not got.all() and np.array_equal(got, expected)

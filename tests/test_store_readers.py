@@ -164,3 +164,40 @@ def test_report_takes_its_straggler_views_from_the_store(run, tmp_path, capsys):
     lines = {s: re.findall(r"straggler: [^<]*", page) for s, page in pages.items()}
     assert lines["store"] == lines["plans"] and len(lines["store"]) == 2
     assert "slow_gpu: rank 5" in lines["store"][0]
+
+
+def _timeline(page: str) -> tuple[list[dict], dict]:
+    """The data and layout of the report's timeline figure."""
+    at = page.index("Plotly.newPlot(", page.index("data-name='timeline'"))
+    decoder = json.JSONDecoder()
+    rest = page[page.index("[", at) :]
+    data, end = decoder.raw_decode(rest)
+    layout, _ = decoder.raw_decode(rest[end:].lstrip(", \n"))
+    return data, layout
+
+
+def test_report_timeline_has_every_stored_step_when_plans_are_thinned(run, tmp_path, capsys):
+    thinned = tmp_path / "thinned"
+    thinned.mkdir()
+    (thinned / "store").symlink_to(run / "store")
+    kept = [
+        line for i, line in enumerate((run / "plans.jsonl").read_text().splitlines()) if i % 8 == 0
+    ]
+    (thinned / "plans.jsonl").write_text("\n".join(kept) + "\n")
+    timelines = {}
+    for source in ("plans", "store"):
+        out = tmp_path / f"{source}.html"
+        assert main(["report", str(thinned), "--source", source, "-o", str(out)]) == 0
+        capsys.readouterr()
+        timelines[source] = _timeline(out.read_text())
+    (plans_data, plans_layout), (store_data, store_layout) = timelines["plans"], timelines["store"]
+    assert plans_data[0]["x"] == [0, 8, 16]
+    assert store_data[0]["x"] == list(range(24))
+    # The shown step (the last kept plan) is marked on both, at its step.
+    assert [s["x0"] for s in plans_layout["shapes"]] == [16]
+    assert [s["x0"] for s in store_layout["shapes"]] == [16]
+    # Both say the same for the steps they share: the store's figures are the plans'.
+    for trace_p, trace_s in zip(plans_data, store_data, strict=True):
+        assert trace_p["name"] == trace_s["name"]
+        shared = [trace_s["y"][x] for x in trace_p["x"]]
+        assert shared == pytest.approx(trace_p["y"], rel=1e-3, abs=0.01)

@@ -597,8 +597,19 @@ def timeline_figure(
     """
     if not summaries:
         return empty_figure("no steps yet", validate)
-    mode = timeline_mode(len(summaries))
-    columns = timeline_columns(summaries)
+    shapes = selection_shapes(summaries, selected_step)
+    return timeline_of_columns(timeline_columns(summaries), shapes, validate=validate)
+
+
+def timeline_of_columns(
+    columns: list[tuple[list, list, list[int]]],
+    shapes: list[dict],
+    title: str | None = None,
+    validate: bool = True,
+) -> go.Figure:
+    """The timeline's stacked panels of ``columns`` (`timeline_columns`' (x, y, customdata)
+    per trace, the step-time trace last and optional), ``shapes`` drawn over them."""
+    mode = timeline_mode(len(columns[0][0]))
     panels = 4 if len(columns) == len(_TIMELINE_TRACES) else 3
     data = []
     for (name, color, row, fmt), (x, y, index) in zip(_TIMELINE_TRACES, columns, strict=False):
@@ -647,12 +658,29 @@ def timeline_figure(
             }
             for row in range(1, panels + 1)
         ],
-        "shapes": selection_shapes(summaries, selected_step),
+        "shapes": shapes,
     }
+    if title:
+        layout["title"] = {"text": title}
+        layout["margin"]["t"] = 90
     for row in range(1, panels + 1):
         layout["yaxis" if row == 1 else f"yaxis{row}"] = {"domain": domains[row], "anchor": "x"}
     layout["yaxis2"]["ticksuffix"] = "%"
     return build_figure(data, layout, validate)
+
+
+def step_marker(x: float) -> dict:
+    """A vertical line across a figure's panels at step ``x`` (the selected step)."""
+    return {
+        "type": "line",
+        "xref": "x",
+        "yref": "paper",
+        "x0": x,
+        "x1": x,
+        "y0": 0,
+        "y1": 1,
+        "line": {"color": HIGHLIGHT_COLOR, "width": 2},
+    }
 
 
 def selection_shapes(summaries: list[StepSummary], selected: int | None) -> list[dict]:
@@ -660,19 +688,7 @@ def selection_shapes(summaries: list[StepSummary], selected: int | None) -> list
     if selected is None or not 0 <= selected < len(summaries):
         return []
     s = summaries[selected]
-    x = selected if s.step is None else s.step
-    return [
-        {
-            "type": "line",
-            "xref": "x",
-            "yref": "paper",
-            "x0": x,
-            "x1": x,
-            "y0": 0,
-            "y1": 1,
-            "line": {"color": HIGHLIGHT_COLOR, "width": 2},
-        }
-    ]
+    return [step_marker(selected if s.step is None else s.step)]
 
 
 _LABEL_CHARS = 64  # a row label's placement is cut here (a 1,024-GPU layout is long)

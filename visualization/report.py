@@ -14,11 +14,13 @@ from pathlib import Path
 
 from knapformer.visualization import figures as F
 from knapformer.visualization.browser import find_chromium, launch_chromium, missing_chromium
+from knapformer.visualization.run_figures import TIMELINE_COLUMNS, run_timeline_figure
 from knapformer.visualization.straggler_figures import straggler_views, window_views
 
 from knapformer.contract.incident import Incident
 from knapformer.contract.plan import RoutingPlan
 from knapformer.contract.plan_io import ReadResult, plans_in_range
+from knapformer.contract.run_store import as_numpy, read_table
 from knapformer.contract.runfiles import safe_name
 from knapformer.contract.stats import summarize
 from knapformer.contract.units import LoadUnit
@@ -94,6 +96,13 @@ def store_views(run: Path, step: int | None, run_start: int | None):
     return window_views(w.m, judge(w.m, w.scopes, w.bandwidth), run_start)
 
 
+def store_timeline(run: Path, selected_step: int | None):
+    """The timeline of every step in ``run``'s store, ``selected_step`` marked."""
+    table = read_table(run, "steps", columns=list(TIMELINE_COLUMNS))
+    columns = {name: as_numpy(table[name]) for name in TIMELINE_COLUMNS}
+    return run_timeline_figure(columns, selected_step)
+
+
 def build_report(
     result: ReadResult,
     steps: str | None = None,
@@ -103,7 +112,7 @@ def build_report(
 ) -> tuple[str, list[ReportFigure]]:
     """HTML of the report of the plans in ``result`` (steps ``A:B``; default: the last plan);
     ``incident``: the run's failed step, shown first; ``store``: a run whose store gives
-    the straggler views (every step of the window, whichever full plans were kept)."""
+    the timeline and the straggler views (every step, whichever full plans were kept)."""
     chosen = plans_in_range(result, steps) if steps else [result.records[-1].plan]
     if len(chosen) > MAX_STEPS:
         raise OptionError(
@@ -131,8 +140,11 @@ def build_report(
             f" data-name='{html.escape(name)}'>{div}</div>"
         )
 
-    selected = chosen[-1].step
-    add(F.timeline_figure(summaries, selected_step=selected), "timeline", None)
+    if store is not None:  # every step, not only those whose full plan was kept
+        add(store_timeline(store, chosen[-1].step), "timeline", None)
+    else:
+        selected = position[id(chosen[-1])]
+        add(F.timeline_figure(summaries, selected_step=selected), "timeline", None)
     for plan in chosen:
         st = plan.stats
         label = "plan" if plan.step is None else f"Step {plan.step}"

@@ -10,6 +10,9 @@ and step (100 M of them at 1,024 GPUs x 100,000 steps), always downsampled to th
   largest (a spike stays visible).
 - `run_verdicts_figure`: when each rank was named slow: per segment, the ranks whose rate
   was past the threshold in most of its steps.
+- `run_timeline_figure`: the plans' timeline (imbalance, moved tokens, planning time,
+  measured step time) for every step of the store, not only the steps whose full plan was
+  kept, binned as the lines above.
 """
 
 from __future__ import annotations
@@ -18,7 +21,12 @@ from dataclasses import dataclass
 
 import numpy as np
 from knapformer.visualization import palette
-from knapformer.visualization.figures import build_figure, empty_figure
+from knapformer.visualization.figures import (
+    build_figure,
+    empty_figure,
+    step_marker,
+    timeline_of_columns,
+)
 from knapformer.visualization.straggler_figures import ratio_colour_axis
 
 #: The most rows (rank bins) and columns (step bins) a whole-run heatmap sends.
@@ -182,6 +190,51 @@ def run_steps_figure(
         "margin": {"l": 60, "r": 60, "t": 60, "b": 60},
     }
     return build_figure(data, layout, validate)
+
+
+#: The `steps` columns `run_timeline_figure` draws.
+TIMELINE_COLUMNS = (
+    "step",
+    "imbalance_before",
+    "imbalance_after",
+    "moved_tokens",
+    "total_tokens",
+    "plan_ms",
+    "step_ms",
+)
+
+
+def run_timeline_figure(
+    columns: dict[str, np.ndarray],
+    selected_step: int | None = None,
+    validate: bool = True,
+    most: int = MAX_POINTS,
+) -> dict:
+    """The timeline of every step in ``columns`` (the store's `TIMELINE_COLUMNS`), at most
+    ``most`` points a line, each its bin's largest; ``selected_step`` marked."""
+    steps = np.asarray(columns["step"])
+    if len(steps) == 0:
+        return empty_figure("no step in the run store yet", validate)
+    edges = _edges(len(steps), most)
+    total = np.asarray(columns["total_tokens"], np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        moved = np.where(total > 0, 100.0 * columns["moved_tokens"] / total, 0.0)
+    lines = [columns["imbalance_before"], columns["imbalance_after"], moved, columns["plan_ms"]]
+    step_ms = np.asarray(columns["step_ms"], np.float64)
+    if np.isfinite(step_ms).any():
+        lines.append(step_ms)
+    x = steps[edges].tolist()
+    index = list(range(len(x)))
+    binned = [(x, _bins(np.asarray(v, np.float64), edges, np.maximum).tolist(), index)
+              for v in lines]  # fmt: skip
+    per = (
+        ""
+        if len(edges) == len(steps)
+        else f", each point the largest of ~{len(steps) // len(edges)}"
+    )
+    title = f"Every step in the run store · {len(steps):,} steps{per}"
+    shapes = [] if selected_step is None else [step_marker(selected_step)]
+    return timeline_of_columns(binned, shapes, title, validate)
 
 
 def run_verdicts_figure(

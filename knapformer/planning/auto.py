@@ -18,15 +18,19 @@ refinement (`refine`); every tuning constant is in `tuning`.
 
 from __future__ import annotations
 
+import numpy as np
+
 from knapformer.errors import KnapformerError
 from knapformer.planning.bags import (
     Step,
     bag_shape,
 )
 from knapformer.planning.chunks import chunk_table
+from knapformer.planning.group_demand import per_gpu_costs
 from knapformer.planning.mixed import solve_mixed
 from knapformer.planning.partitions import (
     effective_workloads,
+    family_floors,
     mixed_partitions,
     partition_floor,
 )
@@ -60,9 +64,14 @@ def solve_auto(lengths, workload, src_pos, speed, max_tokens, solve_fixed, model
     scale = float(model.scale)
     per_token = {g: comm.ulysses_per_token(model.token_dim, g, scale) for g in sizes}
     eff = effective_workloads(workload, lengths, sizes, per_token)
-    floor = partition_floor(eff, lengths, sizes, num_gpus)
+    # Derived once, read by the floor, the partitions and the layouts' bounds.
+    size = np.asarray(sizes, dtype=np.float64)
+    costs = per_gpu_costs(eff, lengths, size) if len(lengths) else None
+    floors = family_floors(eff, sizes, num_gpus)
+    floor = partition_floor(eff, lengths, sizes, num_gpus, costs)
     best = _Best(model, comm, per_token, speed)
-    mixed = mixed_partitions(workload, lengths, src_pos, num_gpus, sizes, per_token, node_size, eff)
+    mixed = mixed_partitions(workload, lengths, src_pos, num_gpus, sizes, per_token, node_size,
+                             eff, floors, costs)  # fmt: skip
     small = len(lengths) <= SMALL_SEQUENCES and num_gpus <= SMALL_GPUS
     for bag_sizes in _mixed_layouts(mixed, small, speed):
         best.consider(lambda b=bag_sizes: solve_mixed(
@@ -70,7 +79,7 @@ def solve_auto(lengths, workload, src_pos, speed, max_tokens, solve_fixed, model
             comm, model))  # fmt: skip
     if small:  # the best mixed partition, GPU-exact
         best.refine(max_tokens)
-    for bound, g in _whole_family(eff, sizes, num_gpus):
+    for bound, g in sorted((bound, g) for g, bound in floors.items()):  # lowest first
         if not best.beats(bound):
             shape = bag_shape((g,) * (num_gpus // g))
             best.consider(lambda s=shape: solve_fixed(s))
@@ -180,16 +189,6 @@ def _mixed_layouts(mixed, small: bool, speed) -> list[tuple[int, ...]]:
     if small:
         return layouts + [b for b in isolated if b]
     return [i or b for i, b in zip(isolated, layouts, strict=True)]
-
-
-def _whole_family(eff, sizes, num_gpus) -> list[tuple[float, int]]:
-    """(floor with Ulysses, g) of each whole-family layout gXnY that tiles the group,
-    lowest floor first: max(total / N, largest sequence / g) of the effective workloads."""
-    return sorted(
-        (max(float(eff[j].sum()) / num_gpus, float(eff[j].max(initial=0.0)) / g), g)
-        for j, g in enumerate(sizes)
-        if num_gpus % g == 0
-    )
 
 
 def _isolate_slow(bag_sizes: tuple[int, ...], speed) -> tuple[int, ...] | None:

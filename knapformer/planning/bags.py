@@ -135,8 +135,9 @@ class BagLayout:
                 self.tokens[s : s + g] += sign * (length // g)
                 self.tokens[s + rem] += sign * (length % g)
 
-    def add_many(self, bag: np.ndarray, workload: np.ndarray, lengths: np.ndarray) -> None:
-        """Vectorised ``add`` of sequences placed in ``bag`` (each (m,)), even spread."""
+    def add_many(self, bag: np.ndarray, workload: np.ndarray, lengths: np.ndarray | None) -> None:
+        """Vectorised ``add`` of sequences placed in ``bag`` (each (m,)), even spread;
+        ``lengths`` may be None when there is no token cap."""
         self.load += np.bincount(bag, weights=workload, minlength=len(self.size))
         if self.max_tokens is not None:
             self.bag_tokens += np.bincount(bag, weights=lengths, minlength=len(self.size)).astype(
@@ -175,7 +176,9 @@ class Step:
         bag = np.full(n, -1, dtype=np.int64)
         # A source position of -1: the sequence comes from a GPU outside these bags (one
         # size class of an auto partition), so it has no home bag.
-        home = np.where(src_pos >= 0, shape.bag_of_pos[src_pos], -1)
+        home = shape.bag_of_pos[src_pos]
+        if n and src_pos.min() < 0:
+            home[src_pos < 0] = -1
         return cls(lengths, workload, src_pos, home, layout, bag,
                    np.zeros(n, dtype=np.int64))  # fmt: skip
 
@@ -188,7 +191,8 @@ class Step:
                 rank, distinct = self.ranks()
                 self._ranks[True] = (distinct - 1 - rank, distinct)
             else:
-                self._ranks[False] = _dense_ranks(-self.workload, np.int64)
+                by_length = _ranks_by_length(self.lengths, self.workload)
+                self._ranks[False] = by_length or _dense_ranks(-self.workload, np.int64)
         return self._ranks[lightest]
 
     def move(self, seq: int, dst: int) -> None:
@@ -235,6 +239,35 @@ def _dense_ranks(values: np.ndarray, dtype) -> tuple[np.ndarray, int]:
     return ranks, int(rank[-1])
 
 
+def _ranks_by_length(lengths: np.ndarray, workload: np.ndarray) -> tuple[np.ndarray, int] | None:
+    """`_dense_ranks` of ``-workload`` read off a table indexed by length, without sorting:
+    the same ranks when the workload is a non-decreasing function of the length (the
+    workload model's always is; checked here), else None. Only for lengths of at most a
+    few times as many tokens as there are sequences (the table's size)."""
+    if lengths.size == 0 or lengths.dtype.kind not in "iu" or lengths.min() < 0:
+        return None
+    span = int(lengths.max()) + 1  # the table: lengths 0.. (the lengths index it)
+    if span > 4 * lengths.size + 4096:
+        return None
+    of_length = np.zeros(span)
+    of_length[lengths] = workload
+    present = np.zeros(span, dtype=bool)
+    present[lengths] = True
+    if not np.array_equal(of_length[lengths], workload):  # not a function of the length
+        return None
+    ordered = of_length[present]  # the distinct lengths' workloads, shortest first
+    if (ordered[1:] < ordered[:-1]).any():  # not non-decreasing
+        return None
+    new = np.empty(ordered.size, dtype=bool)
+    new[0] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=new[1:])
+    ascending = np.cumsum(new)  # 1-based rank among the distinct workloads
+    distinct = int(ascending[-1])
+    rank_of_length = np.zeros(span, dtype=np.int64)
+    rank_of_length[present] = distinct - ascending  # heaviest first, 0-based
+    return rank_of_length[lengths], distinct
+
+
 def bag_speeds(shape: BagShape, speed: np.ndarray | None) -> np.ndarray | None:
     """(num_bags,) speed of each bag's slowest GPU, or None when every GPU is nominal."""
     return None if speed is None else np.minimum.reduceat(speed, shape.start)
@@ -254,7 +287,12 @@ def by_home_heaviest_first(seqs, home, workload, num_bags, ranks=None) -> np.nda
             step_ranks, distinct = ranks()
             ranks = step_ranks[seqs]
         if num_bags * distinct * n < 2**62:
-            return seqs[np.argsort((home[seqs] * distinct + ranks) * n + np.arange(n))]
+            key = home[seqs]  # (home * distinct + rank) * n + position, in place
+            key *= distinct
+            key += ranks
+            key *= n
+            key += np.arange(n)
+            return seqs[np.argsort(key)]
     by_w = descending(workload, seqs)
     return by_w[by_small_key(home[by_w], num_bags)]
 
@@ -269,11 +307,16 @@ def prefix_within_groups(values: np.ndarray, group: np.ndarray, room: np.ndarray
     """For rows sorted by ``group``: True while the running sum within the group <= room."""
     if values.size == 0:
         return np.zeros(0, dtype=bool)
-    total = np.cumsum(values)
-    starts = np.flatnonzero(np.concatenate([[True], group[1:] != group[:-1]]))
-    before = np.concatenate([[0.0], total[:-1]])[starts]
-    group_start_sum = np.repeat(before, np.diff(np.concatenate([starts, [values.size]])))
-    return total - group_start_sum <= room * (1 + EPS)
+    total = np.cumsum(values)  # over every group: a group's sums are differences of it
+    new = np.empty(values.size, dtype=bool)
+    new[0] = True
+    np.not_equal(group[1:], group[:-1], out=new[1:])
+    starts = np.flatnonzero(new)
+    before = np.empty(starts.size, dtype=total.dtype)  # the sum before each group
+    before[0] = 0.0
+    np.take(total, starts[1:] - 1, out=before[1:])
+    total -= np.repeat(before, np.diff(starts, append=values.size))
+    return total <= room * (1 + EPS)
 
 
 def water_room(held: np.ndarray, weight: np.ndarray, amount: float, inflation=1.0):

@@ -2,8 +2,12 @@
 per GPU of its bag, its remainder spread one token at a time over a cycle through the
 bag (or, under round-robin, all to one chunk).
 
-Made once per chosen plan (and per auto candidate that is priced exactly), so it is built
-as one (n, g) grid per bag size with no temporary of its size beyond one.
+Made once per chosen plan (and per auto candidate that is priced exactly), so every
+column is written once, in place, into its own array: a sequence's g chunks are one row
+of an (n, g) grid per bag size, and no temporary of the table's size is made beyond the
+int8 remainder patterns. (Each column stays a separate array: one block of five would
+exceed glibc's largest mmap threshold, 32 MB, at 4,096 GPUs, and be faulted in fresh on
+every plan; arrays below it reuse the heap the previous plan's columns freed.)
 """
 
 from __future__ import annotations
@@ -16,64 +20,88 @@ from knapformer.planning.bags import Step, by_small_key
 from knapformer.planning.tuning import PATTERN_SIZES
 
 
-def chunk_table(step: Step):
+def chunk_table(step: Step, with_source: bool = False) -> tuple[np.ndarray, ...]:
     """Split each sequence into one chunk per GPU of its bag (zero-length chunks dropped).
 
-    Returns (seq, dst GPU position, offset, length), ordered by sequence then chunk
-    index; chunk k of a sequence goes to the k-th GPU of its bag. Each chunk gets
-    ``L // g`` tokens; the ``L % g`` remainder goes, under round-robin, all to chunk
-    ``rem`` (the published rule), else one token each to the next GPUs of a cycle that
-    runs through the bag's sequences in id order, so every GPU of a bag ends within one
-    token of the others (the remainder never piles onto one GPU).
+    Returns (seq, dst GPU position, offset, length), each (num_chunks,) int64, ordered by
+    sequence then chunk index, and with ``with_source`` each chunk's source GPU position
+    (its sequence's) last; chunk k of a sequence goes to the k-th GPU of its bag. Each
+    chunk gets ``L // g`` tokens; the ``L % g`` remainder goes, under round-robin, all to
+    chunk ``rem`` (the published rule), else one token each to the next GPUs of a cycle
+    that runs through the bag's sequences in id order, so every GPU of a bag ends within
+    one token of the others (the remainder never piles onto one GPU).
     """
-    layout, lengths, bag = step.layout, step.lengths, step.bag
-    n = len(lengths)
-    size = layout.size[bag]
-    rem = lengths % size
-    start = _remainder_starts(bag, rem, size) if layout.even else None
+    layout, lengths = step.layout, step.lengths
     if len(layout.class_size) == 1:  # the usual fixed topology: one (n, g) grid
         g = int(layout.class_size[0])
-        idx = np.repeat(np.arange(n), g)
-        length, pos, offset = (x.ravel() for x in _chunk_grid(step, slice(None), g, start))
-    else:  # one grid per bag size, scattered to the rows of its sequences
-        ends = np.cumsum(size)
-        first = ends - size  # row of each sequence's chunk 0
-        total = int(ends[-1]) if n else 0
-        pos, offset, length = (np.empty(total, dtype=np.int64) for _ in range(3))
-        idx = np.repeat(np.arange(n), size)
-        for g in layout.class_size.tolist():
-            sel = np.flatnonzero(size == g)
-            if g == 1:  # one whole chunk each, on the bag's GPU
-                rows = first[sel]
-                length[rows], pos[rows], offset[rows] = lengths[sel], layout.start[bag[sel]], 0
-                continue
-            rows = (first[sel][:, None] + np.arange(g)).ravel()
-            grid = _chunk_grid(step, sel, g, None if start is None else start[sel])
-            length[rows], pos[rows], offset[rows] = (x.ravel() for x in grid)
-    if n and (lengths < size).any():  # some sequence is shorter than its bag
-        keep = length > 0
-        idx, pos, offset, length = idx[keep], pos[keep], offset[keep], length[keep]
-    return idx, pos, offset, length
+        columns = _one_size_table(step, g, with_source)
+        short = lengths.size and int(lengths.min()) < g
+    else:
+        size = layout.size[step.bag]
+        columns = _mixed_size_table(step, size, with_source)
+        short = lengths.size and bool((lengths < size).any())
+    if short:  # some sequence is shorter than its bag: drop its empty chunks
+        keep = columns[3] > 0
+        columns = tuple(column[keep] for column in columns)
+    return columns
 
 
-def _chunk_grid(step: Step, sel, g: int, start):
-    """(length, position, offset), each (m, g), of the chunks of sequences ``sel``, all in
-    bags of ``g`` GPUs; ``start``: where each one's remainder starts in its bag's cycle
-    (even spread), None under round-robin."""
-    lengths, bag = step.lengths[sel], step.bag[sel]
-    quot = lengths // g
-    rem = lengths - quot * g
-    k = np.arange(g)
-    pos = step.layout.start[bag][:, None] + k[None, :]
+def _one_size_table(step: Step, g: int, with_source: bool) -> tuple[np.ndarray, ...]:
+    """`chunk_table` (empty chunks kept) of a layout whose bags all hold ``g`` GPUs."""
+    n = len(step.lengths)
+    quot, rem = np.divmod(step.lengths, g)
+    start = _remainder_starts(step.bag, rem, g, [g]) if step.layout.even else None
+    length, pos, offset = _chunk_grid(step, slice(None), g, start, quot, rem)
+    columns = (np.repeat(np.arange(n), g), pos.reshape(-1), offset.reshape(-1),
+               length.reshape(-1))  # fmt: skip
+    return (*columns, np.repeat(step.src_pos, g)) if with_source else columns
+
+
+def _mixed_size_table(step: Step, size: np.ndarray, with_source: bool) -> tuple[np.ndarray, ...]:
+    """`chunk_table` (empty chunks kept) of a layout of several bag sizes (``size``: each
+    sequence's): one grid per bag size, scattered to the rows of its sequences."""
+    layout, lengths, bag = step.layout, step.lengths, step.bag
+    n = len(lengths)
+    even = layout.even
+    start = _remainder_starts(bag, lengths % size, size, layout.class_size) if even else None
+    ends = np.cumsum(size)
+    first = ends - size  # row of each sequence's chunk 0
+    total = int(ends[-1]) if n else 0
+    pos, offset, length = (np.empty(total, dtype=np.int64) for _ in range(3))
+    for g in layout.class_size.tolist():
+        sel = np.flatnonzero(size == g)
+        if g == 1:  # one whole chunk each, on the bag's GPU
+            rows = first[sel]
+            length[rows], pos[rows], offset[rows] = lengths[sel], layout.start[bag[sel]], 0
+            continue
+        rows = (first[sel][:, None] + np.arange(g)).ravel()
+        quot, rem = np.divmod(lengths[sel], g)
+        grid = _chunk_grid(step, sel, g, None if start is None else start[sel], quot, rem)
+        length[rows], pos[rows], offset[rows] = (x.ravel() for x in grid)
+    seq = np.repeat(np.arange(n), size)
+    columns = (seq, pos, offset, length)
+    return (*columns, np.repeat(step.src_pos, size)) if with_source else columns
+
+
+def _chunk_grid(step: Step, sel, g: int, start, quot, rem):
+    """(length, position, offset), each (m, g) int64, of the chunks of sequences ``sel``,
+    all in bags of ``g`` GPUs, whose lengths are ``quot * g + rem``; ``start``: where each
+    one's remainder starts in its bag's cycle (even spread), None under round-robin."""
+    m, k = len(quot), np.arange(g)
+    # (A repeat and an in-place add beat one broadcast add, whose inner loops run g long.)
+    pos = np.repeat(step.layout.start[step.bag[sel]], g).reshape(m, g)
+    pos += k
     if start is not None and g <= PATTERN_SIZES:
-        # One of g*g remainder patterns per sequence, looked up with its running sum.
+        # One of g*g remainder patterns per sequence, looked up by (start, rem): the only
+        # temporaries are the looked-up int8 rows.
         extra, before = _remainder_patterns(g)
-        pattern = start * g + rem
-        # (np.take gathers rows faster than fancy indexing; the product is the temporary.)
-        length = np.take(extra, pattern, axis=0)
-        length += quot[:, None]
-        offset = np.take(before, pattern, axis=0)
-        offset += np.multiply.outer(quot, k)
+        pattern = start * g
+        pattern += rem
+        length = np.repeat(quot, g).reshape(m, g)
+        length += np.take(extra, pattern, axis=0)
+        offset = np.empty((m, g), dtype=np.int64)
+        np.multiply(quot[:, None], k, out=offset)
+        offset += np.take(before, pattern, axis=0)
         return length, pos, offset
     if start is not None:
         # Chunk k takes a remainder token when it lies in [start, start + rem) cyclically.
@@ -81,7 +109,7 @@ def _chunk_grid(step: Step, sel, g: int, start):
         length = quot[:, None] + (((k >= first) & (k < end)) | (k + g < end))
     else:
         length = np.repeat(quot[:, None], g, axis=1)
-        length[np.arange(len(quot)), step.rem[sel]] += rem
+        length[np.arange(m), step.rem[sel]] += rem
     return length, pos, np.cumsum(length, axis=1) - length
 
 
@@ -89,35 +117,43 @@ def _chunk_grid(step: Step, sel, g: int, start):
 def _remainder_patterns(g: int) -> tuple[np.ndarray, np.ndarray]:
     """For a bag of ``g`` GPUs, row ``start * g + rem``: which of the g chunks take a
     remainder token when ``rem`` of them do from chunk ``start`` on, cyclically, and the
-    tokens those add before each chunk (each (g * g, g))."""
+    tokens those add before each chunk (each (g * g, g) int8: ``g <= PATTERN_SIZES``)."""
     start, rem = np.divmod(np.arange(g * g), g)
     k = np.arange(g)
-    extra = ((k - start[:, None]) % g < rem[:, None]).astype(np.int64)
-    return extra, np.cumsum(extra, axis=1) - extra
+    extra = ((k - start[:, None]) % g < rem[:, None]).astype(np.int8)
+    return extra, (np.cumsum(extra, axis=1) - extra).astype(np.int8)
 
 
-def _remainder_starts(bag: np.ndarray, rem: np.ndarray, size: np.ndarray) -> np.ndarray:
+def _remainder_starts(bag: np.ndarray, rem: np.ndarray, size, sizes) -> np.ndarray:
     """`_cycle_starts`, computed over the sequences with a remainder only when they are
     few (one-GPU bags, or most lengths a multiple of g): a sequence without one adds
-    nothing to its bag's cycle, and its own start is never read (0 here)."""
+    nothing to its bag's cycle, and its own start is never read (0 here). ``size``: each
+    sequence's bag size, or the one size of every bag; ``sizes``: the distinct sizes."""
+    if 2 * np.count_nonzero(rem) >= len(rem):
+        return _cycle_starts(bag, rem, size, sizes)
     some = np.flatnonzero(rem)
-    if 2 * len(some) >= len(rem):
-        return _cycle_starts(bag, rem, size)
     starts = np.zeros_like(rem)
-    starts[some] = _cycle_starts(bag[some], rem[some], size[some])
+    size_some = size if np.ndim(size) == 0 else size[some]
+    starts[some] = _cycle_starts(bag[some], rem[some], size_some, sizes)
     return starts
 
 
-def _cycle_starts(bag: np.ndarray, rem: np.ndarray, size: np.ndarray) -> np.ndarray:
+def _cycle_starts(bag: np.ndarray, rem: np.ndarray, size, sizes) -> np.ndarray:
     """(n,) where each sequence's remainder starts in its bag's cycle: the remainders of the
-    bag's earlier sequences (id order), summed, modulo the bag size."""
-    order = by_small_key(bag, int(bag.max()) + 1 if bag.size else 0)
-    r = np.take(rem, order)
-    before = np.cumsum(r) - r  # exclusive running sum over all bags
-    sorted_bag = np.take(bag, order)
-    group_start = np.ones(len(order), dtype=bool)
-    np.not_equal(sorted_bag[1:], sorted_bag[:-1], out=group_start[1:])
-    base = np.maximum.accumulate(np.where(group_start, before, 0))
-    starts = np.empty_like(rem)
-    starts[order] = (before - base) % np.take(size, order)
+    bag's earlier sequences (id order), summed, modulo the bag size (``size``: each
+    sequence's, or one for all; ``sizes``: the distinct sizes)."""
+    num_bags = int(bag.max()) + 1 if bag.size else 0
+    order = by_small_key(bag, num_bags)
+    # Only the sums modulo the bag size matter: when every size divides 2**16 (powers of
+    # two), they are summed in uint16, whose wrap-around keeps them (and 4x narrower).
+    wraps = all(s & (s - 1) == 0 and s <= 2**15 for s in map(int, sizes))
+    dtype = np.uint16 if wraps else np.int64
+    r = np.take(rem.astype(dtype), order)
+    before = np.cumsum(r, dtype=dtype)
+    before -= r  # exclusive running sum over all bags, in bag order
+    counts = np.bincount(bag, minlength=num_bags)
+    first = np.minimum(np.cumsum(counts) - counts, max(len(r) - 1, 0))
+    before -= np.repeat(before[first], counts)  # from each bag's first sequence on
+    starts = np.empty(len(rem), dtype=np.int64)
+    starts[order] = before % (size if np.ndim(size) == 0 else np.take(size, order))
     return starts

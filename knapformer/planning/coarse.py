@@ -69,11 +69,10 @@ def _level(step: Step, prices: Prices, floor: float, max_tokens) -> float:
     num_bags = len(layout.size)
     lengths = step.lengths.astype(np.float64)
     tokens = np.bincount(step.bag, weights=lengths, minlength=num_bags)
-    placed = np.flatnonzero(step.lengths > 0)
-    by_weight = placed[np.argsort(step.workload[placed], kind="stable")]  # lightest first
-    best_bag, best_top = None, np.inf
+    by_weight = _lightest_first(step, np.flatnonzero(step.lengths > 0))
+    best_bag, best_top, known = None, np.inf, None
     for round_ in range(LEVEL_ROUNDS + 1):
-        price, load, per = _per_gpu(step, prices)
+        price, load, per, sent = _per_gpu(step, prices, known)
         top = float(per.max())
         if top < best_top * (1 - TIE):
             best_bag, best_top = step.bag.copy(), top
@@ -90,9 +89,19 @@ def _level(step: Step, prices: Prices, floor: float, max_tokens) -> float:
         gain = value[np.arange(len(donors)), pick] < per[donors] * (1 - TIE)
         if not gain.any():
             break
-        _apply_picks(step, tokens, lengths, ma, mb, donors, takers, pick, gain)
+        moved = _apply_picks(step, tokens, lengths, ma, mb, donors, takers, pick, gain)
+        known = (price, sent, moved)  # only the moved ones are priced again
     _restore(step, best_bag, max_tokens)
     return best_top
+
+
+def _lightest_first(step: Step, seqs: np.ndarray) -> np.ndarray:
+    """``seqs`` by workload, lightest first, ties by position: a radix sort of the step's
+    shared ranks (`Step.ranks`) where there are few distinct workloads."""
+    rank, distinct = step.ranks(lightest=True)
+    if distinct <= 2**15:
+        return seqs[np.argsort(rank[seqs].astype(np.int16), kind="stable")]
+    return seqs[np.argsort(step.workload[seqs], kind="stable")]
 
 
 def _restore(step: Step, bag: np.ndarray, max_tokens) -> None:
@@ -105,11 +114,12 @@ def _restore(step: Step, bag: np.ndarray, max_tokens) -> None:
                                                 minlength=len(step.layout.size))  # fmt: skip
 
 
-def _per_gpu(step: Step, prices: Prices):
-    """(each sequence's price, each bag's priced load, each bag's per-GPU time): the load
-    spread over the bag's GPUs plus what its slowest GPU pays to send (`sender_extra`)."""
-    price, load, sent = priced_loads(step, prices)
-    return price, load, load / step.layout.weight + sender_extra(step, sent)
+def _per_gpu(step: Step, prices: Prices, known=None):
+    """(each sequence's price, each bag's priced load, each bag's per-GPU time, what each
+    sequence's home bag pays to send it): the load spread over the bag's GPUs plus what its
+    slowest GPU pays to send (`sender_extra`). ``known``: as `priced_loads` takes it."""
+    price, load, sent = priced_loads(step, prices, known)
+    return price, load, load / step.layout.weight + sender_extra(step, sent), sent
 
 
 def _level_members(step: Step, by_weight: np.ndarray, donors: np.ndarray, takers: np.ndarray):
@@ -117,9 +127,12 @@ def _level_members(step: Step, by_weight: np.ndarray, donors: np.ndarray, takers
     and each taker's members (`member_samples`), lightest first, -1 padding; each taker's
     row ends with an empty slot (a move, not a swap)."""
     num_bags = len(step.layout.size)
-    key = step.bag[by_weight]  # a stable sort of small ints is a radix sort
-    order = by_weight[np.argsort(key.astype(np.int16) if num_bags < 2**15 else key,
-                                 kind="stable")]  # fmt: skip
+    # Only the members of the round's bags are ordered (the same runs as ordering all).
+    needed = np.zeros(num_bags, dtype=bool)
+    needed[donors] = needed[takers.ravel()] = True
+    mine = by_weight[needed[step.bag[by_weight]]]
+    key = step.bag[mine]  # a stable sort of small ints is a radix sort
+    order = mine[np.argsort(key.astype(np.int16) if num_bags < 2**15 else key, kind="stable")]
     cuts = np.searchsorted(step.bag[order], np.arange(num_bags + 1))
     k, p = takers.shape
     ma = member_samples(order, cuts, donors, LEVEL_MEMBERS)
@@ -171,9 +184,10 @@ def _donors_and_takers(per: np.ndarray, mean: float):
     return donors[:k], takers[: k * p].reshape(p, k).T
 
 
-def _apply_picks(step, tokens, lengths, ma, mb, donors, takers, pick, gain) -> None:
+def _apply_picks(step, tokens, lengths, ma, mb, donors, takers, pick, gain) -> np.ndarray:
     """Apply each donor's picked exchange where it ``gain``s: ``pick`` indexes its flattened
-    (member of the donor, taker, member of the taker or nothing) scores."""
+    (member of the donor, taker, member of the taker or nothing) scores. Returns the
+    sequences moved."""
     pp, t = mb.shape[1:]
     i, rest = np.divmod(pick, pp * t)
     j, q = np.divmod(rest, t)
@@ -187,6 +201,7 @@ def _apply_picks(step, tokens, lengths, ma, mb, donors, takers, pick, gain) -> N
     step.bag[y[swap]] = a[swap]
     np.add.at(tokens, b[swap], -lengths[y[swap]])
     np.add.at(tokens, a[swap], lengths[y[swap]])
+    return np.concatenate([x, y[swap]])
 
 
 def _even_classes(step: Step, prices: Prices, max_tokens) -> float:
@@ -236,7 +251,7 @@ class _Band:
 
     def __init__(self, step: Step, prices: Prices):
         size, weight = step.layout.size, step.layout.weight
-        self.price, load, self.per = _per_gpu(step, prices)
+        self.price, load, self.per, _ = _per_gpu(step, prices)
         mean = float(load.sum() / weight.sum())
         self.band = EVEN_BAND * mean
         self.target = mean + self.band

@@ -28,7 +28,7 @@ from knapformer.planning.tuning import (
 _NONE = np.array([-1])  # an exchange's empty slot: a move, not a swap
 
 
-def exchange_across(step: Step, prices: Prices, floor: float, max_tokens) -> None:
+def exchange_across(step: Step, prices: Prices, floor: float, max_tokens, known=None) -> None:
     """Exchanges between bags of any sizes, each sequence re-priced at its new bag
     (`Prices`): the most loaded bag moves one sequence to, or swaps one with, whichever of
     the least loaded bags (every bag in a step of at most ``SMALL_GPUS`` bags and
@@ -36,11 +36,12 @@ def exchange_across(step: Step, prices: Prices, floor: float, max_tokens) -> Non
     evens the two out best, while that lowers the larger of the two and leaves the
     sequences' home bags (which pay the sending) below it (at most ``EXCHANGE_MOVES``
     exchanges; stops within ``FLOOR_STOP`` of ``floor``). All pairs of a move are scored
-    in one vectorised pass (`_best_exchange`); a move is charged by `PricedLedger`."""
+    in one vectorised pass (`_best_exchange`); a move is charged by `PricedLedger`.
+    ``known``: the step's prices as far as they are known (`priced_loads`)."""
     num_bags = len(step.layout.size)
     if num_bags < 2:
         return
-    ledger = PricedLedger(step, prices)
+    ledger = PricedLedger(step, prices, known)
     stop = floor * (1 + FLOOR_STOP)
     placed = np.flatnonzero(step.lengths > 0)
     # A stable sort of small ints is a radix sort (the same order, much faster).
@@ -120,12 +121,12 @@ class PricedLedger:
     send. One GPU sends a sequence placed away from it, not its bag: a bag's slowest GPU
     is its spread load plus the most any of its GPUs sends, less that GPU's share."""
 
-    def __init__(self, step: Step, prices: Prices):
+    def __init__(self, step: Step, prices: Prices, known=None):
         layout = step.layout
         self.step, self.prices = step, prices
         self.size, self.weight, self.start = layout.size, layout.weight, layout.start
         self.lengths = step.lengths.astype(np.float64)
-        self.price, self.load, sent = priced_loads(step, prices)
+        self.price, self.load, sent = priced_loads(step, prices, known)
         self.tokens = np.bincount(step.bag, weights=self.lengths, minlength=len(self.size))
         self.gpu_sends, self.bag_sends = sends(step, sent)
         self.extra = uneven_sends(layout, self.gpu_sends, self.bag_sends)

@@ -191,7 +191,7 @@ def _solve_local(step: Step, tolerance: float | None = None) -> None:
         one_by_one &= workload > HEAVY_FRACTION * layout.gpu_capacity
     _place_in_order(descending(workload, np.flatnonzero(one_by_one)), step, prefer_home=True)
     if n > ONE_BY_ONE:
-        _stay_home_in_bulk(np.flatnonzero(step.bag < 0), step)
+        _stay_home_in_bulk(step)
         pool = descending(workload, np.flatnonzero(step.bag < 0), step)
         if len(pool) > POUR_TAIL and len(layout.class_size) == 1 and layout.max_tokens is None:
             pool = _pour(pool, step)
@@ -208,24 +208,28 @@ def _pour(pool: np.ndarray, step: Step) -> np.ndarray:
     cost = step.workload[poured]
     bags = pour_slots(cost, water_room(layout.load, layout.weight, float(cost.sum())))
     step.bag[poured] = bags
-    layout.add_many(bags, cost, step.lengths[poured])
+    layout.add_many(bags, cost, None if layout.max_tokens is None else step.lengths[poured])
     return pool[len(poured) :]
 
 
-def _stay_home_in_bulk(seqs: np.ndarray, step: Step) -> None:
-    """Within each home bag, the largest of ``seqs`` stay while there is room (one
-    vectorised pass; sequences shorter than their home bag are left to the pool)."""
+def _stay_home_in_bulk(step: Step) -> None:
+    """Within each home bag, the largest of the unplaced sequences stay while there is room
+    (one vectorised pass; sequences shorter than their home bag are left to the pool)."""
     layout, lengths, workload, home_bag = step.layout, step.lengths, step.workload, step.home_bag
-    seqs = seqs[home_bag[seqs] >= 0]
-    light = seqs[layout.size[home_bag[seqs]] <= lengths[seqs]]
+    if len(layout.class_size) == 1:  # one mask over the step: no gathers by home bag
+        fits = lengths >= layout.class_size[0]
+    else:  # (a home bag of -1 reads the last bag's size: the home test masks it)
+        fits = layout.size[home_bag] <= lengths
+    light = np.flatnonzero((step.bag < 0) & (home_bag >= 0) & fits)
     order = by_home_heaviest_first(light, home_bag, workload, len(layout.size), step.ranks)
-    hb = home_bag[order]
+    hb, cost = home_bag[order], workload[order]
     room = layout.capacity - layout.load
-    stays = prefix_within_groups(workload[order], hb, room[hb])
-    if layout.max_tokens is not None:
+    stays = prefix_within_groups(cost, hb, room[hb])
+    capped = layout.max_tokens is not None
+    if capped:
         # An even spread keeps a bag's fullest GPU at ceil(bag tokens / g).
         token_room = layout.max_tokens * layout.size[hb] - layout.bag_tokens[hb]
         stays &= prefix_within_groups(lengths[order].astype(np.float64), hb, token_room)
-    stay_ids = order[stays]
-    step.bag[stay_ids] = hb[stays]
-    layout.add_many(hb[stays], workload[stay_ids], lengths[stay_ids])
+    stay_ids, stay_bags = order[stays], hb[stays]
+    step.bag[stay_ids] = stay_bags
+    layout.add_many(stay_bags, cost[stays], lengths[stay_ids] if capped else None)

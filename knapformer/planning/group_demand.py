@@ -8,6 +8,9 @@ lower classes' long sequences (`_absorb`)."""
 
 from __future__ import annotations
 
+import bisect
+import heapq
+
 import numpy as np
 
 from knapformer.planning.tuning import BISECTIONS, TIE
@@ -42,15 +45,16 @@ def least_fitting(fits, lo: float, hi: float) -> float:
     return hi
 
 
-def mixed_counts(eff, size, lengths, num_gpus, sizes, whole):
+def mixed_counts(eff, size, lengths, num_gpus, sizes, whole, costs=None):
     """(group counts per size, each sequence's size class) of the bisection's partition
     (`_Demand.least_target`) and of its variants (`_merged_variants`), cheapest first by
     `_Demand.waste`; None when no mixed partition is worth solving. ``eff`` (sizes, n):
     the effective workloads; ``size``: ``sizes`` as floats; ``whole``: the floor of each
-    whole-family layout (the bisection's top)."""
+    whole-family layout (the bisection's top); ``costs``: `per_gpu_costs` of the step, where
+    the caller has them already."""
     if len(sizes) < 2 or not whole or eff.shape[1] == 0:
         return None
-    smallest, cheapest = per_gpu_costs(eff, lengths, size)
+    smallest, cheapest = costs or per_gpu_costs(eff, lengths, size)
     lo = max(float(eff[0].sum()) / num_gpus, cheapest)
     hi = min(whole)
     if lo >= hi * (1 - TIE):
@@ -85,10 +89,9 @@ class _Demand:
         self.size, self.num_gpus, self.unit, self.big = size, num_gpus, unit, big
         small = np.ones(eff.shape[1], dtype=bool)
         small[big] = False
-        self.x0_small = float(eff[0, small].sum())
-        filling = [small] + [small & (lengths >= g) for g in size[1:]]
-        self.fill_base = np.array([float(eff[0, mask].sum()) for mask in filling])
-        fill_cost = np.array([float(eff[j, mask].sum()) for j, mask in enumerate(filling)])
+        base, fill_cost = _filling_sums(eff, lengths, size, np.flatnonzero(small))
+        self.x0_small, self.fill_base = base[0], np.array(base)
+        fill_cost = np.array(fill_cost)
         self.inflation = np.divide(fill_cost, self.fill_base, out=np.ones(len(size)),
                                    where=self.fill_base > 0)  # fmt: skip
         self.big_eff, self.big_per_gpu = eff[:, big], fitting_costs(eff, lengths, size, big)[1]
@@ -153,6 +156,23 @@ class _Demand:
                      + max(0.0, load[0] + self.x0_small - filled.sum()))  # fmt: skip
 
 
+def _filling_sums(eff, lengths, size, small: np.ndarray) -> tuple[list[float], list[float]]:
+    """(alone, there) per size: what the short sequences (``small``, ids) that may fill a
+    group of that size (as long as it; all of them for the smallest) cost alone (``eff[0]``)
+    and in it (``eff[j]``). A set is cut and summed alone only where it changes: where
+    every short sequence is as long as the largest group, once for all sizes."""
+    seqs = small
+    total = float(eff[0, seqs].sum())
+    alone, there = [], []
+    for j, g in enumerate(size):
+        if j and not (lengths[seqs] >= g).all():
+            seqs = seqs[lengths[seqs] >= g]
+            total = float(eff[0, seqs].sum())
+        alone.append(total)
+        there.append(float(eff[j, seqs].sum()) if j else total)
+    return alone, there
+
+
 def _merged_variants(need: _Demand, groups, cls, target: float, sizes) -> list[tuple]:
     """The variants of the partition ``groups`` (`_mixed`): its largest size's groups merged
     in pairs into the next size, and the same with the lower classes' big sequences packed
@@ -181,27 +201,74 @@ def _absorb(cls, top, merged, big_eff, size, target):
     twice their size (and the odd one left of their own size) and the lower classes' big
     sequences move into those groups' room where they fit: each lower group so emptied
     goes back to the smallest size, whose GPUs pay no exchange. Largest first, each to the
-    least loaded group it fits (the top ones) or the fullest (the lower ones). None when a
-    top sequence fits no group."""
-    bins = np.repeat([top + 1, top], [merged[top + 1], merged[top]])
-    cap = size[bins] * target * (1 + TIE)
-    held = np.zeros(len(bins))
+    least loaded group it fits (the top ones) or the fullest (the lower ones), a tie to the
+    first group. None when a top sequence fits no group.
+
+    The groups are of two kinds (class ``top + 1``, then ``top``) and a sequence costs the
+    same in every group of a kind, so only one group of each kind is worth comparing: the
+    least loaded (a heap) or the fullest with room (a sorted list, `_Kind`)."""
+    kinds = [_Kind(c, int(merged[c]), float(size[c]), target, first)
+             for c, first in ((top + 1, 0), (top, int(merged[top + 1])))]  # fmt: skip
+    kinds = [k for k in kinds if k.heap]
     out = cls.copy()
     tops = np.flatnonzero(cls == top)
-    for x in tops[np.argsort(-big_eff[top + 1, tops], kind="stable")].tolist():
-        cost = big_eff[bins, x]
-        fit = np.flatnonzero(held + cost <= cap)
-        if fit.size == 0:
+    tops = tops[np.argsort(-big_eff[top + 1, tops], kind="stable")]
+    for x, costs in zip(tops.tolist(), _costs(big_eff, kinds, tops), strict=True):
+        # Within a kind the least held is the least per GPU (sizes are powers of two).
+        fit = [(k.heap[0][0] / k.size, k.heap[0][1], k, c)
+               for k, c in zip(kinds, costs, strict=True) if k.heap[0][0] + c <= k.cap]  # fmt: skip
+        if not fit:
             return None
-        b = int(fit[np.argmin(held[fit] / size[bins[fit]])])
-        held[b] += cost[b]
-        out[x] = bins[b]
+        _, b, kind, cost = min(fit, key=lambda f: f[:2])
+        heapq.heapreplace(kind.heap, (kind.heap[0][0] + cost, b))
+        out[x] = kind.cls
     lower = np.flatnonzero((cls > 0) & (cls < top))
-    for x in lower[np.argsort(-big_eff[0, lower], kind="stable")].tolist():
-        cost = big_eff[bins, x]
-        fit = np.flatnonzero(held + cost <= cap)
-        if fit.size:
-            b = int(fit[np.argmax(held[fit] / cap[fit])])
-            held[b] += cost[b]
-            out[x] = bins[b]
+    lower = lower[np.argsort(-big_eff[0, lower], kind="stable")]
+    for kind in kinds:
+        kind.by_held = sorted((held, -b) for held, b in kind.heap)
+    for x, costs in zip(lower.tolist(), _costs(big_eff, kinds, lower), strict=True):
+        fit = [(*f, k, c) for k, c in zip(kinds, costs, strict=True)
+               if (f := k.fullest_with_room(c))]  # fmt: skip
+        if fit:
+            _, b, held, kind, cost = max(fit, key=lambda f: (f[0], -f[1]))
+            kind.add(held, b, cost)
+            out[x] = kind.cls
     return None if np.array_equal(out, cls) else out
+
+
+def _costs(big_eff, kinds, seqs) -> list:
+    """Each of ``seqs``' cost in a group of each kind of `_absorb`."""
+    return list(zip(*(big_eff[k.cls, seqs].tolist() for k in kinds), strict=True))
+
+
+class _Kind:
+    """The groups of one size class in `_absorb`, numbered from ``first`` in `_absorb`'s
+    group order: their room (``cap``) and what each holds, as a heap of (held, group)
+    while the top sequences go in, then as a list sorted by (held, -group)."""
+
+    def __init__(self, cls: int, count: int, size: float, target: float, first: int):
+        self.cls, self.size = cls, size
+        self.cap = size * target * (1 + TIE)
+        self.heap = [(0.0, first + i) for i in range(count)]  # all equal: a heap
+        self.by_held: list[tuple[float, int]] = []
+
+    def fullest_with_room(self, cost: float) -> tuple[float, int, float] | None:
+        """(held / cap, group, held) of the fullest group with room for ``cost`` (a tie,
+        also one that rounding makes, to the first group); None when none has room."""
+        rows, cap = self.by_held, self.cap
+        n = bisect.bisect_left(rows, True, key=lambda r: r[0] + cost > cap)
+        if n == 0:
+            return None
+        held, b = rows[n - 1][0], -rows[n - 1][1]
+        value, j = held / cap, n - 2
+        while j >= 0 and rows[j][0] / cap == value:
+            if -rows[j][1] < b:
+                held, b = rows[j][0], -rows[j][1]
+            j -= 1
+        return value, b, held
+
+    def add(self, held: float, b: int, cost: float) -> None:
+        """Group ``b``, holding ``held``, takes ``cost`` more."""
+        rows = self.by_held
+        rows.pop(bisect.bisect_left(rows, (held, -b)))
+        bisect.insort(rows, (held + cost, -b))

@@ -7,6 +7,8 @@ byte-identical across versions, so every change here must keep them so (docs/pla
 
 from __future__ import annotations
 
+from functools import cached_property
+
 import numpy as np
 
 from knapformer.contract.stats import lower_bound
@@ -139,16 +141,24 @@ class _Members:
     def __init__(self, bag, lengths, workload, num_bags):
         self.num_real = len(bag)
         self.bag = np.concatenate([bag, np.arange(num_bags)])
-        self.length = np.concatenate([lengths, np.full(num_bags, np.iinfo(np.int64).max)])
         self.workload = np.concatenate([workload, np.zeros(num_bags)])
+        self._lengths = lengths
         self.index()
+
+    @cached_property
+    def length(self) -> np.ndarray:
+        """Tokens of every member (a phantom: more than any bag's size); made on first
+        need: only layouts of several bag sizes check lengths."""
+        num_bags = len(self.bag) - self.num_real
+        return np.concatenate([self._lengths, np.full(num_bags, np.iinfo(np.int64).max)])
 
     def index(self) -> None:
         """Index the members by their bags now (`grouped` reads them from it)."""
         num_bags = len(self.bag) - self.num_real
         self.home = self.bag.copy()  # the bag each member was indexed under
         self.by_bag = by_small_key(self.home, num_bags)  # members, grouped by bag, id order
-        self.first = np.searchsorted(self.home[self.by_bag], np.arange(num_bags + 1))
+        self.first = np.zeros(num_bags + 1, dtype=np.int64)  # each bag's first in by_bag
+        np.cumsum(np.bincount(self.home, minlength=num_bags), out=self.first[1:])
         self.moved_in: dict[int, set[int]] = {}  # bag -> members indexed under another bag
 
     def real(self, member: int) -> int:
@@ -213,13 +223,15 @@ def _best_exchanges(over, partners, members, size, weight, per_gpu, accepts, one
     w_a, per_a = weight[a_bag], per_gpu[a_bag]
     if out.size * back.size <= DENSE_CELLS:
         came = back[None, :]  # every pair is scored
+        b_bag = members.bag[back][None, :]
     else:
         pb = np.asarray(partners)
         ideal = (per_a - per_gpu[pb]) / (1.0 / w_a + 1.0 / weight[pb])
         came = _nearest_members(back, back_slot - num_o, members.workload, out_w - ideal)
         col_starts = list(range(0, 2 * num_p, 2))
-    came_w, b_bag = members.workload[came], members.bag[came]
-    w_b, per_b = weight[b_bag], per_gpu[b_bag]
+        b_bag = np.repeat(pb, 2)[None, :]  # columns 2p and 2p + 1 come from partner p
+    came_w = members.workload[came]
+    w_b, per_b = weight[b_bag], per_gpu[b_bag]  # one row: each column's bag
     delta = out_w - came_w  # net workload leaving a
     new_max = np.maximum(per_a - delta / w_a, per_b + delta / w_b)
     ok = (delta > 0) & (new_max < per_a * (1 - 1e-9))

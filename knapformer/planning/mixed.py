@@ -64,17 +64,20 @@ def solve_mixed(bag_sizes, lengths, workload, src_pos, speed, max_tokens, per_to
     else:
         order = descending(workload, placed, step)
     _place_priced(order, step, load, prices, floor)
+    known = None  # the prices as far as they are known (`priced_loads`)
     if len(placed) > ONE_BY_ONE and max_tokens is None:
-        pool = _shave(step, prices)
+        pool, before = _shave(step, prices)
+        known = (*before, pool)  # stale for the pool only
         if pool.size:
-            load = priced_loads(step, prices)[1]
+            price, load, sent = priced_loads(step, prices, known)
+            known = (price, sent, pool)  # the pool is placed next
             if len(pool) > POUR:
                 load = _pour(pool, step, load, prices)
             _place_priced(pool[step.bag[pool] < 0], step, load, prices, floor)
     if is_coarse(step, len(placed)):
         even_out(step, prices, floor, max_tokens)
     else:
-        exchange_across(step, prices, floor, max_tokens)
+        exchange_across(step, prices, floor, max_tokens, known)
     layout.load[:] = np.bincount(step.bag, weights=workload, minlength=len(shape.size))
     return step
 
@@ -246,20 +249,21 @@ def _pour(pool, step: Step, load: np.ndarray, prices: Prices) -> np.ndarray:
     return load + np.bincount(home[home >= 0], weights=sent[home >= 0], minlength=len(load))
 
 
-def _shave(step: Step, prices: Prices) -> np.ndarray:
+def _shave(step: Step, prices: Prices) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
     """Take the lightest sequences out of every bag above the mean priced per-GPU time until
     it is at most that mean (sequences that fit any bag only), in one vectorised pass: the
     bulk passes of a large step leave whole size classes above or below the mean, which a
-    few exchanges cannot even out. Returns them, unplaced (bag -1), heaviest first."""
+    few exchanges cannot even out. Returns them, unplaced (bag -1), heaviest first, and the
+    (price, sent) of every sequence before (`priced_loads`)."""
     layout = step.layout
-    price, load, _ = priced_loads(step, prices)
+    price, load, sent = priced_loads(step, prices)
     mean = float(load.sum() / layout.weight.sum())
     excess = load - mean * layout.weight
     movable = (step.lengths >= layout.class_size[-1]) & (step.bag >= 0)
     movable &= excess[np.maximum(step.bag, 0)] > 0
     seqs = np.flatnonzero(movable)
     if seqs.size == 0:
-        return seqs
+        return seqs, (price, sent)
     order = by_home_heaviest_first(
         seqs, step.bag, -step.workload, len(layout.size), partial(step.ranks, lightest=True)
     )
@@ -269,4 +273,4 @@ def _shave(step: Step, prices: Prices) -> np.ndarray:
     cost = price[order]
     out = order[prefix_within_groups(cost, bags, excess[bags] + 0.5 * cost)]
     step.bag[out] = -1
-    return descending(step.workload, out, step)
+    return descending(step.workload, out, step), (price, sent)

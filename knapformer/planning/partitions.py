@@ -112,16 +112,29 @@ def effective_workloads(workload, lengths, sizes, per_token) -> np.ndarray:
     return workload[None, :] + kappa[:, None] * lengths.astype(np.float64)[None, :]
 
 
-def partition_floor(eff: np.ndarray, lengths: np.ndarray, sizes, num_gpus: int) -> float:
+def family_floors(eff: np.ndarray, sizes, num_gpus: int) -> dict[int, float]:
+    """The floor of each whole-family layout gXnY that tiles the group, by g: ``max(total /
+    N, largest sequence / g)`` of the effective workloads ``eff`` (`effective_workloads`):
+    no such layout beats its largest sequence spread over one of its bags."""
+    return {
+        g: max(float(eff[j].sum()) / num_gpus, float(eff[j].max(initial=0.0)) / g)
+        for j, g in enumerate(sizes)
+        if num_gpus % g == 0
+    }
+
+
+def partition_floor(eff: np.ndarray, lengths: np.ndarray, sizes, num_gpus: int,
+                    costs=None) -> float:  # fmt: skip
     """The least per-GPU makespan (compute + Ulysses) any partition of ``sizes`` can reach:
     the least T such that every sequence fits some allowed group at T per GPU and the
     cheapest such placements sum to at most ``num_gpus * T`` (each sequence costs at least
     its cheapest fitting group, and the GPUs' loads add up to the total). ``eff``
-    (len(sizes), n): `effective_workloads`; ``lengths`` (n,)."""
+    (len(sizes), n): `effective_workloads`; ``lengths`` (n,); ``costs``: their
+    `per_gpu_costs` where the caller has them already."""
     if eff.shape[1] == 0:
         return 0.0
     size = np.asarray(sizes, dtype=np.float64)
-    smallest, cheapest = per_gpu_costs(eff, lengths, size)
+    smallest, cheapest = costs or per_gpu_costs(eff, lengths, size)
     lo = max(float(eff.min(axis=0).sum()) / num_gpus, cheapest)
     # Only sequences above lo per GPU in their cheapest group depend on T.
     big = np.flatnonzero(smallest > lo)
@@ -150,6 +163,8 @@ def mixed_partitions(
     per_token: dict[int, float],
     node_size: int,
     eff: np.ndarray | None = None,
+    floors: dict[int, float] | None = None,
+    costs=None,
 ) -> list[Candidate]:
     """Mixed partitions worth solving for this step (none when one group size is best for
     every sequence): the bisection's (module doc), the same with the groups of its
@@ -158,18 +173,15 @@ def mixed_partitions(
     cheapest first by the work each costs at the bisection's time. Deterministic.
 
     ``workload``, ``lengths``, ``src_pos`` (n,): each sequence's compute, tokens and source
-    GPU position; ``per_token[g]``: Ulysses cost per token in a g-GPU group; ``eff``: their
-    `effective_workloads` where the caller has them already.
+    GPU position; ``per_token[g]``: Ulysses cost per token in a g-GPU group; ``eff``,
+    ``floors``, ``costs``: their `effective_workloads`, `family_floors` and
+    `per_gpu_costs` where the caller has them already.
     """
     if eff is None:
         eff = effective_workloads(workload, lengths, sizes, per_token)
     size = np.asarray(sizes, dtype=np.float64)
-    whole = [
-        max(float(eff[j].sum()) / num_gpus, float(eff[j].max(initial=0.0)) / g)
-        for j, g in enumerate(sizes)
-        if num_gpus % g == 0
-    ]
-    found = mixed_counts(eff, size, lengths, num_gpus, sizes, whole)
+    whole = list((floors or family_floors(eff, sizes, num_gpus)).values())
+    found = mixed_counts(eff, size, lengths, num_gpus, sizes, whole, costs)
     if found is None:
         return []
     out = []
@@ -231,11 +243,5 @@ def layout_floor(
     workload = np.asarray(workload, dtype=np.float64)
     lengths = np.asarray(lengths, dtype=np.int64)
     eff = effective_workloads(workload, lengths, sizes, per_token)
-    fixed = {
-        f"g{g}n{num_gpus // g}": max(
-            float(eff[j].sum()) / num_gpus, float(eff[j].max(initial=0.0)) / g
-        )
-        for j, g in enumerate(sizes)
-        if num_gpus % g == 0
-    }
+    fixed = {f"g{g}n{num_gpus // g}": v for g, v in family_floors(eff, sizes, num_gpus).items()}
     return LayoutFloor(fixed, partition_floor(eff, lengths, sizes, num_gpus))

@@ -228,13 +228,17 @@ class StepProblem:
 def _build_plan(problem, solved, model, positions_are_ranks, step, run, topology_name, bags,
                 solver, options, auto) -> RoutingPlan:  # fmt: skip
     """The `RoutingPlan` of a solved step (columns, not validated: the hot path)."""
-    chunk_seq, chunk_pos, chunk_off, chunk_len = solved.chunks or chunk_table(solved)
     src_pos, speed = problem.src_pos, problem.speed
+    if solved.chunks:  # auto priced this layout: its table is made already
+        chunk_seq, chunk_pos, chunk_off, chunk_len = solved.chunks
+        chunk_src = src_pos[chunk_seq]
+    else:
+        chunk_seq, chunk_pos, chunk_off, chunk_len, chunk_src = chunk_table(solved, True)
     if positions_are_ranks:
-        src_gpu, chunk_src, chunk_dst = src_pos, src_pos[chunk_seq], chunk_pos
+        src_gpu, chunk_dst = src_pos, chunk_pos
     else:
         ranks = np.asarray(problem.gpus, dtype=np.int64)
-        src_gpu, chunk_src, chunk_dst = ranks[src_pos], ranks[src_pos[chunk_seq]], ranks[chunk_pos]
+        src_gpu, chunk_src, chunk_dst = ranks[src_pos], ranks[chunk_src], ranks[chunk_pos]
     return RoutingPlan.build(
         planner_version=__version__,
         step=step,

@@ -50,28 +50,40 @@ def makespan_ceiling(step: Step, model: WorkloadModel, comm: CommModel,
     tokens (even spread; ``+ L % g`` under round-robin), a GPU holds at most its bag's
     tokens / g + 1 (even spread), and every token a GPU sends or receives is priced over
     the slower link. Where it already settles a comparison, the exact price is not needed."""
+    return float(ceiling_per_gpu(step, model, comm, per_token).max(initial=0.0))
+
+
+def ceiling_per_gpu(step: Step, model: WorkloadModel, comm: CommModel,
+                    per_token: dict[int, float]) -> np.ndarray:  # fmt: skip
+    """(num_gpus,) each GPU's upper bound of `makespan_ceiling`."""
     layout, lengths, workload, bag = step.layout, step.lengths, step.workload, step.bag
     num_bags = len(layout.size)
     g = layout.size.astype(np.float64)
-    share = np.where(lengths > 0, model.linear_share(lengths), 0.0)
-    per_len = np.divide(workload * share, lengths, out=np.zeros(len(lengths)),
-                        where=lengths > 0)  # fmt: skip
-    size = layout.size[bag]
-    rem = lengths % size
-    # Linear work beyond an even L/g share that the fullest chunk of a sequence may take.
-    extra = per_len * (np.where(rem > 0, size - rem, 0) if layout.even else rem * (size - 1))
-    work = np.bincount(bag, weights=workload + extra, minlength=num_bags)
+    # Linear work beyond an even L/g share that the fullest chunk of a sequence may take
+    # (none in a one-GPU bag, where most of a large step's sequences often are).
+    multi = np.flatnonzero(layout.size[bag] > 1)
+    length, size = lengths[multi], layout.size[bag[multi]]
+    share = np.where(length > 0, model.linear_share(length), 0.0)
+    per_len = np.divide(workload[multi] * share, length, out=np.zeros(len(multi)),
+                        where=length > 0)  # fmt: skip
+    rem = length % size
+    spill = np.where(rem > 0, size - rem, 0) if layout.even else rem * (size - 1)
+    weights = workload.copy()
+    weights[multi] += per_len * spill
+    work = np.bincount(bag, weights=weights, minlength=num_bags)
     tokens = np.bincount(bag, weights=lengths, minlength=num_bags)
     if layout.even:
         held = tokens / g + 1.0
     else:
-        held = (tokens + np.bincount(bag, weights=rem * (size - 1), minlength=num_bags)) / g
+        rems = np.zeros(len(lengths))
+        rems[multi] = spill
+        held = (tokens + np.bincount(bag, weights=rems, minlength=num_bags)) / g
     kappa = np.array([per_token[int(c)] for c in layout.class_size])
     per_bag = work / g + kappa[layout.shape.class_of_bag_array] * held
     of_pos = layout.shape.bag_of_pos
     sent = np.bincount(step.src_pos, weights=lengths, minlength=len(of_pos))
     route = max(route_per_token(comm, model)) * (sent + held[of_pos])
-    return float((per_bag[of_pos] + route).max(initial=0.0))
+    return per_bag[of_pos] + route
 
 
 def compute_per_gpu(step: Step, model: WorkloadModel, speed) -> tuple[np.ndarray, np.ndarray]:
@@ -120,7 +132,8 @@ class Prices:
         node = int(comm.node_size)
         per_token_route = route_per_token(comm, model)
         bag_node = np.where(shape.size > node, -1, shape.start // node)
-        return cls(np.array([per_token[int(g)] for g in shape.size]), bag_node,
+        per_class = np.array([per_token[int(g)] for g in shape.class_size])
+        return cls(per_class[shape.class_of_bag_array], bag_node,
                    np.where(src_pos >= 0, src_pos // node, -2), *per_token_route)  # fmt: skip
 
     def route(self, seqs, bags, home, size, lengths):
@@ -141,24 +154,37 @@ class Prices:
                 np.where(there | (home < 0), 0.0, r))  # fmt: skip
 
 
-def priced_loads(step: Step, prices: Prices) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def priced_loads(step: Step, prices: Prices,
+                 known=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
     """(price (n,) of each sequence in its bag (0 while unplaced), priced load (num_bags,),
     sent (n,): what each sequence placed away from its home bag costs that bag to send):
     ``W + k_g*L`` plus the route its receivers pay (twice at home, where the bag also sends),
-    and each home bag the sending of its sequences placed away."""
-    layout, home = step.layout, step.home_bag
-    num_bags = len(layout.size)
-    lengths = step.lengths.astype(np.float64)
-    placed = step.bag >= 0
-    bag = np.where(placed, step.bag, 0)
-    route = prices.route(slice(None), bag, home, layout.size, lengths)  # every sequence
-    away = (bag != home) & (home >= 0) & placed
-    price = step.workload + prices.kappa[bag] * lengths + np.where(away, route, 2 * route)
-    price[~placed] = 0.0
-    load = np.bincount(bag, weights=price, minlength=num_bags)
-    sent = np.where(away, route, 0.0)
-    load += np.bincount(np.maximum(home, 0), weights=sent, minlength=num_bags)
+    and each home bag the sending of its sequences placed away. ``known``: (price, sent,
+    seqs) of an earlier call on this step, stale only for sequences ``seqs`` (ids) whose bag
+    changed since: only those are priced again (a sequence's price is its own: the same
+    values), the loads summed anew."""
+    if known is None:
+        price, sent = _priced(step, prices, slice(None))
+    else:
+        price, sent, seqs = known
+        price, sent = price.copy(), sent.copy()
+        price[seqs], sent[seqs] = _priced(step, prices, seqs)
+    num_bags = len(step.layout.size)
+    load = np.bincount(np.maximum(step.bag, 0), weights=price, minlength=num_bags)
+    load += np.bincount(np.maximum(step.home_bag, 0), weights=sent, minlength=num_bags)
     return price, load, sent
+
+
+def _priced(step: Step, prices: Prices, seqs) -> tuple[np.ndarray, np.ndarray]:
+    """(price, sent) of sequences ``seqs`` (ids or a slice) as `priced_loads` gives them."""
+    home, lengths = step.home_bag[seqs], step.lengths[seqs].astype(np.float64)
+    placed = step.bag[seqs] >= 0
+    bag = np.where(placed, step.bag[seqs], 0)
+    route = prices.route(seqs, bag, home, step.layout.size, lengths)
+    away = (bag != home) & (home >= 0) & placed
+    price = step.workload[seqs] + prices.kappa[bag] * lengths + np.where(away, route, 2 * route)
+    price[~placed] = 0.0
+    return price, np.where(away, route, 0.0)
 
 
 def bag_makespan(step: Step, prices: Prices) -> float:

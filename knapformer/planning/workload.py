@@ -64,7 +64,18 @@ class WorkloadModel:
         """
         length = np.asarray(lengths, dtype=np.float64)
         d = float(self.token_dim)
-        return self.scale * (24.0 * length * d * d + self.gamma * 4.0 * length * length * d) / 1e12
+        # ``scale * (24*L*d*d + gamma*4*L*L*d) / 1e12``, step by step in that order (the same
+        # roundings), into two arrays rather than one temporary per operation.
+        linear = np.multiply(24.0, length)
+        linear *= d
+        linear *= d
+        attention = np.multiply(self.gamma * 4.0, length)
+        attention *= length
+        attention *= d
+        linear += attention
+        linear *= self.scale
+        linear /= 1e12
+        return linear
 
     def linear_share(self, lengths: ArrayLike) -> np.ndarray:
         """Fraction of each length's workload spent in the linear layers (the rest is

@@ -15,14 +15,21 @@ ranks (FSDP2 and DDP average them: times the world size).
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import gc
+import multiprocessing
+import pickle
+import signal
+import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from knapformer.local.launcher import TRAINING_PRELOAD, WorkerFailed, launch
 from knapformer.testing.diffusers_models import MODELS, cast, samples_for
-from knapformer.testing.dist_helpers import run_world
 
 # Indices into each model's sizes (big first): rank 0 heavy, ranks 3 (and 5) empty.
 RANK_SAMPLES = {
@@ -218,37 +225,86 @@ def _summed_grads(model, world: int, options: dict) -> dict[str, torch.Tensor]:
     """Summed in fp32, so that a bf16 comparison measures the model, not this sum."""
     import torch.distributed as dist
 
-    grads = {}
-    for name, p in model.named_parameters():
-        if p.grad is None:
-            continue
-        if options.get("fsdp"):
-            g = p.grad.full_tensor().float() * world  # FSDP2 averages over the mesh
-        elif options.get("ddp"):
-            g = p.grad.float() * world  # DDP averages too
-        else:
-            g = p.grad.float()
-            dist.all_reduce(g)
-        grads[name] = g.cpu()
-    return grads
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    if options.get("fsdp"):  # FSDP2 averages over the mesh
+        return {n: g.full_tensor().float().cpu() * world for n, g in grads.items()}
+    if options.get("ddp"):  # DDP averages too
+        return {n: g.float().cpu() * world for n, g in grads.items()}
+    # One all-reduce for all: each is a round of every rank on shared cores.
+    flat = torch.cat([g.float().reshape(-1) for g in grads.values()])
+    dist.all_reduce(flat)
+    summed = flat.cpu().split([g.numel() for g in grads.values()])
+    # Copies: a view would pickle the whole flat storage with it.
+    return {n: s.view(g.shape).clone() for (n, g), s in zip(grads.items(), summed, strict=True)}
 
 
 def _worker(rank: int, world: int) -> dict[str, dict]:
-    torch.set_num_threads(1)  # the ranks share the machine's cores
     return {name: run_variant(rank, world, *spec) for name, spec in VARIANTS[world].items()}
 
 
+def _drive(folder: str) -> None:
+    """The spawned driver of `trained`: imports diffusers once, then forks each world's
+    ranks from itself (a single thread that never ran a parallel op: safe to fork).
+    Leaves ``{world: results}``, or the failure's (rank, what, traceback), in a file."""
+    import diffusers
+
+    from knapformer.integrations import diffusers as _integration  # noqa: F401
+
+    if sys.platform.startswith("linux"):  # SIGTERM when the test process dies: no orphans
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    torch.set_num_threads(1)
+    for tiny in MODELS.values():
+        getattr(diffusers, tiny.cls)  # diffusers imports a model's module on first use
+    # The imports' objects (~400k) are never garbage: frozen, the workers' collections
+    # (and the DDP guard's scan of live objects, once per balanced model) skip them.
+    gc.freeze()
+    try:
+        out: Any = {w: launch(_worker, w, backend="gloo", start_method="fork",
+                              preload=TRAINING_PRELOAD, group_timeout_s=60, workdir=Path(folder))
+                    for w in VARIANTS}  # fmt: skip
+    except WorkerFailed as err:
+        out = (err.rank, err.what, err.traceback)
+    with open(Path(folder) / "trained.pkl", "wb") as f:
+        pickle.dump(out, f)
+
+
 @functools.cache
-def trained(world: int, workdir: Path) -> list[dict[str, dict]]:
-    """Every variant of `VARIANTS[world]`, run in one gloo world of ``world`` ranks (once
-    per process): by rank, ``{variant: result}``."""
-    return run_world(_worker, world, workdir)
+def trained(workdir: Path) -> dict[int, list[dict[str, dict]]]:
+    """Every variant of `VARIANTS`, each world size's in one gloo world (once per
+    process): ``{world: by rank, {variant: result}}``.
+
+    Importing diffusers costs seconds of CPU per process: one spawned driver imports it
+    and forks the ranks of both worlds, instead of every rank importing it again."""
+    folder = tempfile.mkdtemp(prefix="diffusers-worlds-", dir=workdir)
+    driver = multiprocessing.get_context("spawn").Process(target=_drive, args=(folder,))
+    driver.start()
+    driver.join()
+    path = Path(folder) / "trained.pkl"
+    if not path.exists():
+        raise RuntimeError(f"the diffusers worlds' driver exited with code {driver.exitcode}")
+    with open(path, "rb") as f:
+        out = pickle.load(f)
+    if isinstance(out, tuple):
+        raise WorkerFailed(*out)
+    return out
 
 
 @functools.cache
 def reference(name: str, world: int, dtype: torch.dtype = torch.float32, mean: bool = False):
     """The unmodified model on each sample alone, in ``dtype``, with the workers' loss:
-    outputs per rank (fp32) and gradients (fp32). Cached: several variants share it."""
+    outputs per rank (fp32) and gradients (fp32). Cached: several variants share it.
+
+    On one thread: these tensors are tiny, and a second thread only spins (8 times the
+    CPU time, on a loaded machine, for the same result)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # this thread's setting only
+    try:
+        return _reference(name, world, dtype, mean)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference(name: str, world: int, dtype: torch.dtype, mean: bool):
     model = MODELS[name].build(dtype)
     outs, loss = [], 0
     for rank, mine in enumerate(world_samples(name, world, dtype)):
