@@ -4,10 +4,9 @@ options and executes them in their own bags; the legacy export follows each step
 from __future__ import annotations
 
 import json
-import subprocess
-from pathlib import Path
 
 import numpy as np
+from in_process import run_here
 
 from knapformer.contract.legacy import plan_from_legacy, plan_to_legacy
 from knapformer.contract.plan import RoutingPlan
@@ -15,10 +14,8 @@ from knapformer.contract.plan_io import write_json
 from knapformer.planning.communication import CommModel
 from knapformer.planning.planner import plan_routing
 from knapformer.planning.workload import WorkloadModel
-from knapformer.testing.processes import CLI
 from knapformer.tools.replay import bag_sizes, default_heads, replay
 
-ROOT = Path(__file__).resolve().parent.parent
 MODEL = WorkloadModel(32, 0.4)
 # Fast links at a tiny width, nodes of 4: long sequences get groups, short ones stay home.
 COMM = CommModel(intra_gbs=3000.0, inter_gbs=750.0, node_size=4)
@@ -69,10 +66,7 @@ def test_a_changed_auto_plan_is_named():
 def test_cli_replays_an_auto_plan(tmp_path):
     path = tmp_path / "plan.json"
     write_json(path, _plans()[3])
-    proc = subprocess.run(
-        [*CLI, "replay", str(path), "--dim", "32"],
-        capture_output=True, text=True, cwd=ROOT, timeout=300,
-    )  # fmt: skip
+    proc = run_here("replay", str(path), "--dim", "32")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "g1n4+g4n1" in proc.stdout and "identical plan" in proc.stdout
     assert "verdict: OK" in proc.stdout

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
+from in_process import run_here
 from knapformer.visualization.phase_figures import step_parts
 
 from knapformer.cli import main
@@ -215,15 +216,9 @@ def test_demo_headless_records_measured_plans():
 @pytest.mark.slow
 def test_six_workers_get_a_default_topology_that_balances(tmp_path):
     out = tmp_path / "demo"
-    proc = subprocess.run(
-        [
-            *(BIN / "knapformer", "demo", "--steps", "2", "--world-size", "6"),
-            *("--no-dashboard", "--out", str(out), "--head-dim", "32"),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=240,
+    proc = run_here(
+        *("demo", "--steps", "2", "--world-size", "6"),
+        *("--no-dashboard", "--out", str(out), "--head-dim", "32"),
     )
     assert proc.returncode == 0, proc.stderr
     assert "topology g1n2+g4n1" in proc.stdout and "note:" not in proc.stdout

@@ -7,18 +7,17 @@ from __future__ import annotations
 import subprocess
 
 import pytest
+from in_process import run_here
 
 from knapformer.cli import main
 from knapformer.contract.incident import run_incident
-from knapformer.testing.processes import CLI, ROOT
 
 pytestmark = pytest.mark.timeout(300)
 DEMO = ["demo", "--no-dashboard", "--world-size", "4", "--steps", "6", "--group-timeout", "4"]
 
 
 def _demo(out, *args) -> subprocess.CompletedProcess:
-    command = [*CLI, *DEMO, "--out", str(out), "--link-probe-every", "0", *args]
-    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    return run_here(*DEMO, "--out", str(out), "--link-probe-every", "0", *args)
 
 
 def test_a_raise_in_the_forward_names_the_rank_step_and_phase(tmp_path):
@@ -31,8 +30,7 @@ def test_a_raise_in_the_forward_names_the_rank_step_and_phase(tmp_path):
     incident = run_incident(tmp_path / "plans.jsonl")
     assert incident is not None and incident.step == 2 and incident.culprit_ranks == [2]
     assert "after route" in incident.message
-    seen = subprocess.run([*CLI, "stragglers", str(tmp_path)], cwd=ROOT, capture_output=True,
-                          text=True)  # fmt: skip
+    seen = run_here("stragglers", str(tmp_path))
     assert seen.stdout.startswith(f"incident: {incident.message}"), seen.stdout + seen.stderr
 
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
+from in_process import run_here
 
 import knapformer
 from knapformer.cli import main
@@ -24,10 +24,6 @@ MIX8 = (
 )
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, cwd=ROOT, timeout=300)
-
-
 def fresh_plan(path: Path, gpus: list[int] | None = None) -> dict:
     """A plan made by today's planner (8 GPUs, bags of 1, 1, 2, 4), written to ``path``."""
     lengths = sample_lengths(parse_mix(MIX8), np.random.default_rng(5), length_scale=0.25)
@@ -39,7 +35,7 @@ def fresh_plan(path: Path, gpus: list[int] | None = None) -> dict:
 def test_fresh_plan_replays_ok(tmp_path):
     path = tmp_path / "plan.json"
     record = fresh_plan(path, gpus=list(range(8, 16)))  # a second replica's ranks
-    proc = run_cli("replay", str(path), "--heads", "8", "--dim", "32")
+    proc = run_here("replay", str(path), "--heads", "8", "--dim", "32")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     assert "identical plan" in out and "verdict: OK" in out
@@ -75,7 +71,7 @@ def test_plans_with_speeds_and_a_time_scale_replay(tmp_path):
     record = json.loads(path.read_text())
     record["gpu_speed"][1] = 0.9
     path.write_text(json.dumps(record))
-    proc = run_cli("replay", str(path))
+    proc = run_here("replay", str(path))
     assert proc.returncode == 1 and "verdict: MISMATCH" in proc.stdout
 
 
@@ -96,7 +92,7 @@ def test_wrong_destination_is_named(tmp_path):
     first = swap_first_split_chunks(record)
     path.write_text(json.dumps(record))
     assert not read_plans(path).problems  # valid: only replay can tell
-    proc = run_cli("replay", str(path))
+    proc = run_here("replay", str(path))
     assert proc.returncode == 1
     assert f"chunk {first} dst_gpu: recorded GPU {c['dst_gpu'][first]}" in proc.stdout
     assert "verdict: MISMATCH" in proc.stdout
@@ -108,7 +104,7 @@ def test_a_different_planner_is_named_when_plans_differ(tmp_path):
     swap_first_split_chunks(record)
     record["planner_version"] = "0.0.1"
     path.write_text(json.dumps(record))
-    proc = run_cli("replay", str(path))
+    proc = run_here("replay", str(path))
     assert proc.returncode == 1
     assert f"recorded by planner 0.0.1, this is {knapformer.__version__}" in proc.stdout
 
@@ -122,7 +118,7 @@ def test_changed_length_is_named(tmp_path):
     s["length"][seq] += 5  # the chunk grows with it, so the plan stays valid
     c["length"][last] += 5
     path.write_text(json.dumps(record))
-    proc = run_cli("replay", str(path))
+    proc = run_here("replay", str(path))
     assert proc.returncode == 1
     assert f"sequence {seq} workload: recorded" in proc.stdout
 
@@ -134,7 +130,7 @@ def test_chunk_outside_its_bag_is_rejected(tmp_path):
     i = next(i for i, dst in enumerate(c["dst_gpu"]) if dst >= 4)
     c["dst_gpu"][i] = 0
     path.write_text(json.dumps(record))
-    proc = run_cli("replay", str(path))
+    proc = run_here("replay", str(path))
     assert proc.returncode == 1
     assert proc.stderr.startswith("error:") and "Traceback" not in proc.stderr
     assert str(i) in proc.stderr
@@ -159,7 +155,7 @@ def test_broken_router_is_caught(tmp_path, monkeypatch):
 
 
 def test_legacy_plan_replays_recorded_routing(legacy_path):
-    proc = run_cli("replay", str(legacy_path))
+    proc = run_here("replay", str(legacy_path))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "planning not re-checked" in proc.stdout and "legacy" in proc.stdout
     assert "verdict: OK" in proc.stdout
@@ -192,7 +188,7 @@ SAMPLES = sorted(p.name for p in (ROOT / "sample_plans").glob("*.json*"))
 @pytest.mark.slow
 @pytest.mark.parametrize("name", SAMPLES)
 def test_every_sample_plan_replays(name):
-    proc = run_cli("replay", f"sample_plans/{name}")
+    proc = run_here("replay", str(ROOT / "sample_plans" / name))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
     assert "verdict: OK" in proc.stdout
 
