@@ -30,13 +30,11 @@ the whole-run views <= 2 s and peak RSS <= 500 MB.
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import os
 import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -56,6 +54,7 @@ from knapformer.diagnosis.step_loss import window_losses  # noqa: E402
 from knapformer.diagnosis.store_source import window_rows  # noqa: E402
 from knapformer.diagnosis.store_window import window_figures  # noqa: E402
 from knapformer.diagnosis.stragglers import judge  # noqa: E402
+from knapformer.local.launcher import run_fresh  # noqa: E402
 
 TARGETS = {"stragglers_s": 2.0, "first_draw_s": 2.0, "rss_mb": 500.0}
 #: Bytes of a full plan per step at 1,024 GPUs (issue 32's recorder figure), per GPU.
@@ -120,9 +119,7 @@ def bench_stragglers(run: Path, window: int) -> dict:
     steps = read_table(run, "steps", columns=["step"])["step"].to_numpy()
     first, last = int(steps[0]), int(steps[-1])
     starts = [first, (first + last - window) // 2, last - window + 1]
-    fresh = multiprocessing.get_context("spawn")  # a new interpreter, not a fork of this
-    with ProcessPoolExecutor(1, mp_context=fresh) as pool:
-        times, cpu, named = pool.submit(time_windows, run, starts, window).result()
+    times, cpu, named = run_fresh(time_windows, run, starts, window)
     began = time.perf_counter()
     span = f"{starts[1]}:{starts[1] + window - 1}"
     command = Path(sys.executable).parent / "knapformer"

@@ -20,6 +20,7 @@ from knapformer.local.launcher import (
     WorkerFailed,
     launch,
     report_progress,
+    run_fresh,
     send,
     stop_requested,
 )
@@ -270,3 +271,11 @@ def test_only_the_launcher_creates_processes():
     files = [p for d in SOURCE_DIRS for p in (ROOT / d).rglob("*.py")] + list(ROOT.glob("*.py"))
     creators = {str(p.relative_to(ROOT)): apis for p in files if (apis := _process_apis(p))}
     assert list(creators) == ["knapformer/local/launcher.py"], creators
+
+
+def test_run_fresh_returns_from_another_interpreter_and_names_what_it_raised():
+    assert run_fresh(os.getpid) != os.getpid()
+    assert run_fresh(divmod, 17, 5) == (3, 2)
+    with pytest.raises(WorkerFailed, match="raised ValueError: invalid literal") as failed:
+        run_fresh(int, "seventeen")
+    assert "Traceback" in failed.value.traceback

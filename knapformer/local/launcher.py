@@ -1,7 +1,8 @@
 """The one module that starts worker processes: a local process group on this machine.
 
 `launch` runs a function on ``world`` processes joined in one process group, supervises
-them and returns what each rank returned; in a worker, `send`, `stop_requested` and
+them and returns what each rank returned (`run_fresh`: one function in one fresh
+interpreter, no group); in a worker, `send`, `stop_requested` and
 `report_progress` talk back. Workers fork from a server that imported torch once (a fresh
 interpreter importing it costs seconds; up to 64 workers share a few cores) and
 `knapformer.local.worker_sigint`, so they are born ignoring Ctrl-C; they meet through a
@@ -190,6 +191,45 @@ def launch(
             _terminate(procs, grace_s)
             link.messages.close()
             shutil.rmtree(folder, ignore_errors=True)
+
+
+def run_fresh(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` (importable by name) in a fresh interpreter, spawned, not forked:
+    none of this process's imports, threads or heap. Returns what it returned; raises
+    `WorkerFailed` if it raised or died. Stopped (SIGTERM) if this process is interrupted
+    meanwhile, and it dies with this process."""
+    folder = tempfile.mkdtemp(prefix="knapformer-fresh-")
+    path = os.path.join(folder, "result.pkl")
+    proc = multiprocessing.get_context("spawn").Process(target=_fresh, args=(fn, args, path))
+    try:
+        proc.start()
+        try:
+            proc.join()
+        except BaseException:  # a timeout or Ctrl-C: stop it before raising
+            proc.terminate()
+            proc.join()
+            raise
+        if not os.path.exists(path):
+            raise WorkerFailed(None, f"exited with code {proc.exitcode} and no result")
+        kind, value = _load(path)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    if kind == "raised":
+        raise WorkerFailed(*value)
+    return value
+
+
+def _fresh(fn: Callable[..., Any], args: tuple, path: str) -> None:
+    if sys.platform.startswith("linux"):  # SIGTERM when the parent dies: no orphans
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    try:
+        kept: tuple = ("returned", fn(*args))
+    except WorkerFailed as err:
+        kept = ("raised", (err.rank, err.what, err.traceback))
+    except Exception as err:
+        kept = ("raised", (None, f"raised {type(err).__name__}: {err}", traceback.format_exc()))
+    with open(path, "wb") as f:
+        pickle.dump(kept, f)
 
 
 def _context(start_method: str, preload: Sequence[str]) -> Any:

@@ -16,21 +16,16 @@ ranks (FSDP2 and DDP average them: times the world size).
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import gc
 import importlib
-import multiprocessing
-import pickle
-import signal
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from knapformer.local.launcher import TRAINING_PRELOAD, WorkerFailed, launch
+from knapformer.local.launcher import TRAINING_PRELOAD, launch, run_fresh
 from knapformer.testing.diffusers_models import MODELS, cast, one_thread, samples_for
 
 # Indices into each model's sizes (big first): rank 0 heavy, ranks 3 (and 5) empty.
@@ -268,12 +263,9 @@ _DRIVER_PRELOAD = (
 )
 
 
-def _drive(folder: str) -> None:
-    """The spawned driver of `trained`: imports diffusers once, then forks each world's
-    ranks from itself (a single thread that never ran a parallel op: safe to fork).
-    Leaves ``{world: results}``, or the failure's (rank, what, traceback), in a file."""
-    if sys.platform.startswith("linux"):  # SIGTERM when the test process dies: no orphans
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+def _drive(folder: str) -> dict[int, list[dict[str, dict]]]:
+    """The fresh driver of `trained`: imports diffusers once, then forks each world's
+    ranks from itself (a single thread that never ran a parallel op: safe to fork)."""
     torch.set_num_threads(1)
     for module in _DRIVER_PRELOAD:
         importlib.import_module(module)
@@ -284,14 +276,9 @@ def _drive(folder: str) -> None:
     # The imports' objects (~400k) are never garbage: frozen, the workers' collections
     # (and the DDP guard's scan of live objects, once per balanced model) skip them.
     gc.freeze()
-    try:
-        out: Any = {w: launch(_worker, w, backend="gloo", start_method="fork",
-                              preload=_DRIVER_PRELOAD, group_timeout_s=60, workdir=Path(folder))
-                    for w in VARIANTS}  # fmt: skip
-    except WorkerFailed as err:
-        out = (err.rank, err.what, err.traceback)
-    with open(Path(folder) / "trained.pkl", "wb") as f:
-        pickle.dump(out, f)
+    return {w: launch(_worker, w, backend="gloo", start_method="fork",
+                      preload=_DRIVER_PRELOAD, group_timeout_s=60, workdir=Path(folder))
+            for w in VARIANTS}  # fmt: skip
 
 
 @functools.cache
@@ -302,22 +289,7 @@ def trained(workdir: Path) -> dict[int, list[dict[str, dict]]]:
     Importing diffusers costs seconds of CPU per process: one spawned driver imports it
     and forks the ranks of both worlds, instead of every rank importing it again."""
     folder = tempfile.mkdtemp(prefix="diffusers-worlds-", dir=workdir)
-    driver = multiprocessing.get_context("spawn").Process(target=_drive, args=(folder,))
-    driver.start()
-    try:
-        driver.join()
-    except BaseException:  # a timeout or Ctrl-C: the driver stops its workers on SIGTERM
-        driver.terminate()
-        driver.join()
-        raise
-    path = Path(folder) / "trained.pkl"
-    if not path.exists():
-        raise RuntimeError(f"the diffusers worlds' driver exited with code {driver.exitcode}")
-    with open(path, "rb") as f:
-        out = pickle.load(f)
-    if isinstance(out, tuple):
-        raise WorkerFailed(*out)
-    return out
+    return run_fresh(_drive, folder)
 
 
 @functools.cache
