@@ -239,11 +239,17 @@ def _best_exchanges(over, partners, members, size, weight, per_gpu, accepts, one
         ok &= (members.length[out][:, None] >= size[b_bag]) & (out_w <= accepts[b_bag])
         ok &= (members.length[came] >= size[a_bag]) & (came_w <= accepts[a_bag])
     new_max = np.where(ok, new_max, np.inf)
-    # Best per (over-loaded bag, partner); each over-loaded bag, most loaded first, takes
-    # its best among the partners still free.
+    return _take_best(new_max, row_starts, col_starts, came, out, over, partners, members)
+
+
+def _take_best(new_max, row_starts, col_starts, came, out, over, partners, members):
+    """Of the scored exchanges ``new_max`` (rows: sequences leaving the over-loaded bags,
+    grouped by bag from ``row_starts``; columns: those coming back, by partner from
+    ``col_starts``), each over-loaded bag, most loaded first, takes its best among the
+    partners still free."""
     best = np.minimum.reduceat(np.minimum.reduceat(new_max, row_starts, 0), col_starts, 1)
     row_ends, col_ends = [*row_starts[1:], len(out)], [*col_starts[1:], new_max.shape[1]]
-    free = [True] * num_p
+    free = [True] * len(partners)
     moves = []
     for o, row in enumerate(best.tolist()):
         score = [s if is_free else np.inf for s, is_free in zip(row, free, strict=True)]
