@@ -317,19 +317,30 @@ def test_the_exact_refinement_scores_a_bounded_number_of_cells_however_full_a_gp
     assert plan_cost(plan).step_ms <= plan_cost(g8, CommModel()).step_ms
 
 
+def _first_mixed_step(monkeypatch, mix: str, seed: int = 3):
+    """The first mixed partition's solved step of an auto plan of ``mix`` on 128 GPUs
+    (NVLink, lengths of ``seed``), caught on its way out of `solve_mixed`."""
+    steps = []
+    solve = mixed_solver.solve_mixed
+    monkeypatch.setattr(auto_solver, "solve_mixed", lambda *a: steps.append(solve(*a)) or steps[-1])
+    lengths = sample_lengths(scale_mix(parse_mix(mix), 4), np.random.default_rng(seed))
+    plan_routing(lengths, "auto", MODEL, comm=CommModel.cluster("nvlink"))
+    return steps[0]
+
+
+def _nvlink_prices(step) -> Prices:
+    """``step``'s prices on NVLink, as `solve_mixed` made them."""
+    comm = CommModel.cluster("nvlink")
+    per_token = {g: comm.ulysses_per_token(MODEL.token_dim, g, MODEL.scale) for g in (1, 2, 4, 8)}
+    return Prices.of(step.layout.shape, step.src_pos, per_token, comm, MODEL)
+
+
 def test_priced_loads_from_known_prices_equal_a_full_pricing(monkeypatch):
     """A large mixed step prices its sequences once before its shave and then re-prices
     only the ones whose bag changed: every price, send and load the same bits as a full
     pricing, whatever moved (placed, unplaced, home or away)."""
-    steps = []
-    solve = mixed_solver.solve_mixed
-    monkeypatch.setattr(auto_solver, "solve_mixed", lambda *a: steps.append(solve(*a)) or steps[-1])
-    lengths = sample_lengths(scale_mix(parse_mix("video"), 4), np.random.default_rng(3))
-    comm = CommModel.cluster("nvlink")
-    plan_routing(lengths, "auto", MODEL, comm=comm)
-    step = steps[0]
-    per_token = {g: comm.ulysses_per_token(MODEL.token_dim, g, MODEL.scale) for g in (1, 2, 4, 8)}
-    prices = Prices.of(step.layout.shape, step.src_pos, per_token, comm, MODEL)
+    step = _first_mixed_step(monkeypatch, "video")
+    prices = _nvlink_prices(step)
     price, _, sent = priced_loads(step, prices)
     rng = np.random.default_rng(0)
     moved = rng.choice(len(step.bag), 300, replace=False)
@@ -433,16 +444,10 @@ def test_priced_placement_picks_what_a_full_scan_of_the_bags_picks(mix, monkeypa
     place = mixed_solver._place_priced
     monkeypatch.setattr(mixed_solver, "_place_priced", lambda *a: calls.append(
         (a[0].copy(), a[2].copy(), a[4])) or place(*a))  # fmt: skip
-    steps = []
-    solve = mixed_solver.solve_mixed
-    monkeypatch.setattr(auto_solver, "solve_mixed", lambda *a: steps.append(solve(*a)) or steps[-1])
-    lengths = sample_lengths(scale_mix(parse_mix(mix), 4), np.random.default_rng(7))
-    comm = CommModel.cluster("nvlink")
-    plan_routing(lengths, "auto", MODEL, comm=comm)
-    step, (order, load, level) = steps[0], calls[0]
+    step = _first_mixed_step(monkeypatch, mix, seed=7)
+    order, load, level = calls[0]
     assert len(order) > 100  # the heavy pass of a large step
-    per_token = {g: comm.ulysses_per_token(MODEL.token_dim, g, MODEL.scale) for g in (1, 2, 4, 8)}
-    prices = Prices.of(step.layout.shape, step.src_pos, per_token, comm, MODEL)
+    prices = _nvlink_prices(step)
     columns = (order, step.workload[order], step.lengths[order], step.home_bag[order],
                prices.src_node[order])  # fmt: skip
     rows = list(zip(*(c.tolist() for c in columns), strict=True))
@@ -470,17 +475,10 @@ def test_priced_loads_price_every_sequence_as_prices_cost_does_with_or_without_a
     (`Prices.cost`) agree sequence by sequence: home (route twice: the bag sends and
     receives), away (the receivers once, the home bag the sending) and with no source GPU,
     hence no home bag (the receivers once, nobody sending)."""
-    steps = []
-    solve = mixed_solver.solve_mixed
-    monkeypatch.setattr(auto_solver, "solve_mixed", lambda *a: steps.append(solve(*a)) or steps[-1])
-    lengths = sample_lengths(scale_mix(parse_mix("joint"), 4), np.random.default_rng(3))
-    comm = CommModel.cluster("nvlink")
-    plan_routing(lengths, "auto", MODEL, comm=comm)
-    step = steps[0]
+    step = _first_mixed_step(monkeypatch, "joint")
     sourceless = np.random.default_rng(0).choice(len(step.bag), 40, replace=False)
     step.src_pos[sourceless], step.home_bag[sourceless] = -1, -1
-    per_token = {g: comm.ulysses_per_token(MODEL.token_dim, g, MODEL.scale) for g in (1, 2, 4, 8)}
-    prices = Prices.of(step.layout.shape, step.src_pos, per_token, comm, MODEL)
+    prices = _nvlink_prices(step)
     price, load, sent = priced_loads(step, prices)
     seqs = np.arange(len(step.bag))
     expected_price, expected_sent = prices.cost(step, step.lengths.astype(np.float64), seqs,
