@@ -220,14 +220,13 @@ def run_fresh(fn: Callable[..., Any], *args: Any) -> Any:
 
 
 def _fresh(fn: Callable[..., Any], args: tuple, path: str) -> None:
-    if sys.platform.startswith("linux"):  # SIGTERM when the parent dies: no orphans
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    _die_with_parent()
     try:
         kept: tuple = ("returned", fn(*args))
     except WorkerFailed as err:
         kept = ("raised", (err.rank, err.what, err.traceback))
     except Exception as err:
-        kept = ("raised", (None, f"raised {type(err).__name__}: {err}", traceback.format_exc()))
+        kept = ("raised", (None, f"raised {_summary(err)}", traceback.format_exc()))
     with open(path, "wb") as f:
         pickle.dump(kept, f)
 
@@ -412,8 +411,7 @@ def _run_rank(rank: int, fn: Callable[..., Any], args: tuple, link: _Link) -> No
     # gets it too) and let SIGTERM unwind `finally` blocks (a recorder's flush).
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if sys.platform.startswith("linux"):  # SIGTERM when the parent dies: no orphans
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    _die_with_parent()
     parent, _current = os.getppid(), (rank, link)
     threading.Thread(target=_heartbeat, args=(link.alive, rank), daemon=True).start()
     try:
@@ -442,12 +440,23 @@ def _run_rank(rank: int, fn: Callable[..., Any], args: tuple, link: _Link) -> No
             # Being stopped: peers may be gone mid-collective; leave without a traceback
             # and without torch's teardown, which could wait for them.
             os._exit(143)
-        failed_at, line = time.time(), str(err).strip().partition("\n")[0]
+        failed_at = time.time()
         with open(link.path("failure", rank), "wb") as f:
-            summary = f"{type(err).__name__}: {line}" if line else type(err).__name__
             culprits = list(getattr(err, "culprits", None) or [])
-            pickle.dump((failed_at, summary, traceback.format_exc(), culprits), f)
+            pickle.dump((failed_at, _summary(err), traceback.format_exc(), culprits), f)
         sys.exit(1)  # quietly: the launcher names the rank that failed first
+
+
+def _die_with_parent() -> None:
+    """SIGTERM to this process when its parent dies: no orphans (Linux)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _summary(err: BaseException) -> str:
+    """``ExceptionType: first line of its message`` (the type alone without a message)."""
+    line = str(err).strip().partition("\n")[0]
+    return f"{type(err).__name__}: {line}" if line else type(err).__name__
 
 
 def _heartbeat(alive: Any, rank: int) -> None:
