@@ -504,8 +504,7 @@ def _relative_bandwidth(
     for best in (flat.rows.best_intra_gbps, flat.rows.best_cross_gbps):
         if best is None:
             continue
-        grid = np.full(shape, np.nan)
-        grid[row, flat.col] = np.asarray(best, np.float64)
+        grid = _grid(np.asarray(best, np.float64), row, flat.col, shape)
         reference = nan_reduce(np.nanmedian, grid, axis=0)  # (s,)
         with np.errstate(divide="ignore", invalid="ignore"):
             relative = np.where(reference > 0, grid / reference, np.nan)
