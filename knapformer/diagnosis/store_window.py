@@ -233,11 +233,14 @@ def _compute(flat: _Flat) -> tuple[np.ndarray, list[str]]:
     for i, p in enumerate(COMPUTE_PHASES):
         if p in flat.present:
             phase_of = np.where((phase_of < 0) & flat.present[p], i, phase_of)
+    used = np.unique(phase_of)
+    if len(used) == 1 and used[0] >= 0:  # the usual window: one compute phase throughout
+        return flat.ms(COMPUTE_PHASES[used[0]]), [COMPUTE_PHASES[used[0]]] * s
     compute = np.full(len(flat.col), np.nan)
-    for i, p in enumerate(COMPUTE_PHASES):
-        take = phase_of[flat.col] == i
-        if take.any():
-            compute[take] = flat.per_rank[p][take]
+    row_phase = phase_of[flat.col]
+    for i in used[used >= 0].tolist():
+        take = row_phase == i
+        compute[take] = flat.per_rank[COMPUTE_PHASES[i]][take]
     return compute, [COMPUTE_PHASES[i] for i in phase_of]
 
 
