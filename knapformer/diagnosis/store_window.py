@@ -325,12 +325,18 @@ def _run_waits(t: np.ndarray, runs: _Runs) -> np.ndarray:
 def _stragglers(total_wait: np.ndarray, flat: _Flat) -> list[int | None]:
     """Per step, the rank that waited least (the first in row order on a tie), None when
     nobody waited (`measure`'s straggler)."""
-    s, k = len(flat.rows.steps), len(flat.col)
-    least = np.full(s, np.inf)
-    np.minimum.at(least, flat.col, total_wait)
-    position = np.where(total_wait == least[flat.col], np.arange(k), k)
-    first = np.full(s, k, dtype=np.int64)
-    np.minimum.at(first, flat.col, position)
+    s, k, width = len(flat.rows.steps), len(flat.col), flat.width
+    if width is not None and s and not np.isnan(total_wait).any():
+        # a dense window: the first least of each step's row of an (s, width) matrix
+        by_step = total_wait.reshape(s, width)
+        least = by_step.min(axis=1, keepdims=True)
+        first = np.argmax(by_step == least, axis=1) + np.arange(s) * width
+    else:  # by unbuffered reductions over the rows' steps
+        least = np.full(s, np.inf)
+        np.minimum.at(least, flat.col, total_wait)
+        position = np.where(total_wait == least[flat.col], np.arange(k), k)
+        first = np.full(s, k, dtype=np.int64)
+        np.minimum.at(first, flat.col, position)
     waited = np.bincount(flat.col, weights=total_wait, minlength=s) > 0
     ranks = np.asarray(flat.rows.rank)[np.minimum(first, k - 1)]
     return [int(r) if w else None for r, w in zip(ranks.tolist(), waited.tolist(), strict=True)]
