@@ -23,7 +23,7 @@ a process's first window.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -279,13 +279,22 @@ def _per_row(flat: _Flat, compute: np.ndarray) -> tuple[dict[str, Callable], np.
         "host_ms": lambda: host_ms(per_rank, k),
         "gc_ms": lambda: phase_ms(per_rank, GC, k),
         "descheduled_ms": lambda: phase_ms(per_rank, DESCHEDULED, k),
-        "exchange_ms": lambda: sum((phase_ms(per_rank, p, k) for p in EXCHANGES), np.zeros(k)),
+        "exchange_ms": lambda: _total((phase_ms(per_rank, p, k) for p in EXCHANGES), k),
         "exchange_wait_ms": lambda: exchange_wait,
         "exchange_values": lambda: np.asarray(rows.moved_tokens, np.float64) * 2 * token_dim,
     }
     # float64, as the plan's stats multiply it: float32 share x shown total
     made["shown"] = lambda: share.astype(np.float32).astype(np.float64) * rows.shown_total[col]
     return made, total_wait
+
+
+def _total(parts: Iterable[np.ndarray], k: int) -> np.ndarray:
+    """(k,) the sum of ``parts`` in their order, as ``sum(parts, np.zeros(k))`` adds them,
+    into one array (a million rows: each new array costs its page faults)."""
+    total = np.zeros(k)
+    for part in parts:
+        total += part
+    return total
 
 
 def _step_waits(t: np.ndarray, width: int) -> np.ndarray:
