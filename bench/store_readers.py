@@ -52,7 +52,7 @@ from knapformer.contract.plan_io import write_jsonl  # noqa: E402
 from knapformer.contract.run_store import read_table  # noqa: E402
 from knapformer.diagnosis.step_loss import window_losses  # noqa: E402
 from knapformer.diagnosis.store_source import window_rows  # noqa: E402
-from knapformer.diagnosis.store_window import window_figures  # noqa: E402
+from knapformer.diagnosis.store_window import window_figures, without_huge_pages  # noqa: E402
 from knapformer.diagnosis.stragglers import judge  # noqa: E402
 from knapformer.local.launcher import run_fresh  # noqa: E402
 
@@ -100,6 +100,7 @@ def time_windows(run: Path, starts: list[int], window: int) -> tuple[list, list,
     read and judged, and what each step lost; (seconds, CPU seconds, ranks named).
     Run in a process of its own (`bench_stragglers`)."""
     times, cpu, named = [], [], set()
+    without_huge_pages()  # as the command does (`knapformer.cli.stragglers`)
     for start in starts:
         began, began_cpu = time.perf_counter(), time.process_time()
         named |= _one_window(run, start, start + window - 1)

@@ -164,6 +164,19 @@ def test_a_dense_windows_stragglers_are_the_scatters_ties_included():
     assert len({r for r in dense if r is not None}) > 1
 
 
+def test_without_huge_pages_turns_numpys_advice_off():
+    from numpy._core import multiarray
+
+    from knapformer.diagnosis.store_window import without_huge_pages
+
+    before = multiarray._set_madvise_hugepage(True)
+    try:
+        assert without_huge_pages() is True
+        assert multiarray._set_madvise_hugepage(True) is False  # it was off
+    finally:
+        multiarray._set_madvise_hugepage(before)
+
+
 def test_a_dense_window_orders_its_bags_as_a_sort_of_the_whole_window():
     from knapformer.diagnosis.store_window import _bag_order, _measured_only
 

@@ -35,7 +35,7 @@ from knapformer.diagnosis.store_source import (
     step_window,
     window_rows,
 )
-from knapformer.diagnosis.store_window import window_figures
+from knapformer.diagnosis.store_window import window_figures, without_huge_pages
 from knapformer.diagnosis.stragglers import (
     WINDOW,
     StragglerReport,
@@ -114,6 +114,7 @@ def _store_window(
     path: Path, steps: str | None, last: int | None
 ) -> tuple[RankSteps, StragglerReport]:
     """The window's matrices and verdicts from the run store: only its rows are read."""
+    without_huge_pages()  # one window, then the process exits
     first, end = step_window(path, steps, last)
     w = window_figures(window_rows(path, first, end))
     if not w.m.steps:

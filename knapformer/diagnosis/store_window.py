@@ -383,6 +383,23 @@ def _positions(rank: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.flatnonzero(seen).astype(np.int64), index[rank]
 
 
+def without_huge_pages() -> bool:
+    """Stop numpy asking the kernel for huge pages for its new arrays of 4 MB or more, for
+    the rest of this process; whether it could (numpy's ``_set_madvise_hugepage``, its
+    `global_state` switch). For a command that analyses one window and exits: a window's
+    arrays are fresh memory, and where the kernel compacts memory to find a huge page on
+    such a fault (THP defrag ``madvise``, this machine's), a fresh process's first window
+    of 1,024 x 1,000 took 1.19-1.44 s of CPU against 1.0-1.07 s without (four runs each,
+    ``bench/store_readers.py``'s windows). Not for a long-lived process (the dashboard):
+    there later windows reuse their memory and pay more faults without."""
+    core = getattr(np, "_core", None) or getattr(np, "core", None)
+    switch = getattr(getattr(core, "multiarray", None), "_set_madvise_hugepage", None)
+    if switch is None:
+        return False
+    switch(False)
+    return True
+
+
 def window_figures(rows: WindowRows) -> WindowFigures:
     """The matrices, exchange-scope times and probe bandwidths of ``rows``."""
     flat = _measured_only(rows)
