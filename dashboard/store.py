@@ -25,6 +25,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from pathlib import Path
 
+from knapformer.dashboard.store_steps import StoreFollower, StoreSteps
 from knapformer.dashboard.tail import MAX_LINE_BYTES, NEW_FILE, JsonlTail, TailEvent, TailLine
 
 from knapformer.contract.plan import RoutingPlan
@@ -72,6 +73,7 @@ class Snapshot:
     indexing: bool
     mean_speedup: float | None
     measured_steps: int  # steps whose measurements name a compute phase
+    store: StoreSteps | None = None  # every closed step of the run's store (None: no store)
 
 
 class RequestGate:
@@ -136,6 +138,9 @@ class PlanStore:
         self._json_stamp: tuple[int, int] | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._store = StoreFollower(self.path)  # touched by `poll` only
+        self._store_steps: StoreSteps | None = None
+        self._store_problem: str | None = None
 
     # --------------------------------------------------------------- following
     def start(self) -> None:
@@ -178,6 +183,7 @@ class PlanStore:
         """Read what is new; True when more is waiting (call again right away)."""
         if self._tail is None:
             self._poll_json()
+            self._follow_store()
             return False
         batch = self._tail.poll(_POLL_BYTES)
         items: list[tuple[int, _Indexed | Problem]] = []  # (file generation, what it holds)
@@ -197,7 +203,17 @@ class PlanStore:
                 items = [(generation, item) for generation, item in items if generation >= fresh]
             self._add_items(items)
             self._indexing = batch.more
+        if not batch.more:  # caught up with the plans: what the store closed meanwhile
+            self._follow_store()
         return batch.more
+
+    def _follow_store(self) -> None:
+        """Read the segments the run's store closed since the last poll (a directory
+        listing when none did)."""
+        if self._store.refresh():
+            with self._lock:
+                self._store_steps = self._store.steps
+                self._store_problem = self._store.problem
 
     def _note(self, event: TailEvent) -> None:
         """What the follower reports about the file, kept for the page."""
@@ -292,6 +308,8 @@ class PlanStore:
         with self._lock:
             n = len(self._summaries)
             notices = list(self._events)
+            if self._store_problem:
+                notices.append(f"{self._store_problem}; the figures come from the plans")
             if self._missing:
                 notices.insert(0, self._missing)
             elif n == 0 and self._problem_count == 0 and not self._indexing:
@@ -307,6 +325,7 @@ class PlanStore:
                     self._speedup_sum / self._speedup_count if self._speedup_count else None
                 ),
                 measured_steps=self._measured,
+                store=self._store_steps,
             )
 
     def measured(self, index: int, count: int, reset: int | None = None) -> list[RankFigures]:
