@@ -59,6 +59,7 @@ from knapformer.dashboard.store import PlanStore, RequestGate, Runs, Snapshot
 from knapformer.dashboard.store_steps import (
     mean_speedup,
     nearest_kept,
+    partition_spans,
     step_columns,
     step_count,
 )
@@ -67,6 +68,7 @@ from knapformer.dashboard.table import query
 from knapformer.visualization.figures import (
     SEQUENCE_COLUMNS,
     empty_figure,
+    partition_figure,
     selection_shapes,
     step_marker,
     timeline_columns,
@@ -937,4 +939,8 @@ def _topology_view(app: Dash, runs: Runs, timed: Callable) -> None:
             snap.reset,
         ):
             index = selection.get("index")
+        if snap.store is not None:  # every step's partition, the full plan shown marked
+            spans = partition_spans(snap.store, snap.summaries)
+            shapes = selection_shapes(snap.summaries, index)
+            return {"figure": partition_figure(spans, shapes, validate=False)}
         return {"figure": topology_figure(snap.summaries, index, validate=False)}

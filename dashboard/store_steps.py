@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from knapformer.visualization.figures import PartitionSpan
 from knapformer.visualization.run_figures import TIMELINE_COLUMNS
 
 from knapformer.contract.run_store import (
@@ -40,10 +41,12 @@ _TYPES = {"step": np.int64}  # the others as float64, NaN where not measured
 @dataclass(frozen=True)
 class StoreSteps:
     """The ``steps`` rows of a store's closed ``segments``: `TIMELINE_COLUMNS` as numpy
-    (NaN where a figure was not measured), ordered by step."""
+    (NaN where a figure was not measured), ordered by step, and the runs of steps on one
+    partition (``spans``: a few, where a column of strings would be one a step)."""
 
     segments: tuple[str, ...]
     columns: dict[str, np.ndarray]
+    spans: list[PartitionSpan]
 
     @property
     def count(self) -> int:
@@ -54,12 +57,37 @@ class StoreSteps:
         return int(self.columns["step"][-1]) if self.count else None
 
 
-def _read(plans: Path, first: int | None) -> dict[str, np.ndarray]:
-    table = read_table(plans, "steps", (first, None), columns=list(TIMELINE_COLUMNS))
-    return {
+def _read(plans: Path, first: int | None) -> tuple[dict[str, np.ndarray], list[PartitionSpan]]:
+    """The columns and partition spans of the store's steps from ``first`` on."""
+    wanted = [*TIMELINE_COLUMNS, "partition", "bags"]
+    table = read_table(plans, "steps", (first, None), columns=wanted)
+    columns = {
         name: as_numpy(table[name]).astype(_TYPES.get(name, np.float64))
         for name in TIMELINE_COLUMNS
     }
+    topology = np.array(table["partition"].to_pylist(), dtype=object)
+    bags = np.array(table["bags"].to_pylist(), dtype=object)
+    return columns, _spans(columns["step"], topology, bags)
+
+
+def _spans(step: np.ndarray, topology: np.ndarray, bags: np.ndarray) -> list[PartitionSpan]:
+    """Runs of consecutive rows with one (topology, bags)."""
+    if not len(step):
+        return []
+    changed = (topology[1:] != topology[:-1]) | (bags[1:] != bags[:-1])
+    starts = [0, *(np.flatnonzero(changed) + 1).tolist()]
+    ends = [*(i - 1 for i in starts[1:]), len(step) - 1]
+    return [
+        (topology[a], bags[a], int(step[a]), int(step[b]))
+        for a, b in zip(starts, ends, strict=True)
+    ]
+
+
+def _joined(old: list[PartitionSpan], new: list[PartitionSpan]) -> list[PartitionSpan]:
+    """``old`` then ``new`` spans, the run across their border as one."""
+    if old and new and old[-1][:2] == new[0][:2]:
+        return [*old[:-1], (*old[-1][:3], new[0][3]), *new[1:]]
+    return [*old, *new]
 
 
 class StoreFollower:
@@ -81,18 +109,19 @@ class StoreFollower:
             names = tuple(s.path.name for s in list_segments(store, "steps"))
             if self.steps is not None and names == self.steps.segments:
                 return self._set(self.steps, None)
-            return self._set(StoreSteps(names, self._columns(names)), None)
+            return self._set(StoreSteps(names, *self._read(names)), None)
         except KnapformerError as err:
             return self._set(None, f"the run store cannot be read: {err}")
 
-    def _columns(self, names: tuple[str, ...]) -> dict[str, np.ndarray]:
+    def _read(self, names: tuple[str, ...]) -> tuple[dict, list[PartitionSpan]]:
         """The rows of segments ``names``; only the new ones read when every segment read
         before is still listed (none compacted meanwhile)."""
         old = self.steps
         if old is None or not old.count or names[: len(old.segments)] != old.segments:
             return _read(self.plans, None)
-        new = _read(self.plans, old.last_step + 1)
-        return {k: np.concatenate([old.columns[k], new[k]]) for k in TIMELINE_COLUMNS}
+        columns, spans = _read(self.plans, old.last_step + 1)
+        joined = {k: np.concatenate([old.columns[k], columns[k]]) for k in TIMELINE_COLUMNS}
+        return joined, _joined(old.spans, spans)
 
     def _set(self, steps: StoreSteps | None, problem: str | None) -> bool:
         changed = steps is not self.steps or problem != self.problem
@@ -121,6 +150,16 @@ def _summary_columns(summaries: list[StepSummary]) -> dict[str, np.ndarray]:
 def step_columns(steps: StoreSteps, summaries: list[StepSummary]) -> dict[str, np.ndarray]:
     """Every step known: the store's rows, then the plans of steps after its last one
     (oldest first; `TIMELINE_COLUMNS`)."""
+    newer = newer_plans(steps, summaries)
+    if not newer:
+        return steps.columns
+    more = _summary_columns(newer)
+    return {k: np.concatenate([steps.columns[k], more[k]]) for k in TIMELINE_COLUMNS}
+
+
+def newer_plans(steps: StoreSteps, summaries: list[StepSummary]) -> list[StepSummary]:
+    """The plans of steps after the store's last closed one, by step (the open segment's,
+    which the store does not show yet)."""
     last = steps.last_step
     newer, older = [], 0
     for s in reversed(summaries):  # the newest plans are at the file's end
@@ -128,10 +167,16 @@ def step_columns(steps: StoreSteps, summaries: list[StepSummary]) -> dict[str, n
             newer.append(s)
         elif (older := older + 1) > _LATE_PLANS:
             break
-    if not newer:
-        return steps.columns
-    more = _summary_columns(sorted(newer, key=lambda s: s.step))
-    return {k: np.concatenate([steps.columns[k], more[k]]) for k in TIMELINE_COLUMNS}
+    return sorted(newer, key=lambda s: s.step)
+
+
+def partition_spans(steps: StoreSteps, summaries: list[StepSummary]) -> list[PartitionSpan]:
+    """The partition of every step known: the store's spans, then the plans of steps
+    after its last one (`newer_plans`)."""
+    spans = steps.spans
+    for s in newer_plans(steps, summaries):
+        spans = _joined(spans, [(s.topology, s.bags, s.step, s.step)])
+    return spans
 
 
 def step_count(steps: StoreSteps | None, summaries: list[StepSummary]) -> int:

@@ -422,3 +422,29 @@ def test_a_run_without_a_store_has_none(tmp_path, lines50):
     path.write_text("\n".join(lines50[:3]) + "\n")
     snap = _store(path).snapshot()
     assert snap.store is None and snap.notices == []
+
+
+def test_the_partition_of_every_step_comes_from_the_store_in_runs(tmp_path):
+    from knapformer.dashboard.store_steps import partition_spans
+
+    from knapformer.contract.stats import summarize
+    from knapformer.planning.datamix import parse_mix, sample_lengths
+    from knapformer.planning.planner import plan_routing
+    from knapformer.planning.workload import WorkloadModel
+
+    rng = np.random.default_rng(4)
+    mix = parse_mix("g2b4i256f1s0,g2b5i512f1s0,g2b1i1024f1s0,g2b2i256f4s0")
+    topologies = ["g1n4+g2n2"] * 5 + ["g2n2+g4n1"] * 5
+    plans = [
+        plan_routing(sample_lengths(mix, rng), topology, WorkloadModel(3072, 0.4), step=s)
+        for s, topology in enumerate(topologies)
+    ]
+    # segments of 3 steps: the runs cross their borders and are joined
+    snap = _store(_recorded(tmp_path, plans, every=4, segment=3)).snapshot()
+    assert [s.step for s in snap.summaries] == [0, 4, 8]
+    assert len(snap.store.segments) == 4
+    first, last = summarize(plans[0]).bags, summarize(plans[9]).bags
+    assert partition_spans(snap.store, snap.summaries) == [
+        ("g1n4+g2n2", first, 0, 4),
+        ("g2n2+g4n1", last, 5, 9),
+    ]
