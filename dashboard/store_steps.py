@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 from knapformer.visualization.figures import PartitionSpan
 from knapformer.visualization.run_figures import TIMELINE_COLUMNS
 
@@ -65,20 +67,23 @@ def _read(plans: Path, first: int | None) -> tuple[dict[str, np.ndarray], list[P
         name: as_numpy(table[name]).astype(_TYPES.get(name, np.float64))
         for name in TIMELINE_COLUMNS
     }
-    topology = np.array(table["partition"].to_pylist(), dtype=object)
-    bags = np.array(table["bags"].to_pylist(), dtype=object)
-    return columns, _spans(columns["step"], topology, bags)
+    return columns, _spans(columns["step"], table["partition"], table["bags"])
 
 
-def _spans(step: np.ndarray, topology: np.ndarray, bags: np.ndarray) -> list[PartitionSpan]:
-    """Runs of consecutive rows with one (topology, bags)."""
+def _spans(step: np.ndarray, topology: pa.ChunkedArray, bags: pa.ChunkedArray) -> list:
+    """Runs of consecutive rows with one (topology, bags) (`PartitionSpan`): the strings
+    compared as dictionary codes, and made Python strings only where a run starts."""
     if not len(step):
         return []
-    changed = (topology[1:] != topology[:-1]) | (bags[1:] != bags[:-1])
+    changed = np.zeros(len(step) - 1, bool)
+    for column in (topology, bags):
+        codes = pc.dictionary_encode(column, null_encoding="encode").combine_chunks().indices
+        codes = as_numpy(codes)  # never null: a null is a code of its own
+        changed |= codes[1:] != codes[:-1]
     starts = [0, *(np.flatnonzero(changed) + 1).tolist()]
     ends = [*(i - 1 for i in starts[1:]), len(step) - 1]
     return [
-        (topology[a], bags[a], int(step[a]), int(step[b]))
+        (topology[a].as_py(), bags[a].as_py(), int(step[a]), int(step[b]))
         for a, b in zip(starts, ends, strict=True)
     ]
 
