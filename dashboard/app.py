@@ -781,7 +781,7 @@ def _clicked_step(snap: Snapshot, point: dict) -> tuple[int, str]:
 def _snapped(snap: Snapshot, wanted: int, shown: int) -> str:
     """The note of a step with no full plan, for which the plan of step ``shown`` is."""
     columns = _all_steps(snap)
-    if columns is not None and wanted in set(columns["step"].tolist()):
+    if columns is not None and bool((columns["step"] == wanted).any()):
         return (
             f"· step {wanted} has no full plan (the recorder kept {_kept_of(snap)}): its "
             f"figures are on the timeline; showing the nearest full plan, step {shown}"

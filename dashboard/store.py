@@ -6,13 +6,14 @@ never the plans themselves: a full plan is re-read and validated only when the u
 selects its step, and the last few are cached. That still grows with the run: about 1 KB
 a step, 2.5 KB more and 60 bytes per GPU for a measured one (docs/reliability.md). A
 background thread per store follows the file (`dashboard.tail.JsonlTail`) so Dash
-callbacks only read a snapshot. A line that cannot be read as a plan, for whatever
-reason, costs that line only: it becomes a `Problem` and the lines after it are read. A
-file that the follower reports as new (replaced, truncated), or whose first plan after a
-rotation does not continue the steps held (a re-run moved aside), is a new run: the
-steps held are dropped. `Runs` follows at most `KEEP_STORES` runs at a time (the ones
-viewed most recently), so browsing a folder of thousands of runs does not leave a thread
-and open files behind for each.
+callbacks only read a snapshot; the same thread follows the run's store, when it has one
+(`dashboard.store_steps`: every step's figures, whichever full plans were kept). A line
+that cannot be read as a plan, for whatever reason, costs that line only: it becomes a
+`Problem` and the lines after it are read. A file that the follower reports as new
+(replaced, truncated), or whose first plan after a rotation does not continue the steps
+held (a re-run moved aside), is a new run: the steps held are dropped. `Runs` follows at
+most `KEEP_STORES` runs at a time (the ones viewed most recently), so browsing a folder
+of thousands of runs does not leave a thread and open files behind for each.
 """
 
 from __future__ import annotations
