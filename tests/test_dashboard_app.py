@@ -243,3 +243,58 @@ def test_the_step_shown_reads_its_full_plan_and_the_stores_window_up_to_it(every
     assert "steps 1–20" in out["scatter"].layout.title.text
     flagged, _views = step_frame._stragglers(runs, selection, plans[20])
     assert list(flagged) == [5]
+
+
+def _callback(handle, output: str, values: dict) -> dict:
+    """Run the server's callback whose output names ``output`` as the page would, its
+    inputs and states set from ``values`` (by ``id.property``; the rest None)."""
+    deps = json.loads(_get(handle.url + "_dash-dependencies")[1])
+    dep = next(d for d in deps if output in d["output"])
+
+    def items(specs):
+        return [{**d, "value": values.get(f"{d['id']}.{d['property']}")} for d in specs]
+
+    outputs = [
+        dict(zip(("id", "property"), name.split("@")[0].split("."), strict=True))
+        for name in dep["output"].strip(".").split("...")
+    ]
+    body = {
+        "output": dep["output"],
+        "outputs": outputs,
+        "inputs": items(dep["inputs"]),
+        "state": items(dep["state"]),
+        "changedPropIds": [],
+    }
+    request = urllib.request.Request(
+        handle.url + "_dash-update-component",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=30) as resp:
+        return json.loads(resp.read())["response"]
+
+
+def test_the_served_timeline_of_a_run_with_a_store_has_every_step(every10):
+    from knapformer.testing.polling import wait_until
+
+    folder, plans = every10
+    handle = start_server(folder.parent, port=0)
+    try:
+        values = {
+            "view.data": {"run": "run", "notices": []},
+            "client.data": {"run": None, "reset": None, "count": 0},
+        }
+        drawn = {}
+
+        def every_step():
+            """the served timeline holds the store's 40 steps"""
+            drawn.update(_callback(handle, "timeline.figure", values)["timeline"]["figure"])
+            return len(drawn["data"][1]["x"]) == 40
+
+        wait_until(every_step, 60)
+        after = drawn["data"][1]
+        assert after["name"] == "after" and after["x"] == list(range(40))
+        for step in KEPT:
+            assert after["y"][step] == pytest.approx(plans[step].stats.imbalance_after, 1e-6)
+    finally:
+        handle.stop()
