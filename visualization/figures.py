@@ -660,9 +660,9 @@ def timeline_of_columns(
         ],
         "shapes": shapes,
     }
-    if title:
-        layout["title"] = {"text": title}
-        layout["margin"]["t"] = 90
+    if title:  # at the top, over the legend: in a half-width cell the legend reaches it
+        layout["title"] = {"text": title, "y": 0.99, "yanchor": "top"}
+        layout["margin"]["t"] = 110
     for row in range(1, panels + 1):
         layout["yaxis" if row == 1 else f"yaxis{row}"] = {"domain": domains[row], "anchor": "x"}
     layout["yaxis2"]["ticksuffix"] = "%"
