@@ -19,6 +19,7 @@ preloads it); `install` answers that URL with the bundle `served` names.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import io
 import json
@@ -45,6 +46,8 @@ INTEGRITY = {
 }
 #: Where the fetched bundle is kept (ignored by git).
 FOLDER = Path(__file__).resolve().parent / "plotly_js"
+#: The longest an ``npm pack`` may take (it fetches 0.5 MB).
+NPM_TIMEOUT_S = 90
 #: The trace types the cartesian bundle draws and the dashboard's figures use.
 TRACE_TYPES = frozenset({"bar", "heatmap", "scatter"})
 
@@ -136,17 +139,30 @@ def bundle_of(tarball: bytes, version: str, integrity: str) -> bytes:
 
 
 def _npm_pack(version: str, into: Path) -> bytes:
-    """npm's tarball of PACKAGE@version (``npm pack``: its registry and settings)."""
-    done = subprocess.run(
-        ["npm", "pack", f"{PACKAGE}@{version}", "--json", "--pack-destination", str(into)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    """npm's tarball of PACKAGE@version (``npm pack``: its registry and settings). On a
+    machine without a network it gives up within `NPM_TIMEOUT_S`: ``make test`` asks
+    every time."""
+    command = ["npm", "pack", f"{PACKAGE}@{version}", "--json", "--pack-destination", str(into)]
+    try:
+        done = subprocess.run(
+            [*command, "--fetch-retries=1", "--fetch-timeout=20000"],
+            capture_output=True,
+            text=True,
+            timeout=NPM_TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired as err:
+        raise OSError(f"npm pack {PACKAGE}@{version} took over {NPM_TIMEOUT_S} s") from err
     if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or ["no message"])[-1]
-        raise OSError(f"npm pack {PACKAGE}@{version} failed: {last}")
+        raise OSError(f"npm pack {PACKAGE}@{version} failed: {_npm_error(done)}")
     return (into / json.loads(done.stdout)[0]["filename"]).read_bytes()
+
+
+def _npm_error(done: subprocess.CompletedProcess) -> str:
+    """The summary of a failed npm command (its ``--json`` error), else its first line."""
+    with contextlib.suppress(ValueError, KeyError, TypeError):
+        return json.loads(done.stdout)["error"]["summary"]
+    lines = done.stderr.strip().splitlines()
+    return lines[0] if lines else f"exit status {done.returncode}"
 
 
 def fetch(folder: Path | None = None) -> str:

@@ -144,3 +144,28 @@ def test_every_whole_run_figure_uses_trace_types_of_the_cartesian_bundle(tmp_pat
     figures = draw(Path(tmp_path / "store"))
     types = {t.type for name in ("heatmap", "verdicts", "steps") for t in figures[name].data}
     assert types and types <= plotly_bundle.TRACE_TYPES
+
+
+def test_without_npms_registry_the_fetch_says_so_and_exits_0_a_wrong_tarball_1(
+    tmp_path, monkeypatch, capsys
+):
+    import subprocess
+
+    monkeypatch.setattr(plotly_bundle, "FOLDER", tmp_path)
+    monkeypatch.setattr(plotly_bundle.shutil, "which", lambda name: "/usr/bin/" + name)
+    refused = subprocess.CompletedProcess(
+        ["npm"], 1, '{"error": {"code": "ECONNREFUSED", "summary": "FetchError: refused"}}', ""
+    )
+    assert plotly_bundle._npm_error(refused) == "FetchError: refused"
+
+    def offline(version, into):
+        raise OSError(f"npm pack failed: {plotly_bundle._npm_error(refused)}")
+
+    monkeypatch.setattr(plotly_bundle, "_npm_pack", offline)
+    assert plotly_bundle.main() == 0
+    err = capsys.readouterr().err
+    assert "FetchError: refused" in err and "serves plotly.js's full bundle" in err
+    monkeypatch.setattr(plotly_bundle, "_npm_pack", lambda version, into: b"not a tarball")
+    assert plotly_bundle.main() == 1
+    assert capsys.readouterr().err.startswith("error: ")
+    assert list(tmp_path.iterdir()) == []
