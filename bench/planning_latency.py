@@ -1,6 +1,7 @@
-"""Planning latency: process CPU ms a rank pays per step to plan (``plan_routing`` and
-its own routing tables), fixed g8 and auto, from 32 to 4,096 GPUs, with the whole chunk
-table's cost and the plan-ahead slack beside it.
+"""Planning latency: process CPU ms a rank pays to plan a step, fixed g8 and auto, 32 to 4,096 GPUs.
+
+What a rank pays is ``plan_routing`` and its own routing tables; beside it, the whole
+chunk table's cost (a reader's) and the plan-ahead slack.
 
 Run: ``python bench/planning_latency.py [--steps 3] [--quick]``. For every mix (lowres,
 mixres, joint, video and seqheavy, the sequence-heavy mix of

@@ -1,5 +1,4 @@
-"""Some rows of a plan's chunk table (`ChunkRows`), and what a derived table is made from
-(`ChunkSource`).
+"""Rows of a chunk table (`ChunkRows`) and the source a derived table is made from (`ChunkSource`).
 
 A rank's router reads only the chunks its own sequences become and those its bag
 receives: a few hundred of the million chunks of a 4,096-GPU step. So a plan the planner
