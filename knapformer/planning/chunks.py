@@ -2,12 +2,14 @@
 per GPU of its bag, its remainder spread one token at a time over a cycle through the
 bag (or, under round-robin, all to one chunk).
 
-Made once per chosen plan (and per auto candidate that is priced exactly), so every
-column is written once, in place, into its own array: a sequence's g chunks are one row
-of an (n, g) grid per bag size, and no temporary of the table's size is made beyond the
-int8 remainder patterns. (Each column stays a separate array: one block of five would
-exceed glibc's largest mmap threshold, 32 MB, at 4,096 GPUs, and be faulted in fresh on
-every plan; arrays below it reuse the heap the previous plan's columns freed.)
+A rank's router reads only its own rows (`StepChunks`: a fixed plan's table, derived);
+the whole table is made when a reader reads the plan's columns (and per auto candidate
+that is priced exactly), each column written once, in place, into its own array: a
+sequence's g chunks are one row of an (n, g) grid per bag size, and no temporary of the
+table's size is made beyond the int8 remainder patterns. (Each column stays a separate
+array: one block of five would exceed glibc's largest mmap threshold, 32 MB, at 4,096
+GPUs, and be faulted in fresh on every plan; arrays below it reuse the heap the previous
+plan's columns freed.)
 """
 
 from __future__ import annotations
@@ -68,8 +70,10 @@ class StepChunks:
         self._short: tuple[np.ndarray, np.ndarray] | None = None
 
     def count(self) -> int:
-        n = len(self.step.lengths)
-        full = n * self._one_size if self._one_size else int(self._size_ends()[-1]) if n else 0
+        if not len(self.step.lengths):
+            return 0
+        one = self._one_size
+        full = len(self.step.lengths) * one if one else int(self._size_ends()[-1])
         return full - int(self._short_sequences()[1][-1])
 
     def table(self) -> dict[str, np.ndarray]:
