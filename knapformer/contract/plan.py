@@ -203,11 +203,12 @@ class Sequences(_Columns):
 
 
 class Chunks(_Columns):
-    """One row per chunk; chunk id = row index.
+    """One row per chunk; chunk id = row index."""
 
-    A plan the planner made derives its table (`derived`): the columns are made on first
-    read (or when the plan is written, compared or pickled), byte-identical to a table
-    given whole, and `rows_of` gives some sequences' rows without making them."""
+    # (The docstring is the JSON schema's description.) A plan the planner made derives
+    # its table (`derived`): the columns are made on first read, or when the plan is
+    # written, compared or pickled, byte-identical to a table given whole; `rows_of`
+    # gives some sequences' rows without making them.
 
     seq: IntColumn = Field(description="sequence id")
     src_gpu: IntColumn = Field(description="GPU rank the chunk starts on")
@@ -269,8 +270,9 @@ class Chunks(_Columns):
         self._make()
         return super().__repr_args__()
 
+    # Written whole. No return type: the serialisation schema stays the columns'.
     @model_serializer(mode="wrap")
-    def _whole(self, handler: SerializerFunctionWrapHandler) -> Any:
+    def _whole(self, handler: SerializerFunctionWrapHandler):
         self._make()
         return handler(self)
 
