@@ -411,11 +411,11 @@ class RoutingPlan(BaseModel):
 
     def chunks_from(self, rank: int) -> ChunkRows:
         """The chunks GPU ``rank`` sends (its sequences', to itself too), chunk-id order."""
-        return self.chunks.rows_of(np.flatnonzero(self.sequences.src_gpu == rank))
+        return self.chunks.rows_of(np.flatnonzero(np.asarray(self.sequences.src_gpu) == rank))
 
     def chunks_into_bag(self, bag: int) -> ChunkRows:
         """The chunks the GPUs of ``bag`` receive (its sequences'), chunk-id order."""
-        return self.chunks.rows_of(np.flatnonzero(self.sequences.bag == bag))
+        return self.chunks.rows_of(np.flatnonzero(np.asarray(self.sequences.bag) == bag))
 
     def chunks_to(self, rank: int) -> ChunkRows:
         """The chunks GPU ``rank`` receives (from itself too), chunk-id order."""

@@ -94,7 +94,7 @@ class RoutingTables:
         into_bag = plan.chunks_into_bag(bag_id)
 
         # Send side: my chunks grouped by destination (stable: chunk-id order inside).
-        mine_seq = np.flatnonzero(plan.sequences.src_gpu == rank)
+        mine_seq = np.flatnonzero(np.asarray(plan.sequences.src_gpu) == rank)
         sent = plan.chunks.rows_of(mine_seq)  # = plan.chunks_from(rank)
         local_lens = np.asarray(plan.sequences.length, dtype=np.int64)[mine_seq]
         seq_start = np.cumsum(local_lens) - local_lens  # in the packed rows, by my sequence
