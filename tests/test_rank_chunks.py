@@ -16,6 +16,8 @@ from knapformer.planning.communication import CommModel
 from knapformer.planning.datamix import parse_mix, sample_lengths
 from knapformer.planning.planner import plan_routing
 from knapformer.planning.workload import WorkloadModel
+from knapformer.runtime.conditioning import sequence_tables
+from knapformer.runtime.journal import plan_hash
 from knapformer.runtime.router import RoutingTables
 
 MODEL = WorkloadModel(token_dim=3072, gamma=0.4)
@@ -120,3 +122,19 @@ def test_routing_tables_of_a_derived_plan_equal_those_of_its_read_back_copy(case
             assert torch.equal(mine.bag.to_sequences, theirs.bag.to_sequences)
             assert torch.equal(mine.bag.from_sequences, theirs.bag.from_sequences)
     assert not plan.chunks.made  # the router read each rank's rows only
+
+
+def test_a_training_step_reads_no_whole_table():
+    """What the balancer makes of a plan every step, on every rank: routing tables, the
+    conditioning tables and the journal's plan hash (equal for equal plans)."""
+    plan, again = _plan(*PLANS[1]), _plan(*PLANS[1])
+    for rank in plan.gpus:
+        RoutingTables.build(plan, rank, CPU)
+        tables = sequence_tables(plan, rank, CPU)
+        c = again.chunks  # read whole: the rows routed to the rank, chunk-id order
+        mine = c.dst_gpu == rank
+        assert tables.index.tolist() == np.repeat(c.seq[mine], c.length[mine]).tolist()
+    assert plan_hash(plan) == plan_hash(again)
+    assert not plan.chunks.made
+    again.sequences.bag[0] = (again.sequences.bag[0] + 1) % len(again.bags)
+    assert plan_hash(plan) != plan_hash(again)
