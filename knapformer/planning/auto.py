@@ -39,6 +39,7 @@ from knapformer.planning.pricing import (
     makespan_floor,
     modelled_makespan,
     moved_estimate,
+    routed_floor,
 )
 from knapformer.planning.refine import refine
 from knapformer.planning.tuning import FLOOR_MARGIN, SLOW, SMALL_GPUS, SMALL_SEQUENCES, TIE
@@ -112,16 +113,23 @@ class _Best:
         if held is None:  # the first is the best so far whatever its price
             self.held = self.priced(step)
             return
-        # A candidate whose bags alone model slower than the best is neither cut into
-        # chunks nor priced (the bound is a true floor: the choice is the same).
-        if self.speed is None and held.slower_than(
-            makespan_floor(step, self.per_token) * (1 - FLOOR_MARGIN)
-        ):
+        # A candidate whose bags alone, or with the least route its sequences take, model
+        # slower than the best is neither cut into chunks nor priced (the bounds are true
+        # floors: the choice is the same).
+        if self.speed is None and self._beaten(step):
             return
         key, held_key = (new := self.priced(step)).key(), held.key()
         if (key[0] < held_key[0] * (1 - TIE)
                 or (key[0] <= held_key[0] * (1 + TIE) and key[1] < held_key[1])):  # fmt: skip
             self.held = new
+
+    def _beaten(self, step: Step) -> bool:
+        """Whether the best so far models faster than ``step`` can, by `makespan_floor`
+        (bag sums) or else by `routed_floor` (the least route as well)."""
+        held, margin = self.held, 1 - FLOOR_MARGIN
+        if held.slower_than(makespan_floor(step, self.per_token) * margin):
+            return True
+        return held.slower_than(routed_floor(step, self.model, self.comm, self.per_token) * margin)
 
     def refine(self, max_tokens) -> None:
         """The best so far refined GPU by GPU (`refine`)."""
