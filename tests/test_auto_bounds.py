@@ -92,22 +92,27 @@ def test_routed_floor_sees_the_route_a_compute_only_layout_pays():
     assert routed_floor(g4, MODEL, comm, _per_token(comm)) > 0.995 * _exact(g4, comm)
 
 
-def test_auto_skips_pricing_the_layouts_the_routed_floor_rules_out(monkeypatch):
-    """The sequence-heavy mix on 1,024 GPUs: a whole-family layout whose bag floor is below
-    the best mixed partition's makespan is solved but no longer cut into chunks and priced
-    (without the routed floor, it is); the plan is the one auto made without it."""
-    lengths = sample_lengths(scale_mix(parse_mix("seqheavy"), 32), np.random.default_rng(5))
+@pytest.mark.parametrize(("mix", "factor", "seed"), [("seqheavy", 32, 5), ("mixres", 64, 5000)])
+def test_auto_settles_its_candidates_by_bounds_without_pricing_them(mix, factor, seed, monkeypatch):
+    """The sequence-heavy mix on 1,024 GPUs: the whole-family layouts whose bag floors lie
+    below the mixed partition's price are ruled out by their routed floors, which lie above
+    its ceiling. The high-resolution mix on 2,048 GPUs: g4n512's ceiling lies below the
+    mixed partition's routed floor, and it wins unpriced. Neither step cuts a candidate
+    into chunks to price it (without the routed floor, two are); the plans are the same."""
+    lengths = sample_lengths(scale_mix(parse_mix(mix), factor), np.random.default_rng(seed))
     comm = CommModel.cluster("nvlink")
     priced = []
     exact_key = auto_solver._exact_key
     monkeypatch.setattr(auto_solver, "_exact_key",
                         lambda step, *a: priced.append(step) or exact_key(step, *a))  # fmt: skip
     plan = plan_routing(lengths, "auto", MODEL, comm=comm)
-    assert len(priced) == 1 and len(set(plan.topology.split("+"))) > 1  # the mixed one only
-    priced.clear()
+    assert priced == []
+    chosen = "g4n512" if mix == "mixres" else "a mixed partition"
+    assert chosen == (plan.topology if "+" not in plan.topology else "a mixed partition")
     monkeypatch.setattr(auto_solver, "routed_floor", lambda *a: 0.0)
     before = plan_routing(lengths, "auto", MODEL, comm=comm)
-    assert len(priced) >= 2  # without it, a whole-family layout is priced as well
+    assert len(priced) == 2
     assert before.topology == plan.topology
     assert np.array_equal(before.sequences.bag, plan.sequences.bag)
     assert np.array_equal(before.chunks.dst_gpu, plan.chunks.dst_gpu)
+    assert np.array_equal(before.chunks.length, plan.chunks.length)

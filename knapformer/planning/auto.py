@@ -98,9 +98,13 @@ class _Best:
         self.failure: KnapformerError | None = None
 
     def priced(self, step: Step) -> _Candidate:
-        model, comm = self.model, self.comm
-        return _Candidate(step, lambda: makespan_ceiling(step, model, comm, self.per_token),
-                          lambda: _exact_key(step, model, comm, self.speed))  # fmt: skip
+        model, comm, per_token = self.model, self.comm, self.per_token
+        bounds = {
+            "ceiling": lambda: makespan_ceiling(step, model, comm, per_token),
+            "bags": lambda: makespan_floor(step, per_token),
+            "routed": lambda: routed_floor(step, model, comm, per_token),
+        }
+        return _Candidate(step, bounds, lambda: _exact_key(step, model, comm, self.speed))
 
     def consider(self, solve) -> None:
         """Solve a candidate (``solve()``) and keep it when it beats the best."""
@@ -109,27 +113,31 @@ class _Best:
         except KnapformerError as err:
             self.failure = self.failure or err
             return
-        held = self.held
+        new, held = self.priced(step), self.held
         if held is None:  # the first is the best so far whatever its price
-            self.held = self.priced(step)
+            self.held = new
             return
-        # A candidate whose bags alone, or with the least route its sequences take, model
-        # slower than the best is neither cut into chunks nor priced (the bounds are true
-        # floors: the choice is the same).
-        if self.speed is None and self._beaten(step):
+        if self.speed is None and self._settled(new):
             return
-        key, held_key = (new := self.priced(step)).key(), held.key()
+        key, held_key = new.key(), held.key()
         if (key[0] < held_key[0] * (1 - TIE)
                 or (key[0] <= held_key[0] * (1 + TIE) and key[1] < held_key[1])):  # fmt: skip
             self.held = new
 
-    def _beaten(self, step: Step) -> bool:
-        """Whether the best so far models faster than ``step`` can, by `makespan_floor`
-        (bag sums) or else by `routed_floor` (the least route as well)."""
-        held, margin = self.held, 1 - FLOOR_MARGIN
-        if held.slower_than(makespan_floor(step, self.per_token) * margin):
+    def _settled(self, new: _Candidate) -> bool:
+        """Whether bounds settle ``new`` against the best (at nominal speeds), the cheap ones
+        first: dropped when a floor of it (its bags', `makespan_floor`, then with the least
+        route, `routed_floor`) lies above the best's price (its ceiling, else its exact
+        price); the best from then on, never cut into chunks and priced, when its ceiling
+        lies below the best's routed floor. The bounds are true: the choice is the same."""
+        held = self.held
+        for floor in ("bags", "routed"):
+            if new.bound(floor) > held.upper() * (1 + TIE):
+                return True
+        if new.bound("ceiling") < held.bound("routed") * (1 - TIE):
+            self.held = new
             return True
-        return held.slower_than(routed_floor(step, self.model, self.comm, self.per_token) * margin)
+        return held.slower_than(max(new.bound("bags"), new.bound("routed")))
 
     def refine(self, max_tokens) -> None:
         """The best so far refined GPU by GPU (`refine`)."""
@@ -160,13 +168,14 @@ def _exact_key(step: Step, model, comm, speed) -> tuple[float, float]:
 
 class _Candidate:
     """A solved candidate and its price, made only when a comparison needs it: at nominal
-    speeds a cheap ceiling (`makespan_ceiling`) often settles whether another layout could
-    beat it, and then it is neither cut into chunks nor priced before it is chosen."""
+    speeds its cheap bounds (``bounds``: the ceiling, `makespan_ceiling`, and the floors,
+    `makespan_floor` and `routed_floor`) often settle whether another layout could beat
+    it, and then it is neither cut into chunks nor priced before it is chosen."""
 
-    def __init__(self, step: Step, price_ceiling, price_exact):
+    def __init__(self, step: Step, bounds, price_exact):
         self.step = step
-        self._price_ceiling, self._price_exact = price_ceiling, price_exact
-        self._ceiling: float | None = None
+        self._bounds, self._price_exact = bounds, price_exact
+        self._known: dict[str, float] = {}
         self._key: tuple[float, float] | None = None
 
     def key(self) -> tuple[float, float]:
@@ -175,15 +184,27 @@ class _Candidate:
             self._key = self._price_exact()
         return self._key
 
+    def bound(self, name: str) -> float:
+        """The ``"ceiling"`` (a margin for rounding above) or a floor (``"bags"``,
+        ``"routed"``; the margin below) of the modelled makespan, made once."""
+        if name not in self._known:
+            margin = FLOOR_MARGIN if name == "ceiling" else -FLOOR_MARGIN
+            self._known[name] = self._bounds[name]() * (1 + margin)
+        return self._known[name]
+
+    def upper(self) -> float:
+        """The exact modelled makespan where it is known, else the ceiling."""
+        return self.bound("ceiling") if self._key is None else self._key[0]
+
     def slower_than(self, bound: float) -> bool:
         """Whether a layout no faster than ``bound`` models slower than this one beyond
-        ``TIE`` (asked at nominal speeds only): first against the ceiling, with a margin
-        for rounding, then exactly."""
+        ``TIE`` (asked at nominal speeds only): against the ceiling and the routed floor
+        first, then exactly."""
         if self._key is None:
-            if self._ceiling is None:
-                self._ceiling = self._price_ceiling() * (1 + FLOOR_MARGIN)
-            if bound > self._ceiling * (1 + TIE):
+            if bound > self.bound("ceiling") * (1 + TIE):
                 return True
+            if bound <= self.bound("routed") * (1 + TIE):
+                return False
         return bound > self.key()[0] * (1 + TIE)
 
 
