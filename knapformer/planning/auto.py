@@ -126,18 +126,19 @@ class _Best:
 
     def _settled(self, new: _Candidate) -> bool:
         """Whether bounds settle ``new`` against the best (at nominal speeds), the cheap ones
-        first: dropped when a floor of it (its bags', `makespan_floor`, then with the least
-        route, `routed_floor`) lies above the best's price (its ceiling, else its exact
-        price); the best from then on, never cut into chunks and priced, when its ceiling
-        lies below the best's routed floor. The bounds are true: the choice is the same."""
+        first: dropped when its bag floor (`makespan_floor`) lies above the best's price;
+        the best from then on, unpriced, when its ceiling lies below the best's floor;
+        dropped when its routed floor (`routed_floor`) lies above the best's price. The
+        best's price is its ceiling, its routed floor or, where they do not settle it, its
+        exact price. The bounds are true: the choice is the same."""
         held = self.held
-        for floor in ("bags", "routed"):
-            if new.bound(floor) > held.upper() * (1 + TIE):
-                return True
-        if new.bound("ceiling") < held.bound("routed") * (1 - TIE):
+        if held.slower_than(new.bound("bags")):
+            return True
+        lower = held.lower()
+        if new.bound("bags") < lower and new.bound("ceiling") < lower * (1 - TIE):
             self.held = new
             return True
-        return held.slower_than(max(new.bound("bags"), new.bound("routed")))
+        return held.slower_than(new.bound("routed"))
 
     def refine(self, max_tokens) -> None:
         """The best so far refined GPU by GPU (`refine`)."""
@@ -192,9 +193,9 @@ class _Candidate:
             self._known[name] = self._bounds[name]() * (1 + margin)
         return self._known[name]
 
-    def upper(self) -> float:
-        """The exact modelled makespan where it is known, else the ceiling."""
-        return self.bound("ceiling") if self._key is None else self._key[0]
+    def lower(self) -> float:
+        """The exact modelled makespan where it is known, else the routed floor."""
+        return self.bound("routed") if self._key is None else self._key[0]
 
     def slower_than(self, bound: float) -> bool:
         """Whether a layout no faster than ``bound`` models slower than this one beyond
