@@ -4,6 +4,8 @@ classes' offers of a coarse step (which sort the candidates once, not every roun
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -129,3 +131,20 @@ def test_size_class_offers_are_the_first_of_each_run_of_a_lexsort(monkeypatch):
     solve_mixed(tuple(step.layout.size.tolist()), step.lengths, step.workload, step.src_pos,
                 None, None, PER_TOKEN, floor, COMM, MODEL)  # fmt: skip
     assert sum(calls) >= 4
+
+
+@pytest.mark.parametrize("node_size", [8, 4])
+def test_the_route_at_home_is_the_route_of_sequences_placed_home(node_size):
+    """The stay-home pass prices the route of sequences in their home bags by the short
+    form (a home bag is in its source's node unless it spans nodes): the same bits as the
+    general route, with bags inside a node and, on nodes of 4, 8-GPU bags across two."""
+    step, _, _ = _fresh_step("video", 4, 21)
+    comm = replace(COMM, node_size=node_size)
+    prices = Prices.of(step.layout.shape, step.src_pos, PER_TOKEN, comm, MODEL)
+    seqs = np.flatnonzero(step.home_bag >= 0)
+    home = step.home_bag[seqs]
+    lengths = step.lengths[seqs].astype(np.float64)
+    size = step.layout.size
+    expected = prices.route(seqs, home, home, size, lengths)
+    assert np.array_equal(prices.home_route(home, size, lengths), expected)
+    assert (prices.bag_node[home] < 0).any() == (node_size == 4)

@@ -233,10 +233,11 @@ def _stay_home_priced(seqs, step: Step, load: np.ndarray, prices: Prices, level:
     loads. A bag that has room for all of its sequences keeps them all: only the others'
     sequences are ordered (at 4,096 GPUs, half of a step's or fewer)."""
     layout, lengths, home = step.layout, step.lengths, step.home_bag
-    seqs = seqs[(home[seqs] >= 0) & (layout.size[np.maximum(home[seqs], 0)] <= lengths[seqs])]
     hb = home[seqs]
+    fits = (hb >= 0) & (layout.size[np.maximum(hb, 0)] <= lengths[seqs])
+    seqs, hb = seqs[fits], hb[fits]
     cost = (step.workload[seqs] + prices.kappa[hb] * lengths[seqs]
-            + 2 * prices.route(seqs, hb, hb, layout.size, lengths[seqs]))  # fmt: skip
+            + 2 * prices.home_route(hb, layout.size, lengths[seqs]))  # fmt: skip
     room = level * layout.weight - load
     token_room = None
     whole = np.bincount(hb, weights=cost, minlength=len(load)) <= room

@@ -194,6 +194,13 @@ class Prices:
         moved = np.where(bags == home, ((size - 1) / size)[bags], 1.0) * lengths
         return per * moved
 
+    def home_route(self, home, size, lengths):
+        """`route` of sequences in their home bags ``home`` (the same values): a home bag
+        holds its sequence's source GPU, so it is in the source's node unless it spans
+        nodes, and (g-1)/g of the tokens leave."""
+        per = np.where(self.bag_node[home] >= 0, self.intra, self.inter)
+        return per * (((size - 1) / size)[home] * lengths)
+
     def cost(self, step: Step, lengths: np.ndarray, seq, bag):
         """(price, sent) of sequences ``seq`` in bags ``bag`` (broadcast): ``W + k_g*L`` plus
         the route its receivers pay (twice at home, where the bag also sends), and what its
