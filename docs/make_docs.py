@@ -16,11 +16,13 @@ An HTML comment right before a block says how the block is made:
 
 Markers:
 
-- ``console``: each ``$ `` line is a bash command, run from the repository root in a fixed
-  environment (`command_env`); the fenced block after the marker becomes ``$ command``
-  followed by its output (stdout and stderr together), for each command in turn. A block
-  starts from an empty ``runs/docs/`` (the scratch folder for the files its commands
-  write), so it may rely on its own earlier commands only.
+- ``console``: each ``$ `` line is a bash command, run as from the repository root in a
+  fixed environment (`command_env`); the fenced block after the marker becomes
+  ``$ command`` followed by its output (stdout and stderr together), for each command in
+  turn. A block runs in a folder of its own (`block_tree`): the repository's top-level
+  entries, by symlink, and an empty ``runs/docs/`` (the scratch folder for the files its
+  commands write), so it may rely on its own earlier commands only, and blocks may run
+  at once.
 - ``console-bench``: the same for commands that are slow or print machine-dependent
   figures (the benchmarks). Only ``--bench`` runs them; the staleness test skips them.
 - ``include PATH``: the fenced block holds the text of the file PATH.
@@ -59,7 +61,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import difflib
-import fcntl
 import os
 import queue
 import re
@@ -68,6 +69,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -76,7 +78,8 @@ from pathlib import Path
 
 DOCS = Path(__file__).resolve().parent
 ROOT = DOCS.parent
-SCRATCH = ROOT / "runs" / "docs"
+#: The scratch folder of a block's commands, relative to the folder they run in.
+SCRATCH = Path("runs") / "docs"
 DEFAULT_COLUMNS = 120
 DEFAULT_TIMEOUT_S = 600.0
 KINDS = ("console", "console-bench", "include", "docs-index")
@@ -303,10 +306,10 @@ def run_commands(block: Block, log=None, keep: Path | None = None) -> list[tuple
     """Run the commands of a console block: (command, what it printed) for each. ``keep``:
     a new folder that receives a copy of ``runs/docs/`` as the commands left it (for a
     test that asserts on the files a block's run wrote instead of running it again)."""
-    with _scratch_lock():
-        outputs = _run_commands(block, log)
+    with block_tree() as tree:
+        outputs = _run_commands(block, tree, log)
         if keep is not None:
-            shutil.copytree(SCRATCH, keep, symlinks=True)
+            shutil.copytree(tree / SCRATCH, keep, symlinks=True)
         return outputs
 
 
@@ -321,26 +324,34 @@ def block_text(outputs: list[tuple[str, str]]) -> str:
 
 
 @contextlib.contextmanager
-def _scratch_lock() -> Iterator[None]:
-    """Hold ``runs/docs/`` alone while a block runs: a second ``make docs`` or docs test
-    started meanwhile would empty it under the first one's commands."""
-    SCRATCH.parent.mkdir(parents=True, exist_ok=True)
-    with open(SCRATCH.parent / ".docs.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        yield
+def block_tree() -> Iterator[Path]:
+    """A new temporary folder for one block's run, removed afterwards: every top-level
+    entry of the repository but ``runs/``, by symlink, and an empty ``runs/docs/``.
+
+    The commands name paths relative to the repository (``sample_plans/...``,
+    ``runs/docs/...``) and print them so, as when run from its root; but what they write
+    under ``runs/`` is their own, so blocks run at once (the tests spread them over their
+    workers, and a ``make docs`` may run beside them) cannot empty each other's scratch
+    folder. What they write elsewhere (``docs/...``) lands in the repository."""
+    tree = Path(tempfile.mkdtemp(prefix="knapformer-docs-"))
+    try:
+        for entry in ROOT.iterdir():
+            if entry.name != "runs":
+                (tree / entry.name).symlink_to(entry, target_is_directory=entry.is_dir())
+        (tree / SCRATCH).mkdir(parents=True)
+        yield tree
+    finally:
+        shutil.rmtree(tree, ignore_errors=True)
 
 
-def _run_commands(block: Block, log=None) -> list[tuple[str, str]]:
-    if SCRATCH.exists():
-        shutil.rmtree(SCRATCH)
-    SCRATCH.mkdir(parents=True)
+def _run_commands(block: Block, tree: Path, log=None) -> list[tuple[str, str]]:
     outputs = []
     for k, command in enumerate(block.commands):
         started = time.perf_counter()
         if "stop-after" in block.options:
-            output = _run_server(command, block)
+            output = _run_server(command, block, tree)
         else:
-            output, status = _run(command, block)
+            output, status = _run(command, block, tree)
             expected = block.expected_exit if k == len(block.commands) - 1 else 0
             if expected is not None and status != expected:
                 raise DocsError(
@@ -353,11 +364,12 @@ def _run_commands(block: Block, log=None) -> list[tuple[str, str]]:
     return outputs
 
 
-def _start(command: str, block: Block) -> subprocess.Popen:
-    """``command`` in bash, in the tree, in `command_env`, stdout and stderr as one stream."""
+def _start(command: str, block: Block, tree: Path) -> subprocess.Popen:
+    """``command`` in bash, in the block's ``tree``, in `command_env`, stdout and stderr as
+    one stream."""
     return subprocess.Popen(
         ["bash", "-c", command],
-        cwd=ROOT,
+        cwd=tree,
         env=command_env(block.columns),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
@@ -367,8 +379,8 @@ def _start(command: str, block: Block) -> subprocess.Popen:
     )
 
 
-def _run(command: str, block: Block) -> tuple[str, int]:
-    proc = _start(command, block)
+def _run(command: str, block: Block, tree: Path) -> tuple[str, int]:
+    proc = _start(command, block, tree)
     try:
         out, _ = proc.communicate(timeout=block.timeout_s)
     except subprocess.TimeoutExpired:
@@ -377,10 +389,10 @@ def _run(command: str, block: Block) -> tuple[str, int]:
     return clean_output(out.decode("utf-8", errors="replace")), proc.returncode
 
 
-def _run_server(command: str, block: Block) -> str:
+def _run_server(command: str, block: Block, tree: Path) -> str:
     """Run until a line matches stop-after, then Ctrl-C; the output up to that line."""
     pattern = re.compile(block.options["stop-after"])
-    proc = _start(command, block)
+    proc = _start(command, block, tree)
     lines: queue.Queue[str | None] = queue.Queue()
 
     def read() -> None:

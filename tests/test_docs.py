@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import re
 import signal
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -199,10 +200,51 @@ def test_commands_see_a_fixed_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("KNAPFORMER_CHROMIUM", "/somewhere")
     page = _page(
         tmp_path,
-        _console(['echo "$COLUMNS ${KNAPFORMER_CHROMIUM:-unset} $TZ $PWD"'], "columns=77"),
+        _console(['echo "$COLUMNS ${KNAPFORMER_CHROMIUM:-unset} $TZ"'], "columns=77"),
     )
     output = make_docs.run_block(_only_block(page))
-    assert output.splitlines()[1] == f"77 unset UTC {ROOT}"
+    assert output.splitlines()[1] == "77 unset UTC"
+
+
+def test_commands_run_in_a_tree_of_their_own_that_shows_the_repository(tmp_path):
+    name = f"{tmp_path.name}.txt"  # a scratch file no other run writes
+    commands = [
+        "pwd",
+        "ls -A runs/docs | wc -l",
+        f"echo mine > runs/docs/{name}",
+        "python -c 'import pathlib; print(pathlib.Path(\"knapformer\").resolve())'",
+        "ls sample_plans/mixed8_g1n2+g2n1+g4n1.json",
+        "ls -A | grep -vx runs | sort",
+    ]
+    run = run_of(_only_block(_page(tmp_path, _console(commands))))
+    tree = Path(run.output("pwd"))
+    assert tree != ROOT and not tree.exists(), "a temporary folder, removed after the run"
+    assert run.output("wc -l") == "0", "runs/docs/ starts empty"
+    assert run.path(f"runs/docs/{name}").read_text(encoding="utf-8") == "mine\n"
+    assert not (ROOT / "runs" / "docs" / name).exists(), "the repository's runs/ is not used"
+    # relative paths resolve as from the repository's root, to the repository's files
+    assert run.output("resolve") == str(ROOT / "knapformer")
+    assert run.output("ls sample_plans") == "sample_plans/mixed8_g1n2+g2n1+g4n1.json"
+    entries = sorted(p.name for p in ROOT.iterdir() if p.name != "runs")
+    assert run.output("sort").splitlines() == entries
+
+
+def test_blocks_run_at_once_each_with_its_own_scratch_folder(tmp_path):
+    """Two blocks started together both run, each seeing its own runs/docs/ (a lock or a
+    shared folder would make the first wait for the second in vain, or mix their files)."""
+
+    def page(me: str, other: str) -> Path:
+        meet = (
+            f"echo {me} > runs/docs/who.txt; touch {tmp_path}/{me}; "
+            f"for _ in $(seq 600); do [ -e {tmp_path}/{other} ] && break; sleep 0.1; done; "
+            f"[ -e {tmp_path}/{other} ] && echo met {other}; cat runs/docs/who.txt"
+        )
+        return _page(tmp_path / me, _console([meet], "timeout=120"))
+
+    blocks = [_only_block(page("a", "b")), _only_block(page("b", "a"))]
+    with ThreadPoolExecutor(2) as pool:
+        texts = list(pool.map(make_docs.run_block, blocks))
+    assert [t.splitlines()[1:] for t in texts] == [["met b", "a"], ["met a", "b"]]
 
 
 def test_commands_get_ctrl_c_even_when_the_generator_ignores_it(tmp_path):
