@@ -4,6 +4,8 @@ Run: ``make docs`` (``python docs/make_docs.py``), ``make docs-bench``
 (``python docs/make_docs.py --bench``), or ``python docs/make_docs.py --check``.
 ``--only REGEX`` regenerates just the blocks with a command that REGEX matches, e.g.
 ``python docs/make_docs.py --bench --only bench/routing.py docs/performance.md``.
+``--jobs N`` runs N console blocks at once (each in a folder of its own); benchmarks
+always run one at a time.
 
 An HTML comment right before a block says how the block is made:
 
@@ -73,6 +75,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -580,23 +583,42 @@ def selected_blocks(files: Iterable[Path], bench: bool, only: str | None = None)
                 yield block
 
 
-def update(files: Iterable[Path], bench: bool, log=None, only: str | None = None) -> list[Path]:
-    """Rewrite the selected blocks of ``files``; returns the files that changed."""
+def update(
+    files: Iterable[Path], bench: bool, log=None, only: str | None = None, jobs: int = 1
+) -> list[Path]:
+    """Rewrite the selected blocks of ``files``; returns the files that changed. ``jobs``
+    blocks run at once, but benchmarks always one at a time (their figures are timings)."""
+    pages = [(path, list(selected_blocks([path], bench, only))) for path in files]
+    texts = fresh_texts([b for _, blocks in pages for b in blocks], log, 1 if bench else jobs)
     changed = []
-    for path in files:
-        blocks = [b for b in selected_blocks([path], bench, only)]
+    for path, blocks in pages:
         if not blocks:
             continue
         lines = path.read_text(encoding="utf-8").splitlines()
-        new = {id(b): _kept_or_fresh(b, fresh_text(b, log)) for b in blocks}
+        new = [(block, _kept_or_fresh(block, next(texts))) for block in blocks]
         # Replace from the end so earlier blocks' line numbers stay valid.
-        for block in reversed(blocks):
-            lines[block.start : block.end] = new[id(block)].split("\n") if new[id(block)] else []
+        for block, text in reversed(new):
+            lines[block.start : block.end] = text.split("\n") if text else []
         text = "\n".join(lines) + "\n"
         if text != path.read_text(encoding="utf-8"):
             path.write_text(text, encoding="utf-8")
             changed.append(path)
     return changed
+
+
+def fresh_texts(blocks: list[Block], log=None, jobs: int = 1) -> Iterator[str]:
+    """`fresh_text` of each of ``blocks``, in order, with ``jobs`` blocks running at once
+    (each console block runs in a folder of its own); the first error stops the rest."""
+    if jobs <= 1:
+        yield from (fresh_text(block, log) for block in blocks)
+        return
+    pool = ThreadPoolExecutor(jobs)
+    try:
+        futures = [pool.submit(fresh_text, block, log) for block in blocks]
+        for future in futures:
+            yield future.result()
+    finally:
+        pool.shutdown(cancel_futures=True)
 
 
 def _kept_or_fresh(block: Block, fresh: str) -> str:
@@ -608,17 +630,19 @@ def _kept_or_fresh(block: Block, fresh: str) -> str:
     return fresh
 
 
-def check(files: Iterable[Path], log=None) -> list[str]:
-    """Problems with the non-bench blocks of ``files``: stale blocks (with a diff) and
-    console blocks that no marker produces."""
-    problems = []
-    for path in files:
-        for line in unmarked_console_blocks(path):
-            problems.append(f"{shown(path)}:{line}: ```console block without a marker")
-        for block in selected_blocks([path], bench=False):
-            fresh = fresh_text(block, log)
-            if not same_output(block.recorded, fresh, block):
-                problems.append(f"{block.where}: stale\n{difference(block.recorded, fresh, block)}")
+def check(files: Iterable[Path], log=None, jobs: int = 1) -> list[str]:
+    """Problems with the non-bench blocks of ``files``: console blocks that no marker
+    produces, then stale blocks (with a diff); ``jobs`` blocks run at once."""
+    files = list(files)
+    problems = [
+        f"{shown(path)}:{line}: ```console block without a marker"
+        for path in files
+        for line in unmarked_console_blocks(path)
+    ]
+    blocks = list(selected_blocks(files, bench=False))
+    for block, fresh in zip(blocks, fresh_texts(blocks, log, jobs), strict=True):
+        if not same_output(block.recorded, fresh, block):
+            problems.append(f"{block.where}: stale\n{difference(block.recorded, fresh, block)}")
     return problems
 
 
@@ -630,6 +654,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only", metavar="REGEX", help="regenerate only blocks with a command matching REGEX"
     )
+    parser.add_argument(
+        "--jobs",
+        "-j",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run N console blocks at once (benchmarks still run one at a time)",
+    )
     args = parser.parse_args(argv)
     files = [p.resolve() for p in args.files] or doc_files()
 
@@ -638,11 +670,11 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.check:
-            problems = check(files, log)
+            problems = check(files, log, args.jobs)
             for problem in problems:
                 print(problem)
             return 1 if problems else 0
-        changed = update(files, args.bench, log, args.only)
+        changed = update(files, args.bench, log, args.only, args.jobs)
     except DocsError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
