@@ -159,7 +159,7 @@ def test_a_blocks_run_is_shared_with_its_outputs_and_files(tmp_path):
     assert runs.read_text(encoding="utf-8") == "run\n"
     assert shared.text == f"$ {write}\n$ echo second\nsecond"
     assert shared.output("echo second") == "second" and shared.output("mkdir") == ""
-    # what the commands wrote outlives the scratch folder, which the next block empties
+    # what the commands wrote outlives the block's folder, removed after the run
     assert shared.path("runs/docs/out/f.txt").read_text(encoding="utf-8") == "kept\n"
 
     failing = _only_block(_page(tmp_path / "sub", _console([f"echo run >> {runs}; exit 3"])))
