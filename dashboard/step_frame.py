@@ -18,6 +18,7 @@ from typing import Any
 from dash import Dash, Input, Output, State, no_update
 from dash.exceptions import PreventUpdate
 from knapformer.dashboard.store import PlanStore, Runs, Snapshot
+from knapformer.dashboard.store_steps import step_count
 from knapformer.dashboard.styles import HIDDEN, NOTICE, SHOWN
 from knapformer.visualization.axes import gpu_axis
 from knapformer.visualization.figures import (
@@ -35,10 +36,14 @@ from knapformer.visualization.straggler_figures import (
     ratio_heatmap,
     step_loss_figure,
     wait_heatmap,
+    window_views,
 )
 
 from knapformer.diagnosis.step_loss import step_losses
-from knapformer.diagnosis.stragglers import WINDOW, analyse, rank_steps
+from knapformer.diagnosis.store_source import window_rows
+from knapformer.diagnosis.store_window import window_figures
+from knapformer.diagnosis.stragglers import WINDOW, analyse, judge, rank_steps
+from knapformer.errors import KnapformerError
 
 #: Measured steps the window's phase breakdown averages (each is re-read from the file;
 #: the store caches 8 plans, the shown step's included).
@@ -59,6 +64,14 @@ OUTPUTS = {
     "loss": ("step-loss", "figure"),
     "straggler_style": ("straggler-box", "style"),
     "frame": ("frame", "data"),
+}
+
+#: The output (`OUTPUTS`) of each straggler view `window_views` names.
+_STRAGGLER_OUTPUTS = {
+    "ratio-heatmap": "ratio",
+    "wait-heatmap": "wait",
+    "compute-wait": "scatter",
+    "step-loss": "loss",
 }
 
 
@@ -104,8 +117,7 @@ def frame(runs: Runs, selection: dict | None, highlight: dict | None) -> dict[st
     if plan is None:  # the views keep the step they show, and say why
         out = {name: no_update for name in OUTPUTS}
         return out | {"notice": problem, "notice_style": NOTICE}
-    window = _measured_window(runs, selection)
-    flagged = flagged_ranks(analyse(window[-WINDOW:])) if window else {}
+    flagged, stragglers = _stragglers(runs, selection, plan)
     seq = _highlighted_sequence(plan, selection, highlight)
     return {
         "label": _label(runs, selection, plan),
@@ -115,7 +127,7 @@ def frame(runs: Runs, selection: dict | None, highlight: dict | None) -> dict[st
         "traffic": traffic_figure(plan, seq, validate=False),
         "tokens": tokens_figure(plan, False, flagged),
         **_phase_views(runs, selection, plan, flagged),
-        **_straggler_views(runs, selection, window, flagged),
+        **stragglers,
         "frame": selection,
     }
 
@@ -129,8 +141,7 @@ def _highlighted(runs: Runs, shown: dict | None, highlight: dict | None) -> dict
     if plan is None:
         raise PreventUpdate
     seq = _highlighted_sequence(plan, shown, highlight)
-    window = _measured_window(runs, shown)[-WINDOW:]
-    flagged = flagged_ranks(analyse(window)) if window else {}
+    flagged, _views = _stragglers(runs, shown, plan)
     return {
         "bag_load": bag_load_figure(plan, seq, False, flagged),
         "traffic": traffic_figure(plan, seq, validate=False),
@@ -166,6 +177,40 @@ def _phase_views(runs: Runs, selection: dict, plan: Any, flagged: dict) -> dict[
         else phase_figure(mean, flagged, "Where each rank's steps went", validate=False)
     )
     return {"phase_step": step, "phase_window": window}
+
+
+def _stragglers(runs: Runs, selection: dict, plan: Any) -> tuple[dict, dict[str, Any]]:
+    """The ranks flagged up to the selected step, and the straggler views: from the run's
+    store when it holds that step (`_store_stragglers`), else from the measured plans."""
+    stored = _store_stragglers(runs, selection, plan)
+    if stored is not None:
+        return stored
+    window = _measured_window(runs, selection)
+    flagged = flagged_ranks(analyse(window[-WINDOW:])) if window else {}
+    return flagged, _straggler_views(runs, selection, window, flagged)
+
+
+def _store_stragglers(runs: Runs, selection: dict, plan: Any) -> tuple[dict, dict[str, Any]] | None:
+    """`_stragglers` of the `WINDOW` steps up to the plan's from the run's store: every
+    step, where the plans may hold every k-th (as the report and the header's line read
+    them). None without a store, or when its closed segments do not hold the step yet."""
+    store = runs.store(selection["run"])
+    snap = store.snapshot() if store else None
+    steps = snap.store if snap else None
+    if steps is None or plan.step is None or steps.last_step is None:
+        return None
+    if plan.step > steps.last_step:
+        return None
+    try:
+        w = window_figures(window_rows(store.path, max(plan.step - WINDOW + 1, 0), plan.step))
+    except KnapformerError:
+        return None  # the store's problem is on the page (`Snapshot.notices`)
+    if not w.m.steps or w.m.steps[-1] != plan.step:
+        return None  # the step itself was not measured
+    report = judge(w.m, w.scopes, w.bandwidth)
+    _line, views = window_views(w.m, report, _run_start(store), validate=False)
+    shown = {_STRAGGLER_OUTPUTS[view]: figure for view, figure in views}
+    return flagged_ranks(report), shown | {"straggler_style": SHOWN}
 
 
 def _straggler_views(runs: Runs, selection: dict, window: list, flagged: dict) -> dict[str, Any]:
@@ -214,7 +259,9 @@ def step_of(snap: Snapshot, index: int) -> int:
 
 
 def _label(runs: Runs, selection: dict, plan: Any) -> str:
-    """What the per-step views show: ``step 7 · 8 of 50 · line 8``."""
+    """What the per-step views show: ``step 7 · 8 of 50 · line 8``; with a store that
+    holds more steps than full plans, ``step 20 · 3 of 8 full plans (40 steps in all) ·
+    line 3``."""
     store = runs.store(selection["run"])
     snap = store.snapshot() if store else None
     index = selection["index"]
@@ -222,7 +269,10 @@ def _label(runs: Runs, selection: dict, plan: Any) -> str:
     label = f"step {step}"
     if snap is not None and snap.reset == selection["reset"] and index < len(snap.summaries):
         line = snap.summaries[index].line
-        label += f" · {index + 1:,} of {len(snap.summaries):,}"
+        n = len(snap.summaries)
+        count = step_count(snap.store, snap.summaries)
+        label += f" · {index + 1:,} of {n:,}"
+        label += f" full plans ({count:,} steps in all)" if count != n else ""
         label += f" · line {line:,}" if line is not None else ""
     return label
 

@@ -6,13 +6,14 @@ never the plans themselves: a full plan is re-read and validated only when the u
 selects its step, and the last few are cached. That still grows with the run: about 1 KB
 a step, 2.5 KB more and 60 bytes per GPU for a measured one (docs/reliability.md). A
 background thread per store follows the file (`dashboard.tail.JsonlTail`) so Dash
-callbacks only read a snapshot. A line that cannot be read as a plan, for whatever
-reason, costs that line only: it becomes a `Problem` and the lines after it are read. A
-file that the follower reports as new (replaced, truncated), or whose first plan after a
-rotation does not continue the steps held (a re-run moved aside), is a new run: the
-steps held are dropped. `Runs` follows at most `KEEP_STORES` runs at a time (the ones
-viewed most recently), so browsing a folder of thousands of runs does not leave a thread
-and open files behind for each.
+callbacks only read a snapshot; the same thread follows the run's store, when it has one
+(`dashboard.store_steps`: every step's figures, whichever full plans were kept). A line
+that cannot be read as a plan, for whatever reason, costs that line only: it becomes a
+`Problem` and the lines after it are read. A file that the follower reports as new
+(replaced, truncated), or whose first plan after a rotation does not continue the steps
+held (a re-run moved aside), is a new run: the steps held are dropped. `Runs` follows at
+most `KEEP_STORES` runs at a time (the ones viewed most recently), so browsing a folder
+of thousands of runs does not leave a thread and open files behind for each.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from pathlib import Path
 
+from knapformer.dashboard.store_steps import StoreFollower, StoreSteps
 from knapformer.dashboard.tail import MAX_LINE_BYTES, NEW_FILE, JsonlTail, TailEvent, TailLine
 
 from knapformer.contract.plan import RoutingPlan
@@ -72,6 +74,10 @@ class Snapshot:
     indexing: bool
     mean_speedup: float | None
     measured_steps: int  # steps whose measurements name a compute phase
+    store: StoreSteps | None = None  # every closed step of the run's store (None: no store)
+    #: the index of the newest step's plan: the last one, unless plans of earlier steps
+    #: came after it (the store's writer appends those a verdict named as it gets to them)
+    newest: int = -1
 
 
 class RequestGate:
@@ -122,6 +128,7 @@ class PlanStore:
         self._where: list[Location] = []
         self._figures: list[RankFigures | None] = []
         self._measured = 0
+        self._newest = -1
         self._problems: deque[Problem] = deque(maxlen=_KEEP_PROBLEMS)
         self._problem_count = 0
         self._events: deque[str] = deque(maxlen=_KEEP_EVENTS)
@@ -136,6 +143,9 @@ class PlanStore:
         self._json_stamp: tuple[int, int] | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._store = StoreFollower(self.path)  # touched by `poll` only
+        self._store_steps: StoreSteps | None = None
+        self._store_problem: str | None = None
 
     # --------------------------------------------------------------- following
     def start(self) -> None:
@@ -178,6 +188,7 @@ class PlanStore:
         """Read what is new; True when more is waiting (call again right away)."""
         if self._tail is None:
             self._poll_json()
+            self._follow_store()
             return False
         batch = self._tail.poll(_POLL_BYTES)
         items: list[tuple[int, _Indexed | Problem]] = []  # (file generation, what it holds)
@@ -197,7 +208,17 @@ class PlanStore:
                 items = [(generation, item) for generation, item in items if generation >= fresh]
             self._add_items(items)
             self._indexing = batch.more
+        if not batch.more:  # caught up with the plans: what the store closed meanwhile
+            self._follow_store()
         return batch.more
+
+    def _follow_store(self) -> None:
+        """Read the segments the run's store closed since the last poll (a directory
+        listing when none did)."""
+        if self._store.refresh():
+            with self._lock:
+                self._store_steps = self._store.steps
+                self._store_problem = self._store.problem
 
     def _note(self, event: TailEvent) -> None:
         """What the follower reports about the file, kept for the page."""
@@ -268,6 +289,7 @@ class PlanStore:
         self._where = []
         self._figures = []
         self._measured = 0
+        self._newest = -1
         self._speedup_sum = 0.0
         self._speedup_count = 0
         self._problems.clear()
@@ -277,6 +299,8 @@ class PlanStore:
 
     def _add(self, parsed: list[_Indexed], problems: list[Problem]) -> None:
         for summary, where, figures in parsed:
+            if _is_newer(summary, self._summaries[self._newest] if self._summaries else None):
+                self._newest = len(self._summaries)
             self._summaries.append(summary)
             self._where.append(where)
             self._figures.append(figures)
@@ -292,6 +316,8 @@ class PlanStore:
         with self._lock:
             n = len(self._summaries)
             notices = list(self._events)
+            if self._store_problem:
+                notices.append(f"{self._store_problem}; the figures come from the plans")
             if self._missing:
                 notices.insert(0, self._missing)
             elif n == 0 and self._problem_count == 0 and not self._indexing:
@@ -307,6 +333,8 @@ class PlanStore:
                     self._speedup_sum / self._speedup_count if self._speedup_count else None
                 ),
                 measured_steps=self._measured,
+                store=self._store_steps,
+                newest=self._newest,
             )
 
     def measured(self, index: int, count: int, reset: int | None = None) -> list[RankFigures]:
@@ -353,6 +381,16 @@ class PlanStore:
             while len(self._cache) > _CACHE_PLANS:
                 self._cache.popitem(last=False)
             return plan
+
+
+def _is_newer(summary: StepSummary, newest: StepSummary | None) -> bool:
+    """Whether ``summary`` is the newest step now (an unnumbered one is, as the last)."""
+    return (
+        newest is None
+        or summary.step is None
+        or newest.step is None
+        or (summary.step >= newest.step)
+    )
 
 
 def _new_run(last: StepSummary, first: StepSummary) -> str | None:

@@ -18,6 +18,7 @@ from typing import Literal
 import numpy as np
 import pyarrow as pa
 
+from knapformer.contract.nan_reduce import nan_to_zero
 from knapformer.contract.phases import RECORDED_PHASES
 from knapformer.contract.plan_io import parse_step_range
 from knapformer.contract.run_store import as_numpy, has_store, read_table
@@ -101,7 +102,8 @@ def window_rows(run: str | os.PathLike, first: int | None, last: int | None) -> 
     floor = np.where(listed[at] == kept, _floats(steps["floor_load"])[at], np.nan)
     load = _floats(ranks["predicted_load"])
     link = ranks["link_gbps"]  # the link probe's, in the steps that ran it
-    speed = np.nan_to_num(_floats(ranks["speed"]), nan=1.0)  # null: nominal
+    # in place: `_floats` of a float32 or integer column is a copy of its own
+    speed = nan_to_zero(_floats(ranks["speed"]), copy=False, nan=1.0)  # null: nominal
     count = len(kept)
     return WindowRows(
         step=step,
@@ -114,7 +116,7 @@ def window_rows(run: str | os.PathLike, first: int | None, last: int | None) -> 
         },
         work=load * speed,
         load=load,
-        moved_tokens=np.nan_to_num(_floats(ranks["tokens_moved"])),
+        moved_tokens=nan_to_zero(_floats(ranks["tokens_moved"]), copy=False),
         steps=kept,
         mean_load=np.ones(count),
         floor=floor,
