@@ -274,6 +274,10 @@ class Chunks(_Columns):
         self._make()
         return super().__repr_args__()
 
+    def __iter__(self):  # dict(chunks) reads the fields' values
+        self._make()
+        return super().__iter__()
+
     # Written whole. No return type: the serialisation schema stays the columns'.
     @model_serializer(mode="wrap")
     def _whole(self, handler: SerializerFunctionWrapHandler):
