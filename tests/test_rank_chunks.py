@@ -4,6 +4,7 @@ rows of one rank, which must be exactly those rows of the whole table."""
 
 from __future__ import annotations
 
+import json
 import pickle
 
 import numpy as np
@@ -18,6 +19,7 @@ from knapformer.planning.planner import plan_routing
 from knapformer.planning.workload import WorkloadModel
 from knapformer.runtime.conditioning import sequence_tables
 from knapformer.runtime.journal import plan_hash
+from knapformer.runtime.plan_lines import line_pieces, reader_problem
 from knapformer.runtime.router import RoutingTables
 
 MODEL = WorkloadModel(token_dim=3072, gamma=0.4)
@@ -92,6 +94,13 @@ def test_a_derived_table_writes_and_compares_as_one_given_whole(case):
     assert plan.chunks.made  # writing made it
     assert text == whole.model_dump_json()  # byte-identical, field order included
     assert RoutingPlan.model_validate_json(text) == whole
+
+
+def test_the_recorder_checks_and_writes_a_derived_plan_as_one_given_whole():
+    plan, whole = _plan(*PLANS[1]), _plan(*PLANS[1])
+    whole.time, whole.measurements = plan.time, plan.measurements
+    assert reader_problem(plan) is None  # its check reads the columns: they are made
+    assert json.loads(b"".join(line_pieces(plan))) == json.loads(whole.model_dump_json())
 
 
 def test_a_derived_plan_pickles_with_its_table():

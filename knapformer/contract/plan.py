@@ -175,6 +175,10 @@ class _Columns(BaseModel):
         first = next(iter(type(self).model_fields))
         return len(getattr(self, first))
 
+    def columns(self) -> dict[str, Any]:
+        """Column name -> column, in field order (a derived chunk table is made)."""
+        return {name: getattr(self, name) for name in type(self).model_fields}
+
     def __eq__(self, other: object) -> bool:
         if type(other) is not type(self):
             return NotImplemented
@@ -269,6 +273,10 @@ class Chunks(_Columns):
     def __repr_args__(self):
         self._make()
         return super().__repr_args__()
+
+    def __iter__(self):  # dict(chunks) reads the fields' values
+        self._make()
+        return super().__iter__()
 
     # Written whole. No return type: the serialisation schema stays the columns'.
     @model_serializer(mode="wrap")
