@@ -144,6 +144,26 @@ def test_waits_by_runs_of_a_group_are_the_scatters(interleaved):
     assert _run_waits(np.zeros(0), _Runs.of(np.zeros(0, np.int64), None)).shape == (0,)
 
 
+def test_a_dense_windows_stragglers_are_the_scatters_ties_included():
+    # Per step the rank that waited least, the first in row order on a tie, None when
+    # nobody waited: by rows of an (s, width) matrix as by the scatter over steps.
+    import dataclasses
+
+    from knapformer.diagnosis.store_window import _measured_only, _stragglers
+
+    flat = _measured_only(_rows(measured_run(6, topology="g1n2+g2n1+g4n1", seed=8)))
+    assert flat.width == 8
+    rng = np.random.default_rng(3)
+    total_wait = rng.integers(0, 4, len(flat.col)).astype(np.float64)  # ties
+    total_wait[8:16] = 0.0  # a step nobody waited in
+    total_wait[16:24] = 2.0  # every rank tied
+    dense = _stragglers(total_wait, flat)
+    general = _stragglers(total_wait, dataclasses.replace(flat, width=None))
+    assert dense == general
+    assert dense[1] is None and dense[2] == int(flat.rows.rank[16])
+    assert len({r for r in dense if r is not None}) > 1
+
+
 def test_a_dense_window_orders_its_bags_as_a_sort_of_the_whole_window():
     from knapformer.diagnosis.store_window import _bag_order, _measured_only
 

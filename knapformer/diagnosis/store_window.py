@@ -5,10 +5,11 @@ store has, for a window of steps, one narrow row per rank per step (`WindowRows`
 builds the same `RankSteps`, exchange-scope times and probe bandwidths from them with
 numpy over the whole window (1,024 ranks x 1,000 steps in about half a second of CPU,
 where a loop over steps took several). The figures are the ones `measure` defines,
-computed by the same functions (`phase_ms`, `host_ms`; the waits as `group_waits` defines
-them) over every row of the window at once, each collective's peers a run of rows: a step's,
-or a bag's in a step (`_Runs`, by a sort where bags interleave), so that the verdicts on the store equal those on the plans of the same steps (both keep
-float32 figures, as `RankFigures` does).
+computed by the same functions (`phase_ms`, `host_ms`; the waits as `group_waits`
+defines them) over every row of the window at once, each collective's peers a run of
+rows: a step's, or a bag's in a step (`_Runs`, by a sort where bags interleave), so that
+the verdicts on the store equal those on the plans of the same steps (both keep float32
+figures, as `RankFigures` does).
 
 The usual window is dense (every step holds the same ranks in the same order): its
 columns are then (steps, ranks) matrices, and the per-step reductions, sorts and the
@@ -22,7 +23,7 @@ a process's first window.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -151,8 +152,12 @@ def _floating(values) -> np.ndarray:
 
 
 def _divide(a: np.ndarray, b: np.ndarray, empty: float) -> np.ndarray:
-    """``a / b``, ``empty`` where ``b`` is not > 0."""
-    return np.where(b > 0, a / np.where(b > 0, b, 1.0), empty)
+    """``a / b``, ``empty`` where ``b`` is not > 0 (three passes over a million rows,
+    where a division by a cleaned copy of ``b`` took six)."""
+    with np.errstate(divide="ignore", invalid="ignore"):  # replaced just below
+        out = np.divide(a, b)
+    np.copyto(out, empty, where=~(b > 0))
+    return out
 
 
 def _dense_width(rows: WindowRows) -> int | None:
@@ -228,11 +233,14 @@ def _compute(flat: _Flat) -> tuple[np.ndarray, list[str]]:
     for i, p in enumerate(COMPUTE_PHASES):
         if p in flat.present:
             phase_of = np.where((phase_of < 0) & flat.present[p], i, phase_of)
+    used = np.unique(phase_of)
+    if len(used) == 1 and used[0] >= 0:  # the usual window: one compute phase throughout
+        return flat.ms(COMPUTE_PHASES[used[0]]), [COMPUTE_PHASES[used[0]]] * s
     compute = np.full(len(flat.col), np.nan)
-    for i, p in enumerate(COMPUTE_PHASES):
-        take = phase_of[flat.col] == i
-        if take.any():
-            compute[take] = flat.per_rank[p][take]
+    row_phase = phase_of[flat.col]
+    for i in used[used >= 0].tolist():
+        take = row_phase == i
+        compute[take] = flat.per_rank[COMPUTE_PHASES[i]][take]
     return compute, [COMPUTE_PHASES[i] for i in phase_of]
 
 
@@ -271,13 +279,22 @@ def _per_row(flat: _Flat, compute: np.ndarray) -> tuple[dict[str, Callable], np.
         "host_ms": lambda: host_ms(per_rank, k),
         "gc_ms": lambda: phase_ms(per_rank, GC, k),
         "descheduled_ms": lambda: phase_ms(per_rank, DESCHEDULED, k),
-        "exchange_ms": lambda: sum((phase_ms(per_rank, p, k) for p in EXCHANGES), np.zeros(k)),
+        "exchange_ms": lambda: _total((phase_ms(per_rank, p, k) for p in EXCHANGES), k),
         "exchange_wait_ms": lambda: exchange_wait,
         "exchange_values": lambda: np.asarray(rows.moved_tokens, np.float64) * 2 * token_dim,
     }
     # float64, as the plan's stats multiply it: float32 share x shown total
     made["shown"] = lambda: share.astype(np.float32).astype(np.float64) * rows.shown_total[col]
     return made, total_wait
+
+
+def _total(parts: Iterable[np.ndarray], k: int) -> np.ndarray:
+    """(k,) the sum of ``parts`` in their order, as ``sum(parts, np.zeros(k))`` adds them,
+    into one array (a million rows: each new array costs its page faults)."""
+    total = np.zeros(k)
+    for part in parts:
+        total += part
+    return total
 
 
 def _step_waits(t: np.ndarray, width: int) -> np.ndarray:
@@ -317,12 +334,18 @@ def _run_waits(t: np.ndarray, runs: _Runs) -> np.ndarray:
 def _stragglers(total_wait: np.ndarray, flat: _Flat) -> list[int | None]:
     """Per step, the rank that waited least (the first in row order on a tie), None when
     nobody waited (`measure`'s straggler)."""
-    s, k = len(flat.rows.steps), len(flat.col)
-    least = np.full(s, np.inf)
-    np.minimum.at(least, flat.col, total_wait)
-    position = np.where(total_wait == least[flat.col], np.arange(k), k)
-    first = np.full(s, k, dtype=np.int64)
-    np.minimum.at(first, flat.col, position)
+    s, k, width = len(flat.rows.steps), len(flat.col), flat.width
+    if width is not None and s and not np.isnan(total_wait).any():
+        # a dense window: the first least of each step's row of an (s, width) matrix
+        by_step = total_wait.reshape(s, width)
+        least = by_step.min(axis=1, keepdims=True)
+        first = np.argmax(by_step == least, axis=1) + np.arange(s) * width
+    else:  # by unbuffered reductions over the rows' steps
+        least = np.full(s, np.inf)
+        np.minimum.at(least, flat.col, total_wait)
+        position = np.where(total_wait == least[flat.col], np.arange(k), k)
+        first = np.full(s, k, dtype=np.int64)
+        np.minimum.at(first, flat.col, position)
     waited = np.bincount(flat.col, weights=total_wait, minlength=s) > 0
     ranks = np.asarray(flat.rows.rank)[np.minimum(first, k - 1)]
     return [int(r) if w else None for r, w in zip(ranks.tolist(), waited.tolist(), strict=True)]
@@ -470,14 +493,19 @@ def _scope_keys(
     # a group is told by its first rank and size (its ranks' sum checks it): one key
     first_rank, sizes, sums = ranks[starts][keep], size[keep], cum[keep]
     key = first_rank.astype(np.int64) * (int(sizes.max(initial=0)) + 1) + sizes
-    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
-    inverse = inverse.reshape(-1)
-    if (sums != sums[first][inverse]).any():  # bags that share a first rank and size
+    # each scope's groups together, in step order, scopes by key (as np.unique gives
+    # them, in one sort where it took two)
+    order = np.argsort(key, kind="stable")
+    by_key = key[order]
+    bounds = np.flatnonzero(by_key[1:] != by_key[:-1]) + 1
+    first = order[np.concatenate(([0], bounds))]  # each scope's first group
+    if (sums[order] != np.repeat(sums[first], np.diff(bounds, prepend=0, append=len(key)))).any():
+        # bags that share a first rank and size
         signature = np.stack([first_rank, sizes, sums], axis=1)
         _, first, inverse = np.unique(signature, axis=0, return_index=True, return_inverse=True)
         inverse = inverse.reshape(-1)
-    order = np.argsort(inverse, kind="stable")  # each scope's groups together, in step order
-    bounds = np.cumsum(np.bincount(inverse, minlength=len(first)))[:-1]
+        order = np.argsort(inverse, kind="stable")
+        bounds = np.cumsum(np.bincount(inverse, minlength=len(first)))[:-1]
     out = {}
     for at, groups in zip(first.tolist(), np.split(keep[order], bounds), strict=True):
         g = keep[at]
@@ -494,8 +522,7 @@ def _relative_bandwidth(
     for best in (flat.rows.best_intra_gbps, flat.rows.best_cross_gbps):
         if best is None:
             continue
-        grid = np.full(shape, np.nan)
-        grid[row, flat.col] = np.asarray(best, np.float64)
+        grid = _grid(np.asarray(best, np.float64), row, flat.col, shape)
         reference = nan_reduce(np.nanmedian, grid, axis=0)  # (s,)
         with np.errstate(divide="ignore", invalid="ignore"):
             relative = np.where(reference > 0, grid / reference, np.nan)
