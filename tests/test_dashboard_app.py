@@ -241,8 +241,65 @@ def test_the_step_shown_reads_its_full_plan_and_the_stores_window_up_to_it(every
     # (steps 0, 10, 20) kept up to it
     assert list(out["ratio"].data[0].x) == list(range(1, 21))
     assert "steps 1–20" in out["scatter"].layout.title.text
-    flagged, _views = step_frame._stragglers(runs, selection, plans[20])
+    rows = step_frame._store_rows(runs, selection, plans[20])
+    flagged, _views = step_frame._stragglers(runs, selection, plans[20], rows)
     assert list(flagged) == [5]
+
+
+def _bars(figure) -> dict[str, np.ndarray]:
+    """Each stacked part of a phase figure: its ms per rank slot."""
+    return {t.name: np.asarray(t.y, float) for t in figure.data if t.type == "bar"}
+
+
+def _assert_same_parts(figure, expected) -> None:
+    """The figure's bars are ``expected``'s parts (a `RankPhases`), to the store's
+    rounding of times (1/128 ms; a wait is a difference of two)."""
+    bars = _bars(figure)
+    assert list(bars) == list(expected.parts)
+    for name, ms in expected.parts.items():
+        np.testing.assert_allclose(bars[name], ms, atol=2 / 128, err_msg=name)
+
+
+def test_the_phase_window_averages_the_stores_last_steps_not_the_kept_plans(every10):
+    from knapformer.dashboard import step_frame
+    from knapformer.visualization.phase_figures import window_parts
+
+    folder, plans = every10
+    runs, snap = _followed(folder.parent)
+    selection = {"run": "run", "reset": snap.reset, "index": KEPT.index(20)}
+    out = step_frame.frame(runs, selection, None)
+    title = out["phase_window"].layout.title.text
+    assert "mean of 6 steps (15–20)" in title, title
+    # the mean of steps 15..20 as their plans (all recorded, 5 of them not kept) give it
+    _assert_same_parts(out["phase_window"], window_parts(plans[15:21]))
+    # the kept plans up to step 20 (steps 0, 1, 10, 11, 20) would give another mean
+    kept = window_parts([p for p in plans[:21] if p.step in KEPT])
+    assert not np.allclose(
+        _bars(out["phase_window"])[next(iter(kept.parts))],
+        next(iter(kept.parts.values())),
+        atol=2 / 128,
+    )
+
+
+def test_the_stores_phases_of_a_step_equal_its_full_plans(every10):
+    from knapformer.dashboard import step_frame
+    from knapformer.visualization.phase_figures import step_parts, store_parts
+
+    folder, plans = every10
+    runs, snap = _followed(folder.parent)
+    for step in KEPT:  # every step both hold
+        selection = {"run": "run", "reset": snap.reset, "index": KEPT.index(step)}
+        rows = step_frame._store_rows(runs, selection, plans[step])
+        from_store = store_parts(rows)[-1]
+        from_plan = step_parts(plans[step])
+        assert from_store.steps == from_plan.steps == [step]
+        order = np.argsort(from_plan.ranks)
+        assert from_store.ranks.tolist() == from_plan.ranks[order].tolist()
+        assert list(from_store.parts) == list(from_plan.parts)
+        assert from_store.styles == from_plan.styles
+        for name, ms in from_plan.parts.items():
+            np.testing.assert_allclose(from_store.parts[name], ms[order], atol=2 / 128)
+        np.testing.assert_allclose(from_store.step_ms, from_plan.step_ms[order], atol=1 / 128)
 
 
 def _callback(handle, output: str, values: dict) -> dict:
