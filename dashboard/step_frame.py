@@ -315,18 +315,15 @@ def _measured_window(runs: Runs, selection: dict) -> list:
 
 
 def _measured_plans(runs: Runs, selection: dict, count: int) -> list[Any]:
-    """The plans of up to ``count`` measured steps ending at the selected one."""
+    """The plans of up to ``count`` measured steps ending at the selected one, in step
+    order (`PlanStore.measured_plans`)."""
     store = runs.store(selection["run"])
-    snap = store.snapshot() if store else None
-    if snap is None or snap.reset != selection["reset"]:
+    if store is None:
         return []
     out = []
-    i = min(selection["index"], len(snap.summaries) - 1)
-    while i >= 0 and len(out) < count:
-        if snap.summaries[i].has_measurements:
-            try:
-                out.append(store.plan(i, selection["reset"]))
-            except LookupError:
-                break
-        i -= 1
-    return out[::-1]
+    for i in store.measured_plans(selection["index"], count, selection["reset"]):
+        try:
+            out.append(store.plan(i, selection["reset"]))
+        except LookupError:
+            continue  # gone meanwhile: the mean of the others
+    return out

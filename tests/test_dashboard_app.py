@@ -302,9 +302,10 @@ def test_the_stores_phases_of_a_step_equal_its_full_plans(every10):
         np.testing.assert_allclose(from_store.step_ms, from_plan.step_ms[order], atol=1 / 128)
 
 
-def _callback(handle, output: str, values: dict) -> dict:
+def _callback(handle, output: str, values: dict, changed: tuple[str, ...] = ()) -> dict:
     """Run the server's callback whose output names ``output`` as the page would, its
-    inputs and states set from ``values`` (by ``id.property``; the rest None)."""
+    inputs and states set from ``values`` (by ``id.property``; the rest None), after a
+    change of the inputs ``changed``."""
     deps = json.loads(_get(handle.url + "_dash-dependencies")[1])
     dep = next(d for d in deps if output in d["output"])
 
@@ -320,7 +321,7 @@ def _callback(handle, output: str, values: dict) -> dict:
         "outputs": outputs,
         "inputs": items(dep["inputs"]),
         "state": items(dep["state"]),
-        "changedPropIds": [],
+        "changedPropIds": list(changed),
     }
     request = urllib.request.Request(
         handle.url + "_dash-update-component",
@@ -355,3 +356,51 @@ def test_the_served_timeline_of_a_run_with_a_store_has_every_step(every10):
             assert after["y"][step] == pytest.approx(plans[step].stats.imbalance_after, 1e-6)
     finally:
         handle.stop()
+
+
+@pytest.fixture
+def late_plans(every10, tmp_path):
+    """``every10``'s plans as the store's writer may leave them: those of steps 1, 11,
+    21, 31 (kept for a verdict) written after steps 0, 10, 20, 30; without its store."""
+    folder, _plans = every10
+    run = tmp_path / "runs" / "run"
+    run.mkdir(parents=True)
+    lines = (folder / "plans.jsonl").read_text().splitlines()
+    lines.sort(key=lambda line: (json.loads(line)["step"] % 10 != 0, json.loads(line)["step"]))
+    (run / "plans.jsonl").write_text("\n".join(lines) + "\n")
+    return run.parent, [json.loads(line)["step"] for line in lines]
+
+
+def test_the_slider_walks_the_steps_in_order_though_plans_came_late(late_plans):
+    folder, steps = late_plans
+    assert steps == [0, 10, 20, 30, 1, 11, 21, 31]
+    handle = start_server(folder, port=0)
+    try:
+        values = {"view.data": {"run": "run", "notices": []}, "follow.value": ["on"]}
+        first = _callback(handle, "follow-note.children", values)
+        shown = first["selection"]["data"]
+        assert steps[shown["index"]] == 31 and first["step-slider"]["value"] == 7
+        marks = first["step-slider"]["marks"]  # at places 0, 1, 3, 4, 6, 7 in step order
+        assert [marks[k] for k in sorted(marks, key=int)] == ["0", "1", "11", "20", "30", "31"]
+        for place, step in enumerate([0, 1, 10, 11, 20, 21, 30, 31]):
+            moved = {**values, "step-slider.value": place, "selection.data": shown}
+            out = _callback(handle, "follow-note.children", moved, ("step-slider.value",))
+            picked = out["selection"]["data"] if "selection" in out else shown  # unchanged
+            assert steps[picked["index"]] == step
+            assert "value" not in out.get("step-slider", {})  # the slider stays where it is
+    finally:
+        handle.stop()
+
+
+def test_without_a_store_the_phase_window_takes_the_measured_plans_in_step_order(late_plans):
+    from knapformer.dashboard import step_frame
+
+    folder, steps = late_plans
+    runs, snap = _followed(folder)
+    assert snap.store is None
+    selection = {"run": "run", "reset": snap.reset, "index": steps.index(11)}
+    out = step_frame.frame(runs, selection, None)
+    # the plans up to step 11 in step order: 0, 1, 10, 11 (in file order, 0, 10, 20, 30,
+    # 1, 11: steps after the one shown)
+    assert "mean of 4 steps (0–11)" in out["phase_window"].layout.title.text
+    assert list(out["ratio"].data[0].x) == [0, 1, 10, 11]
