@@ -36,10 +36,8 @@ from knapformer.visualization.phase_figures import (
     window_parts,
 )
 from knapformer.visualization.straggler_figures import (
-    HEATMAP_STEPS,
     compute_wait_figure,
     flagged_ranks,
-    heatmap_steps,
     ratio_heatmap,
     step_loss_figure,
     wait_heatmap,
@@ -202,7 +200,7 @@ def _stragglers(
     if stored is not None:
         return stored
     window = _measured_window(runs, selection)
-    flagged = flagged_ranks(analyse(window[-WINDOW:])) if window else {}
+    flagged = flagged_ranks(analyse(window)) if window else {}
     return flagged, _straggler_views(runs, selection, window, flagged)
 
 
@@ -240,19 +238,18 @@ def _store_stragglers(
 
 def _straggler_views(runs: Runs, selection: dict, window: list, flagged: dict) -> dict[str, Any]:
     """The rank × step heatmaps, compute vs waiting and the step loss over the measured
-    steps up to the selected one (hidden without any)."""
+    steps of ``window`` (`WINDOW` up to the selected one; hidden without any)."""
     if not window:
         return {
             "ratio": no_update, "wait": no_update, "scatter": no_update, "loss": no_update,
             "straggler_style": HIDDEN,
         }  # fmt: skip
-    recent = window[-WINDOW:]
     start = _run_start(runs.store(selection["run"]))
-    heat = rank_steps(window[-heatmap_steps(len(window[-1].gpus)) :])
+    heat = rank_steps(window)
     return {
         "ratio": ratio_heatmap(heat, False, flagged),
         "wait": wait_heatmap(heat, False, flagged, start),
-        "scatter": compute_wait_figure(analyse(recent), rank_steps(recent), validate=False),
+        "scatter": compute_wait_figure(analyse(window), heat, validate=False),
         "loss": step_loss_figure(step_losses(window), start, validate=False),
         "straggler_style": SHOWN,
     }
@@ -309,9 +306,11 @@ def _run_start(store: PlanStore | None) -> int | None:
 
 
 def _measured_window(runs: Runs, selection: dict) -> list:
-    """The figures of up to `HEATMAP_STEPS` measured steps ending at the selected one."""
+    """The figures of up to `WINDOW` measured steps ending at the selected one: the
+    straggler views show the steps their verdicts are judged on, as with a store, the
+    report and `knapformer stragglers` (docs/dashboard.md, "Straggler views")."""
     store = runs.store(selection["run"])
-    return store.measured(selection["index"], HEATMAP_STEPS, selection["reset"]) if store else []
+    return store.measured(selection["index"], WINDOW, selection["reset"]) if store else []
 
 
 def _measured_plans(runs: Runs, selection: dict, count: int) -> list[Any]:

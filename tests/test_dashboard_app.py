@@ -374,10 +374,19 @@ def late_plans(every10, tmp_path):
 def test_the_slider_walks_the_steps_in_order_though_plans_came_late(late_plans):
     folder, steps = late_plans
     assert steps == [0, 10, 20, 30, 1, 11, 21, 31]
+    from knapformer.testing.polling import wait_until
+
     handle = start_server(folder, port=0)
     try:
         values = {"view.data": {"run": "run", "notices": []}, "follow.value": ["on"]}
-        first = _callback(handle, "follow-note.children", values)
+        first = {}
+
+        def every_plan_read():
+            """the server's follower has read the 8 plans"""
+            first.update(_callback(handle, "follow-note.children", values))
+            return first["step-slider"]["max"] == 7
+
+        wait_until(every_plan_read, 60)
         shown = first["selection"]["data"]
         assert steps[shown["index"]] == 31 and first["step-slider"]["value"] == 7
         marks = first["step-slider"]["marks"]  # at places 0, 1, 3, 4, 6, 7 in step order
