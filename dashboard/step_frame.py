@@ -180,7 +180,7 @@ def _phase_views(
         )
     )
     if rows is not None:
-        mean = mean_parts(store_parts(rows)[-PHASE_WINDOW:])
+        mean = mean_parts(store_parts(rows, PHASE_WINDOW))
     else:
         mean = window_parts(_measured_plans(runs, selection, PHASE_WINDOW))
     window = (

@@ -235,19 +235,22 @@ def window_parts(plans: Sequence[RoutingPlan]) -> RankPhases | None:
     return mean_parts([p for p in map(step_parts, plans) if p is not None])
 
 
-def store_parts(rows: WindowRows) -> list[RankPhases]:
+def store_parts(rows: WindowRows, last: int | None = None) -> list[RankPhases]:
     """The parts of each step of a window of the run store's rows that measured a compute
-    phase (`rank_parts`; rows by step, then rank, as `WindowRows` holds them)."""
+    phase (`rank_parts`; rows by step, then rank, as `WindowRows` holds them), oldest
+    first; only the ``last`` such steps when given."""
     step = np.asarray(rows.step)
     starts = np.flatnonzero(np.r_[True, step[1:] != step[:-1]]).tolist()
-    out = []
-    for lo, hi in zip(starts, [*starts[1:], len(step)], strict=True):
+    out: list[RankPhases] = []
+    for lo, hi in reversed(list(zip(starts, [*starts[1:], len(step)], strict=True))):
+        if last is not None and len(out) == last:
+            break
         # a phase none of the step's ranks measured is not in its measurements
         per_rank = {p: v[lo:hi] for p, v in rows.phase_ms.items() if np.isfinite(v[lo:hi]).any()}
         parts = rank_parts(int(step[lo]), rows.rank[lo:hi], rows.bag[lo:hi], per_rank)
         if parts is not None:
             out.append(parts)
-    return out
+    return out[::-1]
 
 
 def mean_parts(each: Sequence[RankPhases]) -> RankPhases | None:
