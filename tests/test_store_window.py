@@ -118,6 +118,32 @@ def test_a_dense_window_takes_the_waits_and_presence_the_scatter_gives(width):
     assert not _in_steps(finite, col, steps, width)[2]
 
 
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_waits_by_runs_of_a_group_are_the_scatters(interleaved):
+    # The bag collectives' waits reduce each bag's run of rows (after a sort where bags
+    # interleave); bit for bit what the scatter over group ids gives, singletons,
+    # unmeasured groups, unused ids and a hostile inf included.
+    from knapformer.diagnosis.measured import group_waits
+    from knapformer.diagnosis.store_window import _run_waits, _Runs
+
+    rng = np.random.default_rng(11)
+    group = np.sort(rng.integers(0, 40, 300)) * 2  # odd ids unused: empty groups
+    if interleaved:
+        group = rng.permutation(group)
+    t = rng.lognormal(0, 1, group.size)
+    t[rng.random(t.size) < 0.2] = np.nan
+    t[group == group[7]] = np.nan  # a group nobody measured
+    t[3] = np.inf
+    order = np.argsort(group, kind="stable") if interleaved else None
+    runs = _Runs.of(group, order)
+    assert (runs.size >= 1).all() and runs.size.sum() == group.size
+    with np.errstate(invalid="ignore"):  # inf - inf, in both
+        waits, scatter = _run_waits(t.copy(), runs), group_waits(t, group)
+    assert waits.dtype == np.float64 and np.array_equal(waits, scatter)
+    assert (waits > 0).any() and (waits == 0).any()
+    assert _run_waits(np.zeros(0), _Runs.of(np.zeros(0, np.int64), None)).shape == (0,)
+
+
 def test_a_dense_window_orders_its_bags_as_a_sort_of_the_whole_window():
     from knapformer.diagnosis.store_window import _bag_order, _measured_only
 

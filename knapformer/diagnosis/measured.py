@@ -56,6 +56,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from knapformer.contract.nan_reduce import nan_to_zero
 from knapformer.contract.phases import (
     BAG_COLLECTIVES,
     COLLECTIVE_PHASES,
@@ -420,5 +421,5 @@ def _group_waits(t: np.ndarray, group: np.ndarray) -> tuple[np.ndarray, ...]:
     first = np.full(groups, np.inf)
     np.minimum.at(first, group, earliest)
     has = (size >= 2) & np.isfinite(first)
-    wait = np.nan_to_num(np.where(has[group], t - first[group], 0.0), nan=0.0)
+    wait = nan_to_zero(np.where(has[group], t - first[group], 0.0), copy=False)
     return wait, earliest, first, has

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from knapformer.contract.nan_reduce import nan_reduce
+from knapformer.contract.nan_reduce import nan_reduce, nan_to_zero
 from knapformer.contract.phases import ALLREDUCE, DESCHEDULED, GATHER, OPTIMIZER, UNTIMED
 from knapformer.diagnosis.measured import RankFigures
 from knapformer.diagnosis.rank_steps import RankSteps, rank_steps
@@ -177,7 +177,7 @@ def _window_parts(
     ideal_compute = columns(np.nanmean, np.where(taking, predicted, np.nan))
     values, exchange = m.exchange_values, m.exchange_ms
     # the bandwidth of what the exchanges moved, not of the time ranks waited in them
-    transfer = exchange - np.nan_to_num(m.exchange_wait_ms)
+    transfer = exchange - nan_to_zero(m.exchange_wait_ms)
     moved = taking & (values > 0) & (transfer > 0)
     bandwidth = columns(np.nanmedian, np.where(moved, values / transfer, np.nan))
     typical = columns(np.nanmedian, np.where(moved, values, np.nan))
@@ -193,7 +193,7 @@ def _window_parts(
     def fixed(phase: str) -> np.ndarray:
         return m.fixed_ms.get(phase, nan)
 
-    descheduled = np.nan_to_num(m.descheduled_ms) if m.descheduled_ms.size else 0.0
+    descheduled = nan_to_zero(m.descheduled_ms) if m.descheduled_ms.size else 0.0
     slowest = columns(np.nanmax, compute)
     waits = m.exchange_wait_ms
     parts = {

@@ -5,9 +5,9 @@ store has, for a window of steps, one narrow row per rank per step (`WindowRows`
 builds the same `RankSteps`, exchange-scope times and probe bandwidths from them with
 numpy over the whole window (1,024 ranks x 1,000 steps in about half a second of CPU,
 where a loop over steps took several). The figures are the ones `measure` defines,
-computed by the same functions (`_waits`, `phase_ms`, `host_ms`) over every row of the
-window at once, each collective's peers told apart by a group id per step (and per bag),
-so that the verdicts on the store equal those on the plans of the same steps (both keep
+computed by the same functions (`phase_ms`, `host_ms`; the waits as `group_waits` defines
+them) over every row of the window at once, each collective's peers a run of rows: a step's,
+or a bag's in a step (`_Runs`, by a sort where bags interleave), so that the verdicts on the store equal those on the plans of the same steps (both keep
 float32 figures, as `RankFigures` does).
 
 The usual window is dense (every step holds the same ranks in the same order): its
@@ -43,7 +43,6 @@ from knapformer.contract.phases import (
     host_ms,
     phase_ms,
 )
-from knapformer.diagnosis.measured import group_waits
 from knapformer.diagnosis.rank_steps import RankSteps
 from knapformer.diagnosis.stragglers import ScopeTimes
 from knapformer.planning.compute_model import fit_compute
@@ -83,6 +82,26 @@ class WindowFigures:
 
 
 @dataclass(frozen=True)
+class _Runs:
+    """Rows by group: ``order`` puts them in the groups' order (None: they are in it),
+    each group then a run of ``size`` rows from ``starts``."""
+
+    order: np.ndarray | None
+    starts: np.ndarray
+    size: np.ndarray
+
+    @classmethod
+    def of(cls, groups: np.ndarray, order: np.ndarray | None) -> _Runs:
+        ordered = groups if order is None else groups[order]
+        starts = np.concatenate(([0], np.flatnonzero(ordered[1:] != ordered[:-1]) + 1))
+        return cls(order, starts, np.diff(starts, append=len(groups)))
+
+    def ordered(self, a: np.ndarray) -> np.ndarray:
+        """``a`` (k,) in the groups' order."""
+        return a if self.order is None else a[self.order]
+
+
+@dataclass(frozen=True)
 class _Flat:
     """The window's rows with their step column and presence of each phase per step."""
 
@@ -100,6 +119,16 @@ class _Flat:
         bag = np.asarray(self.rows.bag, dtype=np.int64)
         # ids need not be contiguous (an unused id is an empty group): no sort
         return self.col * (int(bag.max()) + 1) + bag
+
+    @functools.cached_property
+    def bag_runs(self) -> _Runs:
+        """The rows by `bag_groups` (the bag collectives' waits and scopes share them)."""
+        return _Runs.of(self.bag_groups, _bag_order(self))
+
+    @functools.cached_property
+    def step_runs(self) -> _Runs:
+        """The rows by step (they come by step: no sort)."""
+        return _Runs.of(self.col, None)
 
     def ms(self, phase: str) -> np.ndarray:
         """(k,) float64 of a measured phase, a copy of its own (kept as stored, widened
@@ -216,12 +245,14 @@ def _per_row(flat: _Flat, compute: np.ndarray) -> tuple[dict[str, Callable], np.
     # summed as they come, in `COLLECTIVE_PHASES` order (the order of a plan's sums)
     total_wait, exchange_wait = np.zeros(k), np.zeros(k)
     for p in COLLECTIVE_PHASES:
-        if p in per_rank and p not in BAG_COLLECTIVES and flat.width is not None:
-            wait = _step_waits(flat.ms(p), flat.width)  # its own copy, changed in place
-        elif p in per_rank:
-            wait = group_waits(flat.ms(p), flat.bag_groups if p in BAG_COLLECTIVES else col)
-        else:
+        if p not in per_rank:
             continue
+        if p in BAG_COLLECTIVES:
+            wait = _run_waits(flat.ms(p), flat.bag_runs)
+        elif flat.width is not None:
+            wait = _step_waits(flat.ms(p), flat.width)  # its own copy, changed in place
+        else:
+            wait = _run_waits(flat.ms(p), flat.step_runs)
         total_wait += wait
         if p in EXCHANGES:
             exchange_wait += wait
@@ -262,6 +293,25 @@ def _step_waits(t: np.ndarray, width: int) -> np.ndarray:
         wait -= first
     wait[~((width >= 2) & np.isfinite(first[:, 0]))] = 0.0
     return nan_to_zero(wait, copy=False).reshape(-1)
+
+
+def _run_waits(t: np.ndarray, runs: _Runs) -> np.ndarray:
+    """`knapformer.diagnosis.measured.group_waits` of ``t`` (k,) float64 by the groups of
+    ``runs``: each row's time past its group's earliest (0 alone in its group, or in one
+    nobody measured), by a reduction over each run instead of an unbuffered scatter over
+    a million rows (the same values)."""
+    if not len(t):
+        return np.zeros(0)
+    t = runs.ordered(t)
+    first = np.minimum.reduceat(np.where(np.isnan(t), np.inf, t), runs.starts)
+    has = (runs.size >= 2) & np.isfinite(first)
+    wait = np.where(np.repeat(has, runs.size), t - np.repeat(first, runs.size), 0.0)
+    wait = nan_to_zero(wait, copy=False)
+    if runs.order is None:
+        return wait
+    out = np.empty_like(wait)
+    out[runs.order] = wait
+    return out
 
 
 def _stragglers(total_wait: np.ndarray, flat: _Flat) -> list[int | None]:
@@ -373,16 +423,8 @@ def _scope_times(flat: _Flat, wall: np.ndarray) -> ScopeTimes:
     if not len(flat.col):  # no step measured its compute: no scope to time
         return out
     for scope, phases in (("group", GROUP_EXCHANGES), ("bag", BAG_COLLECTIVES)):
-        groups = flat.col if scope == "group" else flat.bag_groups
-        # rows come by step: a step's group needs no sort (a copy of every column)
-        order = None if scope == "group" else _bag_order(flat)  # None: in order
-
-        def ordered(a: np.ndarray, order=order) -> np.ndarray:
-            return a if order is None else a[order]
-
-        sorted_groups = ordered(groups)
-        starts = np.concatenate(([0], np.flatnonzero(sorted_groups[1:] != sorted_groups[:-1]) + 1))
-        size = np.diff(starts, append=len(groups))
+        runs = flat.step_runs if scope == "group" else flat.bag_runs
+        ordered, starts, size = runs.ordered, runs.starts, runs.size
         step = ordered(flat.col)[starts]
         measured = [p for p in phases if p in flat.present]
         exchanged = np.zeros(len(starts), bool)

@@ -58,7 +58,7 @@ from typing import Literal
 
 import numpy as np
 
-from knapformer.contract.nan_reduce import nan_reduce
+from knapformer.contract.nan_reduce import nan_reduce, nan_to_zero
 from knapformer.contract.phases import BAG_COLLECTIVES, GROUP_EXCHANGES
 from knapformer.diagnosis.measured import RankFigures
 from knapformer.diagnosis.probed import relative_bandwidth
@@ -463,7 +463,7 @@ def judge(
         predicted = fit.predicted_ms * (m.ratio * 0 + 1)  # (r, s), NaN where unrated
         # By the wall clock: on the CPU the compute is the thread's CPU time, and each ms
         # of it took as much longer as the rank waited for a core (`descheduled`).
-        stretch = (m.compute_ms + np.nan_to_num(m.descheduled_ms)) / m.compute_ms
+        stretch = (m.compute_ms + nan_to_zero(m.descheduled_ms)) / m.compute_ms
         stretch = np.where(np.isfinite(stretch) & (m.compute_ms > 0), stretch, 1.0)
         compute_excess = m.compute_ms - predicted
         wall_excess = compute_excess * stretch

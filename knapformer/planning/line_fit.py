@@ -126,8 +126,12 @@ def _residuals(w: np.ndarray, c: np.ndarray, overhead: float, slope: float) -> n
 
 def agreeing(w: np.ndarray, c: np.ndarray, overhead: float, slope: float) -> np.ndarray:
     """(r,) bool: the ranks within `TOLERANCE` of the line (NaN: no)."""
-    res = _residuals(w, c, overhead, slope)
-    return np.isfinite(res) & (np.abs(res) <= np.log(TOLERANCE))
+    return _within_tolerance(_residuals(w, c, overhead, slope))
+
+
+def _within_tolerance(residuals: np.ndarray) -> np.ndarray:
+    """(r,) bool: the ranks whose median log residual (r,) is within `TOLERANCE`."""
+    return np.isfinite(residuals) & (np.abs(residuals) <= np.log(TOLERANCE))
 
 
 def _line_fits(w: np.ndarray, c: np.ndarray, lines: list[tuple]) -> list[tuple]:
@@ -206,10 +210,11 @@ def _noise_caps(w: np.ndarray, c: np.ndarray, overhead: float, slope: float) -> 
     squared standard error of their median log residual. The scatter is pooled over those
     ranks (it is the host's, and a few steps give each rank too few to judge alone), after
     each step's common swing is taken out, as `fit_compute`'s per-step scale takes it."""
-    on = agreeing(w, c, overhead, slope)
+    every = _log_residuals(w, c, overhead, slope)  # (r, s), once: `agreeing` and the rows on
+    on = _within_tolerance(nan_reduce(np.nanmedian, every, axis=1))
     if on.sum() < 2:
         return 0.0
-    res = _log_residuals(w[on], c[on], overhead, slope)  # (k, s)
+    res = every[on]  # (k, s)
     own = res - nan_reduce(np.nanmedian, res, axis=0)
     counted = np.isfinite(own).sum(axis=1)
     dof = int(np.maximum(counted - 1, 0).sum())
