@@ -3,7 +3,9 @@
 A `PlanStore` keeps one `StepSummary` plus a file location per step (a few hundred bytes)
 and, for a step with measurements, its per-rank `RankFigures` (a few float32 per rank),
 never the plans themselves: a full plan is re-read and validated only when the user
-selects its step, and the last few are cached. That still grows with the run: about 1 KB
+selects its step, and the last few are cached. Steps are walked in step order
+(`Snapshot.by_step`), not file order: the plans a verdict names are appended by the
+store's writer when it gets to them, after newer steps. That still grows with the run: about 1 KB
 a step, 2.5 KB more and 60 bytes per GPU for a measured one (docs/reliability.md). A
 background thread per store follows the file (`dashboard.tail.JsonlTail`) so Dash
 callbacks only read a snapshot; the same thread follows the run's store, when it has one
