@@ -375,7 +375,7 @@ def _marks(snap: Snapshot) -> dict:
     if n == 0:
         return {}
     picks = sorted({round(i * (n - 1) / 5) for i in range(6)})
-    return {i: str(step_of(snap, i)) for i in picks}
+    return {i: str(step_of(snap, snap.by_step[i])) for i in picks}
 
 
 def _view(run: str | None, snap: Snapshot | None, path: Path) -> dict:
@@ -620,7 +620,7 @@ def _straggler(store: PlanStore | None, snap: Snapshot | None) -> str:
     """The run's current straggler: the verdict over its last `WINDOW` measured steps."""
     if store is None or snap is None or not snap.measured_steps:
         return "– (no measured steps)"
-    window = store.measured(len(snap.summaries) - 1, WINDOW, snap.reset)
+    window = store.measured(snap.newest, WINDOW, snap.reset)
     return headline(analyse(window)) if window else "– (no measured steps)"
 
 
@@ -701,7 +701,11 @@ def _step_selection(app: Dash, runs: Runs, timed: Callable) -> None:
             raise PreventUpdate  # nothing new for the slider
 
         following = "on" in (follow or [])
-        index = value if isinstance(value, int) else newest
+        # the slider's value is a place in step order (`Snapshot.by_step`), the selection's
+        # an index: a plan written late moves the places after it, never the indices
+        index = shown.get("index") if isinstance(shown.get("index"), int) else newest
+        if trigger == "step-slider" and snap and isinstance(value, int) and 0 <= value < n:
+            index = snap.by_step[value]
         note = ""
         if run_changed:
             following, index = True, newest
@@ -733,7 +737,7 @@ def _step_selection(app: Dash, runs: Runs, timed: Callable) -> None:
         return {
             "last": last,
             "marks": _marks(snap) if snap else {},
-            "value": index if index != value else no_update,
+            "value": _place(snap, index) if _place(snap, index) != value else no_update,
             "follow": (
                 (["on"] if following else [])
                 if following != ("on" in (follow or []))
@@ -742,6 +746,11 @@ def _step_selection(app: Dash, runs: Runs, timed: Callable) -> None:
             "selection": new_selection if new_selection != selection else no_update,
             "note": note,
         }
+
+
+def _place(snap: Snapshot | None, index: int) -> int:
+    """The slider's value of plan ``index``: its place in step order."""
+    return snap.by_step.index(index) if snap and index < len(snap.by_step) else 0
 
 
 def _kept_of(snap: Snapshot) -> str:

@@ -3,7 +3,9 @@
 A `PlanStore` keeps one `StepSummary` plus a file location per step (a few hundred bytes)
 and, for a step with measurements, its per-rank `RankFigures` (a few float32 per rank),
 never the plans themselves: a full plan is re-read and validated only when the user
-selects its step, and the last few are cached. That still grows with the run: about 1 KB
+selects its step, and the last few are cached. Steps are walked in step order
+(`Snapshot.by_step`), not file order: the plans a verdict names are appended by the
+store's writer when it gets to them, after newer steps. That still grows with the run: about 1 KB
 a step, 2.5 KB more and 60 bytes per GPU for a measured one (docs/reliability.md). A
 background thread per store follows the file (`dashboard.tail.JsonlTail`) so Dash
 callbacks only read a snapshot; the same thread follows the run's store, when it has one
@@ -18,12 +20,13 @@ of thousands of runs does not leave a thread and open files behind for each.
 
 from __future__ import annotations
 
+import bisect
 import os
 import stat
 import threading
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from knapformer.dashboard.store_steps import StoreFollower, StoreSteps
@@ -78,6 +81,9 @@ class Snapshot:
     #: the index of the newest step's plan: the last one, unless plans of earlier steps
     #: came after it (the store's writer appends those a verdict named as it gets to them)
     newest: int = -1
+    #: the indices of ``summaries`` in step order (file order for unnumbered plans): what
+    #: the step picker walks, so that a plan written late stands among its neighbours
+    by_step: list[int] = field(default_factory=list)
 
 
 class RequestGate:
@@ -129,6 +135,8 @@ class PlanStore:
         self._figures: list[RankFigures | None] = []
         self._measured = 0
         self._newest = -1
+        self._order: list[int] = []  # indices by `_order_key`
+        self._order_keys: list[tuple[int, int]] = []
         self._problems: deque[Problem] = deque(maxlen=_KEEP_PROBLEMS)
         self._problem_count = 0
         self._events: deque[str] = deque(maxlen=_KEEP_EVENTS)
@@ -290,6 +298,8 @@ class PlanStore:
         self._figures = []
         self._measured = 0
         self._newest = -1
+        self._order = []
+        self._order_keys = []
         self._speedup_sum = 0.0
         self._speedup_count = 0
         self._problems.clear()
@@ -301,6 +311,10 @@ class PlanStore:
         for summary, where, figures in parsed:
             if _is_newer(summary, self._summaries[self._newest] if self._summaries else None):
                 self._newest = len(self._summaries)
+            key = _order_key(summary, len(self._summaries))
+            at = bisect.bisect(self._order_keys, key)  # a late plan: near the end
+            self._order_keys.insert(at, key)
+            self._order.insert(at, len(self._summaries))
             self._summaries.append(summary)
             self._where.append(where)
             self._figures.append(figures)
@@ -335,21 +349,40 @@ class PlanStore:
                 measured_steps=self._measured,
                 store=self._store_steps,
                 newest=self._newest,
+                by_step=list(self._order),
             )
 
     def measured(self, index: int, count: int, reset: int | None = None) -> list[RankFigures]:
-        """The figures of up to ``count`` measured steps ending at step ``index`` (oldest
-        first; empty when the file was reset since ``reset``)."""
+        """The figures of up to ``count`` measured steps ending at the step of plan
+        ``index``, in step order (oldest first; a plan written late among its neighbours;
+        empty when the file was reset since ``reset``)."""
         with self._lock:
             if reset is not None and reset != self._reset:
                 return []
-            out: list[RankFigures] = []
-            i = min(index, len(self._figures) - 1)
-            while i >= 0 and len(out) < count:
-                if self._figures[i] is not None:
-                    out.append(self._figures[i])
-                i -= 1
-            return out[::-1]
+            return [self._figures[i] for i in self._measured_before(index, count)]
+
+    def measured_plans(self, index: int, count: int, reset: int | None = None) -> list[int]:
+        """The indices of the plans `measured` takes its figures from (empty when the file
+        was reset since ``reset``)."""
+        with self._lock:
+            if reset is not None and reset != self._reset:
+                return []
+            return self._measured_before(index, count)
+
+    def _measured_before(self, index: int, count: int) -> list[int]:
+        """Up to ``count`` indices of plans with measurements ending at plan ``index`` in
+        step order, oldest first. Call with the lock held."""
+        if not self._summaries:
+            return []
+        index = min(max(index, 0), len(self._summaries) - 1)
+        at = bisect.bisect(self._order_keys, _order_key(self._summaries[index], index))
+        out: list[int] = []
+        for i in _back(self._order, at):
+            if len(out) == count:
+                break
+            if self._figures[i] is not None:
+                out.append(i)
+        return out[::-1]
 
     def plan(self, index: int, reset: int | None = None) -> RoutingPlan:
         """The full plan of step ``index`` (re-read and validated; a few are cached).
@@ -381,6 +414,18 @@ class PlanStore:
             while len(self._cache) > _CACHE_PLANS:
                 self._cache.popitem(last=False)
             return plan
+
+
+def _order_key(summary: StepSummary, index: int) -> tuple[int, int]:
+    """Where a plan stands in step order: by its step, then its place in the file (an
+    unnumbered plan by its place alone)."""
+    return (index if summary.step is None else summary.step, index)
+
+
+def _back(items: list[int], end: int):
+    """``items[end - 1]``, ``items[end - 2]``, … without copying the list."""
+    for i in range(end - 1, -1, -1):
+        yield items[i]
 
 
 def _is_newer(summary: StepSummary, newest: StepSummary | None) -> bool:

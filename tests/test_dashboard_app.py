@@ -241,13 +241,71 @@ def test_the_step_shown_reads_its_full_plan_and_the_stores_window_up_to_it(every
     # (steps 0, 10, 20) kept up to it
     assert list(out["ratio"].data[0].x) == list(range(1, 21))
     assert "steps 1–20" in out["scatter"].layout.title.text
-    flagged, _views = step_frame._stragglers(runs, selection, plans[20])
+    rows = step_frame._store_rows(runs, selection, plans[20])
+    flagged, _views = step_frame._stragglers(runs, selection, plans[20], rows)
     assert list(flagged) == [5]
 
 
-def _callback(handle, output: str, values: dict) -> dict:
+def _bars(figure) -> dict[str, np.ndarray]:
+    """Each stacked part of a phase figure: its ms per rank slot."""
+    return {t.name: np.asarray(t.y, float) for t in figure.data if t.type == "bar"}
+
+
+def _assert_same_parts(figure, expected) -> None:
+    """The figure's bars are ``expected``'s parts (a `RankPhases`), to the store's
+    rounding of times (1/128 ms; a wait is a difference of two)."""
+    bars = _bars(figure)
+    assert list(bars) == list(expected.parts)
+    for name, ms in expected.parts.items():
+        np.testing.assert_allclose(bars[name], ms, atol=2 / 128, err_msg=name)
+
+
+def test_the_phase_window_averages_the_stores_last_steps_not_the_kept_plans(every10):
+    from knapformer.dashboard import step_frame
+    from knapformer.visualization.phase_figures import window_parts
+
+    folder, plans = every10
+    runs, snap = _followed(folder.parent)
+    selection = {"run": "run", "reset": snap.reset, "index": KEPT.index(20)}
+    out = step_frame.frame(runs, selection, None)
+    title = out["phase_window"].layout.title.text
+    assert "mean of 6 steps (15–20)" in title, title
+    # the mean of steps 15..20 as their plans (all recorded, 5 of them not kept) give it
+    _assert_same_parts(out["phase_window"], window_parts(plans[15:21]))
+    # the kept plans up to step 20 (steps 0, 1, 10, 11, 20) would give another mean
+    kept = window_parts([p for p in plans[:21] if p.step in KEPT])
+    assert not np.allclose(
+        _bars(out["phase_window"])[next(iter(kept.parts))],
+        next(iter(kept.parts.values())),
+        atol=2 / 128,
+    )
+
+
+def test_the_stores_phases_of_a_step_equal_its_full_plans(every10):
+    from knapformer.dashboard import step_frame
+    from knapformer.visualization.phase_figures import step_parts, store_parts
+
+    folder, plans = every10
+    runs, snap = _followed(folder.parent)
+    for step in KEPT:  # every step both hold
+        selection = {"run": "run", "reset": snap.reset, "index": KEPT.index(step)}
+        rows = step_frame._store_rows(runs, selection, plans[step])
+        from_store = store_parts(rows)[-1]
+        from_plan = step_parts(plans[step])
+        assert from_store.steps == from_plan.steps == [step]
+        order = np.argsort(from_plan.ranks)
+        assert from_store.ranks.tolist() == from_plan.ranks[order].tolist()
+        assert list(from_store.parts) == list(from_plan.parts)
+        assert from_store.styles == from_plan.styles
+        for name, ms in from_plan.parts.items():
+            np.testing.assert_allclose(from_store.parts[name], ms[order], atol=2 / 128)
+        np.testing.assert_allclose(from_store.step_ms, from_plan.step_ms[order], atol=1 / 128)
+
+
+def _callback(handle, output: str, values: dict, changed: tuple[str, ...] = ()) -> dict:
     """Run the server's callback whose output names ``output`` as the page would, its
-    inputs and states set from ``values`` (by ``id.property``; the rest None)."""
+    inputs and states set from ``values`` (by ``id.property``; the rest None), after a
+    change of the inputs ``changed``."""
     deps = json.loads(_get(handle.url + "_dash-dependencies")[1])
     dep = next(d for d in deps if output in d["output"])
 
@@ -263,7 +321,7 @@ def _callback(handle, output: str, values: dict) -> dict:
         "outputs": outputs,
         "inputs": items(dep["inputs"]),
         "state": items(dep["state"]),
-        "changedPropIds": [],
+        "changedPropIds": list(changed),
     }
     request = urllib.request.Request(
         handle.url + "_dash-update-component",
@@ -298,3 +356,60 @@ def test_the_served_timeline_of_a_run_with_a_store_has_every_step(every10):
             assert after["y"][step] == pytest.approx(plans[step].stats.imbalance_after, 1e-6)
     finally:
         handle.stop()
+
+
+@pytest.fixture
+def late_plans(every10, tmp_path):
+    """``every10``'s plans as the store's writer may leave them: those of steps 1, 11,
+    21, 31 (kept for a verdict) written after steps 0, 10, 20, 30; without its store."""
+    folder, _plans = every10
+    run = tmp_path / "runs" / "run"
+    run.mkdir(parents=True)
+    lines = (folder / "plans.jsonl").read_text().splitlines()
+    lines.sort(key=lambda line: (json.loads(line)["step"] % 10 != 0, json.loads(line)["step"]))
+    (run / "plans.jsonl").write_text("\n".join(lines) + "\n")
+    return run.parent, [json.loads(line)["step"] for line in lines]
+
+
+def test_the_slider_walks_the_steps_in_order_though_plans_came_late(late_plans):
+    folder, steps = late_plans
+    assert steps == [0, 10, 20, 30, 1, 11, 21, 31]
+    from knapformer.testing.polling import wait_until
+
+    handle = start_server(folder, port=0)
+    try:
+        values = {"view.data": {"run": "run", "notices": []}, "follow.value": ["on"]}
+        first = {}
+
+        def every_plan_read():
+            """the server's follower has read the 8 plans"""
+            first.update(_callback(handle, "follow-note.children", values))
+            return first["step-slider"]["max"] == 7
+
+        wait_until(every_plan_read, 60)
+        shown = first["selection"]["data"]
+        assert steps[shown["index"]] == 31 and first["step-slider"]["value"] == 7
+        marks = first["step-slider"]["marks"]  # at places 0, 1, 3, 4, 6, 7 in step order
+        assert [marks[k] for k in sorted(marks, key=int)] == ["0", "1", "11", "20", "30", "31"]
+        for place, step in enumerate([0, 1, 10, 11, 20, 21, 30, 31]):
+            moved = {**values, "step-slider.value": place, "selection.data": shown}
+            out = _callback(handle, "follow-note.children", moved, ("step-slider.value",))
+            picked = out["selection"]["data"] if "selection" in out else shown  # unchanged
+            assert steps[picked["index"]] == step
+            assert "value" not in out.get("step-slider", {})  # the slider stays where it is
+    finally:
+        handle.stop()
+
+
+def test_without_a_store_the_phase_window_takes_the_measured_plans_in_step_order(late_plans):
+    from knapformer.dashboard import step_frame
+
+    folder, steps = late_plans
+    runs, snap = _followed(folder)
+    assert snap.store is None
+    selection = {"run": "run", "reset": snap.reset, "index": steps.index(11)}
+    out = step_frame.frame(runs, selection, None)
+    # the plans up to step 11 in step order: 0, 1, 10, 11 (in file order, 0, 10, 20, 30,
+    # 1, 11: steps after the one shown)
+    assert "mean of 4 steps (0–11)" in out["phase_window"].layout.title.text
+    assert list(out["ratio"].data[0].x) == [0, 1, 10, 11]

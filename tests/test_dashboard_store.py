@@ -468,3 +468,32 @@ def test_the_newest_step_is_followed_though_earlier_plans_come_after_it(tmp_path
     path = tmp_path / "plain.jsonl"
     path.write_text("\n".join(p.model_dump_json() for p in plans[:3]) + "\n")
     assert _store(path).snapshot().newest == 2  # in order: the last line
+
+
+def test_measured_windows_walk_the_steps_in_order_whatever_the_files_order(tmp_path):
+    from knapformer.testing.measured_plans import measured_run
+
+    # plans of steps 1, 11, 21 written late (as the store's writer appends those a
+    # verdict names): the file holds steps 0, 10, 20, 30, 1, 11, 21
+    plans = measured_run(31, slow_rank=5, slow_factor=2.0, seed=3)
+    path = _recorded(tmp_path, plans, every=10, segment=16)
+    lines = path.read_text().splitlines()
+    lines.sort(key=lambda line: (json.loads(line)["step"] % 10 != 0, json.loads(line)["step"]))
+    path.write_text("\n".join(lines) + "\n")
+    (tmp_path / "store").rename(tmp_path / "aside")  # the plans' path
+    store = _store(path)
+    snap = store.snapshot()
+    steps = [s.step for s in snap.summaries]
+    assert steps == [0, 10, 20, 30, 1, 11, 21]
+    assert [steps[i] for i in snap.by_step] == [0, 1, 10, 11, 20, 21, 30]
+    at = steps.index  # the index of a step's plan
+
+    def window(step, count):
+        return [f.step for f in store.measured(at(step), count, snap.reset)]
+
+    assert window(11, 3) == [1, 10, 11]  # in file order: 30, 1, 11
+    assert window(30, 4) == [11, 20, 21, 30]  # in file order: 0, 10, 20, 30
+    assert window(20, 10) == [0, 1, 10, 11, 20]
+    assert window(0, 3) == [0]
+    assert [steps[i] for i in store.measured_plans(at(21), 2, snap.reset)] == [20, 21]
+    assert store.measured(at(21), 2, snap.reset + 1) == []  # reset since
