@@ -14,9 +14,9 @@ MANIM_DEBS := libcairo2-dev libpango1.0-dev pkg-config
 BROWSER_DEBS := chromium
 
 .PHONY: setup test demo lint format bench samples docs docs-bench pictures system-deps \
-	browser-deps clean gpu-check gpu-check-run
+	browser-deps plotly-js clean gpu-check gpu-check-run
 
-setup: system-deps $(VENV)/.installed
+setup: system-deps $(VENV)/.installed plotly-js
 
 # Debian packages, installed only when missing.
 system-deps:
@@ -28,6 +28,14 @@ browser-deps:
 	@missing=""; for p in $(BROWSER_DEBS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then echo "installing Debian packages:$$missing"; \
 	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing; fi
+
+# plotly.js's cartesian bundle for the dashboard, which Chromium starts in half the time of
+# the full one (dashboard/plotly_bundle.py): fetched with npm at the version the installed
+# plotly ships, checked against the integrity pinned there, kept in dashboard/plotly_js/
+# (ignored by git). Quick when it is there; without npm or a network it says so and the
+# dashboard serves the full bundle. Run after a venv stamp (it needs plotly installed).
+plotly-js:
+	@$(PY) -m knapformer.dashboard.plotly_bundle
 
 # Set-up takes minutes on a fresh clone (torch alone ~100 s): each step says what it does
 # and pip shows its progress. Two stamps: `make demo` installs what the demo needs (the
@@ -58,12 +66,12 @@ $(VENV)/.installed: pyproject.toml $(VENV)/.torch
 # deadline, a fault's timeout): with three workers on 2 cores it took 7.5 minutes and kept
 # the cores busy under half the time (1,467 tests; two workers took 11.75 on CI's machine).
 TEST_WORKERS ?= 3
-test: system-deps browser-deps $(VENV)/.installed
+test: system-deps browser-deps $(VENV)/.installed plotly-js
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # The live demo: 8 CPU workers train a toy DiT with the balancer, record every plan to
 # runs/demo/plans.jsonl and serve the dashboard on http://127.0.0.1:8050 (Ctrl-C stops).
-demo: system-deps $(VENV)/.installed-all
+demo: system-deps $(VENV)/.installed-all plotly-js
 	@echo "==> starting the demo (Ctrl-C stops; DEMO_ARGS=... passes options)"
 	$(VENV)/bin/knapformer demo $(DEMO_ARGS)
 
@@ -130,4 +138,4 @@ samples: $(VENV)/.installed
 	cp runs/demo-sample/plans.jsonl sample_plans/demo.jsonl
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis media runs
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis media runs dashboard/plotly_js

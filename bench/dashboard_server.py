@@ -65,10 +65,22 @@ class PeakRss:
         return self.peak
 
 
-def _start_server(path: Path, port: int, log_path: Path) -> tuple[subprocess.Popen, object]:
+#: Run before `serve` in the server's process for a baseline of the full plotly.js: the
+#: dashboard looks for its cartesian bundle in a folder that does not exist.
+FULL_PLOTLY_JS = (
+    "import knapformer.dashboard.plotly_bundle as bundle; "
+    "bundle.FOLDER = bundle.FOLDER / 'not-fetched'; "
+)
+
+
+def _start_server(
+    path: Path, port: int, log_path: Path, full_plotly_js: bool = False
+) -> tuple[subprocess.Popen, object]:
     """``knapformer dashboard PATH`` (its `serve`) in its own process; the process and the
     open log file it writes to (a file, not a pipe that fills)."""
-    code = f"from dashboard.server import serve; serve({str(path)!r}, '127.0.0.1', {port})"
+    code = (FULL_PLOTLY_JS if full_plotly_js else "") + (
+        f"from dashboard.server import serve; serve({str(path)!r}, '127.0.0.1', {port})"
+    )
     log = open(log_path, "w+")  # noqa: SIM115 — closed by _stop_server
     server = subprocess.Popen(
         [sys.executable, "-c", code], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT
@@ -103,11 +115,12 @@ class ServedPage:
 
 
 @contextmanager
-def served_page(path: Path) -> Iterator[ServedPage]:
+def served_page(path: Path, full_plotly_js: bool = False) -> Iterator[ServedPage]:
     """``knapformer dashboard PATH`` on a free port (log in PATH's folder) and a headless
     Chromium page of 1400 x 1600 px, yielded once the server answers. On the way out the
     server's peak RSS goes to ``rss_mib``, the server is stopped and Chromium closed; on
-    an error the server log's last lines are printed first."""
+    an error the server log's last lines are printed first. ``full_plotly_js``: the
+    server serves plotly.js's full bundle even where the cartesian one is fetched."""
     from playwright.sync_api import sync_playwright
 
     port = _free_port()
@@ -116,7 +129,7 @@ def served_page(path: Path) -> Iterator[ServedPage]:
         browser = launch_chromium(pw)
         page = browser.new_page(viewport={"width": 1400, "height": 1600})
         started = time.perf_counter()
-        server, log = _start_server(path, port, path.parent / "server.log")
+        server, log = _start_server(path, port, path.parent / "server.log", full_plotly_js)
         rss = PeakRss(server.pid)
         served = None
         try:

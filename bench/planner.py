@@ -2,8 +2,9 @@
 
 Run: ``python bench/planner.py [--steps 5] [--repeats 5]``. For every data mix and
 topology row it samples ``--steps`` steps (fixed seeds), plans each with the three
-solvers, and prints the median planning time, makespan / lower bound (worst step),
-max/min load after (worst step) and the moved-token fraction (mean). Loads are the
+solvers, and prints the median planning time (process CPU ms: a shared machine's other
+load barely changes it), makespan / lower bound (worst step), max/min load after (worst
+step) and the moved-token fraction (mean). Loads are the
 Ulysses-exact per-GPU costs (`plan.stats`, docs/concepts.md), whatever rule a solver cut
 its chunks by. Targets are checked against greedy and the baseline measured in the same
 run. The plain-Python baseline is only timed up to 1,024 GPUs (at 4,096 it takes seconds
@@ -46,9 +47,9 @@ SOLVERS = ("knapformer", "greedy", "python baseline")
 def baseline_plan(lengths: list[np.ndarray], topo: Topology) -> tuple[float, RoutingPlan]:
     """Time the plain-Python baseline; convert its dicts to a plan (untimed) for stats."""
     as_lists = [x.tolist() for x in lengths]
-    started = time.perf_counter()
+    started = time.process_time()
     out = greedy_plan_python(as_lists, list(topo.bag_sizes), MODEL.token_dim, MODEL.gamma)
-    elapsed = time.perf_counter() - started
+    elapsed = time.process_time() - started
     seqs = out["sequences"]
     chunks = out["chunks"]
     plan = RoutingPlan.build(
@@ -81,9 +82,9 @@ def run_row(mix: str, topo_text: str, gpu_factor: int, steps: int, repeats: int)
                 if solver == "python baseline":
                     elapsed, plan = baseline_plan(lengths, topo)
                 else:
-                    started = time.perf_counter()
+                    started = time.process_time()
                     plan = plan_routing(lengths, topo, MODEL, solver=solver)
-                    elapsed = time.perf_counter() - started
+                    elapsed = time.process_time() - started
                 times[solver].append(elapsed * 1e3)
             st = plan.stats
             quality[solver].append((st.makespan_over_lb, st.max_min_after, st.moved_fraction))

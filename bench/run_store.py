@@ -115,15 +115,19 @@ def synth_chunk(rng: np.random.Generator, first: int, count: int, n: int) -> tup
         "tokens_moved": (tokens_in * rng.uniform(0.6, 0.8, shape)).astype(np.int32).ravel(),
         "speed": None,
         "wait_ms": quantise_ms(ms["allreduce"]).ravel(),
-        "link_gbps": np.where(probe, 300 * rng.lognormal(0, 0.05, shape), np.nan)
-        .astype(np.float32)
-        .ravel(),
+        "link_gbps": _probed(probe, 300.0, rng, shape),  # NVLink inside a node
+        "link_cross_gbps": _probed(probe, 45.0, rng, shape),  # InfiniBand across nodes
     }
     columns |= {phase_column(p): quantise_ms(v).ravel() for p, v in ms.items()}
     ranks = pa.table(
         {f.name: _array(columns.get(f.name), f, count * n) for f in RANKS}, schema=RANKS
     )
     return ranks, synth_steps(step, n, compute, rate, tokens_in, ms)
+
+
+def _probed(probe, gbps: float, rng, shape) -> np.ndarray:
+    """A link probe's column: about ``gbps`` in the probed steps, NaN (null) elsewhere."""
+    return np.where(probe, gbps * rng.lognormal(0, 0.05, shape), np.nan).astype(np.float32).ravel()
 
 
 def synth_steps(step, n, compute, rate, tokens_in, ms) -> pa.Table:

@@ -56,18 +56,28 @@ from knapformer.dashboard.guard import (
 from knapformer.dashboard.page_index import index_string
 from knapformer.dashboard.step_frame import key, plan_of, step_of
 from knapformer.dashboard.store import PlanStore, RequestGate, Runs, Snapshot
+from knapformer.dashboard.store_steps import (
+    mean_speedup,
+    nearest_kept,
+    partition_spans,
+    step_columns,
+    step_count,
+)
 from knapformer.dashboard.styles import CARD, HALF, HIDDEN, INCIDENT, NOTICE, PICKER, WAITING
 from knapformer.dashboard.table import query
 from knapformer.visualization.figures import (
     SEQUENCE_COLUMNS,
     empty_figure,
+    partition_figure,
     selection_shapes,
+    step_marker,
     timeline_columns,
     timeline_figure,
     timeline_measured,
     timeline_mode,
     topology_figure,
 )
+from knapformer.visualization.run_figures import run_timeline_figure
 
 from knapformer.contract.incident import run_incident
 from knapformer.contract.runfiles import RUNS_LAYOUT
@@ -83,14 +93,18 @@ _SHOWN_PROBLEMS = 8
 _COLUMN_NAMES = {"src_gpu": "source GPU"}  # else the column id
 
 
+def _clicked_point(point: Any) -> bool:
+    """A timeline point as a click sends it: its customdata (the plans' timeline: the
+    step's index) and, when sent, its x (the store's timeline: the step)."""
+    return record(customdata=is_number)(point) and record(False, x=is_number)(point)
+
+
 #: What each callback input and state may hold, by (component id, property): a request
 #: with anything else is answered 400 before a callback runs (see dashboard.guard).
 CALLBACK_SHAPES = {
     ("tick", "n_intervals"): optional(is_int),
     ("step-slider", "value"): optional(is_number),
-    ("timeline", "clickData"): optional(
-        record(points=list_of(record(customdata=is_number), nonempty=True))
-    ),
+    ("timeline", "clickData"): optional(record(points=list_of(_clicked_point, nonempty=True))),
     ("follow", "value"): optional(list_of(is_str)),
     ("run-picker", "value"): optional(is_str),
     ("run-picker", "options"): optional(is_list),
@@ -199,7 +213,7 @@ def _per_step(runs: Runs) -> list:
     snap = store.snapshot() if store else None
     initial = None
     if snap is not None and snap.summaries:
-        initial = {"run": run, "reset": snap.reset, "index": len(snap.summaries) - 1}
+        initial = {"run": run, "reset": snap.reset, "index": snap.newest}
     return [
         dcc.Interval(id="tick", interval=TICK_MS),
         # What the browser's timeline currently holds, so an update can append to it.
@@ -361,7 +375,7 @@ def _marks(snap: Snapshot) -> dict:
     if n == 0:
         return {}
     picks = sorted({round(i * (n - 1) / 5) for i in range(6)})
-    return {i: str(step_of(snap, i)) for i in picks}
+    return {i: str(step_of(snap, snap.by_step[i])) for i in picks}
 
 
 def _view(run: str | None, snap: Snapshot | None, path: Path) -> dict:
@@ -373,7 +387,24 @@ def _view(run: str | None, snap: Snapshot | None, path: Path) -> dict:
         "problems": snap.problem_count if snap else 0,
         "indexing": snap.indexing if snap else False,
         "notices": _notice(snap, path),
+        "store": _store_key(snap),
     }
+
+
+def _store_key(snap: Snapshot | None) -> str | None:
+    """Which closed segments of the run's store the snapshot holds (None: no store)."""
+    if snap is None or snap.store is None:
+        return None
+    store = snap.store
+    return f"{len(store.segments)}:{store.segments[-1] if store.segments else ''}:{store.count}"
+
+
+def _all_steps(snap: Snapshot | None) -> dict | None:
+    """Every step of a run with a store (`step_columns`: the store's and the newest
+    plans'); None without a store (the plans' summaries are then every step shown)."""
+    if snap is None or snap.store is None:
+        return None
+    return step_columns(snap.store, snap.summaries)
 
 
 def _changed(new: dict[str, Any], shown: dict[str, Any]) -> dict[str, Any]:
@@ -553,16 +584,35 @@ def _header_values(runs: Runs, whole: whole_run.WholeRun, view: dict | None) -> 
     run = view["run"] if view else None
     n = len(snap.summaries) if snap else 0
     latest = snap.summaries[-1] if n else None
-    return {
+    values = {
         "straggler": whole.headline(runs.files().get(run) if run else None)
         or _straggler(runs.store(run), snap),
         "run": (latest.run if latest else None) or run or "–",
-        "steps": f"{n:,}" + (" (indexing…)" if snap and snap.indexing else ""),
+        "steps": f"{n:,}",
         "imbalance": (
             before_after(latest.imbalance_before, latest.imbalance_after) if latest else "–"
         ),
         "speedup": _fmt(snap.mean_speedup if snap else None, ".2f") + ("×" if n else ""),
         "skipped": str(snap.problem_count if snap else 0),
+    }
+    columns = _all_steps(snap)
+    if columns is not None and len(columns["step"]):
+        values |= _store_header(columns, n)
+    if snap and snap.indexing:
+        values["steps"] += " (indexing…)"
+    return values
+
+
+def _store_header(columns: dict, plans: int) -> dict[str, str]:
+    """The header's figures of every step (`_all_steps`), not only of the kept plans."""
+    count = len(columns["step"])
+    speedup = mean_speedup(columns)
+    return {
+        "steps": f"{count:,}" + (f" ({plans:,} full plans)" if plans != count else ""),
+        "imbalance": before_after(
+            float(columns["imbalance_before"][-1]), float(columns["imbalance_after"][-1])
+        ),
+        "speedup": _fmt(speedup, ".2f") + ("×" if speedup is not None else ""),
     }
 
 
@@ -570,7 +620,7 @@ def _straggler(store: PlanStore | None, snap: Snapshot | None) -> str:
     """The run's current straggler: the verdict over its last `WINDOW` measured steps."""
     if store is None or snap is None or not snap.measured_steps:
         return "– (no measured steps)"
-    window = store.measured(len(snap.summaries) - 1, WINDOW, snap.reset)
+    window = store.measured(snap.newest, WINDOW, snap.reset)
     return headline(analyse(window)) if window else "– (no measured steps)"
 
 
@@ -641,6 +691,7 @@ def _step_selection(app: Dash, runs: Runs, timed: Callable) -> None:
         run = view["run"] if view else None
         n = len(snap.summaries) if snap else 0
         last = max(n - 1, 0)
+        newest = max(snap.newest, 0) if snap else 0  # followed: the newest step's plan
         shown = selection or {}
         run_changed = shown.get("run") != run
         reset_changed = snap is not None and shown.get("reset") != snap.reset
@@ -650,22 +701,26 @@ def _step_selection(app: Dash, runs: Runs, timed: Callable) -> None:
             raise PreventUpdate  # nothing new for the slider
 
         following = "on" in (follow or [])
-        index = value if isinstance(value, int) else last
+        # the slider's value is a place in step order (`Snapshot.by_step`), the selection's
+        # an index: a plan written late moves the places after it, never the indices
+        index = shown.get("index") if isinstance(shown.get("index"), int) else newest
+        if trigger == "step-slider" and snap and isinstance(value, int) and 0 <= value < n:
+            index = snap.by_step[value]
         note = ""
         if run_changed:
-            following, index = True, last
+            following, index = True, newest
         elif trigger == "timeline" and click:
-            index = int(click["points"][0]["customdata"])
-            following = index >= last
+            index, note = _clicked_step(snap, click["points"][0])
+            following = index == newest
         elif trigger == "step-input":
             if typed is None or not n:
                 raise PreventUpdate
             index, note = _typed_step(snap, typed)
-            following = following and index >= last
+            following = following and index == newest
         elif trigger == "step-slider":
-            following = following and index >= last  # scrubbing back stops following
+            following = following and index == newest  # scrubbing back stops following
         elif following:  # includes switching "follow live" back on
-            index = last
+            index = newest
         index = min(max(index, 0), last)
 
         new_selection = {
@@ -675,14 +730,14 @@ def _step_selection(app: Dash, runs: Runs, timed: Callable) -> None:
         }
         if n and not note:
             note = (
-                f"· following live ({n:,} steps)"
+                f"· following live ({_kept_of(snap)})"
                 if following
-                else f"· not following live (newest: step {step_of(snap, last)})"
+                else f"· not following live (newest: step {step_of(snap, newest)})"
             )
         return {
             "last": last,
             "marks": _marks(snap) if snap else {},
-            "value": index if index != value else no_update,
+            "value": _place(snap, index) if _place(snap, index) != value else no_update,
             "follow": (
                 (["on"] if following else [])
                 if following != ("on" in (follow or []))
@@ -693,15 +748,54 @@ def _step_selection(app: Dash, runs: Runs, timed: Callable) -> None:
         }
 
 
+def _place(snap: Snapshot | None, index: int) -> int:
+    """The slider's value of plan ``index``: its place in step order."""
+    return snap.by_step.index(index) if snap and index < len(snap.by_step) else 0
+
+
+def _kept_of(snap: Snapshot) -> str:
+    """How many steps the step picker chooses from: ``40 steps``, or with a store that
+    holds more steps than full plans, ``4 full plans of 40 steps``."""
+    n, count = len(snap.summaries), step_count(snap.store, snap.summaries)
+    return f"{n:,} steps" if count == n else f"{n:,} full plans of {count:,} steps"
+
+
 def _typed_step(snap: Snapshot, typed: float) -> tuple[int, str]:
-    """The index of the step a user typed, and a note when it is not in the run (then the
-    nearest step is chosen)."""
+    """The index of the step a user typed, and a note when it has no full plan (then the
+    nearest full plan is chosen)."""
     steps = [step_of(snap, i) for i in range(len(snap.summaries))]
     wanted = int(typed)
     if wanted in steps:
         return steps.index(wanted), ""
     index = min(range(len(steps)), key=lambda i: abs(steps[i] - wanted))
-    return index, f"· step {wanted} is not in this run; showing the nearest, step {steps[index]}"
+    return index, _snapped(snap, wanted, steps[index])
+
+
+def _clicked_step(snap: Snapshot, point: dict) -> tuple[int, str]:
+    """The index of the step a click on the timeline picked, and a note when it has no
+    full plan. The plans' timeline carries each point's index; the store's (every step,
+    binned) its step, whose nearest full plan is shown."""
+    if snap.store is None:
+        return int(point["customdata"]), ""
+    if "x" not in point:
+        raise PreventUpdate  # a click the page does not send
+    wanted = int(point["x"])
+    index = nearest_kept(snap.summaries, wanted)
+    if index is None:  # unnumbered plans: the store cannot name them
+        raise PreventUpdate
+    shown = step_of(snap, index)
+    return index, "" if shown == wanted else _snapped(snap, wanted, shown)
+
+
+def _snapped(snap: Snapshot, wanted: int, shown: int) -> str:
+    """The note of a step with no full plan, for which the plan of step ``shown`` is."""
+    columns = _all_steps(snap)
+    if columns is not None and bool((columns["step"] == wanted).any()):
+        return (
+            f"· step {wanted} has no full plan (the recorder kept {_kept_of(snap)}): its "
+            f"figures are on the timeline; showing the nearest full plan, step {shown}"
+        )
+    return f"· step {wanted} is not in this run; showing the nearest, step {shown}"
 
 
 def _timeline(app: Dash, runs: Runs, timed: Callable) -> None:
@@ -719,6 +813,9 @@ def _timeline(app: Dash, runs: Runs, timed: Callable) -> None:
         index = None
         if selection and (selection.get("run"), selection.get("reset")) == (run, reset):
             index = selection.get("index")
+        if snap is not None and snap.store is not None:
+            shown = {"run": run, "reset": reset, "index": index}
+            return _store_timeline(snap, shown, client, ctx.triggered_id is None)
         measured = bool(n) and timeline_measured(snap.summaries)
         new_client = {"run": run, "reset": reset, "count": n, "index": index, "measured": measured}
         if new_client == client:
@@ -750,6 +847,27 @@ def _timeline(app: Dash, runs: Runs, timed: Callable) -> None:
                         figure["data"][i]["mode"] = timeline_mode(n)
             figure["layout"]["shapes"] = selection_shapes(snap.summaries, index)
         return {"figure": figure, "client": new_client}
+
+
+def _store_timeline(snap: Snapshot, shown: dict, client: dict, first: bool) -> dict:
+    """The timeline of every step of a run with a store (`_all_steps`), binned as the
+    report's, the step of the full plan ``shown`` marked; ``client``: what the browser
+    draws (``first``: nothing yet, a page load). A new selection only moves the marker."""
+    columns = _all_steps(snap)
+    new_client = shown | {"count": len(columns["step"]), "store": _store_key(snap)}
+    if new_client == client:
+        raise PreventUpdate  # the browser already draws exactly this
+    index = shown["index"]
+    step = step_of(snap, index) if index is not None and index < len(snap.summaries) else None
+    same_steps = {k: v for k, v in new_client.items() if k != "index"} == {
+        k: v for k, v in client.items() if k != "index"
+    }
+    if same_steps and not first:
+        figure = Patch()
+        figure["layout"]["shapes"] = [] if step is None else [step_marker(step)]
+    else:
+        figure = run_timeline_figure(columns, step, validate=False)
+    return {"figure": figure, "client": new_client}
 
 
 def _sequence_table(app: Dash, runs: Runs, timed: Callable) -> None:
@@ -831,4 +949,8 @@ def _topology_view(app: Dash, runs: Runs, timed: Callable) -> None:
             snap.reset,
         ):
             index = selection.get("index")
+        if snap.store is not None:  # every step's partition, the full plan shown marked
+            spans = partition_spans(snap.store, snap.summaries)
+            shapes = selection_shapes(snap.summaries, index)
+            return {"figure": partition_figure(spans, shapes, validate=False)}
         return {"figure": topology_figure(snap.summaries, index, validate=False)}

@@ -1,7 +1,8 @@
 """The dashboard page's HTML: Dash's own, plus two downloads started as the page is read.
 
-Dash fetches the page's layout only once its scripts have run, and plotly.js (4.8 MB)
-only once a graph is first rendered. Preloading both lets the server answer and the
+Dash fetches the page's layout only once its scripts have run, and plotly.js (1.5 MB,
+or 4.8 MB without its cartesian bundle: `plotly_bundle`) only once a graph is first
+rendered. Preloading both lets the server answer and the
 browser download while those scripts run, instead of after them: on a cold first visit
 the plotly.js download alone was several tenths of a second of the time to the first
 drawn figure. The preloads are the same requests Dash makes later (same URL, same

@@ -66,6 +66,7 @@ def _make(path: str | Path, host: str, port: int):
     # Imported here so `import dashboard.server` stays cheap.
     from knapformer.dashboard.app import create_app
     from knapformer.dashboard.guard import HostGuard, allowed_hosts
+    from knapformer.dashboard.plotly_bundle import install
     from werkzeug.serving import make_server
 
     if not 0 <= port <= 65535:
@@ -75,6 +76,7 @@ def _make(path: str | Path, host: str, port: int):
     logging.getLogger("werkzeug").setLevel(logging.WARNING)
     check_free(host, port)
     app = create_app(path)
+    app.server.config["KNAPFORMER_PLOTLY_JS"] = install(app, app.config.requests_pathname_prefix)
     app.server.wsgi_app = HostGuard(app.server.wsgi_app, allowed_hosts(host))
     try:
         server = make_server(host, port, app.server, threaded=True)
@@ -106,6 +108,7 @@ def serve(path: str | Path, host: str = "127.0.0.1", port: int = 8050) -> None:
     app, server = _make(path, host, port)
     shown = f"[{host}]" if ":" in host else host
     print(f"dashboard of {path} at http://{shown}:{server.server_port}/  (Ctrl-C stops)")
+    print(f"serving {app.server.config['KNAPFORMER_PLOTLY_JS'].describe()}")
     try:
         server.serve_forever()
     finally:

@@ -18,6 +18,7 @@ from typing import Any
 from dash import Dash, Input, Output, State, no_update
 from dash.exceptions import PreventUpdate
 from knapformer.dashboard.store import PlanStore, Runs, Snapshot
+from knapformer.dashboard.store_steps import step_count
 from knapformer.dashboard.styles import HIDDEN, NOTICE, SHOWN
 from knapformer.visualization.axes import gpu_axis
 from knapformer.visualization.figures import (
@@ -26,19 +27,28 @@ from knapformer.visualization.figures import (
     tokens_figure,
     traffic_figure,
 )
-from knapformer.visualization.phase_figures import phase_figure, reorder, step_parts, window_parts
+from knapformer.visualization.phase_figures import (
+    mean_parts,
+    phase_figure,
+    reorder,
+    step_parts,
+    store_parts,
+    window_parts,
+)
 from knapformer.visualization.straggler_figures import (
-    HEATMAP_STEPS,
     compute_wait_figure,
     flagged_ranks,
-    heatmap_steps,
     ratio_heatmap,
     step_loss_figure,
     wait_heatmap,
+    window_views,
 )
 
 from knapformer.diagnosis.step_loss import step_losses
-from knapformer.diagnosis.stragglers import WINDOW, analyse, rank_steps
+from knapformer.diagnosis.store_source import window_rows
+from knapformer.diagnosis.store_window import WindowRows, window_figures
+from knapformer.diagnosis.stragglers import WINDOW, analyse, judge, rank_steps
+from knapformer.errors import KnapformerError
 
 #: Measured steps the window's phase breakdown averages (each is re-read from the file;
 #: the store caches 8 plans, the shown step's included).
@@ -59,6 +69,14 @@ OUTPUTS = {
     "loss": ("step-loss", "figure"),
     "straggler_style": ("straggler-box", "style"),
     "frame": ("frame", "data"),
+}
+
+#: The output (`OUTPUTS`) of each straggler view `window_views` names.
+_STRAGGLER_OUTPUTS = {
+    "ratio-heatmap": "ratio",
+    "wait-heatmap": "wait",
+    "compute-wait": "scatter",
+    "step-loss": "loss",
 }
 
 
@@ -104,8 +122,8 @@ def frame(runs: Runs, selection: dict | None, highlight: dict | None) -> dict[st
     if plan is None:  # the views keep the step they show, and say why
         out = {name: no_update for name in OUTPUTS}
         return out | {"notice": problem, "notice_style": NOTICE}
-    window = _measured_window(runs, selection)
-    flagged = flagged_ranks(analyse(window[-WINDOW:])) if window else {}
+    rows = _store_rows(runs, selection, plan)
+    flagged, stragglers = _stragglers(runs, selection, plan, rows)
     seq = _highlighted_sequence(plan, selection, highlight)
     return {
         "label": _label(runs, selection, plan),
@@ -114,8 +132,8 @@ def frame(runs: Runs, selection: dict | None, highlight: dict | None) -> dict[st
         "bag_load": bag_load_figure(plan, seq, False, flagged),
         "traffic": traffic_figure(plan, seq, validate=False),
         "tokens": tokens_figure(plan, False, flagged),
-        **_phase_views(runs, selection, plan, flagged),
-        **_straggler_views(runs, selection, window, flagged),
+        **_phase_views(runs, selection, plan, flagged, rows),
+        **stragglers,
         "frame": selection,
     }
 
@@ -129,8 +147,7 @@ def _highlighted(runs: Runs, shown: dict | None, highlight: dict | None) -> dict
     if plan is None:
         raise PreventUpdate
     seq = _highlighted_sequence(plan, shown, highlight)
-    window = _measured_window(runs, shown)[-WINDOW:]
-    flagged = flagged_ranks(analyse(window)) if window else {}
+    flagged, _views = _stragglers(runs, shown, plan, _store_rows(runs, shown, plan))
     return {
         "bag_load": bag_load_figure(plan, seq, False, flagged),
         "traffic": traffic_figure(plan, seq, validate=False),
@@ -145,9 +162,12 @@ def _highlighted_sequence(plan: Any, selection: dict, highlight: dict | None) ->
     return seq if isinstance(seq, int) and 0 <= seq < len(plan.sequences) else None
 
 
-def _phase_views(runs: Runs, selection: dict, plan: Any, flagged: dict) -> dict[str, Any]:
+def _phase_views(
+    runs: Runs, selection: dict, plan: Any, flagged: dict, rows: WindowRows | None
+) -> dict[str, Any]:
     """Where each rank's step went: the selected step (in bag order) and the mean of up to
-    `PHASE_WINDOW` measured steps ending at it."""
+    `PHASE_WINDOW` measured steps ending at it: the store's last steps when it holds the
+    step (``rows``, `_store_rows`), else the measured plans'."""
     shown = step_parts(plan)
     step = (
         empty_figure("no per-rank times recorded for this step", validate=False)
@@ -159,7 +179,10 @@ def _phase_views(runs: Runs, selection: dict, plan: Any, flagged: dict) -> dict[
             validate=False,
         )
     )
-    mean = window_parts(_measured_plans(runs, selection, PHASE_WINDOW))
+    if rows is not None:
+        mean = mean_parts(store_parts(rows, PHASE_WINDOW))
+    else:
+        mean = window_parts(_measured_plans(runs, selection, PHASE_WINDOW))
     window = (
         empty_figure("no measured steps up to this one", validate=False)
         if mean is None
@@ -168,21 +191,65 @@ def _phase_views(runs: Runs, selection: dict, plan: Any, flagged: dict) -> dict[
     return {"phase_step": step, "phase_window": window}
 
 
+def _stragglers(
+    runs: Runs, selection: dict, plan: Any, rows: WindowRows | None
+) -> tuple[dict, dict[str, Any]]:
+    """The ranks flagged up to the selected step, and the straggler views: from the run's
+    store when it holds that step (``rows``, `_store_rows`), else from the measured plans."""
+    stored = None if rows is None else _store_stragglers(runs, selection, plan, rows)
+    if stored is not None:
+        return stored
+    window = _measured_window(runs, selection)
+    flagged = flagged_ranks(analyse(window)) if window else {}
+    return flagged, _straggler_views(runs, selection, window, flagged)
+
+
+def _store_rows(runs: Runs, selection: dict, plan: Any) -> WindowRows | None:
+    """The store's rows of the `WINDOW` steps up to the plan's: every step, where the
+    plans may hold every k-th (as the report and the header's line read them). None
+    without a store, or when its closed segments do not hold the step yet."""
+    store = runs.store(selection["run"])
+    snap = store.snapshot() if store else None
+    steps = snap.store if snap else None
+    if steps is None or plan.step is None or steps.last_step is None:
+        return None
+    if plan.step > steps.last_step:
+        return None
+    try:
+        return window_rows(store.path, max(plan.step - WINDOW + 1, 0), plan.step)
+    except KnapformerError:
+        return None  # the store's problem is on the page (`Snapshot.notices`)
+
+
+def _store_stragglers(
+    runs: Runs, selection: dict, plan: Any, rows: WindowRows
+) -> tuple[dict, dict[str, Any]] | None:
+    """`_stragglers` of the store's ``rows``; None when the step itself was not measured."""
+    w = window_figures(rows)
+    if not w.m.steps or w.m.steps[-1] != plan.step:
+        return None
+    report = judge(w.m, w.scopes, w.bandwidth)
+    _line, views = window_views(
+        w.m, report, _run_start(runs.store(selection["run"])), validate=False
+    )
+    shown = {_STRAGGLER_OUTPUTS[view]: figure for view, figure in views}
+    return flagged_ranks(report), shown | {"straggler_style": SHOWN}
+
+
 def _straggler_views(runs: Runs, selection: dict, window: list, flagged: dict) -> dict[str, Any]:
     """The rank × step heatmaps, compute vs waiting and the step loss over the measured
-    steps up to the selected one (hidden without any)."""
+    steps of ``window`` (`WINDOW` up to the selected one; hidden without any)."""
     if not window:
         return {
             "ratio": no_update, "wait": no_update, "scatter": no_update, "loss": no_update,
             "straggler_style": HIDDEN,
         }  # fmt: skip
-    recent = window[-WINDOW:]
     start = _run_start(runs.store(selection["run"]))
-    heat = rank_steps(window[-heatmap_steps(len(window[-1].gpus)) :])
+    heat = rank_steps(window)
     return {
         "ratio": ratio_heatmap(heat, False, flagged),
         "wait": wait_heatmap(heat, False, flagged, start),
-        "scatter": compute_wait_figure(analyse(recent), rank_steps(recent), validate=False),
+        "scatter": compute_wait_figure(analyse(window), heat, validate=False),
         "loss": step_loss_figure(step_losses(window), start, validate=False),
         "straggler_style": SHOWN,
     }
@@ -214,7 +281,9 @@ def step_of(snap: Snapshot, index: int) -> int:
 
 
 def _label(runs: Runs, selection: dict, plan: Any) -> str:
-    """What the per-step views show: ``step 7 · 8 of 50 · line 8``."""
+    """What the per-step views show: ``step 7 · 8 of 50 · line 8``; with a store that
+    holds more steps than full plans, ``step 20 · 3 of 8 full plans (40 steps in all) ·
+    line 3``."""
     store = runs.store(selection["run"])
     snap = store.snapshot() if store else None
     index = selection["index"]
@@ -222,7 +291,10 @@ def _label(runs: Runs, selection: dict, plan: Any) -> str:
     label = f"step {step}"
     if snap is not None and snap.reset == selection["reset"] and index < len(snap.summaries):
         line = snap.summaries[index].line
-        label += f" · {index + 1:,} of {len(snap.summaries):,}"
+        n = len(snap.summaries)
+        count = step_count(snap.store, snap.summaries)
+        label += f" · {index + 1:,} of {n:,}"
+        label += f" full plans ({count:,} steps in all)" if count != n else ""
         label += f" · line {line:,}" if line is not None else ""
     return label
 
@@ -234,24 +306,23 @@ def _run_start(store: PlanStore | None) -> int | None:
 
 
 def _measured_window(runs: Runs, selection: dict) -> list:
-    """The figures of up to `HEATMAP_STEPS` measured steps ending at the selected one."""
+    """The figures of up to `WINDOW` measured steps ending at the selected one: the
+    straggler views show the steps their verdicts are judged on, as with a store, the
+    report and `knapformer stragglers` (docs/dashboard.md, "Straggler views")."""
     store = runs.store(selection["run"])
-    return store.measured(selection["index"], HEATMAP_STEPS, selection["reset"]) if store else []
+    return store.measured(selection["index"], WINDOW, selection["reset"]) if store else []
 
 
 def _measured_plans(runs: Runs, selection: dict, count: int) -> list[Any]:
-    """The plans of up to ``count`` measured steps ending at the selected one."""
+    """The plans of up to ``count`` measured steps ending at the selected one, in step
+    order (`PlanStore.measured_plans`)."""
     store = runs.store(selection["run"])
-    snap = store.snapshot() if store else None
-    if snap is None or snap.reset != selection["reset"]:
+    if store is None:
         return []
     out = []
-    i = min(selection["index"], len(snap.summaries) - 1)
-    while i >= 0 and len(out) < count:
-        if snap.summaries[i].has_measurements:
-            try:
-                out.append(store.plan(i, selection["reset"]))
-            except LookupError:
-                break
-        i -= 1
-    return out[::-1]
+    for i in store.measured_plans(selection["index"], count, selection["reset"]):
+        try:
+            out.append(store.plan(i, selection["reset"]))
+        except LookupError:
+            continue  # gone meanwhile: the mean of the others
+    return out

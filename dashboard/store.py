@@ -3,28 +3,33 @@
 A `PlanStore` keeps one `StepSummary` plus a file location per step (a few hundred bytes)
 and, for a step with measurements, its per-rank `RankFigures` (a few float32 per rank),
 never the plans themselves: a full plan is re-read and validated only when the user
-selects its step, and the last few are cached. That still grows with the run: about 1 KB
+selects its step, and the last few are cached. Steps are walked in step order
+(`Snapshot.by_step`), not file order: the plans a verdict names are appended by the
+store's writer when it gets to them, after newer steps. That still grows with the run: about 1 KB
 a step, 2.5 KB more and 60 bytes per GPU for a measured one (docs/reliability.md). A
 background thread per store follows the file (`dashboard.tail.JsonlTail`) so Dash
-callbacks only read a snapshot. A line that cannot be read as a plan, for whatever
-reason, costs that line only: it becomes a `Problem` and the lines after it are read. A
-file that the follower reports as new (replaced, truncated), or whose first plan after a
-rotation does not continue the steps held (a re-run moved aside), is a new run: the
-steps held are dropped. `Runs` follows at most `KEEP_STORES` runs at a time (the ones
-viewed most recently), so browsing a folder of thousands of runs does not leave a thread
-and open files behind for each.
+callbacks only read a snapshot; the same thread follows the run's store, when it has one
+(`dashboard.store_steps`: every step's figures, whichever full plans were kept). A line
+that cannot be read as a plan, for whatever reason, costs that line only: it becomes a
+`Problem` and the lines after it are read. A file that the follower reports as new
+(replaced, truncated), or whose first plan after a rotation does not continue the steps
+held (a re-run moved aside), is a new run: the steps held are dropped. `Runs` follows at
+most `KEEP_STORES` runs at a time (the ones viewed most recently), so browsing a folder
+of thousands of runs does not leave a thread and open files behind for each.
 """
 
 from __future__ import annotations
 
+import bisect
 import os
 import stat
 import threading
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from knapformer.dashboard.store_steps import StoreFollower, StoreSteps
 from knapformer.dashboard.tail import MAX_LINE_BYTES, NEW_FILE, JsonlTail, TailEvent, TailLine
 
 from knapformer.contract.plan import RoutingPlan
@@ -72,6 +77,13 @@ class Snapshot:
     indexing: bool
     mean_speedup: float | None
     measured_steps: int  # steps whose measurements name a compute phase
+    store: StoreSteps | None = None  # every closed step of the run's store (None: no store)
+    #: the index of the newest step's plan: the last one, unless plans of earlier steps
+    #: came after it (the store's writer appends those a verdict named as it gets to them)
+    newest: int = -1
+    #: the indices of ``summaries`` in step order (file order for unnumbered plans): what
+    #: the step picker walks, so that a plan written late stands among its neighbours
+    by_step: list[int] = field(default_factory=list)
 
 
 class RequestGate:
@@ -122,6 +134,9 @@ class PlanStore:
         self._where: list[Location] = []
         self._figures: list[RankFigures | None] = []
         self._measured = 0
+        self._newest = -1
+        self._order: list[int] = []  # indices by `_order_key`
+        self._order_keys: list[tuple[int, int]] = []
         self._problems: deque[Problem] = deque(maxlen=_KEEP_PROBLEMS)
         self._problem_count = 0
         self._events: deque[str] = deque(maxlen=_KEEP_EVENTS)
@@ -136,6 +151,9 @@ class PlanStore:
         self._json_stamp: tuple[int, int] | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._store = StoreFollower(self.path)  # touched by `poll` only
+        self._store_steps: StoreSteps | None = None
+        self._store_problem: str | None = None
 
     # --------------------------------------------------------------- following
     def start(self) -> None:
@@ -178,6 +196,7 @@ class PlanStore:
         """Read what is new; True when more is waiting (call again right away)."""
         if self._tail is None:
             self._poll_json()
+            self._follow_store()
             return False
         batch = self._tail.poll(_POLL_BYTES)
         items: list[tuple[int, _Indexed | Problem]] = []  # (file generation, what it holds)
@@ -197,7 +216,17 @@ class PlanStore:
                 items = [(generation, item) for generation, item in items if generation >= fresh]
             self._add_items(items)
             self._indexing = batch.more
+        if not batch.more:  # caught up with the plans: what the store closed meanwhile
+            self._follow_store()
         return batch.more
+
+    def _follow_store(self) -> None:
+        """Read the segments the run's store closed since the last poll (a directory
+        listing when none did)."""
+        if self._store.refresh():
+            with self._lock:
+                self._store_steps = self._store.steps
+                self._store_problem = self._store.problem
 
     def _note(self, event: TailEvent) -> None:
         """What the follower reports about the file, kept for the page."""
@@ -268,6 +297,9 @@ class PlanStore:
         self._where = []
         self._figures = []
         self._measured = 0
+        self._newest = -1
+        self._order = []
+        self._order_keys = []
         self._speedup_sum = 0.0
         self._speedup_count = 0
         self._problems.clear()
@@ -277,6 +309,12 @@ class PlanStore:
 
     def _add(self, parsed: list[_Indexed], problems: list[Problem]) -> None:
         for summary, where, figures in parsed:
+            if _is_newer(summary, self._summaries[self._newest] if self._summaries else None):
+                self._newest = len(self._summaries)
+            key = _order_key(summary, len(self._summaries))
+            at = bisect.bisect(self._order_keys, key)  # a late plan: near the end
+            self._order_keys.insert(at, key)
+            self._order.insert(at, len(self._summaries))
             self._summaries.append(summary)
             self._where.append(where)
             self._figures.append(figures)
@@ -292,6 +330,8 @@ class PlanStore:
         with self._lock:
             n = len(self._summaries)
             notices = list(self._events)
+            if self._store_problem:
+                notices.append(f"{self._store_problem}; the figures come from the plans")
             if self._missing:
                 notices.insert(0, self._missing)
             elif n == 0 and self._problem_count == 0 and not self._indexing:
@@ -307,21 +347,42 @@ class PlanStore:
                     self._speedup_sum / self._speedup_count if self._speedup_count else None
                 ),
                 measured_steps=self._measured,
+                store=self._store_steps,
+                newest=self._newest,
+                by_step=list(self._order),
             )
 
     def measured(self, index: int, count: int, reset: int | None = None) -> list[RankFigures]:
-        """The figures of up to ``count`` measured steps ending at step ``index`` (oldest
-        first; empty when the file was reset since ``reset``)."""
+        """The figures of up to ``count`` measured steps ending at the step of plan
+        ``index``, in step order (oldest first; a plan written late among its neighbours;
+        empty when the file was reset since ``reset``)."""
         with self._lock:
             if reset is not None and reset != self._reset:
                 return []
-            out: list[RankFigures] = []
-            i = min(index, len(self._figures) - 1)
-            while i >= 0 and len(out) < count:
-                if self._figures[i] is not None:
-                    out.append(self._figures[i])
-                i -= 1
-            return out[::-1]
+            return [self._figures[i] for i in self._measured_before(index, count)]
+
+    def measured_plans(self, index: int, count: int, reset: int | None = None) -> list[int]:
+        """The indices of the plans `measured` takes its figures from (empty when the file
+        was reset since ``reset``)."""
+        with self._lock:
+            if reset is not None and reset != self._reset:
+                return []
+            return self._measured_before(index, count)
+
+    def _measured_before(self, index: int, count: int) -> list[int]:
+        """Up to ``count`` indices of plans with measurements ending at plan ``index`` in
+        step order, oldest first. Call with the lock held."""
+        if not self._summaries:
+            return []
+        index = min(max(index, 0), len(self._summaries) - 1)
+        at = bisect.bisect(self._order_keys, _order_key(self._summaries[index], index))
+        out: list[int] = []
+        for i in _back(self._order, at):
+            if len(out) == count:
+                break
+            if self._figures[i] is not None:
+                out.append(i)
+        return out[::-1]
 
     def plan(self, index: int, reset: int | None = None) -> RoutingPlan:
         """The full plan of step ``index`` (re-read and validated; a few are cached).
@@ -353,6 +414,28 @@ class PlanStore:
             while len(self._cache) > _CACHE_PLANS:
                 self._cache.popitem(last=False)
             return plan
+
+
+def _order_key(summary: StepSummary, index: int) -> tuple[int, int]:
+    """Where a plan stands in step order: by its step, then its place in the file (an
+    unnumbered plan by its place alone)."""
+    return (index if summary.step is None else summary.step, index)
+
+
+def _back(items: list[int], end: int):
+    """``items[end - 1]``, ``items[end - 2]``, … without copying the list."""
+    for i in range(end - 1, -1, -1):
+        yield items[i]
+
+
+def _is_newer(summary: StepSummary, newest: StepSummary | None) -> bool:
+    """Whether ``summary`` is the newest step now (an unnumbered one is, as the last)."""
+    return (
+        newest is None
+        or summary.step is None
+        or newest.step is None
+        or (summary.step >= newest.step)
+    )
 
 
 def _new_run(last: StepSummary, first: StepSummary) -> str | None:

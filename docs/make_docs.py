@@ -4,6 +4,8 @@ Run: ``make docs`` (``python docs/make_docs.py``), ``make docs-bench``
 (``python docs/make_docs.py --bench``), or ``python docs/make_docs.py --check``.
 ``--only REGEX`` regenerates just the blocks with a command that REGEX matches, e.g.
 ``python docs/make_docs.py --bench --only bench/routing.py docs/performance.md``.
+``--jobs N`` runs N console blocks at once (each in a folder of its own); benchmarks
+always run one at a time.
 
 An HTML comment right before a block says how the block is made:
 
@@ -16,11 +18,13 @@ An HTML comment right before a block says how the block is made:
 
 Markers:
 
-- ``console``: each ``$ `` line is a bash command, run from the repository root in a fixed
-  environment (`command_env`); the fenced block after the marker becomes ``$ command``
-  followed by its output (stdout and stderr together), for each command in turn. A block
-  starts from an empty ``runs/docs/`` (the scratch folder for the files its commands
-  write), so it may rely on its own earlier commands only.
+- ``console``: each ``$ `` line is a bash command, run as from the repository root in a
+  fixed environment (`command_env`); the fenced block after the marker becomes
+  ``$ command`` followed by its output (stdout and stderr together), for each command in
+  turn. A block runs in a folder of its own (`block_tree`): the repository's top-level
+  entries, by symlink, and an empty ``runs/docs/`` (the scratch folder for the files its
+  commands write), so it may rely on its own earlier commands only, and blocks may run
+  at once.
 - ``console-bench``: the same for commands that are slow or print machine-dependent
   figures (the benchmarks). Only ``--bench`` runs them; the staleness test skips them.
 - ``include PATH``: the fenced block holds the text of the file PATH.
@@ -59,7 +63,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import difflib
-import fcntl
 import os
 import queue
 import re
@@ -68,15 +71,18 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 DOCS = Path(__file__).resolve().parent
 ROOT = DOCS.parent
-SCRATCH = ROOT / "runs" / "docs"
+#: The scratch folder of a block's commands, relative to the folder they run in.
+SCRATCH = Path("runs") / "docs"
 DEFAULT_COLUMNS = 120
 DEFAULT_TIMEOUT_S = 600.0
 KINDS = ("console", "console-bench", "include", "docs-index")
@@ -303,10 +309,10 @@ def run_commands(block: Block, log=None, keep: Path | None = None) -> list[tuple
     """Run the commands of a console block: (command, what it printed) for each. ``keep``:
     a new folder that receives a copy of ``runs/docs/`` as the commands left it (for a
     test that asserts on the files a block's run wrote instead of running it again)."""
-    with _scratch_lock():
-        outputs = _run_commands(block, log)
+    with block_tree() as tree:
+        outputs = _run_commands(block, tree, log)
         if keep is not None:
-            shutil.copytree(SCRATCH, keep, symlinks=True)
+            shutil.copytree(tree / SCRATCH, keep, symlinks=True)
         return outputs
 
 
@@ -321,26 +327,34 @@ def block_text(outputs: list[tuple[str, str]]) -> str:
 
 
 @contextlib.contextmanager
-def _scratch_lock() -> Iterator[None]:
-    """Hold ``runs/docs/`` alone while a block runs: a second ``make docs`` or docs test
-    started meanwhile would empty it under the first one's commands."""
-    SCRATCH.parent.mkdir(parents=True, exist_ok=True)
-    with open(SCRATCH.parent / ".docs.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        yield
+def block_tree() -> Iterator[Path]:
+    """A new temporary folder for one block's run, removed afterwards: every top-level
+    entry of the repository but ``runs/``, by symlink, and an empty ``runs/docs/``.
+
+    The commands name paths relative to the repository (``sample_plans/...``,
+    ``runs/docs/...``) and print them so, as when run from its root; but what they write
+    under ``runs/`` is their own, so blocks run at once (the tests spread them over their
+    workers, and a ``make docs`` may run beside them) cannot empty each other's scratch
+    folder. What they write elsewhere (``docs/...``) lands in the repository."""
+    tree = Path(tempfile.mkdtemp(prefix="knapformer-docs-"))
+    try:
+        for entry in ROOT.iterdir():
+            if entry.name != "runs":
+                (tree / entry.name).symlink_to(entry, target_is_directory=entry.is_dir())
+        (tree / SCRATCH).mkdir(parents=True)
+        yield tree
+    finally:
+        shutil.rmtree(tree, ignore_errors=True)
 
 
-def _run_commands(block: Block, log=None) -> list[tuple[str, str]]:
-    if SCRATCH.exists():
-        shutil.rmtree(SCRATCH)
-    SCRATCH.mkdir(parents=True)
+def _run_commands(block: Block, tree: Path, log=None) -> list[tuple[str, str]]:
     outputs = []
     for k, command in enumerate(block.commands):
         started = time.perf_counter()
         if "stop-after" in block.options:
-            output = _run_server(command, block)
+            output = _run_server(command, block, tree)
         else:
-            output, status = _run(command, block)
+            output, status = _run(command, block, tree)
             expected = block.expected_exit if k == len(block.commands) - 1 else 0
             if expected is not None and status != expected:
                 raise DocsError(
@@ -353,11 +367,12 @@ def _run_commands(block: Block, log=None) -> list[tuple[str, str]]:
     return outputs
 
 
-def _start(command: str, block: Block) -> subprocess.Popen:
-    """``command`` in bash, in the tree, in `command_env`, stdout and stderr as one stream."""
+def _start(command: str, block: Block, tree: Path) -> subprocess.Popen:
+    """``command`` in bash, in the block's ``tree``, in `command_env`, stdout and stderr as
+    one stream."""
     return subprocess.Popen(
         ["bash", "-c", command],
-        cwd=ROOT,
+        cwd=tree,
         env=command_env(block.columns),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
@@ -367,8 +382,8 @@ def _start(command: str, block: Block) -> subprocess.Popen:
     )
 
 
-def _run(command: str, block: Block) -> tuple[str, int]:
-    proc = _start(command, block)
+def _run(command: str, block: Block, tree: Path) -> tuple[str, int]:
+    proc = _start(command, block, tree)
     try:
         out, _ = proc.communicate(timeout=block.timeout_s)
     except subprocess.TimeoutExpired:
@@ -377,10 +392,10 @@ def _run(command: str, block: Block) -> tuple[str, int]:
     return clean_output(out.decode("utf-8", errors="replace")), proc.returncode
 
 
-def _run_server(command: str, block: Block) -> str:
+def _run_server(command: str, block: Block, tree: Path) -> str:
     """Run until a line matches stop-after, then Ctrl-C; the output up to that line."""
     pattern = re.compile(block.options["stop-after"])
-    proc = _start(command, block)
+    proc = _start(command, block, tree)
     lines: queue.Queue[str | None] = queue.Queue()
 
     def read() -> None:
@@ -568,23 +583,42 @@ def selected_blocks(files: Iterable[Path], bench: bool, only: str | None = None)
                 yield block
 
 
-def update(files: Iterable[Path], bench: bool, log=None, only: str | None = None) -> list[Path]:
-    """Rewrite the selected blocks of ``files``; returns the files that changed."""
+def update(
+    files: Iterable[Path], bench: bool, log=None, only: str | None = None, jobs: int = 1
+) -> list[Path]:
+    """Rewrite the selected blocks of ``files``; returns the files that changed. ``jobs``
+    blocks run at once, but benchmarks always one at a time (their figures are timings)."""
+    pages = [(path, list(selected_blocks([path], bench, only))) for path in files]
+    texts = fresh_texts([b for _, blocks in pages for b in blocks], log, 1 if bench else jobs)
     changed = []
-    for path in files:
-        blocks = [b for b in selected_blocks([path], bench, only)]
+    for path, blocks in pages:
         if not blocks:
             continue
         lines = path.read_text(encoding="utf-8").splitlines()
-        new = {id(b): _kept_or_fresh(b, fresh_text(b, log)) for b in blocks}
+        new = [(block, _kept_or_fresh(block, next(texts))) for block in blocks]
         # Replace from the end so earlier blocks' line numbers stay valid.
-        for block in reversed(blocks):
-            lines[block.start : block.end] = new[id(block)].split("\n") if new[id(block)] else []
+        for block, text in reversed(new):
+            lines[block.start : block.end] = text.split("\n") if text else []
         text = "\n".join(lines) + "\n"
         if text != path.read_text(encoding="utf-8"):
             path.write_text(text, encoding="utf-8")
             changed.append(path)
     return changed
+
+
+def fresh_texts(blocks: list[Block], log=None, jobs: int = 1) -> Iterator[str]:
+    """`fresh_text` of each of ``blocks``, in order, with ``jobs`` blocks running at once
+    (each console block runs in a folder of its own); the first error stops the rest."""
+    if jobs <= 1:
+        yield from (fresh_text(block, log) for block in blocks)
+        return
+    pool = ThreadPoolExecutor(jobs)
+    try:
+        futures = [pool.submit(fresh_text, block, log) for block in blocks]
+        for future in futures:
+            yield future.result()
+    finally:
+        pool.shutdown(cancel_futures=True)
 
 
 def _kept_or_fresh(block: Block, fresh: str) -> str:
@@ -596,17 +630,19 @@ def _kept_or_fresh(block: Block, fresh: str) -> str:
     return fresh
 
 
-def check(files: Iterable[Path], log=None) -> list[str]:
-    """Problems with the non-bench blocks of ``files``: stale blocks (with a diff) and
-    console blocks that no marker produces."""
-    problems = []
-    for path in files:
-        for line in unmarked_console_blocks(path):
-            problems.append(f"{shown(path)}:{line}: ```console block without a marker")
-        for block in selected_blocks([path], bench=False):
-            fresh = fresh_text(block, log)
-            if not same_output(block.recorded, fresh, block):
-                problems.append(f"{block.where}: stale\n{difference(block.recorded, fresh, block)}")
+def check(files: Iterable[Path], log=None, jobs: int = 1) -> list[str]:
+    """Problems with the non-bench blocks of ``files``: console blocks that no marker
+    produces, then stale blocks (with a diff); ``jobs`` blocks run at once."""
+    files = list(files)
+    problems = [
+        f"{shown(path)}:{line}: ```console block without a marker"
+        for path in files
+        for line in unmarked_console_blocks(path)
+    ]
+    blocks = list(selected_blocks(files, bench=False))
+    for block, fresh in zip(blocks, fresh_texts(blocks, log, jobs), strict=True):
+        if not same_output(block.recorded, fresh, block):
+            problems.append(f"{block.where}: stale\n{difference(block.recorded, fresh, block)}")
     return problems
 
 
@@ -618,6 +654,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only", metavar="REGEX", help="regenerate only blocks with a command matching REGEX"
     )
+    parser.add_argument(
+        "--jobs",
+        "-j",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run N console blocks at once (benchmarks still run one at a time)",
+    )
     args = parser.parse_args(argv)
     files = [p.resolve() for p in args.files] or doc_files()
 
@@ -626,11 +670,11 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.check:
-            problems = check(files, log)
+            problems = check(files, log, args.jobs)
             for problem in problems:
                 print(problem)
             return 1 if problems else 0
-        changed = update(files, args.bench, log, args.only)
+        changed = update(files, args.bench, log, args.only, args.jobs)
     except DocsError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

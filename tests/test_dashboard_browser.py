@@ -21,6 +21,7 @@ from knapformer.cli import main
 from knapformer.contract.plan_io import parse_plan_line, write_jsonl
 from knapformer.diagnosis.measured import measure
 from knapformer.diagnosis.step_loss import PARTS, step_losses
+from knapformer.diagnosis.stragglers import WINDOW
 from knapformer.planning.datamix import parse_mix, sample_lengths
 from knapformer.planning.planner import plan_routing
 from knapformer.planning.workload import WorkloadModel
@@ -599,10 +600,10 @@ def test_straggler_views_name_the_slow_rank(page):
     assert page.inner_text("#stat-straggler").startswith("slow_gpu: rank 5")
 
     def drawn():
-        """the straggler views of the measured run's 30 steps"""
+        """the straggler views of the measured run's last 20 steps (the straggler window)"""
         return page.locator("#straggler-box").is_visible() and _figure(page, "ratio-heatmap")[
             "title"
-        ].endswith("steps 0–29")
+        ].endswith("steps 10–29")
 
     _wait_for(drawn)
     ratio = page.evaluate(
@@ -681,10 +682,10 @@ def test_per_rank_views_at_8_ranks_show_where_each_step_went(page):
 @pytest.mark.parametrize(("run", "ranks"), [("measured", 8), ("measured64", 64)])
 def test_step_loss_shows_what_each_step_lost(page, runs_dir, run, ranks):
     lines = (runs_dir / run / "plans.jsonl").read_text().splitlines()
-    plans = [parse_plan_line(line) for line in lines]
+    plans = [parse_plan_line(line) for line in lines][-WINDOW:]  # the straggler window
     assert len(plans[0].gpus) == ranks
     losses = step_losses([measure(p).figures() for p in plans])
-    span = f"steps 0–{len(plans) - 1}"
+    span = f"steps {plans[0].step}–{plans[-1].step}"
 
     def drawn():
         """the step-loss graph shows the run's measured steps"""

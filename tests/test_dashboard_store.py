@@ -327,3 +327,173 @@ def test_following_a_run_keeps_a_few_kilobytes_per_step(tmp_path):
         tracemalloc.stop()
     assert len(store.snapshot().summaries) == steps
     assert held / steps < 6 * 1024, held / steps  # measured: 3.4 KB; a plan is 4.4 KB here
+
+
+# ------------------------------------------------------------------ the run's store
+def _recorded(folder, plans, every, segment):
+    """``plans`` recorded through the real recorder into ``folder`` with its store."""
+    from knapformer.runtime.recorder import PlanRecorder
+
+    with PlanRecorder(folder / "plans.jsonl", every=every, store_segment_steps=segment) as rec:
+        for plan in plans:
+            rec.record(plan)
+    return folder / "plans.jsonl"
+
+
+def test_a_run_with_a_store_holds_every_step_and_the_plans_kept(tmp_path):
+    from knapformer.dashboard.store_steps import mean_speedup, step_columns
+
+    from knapformer.testing.measured_plans import measured_run
+
+    plans = measured_run(40, seed=2)
+    store = _store(_recorded(tmp_path, plans, every=10, segment=16))
+    snap = store.snapshot()
+    assert [s.step for s in snap.summaries] == [0, 10, 20, 30]  # full plans: every 10th
+    assert snap.store.count == 40 and len(snap.store.segments) == 3
+    columns = step_columns(snap.store, snap.summaries)
+    assert columns["step"].tolist() == list(range(40))
+    for plan in plans:  # every step's figures, from the store (float32 there)
+        st = plan.stats
+        row = plan.step
+        assert columns["imbalance_before"][row] == pytest.approx(st.imbalance_before, rel=1e-6)
+        assert columns["imbalance_after"][row] == pytest.approx(st.imbalance_after, rel=1e-6)
+        moved = columns["moved_tokens"][row] / columns["total_tokens"][row]
+        assert moved == pytest.approx(st.moved_fraction)
+        assert columns["plan_ms"][row] == pytest.approx(plan.measurements.plan_ms, abs=1 / 128)
+    speedups = [p.stats.speedup for p in plans]
+    assert mean_speedup(columns) == pytest.approx(np.mean(speedups), rel=1e-6)
+    assert snap.mean_speedup == pytest.approx(np.mean(speedups[::10]))  # the plans' mean
+
+
+def test_the_store_is_followed_as_its_segments_close_and_newer_plans_fill_in(tmp_path):
+    from knapformer.dashboard.store_steps import step_columns
+
+    from knapformer.runtime.recorder import PlanRecorder
+    from knapformer.testing.measured_plans import measured_run
+    from knapformer.testing.polling import wait_until
+
+    plans = measured_run(20, seed=4)
+    path = tmp_path / "plans.jsonl"
+    store = PlanStore(path)
+    with PlanRecorder(path, every=4, store_segment_steps=8) as rec:
+        for plan in plans[:17]:
+            rec.record(plan)
+
+        def two_segments_and_step_16():
+            """the store closed steps 0-15 and the plans reached step 16"""
+            while store.poll():
+                pass
+            snap = store.snapshot()
+            return snap.store and snap.store.count == 16 and snap.summaries[-1].step == 16
+
+        wait_until(two_segments_and_step_16, timeout=60)
+        snap = store.snapshot()
+        # the store's 16 steps, then the newest full plan (its segment is still open)
+        columns = step_columns(snap.store, snap.summaries)
+        assert columns["step"].tolist() == [*range(16), 16]
+        assert columns["imbalance_after"][16] == snap.summaries[-1].imbalance_after
+        for plan in plans[17:]:
+            rec.record(plan)
+    while store.poll():
+        pass
+    snap = store.snapshot()
+    assert snap.store.count == 20 and len(snap.store.segments) == 3
+    # step 16 now comes from the store, once
+    assert step_columns(snap.store, snap.summaries)["step"].tolist() == list(range(20))
+
+
+def test_a_store_that_cannot_be_read_is_a_notice_and_the_plans_stand_in(tmp_path):
+    from knapformer.testing.measured_plans import measured_run
+
+    path = _recorded(tmp_path, measured_run(8, seed=1), every=2, segment=4)
+    (tmp_path / "store" / "steps-0-3.parquet").write_bytes(b"PAR1 not really")
+    snap = _store(path).snapshot()
+    assert snap.store is None and [s.step for s in snap.summaries] == [0, 2, 4, 6]
+    assert any(
+        n.startswith("the run store cannot be read: ")
+        and "steps-0-3.parquet" in n
+        and n.endswith("; the figures come from the plans")
+        for n in snap.notices
+    ), snap.notices
+
+
+def test_a_run_without_a_store_has_none(tmp_path, lines50):
+    path = tmp_path / "plans.jsonl"
+    path.write_text("\n".join(lines50[:3]) + "\n")
+    snap = _store(path).snapshot()
+    assert snap.store is None and snap.notices == []
+
+
+def test_the_partition_of_every_step_comes_from_the_store_in_runs(tmp_path):
+    from knapformer.dashboard.store_steps import partition_spans
+
+    from knapformer.contract.stats import summarize
+    from knapformer.planning.datamix import parse_mix, sample_lengths
+    from knapformer.planning.planner import plan_routing
+    from knapformer.planning.workload import WorkloadModel
+
+    rng = np.random.default_rng(4)
+    mix = parse_mix("g2b4i256f1s0,g2b5i512f1s0,g2b1i1024f1s0,g2b2i256f4s0")
+    topologies = ["g1n4+g2n2"] * 5 + ["g2n2+g4n1"] * 5
+    plans = [
+        plan_routing(sample_lengths(mix, rng), topology, WorkloadModel(3072, 0.4), step=s)
+        for s, topology in enumerate(topologies)
+    ]
+    # segments of 3 steps: the runs cross their borders and are joined
+    snap = _store(_recorded(tmp_path, plans, every=4, segment=3)).snapshot()
+    assert [s.step for s in snap.summaries] == [0, 4, 8]
+    assert len(snap.store.segments) == 4
+    first, last = summarize(plans[0]).bags, summarize(plans[9]).bags
+    assert partition_spans(snap.store, snap.summaries) == [
+        ("g1n4+g2n2", first, 0, 4),
+        ("g2n2+g4n1", last, 5, 9),
+    ]
+
+
+def test_the_newest_step_is_followed_though_earlier_plans_come_after_it(tmp_path):
+    from knapformer.testing.measured_plans import measured_run
+
+    # rank 5 slow: the store's writer keeps the plans of steps 1, 11 and 21 (the verdict
+    # names them), and its thread may queue them after those of steps 0, 10, 20 and 30
+    # (here always: the file is written in that order)
+    plans = measured_run(31, slow_rank=5, slow_factor=2.0, seed=3)
+    path = _recorded(tmp_path, plans, every=10, segment=16)
+    lines = path.read_text().splitlines()
+    lines.sort(key=lambda line: (json.loads(line)["step"] % 10 != 0, json.loads(line)["step"]))
+    path.write_text("\n".join(lines) + "\n")
+    snap = _store(path).snapshot()
+    steps = [s.step for s in snap.summaries]
+    assert steps == [0, 10, 20, 30, 1, 11, 21]
+    assert steps[snap.newest] == 30
+    path = tmp_path / "plain.jsonl"
+    path.write_text("\n".join(p.model_dump_json() for p in plans[:3]) + "\n")
+    assert _store(path).snapshot().newest == 2  # in order: the last line
+
+
+def test_measured_windows_walk_the_steps_in_order_whatever_the_files_order(tmp_path):
+    from knapformer.testing.measured_plans import measured_run
+
+    # plans of steps 1, 11, 21 written late (as the store's writer appends those a
+    # verdict names): the file holds steps 0, 10, 20, 30, 1, 11, 21
+    plans = measured_run(31, slow_rank=5, slow_factor=2.0, seed=3)
+    path = _recorded(tmp_path, plans, every=10, segment=16)
+    lines = path.read_text().splitlines()
+    lines.sort(key=lambda line: (json.loads(line)["step"] % 10 != 0, json.loads(line)["step"]))
+    path.write_text("\n".join(lines) + "\n")
+    (tmp_path / "store").rename(tmp_path / "aside")  # the plans' path
+    store = _store(path)
+    snap = store.snapshot()
+    steps = [s.step for s in snap.summaries]
+    assert steps == [0, 10, 20, 30, 1, 11, 21]
+    assert [steps[i] for i in snap.by_step] == [0, 1, 10, 11, 20, 21, 30]
+    at = steps.index  # the index of a step's plan
+
+    def window(step, count):
+        return [f.step for f in store.measured(at(step), count, snap.reset)]
+
+    assert window(11, 3) == [1, 10, 11]  # in file order: 30, 1, 11
+    assert window(30, 4) == [11, 20, 21, 30]  # in file order: 0, 10, 20, 30
+    assert window(20, 10) == [0, 1, 10, 11, 20]
+    assert window(0, 3) == [0]
+    assert [steps[i] for i in store.measured_plans(at(21), 2, snap.reset)] == [20, 21]
+    assert store.measured(at(21), 2, snap.reset + 1) == []  # reset since

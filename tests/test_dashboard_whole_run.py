@@ -165,8 +165,36 @@ def test_the_per_step_views_come_after_the_whole_run_views_and_work(page, run):
         lines = (run / "plans.jsonl").read_text().splitlines()
         newest = f"step {json.loads(lines[-1])['step']} · {len(lines)} of {len(lines)}"
         wait_until(lambda: newest in pg.inner_text("#step-label"), 60)
-        assert pg.inner_text("#stat-steps") == str(len(lines))
+        # every step of the store, and how many of them kept a full plan
+        assert pg.inner_text("#stat-steps") == f"{STEPS} ({len(lines)} full plans)"
         assert pg.locator("#seq-table").count() == 1
         assert pg.locator("#run-picker").count() == 1
     finally:
         pg.close()
+
+
+#: Each trace of each figure on the page: its graph, the type it asks for, the type drawn.
+_TRACE_TYPES_JS = """() => Array.from(document.querySelectorAll('.js-plotly-plot')).flatMap(
+  gd => (gd.data || []).map((t, i) => [gd.parentElement.id, t.type || 'scatter',
+                                       gd._fullData[i].type]))"""
+
+
+def test_every_figure_draws_its_own_trace_types_with_the_plotly_js_served(page):
+    from knapformer.dashboard.page_index import PLOTLY_PATH
+    from knapformer.dashboard.plotly_bundle import served
+
+    # the page's plotly.js is the bundle the server says it serves (the full one has
+    # WebGL traces, the cartesian one has not)
+    said = page.evaluate("async url => (await fetch(url)).headers.get('X-Plotly-Bundle')",
+                         PLOTLY_PATH)  # fmt: skip
+    assert said.split()[0] == served().name
+    has_gl = page.evaluate("() => 'scattergl' in Plotly.PlotSchema.get().traces")
+    assert has_gl == (served().name == "full")
+    # a bundle without a trace type draws it as a scatter, silently: every figure of both
+    # the whole-run and the per-step views must draw the types it asks for
+    page.wait_for_selector("#bag-load .main-svg .bars", timeout=120_000)
+    drawn = page.evaluate(_TRACE_TYPES_JS)
+    graphs = {graph for graph, _, _ in drawn}
+    assert {"run-heatmap", "run-verdicts", "run-steps", "bag-load"} <= graphs
+    assert {asked for _, asked, _ in drawn} >= {"heatmap", "scatter", "bar"}
+    assert [(g, a, d) for g, a, d in drawn if a != d] == []

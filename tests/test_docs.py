@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import re
 import signal
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -158,7 +159,7 @@ def test_a_blocks_run_is_shared_with_its_outputs_and_files(tmp_path):
     assert runs.read_text(encoding="utf-8") == "run\n"
     assert shared.text == f"$ {write}\n$ echo second\nsecond"
     assert shared.output("echo second") == "second" and shared.output("mkdir") == ""
-    # what the commands wrote outlives the scratch folder, which the next block empties
+    # what the commands wrote outlives the block's folder, removed after the run
     assert shared.path("runs/docs/out/f.txt").read_text(encoding="utf-8") == "kept\n"
 
     failing = _only_block(_page(tmp_path / "sub", _console([f"echo run >> {runs}; exit 3"])))
@@ -199,10 +200,79 @@ def test_commands_see_a_fixed_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("KNAPFORMER_CHROMIUM", "/somewhere")
     page = _page(
         tmp_path,
-        _console(['echo "$COLUMNS ${KNAPFORMER_CHROMIUM:-unset} $TZ $PWD"'], "columns=77"),
+        _console(['echo "$COLUMNS ${KNAPFORMER_CHROMIUM:-unset} $TZ"'], "columns=77"),
     )
     output = make_docs.run_block(_only_block(page))
-    assert output.splitlines()[1] == f"77 unset UTC {ROOT}"
+    assert output.splitlines()[1] == "77 unset UTC"
+
+
+def test_commands_run_in_a_tree_of_their_own_that_shows_the_repository(tmp_path):
+    name = f"{tmp_path.name}.txt"  # a scratch file no other run writes
+    commands = [
+        "pwd",
+        "ls -A runs/docs | wc -l",
+        f"echo mine > runs/docs/{name}",
+        "python -c 'import pathlib; print(pathlib.Path(\"knapformer\").resolve())'",
+        "ls sample_plans/mixed8_g1n2+g2n1+g4n1.json",
+        "ls -A | grep -vx runs | sort",
+    ]
+    run = run_of(_only_block(_page(tmp_path, _console(commands))))
+    tree = Path(run.output("pwd"))
+    assert tree != ROOT and not tree.exists(), "a temporary folder, removed after the run"
+    assert run.output("wc -l") == "0", "runs/docs/ starts empty"
+    assert run.path(f"runs/docs/{name}").read_text(encoding="utf-8") == "mine\n"
+    assert not (ROOT / "runs" / "docs" / name).exists(), "the repository's runs/ is not used"
+    # relative paths resolve as from the repository's root, to the repository's files
+    assert run.output("resolve") == str(ROOT / "knapformer")
+    assert run.output("ls sample_plans") == "sample_plans/mixed8_g1n2+g2n1+g4n1.json"
+    entries = sorted(p.name for p in ROOT.iterdir() if p.name != "runs")
+    assert run.output("sort").splitlines() == entries
+
+
+def _meeting_page(folder: Path, me: str, other: str, kind: str = "console", tries: int = 600):
+    """A page whose block writes ``me`` to its scratch folder, then waits (up to ``tries``
+    tenths of a second) for the block that writes ``other``, says whether they met, and
+    shows what its scratch file holds."""
+    meet = (
+        f"echo {me} > runs/docs/who.txt; touch {folder}/{me}; "
+        f"for _ in $(seq {tries}); do [ -e {folder}/{other} ] && break; sleep 0.1; done; "
+        f"[ -e {folder}/{other} ] && echo met {other}; cat runs/docs/who.txt"
+    )
+    block = _console([meet], "timeout=120").replace("<!-- console", f"<!-- {kind}")
+    return _page(folder / f"page_{me}", block)
+
+
+def test_blocks_run_at_once_each_with_its_own_scratch_folder(tmp_path):
+    """Two blocks started together both run, each seeing its own runs/docs/ (a lock or a
+    shared folder would make the first wait for the second in vain, or mix their files)."""
+    blocks = [_only_block(_meeting_page(tmp_path, *who)) for who in (("a", "b"), ("b", "a"))]
+    with ThreadPoolExecutor(2) as pool:
+        texts = list(pool.map(make_docs.run_block, blocks))
+    assert [t.splitlines()[1:] for t in texts] == [["met b", "a"], ["met a", "b"]]
+
+
+def test_jobs_run_pages_at_once_and_write_what_one_at_a_time_writes(tmp_path):
+    pages = [_meeting_page(tmp_path, *who) for who in (("a", "b"), ("b", "a"))]
+    assert make_docs.update(pages, bench=False, jobs=2) == pages
+    assert "\nmet b\na\n```" in pages[0].read_text(encoding="utf-8")
+    assert "\nmet a\nb\n```" in pages[1].read_text(encoding="utf-8")
+    assert make_docs.check(pages, jobs=2) == []
+
+    body = "\n\n".join(_console([f"echo {k}"]) for k in range(4))
+    several, alone = _page(tmp_path / "several", body), _page(tmp_path / "alone", body)
+    make_docs.update([several], bench=False, jobs=3)
+    make_docs.update([alone], bench=False, jobs=1)
+    assert several.read_text(encoding="utf-8") == alone.read_text(encoding="utf-8")
+
+
+def test_benchmarks_run_one_at_a_time_whatever_the_jobs(tmp_path):
+    folder = tmp_path / "bench"
+    folder.mkdir()
+    pages = [_meeting_page(folder, *who, "console-bench", tries=20) for who in ("ab", "ba")]
+    make_docs.update(pages, bench=True, jobs=2)
+    # the first ran alone (it never met the second); the second found the first's mark
+    assert "\na\n```" in pages[0].read_text(encoding="utf-8")
+    assert "\nmet a\nb\n```" in pages[1].read_text(encoding="utf-8")
 
 
 def test_commands_get_ctrl_c_even_when_the_generator_ignores_it(tmp_path):

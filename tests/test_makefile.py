@@ -45,3 +45,11 @@ def test_a_stamp_of_one_target_does_not_skip_what_the_other_needs(tmp_path):
     (venv / ".installed").touch()  # and the other way round
     (venv / ".installed-all").unlink()
     assert "-e '.[all]'" in dry_run("demo", venv)
+
+
+def test_setup_test_and_demo_fetch_the_dashboards_plotly_js_after_installing(tmp_path):
+    # the fetch needs the installed plotly (it fetches the plotly.js version it ships)
+    for target, install in (("setup", ".[dev]"), ("test", ".[dev]"), ("demo", ".[all]")):
+        plan = dry_run(target, tmp_path / "venv")
+        fetch = plan.find("-m knapformer.dashboard.plotly_bundle")
+        assert fetch > plan.find(f"-e '{install}'") > 0, target

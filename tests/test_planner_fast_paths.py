@@ -139,7 +139,7 @@ def test_wide_rounds_level_as_well_as_narrow_rounds(topology):
 
 def _auto_candidates(lengths, price_all: bool):
     """The auto plan of a step and (floor, modelled makespan) of every candidate it priced;
-    ``price_all``: with the floor's skip turned off."""
+    ``price_all``: with the floors' skips turned off (the bags' and the routed floor)."""
     comm, seen = CommModel(), []
     per_token = {g: comm.ulysses_per_token(MODEL.token_dim, g, 1.0) for g in (1, 2, 4, 8)}
     real = auto.modelled_makespan
@@ -150,7 +150,9 @@ def _auto_candidates(lengths, price_all: bool):
         return value
 
     floor = (lambda step, per_token: 0.0) if price_all else auto.makespan_floor
-    with patch.object(auto, "modelled_makespan", spy), patch.object(auto, "makespan_floor", floor):
+    routed = (lambda *args: 0.0) if price_all else auto.routed_floor
+    with (patch.object(auto, "modelled_makespan", spy), patch.object(auto, "makespan_floor", floor),
+          patch.object(auto, "routed_floor", routed)):  # fmt: skip
         plan = plan_routing(lengths, "auto", MODEL, comm=comm)
     return plan, seen
 

@@ -9,6 +9,7 @@ import json
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from knapformer.cli import main
@@ -201,3 +202,86 @@ def test_report_timeline_has_every_stored_step_when_plans_are_thinned(run, tmp_p
         assert trace_p["name"] == trace_s["name"]
         shared = [trace_s["y"][x] for x in trace_p["x"]]
         assert shared == pytest.approx(trace_p["y"], rel=1e-3, abs=0.01)
+
+
+def _probed_across_nodes(plan, slow_cross: int):
+    """``plan`` with a link probe of every round over two nodes of 4 ranks: 1 ms a pair,
+    8 ms a pair that joins ``slow_cross`` to a rank of the other node (its NIC is slow,
+    its links inside its node are not)."""
+    from knapformer.contract.probe import LinkProbe, probe_partners, probe_round_count
+
+    n = len(plan.gpus)
+    node = [i * 2 // n for i in range(n)]
+    rounds = list(range(probe_round_count(n)))
+    slow = plan.gpus.index(slow_cross)
+    times = [
+        [8.0 if slow in (i, p) and node[i] != node[p] else 1.0
+         for i, p in enumerate(probe_partners(n, r))]
+        for r in rounds
+    ]  # fmt: skip
+    probe = LinkProbe(bytes=2**20, rounds=rounds, ms=times, node=node)
+    return plan.model_copy(
+        update={"measurements": plan.measurements.model_copy(update={"link_probe": probe})}
+    )
+
+
+def test_a_slow_link_across_nodes_is_kept_apart_and_named_on_the_store(tmp_path, capsys):
+    """The store keeps each rank's fastest link inside its node and across nodes apart, as
+    the plans' probe does: a rank whose links to the other node are slow, and whose links
+    inside its node are fast, is named ``slow_link`` on the store as on the plans."""
+    from knapformer.contract.run_store import read_table
+
+    slow = 6
+    plans = [_probed_across_nodes(p, slow) for p in measured_run(12, topology="g1n8", seed=4)]
+    write_jsonl(tmp_path / "plans.jsonl", plans)
+    writer = StoreWriter(tmp_path / "store", segment_steps=4)
+    for plan in plans:
+        writer.put(plan)
+    writer.close()
+    ranks = read_table(tmp_path, "ranks", columns=["rank", "link_gbps", "link_cross_gbps"])
+    rank, inside, cross = (ranks[c].to_numpy(zero_copy_only=False) for c in ranks.column_names)
+    pair_gbps = 2**20 / 1e6  # GB/s each way of a pair that takes 1 ms
+    np.testing.assert_allclose(inside, pair_gbps, rtol=1e-3)  # every link inside a node fast
+    np.testing.assert_allclose(cross[rank == slow], pair_gbps / 8, rtol=1e-3)
+    np.testing.assert_allclose(cross[rank != slow], pair_gbps, rtol=1e-3)  # a fast partner
+    on_plans = _verdicts(_json(capsys, "stragglers", str(tmp_path), "--source", "plans"))
+    on_store = _verdicts(_json(capsys, "stragglers", str(tmp_path), "--source", "store"))
+    assert on_store == on_plans
+    assert on_store[slow] == "slow_link"
+    assert [r for r, v in on_store.items() if v == "slow_link"] == [slow]
+
+
+def test_a_segment_written_before_a_later_column_reads_it_as_null(run, tmp_path, capsys):
+    """A ``ranks`` segment of a writer that had no ``link_cross_gbps`` (`LATER_COLUMNS`) is
+    read, checked, compacted and queried with that column null; any other missing column
+    is still a wrong schema."""
+    import shutil
+
+    import pyarrow.parquet as pq
+
+    from knapformer.contract.run_store import StoreError, read_table
+    from knapformer.runtime.store_files import compact
+
+    folder = tmp_path / "run"
+    shutil.copytree(run, folder)
+    segments = sorted((folder / "store").glob("ranks-*.parquet"))
+    for path in segments[:2]:  # the first two of three segments: as an older writer wrote
+        old = pq.read_table(path)
+        pq.write_table(old.drop_columns(["link_cross_gbps"]), path)
+    ranks = read_table(folder, "ranks", columns=["step", "link_cross_gbps", "link_gbps"])
+    assert ranks.num_rows == 24 * 8
+    assert ranks["link_cross_gbps"].null_count == ranks.num_rows
+    assert read_table(folder, "ranks").num_rows == 24 * 8  # every column, old and new
+    assert main(["stragglers", str(folder), "--source", "store"]) == 0
+    assert f"rank {SLOW_RANK}" in capsys.readouterr().out
+    sql = "SELECT count(link_cross_gbps) AS probed, count(*) AS rows FROM ranks"
+    assert main(["query", str(folder), sql, "--csv"]) == 0
+    assert capsys.readouterr().out.replace('"', "").split() == ["probed,rows", f"0,{24 * 8}"]
+    compact(folder / "store", "ranks", count=2, small=100)  # the two old ones
+    merged = folder / "store" / "ranks-0-15.parquet"
+    assert pq.read_table(merged, columns=["link_cross_gbps"])[0].null_count == 16 * 8
+    assert read_table(folder, "ranks", columns=["rank"]).num_rows == 24 * 8
+    broken = pq.read_table(merged)
+    pq.write_table(broken.drop_columns(["tokens_in"]), merged)
+    with pytest.raises(StoreError, match="wrong schema: no column 'tokens_in'"):
+        read_table(folder, "ranks")

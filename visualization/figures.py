@@ -660,9 +660,9 @@ def timeline_of_columns(
         ],
         "shapes": shapes,
     }
-    if title:
-        layout["title"] = {"text": title}
-        layout["margin"]["t"] = 90
+    if title:  # at the top, over the legend: in a half-width cell the legend reaches it
+        layout["title"] = {"text": title, "y": 0.99, "yanchor": "top"}
+        layout["margin"]["t"] = 110
     for row in range(1, panels + 1):
         layout["yaxis" if row == 1 else f"yaxis{row}"] = {"domain": domains[row], "anchor": "x"}
     layout["yaxis2"]["ticksuffix"] = "%"
@@ -694,12 +694,23 @@ def selection_shapes(summaries: list[StepSummary], selected: int | None) -> list
 _LABEL_CHARS = 64  # a row label's placement is cut here (a 1,024-GPU layout is long)
 
 
+#: A run of consecutive steps on one partition (the partition timeline's bar): its
+#: topology string, where its bags sat (`StepSummary.bags`; None where unknown), its
+#: first and last step.
+PartitionSpan = tuple[str | None, str | None, float, float]
+
+
 def partition_labels(summaries: list[StepSummary]) -> list[str]:
-    """Each step's row on the partition timeline: its topology string, and where its bags
-    sat (`StepSummary.bags`, "g1n4+g4n1 @ g4@0-3 g1@4-7") wherever that topology appears
-    with bags in more than one place in ``summaries``: the same string with the big group
-    moved is a change. Distinct placements always get distinct labels."""
-    keys = [(s.topology or "?", s.bags) for s in summaries]
+    """Each step's row on the partition timeline (`partition_labels_of`)."""
+    return partition_labels_of([(s.topology, s.bags) for s in summaries])
+
+
+def partition_labels_of(partitions: list[tuple[str | None, str | None]]) -> list[str]:
+    """Each (topology, bags) pair's row on the partition timeline: its topology string,
+    and where its bags sat ("g1n4+g4n1 @ g4@0-3 g1@4-7") wherever that topology appears
+    with bags in more than one place in ``partitions``: the same string with the big
+    group moved is a change. Distinct placements always get distinct labels."""
+    keys = [(topology or "?", bags) for topology, bags in partitions]
     placements: dict[str, dict] = {}
     for topo, bags in keys:
         placements.setdefault(topo, {})[bags] = None
@@ -745,25 +756,38 @@ def topology_figure(
     if not summaries:
         return empty_figure("no steps yet", validate)
     x_of = [i if s.step is None else s.step for i, s in enumerate(summaries)]
-    runs = topology_runs(summaries)
-    rows = list(dict.fromkeys(name for name, _, _ in runs))
-    topologies = len({s.topology or "?" for s in summaries})
+    spans = [
+        (summaries[first].topology, summaries[first].bags, x_of[first], x_of[last])
+        for _, first, last in topology_runs(summaries)
+    ]
+    return partition_figure(spans, selection_shapes(summaries, selected), validate)
+
+
+def partition_figure(
+    spans: list[PartitionSpan], shapes: list[dict], validate: bool = True
+) -> go.Figure:
+    """`topology_figure` of runs of steps (`PartitionSpan`, in step order; a run store
+    keeps them for every step), ``shapes`` (the selected step's marker) over them."""
+    if not spans:
+        return empty_figure("no steps yet", validate)
+    labels = partition_labels_of([(topology, bags) for topology, bags, _, _ in spans])
+    runs = [(label, x0, x1) for label, (_, _, x0, x1) in zip(labels, spans, strict=True)]
+    rows = list(dict.fromkeys(labels))
+    topologies = len({topology or "?" for topology, _, _, _ in spans})
     data = []
     for k, topo in enumerate(rows):
-        xs, ys, index = [], [], []
+        xs, ys = [], []
         for name, first, last in runs:
             if name == topo:
                 # a run of one step still shows as a short bar: ±0.4 step around it
-                xs += [x_of[first] - 0.4, x_of[last] + 0.4, None]
+                xs += [first - 0.4, last + 0.4, None]
                 ys += [topo, topo, None]
-                index += [first, last, None]
         color = plotly.colors.qualitative.D3[k % len(plotly.colors.qualitative.D3)]
         data.append(
             {
                 "type": "scatter",
                 "x": xs,
                 "y": ys,
-                "customdata": index,
                 "mode": "lines",
                 "name": topo,
                 "line": {"color": color, "width": 12},
@@ -784,7 +808,7 @@ def topology_figure(
         "yaxis": {"type": "category", "categoryorder": "array", "categoryarray": rows,
                   "autorange": "reversed", "automargin": True},
         "margin": {"l": 20, "r": 20, "t": 40, "b": 40},
-        "shapes": selection_shapes(summaries, selected),
+        "shapes": shapes,
     }  # fmt: skip
     return build_figure(data, layout, validate)
 

@@ -13,7 +13,7 @@ so when it is the measured compute phase the stack of a rank adds up to its meas
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,6 +25,11 @@ from knapformer.visualization.figures import build_figure
 from knapformer.contract.nan_reduce import nan_reduce
 from knapformer.contract.phases import (
     ALLREDUCE,
+    BAG_COLLECTIVES,
+    COLLECTIVE_PHASES,
+    DATA,
+    DESCHEDULED,
+    FIXED_PHASES,
     GATHER,
     GROUP_EXCHANGES,
     OPTIMIZER,
@@ -33,9 +38,13 @@ from knapformer.contract.phases import (
     PROBE,
     STEP,
     UNTIMED,
+    compute_phase,
+    host_ms,
+    phase_ms,
 )
 from knapformer.contract.plan import RoutingPlan
-from knapformer.diagnosis.measured import MeasuredStep, measure
+from knapformer.diagnosis.measured import group_waits
+from knapformer.diagnosis.store_window import WindowRows
 
 HOST_PART = "host work (planning, recording, loop, GC)"
 DATA_PART = "waiting for data"
@@ -86,7 +95,23 @@ class RankPhases:
 def step_parts(plan: RoutingPlan) -> RankPhases | None:
     """The parts of ``plan``'s step per rank (ranks in ``plan.gpus`` order); None when it
     measured no compute phase."""
-    measured = measure(plan)
+    m = plan.measurements
+    if m is None:
+        return None
+    return rank_parts(plan.step, plan.gpus, plan.stats.gpu_bag, m.per_rank_ms)
+
+
+def rank_parts(
+    step: int | None,
+    ranks: Sequence[int],
+    bags: Sequence[int],
+    per_rank: Mapping[str, Sequence[float]],
+) -> RankPhases | None:
+    """The parts of one step per rank from its measured phases (``per_rank``: phase ->
+    ms per rank, indexed like ``ranks``; ``bags``: each rank's bag id): what a plan
+    measured, or the run store's rows of a step. None when no compute phase was measured.
+    The figures are `measure`'s (`MeasuredStep`) of a step with those phases."""
+    measured = measured_phases(step, ranks, bags, per_rank)
     if measured is None:
         return None
     parts: dict[str, np.ndarray] = {}
@@ -96,7 +121,6 @@ def step_parts(plan: RoutingPlan) -> RankPhases | None:
         if np.any(ms > 0):
             parts[name], styles[name] = ms, style
 
-    per_rank = plan.measurements.per_rank_ms
     if measured.phase == "compute":  # the step's other parts lie outside it
         add("compute (the model's)", np.clip(measured.compute_ms, 0.0, None), part_style("compute"))
         if _optimizer_outside_compute(measured, per_rank):
@@ -109,18 +133,67 @@ def step_parts(plan: RoutingPlan) -> RankPhases | None:
         name = f"compute ({measured.phase})"
         parts[name], styles[name] = np.clip(measured.compute_ms, 0.0, None), part_style("compute")
     _add_collectives(measured, add)
-    step = per_rank.get(STEP)
+    step_ms = per_rank.get(STEP)
     return RankPhases(
         ranks=measured.gpus,
         parts=parts,
         styles=styles,
-        step_ms=None if step is None else np.asarray(step, dtype=np.float64),
-        steps=[plan.step],
+        step_ms=None if step_ms is None else np.asarray(step_ms, dtype=np.float64),
+        steps=[step],
         phase=measured.phase,
     )
 
 
-def _add_collectives(measured: MeasuredStep, add) -> None:
+@dataclass(frozen=True)
+class StepPhases:
+    """What the parts of a step are made of, per rank (arrays (n,), indexed like
+    ``gpus``): the figures of `knapformer.diagnosis.measured.MeasuredStep` of the same
+    name, by the same functions, from the measured phases alone (a store row holds no
+    plan)."""
+
+    gpus: np.ndarray
+    phase: str  # the measured phase standing for compute
+    compute_ms: np.ndarray
+    collective_ms: dict[str, np.ndarray]  # each measured collective
+    wait_ms: dict[str, np.ndarray]  # of it, the wait for its peers
+    host_ms: np.ndarray
+    data_ms: np.ndarray
+    descheduled_ms: np.ndarray
+    fixed_ms: dict[str, np.ndarray]  # each of `FIXED_PHASES` measured
+
+
+def measured_phases(
+    step: int | None,
+    ranks: Sequence[int],
+    bags: Sequence[int],
+    per_rank: Mapping[str, Sequence[float]],
+) -> StepPhases | None:
+    """`StepPhases` of a step's measured ``per_rank`` phases; None without a compute phase.
+    A collective's peers are the whole group, or the bag for `BAG_COLLECTIVES`."""
+    phase = compute_phase(per_rank)
+    if phase is None:
+        return None
+    n = len(ranks)
+    collective, wait = {}, {}
+    for name in COLLECTIVE_PHASES:
+        if name in per_rank:
+            t = np.asarray(per_rank[name], dtype=np.float64)
+            group = np.asarray(bags, np.int64) if name in BAG_COLLECTIVES else np.zeros(n, np.int64)
+            collective[name], wait[name] = t, group_waits(t, group)
+    return StepPhases(
+        gpus=np.asarray(ranks, dtype=np.int64),
+        phase=phase,
+        compute_ms=np.asarray(per_rank[phase], dtype=np.float64),
+        collective_ms=collective,
+        wait_ms=wait,
+        host_ms=host_ms(per_rank, n),
+        data_ms=phase_ms(per_rank, DATA, n),
+        descheduled_ms=phase_ms(per_rank, DESCHEDULED, n),
+        fixed_ms={p: phase_ms(per_rank, p, n) for p in FIXED_PHASES if p in per_rank},
+    )
+
+
+def _add_collectives(measured: StepPhases, add) -> None:
     """The collectives' parts: per group, its transfer and the wait in each collective;
     the link probe whole (a diagnostic)."""
     n = len(measured.gpus)
@@ -136,7 +209,7 @@ def _add_collectives(measured: MeasuredStep, add) -> None:
         add(PROBE_PART, collective[PROBE], part_style("probe"))
 
 
-def _optimizer_outside_compute(measured: MeasuredStep, per_rank: dict) -> bool:
+def _optimizer_outside_compute(measured: StepPhases, per_rank: Mapping) -> bool:
     """Whether the recorded compute leaves the optimizer out (the timer does since the
     optimizer became a phase of its own; recordings made before count it as compute):
     the step, less everything else, has room for it on the median rank."""
@@ -159,7 +232,30 @@ def _optimizer_outside_compute(measured: MeasuredStep, per_rank: dict) -> bool:
 def window_parts(plans: Sequence[RoutingPlan]) -> RankPhases | None:
     """The mean per rank of each part over the measured steps of ``plans`` (ranks
     sorted); None when none of them measured compute."""
-    each = [p for p in map(step_parts, plans) if p is not None]
+    return mean_parts([p for p in map(step_parts, plans) if p is not None])
+
+
+def store_parts(rows: WindowRows, last: int | None = None) -> list[RankPhases]:
+    """The parts of each step of a window of the run store's rows that measured a compute
+    phase (`rank_parts`; rows by step, then rank, as `WindowRows` holds them), oldest
+    first; only the ``last`` such steps when given."""
+    step = np.asarray(rows.step)
+    starts = np.flatnonzero(np.r_[True, step[1:] != step[:-1]]).tolist()
+    out: list[RankPhases] = []
+    for lo, hi in reversed(list(zip(starts, [*starts[1:], len(step)], strict=True))):
+        if last is not None and len(out) == last:
+            break
+        # a phase none of the step's ranks measured is not in its measurements
+        per_rank = {p: v[lo:hi] for p, v in rows.phase_ms.items() if np.isfinite(v[lo:hi]).any()}
+        parts = rank_parts(int(step[lo]), rows.rank[lo:hi], rows.bag[lo:hi], per_rank)
+        if parts is not None:
+            out.append(parts)
+    return out[::-1]
+
+
+def mean_parts(each: Sequence[RankPhases]) -> RankPhases | None:
+    """The mean per rank of each part over the steps ``each`` (ranks sorted); None for
+    no step."""
     if not each:
         return None
     ranks = np.unique(np.concatenate([p.ranks for p in each]))

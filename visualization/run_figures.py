@@ -9,7 +9,8 @@ and step (100 M of them at 1,024 GPUs x 100,000 steps), always downsampled to th
   the run (`steps`), binned to at most `MAX_POINTS` points per line, each its bin's
   largest (a spike stays visible).
 - `run_verdicts_figure`: when each rank was named slow: per segment, the ranks whose rate
-  was past the threshold in most of its steps.
+  was past the threshold in most of its steps (a marker each; a binned heatmap when there
+  are too many markers to draw at once).
 - `run_timeline_figure`: the plans' timeline (imbalance, moved tokens, planning time,
   measured step time) for every step of the store, not only the steps whose full plan was
   kept, binned as the lines above.
@@ -34,6 +35,10 @@ MAX_ROWS = 256
 MAX_COLS = 600
 #: The most points a line over the run sends.
 MAX_POINTS = 2_000
+#: The most (rank, segment) markers the verdicts over the run draw: SVG markers, one
+#: element each, draw in tenths of a second up to this many; more become a heatmap (the
+#: dashboard's plotly.js bundle has no WebGL traces: `knapformer.dashboard.plotly_bundle`).
+MAX_MARKERS = 2_000
 
 
 @dataclass(frozen=True)
@@ -88,26 +93,14 @@ def run_rate_heatmap(grid: RunGrid, validate: bool = True) -> dict:
     their step range for a click to open."""
     if grid.rate.size == 0:
         return empty_figure("no measured step in the run store yet", validate)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        z = np.log2(grid.rate)
-    x = cell_centres(grid).tolist()
-    y = ((grid.rank_lo + grid.rank_hi) / 2).tolist()
-    cols, rows = len(x), len(y)
     data = [
-        {
-            "type": "heatmap",
-            "z": z.astype(np.float32),
-            "x": x,
-            "y": y,
-            # one number a cell (a click carries it back as a number, where a list a
-            # cell, sent as a typed array, arrives as an object)
-            "customdata": grid.rate.astype(np.float32),
-            **ratio_colour_axis("rate ×<br>group's"),
-            "hoverongaps": False,
-            "hovertemplate": "step ≈ %{x:,.0f} · rank ≈ %{y:,.0f}<br>largest median rate "
+        _rate_cells(
+            grid,
+            "step ≈ %{x:,.0f} · rank ≈ %{y:,.0f}<br>largest median rate "
             "%{customdata:.2f}× the group's<br>(click: open these steps)<extra></extra>",
-        }
+        )
     ]
+    rows, cols = grid.rate.shape
     span = f"steps {int(grid.step_lo[0])}–{int(grid.step_hi[-1])}"
     binned = f"{rows} × {cols} cells, each its bin's slowest"
     layout = {
@@ -118,6 +111,25 @@ def run_rate_heatmap(grid: RunGrid, validate: bool = True) -> dict:
         "margin": {"l": 60, "r": 20, "t": 60, "b": 50},
     }
     return build_figure(data, layout, validate)
+
+
+def _rate_cells(grid: RunGrid, hover: str) -> dict:
+    """A heatmap trace of ``grid``'s cells, coloured by log2 of their rate, each cell's
+    rate in its ``customdata``."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        z = np.log2(grid.rate)
+    return {
+        "type": "heatmap",
+        "z": z.astype(np.float32),
+        "x": cell_centres(grid).tolist(),
+        "y": ((grid.rank_lo + grid.rank_hi) / 2).tolist(),
+        # one number a cell (a click carries it back as a number, where a list a
+        # cell, sent as a typed array, arrives as an object)
+        "customdata": grid.rate.astype(np.float32),
+        **ratio_colour_axis("rate ×<br>group's"),
+        "hoverongaps": False,
+        "hovertemplate": hover,
+    }
 
 
 def cell_centres(grid: RunGrid) -> np.ndarray:
@@ -246,14 +258,30 @@ def run_verdicts_figure(
     validate: bool = True,
 ) -> dict:
     """Per segment (``step_lo``..``step_hi``, w), the ranks (r,) ``named`` (r, w) slow in
-    it, at their median ``rate`` (r, w): when each straggler started and stopped."""
+    it, at their median ``rate`` (r, w): when each straggler started and stopped. A marker
+    each, or past `MAX_MARKERS` of them a heatmap binned as `run_grid`'s."""
     rows, cols = np.nonzero(named)
     if not len(rows):
         return empty_figure("no rank named slow in any segment of the run", validate)
-    count = len(np.unique(rows))
+    layout = {
+        "title": {"text": f"Ranks named slow over the run: {len(np.unique(rows)):,} rank(s)"},
+        "xaxis": {"title": {"text": "step"}, "range": [float(step_lo[0]), float(step_hi[-1])]},
+        "yaxis": {"title": {"text": "rank"}, "autorange": "reversed"},
+        "height": 300,
+        "margin": {"l": 60, "r": 20, "t": 60, "b": 50},
+    }
+    if len(rows) > MAX_MARKERS:
+        grid = run_grid(ranks, step_lo, step_hi, np.where(named, rate, np.nan))
+        trace = _rate_cells(
+            grid,
+            "steps ≈ %{x:,.0f} · rank ≈ %{y:,.0f}<br>largest median rate of a rank named "
+            "slow: %{customdata:.2f}× the group's<extra></extra>",
+        )
+        trace["showscale"] = False  # the whole-run heatmap's colour bar reads for both
+        return build_figure([trace], layout, validate)
     data = [
         {
-            "type": "scattergl" if len(rows) > 2_000 else "scatter",
+            "type": "scatter",
             "mode": "markers",
             "x": ((step_lo[cols] + step_hi[cols]) / 2).tolist(),
             "y": np.asarray(ranks)[rows].tolist(),
@@ -264,13 +292,7 @@ def run_verdicts_figure(
             "name": "slow",
         }
     ]
-    layout = {
-        "title": {"text": f"Ranks named slow over the run: {count:,} rank(s)"},
-        "xaxis": {"title": {"text": "step"}, "range": [float(step_lo[0]), float(step_hi[-1])]},
-        "yaxis": {"title": {"text": "rank"}, "autorange": "reversed", **_rank_ticks(ranks[rows])},
-        "height": 300,
-        "margin": {"l": 60, "r": 20, "t": 60, "b": 50},
-    }
+    layout["yaxis"] |= _rank_ticks(ranks[rows])
     return build_figure(data, layout, validate)
 
 

@@ -60,9 +60,6 @@ def ratio_colour_axis(title: str) -> dict:
 _SEQUENTIAL = [[i / 8, c] for i, c in enumerate(plotly.colors.sequential.Oranges)]
 #: Nominal height of a heatmap's plot area (px), for its rank-label rule.
 HEATMAP_PLOT_PX = 260
-#: Measured steps a rank × step heatmap shows at most, and its most cells (`heatmap_steps`).
-HEATMAP_STEPS = 64
-HEATMAP_CELLS = 32_768
 #: Up to this many ranks every point of predicted vs measured carries its rank as text;
 #: beyond, only ranks with a verdict other than ok do (every point names it on hover).
 LABEL_EVERY_RANK_UP_TO = 64
@@ -85,12 +82,6 @@ def _steps_x(m: RankSteps) -> list[int]:
 def _span(m: RankSteps) -> str:
     x = _steps_x(m)
     return f"step {x[0]}" if len(x) == 1 else f"steps {x[0]}–{x[-1]}"
-
-
-def heatmap_steps(ranks: int) -> int:
-    """How many measured steps a rank × step heatmap shows: `HEATMAP_STEPS`, fewer when
-    that would pass `HEATMAP_CELLS` cells (32 steps at 1,024 ranks), never under 8."""
-    return max(8, min(HEATMAP_STEPS, HEATMAP_CELLS // max(ranks, 1)))
 
 
 def _rank_step_heatmap(

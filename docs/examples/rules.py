@@ -68,10 +68,8 @@ def view_rules() -> Table:
     from knapformer.visualization import axes
     from knapformer.visualization.straggler_figures import (
         HEATMAP_PLOT_PX,
-        HEATMAP_STEPS,
         LABEL_EVERY_RANK_UP_TO,
         RATIO_OCTAVES,
-        heatmap_steps,
     )
 
     from knapformer.diagnosis.stragglers import WINDOW
@@ -88,13 +86,11 @@ def view_rules() -> Table:
     for ranks in (8, 32, 1024):
         k = axes.stride(ranks, axes.LINE_PX, HEATMAP_PLOT_PX)
         table.add_row(f"{ranks:,} ranks", _every(k), "rank labels down a heatmap")
-    table.add_row("HEATMAP_STEPS", f"{HEATMAP_STEPS}", "measured steps a heatmap shows at most")
-    table.add_row("at 1,024 ranks", f"{heatmap_steps(1024)}", "steps a heatmap shows")
     table.add_row("ratio colours", f"{2**-RATIO_OCTAVES:g} .. {2**RATIO_OCTAVES:g}", "blue .. red")
     table.add_row(
         "LABEL_EVERY_RANK_UP_TO", f"{LABEL_EVERY_RANK_UP_TO}", "more ranks: named ranks labelled"
     )
-    table.add_row("straggler window", f"{WINDOW}", "measured steps of compute vs waiting")
+    table.add_row("straggler window", f"{WINDOW}", "measured steps the straggler views show")
     table.add_row("PAGE_SIZE", f"{PAGE_SIZE}", "rows of the sequence table per page")
     table.add_row("TICK_MS", f"{TICK_MS}", "ms between the page's looks for new steps")
     return table

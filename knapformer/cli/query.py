@@ -86,7 +86,9 @@ def _create_views(connection, store: Path) -> None:
         files = [str(seg.path) for seg in segments]
         if files:
             listed = ", ".join("'" + f.replace("'", "''") + "'" for f in files)
-            connection.execute(f"CREATE VIEW {table} AS SELECT * FROM read_parquet([{listed}])")
+            # by name: a segment from before a `LATER_COLUMNS` column reads it as null
+            reader = f"read_parquet([{listed}], union_by_name = true)"
+            connection.execute(f"CREATE VIEW {table} AS SELECT * FROM {reader}")
         else:
             connection.register(table, schema.empty_table())
 

@@ -30,7 +30,9 @@ from pydantic import (
     Field,
     PlainSerializer,
     PrivateAttr,
+    SerializerFunctionWrapHandler,
     WithJsonSchema,
+    model_serializer,
     model_validator,
 )
 
@@ -39,6 +41,7 @@ from knapformer.contract.alignment import (
     auto_layout_problem,
     fixed_layout_problem,
 )
+from knapformer.contract.chunk_rows import CHUNK_COLUMNS, ChunkRows, ChunkSource, seq_rows
 from knapformer.contract.limits import (
     MAX_CHUNKS,
     MAX_GAMMA,
@@ -172,6 +175,10 @@ class _Columns(BaseModel):
         first = next(iter(type(self).model_fields))
         return len(getattr(self, first))
 
+    def columns(self) -> dict[str, Any]:
+        """Column name -> column, in field order (a derived chunk table is made)."""
+        return {name: getattr(self, name) for name in type(self).model_fields}
+
     def __eq__(self, other: object) -> bool:
         if type(other) is not type(self):
             return NotImplemented
@@ -202,11 +209,80 @@ class Sequences(_Columns):
 class Chunks(_Columns):
     """One row per chunk; chunk id = row index."""
 
+    # (The docstring is the JSON schema's description.) A plan the planner made derives
+    # its table (`derived`): the columns are made on first read, or when the plan is
+    # written, compared or pickled, byte-identical to a table given whole; `rows_of`
+    # gives some sequences' rows without making them.
+
     seq: IntColumn = Field(description="sequence id")
     src_gpu: IntColumn = Field(description="GPU rank the chunk starts on")
     dst_gpu: IntColumn = Field(description="GPU rank the chunk is routed to")
     offset: IntColumn = Field(description="first token of the chunk within its sequence")
     length: IntColumn = Field(description="tokens")
+
+    _source: ChunkSource | None = PrivateAttr(default=None)
+
+    @classmethod
+    def derived(cls, source: ChunkSource) -> Chunks:
+        """A table made from ``source`` when first read (not validated: the hot path)."""
+        chunks = cls.model_construct(_fields_set=set(cls.model_fields))
+        chunks._source = source
+        return chunks
+
+    @property
+    def made(self) -> bool:
+        """Whether the columns exist (False: a derived table no reader has read yet)."""
+        return self._pending() is None
+
+    def rows_of(self, seqs: np.ndarray) -> ChunkRows:
+        """Every chunk of the sequences ``seqs`` (ascending ids), in chunk-id order,
+        without making a derived table whole."""
+        source = self._pending()
+        if source is not None:
+            return source.rows_of(seqs)
+        return ChunkRows.of_table(self, seq_rows(self.seq, seqs))
+
+    def _pending(self) -> ChunkSource | None:
+        """The source of a derived table not made yet (None: the columns are here)."""
+        private = self.__pydantic_private__
+        return None if private is None else private.get("_source")
+
+    def _make(self) -> None:
+        """Make a derived table's columns (a no-op once made). Columns go in before the
+        source goes, so a thread that finds no source finds them."""
+        source = self._pending()
+        if source is not None:
+            self.__dict__.update(source.table())
+            self.__pydantic_private__["_source"] = None
+
+    def __getattr__(self, name: str) -> Any:
+        if name in CHUNK_COLUMNS:
+            self._make()
+            if name in self.__dict__:
+                return self.__dict__[name]
+        return super().__getattr__(name)
+
+    def __len__(self) -> int:
+        source = self._pending()
+        return super().__len__() if source is None else source.count()
+
+    def __getstate__(self) -> dict[Any, Any]:
+        self._make()
+        return super().__getstate__()
+
+    def __repr_args__(self):
+        self._make()
+        return super().__repr_args__()
+
+    def __iter__(self):  # dict(chunks) reads the fields' values
+        self._make()
+        return super().__iter__()
+
+    # Written whole. No return type: the serialisation schema stays the columns'.
+    @model_serializer(mode="wrap")
+    def _whole(self, handler: SerializerFunctionWrapHandler):
+        self._make()
+        return handler(self)
 
 
 class Measurements(BaseModel):
@@ -291,9 +367,13 @@ class RoutingPlan(BaseModel):
     # ------------------------------------------------------------------ building
     @classmethod
     def build(cls, **fields: Any) -> RoutingPlan:
-        """Construct without validation (hot path). Columns may be numpy arrays."""
+        """Construct without validation (hot path). Columns may be numpy arrays;
+        ``chunks`` may be a `Chunks` (e.g. `Chunks.derived`)."""
         fields["sequences"] = Sequences.model_construct(**fields["sequences"])
-        fields["chunks"] = Chunks.model_construct(**fields["chunks"])
+        chunks = fields["chunks"]
+        fields["chunks"] = (
+            chunks if isinstance(chunks, Chunks) else Chunks.model_construct(**chunks)
+        )
         fields.setdefault("schema_version", SCHEMA_VERSION)
         fields.setdefault("solver_options", {})
         for name in (
@@ -326,6 +406,34 @@ class RoutingPlan(BaseModel):
     @property
     def num_gpus(self) -> int:
         return len(self.gpus)
+
+    # ------------------------------------------------------- one rank's chunks
+    # What a rank's router reads, without making a derived chunk table whole. Each is
+    # exactly the rows of `chunks` it names (sequences' chunks are contiguous rows).
+    def bag_of(self, rank: int) -> int:
+        """The id of the bag GPU ``rank`` belongs to (`KnapformerError`: none)."""
+        for bag, members in enumerate(self.bags):
+            if rank in members:
+                return bag
+        raise KnapformerError(f"GPU {rank} belongs to no bag of this plan (gpus {self.gpus})")
+
+    def chunks_from(self, rank: int) -> ChunkRows:
+        """The chunks GPU ``rank`` sends (its sequences', to itself too), chunk-id order."""
+        return self.chunks.rows_of(np.flatnonzero(np.asarray(self.sequences.src_gpu) == rank))
+
+    def chunks_into_bag(self, bag: int) -> ChunkRows:
+        """The chunks the GPUs of ``bag`` receive (its sequences'), chunk-id order."""
+        return self.chunks.rows_of(np.flatnonzero(np.asarray(self.sequences.bag) == bag))
+
+    def chunks_to(self, rank: int) -> ChunkRows:
+        """The chunks GPU ``rank`` receives (from itself too), chunk-id order."""
+        into_bag = self.chunks_into_bag(self.bag_of(rank))
+        return into_bag.where(into_bag.dst_gpu == rank)
+
+    def rank_chunks(self, rank: int) -> ChunkRows:
+        """Every chunk GPU ``rank`` sends or receives, in chunk-id order: the rows of
+        `chunks` whose source or destination is ``rank``."""
+        return self.chunks_from(rank).union(self.chunks_to(rank))
 
     def bag_label(self, bag_id: int, sep: str = " · ") -> str:
         """How readers name a bag: ``bag 3 · 4 GPUs``."""

@@ -31,6 +31,7 @@ import pyarrow.parquet as pq
 
 from knapformer.contract.runfiles import PLANS_FILE
 from knapformer.contract.store_schema import (
+    LATER_COLUMNS,
     META_RUN,
     META_SCHEMA,
     META_TABLE,
@@ -173,7 +174,7 @@ def check_segment(segment: Segment, run: str) -> pq.ParquetFile:
     if kv.get(META_RUN) != run.encode():
         other = kv.get(META_RUN, b"none").decode(errors="replace")[:40]
         raise StoreError(f"{where}: a segment of another run ({other}, this store is {run})")
-    _check_columns(where, schema, TABLES[segment.table])
+    _check_columns(where, schema, segment.table)
     _check_sizes(where, meta)
     _check_steps(segment, parquet)
     return parquet
@@ -218,7 +219,8 @@ def _read_parts(
 ) -> list[pa.Table]:
     first, last = steps
     key = STEP_COLUMN[table]
-    read = wanted if wanted is None or key in wanted else [*wanted, key]
+    names = TABLES[table].names if wanted is None else wanted
+    read = names if key in names else [*names, key]
     parts = []
     for seg in list_segments(store, table):
         if not seg.overlaps(first, last):
@@ -229,7 +231,7 @@ def _read_parts(
             part = _in_window(part, key, first, last)
         else:
             part = _read(parquet, seg, read)
-        parts.append(part if read == wanted or wanted is None else part.select(wanted))
+        parts.append(part if read == names else part.select(names))
     return parts
 
 
@@ -250,16 +252,33 @@ def _row_groups(
 
 
 def _read(
-    parquet: pq.ParquetFile, seg: Segment, columns: list[str] | None, groups: list | None = None
+    parquet: pq.ParquetFile, seg: Segment, columns: list[str], groups: list | None = None
 ) -> pa.Table:
+    """``columns`` of the segment (of ``groups`` only, when given); a `LATER_COLUMNS`
+    column the segment's writer did not know reads as null."""
+    present = [c for c in columns if parquet.schema_arrow.get_field_index(c) >= 0]
     try:
         if groups is not None:
-            return parquet.read_row_groups(groups, columns=columns)
-        return parquet.read(columns=columns)
+            part = parquet.read_row_groups(groups, columns=present)
+        else:
+            part = parquet.read(columns=present)
     except FileNotFoundError:
         raise SegmentGone(f"{seg.path}: removed while reading (compacted)") from None
     except (OSError, pa.ArrowException) as err:
         raise StoreError(f"{seg.path}: not a readable segment (damaged: {one_line(err)})") from None
+    return conformed(part, seg.table, columns)
+
+
+def conformed(part: pa.Table, table: str, columns: list[str] | None = None) -> pa.Table:
+    """``columns`` (default: all) of rows of ``table`` read from one segment, in order, a
+    `LATER_COLUMNS` column that the segment's writer did not know as null."""
+    schema = TABLES[table]
+    columns = schema.names if columns is None else columns
+    for name in columns:
+        if part.schema.get_field_index(name) < 0:
+            field = schema.field(name)
+            part = part.append_column(field, pa.nulls(part.num_rows, field.type))
+    return part.select(columns)
 
 
 def one_line(err: object) -> str:
@@ -337,10 +356,14 @@ def _check_table(table: str) -> None:
         raise StoreError(f"no table {table!r} in a run store (tables: {', '.join(TABLES)})")
 
 
-def _check_columns(where: Path, found: pa.Schema, expected: pa.Schema) -> None:
-    """Every column of ``expected`` with its type (a newer writer may add columns)."""
-    for field in expected:
+def _check_columns(where: Path, found: pa.Schema, table: str) -> None:
+    """Every column of ``table`` with its type (a newer writer may add columns; an older
+    one lacks the `LATER_COLUMNS`)."""
+    later = LATER_COLUMNS.get(table, frozenset())
+    for field in TABLES[table]:
         index = found.get_field_index(field.name)
+        if index < 0 and field.name in later:
+            continue
         if index < 0:
             raise StoreError(f"{where}: wrong schema: no column {field.name!r}")
         if found.field(index).type != field.type:

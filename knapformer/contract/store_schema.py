@@ -70,7 +70,10 @@ RANKS = pa.schema(
         pa.field("tokens_moved", pa.int32()),  # tokens route sent from it plus brought to it
         pa.field("speed", pa.float32()),  # learnt speed the planner assumed (null: nominal)
         pa.field("wait_ms", _MS),  # waited for peers, over every collective
-        pa.field("link_gbps", pa.float32()),  # its fastest probed link (null: no probe)
+        # the link probe's, in the steps that ran it (null: no pair of that kind): its
+        # fastest link to a GPU of its own node, and to a GPU of another node
+        pa.field("link_gbps", pa.float32()),
+        pa.field("link_cross_gbps", pa.float32()),
         *(pa.field(phase_column(p), _MS) for p in RECORDED_PHASES),
     ]
 )
@@ -119,6 +122,10 @@ RANK_WINDOWS = pa.schema(
     ]
 )
 
+#: Columns added after a table's first layout, which a segment written before may lack:
+#: its rows read them as null (before ``link_cross_gbps``, ``link_gbps`` held the fastest
+#: link of either kind).
+LATER_COLUMNS: dict[str, frozenset[str]] = {"ranks": frozenset({"link_cross_gbps"})}
 #: Every table by its name (a segment's file name starts with it).
 TABLES: dict[str, pa.Schema] = {"ranks": RANKS, "steps": STEPS, "rank_windows": RANK_WINDOWS}
 #: The column every table's segments are ordered and windowed by.

@@ -35,7 +35,9 @@ SOURCE_HELP = (
 )
 #: What the store's predicted work is shown in (a share of the step's work).
 SHARE_AXIS = "predicted work (share of the step)"
-_RANK_COLUMNS = ["step", "rank", "bag", "predicted_load", "speed", "tokens_moved", "link_gbps"]
+_RANK_COLUMNS = ["step", "rank", "bag", "predicted_load", "speed", "tokens_moved"]
+#: The link probe's: each rank's fastest link inside its node, and to another node.
+_LINK_COLUMNS = ["link_gbps", "link_cross_gbps"]
 
 
 def use_store(run: str | os.PathLike, source: str) -> bool:
@@ -85,7 +87,7 @@ def window_rows(run: str | os.PathLike, first: int | None, last: int | None) -> 
     """The rows of steps ``first..last`` of ``run``'s store as `WindowRows` (a
     `KnapformerError` when the store holds none of them)."""
     phases = [phase_column(p) for p in RECORDED_PHASES]
-    ranks = read_table(run, "ranks", (first, last), _RANK_COLUMNS + phases)
+    ranks = read_table(run, "ranks", (first, last), _RANK_COLUMNS + _LINK_COLUMNS + phases)
     steps = read_table(run, "steps", (first, last), ["step", "floor_load"]).sort_by("step")
     if len(ranks) == 0:
         span = f"{'' if first is None else first}:{'' if last is None else last}"
@@ -101,7 +103,6 @@ def window_rows(run: str | os.PathLike, first: int | None, last: int | None) -> 
     at = np.searchsorted(listed, kept).clip(max=max(len(listed) - 1, 0))
     floor = np.where(listed[at] == kept, _floats(steps["floor_load"])[at], np.nan)
     load = _floats(ranks["predicted_load"])
-    link = ranks["link_gbps"]  # the link probe's, in the steps that ran it
     # in place: `_floats` of a float32 or integer column is a copy of its own
     speed = nan_to_zero(_floats(ranks["speed"]), copy=False, nan=1.0)  # null: nominal
     count = len(kept)
@@ -123,8 +124,14 @@ def window_rows(run: str | os.PathLike, first: int | None, last: int | None) -> 
         token_dim=np.ones(count),
         shown_total=np.ones(count),
         load_axis=SHARE_AXIS,
-        best_intra_gbps=_floats(link) if link.null_count < len(link) else None,
+        best_intra_gbps=_probed(ranks["link_gbps"]),
+        best_cross_gbps=_probed(ranks["link_cross_gbps"]),
     )
+
+
+def _probed(link: pa.ChunkedArray) -> np.ndarray | None:
+    """A link probe column as floats (NaN: not probed); None when no row was probed."""
+    return _floats(link) if link.null_count < len(link) else None
 
 
 def _ordered(step: np.ndarray, rank: np.ndarray) -> bool:

@@ -39,6 +39,7 @@ from knapformer.planning.pricing import (
     makespan_floor,
     modelled_makespan,
     moved_estimate,
+    routed_floor,
 )
 from knapformer.planning.refine import refine
 from knapformer.planning.tuning import FLOOR_MARGIN, SLOW, SMALL_GPUS, SMALL_SEQUENCES, TIE
@@ -97,9 +98,13 @@ class _Best:
         self.failure: KnapformerError | None = None
 
     def priced(self, step: Step) -> _Candidate:
-        model, comm = self.model, self.comm
-        return _Candidate(step, lambda: makespan_ceiling(step, model, comm, self.per_token),
-                          lambda: _exact_key(step, model, comm, self.speed))  # fmt: skip
+        model, comm, per_token = self.model, self.comm, self.per_token
+        bounds = {
+            "ceiling": lambda: makespan_ceiling(step, model, comm, per_token),
+            "bags": lambda: makespan_floor(step, per_token),
+            "routed": lambda: routed_floor(step, model, comm, per_token),
+        }
+        return _Candidate(step, bounds, lambda: _exact_key(step, model, comm, self.speed))
 
     def consider(self, solve) -> None:
         """Solve a candidate (``solve()``) and keep it when it beats the best."""
@@ -108,20 +113,32 @@ class _Best:
         except KnapformerError as err:
             self.failure = self.failure or err
             return
-        held = self.held
+        new, held = self.priced(step), self.held
         if held is None:  # the first is the best so far whatever its price
-            self.held = self.priced(step)
+            self.held = new
             return
-        # A candidate whose bags alone model slower than the best is neither cut into
-        # chunks nor priced (the bound is a true floor: the choice is the same).
-        if self.speed is None and held.slower_than(
-            makespan_floor(step, self.per_token) * (1 - FLOOR_MARGIN)
-        ):
+        if self.speed is None and self._settled(new):
             return
-        key, held_key = (new := self.priced(step)).key(), held.key()
+        key, held_key = new.key(), held.key()
         if (key[0] < held_key[0] * (1 - TIE)
                 or (key[0] <= held_key[0] * (1 + TIE) and key[1] < held_key[1])):  # fmt: skip
             self.held = new
+
+    def _settled(self, new: _Candidate) -> bool:
+        """Whether bounds settle ``new`` against the best (at nominal speeds), the cheap ones
+        first: dropped when its bag floor (`makespan_floor`) lies above the best's price;
+        the best from then on, unpriced, when its ceiling lies below the best's floor;
+        dropped when its routed floor (`routed_floor`) lies above the best's price. The
+        best's price is its ceiling, its routed floor or, where they do not settle it, its
+        exact price. The bounds are true: the choice is the same."""
+        held = self.held
+        if held.slower_than(new.bound("bags")):
+            return True
+        lower = held.lower()
+        if new.bound("bags") < lower and new.bound("ceiling") < lower * (1 - TIE):
+            self.held = new
+            return True
+        return held.slower_than(new.bound("routed"))
 
     def refine(self, max_tokens) -> None:
         """The best so far refined GPU by GPU (`refine`)."""
@@ -152,13 +169,14 @@ def _exact_key(step: Step, model, comm, speed) -> tuple[float, float]:
 
 class _Candidate:
     """A solved candidate and its price, made only when a comparison needs it: at nominal
-    speeds a cheap ceiling (`makespan_ceiling`) often settles whether another layout could
-    beat it, and then it is neither cut into chunks nor priced before it is chosen."""
+    speeds its cheap bounds (``bounds``: the ceiling, `makespan_ceiling`, and the floors,
+    `makespan_floor` and `routed_floor`) often settle whether another layout could beat
+    it, and then it is neither cut into chunks nor priced before it is chosen."""
 
-    def __init__(self, step: Step, price_ceiling, price_exact):
+    def __init__(self, step: Step, bounds, price_exact):
         self.step = step
-        self._price_ceiling, self._price_exact = price_ceiling, price_exact
-        self._ceiling: float | None = None
+        self._bounds, self._price_exact = bounds, price_exact
+        self._known: dict[str, float] = {}
         self._key: tuple[float, float] | None = None
 
     def key(self) -> tuple[float, float]:
@@ -167,15 +185,27 @@ class _Candidate:
             self._key = self._price_exact()
         return self._key
 
+    def bound(self, name: str) -> float:
+        """The ``"ceiling"`` (a margin for rounding above) or a floor (``"bags"``,
+        ``"routed"``; the margin below) of the modelled makespan, made once."""
+        if name not in self._known:
+            margin = FLOOR_MARGIN if name == "ceiling" else -FLOOR_MARGIN
+            self._known[name] = self._bounds[name]() * (1 + margin)
+        return self._known[name]
+
+    def lower(self) -> float:
+        """The exact modelled makespan where it is known, else the routed floor."""
+        return self.bound("routed") if self._key is None else self._key[0]
+
     def slower_than(self, bound: float) -> bool:
         """Whether a layout no faster than ``bound`` models slower than this one beyond
-        ``TIE`` (asked at nominal speeds only): first against the ceiling, with a margin
-        for rounding, then exactly."""
+        ``TIE`` (asked at nominal speeds only): against the ceiling and the bag floor first
+        (cheap), then exactly."""
         if self._key is None:
-            if self._ceiling is None:
-                self._ceiling = self._price_ceiling() * (1 + FLOOR_MARGIN)
-            if bound > self._ceiling * (1 + TIE):
+            if bound > self.bound("ceiling") * (1 + TIE):
                 return True
+            if bound <= self.bound("bags") * (1 + TIE):
+                return False
         return bound > self.key()[0] * (1 + TIE)
 
 

@@ -2,12 +2,14 @@
 per GPU of its bag, its remainder spread one token at a time over a cycle through the
 bag (or, under round-robin, all to one chunk).
 
-Made once per chosen plan (and per auto candidate that is priced exactly), so every
-column is written once, in place, into its own array: a sequence's g chunks are one row
-of an (n, g) grid per bag size, and no temporary of the table's size is made beyond the
-int8 remainder patterns. (Each column stays a separate array: one block of five would
-exceed glibc's largest mmap threshold, 32 MB, at 4,096 GPUs, and be faulted in fresh on
-every plan; arrays below it reuse the heap the previous plan's columns freed.)
+A rank's router reads only its own rows (`StepChunks`: a fixed plan's table, derived);
+the whole table is made when a reader reads the plan's columns (and per auto candidate
+that is priced exactly), each column written once, in place, into its own array: a
+sequence's g chunks are one row of an (n, g) grid per bag size, and no temporary of the
+table's size is made beyond the int8 remainder patterns. (Each column stays a separate
+array: one block of five would exceed glibc's largest mmap threshold, 32 MB, at 4,096
+GPUs, and be faulted in fresh on every plan; arrays below it reuse the heap the previous
+plan's columns freed.)
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from knapformer.contract.chunk_rows import ChunkRows
 from knapformer.planning.bags import Step, by_small_key
 from knapformer.planning.tuning import PATTERN_SIZES
 
@@ -44,6 +47,119 @@ def chunk_table(step: Step, with_source: bool = False) -> tuple[np.ndarray, ...]
         keep = columns[3] > 0
         columns = tuple(column[keep] for column in columns)
     return columns
+
+
+class StepChunks:
+    """The chunk table of a solved step, made on demand (a
+    `knapformer.contract.chunk_rows.ChunkSource`): whole (`chunk_table`) or the rows of
+    some sequences only, cut by the same grids, so that a rank's router pays for its own
+    few hundred chunks, not the step's million. ``ranks``: each GPU position's rank
+    (None: positions are ranks). The step is not changed after it is solved.
+
+    A sequence's rows need its first chunk id (the chunks before it: one per GPU of each
+    earlier sequence's bag, less the empty ones of sequences shorter than their bag) and
+    where its remainder starts in its bag's cycle (the remainders of the bag's earlier
+    sequences): both are read from the few sequences that matter, not summed over all.
+    """
+
+    def __init__(self, step: Step, ranks: np.ndarray | None = None):
+        self.step, self.ranks = step, ranks
+        layout = step.layout
+        self._one_size = int(layout.class_size[0]) if len(layout.class_size) == 1 else None
+        self._base: np.ndarray | None = None  # first ids were no chunk empty (mixed sizes)
+        self._short: tuple[np.ndarray, np.ndarray] | None = None
+
+    def count(self) -> int:
+        if not len(self.step.lengths):
+            return 0
+        one = self._one_size
+        full = len(self.step.lengths) * one if one else int(self._size_ends()[-1])
+        return full - int(self._short_sequences()[1][-1])
+
+    def table(self) -> dict[str, np.ndarray]:
+        seq, pos, offset, length, src = chunk_table(self.step, with_source=True)
+        src, dst = self._rank(src), self._rank(pos)
+        return {"seq": seq, "src_gpu": src, "dst_gpu": dst, "offset": offset, "length": length}
+
+    def rows_of(self, seqs: np.ndarray) -> ChunkRows:
+        step, seqs = self.step, np.asarray(seqs, dtype=np.int64)
+        if self._one_size:
+            parts = [self._grid_rows(seqs, self._one_size)] if len(seqs) else []
+        else:
+            size = step.layout.size[step.bag[seqs]]
+            parts = [self._grid_rows(seqs[size == g], g) for g in np.unique(size).tolist()]
+        if not parts:
+            return ChunkRows(*(np.zeros(0, dtype=np.int64) for _ in range(6)))
+        columns = [np.concatenate(c) for c in zip(*parts, strict=True)]
+        if len(parts) > 1:  # sizes interleave in id order
+            order = np.argsort(columns[0], kind="stable")
+            columns = [c[order] for c in columns]
+        ids, seq, pos, offset, length = columns
+        return ChunkRows(ids, seq, self._rank(step.src_pos[seq]), self._rank(pos), offset, length)
+
+    def _grid_rows(self, sel: np.ndarray, g: int) -> tuple[np.ndarray, ...]:
+        """(id, seq, position, offset, length) of the non-empty chunks of sequences ``sel``
+        (ascending), all in bags of ``g`` GPUs: their rows of `_chunk_grid`, numbered."""
+        step = self.step
+        quot, rem = np.divmod(step.lengths[sel], g)
+        start = self._remainder_starts(sel) if step.layout.even else None
+        length, pos, offset = _chunk_grid(step, sel, g, start, quot, rem)
+        kept = length > 0
+        # A sequence's chunks are numbered from its first id, skipping its empty ones.
+        ids = self._first_ids(sel)[:, None] + (np.cumsum(kept, axis=1) - 1)
+        seq = np.repeat(sel, g).reshape(len(sel), g)
+        if kept.all():
+            return ids.ravel(), seq.ravel(), pos.ravel(), offset.ravel(), length.ravel()
+        return ids[kept], seq[kept], pos[kept], offset[kept], length[kept]
+
+    def _first_ids(self, seqs: np.ndarray) -> np.ndarray:
+        """The first chunk id of each of ``seqs``: the GPUs of the earlier sequences' bags,
+        less their empty chunks (counted once per step, over the short sequences only)."""
+        if self._one_size:
+            base = seqs * self._one_size
+        else:
+            base = self._size_ends()[seqs] - self.step.layout.size[self.step.bag[seqs]]
+        short, empty_before = self._short_sequences()
+        if len(short) == 0:
+            return base
+        return base - empty_before[np.searchsorted(short, seqs)]
+
+    def _size_ends(self) -> np.ndarray:
+        """Mixed sizes: the GPUs of the bags of sequences 0..s, summed (made once)."""
+        if self._base is None:
+            self._base = np.cumsum(self.step.layout.size[self.step.bag])
+        return self._base
+
+    def _short_sequences(self) -> tuple[np.ndarray, np.ndarray]:
+        """(the sequences shorter than their bag, ascending; the empty chunks of those
+        before each, with the total last). Such a sequence of L < g tokens has L chunks of
+        one token, or one chunk of L under round-robin (none when L = 0)."""
+        if self._short is None:
+            step = self.step
+            size = self._one_size or step.layout.size[step.bag]
+            short = np.flatnonzero(step.lengths < size)
+            g = size if self._one_size else size[short]
+            length = step.lengths[short]
+            kept = length if step.layout.even else (length > 0)
+            empty = np.cumsum(g - kept)
+            self._short = short, np.concatenate([[0], empty]).astype(np.int64)
+        return self._short
+
+    def _remainder_starts(self, seqs: np.ndarray) -> np.ndarray:
+        """Where the remainder of each of ``seqs`` starts in its bag's cycle, as in
+        `chunk_table`: `_remainder_starts` over every sequence of their bags only."""
+        step, layout = self.step, self.step.layout
+        bags = step.bag[seqs]
+        wanted = np.zeros(len(layout.size), dtype=bool)
+        wanted[bags] = True
+        members = np.flatnonzero(wanted[step.bag])  # in id order
+        size = self._one_size or layout.size[step.bag[members]]
+        starts = _remainder_starts(step.bag[members], step.lengths[members] % size, size,
+                                   layout.class_size)  # fmt: skip
+        return starts[np.searchsorted(members, seqs)]
+
+    def _rank(self, positions: np.ndarray) -> np.ndarray:
+        return positions if self.ranks is None else self.ranks[positions]
 
 
 def _one_size_table(step: Step, g: int, with_source: bool) -> tuple[np.ndarray, ...]:

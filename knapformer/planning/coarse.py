@@ -225,13 +225,17 @@ def _even_classes(step: Step, prices: Prices, max_tokens) -> float:
     if not (size < size.max()).any():
         return bag_makespan(step, prices)
     kappa_of = {int(g): float(kappa[int(np.argmax(size == g))]) for g in layout.class_size}
+    # Each class's candidates by cost, sorted once: a round takes those in its pool.
+    by_cost = {
+        g: _by_cost(step, g, kappa_of[g] + prices.inter) for g in layout.class_size[:-1].tolist()
+    }
     handed = None
     for _ in range(EVEN_ROUNDS):
         band = _Band(step, prices)
         handed = float(band.per.max()) if handed is None else handed
         changed = False
         for g in layout.class_size[:-1].tolist():
-            offers = _even_offers(step, band, g, kappa_of[g] + prices.inter)
+            offers = _even_offers(step, band, g, by_cost[g])
             if offers is None:
                 continue
             good, new_b, a, big = _even_scores(step, prices, band, offers, max_tokens)
@@ -265,23 +269,33 @@ class _Band:
         self.tokens = np.bincount(bag_of, weights=weights, minlength=len(size))
 
 
-def _even_offers(step: Step, band: _Band, g: int, per_token: float):
+def _by_cost(step: Step, g: int, per_token: float) -> tuple[np.ndarray, np.ndarray]:
+    """(sequences, their costs): every sequence a ``g``-GPU bag may take, by its cost there
+    (priced as in a g-GPU bag of another node, ``per_token`` its tokens' cost), ties in id
+    order."""
+    seqs = np.flatnonzero((step.lengths > 0) & (step.lengths >= g))
+    key = step.workload[seqs] + per_token * step.lengths[seqs].astype(np.float64)
+    order = np.argsort(key, kind="stable")
+    return seqs[order], key[order]
+
+
+def _even_offers(step: Step, band: _Band, g: int, by_cost):
     """(j, b, i) of the exchanges worth pricing for the ``g``-GPU bags outside the band:
     taker ``b`` gives its sequence ``j`` (-1: nothing, a move) for the pool's sequence
     ``i``, one of the ``EVEN_TRIES`` nearest distinct costs that bring ``b`` into the band
-    (priced as in a g-GPU bag of another node, ``per_token`` its tokens' cost). None when
-    there is none."""
+    (``by_cost``: `_by_cost`; of equal costs, the least loaded donor's, then the lowest id).
+    None when there is none."""
     size, bag, per, price = step.layout.size, step.bag, band.per, band.price
     takers = np.flatnonzero((size == g) & band.outside)
-    cand = band.pool[step.lengths[band.pool] >= g]
+    in_pool = np.zeros(len(bag), dtype=bool)
+    in_pool[band.pool] = True
+    seqs, costs = by_cost
+    taken = in_pool[seqs]
+    cand, key = seqs[taken], costs[taken]
     if not takers.size or not cand.size:
         return None
-    # Candidates by their cost, the least loaded donor first among equal costs (sequences'
-    # costs repeat); ``run``: the first of each distinct cost.
-    key = step.workload[cand] + per_token * step.lengths[cand].astype(np.float64)
-    order = np.lexsort((per[bag[cand]], key))
-    cand, key = cand[order], key[order]
-    run = np.flatnonzero(np.concatenate([[True], key[1:] != key[:-1]]))
+    run_key, first = _least_loaded_of_each_cost(key, per[bag[cand]])
+    first = cand[first]
     is_taker = np.zeros(len(size), dtype=bool)
     is_taker[takers] = True
     mine = np.flatnonzero(band.live & is_taker[band.bag_of])
@@ -292,13 +306,26 @@ def _even_offers(step: Step, band: _Band, g: int, per_token: float):
     weight = step.layout.weight[b]
     lo = out_j + (band.target - band.band - per[b]) * weight
     hi = out_j + (band.target - per[b]) * weight
-    u = (np.searchsorted(key[run], hi, "right") - 1)[:, None] - np.arange(EVEN_TRIES)
-    first = run[np.maximum(u, 0)]
-    ok = (u >= 0) & (key[first] >= lo[:, None]) & (bag[cand[first]] != b[:, None])
+    u = (np.searchsorted(run_key, hi, "right") - 1)[:, None] - np.arange(EVEN_TRIES)
+    at = np.maximum(u, 0)
+    ok = (u >= 0) & (run_key[at] >= lo[:, None]) & (bag[first[at]] != b[:, None])
     rows, cols = np.nonzero(ok)
     if not rows.size:
         return None
-    return j[rows], b[rows], cand[first[rows, cols]]
+    return j[rows], b[rows], first[at[rows, cols]]
+
+
+def _least_loaded_of_each_cost(key: np.ndarray, load: np.ndarray):
+    """(each distinct value of ``key`` (sorted), the position of its least ``load``, the
+    first of equal ones): the first of each run of ``np.lexsort((load, key))``."""
+    new = np.empty(len(key), dtype=bool)
+    new[0] = True
+    np.not_equal(key[1:], key[:-1], out=new[1:])
+    starts = np.flatnonzero(new)
+    run = np.cumsum(new) - 1
+    least_load = np.minimum.reduceat(load, starts)
+    at_least = np.flatnonzero(load == least_load[run])
+    return key[starts], at_least[np.flatnonzero(np.diff(run[at_least], prepend=-1))]
 
 
 def _even_scores(step: Step, prices: Prices, band: _Band, offers, max_tokens):

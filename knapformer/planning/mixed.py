@@ -230,21 +230,43 @@ def _size_heaps(per, class_of_bag, bag_node):
 def _stay_home_priced(seqs, step: Step, load: np.ndarray, prices: Prices, level: float):
     """Within each home bag, the largest of ``seqs`` stay while the bag's priced load stays
     under ``level`` per GPU (one vectorised pass, as `_stay_home_in_bulk`). Returns the new
-    loads."""
+    loads. A bag that has room for all of its sequences keeps them all: only the others'
+    sequences are ordered (at 4,096 GPUs, half of a step's or fewer)."""
     layout, lengths, home = step.layout, step.lengths, step.home_bag
-    seqs = seqs[(home[seqs] >= 0) & (layout.size[np.maximum(home[seqs], 0)] <= lengths[seqs])]
-    order = by_home_heaviest_first(seqs, home, step.workload, len(layout.size), step.ranks)
-    hb = home[order]
-    cost = (step.workload[order] + prices.kappa[hb] * lengths[order]
-            + 2 * prices.route(order, hb, hb, layout.size, lengths[order]))  # fmt: skip
-    stays = prefix_within_groups(cost, hb, (level * layout.weight - load)[hb])
+    hb = home[seqs]
+    fits = (hb >= 0) & (layout.size[np.maximum(hb, 0)] <= lengths[seqs])
+    seqs, hb = seqs[fits], hb[fits]
+    cost = (step.workload[seqs] + prices.kappa[hb] * lengths[seqs]
+            + 2 * prices.home_route(hb, layout.size, lengths[seqs]))  # fmt: skip
+    room = level * layout.weight - load
+    token_room = None
+    whole = np.bincount(hb, weights=cost, minlength=len(load)) <= room
     if layout.max_tokens is not None:
-        token_room = layout.max_tokens * layout.size[hb] - layout.bag_tokens[hb]
-        stays &= prefix_within_groups(lengths[order].astype(np.float64), hb, token_room)
-    step.bag[order[stays]] = hb[stays]
+        token_room = layout.max_tokens * layout.size - layout.bag_tokens
+        tokens = np.bincount(hb, weights=lengths[seqs].astype(np.float64), minlength=len(load))
+        whole &= tokens <= token_room
+    stays = whole[hb]
+    rest = seqs[~stays]
+    order = by_home_heaviest_first(rest, home, step.workload, len(layout.size), step.ranks)
+    cost_of = np.zeros(len(lengths))  # by sequence id
+    cost_of[seqs] = cost
+    staying = np.zeros(len(lengths), dtype=bool)
+    staying[order] = _staying(order, step, cost_of[order], room, token_room)
+    stays[~stays] = staying[rest]
+    step.bag[seqs[stays]] = hb[stays]
     if layout.max_tokens is not None:
-        layout.add_many(hb[stays], np.zeros(int(stays.sum())), lengths[order[stays]])
+        layout.add_many(hb[stays], np.zeros(int(stays.sum())), lengths[seqs[stays]])
     return load + np.bincount(hb[stays], weights=cost[stays], minlength=len(load))
+
+
+def _staying(order, step: Step, cost, room, token_room) -> np.ndarray:
+    """Which of ``order`` (by home bag, heaviest first) stay: the running ``cost`` within the
+    home bag inside its ``room`` (and its tokens inside ``token_room``, where capped)."""
+    hb = step.home_bag[order]
+    stays = prefix_within_groups(cost, hb, room[hb])
+    if token_room is not None:
+        stays &= prefix_within_groups(step.lengths[order].astype(np.float64), hb, token_room[hb])
+    return stays
 
 
 def _pour(pool, step: Step, load: np.ndarray, prices: Prices) -> np.ndarray:

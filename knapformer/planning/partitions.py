@@ -207,7 +207,7 @@ def _place(groups, sizes, num_gpus, node_size, eff, seq_class, src_pos):
     virtual = np.cumsum(widths) - widths
     start = unit_order[virtual // unit] * unit + virtual % unit
     order = np.argsort(start, kind="stable")
-    return tuple(int(w) for w in widths[order])
+    return tuple(widths[order].tolist())
 
 
 @dataclass(frozen=True)

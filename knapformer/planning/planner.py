@@ -71,7 +71,7 @@ from knapformer.contract.limits import (
     MIN_GPU_SPEED,
     check_count,
 )
-from knapformer.contract.plan import Measurements, RoutingPlan
+from knapformer.contract.plan import Chunks, Measurements, RoutingPlan
 from knapformer.contract.topology import Topology, as_topology
 from knapformer.errors import KnapformerError
 from knapformer.planning.auto import solve_auto
@@ -80,7 +80,7 @@ from knapformer.planning.bags import (
     Step,
     bag_shape,
 )
-from knapformer.planning.chunks import chunk_table
+from knapformer.planning.chunks import StepChunks
 from knapformer.planning.communication import CommModel
 from knapformer.planning.fixed import solve_default, solve_greedy
 from knapformer.planning.partitions import DEFAULT_GROUP_SIZES, allowed_sizes
@@ -227,18 +227,21 @@ class StepProblem:
 
 def _build_plan(problem, solved, model, positions_are_ranks, step, run, topology_name, bags,
                 solver, options, auto) -> RoutingPlan:  # fmt: skip
-    """The `RoutingPlan` of a solved step (columns, not validated: the hot path)."""
+    """The `RoutingPlan` of a solved step (columns, not validated: the hot path). Its
+    chunk table is derived (`StepChunks`): made whole only when a reader reads it; a
+    rank's router reads its own rows (`RoutingPlan.rank_chunks`)."""
     src_pos, speed = problem.src_pos, problem.speed
+    ranks = None if positions_are_ranks else np.asarray(problem.gpus, dtype=np.int64)
+    src_gpu = src_pos if ranks is None else ranks[src_pos]
     if solved.chunks:  # auto priced this layout: its table is made already
         chunk_seq, chunk_pos, chunk_off, chunk_len = solved.chunks
         chunk_src = src_pos[chunk_seq]
+        if ranks is not None:
+            chunk_src, chunk_pos = ranks[chunk_src], ranks[chunk_pos]
+        chunks = {"seq": chunk_seq, "src_gpu": chunk_src, "dst_gpu": chunk_pos,
+                  "offset": chunk_off, "length": chunk_len}  # fmt: skip
     else:
-        chunk_seq, chunk_pos, chunk_off, chunk_len, chunk_src = chunk_table(solved, True)
-    if positions_are_ranks:
-        src_gpu, chunk_dst = src_pos, chunk_pos
-    else:
-        ranks = np.asarray(problem.gpus, dtype=np.int64)
-        src_gpu, chunk_src, chunk_dst = ranks[src_pos], ranks[chunk_src], ranks[chunk_pos]
+        chunks = Chunks.derived(StepChunks(solved, ranks))
     return RoutingPlan.build(
         planner_version=__version__,
         step=step,
@@ -261,13 +264,7 @@ def _build_plan(problem, solved, model, positions_are_ranks, step, run, topology
             "workload": problem.workload,
             "bag": solved.bag,
         },
-        chunks={
-            "seq": chunk_seq,
-            "src_gpu": chunk_src,
-            "dst_gpu": chunk_dst,
-            "offset": chunk_off,
-            "length": chunk_len,
-        },
+        chunks=chunks,
     )
 
 

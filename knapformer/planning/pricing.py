@@ -43,6 +43,57 @@ def makespan_floor(step: Step, per_token: dict[int, float]) -> float:
     return float(((load + kappa * tokens) / layout.size).max(initial=0.0))
 
 
+def routed_floor(step: Step, model: WorkloadModel, comm: CommModel,
+                 per_token: dict[int, float]) -> float:  # fmt: skip
+    """A lower bound on `modelled_makespan` of ``step`` at nominal speeds without its chunk
+    table, above `makespan_floor` where sequences travel: each GPU of a g-GPU bag holds at
+    least ``L // g`` tokens of every sequence of its bag (`chunk_table`), and a GPU's route
+    is at least what it sends and receives over the network alone, or over its node's link
+    alone (the route takes the slower link's time). Whole-family layouts, solved
+    compute-only, often lose on the route of the GPUs their sequences leave."""
+    layout, lengths, workload, bag = step.layout, step.lengths, step.workload, step.bag
+    of_pos = layout.shape.bag_of_pos
+    num_gpus, num_bags = len(of_pos), len(layout.size)
+    size = layout.size[bag]
+    length = lengths.astype(np.float64)
+    least = (lengths // size).astype(np.float64)  # tokens of a sequence on each of its GPUs
+    share = np.where(lengths > 0, model.linear_share(lengths), 0.0)
+    per_len = np.divide(workload * share, length, out=np.zeros(len(length)), where=lengths > 0)
+    per_class = np.array([per_token[int(c)] for c in layout.class_size])
+    kappa = per_class[layout.shape.class_of_bag_array][bag]
+    held = workload * (1.0 - share) / size + (per_len + kappa) * least
+    compute = np.bincount(bag, weights=held, minlength=num_bags)[of_pos]
+    node = int(comm.node_size)
+    # A source of -1 (outside the bags) is left out of the route: it adds nothing here.
+    known = step.src_pos >= 0
+    src = np.maximum(step.src_pos, 0)
+    in_node = np.where(layout.size > node, -1, layout.start // node)[bag]  # -1: spans nodes
+    far = known & (in_node >= 0) & (in_node != src // node)
+    near = known & (in_node == src // node)
+    home = known & (bag == of_pos[src])
+    # Sent: all of a sequence placed in another bag, g - 1 chunks of one kept at home.
+    # Received: a chunk of each sequence of the bag that comes from elsewhere.
+    sent = np.where(home, (size - 1) * least, length)
+    far_tokens = _per_gpu_sum(src, np.where(far, length, 0.0), num_gpus) + _per_bag_gpu(
+        bag, np.where(far, least, 0.0), num_bags, of_pos
+    )
+    near_tokens = (_per_gpu_sum(src, np.where(near, sent, 0.0), num_gpus)
+                   + _per_bag_gpu(bag, np.where(near, least, 0.0), num_bags, of_pos)
+                   - _per_gpu_sum(src, np.where(near & home, least, 0.0), num_gpus))  # fmt: skip
+    intra, inter = route_per_token(comm, model)
+    route = np.maximum(intra * near_tokens, inter * far_tokens)
+    return float((compute + route).max(initial=0.0))
+
+
+def _per_gpu_sum(pos: np.ndarray, weights: np.ndarray, num_gpus: int) -> np.ndarray:
+    return np.bincount(pos, weights=weights, minlength=num_gpus)
+
+
+def _per_bag_gpu(bag, weights, num_bags: int, of_pos) -> np.ndarray:
+    """(num_gpus,) the sum of ``weights`` over each GPU's bag (what every GPU of it gets)."""
+    return np.bincount(bag, weights=weights, minlength=num_bags)[of_pos]
+
+
 def makespan_ceiling(step: Step, model: WorkloadModel, comm: CommModel,
                      per_token: dict[int, float]) -> float:  # fmt: skip
     """An upper bound on `modelled_makespan` of ``step`` at nominal speeds, from per-bag and
@@ -142,6 +193,13 @@ class Prices:
         per = np.where(self.bag_node[bags] == self.src_node[seqs], self.intra, self.inter)
         moved = np.where(bags == home, ((size - 1) / size)[bags], 1.0) * lengths
         return per * moved
+
+    def home_route(self, home, size, lengths):
+        """`route` of sequences in their home bags ``home`` (the same values): a home bag
+        holds its sequence's source GPU, so it is in the source's node unless it spans
+        nodes, and (g-1)/g of the tokens leave."""
+        per = np.where(self.bag_node[home] >= 0, self.intra, self.inter)
+        return per * (((size - 1) / size)[home] * lengths)
 
     def cost(self, step: Step, lengths: np.ndarray, seq, bag):
         """(price, sent) of sequences ``seq`` in bags ``bag`` (broadcast): ``W + k_g*L`` plus

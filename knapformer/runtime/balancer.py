@@ -440,7 +440,7 @@ class SequenceBalancer:
         self.tables, self.last_plan = tables, plan
         if plan.step is not None:
             self.step = plan.step
-        bag = next(i for i, b in enumerate(plan.bags) if self.rank in b)
+        bag = plan.bag_of(self.rank)
         self._my_bag = (bag, [int(r) for r in plan.bags[bag]])
         self.journal.start_step(self.step, plan_hash(plan))
         self._watch.step_started()

@@ -66,11 +66,8 @@ def sequence_tables(plan: RoutingPlan, rank: int, device: torch.device) -> Seque
     gpus = np.asarray(plan.gpus, dtype=np.int64)
     pos = gpu_positions(gpus)
     src_pos = pos[np.asarray(plan.sequences.src_gpu, dtype=np.int64)]
-    c_dst = np.asarray(plan.chunks.dst_gpu, dtype=np.int64)
-    mine = np.flatnonzero(c_dst == rank)  # chunk-id order = route's row order
-    seq = np.asarray(plan.chunks.seq, dtype=np.int64)[mine]
-    lengths = np.asarray(plan.chunks.length, dtype=np.int64)[mine]
-    index = np.repeat(seq, lengths)
+    mine = plan.chunks_to(rank)  # chunk-id order = route's row order
+    index = np.repeat(mine.seq, mine.length)
     # All-gathered rows arrive grouped by GPU, each GPU's in its own order; plan sequence
     # ids are ordered that way too, but do not rely on it.
     gathered = np.argsort(src_pos, kind="stable")  # plan seq id of each gathered row

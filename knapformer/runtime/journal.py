@@ -69,11 +69,14 @@ def in_backward() -> bool:
 
 
 def plan_hash(plan: RoutingPlan) -> int:
-    """A 32-bit digest of what a plan moves (lengths, sources and destinations of its
-    chunks): ranks routing by the same plan have the same hash."""
-    c = plan.chunks
-    digest = zlib.crc32(np.int64(plan.step if plan.step is not None else -1).tobytes())
-    for column in (c.seq, c.dst_gpu, c.length):
+    """A 32-bit digest of what a plan moves (its sequences' sources, lengths and bags,
+    the bags' sizes and the solver, whose rule cuts them into chunks): ranks routing by
+    the same plan have the same hash. Made every step, so it reads no chunk column (a
+    plan the planner made derives its chunk table only when it is read)."""
+    head = f"{plan.step if plan.step is not None else -1} {plan.topology} {plan.solver}"
+    digest = zlib.crc32(head.encode())
+    seqs = plan.sequences
+    for column in (seqs.src_gpu, seqs.length, seqs.bag):
         digest = zlib.crc32(np.ascontiguousarray(column, dtype=np.int64).tobytes(), digest)
     return digest
 

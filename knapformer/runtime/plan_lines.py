@@ -42,7 +42,7 @@ def reader_problem(plan: RoutingPlan) -> str | None:
     included (no copy, no JSON; ~11 ms for 32,768 sequences on the writer thread)."""
     fields = {name: getattr(plan, name) for name in RoutingPlan.model_fields}
     for name in ("sequences", "chunks"):
-        fields[name] = dict(vars(getattr(plan, name)))
+        fields[name] = getattr(plan, name).columns()  # a derived chunk table is made here
     if plan.measurements is not None:
         fields["measurements"] = plan.measurements.model_dump()
     try:

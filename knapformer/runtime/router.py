@@ -32,6 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from knapformer.contract.chunk_rows import ChunkRows, token_ranges
 from knapformer.contract.plan import RoutingPlan
 from knapformer.contract.positions import gpu_positions
 from knapformer.errors import KnapformerError
@@ -84,86 +85,80 @@ class RoutingTables:
         bag_groups: Callable[[list[int]], Group] | None = None,
     ) -> RoutingTables:
         """Tables of global ``rank`` for ``plan``; ``bag_groups(ranks)`` gives the sub-group
-        of the plan's bag over ``ranks`` (made in advance: the plan picks, not creates)."""
-        gpus = np.asarray(plan.gpus, dtype=np.int64)
-        n = len(gpus)
-        pos = gpu_positions(gpus)
-        seqs, chunks = plan.sequences, plan.chunks
-        seq_src = np.asarray(seqs.src_gpu, dtype=np.int64)
-        seq_len = np.asarray(seqs.length, dtype=np.int64)
-        c_seq = np.asarray(chunks.seq, dtype=np.int64)
-        c_src = np.asarray(chunks.src_gpu, dtype=np.int64)
-        c_dst = np.asarray(chunks.dst_gpu, dtype=np.int64)
-        c_off = np.asarray(chunks.offset, dtype=np.int64)
-        c_len = np.asarray(chunks.length, dtype=np.int64)
-        dst_pos, src_pos = pos[c_dst], pos[c_src]
+        of the plan's bag over ``ranks`` (made in advance: the plan picks, not creates).
+        Reads only this rank's rows of the chunk table (`RoutingPlan.chunks_from`,
+        `chunks_into_bag`): a derived table is not made whole."""
+        n = len(plan.gpus)
+        pos = gpu_positions(np.asarray(plan.gpus, dtype=np.int64))
+        bag_id = plan.bag_of(rank)
+        into_bag = plan.chunks_into_bag(bag_id)
 
         # Send side: my chunks grouped by destination (stable: chunk-id order inside).
-        mine_seq = np.flatnonzero(seq_src == rank)
-        local_lens = seq_len[mine_seq]
-        seq_start = np.zeros(len(seq_len), dtype=np.int64)
-        seq_start[mine_seq] = np.cumsum(local_lens) - local_lens
-        out_ids = np.flatnonzero(c_src == rank)
-        out_ids = out_ids[np.argsort(dst_pos[out_ids], kind="stable")]
-        send_splits = np.bincount(dst_pos[out_ids], weights=c_len[out_ids], minlength=n)
-        send_index = token_ranges(seq_start[c_seq[out_ids]] + c_off[out_ids], c_len[out_ids])
+        mine_seq = np.flatnonzero(np.asarray(plan.sequences.src_gpu) == rank)
+        sent = plan.chunks.rows_of(mine_seq)  # = plan.chunks_from(rank)
+        local_lens = np.asarray(plan.sequences.length, dtype=np.int64)[mine_seq]
+        seq_start = np.cumsum(local_lens) - local_lens  # in the packed rows, by my sequence
+        order = np.argsort(pos[sent.dst_gpu], kind="stable")
+        out = sent.where(order)
+        send_splits = np.bincount(pos[out.dst_gpu], weights=out.length, minlength=n)
+        out_start = seq_start[np.searchsorted(mine_seq, out.seq)] + out.offset
+        send_index = token_ranges(out_start, out.length)
 
         # Receive side: chunk ids are ordered by sequence and sequence ids by source GPU,
         # so chunks for me in id order already arrive grouped by source: no permutation.
-        in_ids = np.flatnonzero(c_dst == rank)
-        recv_splits = np.bincount(src_pos[in_ids], weights=c_len[in_ids], minlength=n)
+        received = into_bag.where(into_bag.dst_gpu == rank)
+        recv_splits = np.bincount(pos[received.src_gpu], weights=received.length, minlength=n)
 
         identity = bool(np.array_equal(send_index, np.arange(len(send_index))))
         to_tensor = _index_tensor(device)
         bag = None
-        my_bag = next(b for b in plan.bags if rank in b)
+        my_bag = [int(r) for r in plan.bags[bag_id]]
         if len(my_bag) > 1:
             group = None if bag_groups is None else bag_groups(my_bag)
-            bag = _bag_tables(my_bag, c_dst, c_seq, c_len, group, to_tensor)
+            bag = _bag_tables(my_bag, into_bag, group, to_tensor)
         return cls(
             local_lens=local_lens.tolist(),
-            chunk_lens=c_len[in_ids].tolist(),
+            chunk_lens=received.length.tolist(),
             send_splits=send_splits.astype(np.int64).tolist(),
             recv_splits=recv_splits.astype(np.int64).tolist(),
             send_index=None if identity else to_tensor(send_index),
-            restore_index=None if identity else to_tensor(np.argsort(send_index)),
+            restore_index=None if identity else to_tensor(inverse_permutation(send_index)),
             bag=bag,
         )
 
 
-def _bag_tables(bag_ranks, c_dst, c_seq, c_len, group, to_tensor) -> BagTables:
+def _bag_tables(bag_ranks, into_bag: ChunkRows, group, to_tensor) -> BagTables:
     """After route each GPU of the bag holds its chunk of every bag sequence; Ulysses
     sends head shard j of all of them to bag GPU j, which receives them grouped by source
-    GPU and reorders them into whole sequences (chunk k of a sequence sits on GPU k)."""
-    in_bag = np.isin(c_dst, bag_ranks)
-    ids = np.flatnonzero(in_bag)  # chunk-id order = sequence order, chunk k after k-1
-    member = np.searchsorted(np.asarray(bag_ranks), c_dst[ids])
+    GPU and reorders them into whole sequences (chunk k of a sequence sits on GPU k).
+    ``into_bag``: the chunks of the bag's sequences (chunk-id order = sequence order,
+    chunk k after k-1)."""
+    c_len = into_bag.length
+    member = np.searchsorted(np.asarray(bag_ranks), into_bag.dst_gpu)
     buffer_order = np.argsort(member, kind="stable")  # how the shards arrive
-    lengths_in_buffer = c_len[ids][buffer_order]
-    start_in_buffer = np.empty(len(ids), dtype=np.int64)
+    lengths_in_buffer = c_len[buffer_order]
+    start_in_buffer = np.empty(len(c_len), dtype=np.int64)
     start_in_buffer[buffer_order] = np.cumsum(lengths_in_buffer) - lengths_in_buffer
-    to_sequences = token_ranges(start_in_buffer, c_len[ids])
-    tokens_per_gpu = np.bincount(member, weights=c_len[ids], minlength=len(bag_ranks))
-    _, first = np.unique(c_seq[ids], return_index=True)
-    seq_lens = np.add.reduceat(c_len[ids], first) if len(ids) else np.zeros(0, np.int64)
+    to_sequences = token_ranges(start_in_buffer, c_len)
+    tokens_per_gpu = np.bincount(member, weights=c_len, minlength=len(bag_ranks))
+    first = np.flatnonzero(np.diff(into_bag.seq, prepend=-1))  # each sequence's chunk 0
+    seq_lens = np.add.reduceat(c_len, first) if len(c_len) else np.zeros(0, np.int64)
     return BagTables(
         group=group,
         size=len(bag_ranks),
         tokens_per_gpu=tokens_per_gpu.astype(np.int64).tolist(),
         to_sequences=to_tensor(to_sequences),
-        from_sequences=to_tensor(np.argsort(to_sequences)),
+        from_sequences=to_tensor(inverse_permutation(to_sequences)),
         seq_lens=seq_lens.astype(np.int64).tolist(),
     )
 
 
-def token_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenation of ``arange(s, s + l)`` for every (s, l), vectorised."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    total = int(lengths.sum())
-    if total == 0:
-        return np.zeros(0, dtype=np.int64)
-    begin = np.cumsum(lengths) - lengths  # where each range starts in the output
-    return np.repeat(np.asarray(starts, dtype=np.int64) - begin, lengths) + np.arange(total)
+def inverse_permutation(perm: np.ndarray) -> np.ndarray:
+    """The inverse of a permutation of ``0..len(perm)-1`` (``np.argsort(perm)``), in one
+    scatter instead of a sort."""
+    inverse = np.empty(len(perm), dtype=np.int64)
+    inverse[perm] = np.arange(len(perm))
+    return inverse
 
 
 def host_to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:

@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 from knapformer.contract.run_store import (
     RUN_FILE,
     StoreError,
+    conformed,
     list_segments,
     run_id,
     segment_name,
@@ -131,10 +132,10 @@ def _rows_before(folder: Path, segment, step: int):
     parquet = pq.ParquetFile(segment.path)
     if segment.table != "rank_windows":
         for g in range(parquet.metadata.num_row_groups):
-            part = parquet.read_row_group(g)
+            part = conformed(parquet.read_row_group(g), segment.table)
             yield part.filter(pc.less(part["step"], step))
         return
-    windows = parquet.read()
+    windows = conformed(parquet.read(), segment.table)
     yield windows.filter(pc.less(windows["last_step"], step))
     straddling = windows.filter(pc.and_(pc.less(windows["first_step"], step),
                                         pc.greater_equal(windows["last_step"], step)))  # fmt: skip
@@ -148,8 +149,8 @@ def _rows_before(folder: Path, segment, step: int):
 def _ranks_rows(folder: Path, first: int, last: int) -> pa.Table:
     """The ``ranks`` rows of steps ``first..last`` (a store of any folder name)."""
     wanted = [("step", ">=", first), ("step", "<=", last)]
-    parts = [pq.read_table(s.path, filters=wanted) for s in list_segments(folder, "ranks")
-             if s.overlaps(first, last)]  # fmt: skip
+    parts = [conformed(pq.read_table(s.path, filters=wanted), "ranks")
+             for s in list_segments(folder, "ranks") if s.overlaps(first, last)]  # fmt: skip
     return pa.concat_tables(parts) if parts else TABLES["ranks"].empty_table()
 
 
@@ -193,7 +194,8 @@ def compact(folder: Path, table: str, count: int, small: int) -> None:
     for seg in batch:
         parquet = pq.ParquetFile(seg.path)
         for g in range(parquet.metadata.num_row_groups):
-            writer.write_table(parquet.read_row_group(g).cast(TABLES[table]), ROW_GROUP_ROWS)
+            part = conformed(parquet.read_row_group(g), table)
+            writer.write_table(part.cast(TABLES[table]), ROW_GROUP_ROWS)
     writer.close()
     os.replace(tmp, folder / segment_name(table, first, last))
     for seg in batch:

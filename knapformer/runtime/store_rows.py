@@ -70,7 +70,8 @@ def plan_rows(plan: RoutingPlan) -> PlanRows:
         "tokens_moved": (st.tokens_sent + st.tokens_received).astype(np.int32),
         "speed": None if plan.gpu_speed is None else np.asarray(plan.gpu_speed, np.float32),
         "wait_ms": None if measured is None else quantise_ms(measured.total_wait_ms),
-        "link_gbps": _link_gbps(measured, plan.gpus),
+        "link_gbps": _link_gbps(measured, plan.gpus, cross_node=False),
+        "link_cross_gbps": _link_gbps(measured, plan.gpus, cross_node=True),
     }
     for phase in RECORDED_PHASES:
         values = per_rank.get(phase)
@@ -126,15 +127,20 @@ def _slowest(measured: MeasuredStep | None) -> tuple[int | None, float | None]:
     return int(measured.gpus[at]), float(rate[at])
 
 
-def _link_gbps(measured: MeasuredStep | None, gpus: list[int]) -> np.ndarray | None:
-    """(n,) each rank's fastest probed link in GB/s; None when the step ran no probe."""
+def _link_gbps(measured: MeasuredStep | None, gpus: list[int], cross_node: bool):
+    """(n,) each rank's fastest probed link of one kind (to a GPU of its own node, or of
+    another) in GB/s, NaN for a rank with no such pair; None when the step ran no probe of
+    that kind."""
     probed = None if measured is None else measured.probed
-    if probed is None or not len(probed.a):
+    if probed is None:
+        return None
+    kind = probed.cross_node == cross_node
+    if not kind.any():
         return None
     best = np.full(len(gpus), np.nan)
-    gbps = probed.gbps
+    gbps = probed.gbps[kind]
     at = {int(g): i for i, g in enumerate(gpus)}
-    for end in (probed.a, probed.b):
+    for end in (probed.a[kind], probed.b[kind]):
         rows = np.fromiter((at[int(r)] for r in end), np.int64, len(end))
         np.fmax.at(best, rows, gbps)
     return best.astype(np.float32)

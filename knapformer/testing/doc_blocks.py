@@ -4,6 +4,8 @@ tests/test_docs.py compares a block's output with its page. A behaviour test tha
 the same processes (a multi-process demo, a torchrun job) takes the block's run from
 here and asserts on what its commands printed and the files they wrote, instead of
 starting the same processes a second time. Whichever test asks first runs the block.
+Runs are kept per process: tests/suite_order.py puts the tests that share a block's run
+in one unit of work, that of the block's page, so that one worker makes it.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ class BlockRun:
 
     def path(self, scratch_path: str) -> Path:
         """Where ``runs/docs/...`` (as the commands name it) is kept after the run."""
-        relative = Path(scratch_path).relative_to(make_docs.SCRATCH.relative_to(ROOT))
+        relative = Path(scratch_path).relative_to(make_docs.SCRATCH)
         return self.folder / relative
 
 

@@ -99,14 +99,13 @@ def placement(balancer: SequenceBalancer, lengths_by_rank: list[list[tuple[int, 
         p = position[int(src)]
         per_seq.append(tuple(lengths_by_rank[p][taken[p]]))
         taken[p] += 1
-    c = plan.chunks
-    c_seq, c_dst = np.asarray(c.seq, np.int64), np.asarray(c.dst_gpu, np.int64)
-    mine = np.flatnonzero(c_dst == balancer.rank)
-    c_len = np.asarray(c.length, np.int64)[mine]
-    row_seq = np.repeat(c_seq[mine], c_len)
-    row_pos = token_ranges(np.asarray(c.offset, np.int64)[mine], c_len)
-    bag = next(b for b in plan.bags if balancer.rank in b)
-    in_bag = np.unique(c_seq[np.isin(c_dst, bag)])
+    # This rank's rows of the chunk table only (a plan made here derives the whole table
+    # when a reader reads it): the chunks routed to it and those of its bag.
+    into_bag = plan.chunks_into_bag(plan.bag_of(balancer.rank))
+    mine = into_bag.where(into_bag.dst_gpu == balancer.rank)
+    row_seq = np.repeat(mine.seq, mine.length)
+    row_pos = token_ranges(mine.offset, mine.length)
+    in_bag = np.unique(into_bag.seq)
     return (*_rows(per_seq, row_seq, row_pos), [per_seq[i] for i in in_bag])
 
 

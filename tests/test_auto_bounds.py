@@ -1,0 +1,121 @@
+"""The bounds topology="auto" skips candidates by: a true floor of the modelled makespan, and
+a skip that leaves the plan as it was."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from knapformer.planning import auto as auto_solver
+from knapformer.planning.bags import bag_shape
+from knapformer.planning.chunks import chunk_table
+from knapformer.planning.communication import CLUSTERS, CommModel
+from knapformer.planning.datamix import parse_mix, sample_lengths, scale_mix
+from knapformer.planning.fixed import solve_default, solve_greedy
+from knapformer.planning.mixed import solve_mixed
+from knapformer.planning.partitions import mixed_partitions
+from knapformer.planning.planner import plan_routing
+from knapformer.planning.pricing import makespan_floor, modelled_makespan, routed_floor
+from knapformer.planning.workload import WorkloadModel
+
+MODEL = WorkloadModel(token_dim=3072, gamma=0.4)
+SIZES = (1, 2, 4, 8)
+
+
+def _per_token(comm: CommModel) -> dict[int, float]:
+    return {g: comm.ulysses_per_token(MODEL.token_dim, g, MODEL.scale) for g in SIZES}
+
+
+def _steps(mix: str, factor: int, seed: int, comm: CommModel):
+    """Solved steps of one sampled step of ``mix`` on 32 x ``factor`` GPUs: its best mixed
+    partition (if any), g2/g4/g8 by the default solver and by greedy under either chunk rule,
+    and each of them again with a tenth of its sequences thrown into random bags (placed
+    away from home, across nodes)."""
+    per_gpu = sample_lengths(scale_mix(parse_mix(mix), factor), np.random.default_rng(seed))
+    n = len(per_gpu)
+    lengths = np.concatenate(per_gpu).astype(np.int64)
+    src = np.repeat(np.arange(n), [len(x) for x in per_gpu])
+    workload = MODEL.workload(lengths)
+    steps = []
+    per_token = _per_token(comm)
+    mixed = mixed_partitions(workload, lengths, src, n, SIZES, per_token, int(comm.node_size))
+    if mixed:
+        steps.append(solve_mixed(mixed[0].bag_sizes, lengths, workload, src, None, None,
+                                 per_token, 0.0, comm, MODEL))  # fmt: skip
+    for g in (2, 4, 8):
+        shape = bag_shape((g,) * (n // g))
+        steps.append(solve_default(shape, lengths, workload, src, None, None))
+        steps.append(solve_greedy(shape, lengths, workload, src, None, None, even=False))
+    rng = np.random.default_rng(seed)
+    for step in list(steps):
+        moved = replace(step, bag=step.bag.copy())
+        pick = rng.choice(len(lengths), len(lengths) // 10, replace=False)
+        moved.bag[pick] = rng.integers(0, len(step.layout.size), len(pick))
+        steps.append(moved)
+    return steps
+
+
+def _exact(step, comm) -> float:
+    step.chunks = chunk_table(step)
+    return modelled_makespan(step, MODEL, comm, None)
+
+
+@pytest.mark.parametrize("cluster", sorted(CLUSTERS))
+@pytest.mark.parametrize("node_size", [4, 8])
+@pytest.mark.parametrize("mix", ["mixres", "joint", "video", "seqheavy"])
+def test_routed_floor_never_exceeds_the_modelled_makespan(mix, node_size, cluster):
+    """Whatever the placement (solved, or sequences thrown across nodes), the layout, the
+    chunk rule, the cluster or the node size, the routed floor stays at or below the
+    makespan the chunk table models."""
+    comm = CommModel(**CLUSTERS[cluster], node_size=node_size)
+    for step in _steps(mix, 1, 11, comm):
+        floor = routed_floor(step, MODEL, comm, _per_token(comm))
+        assert 0.0 < floor <= _exact(step, comm) * (1 + 1e-12)
+
+
+def test_routed_floor_sees_the_route_a_compute_only_layout_pays():
+    """On the sequence-heavy mix, a whole-family layout solved compute-only sends most of a
+    crowded GPU's sequences away: its bag floor sits below the best mixed partition's
+    makespan, its routed floor above it, within 0.5 % of its own exact makespan."""
+    comm = CommModel.cluster("nvlink")
+    mixed, *fixed = _steps("seqheavy", 4, 5, comm)[:7]
+    best = _exact(mixed, comm)
+    g4 = fixed[2]  # the default solver's g4n32
+    assert len(g4.layout.size) == 32 and g4.layout.even
+    assert (
+        makespan_floor(g4, _per_token(comm))
+        < best
+        < routed_floor(g4, MODEL, comm, _per_token(comm))
+    )
+    assert routed_floor(g4, MODEL, comm, _per_token(comm)) > 0.995 * _exact(g4, comm)
+
+
+@pytest.mark.parametrize(("mix", "factor", "seed"), [("seqheavy", 32, 5), ("mixres", 64, 5000)])
+def test_auto_settles_its_candidates_by_bounds_without_pricing_them(mix, factor, seed, monkeypatch):
+    """Bounds settle the candidates with few exact prices. The sequence-heavy mix on 1,024
+    GPUs: only the mixed partition, chosen, is priced (its chunk table is the plan's); the
+    whole-family layouts fall to their floors. The high-resolution mix on 2,048 GPUs:
+    g4n512's ceiling lies below the mixed partition's routed floor, and it wins with
+    neither priced. Without the routed floor more are priced; the plans are the same."""
+    lengths = sample_lengths(scale_mix(parse_mix(mix), factor), np.random.default_rng(seed))
+    comm = CommModel.cluster("nvlink")
+    priced = []
+    exact_key = auto_solver._exact_key
+    monkeypatch.setattr(auto_solver, "_exact_key",
+                        lambda step, *a: priced.append(step) or exact_key(step, *a))  # fmt: skip
+    plan = plan_routing(lengths, "auto", MODEL, comm=comm)
+    if mix == "mixres":
+        assert plan.topology == "g4n512" and priced == []
+    else:
+        assert "+" in plan.topology and [len(s.layout.size) for s in priced] == [len(plan.bags)]
+    with_bounds = len(priced)
+    priced.clear()
+    monkeypatch.setattr(auto_solver, "routed_floor", lambda *a: 0.0)
+    before = plan_routing(lengths, "auto", MODEL, comm=comm)
+    assert len(priced) > with_bounds
+    assert before.topology == plan.topology
+    assert np.array_equal(before.sequences.bag, plan.sequences.bag)
+    assert np.array_equal(before.chunks.dst_gpu, plan.chunks.dst_gpu)
+    assert np.array_equal(before.chunks.length, plan.chunks.length)
