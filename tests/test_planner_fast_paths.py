@@ -300,3 +300,51 @@ def test_prefix_within_groups_keeps_each_groups_running_sum_within_its_room():
         expected.append(total[i] - before <= room[i] * (1 + bags.EPS))
     got = bags.prefix_within_groups(values, group, room)
     assert got.any() and not got.all() and np.array_equal(got, expected)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_prefix_within_bags_is_the_prefix_within_groups(seed):
+    rng = np.random.default_rng(seed)
+    num_bags = 40
+    bag = np.sort(rng.choice(num_bags - 5, 3000))  # ascending, some bags without rows
+    values = rng.integers(1, 50, bag.size) * 0.1
+    room = rng.integers(0, 400, num_bags) * 0.1  # sums land on the room now and then
+    want = bags.prefix_within_groups(values, bag, room[bag])
+    assert np.array_equal(bags.prefix_within_bags(values, bag, room), want)
+    assert 0 < want.sum() < want.size  # some stay, some leave
+    tokens = rng.integers(0, 3000, num_bags)  # integer room (a token cap)
+    want = bags.prefix_within_groups(values * 10, bag, tokens[bag])
+    assert np.array_equal(bags.prefix_within_bags(values * 10, bag, tokens), want)
+
+
+@pytest.mark.parametrize("capped", [False, True])
+def test_staying_home_in_bulk_is_the_plain_formulation(capped):
+    # The vectorised stay-at-home pass against its plain formulation: the stayers of each
+    # home bag by a per-row room, gathered, then summed into the bags' loads.
+    lengths = sample_lengths(scale_mix(parse_mix("lowres"), 4), np.random.default_rng(9))
+    flat = np.concatenate(lengths)
+    src = np.repeat(np.arange(len(lengths)), [len(x) for x in lengths])
+    workload = MODEL.workload(flat)
+    shape = bags.bag_shape((8,) * (len(lengths) // 8))
+    cap = int(0.9 * flat.sum() / len(lengths)) if capped else None  # 90% of the mean
+    steps = []
+    for _ in range(2):
+        layout = bags.BagLayout(shape, workload.sum() / len(lengths), cap, None, even=True)
+        steps.append(bags.Step.start(shape, flat, workload, src, layout))
+    fixed._stay_home_in_bulk(steps[0])
+    plain, layout = steps[1], steps[1].layout
+    order = bags.by_home_heaviest_first(np.arange(len(flat)), src // 8, workload, len(shape.size))
+    hb, cost = plain.home_bag[order], workload[order]
+    stays = bags.prefix_within_groups(cost, hb, (layout.capacity - layout.load)[hb])
+    assert 0 < stays.sum() < len(flat)  # some stay, some are left to the pool
+    if capped:
+        token_room = cap * layout.size[hb] - layout.bag_tokens[hb]
+        fit = bags.prefix_within_groups(flat[order].astype(np.float64), hb, token_room)
+        assert (stays & fit).sum() < stays.sum()  # the cap keeps some more from staying
+        stays &= fit
+    plain.bag[order[stays]] = hb[stays]
+    layout.add_many(hb[stays], cost[stays], flat[order[stays]])
+    assert np.array_equal(steps[0].bag, plain.bag)
+    assert np.array_equal(steps[0].layout.load, layout.load)
+    if capped:
+        assert np.array_equal(steps[0].layout.bag_tokens, layout.bag_tokens)

@@ -319,6 +319,23 @@ def prefix_within_groups(values: np.ndarray, group: np.ndarray, room: np.ndarray
     return total <= room * (1 + EPS)
 
 
+def prefix_within_bags(values: np.ndarray, bag: np.ndarray, room: np.ndarray) -> np.ndarray:
+    """`prefix_within_groups` for rows sorted by bag id, ``room`` given per bag (the same
+    result, bit for bit): the groups found by binary search, and two step-sized
+    temporaries instead of six (each a fresh allocation the kernel pages in)."""
+    if values.size == 0:
+        return np.zeros(0, dtype=bool)
+    total = np.cumsum(values)
+    starts = np.searchsorted(bag, np.arange(len(room)))  # each bag's first row
+    before = np.zeros(len(room))  # the running sum before each bag's rows
+    has_before = starts > 0
+    before[has_before] = total[starts[has_before] - 1]
+    per_row = np.take(before, bag)
+    total -= per_row
+    np.take(room * (1 + EPS), bag, out=per_row)
+    return total <= per_row
+
+
 def water_room(held: np.ndarray, weight: np.ndarray, amount: float, inflation=1.0):
     """Each bag's room up to one water level: the least per-GPU level (to
     ``POUR_BISECTIONS`` halvings) at which the bags, holding ``held`` on ``weight`` GPUs,

@@ -20,7 +20,7 @@ from knapformer.planning.bags import (
     by_home_heaviest_first,
     descending,
     pour_slots,
-    prefix_within_groups,
+    prefix_within_bags,
     water_room,
 )
 from knapformer.planning.levelling import level_makespan
@@ -222,14 +222,20 @@ def _stay_home_in_bulk(step: Step) -> None:
         fits = layout.size[home_bag] <= lengths
     light = np.flatnonzero((step.bag < 0) & (home_bag >= 0) & fits)
     order = by_home_heaviest_first(light, home_bag, workload, len(layout.size), step.ranks)
-    hb, cost = home_bag[order], workload[order]
-    room = layout.capacity - layout.load
-    stays = prefix_within_groups(cost, hb, room[hb])
+    hb, cost = home_bag[order], workload[order]  # hb ascends: ``order`` is by home bag
+    stays = prefix_within_bags(cost, hb, layout.capacity - layout.load)
     capped = layout.max_tokens is not None
     if capped:
         # An even spread keeps a bag's fullest GPU at ceil(bag tokens / g).
-        token_room = layout.max_tokens * layout.size[hb] - layout.bag_tokens[hb]
-        stays &= prefix_within_groups(lengths[order].astype(np.float64), hb, token_room)
-    stay_ids, stay_bags = order[stays], hb[stays]
-    step.bag[stay_ids] = stay_bags
-    layout.add_many(stay_bags, cost[stays], lengths[stay_ids] if capped else None)
+        token_room = layout.max_tokens * layout.size - layout.bag_tokens
+        stays &= prefix_within_bags(lengths[order].astype(np.float64), hb, token_room)
+        stay_ids, stay_bags = order[stays], hb[stays]
+        step.bag[stay_ids] = stay_bags
+        layout.add_many(stay_bags, cost[stays], lengths[stay_ids])
+        return
+    # In place, without gathering the stayers: the leavers weigh nothing in the bags'
+    # sums (adding 0.0 leaves a sum as it was) and stay unplaced (bag -1).
+    cost *= stays
+    layout.add_many(hb, cost, None)
+    np.copyto(hb, -1, where=~stays)
+    step.bag[order] = hb
