@@ -31,18 +31,25 @@ def test_ranked_stable_sort_is_the_stable_sort(distinct):
     assert np.array_equal(bags.stable_argsort(-values), np.argsort(-values, kind="stable"))
 
 
+@pytest.mark.parametrize("ascending", [False, True])
 @pytest.mark.parametrize("distinct", [3, 400, 50_000])
-def test_by_home_heaviest_first_is_the_lexsort(distinct):
-    # Sequence ids in any order (ties go by position), many ties or none.
+def test_by_home_heaviest_first_is_the_lexsort(distinct, ascending):
+    # Sequence ids in any order (ties go by position) or ascending (ties by id), many
+    # ties or none.
     rng = np.random.default_rng(distinct)
     seqs = rng.permutation(60_000)[:40_000]
+    if ascending:
+        seqs.sort()
     home = rng.integers(0, 300, 60_000)
-    workload = rng.integers(0, distinct, 60_000) * 0.75
+    lengths = rng.integers(0, distinct, 60_000)
+    workload = lengths * 0.75
     assert len(seqs) >= bags.RANKED_SORT
     expected = seqs[np.lexsort((-workload[seqs], home[seqs]))]
     assert np.array_equal(bags.by_home_heaviest_first(seqs, home, workload, 300), expected)
-    # The step's shared ranks (of all 60,000, both ways) order a subset the same way.
-    step = bags.Step(workload, workload, home, home, None, home, home)
+    # The step's shared ranks (of all 60,000, both ways; read off the lengths, as int16
+    # where they fit) order a subset the same way.
+    step = bags.Step(lengths, workload, home, home, None, home, home)
+    assert step.ranks()[0].dtype == (np.int16 if distinct <= 2**15 else np.int64)
     shared = bags.by_home_heaviest_first(seqs, home, workload, 300, step.ranks)
     assert np.array_equal(shared, expected)
     lightest = bags.by_home_heaviest_first(

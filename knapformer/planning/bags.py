@@ -263,7 +263,8 @@ def _ranks_by_length(lengths: np.ndarray, workload: np.ndarray) -> tuple[np.ndar
     np.not_equal(ordered[1:], ordered[:-1], out=new[1:])
     ascending = np.cumsum(new)  # 1-based rank among the distinct workloads
     distinct = int(ascending[-1])
-    rank_of_length = np.zeros(span, dtype=np.int64)
+    # int16 where the ranks fit: every reader narrows them to that for a radix sort
+    rank_of_length = np.zeros(span, dtype=np.int16 if distinct <= 2**15 else np.int64)
     rank_of_length[present] = distinct - ascending  # heaviest first, 0-based
     return rank_of_length[lengths], distinct
 
@@ -286,13 +287,20 @@ def by_home_heaviest_first(seqs, home, workload, num_bags, ranks=None) -> np.nda
         else:
             step_ranks, distinct = ranks()
             ranks = step_ranks[seqs]
-        if num_bags * distinct * n < 2**62:
-            key = home[seqs]  # (home * distinct + rank) * n + position, in place
+        # Ties by position; where ``seqs`` ascends, by id: the same order, no positions made.
+        ascending = bool((seqs[1:] > seqs[:-1]).all())
+        span = int(seqs[-1]) + 1 if ascending else n
+        if num_bags * distinct * span < 2**62:
+            key = home[seqs]  # (home * distinct + rank) * span + position, in place
             key *= distinct
             key += ranks
-            key *= n
-            key += np.arange(n)
-            return seqs[np.argsort(key)]
+            key *= span
+            key += seqs if ascending else np.arange(n)
+            if key.dtype != seqs.dtype:
+                return seqs[np.argsort(key)]
+            # Into the keys' buffer (a step-sized array less to page in); "clip": the
+            # indices are valid, and "raise" would gather into a temporary first.
+            return np.take(seqs, np.argsort(key), out=key, mode="clip")
     by_w = descending(workload, seqs)
     return by_w[by_small_key(home[by_w], num_bags)]
 
