@@ -308,7 +308,7 @@ def by_home_heaviest_first(seqs, home, workload, num_bags, ranks=None) -> np.nda
 def by_small_key(key: np.ndarray, bound: int) -> np.ndarray:
     """``np.argsort(key, kind="stable")`` for ints in 0..bound-1: below 2**15 a stable
     sort of int16 is a radix sort (the same order, several times faster)."""
-    return np.argsort(key.astype(np.int16) if bound <= 2**15 else key, kind="stable")
+    return np.argsort(key.astype(np.int16, copy=False) if bound <= 2**15 else key, kind="stable")
 
 
 def prefix_within_groups(values: np.ndarray, group: np.ndarray, room: np.ndarray) -> np.ndarray:
@@ -340,7 +340,7 @@ def prefix_within_bags(values: np.ndarray, bag: np.ndarray, room: np.ndarray) ->
     before[has_before] = total[starts[has_before] - 1]
     per_row = np.take(before, bag)
     total -= per_row
-    np.take(room * (1 + EPS), bag, out=per_row)
+    np.take(room * (1 + EPS), bag, out=per_row, mode="clip")  # (valid ids; "raise" buffers)
     return total <= per_row
 
 
