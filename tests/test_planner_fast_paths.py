@@ -355,3 +355,33 @@ def test_staying_home_in_bulk_is_the_plain_formulation(capped):
     assert np.array_equal(steps[0].layout.load, layout.load)
     if capped:
         assert np.array_equal(steps[0].layout.bag_tokens, layout.bag_tokens)
+
+
+@pytest.mark.parametrize("prefer_home", [False, True])
+def test_one_class_placement_is_the_least_occupied_rule(prefer_home):
+    # The one-bag-size loop against the rule written out: a sequence stays home while
+    # its home bag has room (when preferred), else goes to the least occupied bag
+    # (ties: the lowest id), bags partly filled beforehand.
+    lengths = sample_lengths(scale_mix(parse_mix("mixres"), 4), np.random.default_rng(5))
+    flat = np.concatenate(lengths)
+    src = np.repeat(np.arange(len(lengths)), [len(x) for x in lengths])
+    workload = MODEL.workload(flat)
+    shape = bags.bag_shape((8,) * (len(lengths) // 8))
+    layout = bags.BagLayout(shape, 0.9 * workload.sum() / len(lengths), None, None, even=True)
+    step = bags.Step.start(shape, flat, workload, src, layout)
+    first, order = np.arange(0, len(flat), 3), bags.descending(workload, np.arange(len(flat)))
+    order = order[np.isin(order, first, invert=True)]
+    layout.add_many(src[first] // 8, workload[first], None)  # a third placed at home
+    load = layout.load.tolist()
+    fixed._place_in_order(order, step, prefer_home)
+    safe, kept_home = layout.capacity.tolist(), 0
+    for seq in order.tolist():
+        h, w = int(step.home_bag[seq]), float(workload[seq])
+        want = min(range(len(load)), key=lambda b: (load[b] / safe[b], b))
+        if prefer_home and load[h] + w <= safe[h] * (1 + fixed.EPS):
+            kept_home += want != h
+            want = h
+        assert step.bag[seq] == want
+        load[want] += w
+    assert np.array_equal(layout.load, load) and not step.rem.any()
+    assert (kept_home > 0) == prefer_home  # staying home mattered
