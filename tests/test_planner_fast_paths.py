@@ -31,18 +31,25 @@ def test_ranked_stable_sort_is_the_stable_sort(distinct):
     assert np.array_equal(bags.stable_argsort(-values), np.argsort(-values, kind="stable"))
 
 
+@pytest.mark.parametrize("ascending", [False, True])
 @pytest.mark.parametrize("distinct", [3, 400, 50_000])
-def test_by_home_heaviest_first_is_the_lexsort(distinct):
-    # Sequence ids in any order (ties go by position), many ties or none.
+def test_by_home_heaviest_first_is_the_lexsort(distinct, ascending):
+    # Sequence ids in any order (ties go by position) or ascending (ties by id), many
+    # ties or none.
     rng = np.random.default_rng(distinct)
     seqs = rng.permutation(60_000)[:40_000]
+    if ascending:
+        seqs.sort()
     home = rng.integers(0, 300, 60_000)
-    workload = rng.integers(0, distinct, 60_000) * 0.75
+    lengths = rng.integers(0, distinct, 60_000)
+    workload = lengths * 0.75
     assert len(seqs) >= bags.RANKED_SORT
     expected = seqs[np.lexsort((-workload[seqs], home[seqs]))]
     assert np.array_equal(bags.by_home_heaviest_first(seqs, home, workload, 300), expected)
-    # The step's shared ranks (of all 60,000, both ways) order a subset the same way.
-    step = bags.Step(workload, workload, home, home, None, home, home)
+    # The step's shared ranks (of all 60,000, both ways; read off the lengths, as int16
+    # where they fit) order a subset the same way.
+    step = bags.Step(lengths, workload, home, home, None, home, home)
+    assert step.ranks()[0].dtype == (np.int16 if distinct <= 2**15 else np.int64)
     shared = bags.by_home_heaviest_first(seqs, home, workload, 300, step.ranks)
     assert np.array_equal(shared, expected)
     lightest = bags.by_home_heaviest_first(
@@ -300,3 +307,81 @@ def test_prefix_within_groups_keeps_each_groups_running_sum_within_its_room():
         expected.append(total[i] - before <= room[i] * (1 + bags.EPS))
     got = bags.prefix_within_groups(values, group, room)
     assert got.any() and not got.all() and np.array_equal(got, expected)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_prefix_within_bags_is_the_prefix_within_groups(seed):
+    rng = np.random.default_rng(seed)
+    num_bags = 40
+    bag = np.sort(rng.choice(num_bags - 5, 3000))  # ascending, some bags without rows
+    values = rng.integers(1, 50, bag.size) * 0.1
+    room = rng.integers(0, 400, num_bags) * 0.1  # sums land on the room now and then
+    want = bags.prefix_within_groups(values, bag, room[bag])
+    assert np.array_equal(bags.prefix_within_bags(values, bag, room), want)
+    assert 0 < want.sum() < want.size  # some stay, some leave
+    tokens = rng.integers(0, 3000, num_bags)  # integer room (a token cap)
+    want = bags.prefix_within_groups(values * 10, bag, tokens[bag])
+    assert np.array_equal(bags.prefix_within_bags(values * 10, bag, tokens), want)
+
+
+@pytest.mark.parametrize("capped", [False, True])
+def test_staying_home_in_bulk_is_the_plain_formulation(capped):
+    # The vectorised stay-at-home pass against its plain formulation: the stayers of each
+    # home bag by a per-row room, gathered, then summed into the bags' loads.
+    lengths = sample_lengths(scale_mix(parse_mix("lowres"), 4), np.random.default_rng(9))
+    flat = np.concatenate(lengths)
+    src = np.repeat(np.arange(len(lengths)), [len(x) for x in lengths])
+    workload = MODEL.workload(flat)
+    shape = bags.bag_shape((8,) * (len(lengths) // 8))
+    cap = int(0.9 * flat.sum() / len(lengths)) if capped else None  # 90% of the mean
+    steps = []
+    for _ in range(2):
+        layout = bags.BagLayout(shape, workload.sum() / len(lengths), cap, None, even=True)
+        steps.append(bags.Step.start(shape, flat, workload, src, layout))
+    fixed._stay_home_in_bulk(steps[0])
+    plain, layout = steps[1], steps[1].layout
+    order = bags.by_home_heaviest_first(np.arange(len(flat)), src // 8, workload, len(shape.size))
+    hb, cost = plain.home_bag[order], workload[order]
+    stays = bags.prefix_within_groups(cost, hb, (layout.capacity - layout.load)[hb])
+    assert 0 < stays.sum() < len(flat)  # some stay, some are left to the pool
+    if capped:
+        token_room = cap * layout.size[hb] - layout.bag_tokens[hb]
+        fit = bags.prefix_within_groups(flat[order].astype(np.float64), hb, token_room)
+        assert (stays & fit).sum() < stays.sum()  # the cap keeps some more from staying
+        stays &= fit
+    plain.bag[order[stays]] = hb[stays]
+    layout.add_many(hb[stays], cost[stays], flat[order[stays]])
+    assert np.array_equal(steps[0].bag, plain.bag)
+    assert np.array_equal(steps[0].layout.load, layout.load)
+    if capped:
+        assert np.array_equal(steps[0].layout.bag_tokens, layout.bag_tokens)
+
+
+@pytest.mark.parametrize("prefer_home", [False, True])
+def test_one_class_placement_is_the_least_occupied_rule(prefer_home):
+    # The one-bag-size loop against the rule written out: a sequence stays home while
+    # its home bag has room (when preferred), else goes to the least occupied bag
+    # (ties: the lowest id), bags partly filled beforehand.
+    lengths = sample_lengths(scale_mix(parse_mix("mixres"), 4), np.random.default_rng(5))
+    flat = np.concatenate(lengths)
+    src = np.repeat(np.arange(len(lengths)), [len(x) for x in lengths])
+    workload = MODEL.workload(flat)
+    shape = bags.bag_shape((8,) * (len(lengths) // 8))
+    layout = bags.BagLayout(shape, 0.9 * workload.sum() / len(lengths), None, None, even=True)
+    step = bags.Step.start(shape, flat, workload, src, layout)
+    first, order = np.arange(0, len(flat), 3), bags.descending(workload, np.arange(len(flat)))
+    order = order[np.isin(order, first, invert=True)]
+    layout.add_many(src[first] // 8, workload[first], None)  # a third placed at home
+    load = layout.load.tolist()
+    fixed._place_in_order(order, step, prefer_home)
+    safe, kept_home = layout.capacity.tolist(), 0
+    for seq in order.tolist():
+        h, w = int(step.home_bag[seq]), float(workload[seq])
+        want = min(range(len(load)), key=lambda b: (load[b] / safe[b], b))
+        if prefer_home and load[h] + w <= safe[h] * (1 + fixed.EPS):
+            kept_home += want != h
+            want = h
+        assert step.bag[seq] == want
+        load[want] += w
+    assert np.array_equal(layout.load, load) and not step.rem.any()
+    assert (kept_home > 0) == prefer_home  # staying home mattered

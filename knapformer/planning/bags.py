@@ -263,7 +263,8 @@ def _ranks_by_length(lengths: np.ndarray, workload: np.ndarray) -> tuple[np.ndar
     np.not_equal(ordered[1:], ordered[:-1], out=new[1:])
     ascending = np.cumsum(new)  # 1-based rank among the distinct workloads
     distinct = int(ascending[-1])
-    rank_of_length = np.zeros(span, dtype=np.int64)
+    # int16 where the ranks fit: every reader narrows them to that for a radix sort
+    rank_of_length = np.zeros(span, dtype=np.int16 if distinct <= 2**15 else np.int64)
     rank_of_length[present] = distinct - ascending  # heaviest first, 0-based
     return rank_of_length[lengths], distinct
 
@@ -286,13 +287,20 @@ def by_home_heaviest_first(seqs, home, workload, num_bags, ranks=None) -> np.nda
         else:
             step_ranks, distinct = ranks()
             ranks = step_ranks[seqs]
-        if num_bags * distinct * n < 2**62:
-            key = home[seqs]  # (home * distinct + rank) * n + position, in place
+        # Ties by position; where ``seqs`` ascends, by id: the same order, no positions made.
+        ascending = bool((seqs[1:] > seqs[:-1]).all())
+        span = int(seqs[-1]) + 1 if ascending else n
+        if num_bags * distinct * span < 2**62:
+            key = home[seqs]  # (home * distinct + rank) * span + position, in place
             key *= distinct
             key += ranks
-            key *= n
-            key += np.arange(n)
-            return seqs[np.argsort(key)]
+            key *= span
+            key += seqs if ascending else np.arange(n)
+            if key.dtype != seqs.dtype:
+                return seqs[np.argsort(key)]
+            # Into the keys' buffer (a step-sized array less to page in); "clip": the
+            # indices are valid, and "raise" would gather into a temporary first.
+            return np.take(seqs, np.argsort(key), out=key, mode="clip")
     by_w = descending(workload, seqs)
     return by_w[by_small_key(home[by_w], num_bags)]
 
@@ -300,7 +308,7 @@ def by_home_heaviest_first(seqs, home, workload, num_bags, ranks=None) -> np.nda
 def by_small_key(key: np.ndarray, bound: int) -> np.ndarray:
     """``np.argsort(key, kind="stable")`` for ints in 0..bound-1: below 2**15 a stable
     sort of int16 is a radix sort (the same order, several times faster)."""
-    return np.argsort(key.astype(np.int16) if bound <= 2**15 else key, kind="stable")
+    return np.argsort(key.astype(np.int16, copy=False) if bound <= 2**15 else key, kind="stable")
 
 
 def prefix_within_groups(values: np.ndarray, group: np.ndarray, room: np.ndarray) -> np.ndarray:
@@ -317,6 +325,23 @@ def prefix_within_groups(values: np.ndarray, group: np.ndarray, room: np.ndarray
     np.take(total, starts[1:] - 1, out=before[1:])
     total -= np.repeat(before, np.diff(starts, append=values.size))
     return total <= room * (1 + EPS)
+
+
+def prefix_within_bags(values: np.ndarray, bag: np.ndarray, room: np.ndarray) -> np.ndarray:
+    """`prefix_within_groups` for rows sorted by bag id, ``room`` given per bag (the same
+    result, bit for bit): the groups found by binary search, and two step-sized
+    temporaries instead of six (each a fresh allocation the kernel pages in)."""
+    if values.size == 0:
+        return np.zeros(0, dtype=bool)
+    total = np.cumsum(values)
+    starts = np.searchsorted(bag, np.arange(len(room)))  # each bag's first row
+    before = np.zeros(len(room))  # the running sum before each bag's rows
+    has_before = starts > 0
+    before[has_before] = total[starts[has_before] - 1]
+    per_row = np.take(before, bag)
+    total -= per_row
+    np.take(room * (1 + EPS), bag, out=per_row, mode="clip")  # (valid ids; "raise" buffers)
+    return total <= per_row
 
 
 def water_room(held: np.ndarray, weight: np.ndarray, amount: float, inflation=1.0):

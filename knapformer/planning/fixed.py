@@ -20,7 +20,7 @@ from knapformer.planning.bags import (
     by_home_heaviest_first,
     descending,
     pour_slots,
-    prefix_within_groups,
+    prefix_within_bags,
     water_room,
 )
 from knapformer.planning.levelling import level_makespan
@@ -45,6 +45,9 @@ def _place_in_order(order: np.ndarray, step: Step, prefer_home: bool) -> None:
     layout = step.layout
     shape = layout.shape
     num_classes = len(layout.class_size)
+    if layout.even and layout.max_tokens is None and num_classes == 1:
+        _place_in_one_class(order, step, prefer_home)
+        return
     lengths, workload = step.lengths[order], step.workload[order]
     lo, hi = np.divmod(layout.candidate_keys(workload, lengths), num_classes)
     home = step.home_bag[order]
@@ -92,6 +95,40 @@ def _place_in_order(order: np.ndarray, step: Step, prefer_home: bool) -> None:
         if capped:
             layout.add(b, 0.0, length, r)
     step.bag[order], step.rem[order] = chosen_bag, chosen_rem
+    layout.load[:] = load
+
+
+def _place_in_one_class(order: np.ndarray, step: Step, prefer_home: bool) -> None:
+    """`_place_in_order` where every bag is a candidate for every sequence (one bag size),
+    chunks spread evenly (no remainder to track) and no token cap: the same placements,
+    by a loop that does only what this case needs (the pool of a large step goes through
+    it, a few thousand sequences)."""
+    layout = step.layout
+    load = layout.load.tolist()
+    limit = (layout.capacity * (1 + EPS)).tolist()
+    safe_capacity = np.where(layout.capacity > 0, layout.capacity, 1.0).tolist()
+    occupancy = [x / c for x, c in zip(load, safe_capacity, strict=True)]
+    heap = _class_heaps(occupancy, layout.shape.class_of_bag, 1)[0]
+    home = step.home_bag[order]
+    may_stay = (home >= 0) & prefer_home
+    chosen = []
+    for w, h, stay in zip(step.workload[order].tolist(), home.tolist(), may_stay.tolist(),
+                          strict=True):  # fmt: skip
+        if stay and load[h] + w <= limit[h]:
+            b = h
+        else:
+            while heap[0][0] != occupancy[heap[0][1]]:  # drop stale entries (`_live_top`)
+                heapq.heappop(heap)
+            b = heap[0][1]
+        chosen.append(b)
+        load[b] += w
+        occupancy[b] = occ = load[b] / safe_capacity[b]
+        if heap[0][1] == b:  # b was the least occupied: update in place
+            heapq.heapreplace(heap, (occ, b))
+        else:
+            heapq.heappush(heap, (occ, b))
+    step.bag[order] = chosen
+    step.rem[order] = 0
     layout.load[:] = load
 
 
@@ -222,14 +259,20 @@ def _stay_home_in_bulk(step: Step) -> None:
         fits = layout.size[home_bag] <= lengths
     light = np.flatnonzero((step.bag < 0) & (home_bag >= 0) & fits)
     order = by_home_heaviest_first(light, home_bag, workload, len(layout.size), step.ranks)
-    hb, cost = home_bag[order], workload[order]
-    room = layout.capacity - layout.load
-    stays = prefix_within_groups(cost, hb, room[hb])
+    hb, cost = home_bag[order], workload[order]  # hb ascends: ``order`` is by home bag
+    stays = prefix_within_bags(cost, hb, layout.capacity - layout.load)
     capped = layout.max_tokens is not None
     if capped:
         # An even spread keeps a bag's fullest GPU at ceil(bag tokens / g).
-        token_room = layout.max_tokens * layout.size[hb] - layout.bag_tokens[hb]
-        stays &= prefix_within_groups(lengths[order].astype(np.float64), hb, token_room)
-    stay_ids, stay_bags = order[stays], hb[stays]
-    step.bag[stay_ids] = stay_bags
-    layout.add_many(stay_bags, cost[stays], lengths[stay_ids] if capped else None)
+        token_room = layout.max_tokens * layout.size - layout.bag_tokens
+        stays &= prefix_within_bags(lengths[order].astype(np.float64), hb, token_room)
+        stay_ids, stay_bags = order[stays], hb[stays]
+        step.bag[stay_ids] = stay_bags
+        layout.add_many(stay_bags, cost[stays], lengths[stay_ids])
+        return
+    # In place, without gathering the stayers: the leavers weigh nothing in the bags'
+    # sums (adding 0.0 leaves a sum as it was) and stay unplaced (bag -1).
+    cost *= stays
+    layout.add_many(hb, cost, None)
+    np.copyto(hb, -1, where=~stays)
+    step.bag[order] = hb

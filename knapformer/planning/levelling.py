@@ -155,10 +155,12 @@ class _Members:
     def index(self) -> None:
         """Index the members by their bags now (`grouped` reads them from it)."""
         num_bags = len(self.bag) - self.num_real
-        self.home = self.bag.copy()  # the bag each member was indexed under
+        # The bag each member was indexed under; int16 where bag ids fit (a step-sized
+        # array of a quarter the pages, and the radix sort's key as it is).
+        self.home = self.bag.astype(np.int16 if num_bags <= 2**15 else self.bag.dtype)
         self.by_bag = by_small_key(self.home, num_bags)  # members, grouped by bag, id order
         self.first = np.zeros(num_bags + 1, dtype=np.int64)  # each bag's first in by_bag
-        np.cumsum(np.bincount(self.home, minlength=num_bags), out=self.first[1:])
+        np.cumsum(np.bincount(self.bag, minlength=num_bags), out=self.first[1:])
         self.moved_in: dict[int, set[int]] = {}  # bag -> members indexed under another bag
 
     def real(self, member: int) -> int:
