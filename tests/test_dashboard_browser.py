@@ -15,7 +15,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from knapformer.visualization.browser import find_chromium, launch_chromium
+from dashboard_page import dashboard_page
+from knapformer.visualization.browser import find_chromium
 
 from knapformer.cli import main
 from knapformer.contract.plan_io import parse_plan_line, write_jsonl
@@ -47,7 +48,7 @@ AUTO_DEMO = ["demo", "--topology", "auto", "--world-size", "8", "--steps", "4",
 
 if CHROMIUM is None:
     pytest.skip("no Chromium on this machine (make browser-deps)", allow_module_level=True)
-sync_api = pytest.importorskip("playwright.sync_api")
+pytest.importorskip("playwright.sync_api")
 
 
 @pytest.fixture(scope="module")
@@ -144,19 +145,8 @@ def live_file(runs_dir):
 
 @pytest.fixture(scope="module")
 def page(runs_dir):
-    from knapformer.dashboard.server import start_server
-
-    handle = start_server(runs_dir, port=0)
-    with sync_api.sync_playwright() as pw:
-        browser = launch_chromium(pw)
-        try:
-            pg = browser.new_page(viewport={"width": 1400, "height": 1600})
-            pg.goto(handle.url)
-            pg.wait_for_selector("#bag-load .main-svg .bars", timeout=120_000)
-            yield pg
-        finally:
-            browser.close()
-            handle.stop()
+    with dashboard_page(runs_dir, "#bag-load .main-svg .bars") as pg:
+        yield pg
 
 
 def _append(path: Path, *lines: str) -> None:

@@ -6,7 +6,8 @@ follows the store as its segments close while the run goes on."""
 from __future__ import annotations
 
 import pytest
-from knapformer.visualization.browser import find_chromium, launch_chromium
+from dashboard_page import dashboard_page
+from knapformer.visualization.browser import find_chromium
 
 from knapformer.runtime.recorder import PlanRecorder
 from knapformer.testing.measured_plans import measured_run
@@ -15,7 +16,7 @@ from knapformer.testing.polling import wait_until
 pytestmark = pytest.mark.browser
 if find_chromium() is None:
     pytest.skip("no Chromium on this machine (make browser-deps)", allow_module_level=True)
-sync_api = pytest.importorskip("playwright.sync_api")
+pytest.importorskip("playwright.sync_api")
 
 PLANS = measured_run(48, seed=6)
 #: Each wait's limit: generous, the machine's load varies tenfold.
@@ -38,19 +39,8 @@ def run(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def page(run):
-    from knapformer.dashboard.server import start_server
-
-    handle = start_server(run, port=0)
-    with sync_api.sync_playwright() as pw:
-        browser = launch_chromium(pw)
-        try:
-            pg = browser.new_page(viewport={"width": 1400, "height": 1600})
-            pg.goto(handle.url)
-            pg.wait_for_selector("#timeline .scatterlayer .trace", timeout=120_000)
-            yield pg
-        finally:
-            browser.close()
-            handle.stop()
+    with dashboard_page(run, "#timeline .scatterlayer .trace") as pg:
+        yield pg
 
 
 def _after_line(page) -> dict:

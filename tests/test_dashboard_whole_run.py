@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from knapformer.visualization.browser import find_chromium, launch_chromium
+from dashboard_page import dashboard_page
+from knapformer.visualization.browser import find_chromium
 
 from knapformer.runtime.recorder import PlanRecorder
 from knapformer.testing.measured_plans import measured_run
@@ -16,7 +17,7 @@ from knapformer.testing.polling import wait_until
 pytestmark = pytest.mark.browser
 if find_chromium() is None:
     pytest.skip("no Chromium on this machine (make browser-deps)", allow_module_level=True)
-sync_api = pytest.importorskip("playwright.sync_api")
+pytest.importorskip("playwright.sync_api")
 
 STEPS, SEGMENT, SLOW_FROM = 24, 4, 12
 
@@ -36,19 +37,8 @@ def run(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def page(run):
-    from knapformer.dashboard.server import start_server
-
-    handle = start_server(run, port=0)
-    with sync_api.sync_playwright() as pw:
-        browser = launch_chromium(pw)
-        try:
-            pg = browser.new_page(viewport={"width": 1400, "height": 1600})
-            pg.goto(handle.url)
-            pg.wait_for_selector("#run-heatmap .heatmaplayer", timeout=120_000)
-            yield pg
-        finally:
-            browser.close()
-            handle.stop()
+    with dashboard_page(run, "#run-heatmap .heatmaplayer") as pg:
+        yield pg
 
 
 def _trace(page, graph_id: str) -> dict:
