@@ -25,7 +25,6 @@ from knapformer.visualization.figures import build_figure
 from knapformer.contract.nan_reduce import nan_reduce
 from knapformer.contract.phases import (
     ALLREDUCE,
-    BAG_COLLECTIVES,
     COLLECTIVE_PHASES,
     DATA,
     DESCHEDULED,
@@ -43,7 +42,7 @@ from knapformer.contract.phases import (
     phase_ms,
 )
 from knapformer.contract.plan import RoutingPlan
-from knapformer.diagnosis.measured import group_waits
+from knapformer.diagnosis.measured import group_waits, peer_groups
 from knapformer.diagnosis.store_window import WindowRows
 
 HOST_PART = "host work (planning, recording, loop, GC)"
@@ -178,8 +177,7 @@ def measured_phases(
     for name in COLLECTIVE_PHASES:
         if name in per_rank:
             t = np.asarray(per_rank[name], dtype=np.float64)
-            group = np.asarray(bags, np.int64) if name in BAG_COLLECTIVES else np.zeros(n, np.int64)
-            collective[name], wait[name] = t, group_waits(t, group)
+            collective[name], wait[name] = t, group_waits(t, peer_groups(name, bags))
     return StepPhases(
         gpus=np.asarray(ranks, dtype=np.int64),
         phase=phase,

@@ -326,8 +326,7 @@ def measure(plan: RoutingPlan, links: bool = True) -> MeasuredStep | None:
         if name not in per_rank:
             continue
         t = np.asarray(per_rank[name], dtype=np.float64)
-        group = st.gpu_bag if name in BAG_COLLECTIVES else np.zeros(n, dtype=np.int64)
-        wait, last_of_group = collective_waits(t, group)
+        wait, last_of_group = collective_waits(t, peer_groups(name, st.gpu_bag))
         is_last = np.zeros(n, dtype=bool)
         is_last[last_of_group[last_of_group >= 0]] = True
         collective_ms[name], wait_ms[name], last[name] = t, wait, is_last
@@ -403,6 +402,14 @@ def collective_waits(t: np.ndarray, group: np.ndarray) -> tuple[np.ndarray, np.n
     last = np.full(len(first), len(t), dtype=np.int64)
     np.minimum.at(last, group, position)
     return wait, np.where(has, last, -1)
+
+
+def peer_groups(collective: str, bags) -> np.ndarray:
+    """(n,) group ids of whom each rank waits for in ``collective``: its bag's GPUs in the
+    Ulysses exchanges (`BAG_COLLECTIVES`, ``bags``: each rank's bag id), else the group."""
+    if collective in BAG_COLLECTIVES:
+        return np.asarray(bags, dtype=np.int64)
+    return np.zeros(len(bags), dtype=np.int64)
 
 
 def group_waits(t: np.ndarray, group: np.ndarray) -> np.ndarray:
