@@ -63,8 +63,8 @@ $(VENV)/.installed: pyproject.toml $(VENV)/.torch
 
 # Three pytest workers, one test file each at a time (--dist loadfile: a file's tests share
 # their fixtures and folders). Much of the suite waits (worker start-up, a browser, a
-# deadline, a fault's timeout): with three workers on 2 cores it took 7.5 minutes and kept
-# the cores busy under half the time (1,467 tests; two workers took 11.75 on CI's machine).
+# deadline, a fault's timeout): with three workers on 2 cores it took 7.8 minutes for
+# 1,708 tests (docs pages run side by side, the longest files first: tests/suite_order.py).
 TEST_WORKERS ?= 3
 test: system-deps browser-deps $(VENV)/.installed plotly-js
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
