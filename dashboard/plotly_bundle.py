@@ -66,11 +66,19 @@ class Served:
 
     def describe(self) -> str:
         if self.name == "cartesian":
-            return f"plotly.js {self.version}, cartesian bundle ({self.path})"
+            return f"plotly.js {self.version}, cartesian bundle ({_shown(self.path)})"
         return (
             f"plotly.js {self.version}, full bundle (the smaller cartesian one is not "
             f"fetched: python -m knapformer.dashboard.plotly_bundle)"
         )
+
+
+def _shown(path: Path) -> str:
+    """``path`` as a user would type it: relative to the working folder when inside it."""
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
 
 
 def plotly_js_version() -> str:

@@ -169,3 +169,20 @@ def test_without_npms_registry_the_fetch_says_so_and_exits_0_a_wrong_tarball_1(
     assert plotly_bundle.main() == 1
     assert capsys.readouterr().err.startswith("error: ")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_bundle_is_named_as_a_user_would_type_it(tmp_path, monkeypatch):
+    """Inside the working folder the served file is shown relative to it (the server's
+    start-up line, the bench's table); elsewhere whole."""
+    path = plotly_bundle.bundle_path(VERSION, tmp_path / "js")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(HEADER.format(VERSION))
+    kept = plotly_bundle.served(tmp_path / "js")
+    monkeypatch.chdir(tmp_path)
+    assert kept.describe().endswith(f"cartesian bundle ({Path('js') / path.name})")
+    monkeypatch.chdir(tmp_path / "js")
+    assert kept.describe().endswith(f"({path.name})")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert kept.describe().endswith(f"({path})")
