@@ -183,7 +183,7 @@ def partition_spans(steps: StoreSteps, summaries: list[StepSummary]) -> list[Par
 
 def step_count(steps: StoreSteps | None, summaries: list[StepSummary]) -> int:
     """How many steps the run holds: every step known with a store, else its plans."""
-    return len(summaries) if steps is None else len(step_columns(steps, summaries)["step"])
+    return len(summaries) if steps is None else steps.count + len(newer_plans(steps, summaries))
 
 
 def mean_speedup(columns: dict[str, np.ndarray]) -> float | None:
