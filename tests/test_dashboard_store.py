@@ -450,17 +450,22 @@ def test_the_partition_of_every_step_comes_from_the_store_in_runs(tmp_path):
     ]
 
 
-def test_the_newest_step_is_followed_though_earlier_plans_come_after_it(tmp_path):
+def _late_plans(folder):
+    """31 measured steps, rank 5 slow, recorded every 10 steps with a store, the plans
+    file then holding steps 0, 10, 20, 30 before 1, 11, 21 (the plans a verdict names,
+    which the store's writer appends late): (the plans, the plans file)."""
     from knapformer.testing.measured_plans import measured_run
 
-    # rank 5 slow: the store's writer keeps the plans of steps 1, 11 and 21 (the verdict
-    # names them), and its thread may queue them after those of steps 0, 10, 20 and 30
-    # (here always: the file is written in that order)
     plans = measured_run(31, slow_rank=5, slow_factor=2.0, seed=3)
-    path = _recorded(tmp_path, plans, every=10, segment=16)
+    path = _recorded(folder, plans, every=10, segment=16)
     lines = path.read_text().splitlines()
     lines.sort(key=lambda line: (json.loads(line)["step"] % 10 != 0, json.loads(line)["step"]))
     path.write_text("\n".join(lines) + "\n")
+    return plans, path
+
+
+def test_the_newest_step_is_followed_though_earlier_plans_come_after_it(tmp_path):
+    plans, path = _late_plans(tmp_path)
     snap = _store(path).snapshot()
     steps = [s.step for s in snap.summaries]
     assert steps == [0, 10, 20, 30, 1, 11, 21]
@@ -471,15 +476,7 @@ def test_the_newest_step_is_followed_though_earlier_plans_come_after_it(tmp_path
 
 
 def test_measured_windows_walk_the_steps_in_order_whatever_the_files_order(tmp_path):
-    from knapformer.testing.measured_plans import measured_run
-
-    # plans of steps 1, 11, 21 written late (as the store's writer appends those a
-    # verdict names): the file holds steps 0, 10, 20, 30, 1, 11, 21
-    plans = measured_run(31, slow_rank=5, slow_factor=2.0, seed=3)
-    path = _recorded(tmp_path, plans, every=10, segment=16)
-    lines = path.read_text().splitlines()
-    lines.sort(key=lambda line: (json.loads(line)["step"] % 10 != 0, json.loads(line)["step"]))
-    path.write_text("\n".join(lines) + "\n")
+    _, path = _late_plans(tmp_path)
     (tmp_path / "store").rename(tmp_path / "aside")  # the plans' path
     store = _store(path)
     snap = store.snapshot()

@@ -324,15 +324,21 @@ def test_prefix_within_bags_is_the_prefix_within_groups(seed):
     assert np.array_equal(bags.prefix_within_bags(values * 10, bag, tokens), want)
 
 
+def _g8_step(mix: str, seed: int):
+    """A step of ``mix`` on 128 GPUs in bags of 8, flat: (lengths per GPU, every
+    sequence's tokens, its source position, its workload, the bag shape)."""
+    lengths = sample_lengths(scale_mix(parse_mix(mix), 4), np.random.default_rng(seed))
+    flat = np.concatenate(lengths)
+    src = np.repeat(np.arange(len(lengths)), [len(x) for x in lengths])
+    shape = bags.bag_shape((8,) * (len(lengths) // 8))
+    return lengths, flat, src, MODEL.workload(flat), shape
+
+
 @pytest.mark.parametrize("capped", [False, True])
 def test_staying_home_in_bulk_is_the_plain_formulation(capped):
     # The vectorised stay-at-home pass against its plain formulation: the stayers of each
     # home bag by a per-row room, gathered, then summed into the bags' loads.
-    lengths = sample_lengths(scale_mix(parse_mix("lowres"), 4), np.random.default_rng(9))
-    flat = np.concatenate(lengths)
-    src = np.repeat(np.arange(len(lengths)), [len(x) for x in lengths])
-    workload = MODEL.workload(flat)
-    shape = bags.bag_shape((8,) * (len(lengths) // 8))
+    lengths, flat, src, workload, shape = _g8_step("lowres", 9)
     cap = int(0.9 * flat.sum() / len(lengths)) if capped else None  # 90% of the mean
     steps = []
     for _ in range(2):
@@ -362,11 +368,7 @@ def test_one_class_placement_is_the_least_occupied_rule(prefer_home):
     # The one-bag-size loop against the rule written out: a sequence stays home while
     # its home bag has room (when preferred), else goes to the least occupied bag
     # (ties: the lowest id), bags partly filled beforehand.
-    lengths = sample_lengths(scale_mix(parse_mix("mixres"), 4), np.random.default_rng(5))
-    flat = np.concatenate(lengths)
-    src = np.repeat(np.arange(len(lengths)), [len(x) for x in lengths])
-    workload = MODEL.workload(flat)
-    shape = bags.bag_shape((8,) * (len(lengths) // 8))
+    lengths, flat, src, workload, shape = _g8_step("mixres", 5)
     layout = bags.BagLayout(shape, 0.9 * workload.sum() / len(lengths), None, None, even=True)
     step = bags.Step.start(shape, flat, workload, src, layout)
     first, order = np.arange(0, len(flat), 3), bags.descending(workload, np.arange(len(flat)))
