@@ -84,6 +84,30 @@ def test_pending_collectives_map_to_the_step_phase_and_bag_they_served(run):
     assert "no journal from rank 0: its collectives are not mapped" in report.notes
 
 
+def test_a_collective_the_journal_saw_finish_is_not_pending_though_torchs_status_lags(tmp_path):
+    """Under load torch's watchdog may not yet count a finished collective as completed
+    (its status says #1 where the rank finished #2 and entered #3): the journal, which
+    saw the rank leave #2's phase, decides; #3, whose phase it never left, is pending."""
+    fr, journal = tmp_path / "flight_recorder", tmp_path / "journal"
+    fr.mkdir()
+    journal.mkdir()
+    entries = [_entry(1, 2, "1", T0 + 0.1), _entry(2, 3, "1", T0 + 1.1, retired=False)]
+    status = {"1": {"last_completed_collective": "1"}}
+    dump = {"version": "2.10", "pg_status": status, "entries": entries}
+    (fr / "rank1.json").write_text(json.dumps(dump))
+    (journal / "rank1.json").write_text(json.dumps(_journal(1, [
+        (3, "gather", -1, 77, False, False, T0 + 0.05, T0 + 0.2),
+        (3, "route", -1, 77, False, False, T0 + 1.05, None),
+    ])))  # fmt: skip
+    files = dump_files([tmp_path])
+    report = analyse({r: read_dump(p, r) for r, p in files.items()}, read_journals(tmp_path), 2)
+    assert [describe(p) for p in report.pending] == [
+        "rank 1: nccl:all_to_all #3 on group 1 (balance) -> step 3, route"
+    ]
+    without_journal = analyse({r: read_dump(p, r) for r, p in files.items()}, {}, 2)
+    assert [p.seq for p in without_journal.pending] == [2, 3]  # torch's status alone
+
+
 def test_the_command_prints_the_same_and_never_fails_on_what_is_missing(run):
     done = subprocess.run([*CLI, "flight-recorder", str(run), "--world", "4"], cwd=ROOT,
                           capture_output=True, text=True)  # fmt: skip

@@ -184,10 +184,12 @@ def _pending(dump: Dump, journal: dict[str, Any] | None) -> list[Pending]:
         sizes = entry.get("input_sizes") or []
         item = Pending(dump.rank, group, roles.get(group, {}).get("role"), seq,
                        str(entry.get("profiling_name", "?")), sizes)  # fmt: skip
-        failed = False
+        left = None  # whether the journal saw the rank leave the collective's phase
         if journal is not None and group in roles:
-            failed = _map(item, _int(entry.get("time_created_ns")) / 1e9, journal["entries"])
-        if failed or _is_pending(entry, seq, dump.status.get(str(entry.get("pg_id")))):
+            left = _map(item, _int(entry.get("time_created_ns")) / 1e9, journal["entries"])
+        if left is False or (
+            left is None and _is_pending(entry, seq, dump.status.get(str(entry.get("pg_id"))))
+        ):
             out.append(item)
     return out
 
@@ -201,19 +203,21 @@ def _is_pending(entry: dict[str, Any], seq: int, status: dict[str, Any] | None) 
     return not entry.get("retired") and entry.get("state") != "completed"
 
 
-def _map(item: Pending, created: float, entries: list[dict[str, Any]]) -> bool:
+def _map(item: Pending, created: float, entries: list[dict[str, Any]]) -> bool | None:
     """Fill ``item``'s step, phase and bag from the journal entry running at ``created``;
-    whether that entry never left (the collective failed on this rank)."""
+    whether the rank left it (False: the collective never finished on this rank); None
+    when no entry was running. The journal's word outranks torch's: a watchdog's status
+    of the last completed collective lags, under load, behind one that finished."""
     running = [
         e for e in entries
         if e["entered"] - _SLACK_S <= created and (e["left"] is None or created <= e["left"])
     ]  # fmt: skip
     if not running:
-        return False
+        return None
     e = max(running, key=lambda e: e["entered"])
     item.step, item.phase, item.backward = e["step"], e["phase"], bool(e["backward"])
     item.bag = None if e["bag"] < 0 else e["bag"]
-    return e["left"] is None
+    return e["left"] is not None
 
 
 def _missing(dumps: dict[int, Dump], journals: dict[int, dict[str, Any]]) -> dict:
