@@ -19,6 +19,7 @@ from knapformer.planning.tuning import (
     SEARCH_PARTNERS,
     SEARCH_TOLERANCE,
     WIDE_BAGS,
+    WIDE_BLOCK,
     WIDE_ROUNDS,
 )
 
@@ -101,24 +102,15 @@ def _paired_exchanges(over, partners, members, weight, per_gpu):
     out, slot = members.grouped(over.tolist())
     back, back_slot = members.grouped(partners.tolist())
     w = members.workload
-    wa, wb, pa = weight[over][slot], weight[partners][slot], per_gpu[over][slot]
-    pb = per_gpu[partners][slot]
-    ideal = (pa - pb) / (1.0 / wa + 1.0 / wb)
     # Each partner's members by workload, partners apart (as `_nearest_members` keys them).
-    span = 2.0 * float(w[back].max(initial=0.0)) + 1.0
-    key = back_slot * span + w[back]
+    back_w = w[back]
+    span = 2.0 * float(back_w.max(initial=0.0)) + 1.0
+    key = back_slot * span + back_w
     by_key = np.argsort(key, kind="stable")
     key, back = key[by_key], back[by_key]
-    seg = np.searchsorted(key, np.arange(k) * span)
-    first, last = seg[slot], np.append(seg[1:], key.size)[slot] - 1
-    hit = np.searchsorted(key, np.clip(w[out] - ideal, 0.0, span / 2) + slot * span)
-    came = back[np.stack([np.maximum(hit - 1, first), np.minimum(hit, last)], 1)]
-    delta = w[out][:, None] - w[came]
-    new_max = np.maximum((pa - delta.T / wa).T, (pb + delta.T / wb).T)
-    ok = (delta > 0) & (new_max < pa[:, None] * (1 - 1e-9))
-    new_max = np.where(ok, new_max, np.inf)
-    col = new_max.argmin(1)
-    score = new_max[np.arange(len(out)), col]
+    seg = np.searchsorted(key, np.arange(k + 1) * span)  # each partner's first; then the end
+    score, came = _score_rows(out, slot, w, key, back, seg, span, weight[over],
+                              weight[partners], per_gpu[over], per_gpu[partners])  # fmt: skip
     # Rows come grouped by pair (every pair has one: the bag's phantom): each pair's first
     # row of its least score.
     starts = np.searchsorted(slot, np.arange(k))
@@ -126,7 +118,47 @@ def _paired_exchanges(over, partners, members, weight, per_gpu):
     rows = np.flatnonzero((score == least_score[slot]) & np.isfinite(score))
     best = rows[np.flatnonzero(np.diff(slot[rows], prepend=-1))]
     pair = slot[best]
-    return over[pair], partners[pair], out[best], came[best, col[best]]
+    return over[pair], partners[pair], out[best], came[best]
+
+
+def _score_rows(out, slot, w, key, back, seg, span, wa, wb, pa, pb):
+    """Each leaving member's best exchange in its pair (``slot``): (the larger of the two
+    bags' new per-GPU loads, inf where it lowers nothing; the member coming back), of the
+    two partner members nearest the ideal (``key``: the partners' members by workload,
+    ``seg``: each partner's first). Scored ``WIDE_BLOCK`` rows at a time: the temporaries
+    stay small and their memory is reused (fresh pages cost more than the arithmetic)."""
+    ideal = (pa - pb) / (1.0 / wa + 1.0 / wb)
+    below = pa * (1 - 1e-9)  # an exchange must bring the larger of the two below this
+    if wa.min() == wa.max() == wb.min() == wb.max():  # one weight: divide by a scalar
+        wa = wb = float(wa[0]) if wa.size else 1.0
+    offset = np.arange(len(pa)) * span  # each partner's keys start here
+    score, came = np.empty(len(out)), np.empty(len(out), dtype=np.int64)
+    for i in range(0, len(out), WIDE_BLOCK):
+        s = slot[i : i + WIDE_BLOCK]
+        out_w = w[out[i : i + WIDE_BLOCK]]
+        target = np.clip(out_w - ideal[s], 0.0, span / 2)
+        target += offset[s]
+        # The block's pairs' keys only: a search within a few cached pages.
+        lo, hi = seg[s[0]], seg[s[-1] + 1]
+        hit = np.searchsorted(key[lo:hi], target)
+        hit += lo
+        near = (np.maximum(hit - 1, seg[s]), np.minimum(hit, seg[s + 1] - 1))
+        row_wa, row_wb = (wa, wb) if isinstance(wa, float) else (wa[s], wb[s])
+        row_pa, row_pb, row_below = pa[s], pb[s], below[s]
+        best = None
+        for side in near:
+            member = back[side]
+            delta = out_w - w[member]
+            new_max = np.maximum(row_pa - delta / row_wa, row_pb + delta / row_wb)
+            new_max[~((delta > 0) & (new_max < row_below))] = np.inf
+            if best is None:  # the lighter one wins ties
+                best, best_member = new_max, member
+            else:
+                heavier = new_max < best
+                np.copyto(best, new_max, where=heavier)
+                np.copyto(best_member, member, where=heavier)
+        score[i : i + WIDE_BLOCK], came[i : i + WIDE_BLOCK] = best, best_member
+    return score, came
 
 
 class _Members:
@@ -153,7 +185,14 @@ class _Members:
         return np.concatenate([self._lengths, np.full(num_bags, np.iinfo(np.int64).max)])
 
     def index(self) -> None:
-        """Index the members by their bags now (`grouped` reads them from it)."""
+        """Index the members by their bags, when next read (`grouped`, `swap`): after the
+        last wide round, the narrow ones often have nothing left to read."""
+        self.by_bag = None
+
+    def _indexed(self) -> None:
+        """Build the by-bag index if `index` asked for it since it was last built."""
+        if self.by_bag is not None:
+            return
         num_bags = len(self.bag) - self.num_real
         # The bag each member was indexed under; int16 where bag ids fit (a step-sized
         # array of a quarter the pages, and the radix sort's key as it is).
@@ -168,6 +207,7 @@ class _Members:
         return member if member < self.num_real else -1
 
     def swap(self, a: int, b: int, out_of_a: int, out_of_b: int) -> None:
+        self._indexed()
         for member, src, dst in ((out_of_a, a, b), (out_of_b, b, a)):
             if member < 0:
                 continue
@@ -179,6 +219,7 @@ class _Members:
     def grouped(self, bags: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """The members now in ``bags``, grouped by bag in the order given, by id within one
         (what a stable sort of every member by its bag's slot gives), and each one's slot."""
+        self._indexed()
         bags_arr = np.asarray(bags)
         starts, ends = self.first[bags_arr], self.first[bags_arr + 1]
         counts = ends - starts
@@ -188,7 +229,10 @@ class _Members:
         members = self.by_bag[np.repeat(starts - offsets, counts) + np.arange(int(counts.sum()))]
         still = self.bag[members] == bags_arr[slot]
         members, slot = members[still], slot[still]
-        extra = [(m, s) for s, b in enumerate(bags) for m in self.moved_in.get(b, ())]
+        moved_in = self.moved_in  # empty after a wide round: no pass over the bags
+        extra = (
+            [(m, s) for s, b in enumerate(bags) for m in moved_in.get(b, ())] if moved_in else []
+        )
         if extra:
             members = np.concatenate([members, [m for m, _ in extra]]).astype(np.int64)
             slot = np.concatenate([slot, [s for _, s in extra]]).astype(np.int64)

@@ -33,6 +33,8 @@ DENSE_CELLS = 8192
 # WIDE_ROUNDS of them (its work follows the bags', not the rounds of a few bags each).
 WIDE_BAGS = 512
 WIDE_ROUNDS = 16
+# Rows a wide round scores at once: small temporaries, their memory reused (no new pages).
+WIDE_BLOCK = 4096
 
 # topology="auto" (auto.py and the passes it runs).
 TIE = 1e-9  # modelled times this close are equal (then: fewer moved tokens)
