@@ -387,3 +387,24 @@ def test_one_class_placement_is_the_least_occupied_rule(prefer_home):
         load[want] += w
     assert np.array_equal(layout.load, load) and not step.rem.any()
     assert (kept_home > 0) == prefer_home  # staying home mattered
+
+
+@pytest.mark.parametrize("per_bag", [3, 32, 64])
+def test_stay_home_order_of_ascending_homes_is_the_lexsort(per_bag):
+    # Homes ascending with the ids (a fixed layout's step), few sequences per bag, many
+    # ties of workload: the (home, rank) run sort gives the lexsort's order, on every
+    # sequence or a subset (the ones still unplaced).
+    rng = np.random.default_rng(per_bag)
+    num_bags = 6_000 // per_bag
+    home = np.sort(rng.integers(0, num_bags, num_bags * per_bag))
+    lengths = rng.integers(1, 400, home.size)
+    workload = MODEL.workload(lengths)
+    step = bags.Step(lengths, workload, home, home, None, home, home)
+    for light in (np.arange(home.size), np.flatnonzero(rng.random(home.size) < 0.8)):
+        assert bags.RANKED_SORT <= light.size <= fixed.HOME_RUNS * num_bags
+        expected = light[np.lexsort((-workload[light], home[light]))]
+        assert np.array_equal(fixed._by_home_heaviest_first(light, step, num_bags), expected)
+    shuffled = bags.Step(lengths, workload, home, rng.permutation(home), None, home, home)
+    light = np.arange(home.size)  # homes not ascending: the general path, the same order
+    expected = light[np.lexsort((-workload, shuffled.home_bag))]
+    assert np.array_equal(fixed._by_home_heaviest_first(light, shuffled, num_bags), expected)

