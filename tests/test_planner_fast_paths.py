@@ -363,19 +363,49 @@ def test_staying_home_in_bulk_is_the_plain_formulation(capped):
         assert np.array_equal(steps[0].layout.bag_tokens, layout.bag_tokens)
 
 
-@pytest.mark.parametrize("prefer_home", [False, True])
-def test_one_class_placement_is_the_least_occupied_rule(prefer_home):
-    # The one-bag-size loop against the rule written out: a sequence stays home while
-    # its home bag has room (when preferred), else goes to the least occupied bag
-    # (ties: the lowest id), bags partly filled beforehand.
-    lengths, flat, src, workload, shape = _g8_step("mixres", 5)
-    layout = bags.BagLayout(shape, 0.9 * workload.sum() / len(lengths), None, None, even=True)
+def _one_class_step(wide: bool):
+    """A one-bag-size step and the sequences left to place: mixres on 128 GPUs in bags of
+    8, bags partly filled at home (more sequences than bags: one by one), or lowres on
+    1,024 one-GPU bags as the solver leaves it to this placement, its pool poured down to
+    fewer sequences than bags (as at 4,096 GPUs: in batches)."""
+    if not wide:
+        lengths, flat, src, workload, shape = _g8_step("mixres", 5)
+        capacity = 0.9 * workload.sum() / len(lengths)
+        layout = bags.BagLayout(shape, capacity, None, None, even=True)
+        step = bags.Step.start(shape, flat, workload, src, layout)
+        first, order = np.arange(0, len(flat), 3), bags.descending(workload, np.arange(len(flat)))
+        layout.add_many(src[first] // 8, workload[first], None)  # a third placed at home
+        return step, order[np.isin(order, first, invert=True)]
+    lengths = sample_lengths(scale_mix(parse_mix("lowres"), 32), np.random.default_rng(5))
+    flat, shape = np.concatenate(lengths), bags.bag_shape((1,) * len(lengths))
+    src = np.repeat(np.arange(len(lengths)), [len(x) for x in lengths])
+    workload = MODEL.workload(flat)
+    layout = bags.BagLayout(shape, workload.sum() / len(lengths), None, None, even=True)
     step = bags.Step.start(shape, flat, workload, src, layout)
-    first, order = np.arange(0, len(flat), 3), bags.descending(workload, np.arange(len(flat)))
-    order = order[np.isin(order, first, invert=True)]
-    layout.add_many(src[first] // 8, workload[first], None)  # a third placed at home
-    load = layout.load.tolist()
-    fixed._place_in_order(order, step, prefer_home)
+    fixed._stay_home_in_bulk(step)
+    with patch.object(fixed, "POUR_TAIL", 1000):
+        return step, fixed._pour(bags.descending(workload, np.flatnonzero(step.bag < 0)), step)
+
+
+@pytest.mark.parametrize("wide", [False, True])
+@pytest.mark.parametrize("prefer_home", [False, True])
+def test_one_class_placement_is_the_least_occupied_rule(prefer_home, wide):
+    # The one-bag-size placement against the rule written out: a sequence stays home
+    # while its home bag has room (when preferred), else goes to the least occupied bag
+    # (ties: the lowest id), bags partly filled beforehand; one by one or in batches.
+    step, order = _one_class_step(wide)
+    layout, workload = step.layout, step.workload
+    load, batches, real = layout.load.tolist(), [], fixed._batch
+    assert (len(order) <= len(load)) == wide
+
+    def spy(*args):
+        found = real(*args)
+        batches.append(len(found[0]))
+        return found
+
+    with patch.object(fixed, "_batch", spy):
+        fixed._place_in_order(order, step, prefer_home)
+    assert (max(batches, default=0) >= fixed.SHORT_BATCH) == wide  # batches placed some
     safe, kept_home = layout.capacity.tolist(), 0
     for seq in order.tolist():
         h, w = int(step.home_bag[seq]), float(workload[seq])

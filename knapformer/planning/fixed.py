@@ -19,6 +19,7 @@ from knapformer.planning.bags import (
     bag_speeds,
     by_home_heaviest_first,
     descending,
+    least,
     pour_slots,
     prefix_within_bags,
     water_room,
@@ -32,6 +33,7 @@ from knapformer.planning.tuning import (
     ONE_BY_ONE,
     POUR_TAIL,
     RANKED_SORT,
+    SHORT_BATCH,
 )
 
 
@@ -102,36 +104,76 @@ def _place_in_order(order: np.ndarray, step: Step, prefer_home: bool) -> None:
 
 def _place_in_one_class(order: np.ndarray, step: Step, prefer_home: bool) -> None:
     """`_place_in_order` where every bag is a candidate for every sequence (one bag size),
-    chunks spread evenly (no remainder to track) and no token cap: the same placements,
-    by a loop that does only what this case needs (the pool of a large step goes through
-    it, a few thousand sequences)."""
+    chunks spread evenly (no remainder to track) and no token cap: the same placements
+    (the pool of a large step goes through it, a few thousand sequences). First in
+    batches (`_batch`) while they place at least ``SHORT_BATCH`` each, as where the pool
+    is about one sequence per bag; then one by one (`_place_by_heap`)."""
     layout = step.layout
-    load = layout.load.tolist()
-    limit = (layout.capacity * (1 + EPS)).tolist()
-    safe_capacity = np.where(layout.capacity > 0, layout.capacity, 1.0).tolist()
-    occupancy = [x / c for x, c in zip(load, safe_capacity, strict=True)]
-    heap = _class_heaps(occupancy, layout.shape.class_of_bag, 1)[0]
-    home = step.home_bag[order]
+    load = layout.load.copy()
+    limit = layout.capacity * (1 + EPS)
+    safe_capacity = np.where(layout.capacity > 0, layout.capacity, 1.0)
+    occupancy = load / safe_capacity
+    workload, home = step.workload[order], step.home_bag[order]
     may_stay = (home >= 0) & prefer_home
-    chosen = []
-    for w, h, stay in zip(step.workload[order].tolist(), home.tolist(), may_stay.tolist(),
-                          strict=True):  # fmt: skip
-        if stay and load[h] + w <= limit[h]:
-            b = h
-        else:
-            while heap[0][0] != occupancy[heap[0][1]]:  # drop stale entries (`_live_top`)
-                heapq.heappop(heap)
-            b = heap[0][1]
-        chosen.append(b)
-        load[b] += w
-        occupancy[b] = occ = load[b] / safe_capacity[b]
-        if heap[0][1] == b:  # b was the least occupied: update in place
-            heapq.heapreplace(heap, (occ, b))
-        else:
-            heapq.heappush(heap, (occ, b))
+    chosen = np.empty(len(order), dtype=np.int64)
+    # More sequences than bags: a run ends where one would take a bag twice, so soon.
+    start, window, batches = 0, len(load), len(order) <= len(load)
+    while batches and start < len(order):
+        w, h = workload[start : start + window], home[start : start + window]
+        stays = may_stay[start : start + window] & (load[h] + w <= limit[h])
+        bag, new = _batch(w, h, stays, load, safe_capacity, occupancy)
+        batches = len(bag) >= SHORT_BATCH  # shorter ones cost more than they save
+        if batches:
+            load[bag] += w[: len(bag)]
+            occupancy[bag] = new
+            chosen[start : start + len(bag)] = bag
+            start += len(bag)
+            window = min(len(load), 2 * len(bag))  # a batch runs about as far as the last
+    if start < len(order):
+        chosen[start:] = _place_by_heap(workload[start:], home[start:], may_stay[start:],
+                                        load, limit, safe_capacity, occupancy)  # fmt: skip
     step.bag[order] = chosen
     step.rem[order] = 0
     layout.load[:] = load
+
+
+def _batch(w, h, stays, load, safe_capacity, occupancy):
+    """(bags, their new occupancies) of the longest run of the sequences of workload
+    ``w`` (home ``h``, ``stays`` where it may stay and fits) that the one-by-one rule
+    would place just so: each either home, or in the next of the bags ranked by
+    occupancy (ties: the lower id) while that one is still below every occupancy the run
+    has raised, no bag taken twice (loads and the home test as they stood). Never empty."""
+    ranked = least(occupancy, len(w))
+    bag = np.where(stays, h, ranked[np.maximum(np.cumsum(~stays) - 1, 0)])
+    new = (load[bag] + w) / safe_capacity[bag]
+    index = np.arange(len(bag))
+    first = np.full(len(load), len(bag))  # each bag's first sequence of the run
+    first[bag[::-1]] = index[::-1]
+    raised = np.minimum.accumulate(np.concatenate([[np.inf], new[:-1]]))
+    bad = (first[bag] != index) | ~(stays | (occupancy[bag] < raised))
+    end = int(bad.argmax()) if bad.any() else len(bag)  # bad[0] never is
+    return bag[:end], new[:end]
+
+
+def _place_by_heap(workload, home, may_stay, load, limit, safe_capacity, occupancy):
+    """`_place_in_one_class`'s sequences one by one (its arrays updated in place): home
+    when it may stay and fits, else the least occupied bag, kept on a heap. Returns the
+    bags chosen."""
+    load_list, limit_list = load.tolist(), limit.tolist()
+    safe, occ = safe_capacity.tolist(), occupancy.tolist()
+    heap = _class_heaps(occ, [0] * len(occ), 1)[0]
+    chosen = []
+    for w, h, stay in zip(workload.tolist(), home.tolist(), may_stay.tolist(), strict=True):
+        b = h if stay and load_list[h] + w <= limit_list[h] else _live_top(heap, occ)[1]
+        chosen.append(b)
+        load_list[b] += w
+        occ[b] = load_list[b] / safe[b]
+        if heap[0][1] == b:  # b was the least occupied: update in place
+            heapq.heapreplace(heap, (occ[b], b))
+        else:
+            heapq.heappush(heap, (occ[b], b))
+    load[:], occupancy[:] = load_list, occ
+    return chosen
 
 
 def _class_heaps(occupancy, class_of_bag, num_classes) -> list[list[tuple[float, int]]]:
