@@ -47,7 +47,6 @@ def _place_in_order(order: np.ndarray, step: Step, prefer_home: bool) -> None:
     if order.size == 0:
         return
     layout = step.layout
-    shape = layout.shape
     num_classes = len(layout.class_size)
     if layout.even and layout.max_tokens is None and num_classes == 1:
         _place_in_one_class(order, step, prefer_home)
@@ -55,7 +54,7 @@ def _place_in_order(order: np.ndarray, step: Step, prefer_home: bool) -> None:
     lengths, workload = step.lengths[order], step.workload[order]
     lo, hi = np.divmod(layout.candidate_keys(workload, lengths), num_classes)
     home = step.home_bag[order]
-    home_class = shape.class_of_bag_array[home]
+    home_class = layout.shape.class_of_bag_array[home]
     may_stay = (lo <= home_class) & (home_class <= hi) & (home >= 0) & prefer_home
     # Plain lists: for the few hundred to few thousand sequences placed one by one,
     # Python scalars beat per-item numpy calls several times over.
@@ -63,7 +62,7 @@ def _place_in_order(order: np.ndarray, step: Step, prefer_home: bool) -> None:
     limit = (layout.capacity * (1 + EPS)).tolist()
     safe_capacity = np.where(layout.capacity > 0, layout.capacity, 1.0).tolist()
     occupancy = [x / c for x, c in zip(load, safe_capacity, strict=True)]
-    class_of_bag = shape.class_of_bag
+    class_of_bag = layout.shape.class_of_bag
     heaps = _class_heaps(occupancy, class_of_bag, num_classes)
     size = layout.size.tolist()
     round_robin = [0] * len(size)
@@ -81,12 +80,9 @@ def _place_in_order(order: np.ndarray, step: Step, prefer_home: bool) -> None:
             b = _least_occupied(heaps, lo, hi, occupancy, room)
             if b < 0:
                 raise layout.infeasible(seq, length)
-        r = 0
-        if not layout.even:
-            g = size[b]
-            r = round_robin[b] % g
-            if length % g:
-                round_robin[b] += 1
+        r = 0 if layout.even else round_robin[b] % size[b]  # round-robin: the next chunk
+        if not layout.even and length % size[b]:
+            round_robin[b] += 1
         chosen_bag.append(b)
         chosen_rem.append(r)
         load[b] += w
