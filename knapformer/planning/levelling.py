@@ -142,22 +142,15 @@ def _score_rows(out, slot, w, key, back, seg, span, wa, wb, pa, pb):
         lo, hi = seg[s[0]], seg[s[-1] + 1]
         hit = np.searchsorted(key[lo:hi], target)
         hit += lo
-        near = (np.maximum(hit - 1, seg[s]), np.minimum(hit, seg[s + 1] - 1))
+        # Rows: the member just lighter than the ideal, the one not lighter.
+        member = back[np.stack([np.maximum(hit - 1, seg[s]), np.minimum(hit, seg[s + 1] - 1)])]
+        delta = out_w - w[member]
         row_wa, row_wb = (wa, wb) if isinstance(wa, float) else (wa[s], wb[s])
-        row_pa, row_pb, row_below = pa[s], pb[s], below[s]
-        best = None
-        for side in near:
-            member = back[side]
-            delta = out_w - w[member]
-            new_max = np.maximum(row_pa - delta / row_wa, row_pb + delta / row_wb)
-            new_max[~((delta > 0) & (new_max < row_below))] = np.inf
-            if best is None:  # the lighter one wins ties
-                best, best_member = new_max, member
-            else:
-                heavier = new_max < best
-                np.copyto(best, new_max, where=heavier)
-                np.copyto(best_member, member, where=heavier)
-        score[i : i + WIDE_BLOCK], came[i : i + WIDE_BLOCK] = best, best_member
+        new_max = np.maximum(pa[s] - delta / row_wa, pb[s] + delta / row_wb)
+        new_max[~((delta > 0) & (new_max < below[s]))] = np.inf
+        heavier = new_max[1] < new_max[0]  # the lighter one wins ties
+        score[i : i + WIDE_BLOCK] = np.where(heavier, new_max[1], new_max[0])
+        came[i : i + WIDE_BLOCK] = np.where(heavier, member[1], member[0])
     return score, came
 
 
@@ -200,7 +193,8 @@ class _Members:
         self.by_bag = by_small_key(self.home, num_bags)  # members, grouped by bag, id order
         self.first = np.zeros(num_bags + 1, dtype=np.int64)  # each bag's first in by_bag
         np.cumsum(np.bincount(self.bag, minlength=num_bags), out=self.first[1:])
-        self.moved_in: dict[int, set[int]] = {}  # bag -> members indexed under another bag
+        # bag -> members indexed under another bag; a bag stays a key once a member moved
+        self.moved_in: dict[int, set[int]] = {}
 
     def real(self, member: int) -> int:
         """The sequence id of ``member``, or -1 for a phantom."""
@@ -227,12 +221,11 @@ class _Members:
         # The index ranges of the bags, concatenated: each range's start plus 0..count-1.
         offsets = np.cumsum(counts) - counts
         members = self.by_bag[np.repeat(starts - offsets, counts) + np.arange(int(counts.sum()))]
+        if not self.moved_in:  # nothing moved since the index was built (a wide round's case)
+            return members, slot
         still = self.bag[members] == bags_arr[slot]
         members, slot = members[still], slot[still]
-        moved_in = self.moved_in  # empty after a wide round: no pass over the bags
-        extra = (
-            [(m, s) for s, b in enumerate(bags) for m in moved_in.get(b, ())] if moved_in else []
-        )
+        extra = [(m, s) for s, b in enumerate(bags) for m in self.moved_in.get(b, ())]
         if extra:
             members = np.concatenate([members, [m for m, _ in extra]]).astype(np.int64)
             slot = np.concatenate([slot, [s for _, s in extra]]).astype(np.int64)
