@@ -160,14 +160,19 @@ def _place_by_heap(workload, home, may_stay, load, limit, safe_capacity, occupan
     heap = _class_heaps(occ, [0] * len(occ), 1)[0]
     chosen = []
     for w, h, stay in zip(workload.tolist(), home.tolist(), may_stay.tolist(), strict=True):
-        b = h if stay and load_list[h] + w <= limit_list[h] else _live_top(heap, occ)[1]
+        if stay and load_list[h] + w <= limit_list[h]:
+            b = h
+        else:
+            while heap[0][0] != occ[heap[0][1]]:  # drop stale entries (`_live_top`)
+                heapq.heappop(heap)
+            b = heap[0][1]
         chosen.append(b)
         load_list[b] += w
-        occ[b] = load_list[b] / safe[b]
+        occ[b] = new = load_list[b] / safe[b]
         if heap[0][1] == b:  # b was the least occupied: update in place
-            heapq.heapreplace(heap, (occ[b], b))
+            heapq.heapreplace(heap, (new, b))
         else:
-            heapq.heappush(heap, (occ[b], b))
+            heapq.heappush(heap, (new, b))
     load[:], occupancy[:] = load_list, occ
     return chosen
 
