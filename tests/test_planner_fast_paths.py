@@ -420,7 +420,7 @@ def test_one_class_placement_is_the_least_occupied_rule(prefer_home, wide):
     assert (kept_home > 0) == prefer_home  # staying home mattered
 
 
-@pytest.mark.parametrize("per_bag", [3, 32, 64])
+@pytest.mark.parametrize("per_bag", [3, 32, 48])
 def test_stay_home_order_of_ascending_homes_is_the_lexsort(per_bag):
     # Homes ascending with the ids (a fixed layout's step), few sequences per bag, many
     # ties of workload: the (home, rank) run sort gives the lexsort's order, on every

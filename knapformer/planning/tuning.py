@@ -37,7 +37,7 @@ WIDE_ROUNDS = 16
 WIDE_BLOCK = 4096
 # Sequences per home bag up to which the stay-home pass sorts them as (home, rank) runs
 # (`_by_home_heaviest_first`); more, and one sort of unique keys is the faster.
-HOME_RUNS = 64
+HOME_RUNS = 48
 # The one-size placement places in batches while each places at least this many (a pool
 # of about one sequence per bag), then one by one (bags close in occupancy, many staying).
 SHORT_BATCH = 16
