@@ -194,12 +194,21 @@ class Prices:
         moved = np.where(bags == home, ((size - 1) / size)[bags], 1.0) * lengths
         return per * moved
 
-    def home_route(self, home, size, lengths):
-        """`route` of sequences in their home bags ``home`` (the same values): a home bag
-        holds its sequence's source GPU, so it is in the source's node unless it spans
-        nodes, and (g-1)/g of the tokens leave."""
-        per = np.where(self.bag_node[home] >= 0, self.intra, self.inter)
-        return per * (((size - 1) / size)[home] * lengths)
+    def at_home(self, workload, home, size, lengths):
+        """The price of sequences in their home bags ``home`` (``workload``, ``lengths`` of
+        each): `_priced`'s, the same bits, by a short form of the route (a home bag holds
+        its sequence's source GPU, so it is in the source's node unless it spans nodes, and
+        (g-1)/g of the tokens leave) summed into one buffer: two step-sized temporaries
+        where the plain form makes ten."""
+        price = np.take(self.kappa, home)
+        price *= lengths  # k_g*L (+ W below: the same sum either way round)
+        price += workload
+        route = np.take((size - 1) / size, home)
+        route *= lengths
+        route *= np.take(np.where(self.bag_node >= 0, self.intra, self.inter), home)
+        route *= 2  # its home bag sends it and receives it
+        price += route
+        return price
 
     def cost(self, step: Step, lengths: np.ndarray, seq, bag):
         """(price, sent) of sequences ``seq`` in bags ``bag`` (broadcast): ``W + k_g*L`` plus
@@ -220,12 +229,11 @@ def priced_loads(step: Step, prices: Prices,
     and each home bag the sending of its sequences placed away. ``known``: (price, sent,
     seqs) of an earlier call on this step, stale only for sequences ``seqs`` (ids) whose bag
     changed since: only those are priced again (a sequence's price is its own: the same
-    values), the loads summed anew."""
+    values), in place (the caller gives them up), the loads summed anew."""
     if known is None:
         price, sent = _priced(step, prices, slice(None))
     else:
         price, sent, seqs = known
-        price, sent = price.copy(), sent.copy()
         price[seqs], sent[seqs] = _priced(step, prices, seqs)
     num_bags = len(step.layout.size)
     load = np.bincount(np.maximum(step.bag, 0), weights=price, minlength=num_bags)
