@@ -173,6 +173,11 @@ class _PricedBags:
         load, weight, per, kap, bag_node = self.load, self.weight, self.per, self.kap, self.bag_node
         near, far = self.intra * length, self.inter * length  # the route in its node or not
         (b, lowest, cost), sent = best, 0.0
+        # The home bag's per-GPU time once it sends the sequence, by route: no bag can end
+        # the larger of the two lower (then it is not priced).
+        sends_near = sends_far = -np.inf
+        if h >= 0:
+            sends_near, sends_far = (load[h] + near) / weight[h], (load[h] + far) / weight[h]
         for c, g, class_heaps in self.tries.get(node) or self._candidates(node):
             if g > length and c > 0:
                 break  # groups larger than the sequence (the smallest always may)
@@ -189,12 +194,12 @@ class _PricedBags:
                     top = min(live)[1]
                 if top == h:
                     continue
-                route = near if bag_node[top] == node else far
-                value = (load[top] + w + kap[top] * length + route) / weight[top]
-                if h >= 0:
-                    sender = (load[h] + route) / weight[h]
-                    if sender > value:
-                        value = sender
+                route, value = (near, sends_near) if bag_node[top] == node else (far, sends_far)
+                if value >= lowest:
+                    continue
+                there = (load[top] + w + kap[top] * length + route) / weight[top]
+                if there > value:
+                    value = there
                 if value < lowest:
                     b, lowest, cost, sent = top, value, w + kap[top] * length + route, route
         return b, cost, sent

@@ -184,8 +184,11 @@ class Prices:
         per_token_route = route_per_token(comm, model)
         bag_node = np.where(shape.size > node, -1, shape.start // node)
         per_class = np.array([per_token[int(g)] for g in shape.class_size])
-        return cls(per_class[shape.class_of_bag_array], bag_node,
-                   np.where(src_pos >= 0, src_pos // node, -2), *per_token_route)  # fmt: skip
+        src_node = src_pos // node
+        if src_pos.min(initial=0) < 0:  # sources outside the partition: no node
+            src_node[src_pos < 0] = -2
+        return cls(per_class[shape.class_of_bag_array], bag_node, src_node,
+                   *per_token_route)  # fmt: skip
 
     def route(self, seqs, bags, home, size, lengths):
         """Per (sequence, bag) pair (broadcast): tokens that leave the source times the
@@ -236,8 +239,11 @@ def priced_loads(step: Step, prices: Prices,
         price, sent, seqs = known
         price[seqs], sent[seqs] = _priced(step, prices, seqs)
     num_bags = len(step.layout.size)
-    load = np.bincount(np.maximum(step.bag, 0), weights=price, minlength=num_bags)
-    load += np.bincount(np.maximum(step.home_bag, 0), weights=sent, minlength=num_bags)
+    bag = step.bag if step.bag.min(initial=0) >= 0 else np.maximum(step.bag, 0)  # (price 0)
+    load = np.bincount(bag, weights=price, minlength=num_bags)
+    # Only the sequences placed away send (a sum of the others' zeros is the same bits).
+    away = np.flatnonzero(sent)
+    load += np.bincount(step.home_bag[away], weights=sent[away], minlength=num_bags)
     return price, load, sent
 
 
