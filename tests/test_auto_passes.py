@@ -15,7 +15,7 @@ from knapformer.planning.communication import CommModel
 from knapformer.planning.datamix import parse_mix, sample_lengths, scale_mix
 from knapformer.planning.mixed import _stay_home_priced, solve_mixed
 from knapformer.planning.partitions import effective_workloads, mixed_partitions, partition_floor
-from knapformer.planning.pricing import Prices, route_per_token
+from knapformer.planning.pricing import Prices, priced_loads, route_per_token
 from knapformer.planning.tuning import EVEN_TRIES
 from knapformer.planning.workload import WorkloadModel
 
@@ -75,9 +75,14 @@ def test_stay_home_keeps_what_ordering_every_sequence_keeps(mix, max_tokens):
     load = np.random.default_rng(1).uniform(0.0, 0.3 * floor, len(step.layout.size))
     level = 1.0 * floor
     bag, expected = _stay_home_by_sorting_all(seqs, step, load, prices, level)
-    got = _stay_home_priced(seqs, step, load, prices, level)
+    got, known = _stay_home_priced(seqs, step, load, prices, level)
     assert np.array_equal(step.bag, bag)
     np.testing.assert_allclose(got, expected, rtol=1e-12)
+    # The prices it knows (those kept home) are the ones priced from scratch, bit for bit.
+    assert len(known[2]) < len(step.lengths)
+    fresh = priced_loads(step, prices)
+    for a, b in zip(priced_loads(step, prices, known), fresh, strict=True):
+        assert np.array_equal(a, b)
     home = step.home_bag[seqs]
     kept_all = np.bincount(home, weights=step.bag[seqs] == home, minlength=len(load))
     held = np.bincount(home, minlength=len(load))
@@ -135,8 +140,8 @@ def test_size_class_offers_are_the_first_of_each_run_of_a_lexsort(monkeypatch):
 
 @pytest.mark.parametrize("node_size", [8, 4])
 def test_the_route_at_home_is_the_route_of_sequences_placed_home(node_size):
-    """The stay-home pass prices the route of sequences in their home bags by the short
-    form (a home bag is in its source's node unless it spans nodes): the same bits as the
+    """The stay-home pass prices sequences in their home bags by the short form of the
+    route (a home bag is in its source's node unless it spans nodes): the same bits as the
     general route, with bags inside a node and, on nodes of 4, 8-GPU bags across two."""
     step, _, _ = _fresh_step("video", 4, 21)
     comm = replace(COMM, node_size=node_size)
@@ -145,6 +150,8 @@ def test_the_route_at_home_is_the_route_of_sequences_placed_home(node_size):
     home = step.home_bag[seqs]
     lengths = step.lengths[seqs].astype(np.float64)
     size = step.layout.size
-    expected = prices.route(seqs, home, home, size, lengths)
-    assert np.array_equal(prices.home_route(home, size, lengths), expected)
+    workload = step.workload[seqs]
+    route = prices.route(seqs, home, home, size, lengths)
+    expected = workload + prices.kappa[home] * lengths + 2 * route
+    assert np.array_equal(prices.at_home(workload, home, size, step.lengths[seqs]), expected)
     assert (prices.bag_node[home] < 0).any() == (node_size == 4)

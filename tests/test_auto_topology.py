@@ -348,9 +348,11 @@ def test_priced_loads_from_known_prices_equal_a_full_pricing(monkeypatch):
     step.bag[moved[100:200]] = step.home_bag[moved[100:200]]
     step.bag[moved[200:]] = rng.integers(0, len(step.layout.size), 100)
     full = priced_loads(step, prices)
-    known = priced_loads(step, prices, (price, sent, moved))
+    # `priced_loads` updates the known prices in place: each call is given its own copies.
+    known = priced_loads(step, prices, (price.copy(), sent.copy(), moved))
     assert all(np.array_equal(a, b) for a, b in zip(full, known, strict=True))
-    assert not np.array_equal(full[1], priced_loads(step, prices, (price, sent, moved[:1]))[1])
+    stale = priced_loads(step, prices, (price.copy(), sent.copy(), moved[:1]))
+    assert not np.array_equal(full[1], stale[1])
 
 
 @pytest.mark.parametrize("solver", ["knapformer", "greedy"])

@@ -44,9 +44,14 @@ def exchange_across(step: Step, prices: Prices, floor: float, max_tokens, known=
     ledger = PricedLedger(step, prices, known)
     stop = floor * (1 + FLOOR_STOP)
     placed = np.flatnonzero(step.lengths > 0)
+    every = len(placed) == len(step.lengths)  # (no empty sequence: no gather)
     # A stable sort of small ints is a radix sort (the same order, much faster).
-    bag_key = step.bag[placed].astype(np.int16 if num_bags < 2**15 else np.int64)
-    by_bag = placed[np.argsort(bag_key, kind="stable")]
+    bag_key = (step.bag if every else step.bag[placed]).astype(
+        np.int16 if num_bags < 2**15 else np.int64
+    )
+    by_bag = np.argsort(bag_key, kind="stable")
+    if not every:
+        by_bag = placed[by_bag]
     cuts = np.searchsorted(step.bag[by_bag], np.arange(num_bags + 1)).tolist()
     members = LazyMembers(by_bag, cuts)  # each bag's list, made when first asked for
     small = num_bags <= SMALL_GPUS and len(step.lengths) <= SMALL_SEQUENCES
@@ -127,7 +132,9 @@ class PricedLedger:
         self.size, self.weight, self.start = layout.size, layout.weight, layout.start
         self.lengths = step.lengths.astype(np.float64)
         self.price, self.load, sent = priced_loads(step, prices, known)
-        self.tokens = np.bincount(step.bag, weights=self.lengths, minlength=len(self.size))
+        # Under a token cap only (else never read)
+        self.tokens = (np.bincount(step.bag, weights=self.lengths, minlength=len(self.size))
+                       if layout.max_tokens is not None else np.zeros(len(self.size)))  # fmt: skip
         self.gpu_sends, self.bag_sends = sends(step, sent)
         self.extra = uneven_sends(layout, self.gpu_sends, self.bag_sends)
         self.per = self.load / self.weight + self.extra
@@ -148,8 +155,11 @@ class PricedLedger:
         touched = {moves[0][1], moves[0][2]}
         seqs, srcs, tos = (np.array(x) for x in zip(*moves, strict=True))
         old_prices = self.price[seqs]
-        old_sents = self.priced(seqs, srcs)[1].tolist()
-        new_prices, new_sents = (x.tolist() for x in self.priced(seqs, tos))
+        # Where they leave and where they go, priced in one call (each price is its own).
+        k = len(moves)
+        both = self.priced(np.concatenate([seqs, seqs]), np.concatenate([srcs, tos]))
+        price, sent = (x.tolist() for x in both)
+        old_sents, new_prices, new_sents = sent[:k], price[k:], sent[k:]
         for (seq, src, to), old_sent, new_price, new_sent in zip(
             moves, old_sents, new_prices, new_sents, strict=True
         ):

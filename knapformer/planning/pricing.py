@@ -184,8 +184,11 @@ class Prices:
         per_token_route = route_per_token(comm, model)
         bag_node = np.where(shape.size > node, -1, shape.start // node)
         per_class = np.array([per_token[int(g)] for g in shape.class_size])
-        return cls(per_class[shape.class_of_bag_array], bag_node,
-                   np.where(src_pos >= 0, src_pos // node, -2), *per_token_route)  # fmt: skip
+        src_node = src_pos // node
+        if src_pos.min(initial=0) < 0:  # sources outside the partition: no node
+            src_node[src_pos < 0] = -2
+        return cls(per_class[shape.class_of_bag_array], bag_node, src_node,
+                   *per_token_route)  # fmt: skip
 
     def route(self, seqs, bags, home, size, lengths):
         """Per (sequence, bag) pair (broadcast): tokens that leave the source times the
@@ -194,12 +197,21 @@ class Prices:
         moved = np.where(bags == home, ((size - 1) / size)[bags], 1.0) * lengths
         return per * moved
 
-    def home_route(self, home, size, lengths):
-        """`route` of sequences in their home bags ``home`` (the same values): a home bag
-        holds its sequence's source GPU, so it is in the source's node unless it spans
-        nodes, and (g-1)/g of the tokens leave."""
-        per = np.where(self.bag_node[home] >= 0, self.intra, self.inter)
-        return per * (((size - 1) / size)[home] * lengths)
+    def at_home(self, workload, home, size, lengths):
+        """The price of sequences in their home bags ``home`` (``workload``, ``lengths`` of
+        each): `_priced`'s, the same bits, by a short form of the route (a home bag holds
+        its sequence's source GPU, so it is in the source's node unless it spans nodes, and
+        (g-1)/g of the tokens leave) summed into one buffer: two step-sized temporaries
+        where the plain form makes ten."""
+        price = np.take(self.kappa, home)
+        price *= lengths  # k_g*L (+ W below: the same sum either way round)
+        price += workload
+        route = np.take((size - 1) / size, home)
+        route *= lengths
+        route *= np.take(np.where(self.bag_node >= 0, self.intra, self.inter), home)
+        route *= 2  # its home bag sends it and receives it
+        price += route
+        return price
 
     def cost(self, step: Step, lengths: np.ndarray, seq, bag):
         """(price, sent) of sequences ``seq`` in bags ``bag`` (broadcast): ``W + k_g*L`` plus
@@ -220,16 +232,18 @@ def priced_loads(step: Step, prices: Prices,
     and each home bag the sending of its sequences placed away. ``known``: (price, sent,
     seqs) of an earlier call on this step, stale only for sequences ``seqs`` (ids) whose bag
     changed since: only those are priced again (a sequence's price is its own: the same
-    values), the loads summed anew."""
+    values), in place (the caller gives them up), the loads summed anew."""
     if known is None:
         price, sent = _priced(step, prices, slice(None))
     else:
         price, sent, seqs = known
-        price, sent = price.copy(), sent.copy()
         price[seqs], sent[seqs] = _priced(step, prices, seqs)
     num_bags = len(step.layout.size)
-    load = np.bincount(np.maximum(step.bag, 0), weights=price, minlength=num_bags)
-    load += np.bincount(np.maximum(step.home_bag, 0), weights=sent, minlength=num_bags)
+    bag = step.bag if step.bag.min(initial=0) >= 0 else np.maximum(step.bag, 0)  # (price 0)
+    load = np.bincount(bag, weights=price, minlength=num_bags)
+    # Only the sequences placed away send (a sum of the others' zeros is the same bits).
+    away = np.flatnonzero(sent)
+    load += np.bincount(step.home_bag[away], weights=sent[away], minlength=num_bags)
     return price, load, sent
 
 
