@@ -199,12 +199,12 @@ class _Candidate:
 
     def slower_than(self, bound: float) -> bool:
         """Whether a layout no faster than ``bound`` models slower than this one beyond
-        ``TIE`` (asked at nominal speeds only): against the ceiling and the bag floor first
+        ``TIE`` (asked at nominal speeds only): against the ceiling and the floors first
         (cheap), then exactly."""
         if self._key is None:
             if bound > self.bound("ceiling") * (1 + TIE):
                 return True
-            if bound <= self.bound("bags") * (1 + TIE):
+            if bound <= self.bound("bags") * (1 + TIE) or bound <= self.bound("routed") * (1 + TIE):
                 return False
         return bound > self.key()[0] * (1 + TIE)
 

@@ -53,7 +53,7 @@ def routed_floor(step: Step, model: WorkloadModel, comm: CommModel,
     compute-only, often lose on the route of the GPUs their sequences leave."""
     layout, lengths, workload, bag = step.layout, step.lengths, step.workload, step.bag
     of_pos = layout.shape.bag_of_pos
-    num_gpus, num_bags = len(of_pos), len(layout.size)
+    num_bags = len(layout.size)
     size = layout.size[bag]
     length = lengths.astype(np.float64)
     least = (lengths // size).astype(np.float64)  # tokens of a sequence on each of its GPUs
@@ -63,26 +63,57 @@ def routed_floor(step: Step, model: WorkloadModel, comm: CommModel,
     kappa = per_class[layout.shape.class_of_bag_array][bag]
     held = workload * (1.0 - share) / size + (per_len + kappa) * least
     compute = np.bincount(bag, weights=held, minlength=num_bags)[of_pos]
-    node = int(comm.node_size)
-    # A source of -1 (outside the bags) is left out of the route: it adds nothing here.
-    known = step.src_pos >= 0
-    src = np.maximum(step.src_pos, 0)
-    in_node = np.where(layout.size > node, -1, layout.start // node)[bag]  # -1: spans nodes
-    far = known & (in_node >= 0) & (in_node != src // node)
-    near = known & (in_node == src // node)
-    home = known & (bag == of_pos[src])
+    sides = _RouteSides.of(step, comm)
     # Sent: all of a sequence placed in another bag, g - 1 chunks of one kept at home.
-    # Received: a chunk of each sequence of the bag that comes from elsewhere.
-    sent = np.where(home, (size - 1) * least, length)
-    far_tokens = _per_gpu_sum(src, np.where(far, length, 0.0), num_gpus) + _per_bag_gpu(
-        bag, np.where(far, least, 0.0), num_bags, of_pos
+    # Received: a chunk of each sequence of the bag that comes from elsewhere. A bag that
+    # spans nodes is left out of both links (its chunks take either).
+    sent = np.where(sides.home, (size - 1) * least, length)
+    far, near = sides.known & ~sides.spans & ~sides.near, sides.known & ~sides.spans & sides.near
+    route = sides.route(
+        model, comm, sides.tokens(far, sent, least), sides.tokens(near, sent, least)
     )
-    near_tokens = (_per_gpu_sum(src, np.where(near, sent, 0.0), num_gpus)
-                   + _per_bag_gpu(bag, np.where(near, least, 0.0), num_bags, of_pos)
-                   - _per_gpu_sum(src, np.where(near & home, least, 0.0), num_gpus))  # fmt: skip
-    intra, inter = route_per_token(comm, model)
-    route = np.maximum(intra * near_tokens, inter * far_tokens)
     return float((compute + route).max(initial=0.0))
+
+
+@dataclass(frozen=True)
+class _RouteSides:
+    """Which link each sequence's route can take, for the route bounds: ``known`` its source
+    is one of the bags' GPUs (``src``: its position, 0 where not), ``home`` it lies in its
+    source's bag, ``spans`` its bag spans nodes, ``near`` its bag is in its source's node."""
+
+    step: Step
+    src: np.ndarray
+    known: np.ndarray
+    home: np.ndarray
+    spans: np.ndarray
+    near: np.ndarray
+
+    @classmethod
+    def of(cls, step: Step, comm: CommModel) -> _RouteSides:
+        layout, bag = step.layout, step.bag
+        node = int(comm.node_size)
+        known = step.src_pos >= 0
+        src = np.maximum(step.src_pos, 0)
+        in_node = np.where(layout.size > node, -1, layout.start // node)[bag]  # -1: spans nodes
+        home = known & (bag == layout.shape.bag_of_pos[src])
+        return cls(step, src, known, home, in_node < 0, in_node == src // node)
+
+    def tokens(self, mask: np.ndarray, sent: np.ndarray, received: np.ndarray) -> np.ndarray:
+        """(num_gpus,) tokens over one link: ``sent`` (n,) by each source and ``received``
+        (n,) by each GPU of the bag but the source, of the sequences in ``mask``."""
+        step = self.step
+        of_pos = step.layout.shape.bag_of_pos
+        num_gpus, num_bags = len(of_pos), len(step.layout.size)
+        sends = _per_gpu_sum(self.src, np.where(mask & self.known, sent, 0.0), num_gpus)
+        gets = _per_bag_gpu(step.bag, np.where(mask, received, 0.0), num_bags, of_pos)
+        own = _per_gpu_sum(self.src, np.where(mask & self.home, received, 0.0), num_gpus)
+        return sends + gets - own
+
+    @staticmethod
+    def route(model, comm, far: np.ndarray, near: np.ndarray) -> np.ndarray:
+        """The route of ``far`` and ``near`` tokens per GPU: the slower link's time."""
+        intra, inter = route_per_token(comm, model)
+        return np.maximum(intra * near, inter * far)
 
 
 def _per_gpu_sum(pos: np.ndarray, weights: np.ndarray, num_gpus: int) -> np.ndarray:
@@ -99,8 +130,9 @@ def makespan_ceiling(step: Step, model: WorkloadModel, comm: CommModel,
     """An upper bound on `modelled_makespan` of ``step`` at nominal speeds, from per-bag and
     per-source sums (no chunk table): each chunk of a sequence holds at most ``L // g + 1``
     tokens (even spread; ``+ L % g`` under round-robin), a GPU holds at most its bag's
-    tokens / g + 1 (even spread), and every token a GPU sends or receives is priced over
-    the slower link. Where it already settles a comparison, the exact price is not needed."""
+    tokens / g + 1 (even spread), and a GPU's route is at most its chunks' over the link
+    each can take (`routed_floor`'s counts, from above). Where it already settles a
+    comparison, the exact price is not needed."""
     return float(ceiling_per_gpu(step, model, comm, per_token).max(initial=0.0))
 
 
@@ -110,31 +142,45 @@ def ceiling_per_gpu(step: Step, model: WorkloadModel, comm: CommModel,
     layout, lengths, workload, bag = step.layout, step.lengths, step.workload, step.bag
     num_bags = len(layout.size)
     g = layout.size.astype(np.float64)
-    # Linear work beyond an even L/g share that the fullest chunk of a sequence may take
-    # (none in a one-GPU bag, where most of a large step's sequences often are).
+    # A sequence's L // g tokens on each GPU of its bag (all of it in a one-GPU bag, where
+    # most of a large step's sequences often are), and its L % g remainder tokens: one
+    # each on a run of the bag's cycle (even spread: a GPU takes at most ceil(R / g) of
+    # the bag's R, one per sequence at most), or all on one chunk (round-robin).
     multi = np.flatnonzero(layout.size[bag] > 1)
     length, size = lengths[multi], layout.size[bag[multi]]
     share = np.where(length > 0, model.linear_share(length), 0.0)
     per_len = np.divide(workload[multi] * share, length, out=np.zeros(len(multi)),
                         where=length > 0)  # fmt: skip
-    rem = length % size
-    spill = np.where(rem > 0, size - rem, 0) if layout.even else rem * (size - 1)
-    weights = workload.copy()
-    weights[multi] += per_len * spill
-    work = np.bincount(bag, weights=weights, minlength=num_bags)
+    quot, rem = np.divmod(length, size)
+    base = workload.copy()
+    base[multi] -= per_len * rem
     tokens = np.bincount(bag, weights=lengths, minlength=num_bags)
+    rems = np.bincount(bag[multi], weights=rem, minlength=num_bags)
     if layout.even:
-        held = tokens / g + 1.0
+        has_rem = rem > 0
+        top = float(per_len[has_rem].max(initial=0.0))
+        every = np.bincount(bag[multi], weights=np.where(has_rem, per_len, 0.0), minlength=num_bags)
+        spill = np.minimum(every, np.ceil(rems / g) * top)
+        held = (tokens - rems) / g + np.ceil(rems / g)
     else:
-        rems = np.zeros(len(lengths))
-        rems[multi] = spill
-        held = (tokens + np.bincount(bag, weights=rems, minlength=num_bags)) / g
+        spill = np.bincount(bag[multi], weights=per_len * rem, minlength=num_bags)
+        held = (tokens - rems) / g + rems
     kappa = np.array([per_token[int(c)] for c in layout.class_size])
-    per_bag = work / g + kappa[layout.shape.class_of_bag_array] * held
-    of_pos = layout.shape.bag_of_pos
-    sent = np.bincount(step.src_pos, weights=lengths, minlength=len(of_pos))
-    route = max(route_per_token(comm, model)) * (sent + held[of_pos])
-    return per_bag[of_pos] + route
+    work = np.bincount(bag, weights=base, minlength=num_bags) / g + spill
+    per_bag = work + kappa[layout.shape.class_of_bag_array] * held
+    # Sent: all of a sequence placed in another bag, all but one chunk of at least L // g
+    # of one kept at home. Received: a chunk of at most L // g + 1 (L // g + L % g under
+    # round-robin) by every GPU of its bag but the source. A bag that spans nodes counts
+    # on both links; a source outside the bags (-1) sends nothing, its chunks both.
+    sides = _RouteSides.of(step, comm)
+    size = layout.size[bag]
+    quot, rem = np.divmod(lengths, size)
+    most = (quot + (rem > 0 if layout.even else rem)).astype(np.float64)
+    sent = np.where(sides.home, lengths - quot, lengths).astype(np.float64)
+    far = ~sides.known | sides.spans | ~sides.near
+    near = ~sides.known | sides.spans | sides.near
+    route = sides.route(model, comm, sides.tokens(far, sent, most), sides.tokens(near, sent, most))
+    return per_bag[layout.shape.bag_of_pos] + route
 
 
 def compute_per_gpu(step: Step, model: WorkloadModel, speed) -> tuple[np.ndarray, np.ndarray]:
