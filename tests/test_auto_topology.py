@@ -4,6 +4,7 @@ communication, and the layout floor."""
 from __future__ import annotations
 
 import gc
+import itertools
 
 import numpy as np
 import pytest
@@ -356,9 +357,9 @@ def test_priced_loads_from_known_prices_equal_a_full_pricing(monkeypatch):
 @pytest.mark.parametrize("solver", ["knapformer", "greedy"])
 def test_makespan_ceiling_is_its_formula_over_every_sequence(solver, monkeypatch):
     """The ceiling adds the spill of a sequence's remainder only where its bag has more than
-    one GPU, and sums its route by bag: the same bits as the formula taken over every
-    sequence and chunk (one-GPU bags spill nothing), on the candidates auto bounds and on
-    a g8 layout of either chunk rule."""
+    one GPU, and the routed ceiling sums its route by bag: the same bits as the formula
+    taken over every sequence and chunk (one-GPU bags spill nothing), on the candidates
+    auto bounds and on a g8 layout of either chunk rule."""
     steps = []
     real = auto_solver.makespan_ceiling
     monkeypatch.setattr(auto_solver, "makespan_ceiling",
@@ -372,17 +373,17 @@ def test_makespan_ceiling_is_its_formula_over_every_sequence(solver, monkeypatch
     steps.append(solve_greedy(g8, first.lengths, first.workload, first.src_pos, None, None,
                               even=solver == "knapformer"))  # fmt: skip
     per_token = {g: comm.ulysses_per_token(MODEL.token_dim, g, MODEL.scale) for g in (1, 2, 4, 8)}
-    for step in steps:
-        expected = _ceiling_by_formula(step, comm, per_token)
-        assert np.array_equal(ceiling_per_gpu(step, MODEL, comm, per_token), expected)
-        assert real(step, MODEL, comm, per_token) == float(expected.max())
+    for step, routed in itertools.product(steps, (False, True)):
+        expected = _ceiling_by_formula(step, comm, per_token, routed)
+        assert np.array_equal(ceiling_per_gpu(step, MODEL, comm, per_token, routed), expected)
+        assert real(step, MODEL, comm, per_token, routed) == float(expected.max())
     assert {s.layout.even for s in steps} == ({True} if solver == "knapformer" else {True, False})
 
 
-def _ceiling_by_formula(step, comm, per_token) -> np.ndarray:
+def _ceiling_by_formula(step, comm, per_token, routed: bool) -> np.ndarray:
     """`ceiling_per_gpu` as `makespan_ceiling`'s doc states it, over every sequence (one-GPU
-    bags spill nothing) and its route chunk by chunk: each (sequence, GPU of its bag) pair
-    received by every GPU but the source, over the links the doc allows it."""
+    bags spill nothing); ``routed``: its route chunk by chunk, each (sequence, GPU of its
+    bag) pair received by every GPU but the source, over the links the doc allows it."""
     layout, lengths, workload, bag = step.layout, step.lengths, step.workload, step.bag
     g = layout.size.astype(np.float64)
     num_bags, of_pos = len(g), layout.shape.bag_of_pos
@@ -403,6 +404,11 @@ def _ceiling_by_formula(step, comm, per_token) -> np.ndarray:
         held = (tokens - rems) / g + rems
     base = np.bincount(bag, weights=workload - per_len * rem, minlength=num_bags) / g
     per_bag = base + spill + np.array([per_token[int(x)] for x in layout.size]) * held
+    intra, inter = route_per_token(comm, MODEL)
+    sent = np.bincount(step.src_pos, weights=lengths, minlength=len(of_pos))
+    every = max(intra, inter) * (sent + held[of_pos])
+    if not routed:
+        return per_bag[of_pos] + every
     # The route, pair by pair.
     node = comm.node_size
     src = step.src_pos
@@ -420,8 +426,7 @@ def _ceiling_by_formula(step, comm, per_token) -> np.ndarray:
     got = np.where(gpu == src[seq], 0, most[seq])
     np.add.at(near, gpu, np.where((spans | same)[seq], got, 0))
     np.add.at(far, gpu, np.where((spans | ~same)[seq], got, 0))
-    intra, inter = route_per_token(comm, MODEL)
-    return per_bag[of_pos] + np.maximum(intra * near, inter * far)
+    return per_bag[of_pos] + np.minimum(every, np.maximum(intra * near, inter * far))
 
 
 def _least_by_full_scan(bags, row, limit):

@@ -180,13 +180,13 @@ def test_auto_skips_only_candidates_its_floor_rules_out(mix, factor):
 
 
 def _auto_ceilings(lengths, solver: str, ceiling_on: bool):
-    """The auto plan of a step and (ceiling, exact modelled makespan) of every candidate
-    whose ceiling was asked for; ``ceiling_on=False``: the ceiling never settles anything."""
+    """The auto plan of a step and (ceiling, exact modelled makespan) of every ceiling asked
+    for (the plain or the routed one); ``ceiling_on=False``: no ceiling settles anything."""
     comm, seen = CommModel(), []
     real = auto.makespan_ceiling
 
-    def spy(step, model, comm_, per_token):
-        value = real(step, model, comm_, per_token)
+    def spy(step, model, comm_, per_token, routed=False):
+        value = real(step, model, comm_, per_token, routed)
         table = step.chunks or chunks.chunk_table(step)
         exact = pricing.modelled_makespan(replace(step, chunks=table), model, comm_, None)
         seen.append((value, exact))
