@@ -79,10 +79,10 @@ class _RouteSides:
     at home in a one-GPU bag, which move nothing) and which link each can take: ``size``
     its bag's GPUs, ``known`` its source is one of the bags' GPUs (``src``: its position, 0
     where not), ``home`` it lies in its source's bag, ``spans`` its bag spans nodes,
-    ``near`` its bag is in its source's node; each of ``seqs``' length."""
+    ``near`` its bag is in its source's node (each of ``seqs``')."""
 
     step: Step
-    seqs: np.ndarray
+    seqs: np.ndarray | slice  # every sequence: a slice (no copies)
     size: np.ndarray
     src: np.ndarray
     known: np.ndarray
@@ -94,7 +94,8 @@ class _RouteSides:
     def of(cls, step: Step, comm: CommModel) -> _RouteSides:
         layout = step.layout
         home = step.bag == step.home_bag
-        seqs = np.flatnonzero(~home | (layout.size > 1)[step.bag])
+        moving = ~home | (layout.size > 1)[step.bag]
+        seqs = slice(None) if moving.all() else np.flatnonzero(moving)
         bag, src = step.bag[seqs], step.src_pos[seqs]
         known = src >= 0
         src = np.maximum(src, 0)
