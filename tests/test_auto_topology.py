@@ -4,6 +4,7 @@ communication, and the layout floor."""
 from __future__ import annotations
 
 import gc
+import itertools
 
 import numpy as np
 import pytest
@@ -357,9 +358,10 @@ def test_priced_loads_from_known_prices_equal_a_full_pricing(monkeypatch):
 
 @pytest.mark.parametrize("solver", ["knapformer", "greedy"])
 def test_makespan_ceiling_is_its_formula_over_every_sequence(solver, monkeypatch):
-    """The ceiling adds the spill of a sequence's fullest chunk only where its bag has more
-    than one GPU: the same bits as the formula taken over every sequence (one-GPU bags
-    spill nothing), on the candidates auto bounds and on a g8 layout of either chunk rule."""
+    """The ceiling adds the spill of a sequence's remainder only where its bag has more than
+    one GPU, and the routed ceiling sums its route by bag: the same bits as the formula
+    taken over every sequence and chunk (one-GPU bags spill nothing), on the candidates
+    auto bounds and on a g8 layout of either chunk rule."""
     steps = []
     real = auto_solver.makespan_ceiling
     monkeypatch.setattr(auto_solver, "makespan_ceiling",
@@ -373,35 +375,60 @@ def test_makespan_ceiling_is_its_formula_over_every_sequence(solver, monkeypatch
     steps.append(solve_greedy(g8, first.lengths, first.workload, first.src_pos, None, None,
                               even=solver == "knapformer"))  # fmt: skip
     per_token = {g: comm.ulysses_per_token(MODEL.token_dim, g, MODEL.scale) for g in (1, 2, 4, 8)}
-    for step in steps:
-        expected = _ceiling_by_formula(step, comm, per_token)
-        assert np.array_equal(ceiling_per_gpu(step, MODEL, comm, per_token), expected)
-        assert real(step, MODEL, comm, per_token) == float(expected.max())
+    for step, routed in itertools.product(steps, (False, True)):
+        expected = _ceiling_by_formula(step, comm, per_token, routed)
+        assert np.array_equal(ceiling_per_gpu(step, MODEL, comm, per_token, routed), expected)
+        assert real(step, MODEL, comm, per_token, routed) == float(expected.max())
     assert {s.layout.even for s in steps} == ({True} if solver == "knapformer" else {True, False})
 
 
-def _ceiling_by_formula(step, comm, per_token) -> np.ndarray:
-    """`ceiling_per_gpu` as `makespan_ceiling`'s doc states it, every sequence's spill
-    computed."""
+def _ceiling_by_formula(step, comm, per_token, routed: bool) -> np.ndarray:
+    """`ceiling_per_gpu` as `makespan_ceiling`'s doc states it, over every sequence (one-GPU
+    bags spill nothing); ``routed``: its route chunk by chunk, each (sequence, GPU of its
+    bag) pair received by every GPU but the source, over the links the doc allows it."""
     layout, lengths, workload, bag = step.layout, step.lengths, step.workload, step.bag
     g = layout.size.astype(np.float64)
+    num_bags, of_pos = len(g), layout.shape.bag_of_pos
     share = np.where(lengths > 0, MODEL.linear_share(lengths), 0.0)
     per_len = np.divide(workload * share, lengths, out=np.zeros(len(lengths)),
                         where=lengths > 0)  # fmt: skip
     size = layout.size[bag]
-    rem = lengths % size
-    spill = np.where(rem > 0, size - rem, 0) if layout.even else rem * (size - 1)
-    work = np.bincount(bag, weights=workload + per_len * spill, minlength=len(g))
-    tokens = np.bincount(bag, weights=lengths, minlength=len(g))
+    quot, rem = np.divmod(lengths, size)
+    rems = np.bincount(bag, weights=rem, minlength=num_bags)
+    tokens = np.bincount(bag, weights=lengths, minlength=num_bags)
     if layout.even:
-        held = tokens / g + 1.0
+        top = float(per_len[rem > 0].max(initial=0.0))
+        every = np.bincount(bag, weights=np.where(rem > 0, per_len, 0.0), minlength=num_bags)
+        spill = np.minimum(every, np.ceil(rems / g) * top)
+        held = (tokens - rems) / g + np.ceil(rems / g)
     else:
-        held = (tokens + np.bincount(bag, weights=spill, minlength=len(g))) / g
-    per_bag = work / g + np.array([per_token[int(x)] for x in layout.size]) * held
-    of_pos = layout.shape.bag_of_pos
+        spill = np.bincount(bag, weights=per_len * rem, minlength=num_bags)
+        held = (tokens - rems) / g + rems
+    base = np.bincount(bag, weights=workload - per_len * rem, minlength=num_bags) / g
+    per_bag = base + spill + np.array([per_token[int(x)] for x in layout.size]) * held
+    intra, inter = route_per_token(comm, MODEL)
     sent = np.bincount(step.src_pos, weights=lengths, minlength=len(of_pos))
-    route = max(route_per_token(comm, MODEL)) * (sent + held[of_pos])
-    return per_bag[of_pos] + route
+    every = max(intra, inter) * (sent + held[of_pos])
+    if not routed:
+        return per_bag[of_pos] + every
+    # The route, pair by pair.
+    node = comm.node_size
+    src = step.src_pos
+    spans = layout.size[bag] > node
+    same = (layout.start[bag] // node) == src // node
+    home = bag == of_pos[src]
+    most = quot + (rem > 0 if layout.even else rem)
+    near, far = np.zeros(len(of_pos)), np.zeros(len(of_pos))
+    np.add.at(near, src, np.where(spans | same, np.where(home, lengths - quot, lengths), 0))
+    np.add.at(far, src, np.where(spans | ~same, np.where(home, lengths - quot, lengths), 0))
+    seq = np.repeat(np.arange(len(lengths)), size)
+    gpu = np.repeat(layout.start[bag], size) + (
+        np.arange(len(seq)) - np.repeat(np.cumsum(size) - size, size)
+    )
+    got = np.where(gpu == src[seq], 0, most[seq])
+    np.add.at(near, gpu, np.where((spans | same)[seq], got, 0))
+    np.add.at(far, gpu, np.where((spans | ~same)[seq], got, 0))
+    return per_bag[of_pos] + np.minimum(every, np.maximum(intra * near, inter * far))
 
 
 def _least_by_full_scan(bags, row, limit):

@@ -112,7 +112,7 @@ def test_absorb_chooses_the_groups_scoring_every_group_would():
     # Few distinct costs: ties between groups (and between kinds) are the usual case.
     rng = np.random.default_rng(7)
     size = np.asarray(SIZES, float)
-    outcomes = set()
+    outcomes, odd_groups = set(), set()
     for _ in range(400):
         n, top = int(rng.integers(1, 40)), int(rng.integers(1, 3))
         cls = rng.integers(0, top + 1, n)
@@ -125,4 +125,6 @@ def test_absorb_chooses_the_groups_scoring_every_group_would():
         assert (got is None) == (want is None)
         assert got is None or np.array_equal(got, want)
         outcomes.add(None if got is None else "moved")
+        odd_groups.add(int(merged[top]))
     assert outcomes == {None, "moved"}  # both outcomes exercised
+    assert odd_groups == {0, 1}  # the merged groups alone (one heap) and beside an odd one

@@ -101,6 +101,7 @@ class _Best:
         model, comm, per_token = self.model, self.comm, self.per_token
         bounds = {
             "ceiling": lambda: makespan_ceiling(step, model, comm, per_token),
+            "routed_ceiling": lambda: makespan_ceiling(step, model, comm, per_token, True),
             "bags": lambda: makespan_floor(step, per_token),
             "routed": lambda: routed_floor(step, model, comm, per_token),
         }
@@ -128,17 +129,27 @@ class _Best:
         """Whether bounds settle ``new`` against the best (at nominal speeds), the cheap ones
         first: dropped when its bag floor (`makespan_floor`) lies above the best's price;
         the best from then on, unpriced, when its ceiling lies below the best's floor;
-        dropped when its routed floor (`routed_floor`) lies above the best's price. The
-        best's price is its ceiling, its routed floor or, where they do not settle it, its
-        exact price. The bounds are true: the choice is the same."""
+        dropped when its routed floor (`routed_floor`) lies above the best's price; the
+        best when its routed ceiling does. The best's price is its ceilings, its floors or,
+        where they do not settle it, its exact price. The bounds are true: the choice is
+        the same."""
         held = self.held
         if held.slower_than(new.bound("bags")):
             return True
-        lower = held.lower()
-        if new.bound("bags") < lower and new.bound("ceiling") < lower * (1 - TIE):
+        if self._replaces(new, "ceiling"):
+            return True
+        if held.slower_than(new.bound("routed")):
+            return True
+        return self._replaces(new, "routed_ceiling")
+
+    def _replaces(self, new: _Candidate, ceiling: str) -> bool:
+        """Whether ``new``'s ``ceiling`` (and bag floor) lie below the best's floor: then
+        it is the best, unpriced."""
+        lower = self.held.lower()
+        if new.bound("bags") < lower and new.bound(ceiling) < lower * (1 - TIE):
             self.held = new
             return True
-        return held.slower_than(new.bound("routed"))
+        return False
 
     def refine(self, max_tokens) -> None:
         """The best so far refined GPU by GPU (`refine`)."""
@@ -186,10 +197,11 @@ class _Candidate:
         return self._key
 
     def bound(self, name: str) -> float:
-        """The ``"ceiling"`` (a margin for rounding above) or a floor (``"bags"``,
-        ``"routed"``; the margin below) of the modelled makespan, made once."""
+        """A ceiling (``"ceiling"``, ``"routed_ceiling"``; a margin for rounding above) or
+        a floor (``"bags"``, ``"routed"``; the margin below) of the modelled makespan, made
+        once."""
         if name not in self._known:
-            margin = FLOOR_MARGIN if name == "ceiling" else -FLOOR_MARGIN
+            margin = FLOOR_MARGIN if name.endswith("ceiling") else -FLOOR_MARGIN
             self._known[name] = self._bounds[name]() * (1 + margin)
         return self._known[name]
 
@@ -199,13 +211,15 @@ class _Candidate:
 
     def slower_than(self, bound: float) -> bool:
         """Whether a layout no faster than ``bound`` models slower than this one beyond
-        ``TIE`` (asked at nominal speeds only): against the ceiling and the bag floor first
-        (cheap), then exactly."""
+        ``TIE`` (asked at nominal speeds only): against the ceiling and the floors first
+        (cheap), then the routed ceiling, then exactly."""
         if self._key is None:
             if bound > self.bound("ceiling") * (1 + TIE):
                 return True
-            if bound <= self.bound("bags") * (1 + TIE):
+            if bound <= self.bound("bags") * (1 + TIE) or bound <= self.bound("routed") * (1 + TIE):
                 return False
+            if bound > self.bound("routed_ceiling") * (1 + TIE):
+                return True
         return bound > self.key()[0] * (1 + TIE)
 
 

@@ -213,15 +213,12 @@ def _absorb(cls, top, merged, big_eff, size, target):
     out = cls.copy()
     tops = np.flatnonzero(cls == top)
     tops = tops[np.argsort(-big_eff[top + 1, tops], kind="stable")]
-    for x, costs in zip(tops.tolist(), _costs(big_eff, kinds, tops), strict=True):
-        # Within a kind the least held is the least per GPU (sizes are powers of two).
-        fit = [(k.heap[0][0] / k.size, k.heap[0][1], k, c)
-               for k, c in zip(kinds, costs, strict=True) if k.heap[0][0] + c <= k.cap]  # fmt: skip
-        if not fit:
+    if len(kinds) == 1:  # no odd group: a heap of the merged ones alone
+        if not _one_kind_least_loaded(kinds[0], big_eff[kinds[0].cls, tops].tolist()):
             return None
-        _, b, kind, cost = min(fit, key=lambda f: f[:2])
-        heapq.heapreplace(kind.heap, (kind.heap[0][0] + cost, b))
-        out[x] = kind.cls
+        out[tops] = kinds[0].cls
+    elif not _least_loaded(kinds, tops, big_eff, out):
+        return None
     lower = np.flatnonzero((cls > 0) & (cls < top))
     lower = lower[np.argsort(-big_eff[0, lower], kind="stable")]
     for kind in kinds:
@@ -234,6 +231,34 @@ def _absorb(cls, top, merged, big_eff, size, target):
             kind.add(held, b, cost)
             out[x] = kind.cls
     return None if np.array_equal(out, cls) else out
+
+
+def _least_loaded(kinds, tops, big_eff, out) -> bool:
+    """`_absorb`'s top sequences ``tops`` (largest first), each to the least loaded group
+    of either kind that it fits, per GPU (a tie to the first group); their classes into
+    ``out``. False when one fits no group."""
+    for x, costs in zip(tops.tolist(), _costs(big_eff, kinds, tops), strict=True):
+        # Within a kind the least held is the least per GPU (sizes are powers of two).
+        fit = [(k.heap[0][0] / k.size, k.heap[0][1], k, c)
+               for k, c in zip(kinds, costs, strict=True) if k.heap[0][0] + c <= k.cap]  # fmt: skip
+        if not fit:
+            return False
+        _, b, kind, cost = min(fit, key=lambda f: f[:2])
+        heapq.heapreplace(kind.heap, (kind.heap[0][0] + cost, b))
+        out[x] = kind.cls
+    return True
+
+
+def _one_kind_least_loaded(kind: _Kind, costs: list[float]) -> bool:
+    """`_least_loaded` where every group is of one kind: each cost (largest first) to the
+    least loaded group, the heap's top. False when one fits no group."""
+    heap, cap = kind.heap, kind.cap
+    for cost in costs:
+        held, b = heap[0]
+        if held + cost > cap:
+            return False
+        heapq.heapreplace(heap, (held + cost, b))
+    return True
 
 
 def _costs(big_eff, kinds, seqs) -> list:
