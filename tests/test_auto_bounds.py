@@ -147,3 +147,27 @@ def test_auto_settles_its_candidates_by_bounds_without_pricing_them(mix, factor,
     assert np.array_equal(before.sequences.bag, plan.sequences.bag)
     assert np.array_equal(before.chunks.dst_gpu, plan.chunks.dst_gpu)
     assert np.array_equal(before.chunks.length, plan.chunks.length)
+
+
+def test_the_routed_ceiling_settles_what_the_ceiling_leaves_open(monkeypatch):
+    """The high-resolution mix on 1,024 GPUs: the plain ceilings of g4n256 and the mixed
+    partition leave their comparison open, and both were priced; their routed ceilings
+    settle it with neither priced, and the plan is the same."""
+    lengths = sample_lengths(scale_mix(parse_mix("mixres"), 32), np.random.default_rng(5000))
+    comm = CommModel.cluster("nvlink")
+    priced = []
+    exact_key = auto_solver._exact_key
+    monkeypatch.setattr(auto_solver, "_exact_key",
+                        lambda step, *a: priced.append(step) or exact_key(step, *a))  # fmt: skip
+    plan = plan_routing(lengths, "auto", MODEL, comm=comm)
+    assert plan.topology == "g4n256" and priced == []
+    ceiling = auto_solver.makespan_ceiling
+
+    def plain_only(step, model, comm, per_token, routed=False):
+        return np.inf if routed else ceiling(step, model, comm, per_token)
+
+    monkeypatch.setattr(auto_solver, "makespan_ceiling", plain_only)
+    without = plan_routing(lengths, "auto", MODEL, comm=comm)
+    assert len(priced) == 2
+    assert without.topology == plan.topology
+    assert np.array_equal(without.sequences.bag, plan.sequences.bag)

@@ -180,9 +180,10 @@ def _exact_key(step: Step, model, comm, speed) -> tuple[float, float]:
 
 class _Candidate:
     """A solved candidate and its price, made only when a comparison needs it: at nominal
-    speeds its cheap bounds (``bounds``: the ceiling, `makespan_ceiling`, and the floors,
-    `makespan_floor` and `routed_floor`) often settle whether another layout could beat
-    it, and then it is neither cut into chunks nor priced before it is chosen."""
+    speeds its cheap bounds (``bounds``: the ceilings, `makespan_ceiling` plain and
+    routed, and the floors, `makespan_floor` and `routed_floor`) often settle whether
+    another layout could beat it, and then it is neither cut into chunks nor priced before
+    it is chosen."""
 
     def __init__(self, step: Step, bounds, price_exact):
         self.step = step
