@@ -388,12 +388,13 @@ def _one_class_step(wide: bool):
         return step, fixed._pour(bags.descending(workload, np.flatnonzero(step.bag < 0)), step)
 
 
-@pytest.mark.parametrize("wide", [False, True])
+@pytest.mark.parametrize(("wide", "short"), [(False, 16), (True, 16), (True, 120)])
 @pytest.mark.parametrize("prefer_home", [False, True])
-def test_one_class_placement_is_the_least_occupied_rule(prefer_home, wide):
+def test_one_class_placement_is_the_least_occupied_rule(prefer_home, wide, short):
     # The one-bag-size placement against the rule written out: a sequence stays home
     # while its home bag has room (when preferred), else goes to the least occupied bag
-    # (ties: the lowest id), bags partly filled beforehand; one by one or in batches.
+    # (ties: the lowest id), bags partly filled beforehand; one by one, in batches, or
+    # (``short`` batches raised) in batches and runs one by one in turn.
     step, order = _one_class_step(wide)
     layout, workload = step.layout, step.workload
     load, batches, real = layout.load.tolist(), [], fixed._batch
@@ -404,9 +405,11 @@ def test_one_class_placement_is_the_least_occupied_rule(prefer_home, wide):
         batches.append(len(found[0]))
         return found
 
-    with patch.object(fixed, "_batch", spy):
+    with patch.object(fixed, "_batch", spy), patch.object(fixed, "SHORT_BATCH", short):
         fixed._place_in_order(order, step, prefer_home)
-    assert (max(batches, default=0) >= fixed.SHORT_BATCH) == wide  # batches placed some
+    assert (max(batches, default=0) >= short) == wide  # batches placed some
+    if short > 16:  # and some were left to the runs one by one
+        assert min(batches) < short and len(order) > fixed.BY_HEAP
     safe, kept_home = layout.capacity.tolist(), 0
     for seq in order.tolist():
         h, w = int(step.home_bag[seq]), float(workload[seq])
