@@ -102,6 +102,24 @@ def test_member_index_groups_as_a_stable_sort_by_slot():
         assert np.array_equal(got, want) and np.array_equal(slot, every[want])
 
 
+def test_wide_round_pairs_group_as_the_member_index():
+    # Both sides of a wide round's pairs, by one sort of every member's slot: what the
+    # by-bag index gives each side, after exchanges made by the narrow rounds' swaps too.
+    rng = np.random.default_rng(8)
+    num_bags, n = 40, 900
+    members = levelling._Members(rng.integers(0, num_bags, n), rng.integers(1, 999, n),
+                                 rng.random(n), num_bags)  # fmt: skip
+    for _ in range(30):
+        in_a = np.flatnonzero(members.bag[:n] == 3)
+        if in_a.size:
+            members.swap(3, 5, int(in_a[0]), -1)
+        bags_ = rng.permutation(num_bags)
+        over, partners = bags_[:15], bags_[15:30]
+        got = members.in_pairs(over, partners)
+        want = (*members.grouped(over.tolist()), *members.grouped(partners.tolist()))
+        assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
+
+
 def test_a_large_pool_is_poured_and_plans_within_the_bound():
     # seqheavy on 1,024 GPUs under g8: ~12,000 small sequences leave their full home bags.
     lengths = sample_lengths(scale_mix(parse_mix("seqheavy"), 32), np.random.default_rng(2))

@@ -99,8 +99,7 @@ def _paired_exchanges(over, partners, members, weight, per_gpu):
     nearest the ideal coming back (its phantom: nothing). Returns (a, b, leaving a,
     leaving b) arrays of the pairs whose exchange lowers the larger of the two."""
     k = len(over)
-    out, slot = members.grouped(over.tolist())
-    back, back_slot = members.grouped(partners.tolist())
+    out, slot, back, back_slot = members.in_pairs(over, partners)
     w = members.workload
     # Each partner's members by workload, partners apart (as `_nearest_members` keys them).
     back_w = w[back]
@@ -195,6 +194,19 @@ class _Members:
         np.cumsum(np.bincount(self.bag, minlength=num_bags), out=self.first[1:])
         # bag -> members indexed under another bag; a bag stays a key once a member moved
         self.moved_in: dict[int, set[int]] = {}
+
+    def in_pairs(self, over: np.ndarray, partners: np.ndarray):
+        """`grouped` of both sides of a wide round's pairs, (members, pair) of ``over``, then
+        of ``partners``, by one stable sort of every member by its bag's slot: where the
+        pairs hold most of the step, cheaper than indexing it first."""
+        k, num_bags = len(over), len(self.bag) - self.num_real
+        slot_of = np.full(num_bags, 2 * k, dtype=np.int16 if 2 * k < 2**15 else np.int64)
+        slot_of[over], slot_of[partners] = np.arange(k), np.arange(k, 2 * k)
+        slot = slot_of[self.bag]
+        by_slot = by_small_key(slot, 2 * k + 1)  # by pair, over then partners; id order
+        ends = np.cumsum(np.bincount(slot, minlength=2 * k + 1))[[k - 1, 2 * k - 1]]
+        out, back = by_slot[: ends[0]], by_slot[ends[0] : ends[1]]
+        return out, slot[out].astype(np.int64), back, slot[back].astype(np.int64) - k
 
     def real(self, member: int) -> int:
         """The sequence id of ``member``, or -1 for a phantom."""
