@@ -104,9 +104,10 @@ def _paired_exchanges(over, partners, members, weight, per_gpu):
     # Each partner's members by workload, partners apart (as `_nearest_members` keys them).
     back_w = w[back]
     span = 2.0 * float(back_w.max(initial=0.0)) + 1.0
-    key = back_slot * span + back_w
+    key = back_slot * span
+    key += back_w
     by_key = np.argsort(key, kind="stable")
-    key, back = key[by_key], back[by_key]
+    key, back = np.take(key, by_key, out=back_w), back[by_key]  # (back_w's buffer reused)
     seg = np.searchsorted(key, np.arange(k + 1) * span)  # each partner's first; then the end
     score, came = _score_rows(out, slot, w, key, back, seg, span, weight[over],
                               weight[partners], per_gpu[over], per_gpu[partners])  # fmt: skip
@@ -206,7 +207,7 @@ class _Members:
         by_slot = by_small_key(slot, 2 * k + 1)  # by pair, over then partners; id order
         ends = np.cumsum(np.bincount(slot, minlength=2 * k + 1))[[k - 1, 2 * k - 1]]
         out, back = by_slot[: ends[0]], by_slot[ends[0] : ends[1]]
-        return out, slot[out].astype(np.int64), back, slot[back].astype(np.int64) - k
+        return out, slot[out], back, slot[back] - k  # (slots as int16 where they fit)
 
     def real(self, member: int) -> int:
         """The sequence id of ``member``, or -1 for a phantom."""
