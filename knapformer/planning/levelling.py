@@ -234,7 +234,7 @@ class _Members:
         # The index ranges of the bags, concatenated: each range's start plus 0..count-1.
         offsets = np.cumsum(counts) - counts
         members = self.by_bag[np.repeat(starts - offsets, counts) + np.arange(int(counts.sum()))]
-        if not self.moved_in:  # nothing moved since the index was built (a wide round's case)
+        if not self.moved_in:  # nothing moved since the index was built (a first round)
             return members, slot
         still = self.bag[members] == bags_arr[slot]
         members, slot = members[still], slot[still]
