@@ -102,6 +102,24 @@ def test_member_index_groups_as_a_stable_sort_by_slot():
         assert np.array_equal(got, want) and np.array_equal(slot, every[want])
 
 
+def test_wide_round_pairs_group_as_the_member_index():
+    # Both sides of a wide round's pairs, by one sort of every member's slot: what the
+    # by-bag index gives each side, after exchanges made by the narrow rounds' swaps too.
+    rng = np.random.default_rng(8)
+    num_bags, n = 40, 900
+    members = levelling._Members(rng.integers(0, num_bags, n), rng.integers(1, 999, n),
+                                 rng.random(n), num_bags)  # fmt: skip
+    for _ in range(30):
+        in_a = np.flatnonzero(members.bag[:n] == 3)
+        if in_a.size:
+            members.swap(3, 5, int(in_a[0]), -1)
+        bags_ = rng.permutation(num_bags)
+        over, partners = bags_[:15], bags_[15:30]
+        got = members.in_pairs(over, partners)
+        want = (*members.grouped(over.tolist()), *members.grouped(partners.tolist()))
+        assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
+
+
 def test_a_large_pool_is_poured_and_plans_within_the_bound():
     # seqheavy on 1,024 GPUs under g8: ~12,000 small sequences leave their full home bags.
     lengths = sample_lengths(scale_mix(parse_mix("seqheavy"), 32), np.random.default_rng(2))
@@ -391,12 +409,13 @@ def _one_class_step(wide: bool):
         return step, fixed._pour(bags.descending(workload, np.flatnonzero(step.bag < 0)), step)
 
 
-@pytest.mark.parametrize("wide", [False, True])
+@pytest.mark.parametrize(("wide", "short"), [(False, 16), (True, 16), (True, 120)])
 @pytest.mark.parametrize("prefer_home", [False, True])
-def test_one_class_placement_is_the_least_occupied_rule(prefer_home, wide):
+def test_one_class_placement_is_the_least_occupied_rule(prefer_home, wide, short):
     # The one-bag-size placement against the rule written out: a sequence stays home
     # while its home bag has room (when preferred), else goes to the least occupied bag
-    # (ties: the lowest id), bags partly filled beforehand; one by one or in batches.
+    # (ties: the lowest id), bags partly filled beforehand; one by one, in batches, or
+    # (``short`` batches raised) in batches and runs one by one in turn.
     step, order = _one_class_step(wide)
     layout, workload = step.layout, step.workload
     load, batches, real = layout.load.tolist(), [], fixed._batch
@@ -407,9 +426,11 @@ def test_one_class_placement_is_the_least_occupied_rule(prefer_home, wide):
         batches.append(len(found[0]))
         return found
 
-    with patch.object(fixed, "_batch", spy):
+    with patch.object(fixed, "_batch", spy), patch.object(fixed, "SHORT_BATCH", short):
         fixed._place_in_order(order, step, prefer_home)
-    assert (max(batches, default=0) >= fixed.SHORT_BATCH) == wide  # batches placed some
+    assert (max(batches, default=0) >= short) == wide  # batches placed some
+    if short > 16:  # and some were left to the runs one by one
+        assert min(batches) < short and len(order) > fixed.BY_HEAP
     safe, kept_home = layout.capacity.tolist(), 0
     for seq in order.tolist():
         h, w = int(step.home_bag[seq]), float(workload[seq])

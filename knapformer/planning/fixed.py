@@ -26,6 +26,7 @@ from knapformer.planning.bags import (
 )
 from knapformer.planning.levelling import level_makespan
 from knapformer.planning.tuning import (
+    BY_HEAP,
     EPS,
     FALLBACK_TOLERANCE,
     HEAVY_FRACTION,
@@ -101,9 +102,10 @@ def _place_in_order(order: np.ndarray, step: Step, prefer_home: bool) -> None:
 def _place_in_one_class(order: np.ndarray, step: Step, prefer_home: bool) -> None:
     """`_place_in_order` where every bag is a candidate for every sequence (one bag size),
     chunks spread evenly (no remainder to track) and no token cap: the same placements
-    (the pool of a large step goes through it, a few thousand sequences). First in
-    batches (`_batch`) while they place at least ``SHORT_BATCH`` each, as where the pool
-    is about one sequence per bag; then one by one (`_place_by_heap`)."""
+    (the pool of a large step goes through it, a few thousand sequences). A pool of at
+    most one sequence per bag goes in batches (`_batch`), the next ``BY_HEAP`` one by one
+    (`_place_by_heap`) where a batch would place fewer than ``SHORT_BATCH``; a larger
+    pool one by one."""
     layout = step.layout
     load = layout.load.copy()
     limit = layout.capacity * (1 + EPS)
@@ -114,20 +116,23 @@ def _place_in_one_class(order: np.ndarray, step: Step, prefer_home: bool) -> Non
     chosen = np.empty(len(order), dtype=np.int64)
     # More sequences than bags: a run ends where one would take a bag twice, so soon.
     start, window, batches = 0, len(load), len(order) <= len(load)
-    while batches and start < len(order):
-        w, h = workload[start : start + window], home[start : start + window]
-        stays = may_stay[start : start + window] & (load[h] + w <= limit[h])
-        bag, new = _batch(w, h, stays, load, safe_capacity, occupancy)
-        batches = len(bag) >= SHORT_BATCH  # shorter ones cost more than they save
+    while start < len(order):
         if batches:
-            load[bag] += w[: len(bag)]
-            occupancy[bag] = new
-            chosen[start : start + len(bag)] = bag
-            start += len(bag)
-            window = min(len(load), 2 * len(bag))  # a batch runs about as far as the last
-    if start < len(order):
-        chosen[start:] = _place_by_heap(workload[start:], home[start:], may_stay[start:],
-                                        load, limit, safe_capacity, occupancy)  # fmt: skip
+            w, h = workload[start : start + window], home[start : start + window]
+            stays = may_stay[start : start + window] & (load[h] + w <= limit[h])
+            bag, new = _batch(w, h, stays, load, safe_capacity, occupancy)
+            if len(bag) >= SHORT_BATCH:  # shorter ones cost more than they save
+                load[bag] += w[: len(bag)]
+                occupancy[bag] = new
+                chosen[start : start + len(bag)] = bag
+                start += len(bag)
+                window = min(len(load), 2 * len(bag))  # a batch runs about as far as the last
+                continue
+        end = min(len(order), start + BY_HEAP) if batches else len(order)
+        chosen[start:end] = _place_by_heap(workload[start:end], home[start:end],
+                                           may_stay[start:end], load, limit, safe_capacity,
+                                           occupancy)  # fmt: skip
+        start, window = end, len(load)
     step.bag[order] = chosen
     step.rem[order] = 0
     layout.load[:] = load

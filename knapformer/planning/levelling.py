@@ -99,15 +99,15 @@ def _paired_exchanges(over, partners, members, weight, per_gpu):
     nearest the ideal coming back (its phantom: nothing). Returns (a, b, leaving a,
     leaving b) arrays of the pairs whose exchange lowers the larger of the two."""
     k = len(over)
-    out, slot = members.grouped(over.tolist())
-    back, back_slot = members.grouped(partners.tolist())
+    out, slot, back, back_slot = members.in_pairs(over, partners)
     w = members.workload
     # Each partner's members by workload, partners apart (as `_nearest_members` keys them).
     back_w = w[back]
     span = 2.0 * float(back_w.max(initial=0.0)) + 1.0
-    key = back_slot * span + back_w
+    key = back_slot * span
+    key += back_w
     by_key = np.argsort(key, kind="stable")
-    key, back = key[by_key], back[by_key]
+    key, back = np.take(key, by_key, out=back_w), back[by_key]  # (back_w's buffer reused)
     seg = np.searchsorted(key, np.arange(k + 1) * span)  # each partner's first; then the end
     score, came = _score_rows(out, slot, w, key, back, seg, span, weight[over],
                               weight[partners], per_gpu[over], per_gpu[partners])  # fmt: skip
@@ -196,6 +196,19 @@ class _Members:
         # bag -> members indexed under another bag; a bag stays a key once a member moved
         self.moved_in: dict[int, set[int]] = {}
 
+    def in_pairs(self, over: np.ndarray, partners: np.ndarray):
+        """`grouped` of both sides of a wide round's pairs, (members, pair) of ``over``, then
+        of ``partners``, by one stable sort of every member by its bag's slot: where the
+        pairs hold most of the step, cheaper than indexing it first."""
+        k, num_bags = len(over), len(self.bag) - self.num_real
+        slot_of = np.full(num_bags, 2 * k, dtype=np.int16 if 2 * k < 2**15 else np.int64)
+        slot_of[over], slot_of[partners] = np.arange(k), np.arange(k, 2 * k)
+        slot = slot_of[self.bag]
+        by_slot = by_small_key(slot, 2 * k + 1)  # by pair, over then partners; id order
+        ends = np.cumsum(np.bincount(slot, minlength=2 * k + 1))[[k - 1, 2 * k - 1]]
+        out, back = by_slot[: ends[0]], by_slot[ends[0] : ends[1]]
+        return out, slot[out], back, slot[back] - k  # (slots as int16 where they fit)
+
     def real(self, member: int) -> int:
         """The sequence id of ``member``, or -1 for a phantom."""
         return member if member < self.num_real else -1
@@ -221,7 +234,7 @@ class _Members:
         # The index ranges of the bags, concatenated: each range's start plus 0..count-1.
         offsets = np.cumsum(counts) - counts
         members = self.by_bag[np.repeat(starts - offsets, counts) + np.arange(int(counts.sum()))]
-        if not self.moved_in:  # nothing moved since the index was built (a wide round's case)
+        if not self.moved_in:  # nothing moved since the index was built (a first round)
             return members, slot
         still = self.bag[members] == bags_arr[slot]
         members, slot = members[still], slot[still]

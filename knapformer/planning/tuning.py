@@ -38,9 +38,10 @@ WIDE_BLOCK = 4096
 # Sequences per home bag up to which the stay-home pass sorts them as (home, rank) runs
 # (`_by_home_heaviest_first`); more, and one sort of unique keys is the faster.
 HOME_RUNS = 48
-# The one-size placement places in batches while each places at least this many (a pool
-# of about one sequence per bag), then one by one (bags close in occupancy, many staying).
+# The one-size placement of a pool of about one sequence per bag: a batch that would place
+# fewer than this (bags close in occupancy, sequences staying home) is placed one by one.
 SHORT_BATCH = 16
+BY_HEAP = 512  # sequences then placed one by one before batches are tried again
 
 # topology="auto" (auto.py and the passes it runs).
 TIE = 1e-9  # modelled times this close are equal (then: fewer moved tokens)
