@@ -13,7 +13,7 @@ from knapformer.planning import coarse
 from knapformer.planning.bags import BagLayout, Step, bag_shape, prefix_within_groups
 from knapformer.planning.communication import CommModel
 from knapformer.planning.datamix import parse_mix, sample_lengths, scale_mix
-from knapformer.planning.mixed import _stay_home_priced, solve_mixed
+from knapformer.planning.mixed import _size_heaps, _stay_home_priced, solve_mixed
 from knapformer.planning.partitions import effective_workloads, mixed_partitions, partition_floor
 from knapformer.planning.pricing import Prices, priced_loads, route_per_token
 from knapformer.planning.tuning import EVEN_TRIES
@@ -153,5 +153,29 @@ def test_the_route_at_home_is_the_route_of_sequences_placed_home(node_size):
     workload = step.workload[seqs]
     route = prices.route(seqs, home, home, size, lengths)
     expected = workload + prices.kappa[home] * lengths + 2 * route
-    assert np.array_equal(prices.at_home(workload, home, size, step.lengths[seqs]), expected)
+    got = prices.at_home(step.workload, seqs, home, size, step.lengths[seqs])
+    assert np.array_equal(got, expected)
     assert (prices.bag_node[home] < 0).any() == (node_size == 4)
+
+
+def test_size_heaps_hold_each_key_s_bags_as_heaps():
+    """The placement's heaps, made sorted at once: each (size class, node) key's heap holds
+    exactly its bags' (per-GPU time, bag) entries, in heap order (ties in time included),
+    and each bag's two heaps are its class's overall one and its node's."""
+    rng = np.random.default_rng(4)
+    n = 300
+    per = rng.choice([0.5, 1.0, 1.5, 2.0], n) + rng.integers(0, 2, n) * rng.random(n)
+    class_of_bag = rng.integers(0, 3, n)
+    bag_node = np.where(class_of_bag == 2, -1, rng.integers(0, 20, n))
+    heaps, bag_heaps = _size_heaps(per, class_of_bag, bag_node)
+    expected: dict = {}
+    for b in range(n):
+        for key in ((int(class_of_bag[b]), -2), (int(class_of_bag[b]), int(bag_node[b]))):
+            expected.setdefault(key, []).append((float(per[b]), b))
+    assert heaps.keys() == expected.keys()
+    for key, heap in heaps.items():
+        assert sorted(heap) == sorted(expected[key])
+        assert all(heap[(i - 1) // 2] <= heap[i] for i in range(1, len(heap)))
+    for b, (overall, local) in enumerate(bag_heaps):
+        assert overall is heaps[(int(class_of_bag[b]), -2)]
+        assert local is heaps[(int(class_of_bag[b]), int(bag_node[b]))]

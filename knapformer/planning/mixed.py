@@ -20,6 +20,7 @@ from knapformer.planning.bags import (
     by_small_key,
     descending,
     pour_slots,
+    prefix_within_bags,
     prefix_within_groups,
     water_room,
 )
@@ -260,11 +261,14 @@ def _stay_home_priced(seqs, step: Step, load: np.ndarray, prices: Prices, level:
     layout, lengths, home = step.layout, step.lengths, step.home_bag
     hb = home[seqs]
     at = lengths[seqs]
-    fits = np.take(layout.size, hb, mode="clip") <= at  # (no home: masked next)
-    fits &= hb >= 0
-    if not fits.all():
-        seqs, hb, at = seqs[fits], hb[fits], at[fits]
-    cost = prices.at_home(step.workload[seqs], hb, layout.size, at)
+    # Only a sequence shorter than the largest group may not fit its home bag.
+    short = np.flatnonzero(at < layout.class_size[-1])
+    fits = np.take(layout.size, hb[short], mode="clip") <= at[short]  # (no home: next)
+    if hb.min(initial=0) < 0 or not fits.all():
+        keep = hb >= 0
+        keep[short] &= fits
+        seqs, hb, at = seqs[keep], hb[keep], at[keep]
+    cost = prices.at_home(step.workload, seqs, hb, layout.size, at)
     room = level * layout.weight - load
     token_room = None
     whole = np.bincount(hb, weights=cost, minlength=len(load)) <= room
@@ -280,23 +284,24 @@ def _stay_home_priced(seqs, step: Step, load: np.ndarray, prices: Prices, level:
     staying = np.zeros(len(lengths), dtype=bool)
     staying[order] = _staying(order, step, price[order], room, token_room)
     stays[~stays] = staying[rest]
+    cost[~stays] = 0.0  # (a sum of zeros besides is the same bits)
+    load = load + np.bincount(hb, weights=cost, minlength=len(load))
     kept, hb = seqs[stays], hb[stays]
     step.bag[kept] = hb
     if layout.max_tokens is not None:
         layout.add_many(hb, np.zeros(len(kept)), lengths[kept])
     stale = np.ones(len(lengths), dtype=bool)
     stale[kept] = False
-    known = (price, np.zeros(len(lengths)), np.flatnonzero(stale))
-    return load + np.bincount(hb, weights=cost[stays], minlength=len(load)), known
+    return load, (price, np.zeros(len(lengths)), np.flatnonzero(stale))
 
 
 def _staying(order, step: Step, cost, room, token_room) -> np.ndarray:
     """Which of ``order`` (by home bag, heaviest first) stay: the running ``cost`` within the
     home bag inside its ``room`` (and its tokens inside ``token_room``, where capped)."""
     hb = step.home_bag[order]
-    stays = prefix_within_groups(cost, hb, room[hb])
+    stays = prefix_within_bags(cost, hb, room)
     if token_room is not None:
-        stays &= prefix_within_groups(step.lengths[order].astype(np.float64), hb, token_room[hb])
+        stays &= prefix_within_bags(step.lengths[order].astype(np.float64), hb, token_room)
     return stays
 
 
@@ -341,8 +346,12 @@ def _shave(step: Step, prices: Prices, known) -> tuple[np.ndarray, tuple[np.ndar
     price, load, sent = priced_loads(step, prices, known)
     mean = float(load.sum() / layout.weight.sum())
     excess = load - mean * layout.weight
-    movable = (step.lengths >= layout.class_size[-1]) & (step.bag >= 0)
-    movable &= excess[np.maximum(step.bag, 0)] > 0
+    over = excess > 0
+    if step.bag.min(initial=0) >= 0:  # every sequence placed: one gather of bags' flags
+        movable = over[step.bag]
+    else:
+        movable = (step.bag >= 0) & over[np.maximum(step.bag, 0)]
+    movable &= step.lengths >= layout.class_size[-1]
     seqs = np.flatnonzero(movable)
     if seqs.size == 0:
         return seqs, (price, sent)
