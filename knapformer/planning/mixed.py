@@ -7,7 +7,7 @@ from __future__ import annotations
 import gc
 from contextlib import contextmanager
 from functools import partial
-from heapq import heappop, heappush
+from heapq import heapreplace
 
 import numpy as np
 
@@ -127,7 +127,10 @@ def _collector_paused():
 class _PricedBags:
     """The bags' priced loads while `_place_priced` places sequences one by one, kept in
     Python lists (read item by item, where numpy's per-call overhead would dominate), with
-    the heaps of the least loaded bag of each size (`_size_heaps`)."""
+    the heaps of the least loaded bag of each size (`_size_heaps`). Loads only grow while
+    sequences are placed, so a bag's entry is renewed only when it surfaces stale (the
+    least live entry is the same as with every new load pushed, at a sift a bag that
+    surfaces, not a push for every sequence placed)."""
 
     def __init__(self, layout: BagLayout, prices: Prices, load: np.ndarray):
         self.size, self.weight = layout.size.tolist(), layout.weight.tolist()
@@ -137,15 +140,14 @@ class _PricedBags:
         self.load = load.tolist()
         per = load / layout.weight
         self.per = per.tolist()
-        self.heaps, self.bag_heaps = _size_heaps(per, layout.shape.class_of_bag_array,
-                                                 prices.bag_node)  # fmt: skip
+        self.heaps = _size_heaps(per, layout.shape.class_of_bag_array, prices.bag_node)
         self.tries: dict[int, list] = {}  # per source node: (class, size, its two heaps)
 
     def place(self, rows, layout: BagLayout, limit: float) -> list[int]:
         """The bag of each (sequence, workload, length, home bag, source node) of ``rows``,
         in turn: home while that keeps it within ``limit`` per GPU, else `_least_away`."""
         size, load, weight, kap, intra = self.size, self.load, self.weight, self.kap, self.intra
-        per, bag_heaps, least_away, inf = self.per, self.bag_heaps, self._least_away, np.inf
+        per, least_away, inf = self.per, self._least_away, np.inf
         capped, chosen = layout.max_tokens is not None, []
         for seq, w, length, h, node in rows:
             room = layout.token_room(length).tolist() if capped else None
@@ -158,14 +160,12 @@ class _PricedBags:
                 if b < 0:
                     raise layout.infeasible(seq, length)
             chosen.append(b)
-            # Charge the bag (and the home bag its sending) and push each new per-GPU load
-            # on the bag's heaps; inlined, as thousands of sequences come through here.
-            for bag, paid in ((b, cost), (h, sent)) if sent and h >= 0 else ((b, cost),):
-                load[bag] += paid
-                per[bag] = p = load[bag] / weight[bag]
-                entry = (p, bag)
-                for heap in bag_heaps[bag]:
-                    heappush(heap, entry)
+            # Charge the bag (and the home bag its sending); its heap entries go stale.
+            load[b] += cost
+            per[b] = load[b] / weight[b]
+            if sent and h >= 0:
+                load[h] += sent
+                per[h] = load[h] / weight[h]
             if capped:
                 layout.add(b, 0.0, length, 0)
         return chosen
@@ -190,11 +190,11 @@ class _PricedBags:
             for heap in class_heaps:
                 if room is None:
                     top_per, top = heap[0]
-                    while top_per != per[top]:  # `_live_top`, inlined
-                        heappop(heap)
+                    while top_per != per[top]:  # stale (lower): renewed, sifted down
+                        heapreplace(heap, (per[top], top))
                         top_per, top = heap[0]
                 else:
-                    live = [e for e in heap if room[e[1]] and e[0] == per[e[1]]]
+                    live = [(per[e[1]], e[1]) for e in heap if room[e[1]]]
                     if not live:
                         continue
                     top = min(live)[1]
@@ -223,16 +223,14 @@ class _PricedBags:
 
 def _size_heaps(per: np.ndarray, class_of_bag: np.ndarray, bag_node: np.ndarray):
     """Min-heaps of (per-GPU time, bag) giving the least loaded bag of each size, overall
-    (node -2) and in each node, keyed (size class, node); and each bag's two heaps (a new
-    entry goes to both when the bag's load grows; stale ones are dropped when they
-    surface). Each heap is made sorted (a sorted list is a heap: the same least entries)
-    from one sort by time and a radix sort by key, not entry by entry: at thousands of
-    bags, half the time."""
+    (node -2) and in each node, keyed (size class, node): one entry per bag in each of its
+    two heaps. Each heap is made sorted (a sorted list is a heap) from one sort by time
+    and a radix sort by key, not entry by entry: at thousands of bags, a third of the
+    time."""
     n = len(per)
     by_per = np.argsort(per, kind="stable")  # ties by bag, as the tuples order them
     entries = list(zip(per.tolist(), range(n), strict=True))
     heaps: dict[tuple[int, int], list[tuple[float, int]]] = {}
-    columns = []
     for node in (np.full(n, -2), bag_node):
         key = class_of_bag * (n + 2) + node + 2  # (class, node) as one small int
         order = by_per[by_small_key(key[by_per], int(key.max(initial=0)) + 1)]
@@ -246,10 +244,7 @@ def _size_heaps(per: np.ndarray, class_of_bag: np.ndarray, bag_node: np.ndarray)
         first = order[starts]
         keys = zip(class_of_bag[first].tolist(), node[first].tolist(), strict=True)
         heaps.update(zip(keys, own, strict=True))
-        group = np.empty(n, dtype=np.int64)
-        group[order] = np.cumsum(new) - 1
-        columns.append([own[k] for k in group.tolist()])
-    return heaps, list(zip(*columns, strict=True))
+    return heaps
 
 
 def _stay_home_priced(seqs, step: Step, load: np.ndarray, prices: Prices, level: float):
