@@ -9,11 +9,11 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from knapformer.planning import coarse
+from knapformer.planning import coarse, mixed
 from knapformer.planning.bags import BagLayout, Step, bag_shape, prefix_within_groups
 from knapformer.planning.communication import CommModel
 from knapformer.planning.datamix import parse_mix, sample_lengths, scale_mix
-from knapformer.planning.mixed import _stay_home_priced, solve_mixed
+from knapformer.planning.mixed import _size_heaps, _stay_home_priced, solve_mixed
 from knapformer.planning.partitions import effective_workloads, mixed_partitions, partition_floor
 from knapformer.planning.pricing import Prices, priced_loads, route_per_token
 from knapformer.planning.tuning import EVEN_TRIES
@@ -153,5 +153,49 @@ def test_the_route_at_home_is_the_route_of_sequences_placed_home(node_size):
     workload = step.workload[seqs]
     route = prices.route(seqs, home, home, size, lengths)
     expected = workload + prices.kappa[home] * lengths + 2 * route
-    assert np.array_equal(prices.at_home(workload, home, size, step.lengths[seqs]), expected)
+    got = prices.at_home(step.workload, seqs, home, size, step.lengths[seqs])
+    assert np.array_equal(got, expected)
     assert (prices.bag_node[home] < 0).any() == (node_size == 4)
+
+
+def test_size_heaps_hold_each_key_s_bags_as_heaps():
+    """The placement's heaps, made sorted at once: each (size class, node) key's heap holds
+    exactly its bags' (per-GPU time, bag) entries, in heap order (ties in time included)."""
+    rng = np.random.default_rng(4)
+    n = 300
+    per = rng.choice([0.5, 1.0, 1.5, 2.0], n) + rng.integers(0, 2, n) * rng.random(n)
+    class_of_bag = rng.integers(0, 3, n)
+    bag_node = np.where(class_of_bag == 2, -1, rng.integers(0, 20, n))
+    heaps = _size_heaps(per, class_of_bag, bag_node)
+    expected: dict = {}
+    for b in range(n):
+        for key in ((int(class_of_bag[b]), -2), (int(class_of_bag[b]), int(bag_node[b]))):
+            expected.setdefault(key, []).append((float(per[b]), b))
+    assert heaps.keys() == expected.keys()
+    for key, heap in heaps.items():
+        assert sorted(heap) == sorted(expected[key])
+        assert all(heap[(i - 1) // 2] <= heap[i] for i in range(1, len(heap)))
+
+
+@pytest.mark.parametrize("mix", ["joint", "mixres"])
+def test_placement_heaps_top_is_the_least_loaded_bag(monkeypatch, mix):
+    """Loads only grow while sequences are placed one by one, so a bag's heap entry is
+    renewed only when it surfaces stale: every heap whose top is live (each one a search
+    has just read) still has the least (per-GPU time, bag) of its bags at the top, as a
+    scan of them finds."""
+    least_away = mixed._PricedBags._least_away
+    checked = []
+
+    def checking(self, *args):
+        found = least_away(self, *args)
+        for heap in self.heaps.values():
+            if heap[0][0] == self.per[heap[0][1]]:
+                assert heap[0] == min((self.per[b], b) for _, b in heap)
+                checked.append(len(heap))
+        return found
+
+    monkeypatch.setattr(mixed._PricedBags, "_least_away", checking)
+    step, _, floor = _fresh_step(mix, 8, 3)
+    solve_mixed(tuple(step.layout.size.tolist()), step.lengths, step.workload, step.src_pos,
+                None, None, PER_TOKEN, floor, COMM, MODEL)  # fmt: skip
+    assert len(checked) > 100 and max(checked) > 10

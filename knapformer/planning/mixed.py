@@ -7,7 +7,7 @@ from __future__ import annotations
 import gc
 from contextlib import contextmanager
 from functools import partial
-from heapq import heappop, heappush
+from heapq import heapreplace
 
 import numpy as np
 
@@ -20,6 +20,7 @@ from knapformer.planning.bags import (
     by_small_key,
     descending,
     pour_slots,
+    prefix_within_bags,
     prefix_within_groups,
     water_room,
 )
@@ -49,14 +50,18 @@ def solve_mixed(bag_sizes, lengths, workload, src_pos, speed, max_tokens, per_to
     step = Step.start(shape, lengths, workload, src_pos, layout)
     prices = Prices.of(shape, src_pos, per_token, comm, model)
     empty = lengths == 0
-    step.bag[empty] = step.home_bag[empty]
+    if empty.any():
+        step.bag[empty] = step.home_bag[empty]
+        placed = np.flatnonzero(~empty)
+    else:
+        placed = np.arange(len(lengths))
     load = np.zeros(len(shape.size))
-    placed = np.flatnonzero(~empty)
     known = None  # the prices as far as they are known (`priced_loads`)
     if len(placed) > ONE_BY_ONE:
         # Only the heavy ones and the pool need the descending order (the bulk pass sorts
         # by home bag itself): sorting every sequence would cost more than the rest.
-        heavy = workload[placed] > HEAVY_FRACTION * floor
+        of_placed = workload if len(placed) == len(lengths) else workload[placed]
+        heavy = of_placed > HEAVY_FRACTION * floor
         load = _place_priced(descending(workload, placed[heavy], step), step, load, prices, floor)
         rest = placed[~heavy]
         load, known = _stay_home_priced(rest, step, load, prices, floor)
@@ -122,7 +127,10 @@ def _collector_paused():
 class _PricedBags:
     """The bags' priced loads while `_place_priced` places sequences one by one, kept in
     Python lists (read item by item, where numpy's per-call overhead would dominate), with
-    the heaps of the least loaded bag of each size (`_size_heaps`)."""
+    the heaps of the least loaded bag of each size (`_size_heaps`). Loads only grow while
+    sequences are placed, so a bag's entry is renewed only when it surfaces stale (the
+    least live entry is the same as with every new load pushed, at a sift a bag that
+    surfaces, not a push for every sequence placed)."""
 
     def __init__(self, layout: BagLayout, prices: Prices, load: np.ndarray):
         self.size, self.weight = layout.size.tolist(), layout.weight.tolist()
@@ -132,15 +140,14 @@ class _PricedBags:
         self.load = load.tolist()
         per = load / layout.weight
         self.per = per.tolist()
-        self.heaps, self.bag_heaps = _size_heaps(per, layout.shape.class_of_bag_array,
-                                                 prices.bag_node)  # fmt: skip
+        self.heaps = _size_heaps(per, layout.shape.class_of_bag_array, prices.bag_node)
         self.tries: dict[int, list] = {}  # per source node: (class, size, its two heaps)
 
     def place(self, rows, layout: BagLayout, limit: float) -> list[int]:
         """The bag of each (sequence, workload, length, home bag, source node) of ``rows``,
         in turn: home while that keeps it within ``limit`` per GPU, else `_least_away`."""
         size, load, weight, kap, intra = self.size, self.load, self.weight, self.kap, self.intra
-        per, bag_heaps, least_away, inf = self.per, self.bag_heaps, self._least_away, np.inf
+        per, least_away, inf = self.per, self._least_away, np.inf
         capped, chosen = layout.max_tokens is not None, []
         for seq, w, length, h, node in rows:
             room = layout.token_room(length).tolist() if capped else None
@@ -153,14 +160,12 @@ class _PricedBags:
                 if b < 0:
                     raise layout.infeasible(seq, length)
             chosen.append(b)
-            # Charge the bag (and the home bag its sending) and push each new per-GPU load
-            # on the bag's heaps; inlined, as thousands of sequences come through here.
-            for bag, paid in ((b, cost), (h, sent)) if sent and h >= 0 else ((b, cost),):
-                load[bag] += paid
-                per[bag] = p = load[bag] / weight[bag]
-                entry = (p, bag)
-                for heap in bag_heaps[bag]:
-                    heappush(heap, entry)
+            # Charge the bag (and the home bag its sending); its heap entries go stale.
+            load[b] += cost
+            per[b] = load[b] / weight[b]
+            if sent and h >= 0:
+                load[h] += sent
+                per[h] = load[h] / weight[h]
             if capped:
                 layout.add(b, 0.0, length, 0)
         return chosen
@@ -173,8 +178,9 @@ class _PricedBags:
         load, weight, per, kap, bag_node = self.load, self.weight, self.per, self.kap, self.bag_node
         near, far = self.intra * length, self.inter * length  # the route in its node or not
         (b, lowest, cost), sent = best, 0.0
-        # The home bag's per-GPU time once it sends the sequence, by route: no bag can end
-        # the larger of the two lower (then it is not priced).
+        # The home bag's per-GPU time once it has sent the sequence, by route (in its node
+        # or not): the larger of the two ends no lower, so a bag is priced only where that
+        # still beats the best so far.
         sends_near = sends_far = -np.inf
         if h >= 0:
             sends_near, sends_far = (load[h] + near) / weight[h], (load[h] + far) / weight[h]
@@ -184,11 +190,11 @@ class _PricedBags:
             for heap in class_heaps:
                 if room is None:
                     top_per, top = heap[0]
-                    while top_per != per[top]:  # `_live_top`, inlined
-                        heappop(heap)
+                    while top_per != per[top]:  # stale (lower): renewed, sifted down
+                        heapreplace(heap, (per[top], top))
                         top_per, top = heap[0]
                 else:
-                    live = [e for e in heap if room[e[1]] and e[0] == per[e[1]]]
+                    live = [(per[e[1]], e[1]) for e in heap if room[e[1]]]
                     if not live:
                         continue
                     top = min(live)[1]
@@ -217,16 +223,14 @@ class _PricedBags:
 
 def _size_heaps(per: np.ndarray, class_of_bag: np.ndarray, bag_node: np.ndarray):
     """Min-heaps of (per-GPU time, bag) giving the least loaded bag of each size, overall
-    (node -2) and in each node, keyed (size class, node); and each bag's two heaps (a new
-    entry goes to both when the bag's load grows; stale ones are dropped when they
-    surface). Each heap is made sorted (a sorted list is a heap: the same least entries)
-    from one sort by time and a radix sort by key, not entry by entry: at thousands of
-    bags, a third of the time."""
+    (node -2) and in each node, keyed (size class, node): one entry per bag in each of its
+    two heaps. Each heap is made sorted (a sorted list is a heap) from one sort by time
+    and a radix sort by key, not entry by entry: at thousands of bags, a third of the
+    time."""
     n = len(per)
     by_per = np.argsort(per, kind="stable")  # ties by bag, as the tuples order them
     entries = list(zip(per.tolist(), range(n), strict=True))
     heaps: dict[tuple[int, int], list[tuple[float, int]]] = {}
-    columns = []
     for node in (np.full(n, -2), bag_node):
         key = class_of_bag * (n + 2) + node + 2  # (class, node) as one small int
         order = by_per[by_small_key(key[by_per], int(key.max(initial=0)) + 1)]
@@ -240,10 +244,7 @@ def _size_heaps(per: np.ndarray, class_of_bag: np.ndarray, bag_node: np.ndarray)
         first = order[starts]
         keys = zip(class_of_bag[first].tolist(), node[first].tolist(), strict=True)
         heaps.update(zip(keys, own, strict=True))
-        group = np.empty(n, dtype=np.int64)
-        group[order] = np.cumsum(new) - 1
-        columns.append([own[k] for k in group.tolist()])
-    return heaps, list(zip(*columns, strict=True))
+    return heaps
 
 
 def _stay_home_priced(seqs, step: Step, load: np.ndarray, prices: Prices, level: float):
@@ -255,11 +256,14 @@ def _stay_home_priced(seqs, step: Step, load: np.ndarray, prices: Prices, level:
     layout, lengths, home = step.layout, step.lengths, step.home_bag
     hb = home[seqs]
     at = lengths[seqs]
-    fits = np.take(layout.size, hb, mode="clip") <= at  # (no home: masked next)
-    fits &= hb >= 0
-    if not fits.all():
-        seqs, hb, at = seqs[fits], hb[fits], at[fits]
-    cost = prices.at_home(step.workload[seqs], hb, layout.size, at)
+    # Only a sequence shorter than the largest group may not fit its home bag.
+    short = np.flatnonzero(at < layout.class_size[-1])
+    fits = np.take(layout.size, hb[short], mode="clip") <= at[short]  # (no home: next)
+    if hb.min(initial=0) < 0 or not fits.all():
+        keep = hb >= 0
+        keep[short] &= fits
+        seqs, hb, at = seqs[keep], hb[keep], at[keep]
+    cost = prices.at_home(step.workload, seqs, hb, layout.size, at)
     room = level * layout.weight - load
     token_room = None
     whole = np.bincount(hb, weights=cost, minlength=len(load)) <= room
@@ -275,23 +279,24 @@ def _stay_home_priced(seqs, step: Step, load: np.ndarray, prices: Prices, level:
     staying = np.zeros(len(lengths), dtype=bool)
     staying[order] = _staying(order, step, price[order], room, token_room)
     stays[~stays] = staying[rest]
+    cost[~stays] = 0.0  # (a sum of zeros besides is the same bits)
+    load = load + np.bincount(hb, weights=cost, minlength=len(load))
     kept, hb = seqs[stays], hb[stays]
     step.bag[kept] = hb
     if layout.max_tokens is not None:
         layout.add_many(hb, np.zeros(len(kept)), lengths[kept])
     stale = np.ones(len(lengths), dtype=bool)
     stale[kept] = False
-    known = (price, np.zeros(len(lengths)), np.flatnonzero(stale))
-    return load + np.bincount(hb, weights=cost[stays], minlength=len(load)), known
+    return load, (price, np.zeros(len(lengths)), np.flatnonzero(stale))
 
 
 def _staying(order, step: Step, cost, room, token_room) -> np.ndarray:
     """Which of ``order`` (by home bag, heaviest first) stay: the running ``cost`` within the
     home bag inside its ``room`` (and its tokens inside ``token_room``, where capped)."""
     hb = step.home_bag[order]
-    stays = prefix_within_groups(cost, hb, room[hb])
+    stays = prefix_within_bags(cost, hb, room)
     if token_room is not None:
-        stays &= prefix_within_groups(step.lengths[order].astype(np.float64), hb, token_room[hb])
+        stays &= prefix_within_bags(step.lengths[order].astype(np.float64), hb, token_room)
     return stays
 
 
@@ -302,24 +307,28 @@ def _pour(pool, step: Step, load: np.ndarray, prices: Prices) -> np.ndarray:
     shorter than some group are left unplaced (placed one by one after). Returns the new
     loads (route priced over the network, on both ends)."""
     layout, lengths, workload = step.layout, step.lengths, step.workload
-    pool = pool[lengths[pool] >= layout.class_size[-1]]
+    at = lengths[pool]
+    fits = at >= layout.class_size[-1]
+    if not fits.all():
+        pool, at = pool[fits], at[fits]
     if pool.size == 0:
         return load
     kappa = prices.kappa
     by_class = np.argsort(layout.size, kind="stable")  # bags, smallest groups first
-    base = workload[pool].sum()
+    cost = workload[pool]
+    base = cost.sum()
     # A bag's room in the pool's own units (cost without Ulysses): its priced room over the
     # pool's mean inflation in that group.
-    inflation = 1.0 + (kappa[by_class] + prices.inter) * lengths[pool].sum() / base
+    inflation = 1.0 + (kappa[by_class] + prices.inter) * at.sum() / base
     room = water_room(load[by_class], layout.weight[by_class], base, inflation)
-    cost = workload[pool]
     bags = by_class[pour_slots(cost, room)]
     step.bag[pool] = bags
-    sent = prices.inter * lengths[pool]
-    load = load + np.bincount(bags, weights=cost + kappa[bags] * lengths[pool] + sent,
-                              minlength=len(load))  # fmt: skip
+    sent = prices.inter * at
+    load = load + np.bincount(bags, weights=cost + kappa[bags] * at + sent, minlength=len(load))
     home = step.home_bag[pool]
-    return load + np.bincount(home[home >= 0], weights=sent[home >= 0], minlength=len(load))
+    if home.min() < 0:  # (sources outside the partition send nothing from these bags)
+        home, sent = home[home >= 0], sent[home >= 0]
+    return load + np.bincount(home, weights=sent, minlength=len(load))
 
 
 def _shave(step: Step, prices: Prices, known) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
@@ -332,8 +341,12 @@ def _shave(step: Step, prices: Prices, known) -> tuple[np.ndarray, tuple[np.ndar
     price, load, sent = priced_loads(step, prices, known)
     mean = float(load.sum() / layout.weight.sum())
     excess = load - mean * layout.weight
-    movable = (step.lengths >= layout.class_size[-1]) & (step.bag >= 0)
-    movable &= excess[np.maximum(step.bag, 0)] > 0
+    over = excess > 0
+    if step.bag.min(initial=0) >= 0:  # every sequence placed: one gather of bags' flags
+        movable = over[step.bag]
+    else:
+        movable = (step.bag >= 0) & over[np.maximum(step.bag, 0)]
+    movable &= step.lengths >= layout.class_size[-1]
     seqs = np.flatnonzero(movable)
     if seqs.size == 0:
         return seqs, (price, sent)

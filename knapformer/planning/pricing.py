@@ -271,18 +271,19 @@ class Prices:
         moved = np.where(bags == home, ((size - 1) / size)[bags], 1.0) * lengths
         return per * moved
 
-    def at_home(self, workload, home, size, lengths):
-        """The price of sequences in their home bags ``home`` (``workload``, ``lengths`` of
-        each): `_priced`'s, the same bits, by a short form of the route (a home bag holds
-        its sequence's source GPU, so it is in the source's node unless it spans nodes, and
-        (g-1)/g of the tokens leave) summed into one buffer: two step-sized temporaries
-        where the plain form makes ten."""
+    def at_home(self, workload, seqs, home, size, lengths):
+        """The price of sequences ``seqs`` in their home bags ``home`` (``lengths`` of each;
+        ``workload``: the step's): `_priced`'s, the same bits, by a short form of the route
+        (a home bag holds its sequence's source GPU, so it is in the source's node unless
+        it spans nodes, and (g-1)/g of the tokens leave), summed in two buffers where the
+        plain form makes ten step-sized temporaries."""
         price = np.take(self.kappa, home)
         price *= lengths  # k_g*L (+ W below: the same sum either way round)
-        price += workload
+        buffer = np.take(workload, seqs)
+        price += buffer
         route = np.take((size - 1) / size, home)
         route *= lengths
-        route *= np.take(np.where(self.bag_node >= 0, self.intra, self.inter), home)
+        route *= np.take(np.where(self.bag_node >= 0, self.intra, self.inter), home, out=buffer)
         route *= 2  # its home bag sends it and receives it
         price += route
         return price
