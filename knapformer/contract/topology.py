@@ -13,6 +13,7 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
+from itertools import accumulate
 
 from knapformer.contract.limits import MAX_GPUS, abbreviate, check_count, parse_count
 from knapformer.errors import KnapformerError
@@ -158,11 +159,10 @@ def consecutive_bags(gpus: Sequence[int], sizes: Sequence[int]) -> list[list[int
     each a new list."""
     if sizes and sizes.count(sizes[0]) == len(sizes):  # one size: one C-level pass (half the time)
         return list(map(list, zip(*[iter(gpus)] * sizes[0], strict=True)))
-    out, start = [], 0
-    for size in sizes:
-        out.append(list(gpus[start : start + size]))
-        start += size
-    return out
+    if not isinstance(gpus, list):
+        gpus = list(gpus)  # then each slice is a new list already
+    starts = accumulate(sizes, initial=0)  # one more than the sizes: zip stops at theirs
+    return [gpus[s : s + g] for s, g in zip(starts, sizes, strict=False)]
 
 
 def heads_for(bag_sizes: Iterable[int], at_least: int = 4) -> int:
