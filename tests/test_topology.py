@@ -1,6 +1,7 @@
+import numpy as np
 import pytest
 
-from knapformer.contract.topology import Topology
+from knapformer.contract.topology import Topology, consecutive_bags
 
 
 def test_parse_orders_bags_smallest_first_with_contiguous_ranks():
@@ -41,9 +42,28 @@ def test_replicas_are_consecutive_rank_groups():
     ],
 )
 def test_malformed_topologies_name_the_problem(text, fragment):
-    with pytest.raises(ValueError) as err:
-        Topology.parse(text)
-    assert fragment in str(err.value)
+    for _ in range(2):  # parses are cached: a bad string must raise every time
+        with pytest.raises(ValueError) as err:
+            Topology.parse(text)
+        assert fragment in str(err.value)
+
+
+@pytest.mark.parametrize("sizes", [(), (1, 2.0), (1, np.int64(2)), (2, 0), (1, -1), (1, "2")])
+def test_bag_sizes_must_be_positive_ints(sizes):
+    with pytest.raises(ValueError, match="positive ints"):
+        Topology(sizes)
+
+
+@pytest.mark.parametrize("sizes", [(1,) * 6, (2, 2, 2), (6,), (1, 1, 4), (2, 1, 1, 2), (4, 1, 1)])
+def test_consecutive_bags_are_the_slices_in_order_each_a_new_list(sizes):
+    gpus = [10 + i for i in range(sum(sizes))]
+    starts = np.cumsum((0, *sizes[:-1])).tolist()
+    expected = [gpus[s : s + g] for s, g in zip(starts, sizes, strict=True)]
+    first = consecutive_bags(gpus, sizes)
+    assert first == expected
+    assert consecutive_bags(tuple(gpus), list(sizes)) == expected  # any sequence in
+    first[0].append(-1)  # a plan's bags are its own: the next ones are unchanged
+    assert consecutive_bags(gpus, sizes) == expected
 
 
 @pytest.mark.parametrize("world", [0, 3, 6, 9])

@@ -109,7 +109,11 @@ class Candidate:
 def effective_workloads(workload, lengths, sizes, per_token) -> np.ndarray:
     """(len(sizes), n) cost of each sequence in a group of each size: ``W + k_g * L``."""
     kappa = np.asarray([per_token[g] for g in sizes], dtype=np.float64)
-    return workload[None, :] + kappa[:, None] * lengths.astype(np.float64)[None, :]
+    # Into one array, the lengths cast inside the product: no (sizes, n) temporary and no
+    # float copy of the lengths (a few ms a step at 4,096 GPUs); the same sums.
+    eff = np.multiply(kappa[:, None], lengths, dtype=np.float64)
+    eff += workload
+    return eff
 
 
 def family_floors(eff: np.ndarray, sizes, num_gpus: int) -> dict[int, float]:

@@ -72,7 +72,7 @@ from knapformer.contract.limits import (
     check_count,
 )
 from knapformer.contract.plan import Chunks, Measurements, RoutingPlan
-from knapformer.contract.topology import Topology, as_topology
+from knapformer.contract.topology import Topology, as_topology, consecutive_bags
 from knapformer.errors import KnapformerError
 from knapformer.planning.auto import solve_auto
 from knapformer.planning.bags import (
@@ -150,8 +150,7 @@ def plan_routing(
 
 def _chosen_bags(solved: Step, gpus: list[int]) -> list[list[int]]:
     """The GPU ranks of each bag of the partition auto chose, in position order."""
-    shape = solved.layout.shape
-    return [gpus[s : s + g] for s, g in zip(shape.start.tolist(), shape.size.tolist(), strict=True)]
+    return consecutive_bags(gpus, solved.layout.shape.size.tolist())
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,11 @@ class WorkloadModel:
         attention)`` from `terms`): the rounding then matches other implementations of
         it bit for bit, which greedy's near-ties depend on.
         """
-        length = np.asarray(lengths, dtype=np.float64)
+        length = np.asarray(lengths)
+        if length.dtype.kind not in "iu":
+            length = length.astype(np.float64)
+        # Integer lengths are cast inside each product (the same values as a float copy of
+        # them, one step-sized array fewer: its pages cost ~0.5 ms at 4,096 GPUs).
         d = float(self.token_dim)
         # ``scale * (24*L*d*d + gamma*4*L*L*d) / 1e12``, step by step in that order (the same
         # roundings), into two arrays rather than one temporary per operation.
