@@ -15,8 +15,12 @@ shared machine's other load barely changes it; one core):
   that rank's rows of the chunk table), of which *rank ms* is the tables;
 - *table ms*: then making the plan's whole chunk table, as a reader of the plan does (the
   recorder writing it, validation, statistics): not on a rank's path, since a plan the
-  planner makes derives its table when first read. Auto makes the table of the layout it
-  chooses while pricing it, so its whole table is in its *ms* already (0 here).
+  planner makes derives its table when first read. Auto makes the table of a layout it
+  prices exactly while pricing it, so where it priced its choice that table is in its
+  *ms* already (0 here);
+- *faults*: the minor page faults of the plan and the tables (``ru_minflt``): memory the
+  kernel hands out zeroed, whose cost is inside *ms* (glibc gives the top of its heap
+  back after a plan, and the next plan's step-sized temporaries take it again).
 
 Each row prints the medians over the steps, the modelled step of the auto plan (forward
 + backward, 3x the modelled forward: `plan_cost`, NVLink) and the plan-ahead slack: what
@@ -30,6 +34,7 @@ rank 0's tables) ≤ 30 ms. ``--quick`` (for the test): 32 GPUs, one step.
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
 import time
 
@@ -61,7 +66,7 @@ def time_row(mix: str, factor: int, steps: int) -> dict:
     codes = scale_mix(parse_mix(mix), factor)
     num_gpus = sum(c.gpus for c in codes)
     policies = {"g8": f"g8n{num_gpus // 8}", "auto": "auto"}
-    cpu: dict[str, list[tuple[float, float, float]]] = {p: [] for p in policies}
+    cpu: dict[str, list[tuple[float, float, float, int]]] = {p: [] for p in policies}
     step_ms, sequences = [], 0
     for step in range(steps):
         lengths = sample_lengths(codes, np.random.default_rng(SEED + step))
@@ -73,7 +78,8 @@ def time_row(mix: str, factor: int, steps: int) -> dict:
                 step_ms.append(BACKWARD * plan_cost(plan, COMM).step_ms)
     row = {}
     for policy, figures in cpu.items():
-        for name, values in zip(("", " rank", " table"), zip(*figures, strict=True), strict=True):
+        for name, values in zip(("", " rank", " table", " faults"), zip(*figures, strict=True),
+                                strict=True):  # fmt: skip
             row[policy + name] = statistics.median(values)
     return row | {"mix": mix, "gpus": num_gpus, "sequences": sequences,
                   "step_ms": statistics.median(step_ms)}  # fmt: skip
@@ -81,16 +87,18 @@ def time_row(mix: str, factor: int, steps: int) -> dict:
 
 def time_plan(lengths, topology: str) -> tuple:
     """(plan, CPU ms of planning and rank 0's routing tables, of the tables alone, of
-    making the whole chunk table afterwards)."""
+    making the whole chunk table afterwards, minor page faults of the plan and tables)."""
     comm = COMM if topology == "auto" else None
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     started = time.process_time()
     plan = plan_routing(lengths, topology, MODEL, comm=comm)
     planned = time.process_time()
     RoutingTables.build(plan, plan.gpus[0], CPU)
     tabled = time.process_time()
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
     len(plan.chunks.seq)  # a reader's first read makes the whole table
     whole = time.process_time()
-    return plan, (tabled - started) * 1e3, (tabled - planned) * 1e3, (whole - tabled) * 1e3
+    return plan, (tabled - started) * 1e3, (tabled - planned) * 1e3, (whole - tabled) * 1e3, faults
 
 
 def main() -> int:
@@ -103,12 +111,13 @@ def main() -> int:
     table = Table(
         title=f"planning latency: process CPU ms a rank pays to plan (plan_routing + rank 0's "
         f"routing tables; rank: the tables alone), median of {steps} step(s), one core · "
-        "table: making the whole chunk table after (a reader's cost) · modelled step: auto "
-        "plan's forward + backward, NVLink · plan-ahead slack: step − auto ms",
+        "table: making the whole chunk table after (a reader's cost) · faults: minor page "
+        "faults of the plan and tables · modelled step: auto plan's forward + backward, "
+        "NVLink · plan-ahead slack: step − auto ms",
         title_justify="left",
     )
-    for name in ("mix", "GPUs", "sequences", "g8 ms", "rank", "table", "auto ms", "rank ",
-                 "table ", "step ms", "slack ms", "slack"):  # fmt: skip
+    for name in ("mix", "GPUs", "sequences", "g8 ms", "rank", "table", "faults", "auto ms",
+                 "rank ", "table ", "faults ", "step ms", "slack ms", "slack"):  # fmt: skip
         table.add_column(name, justify="left" if name == "mix" else "right")
     checks = []
     time_row("joint", 1, 1)  # warm-up: imports and caches are not a step's cost
@@ -116,8 +125,9 @@ def main() -> int:
         for mix in MIXES:
             row = time_row(mix, factor, steps)
             slack = row["step_ms"] - row["auto"]
-            figures = [f"{row[p + name]:.1f}" for p in ("g8", "auto")
-                       for name in ("", " rank", " table")]  # fmt: skip
+            figures = [f"{row[p + name]:.1f}" if name != " faults" else f"{row[p + name]:,.0f}"
+                       for p in ("g8", "auto")
+                       for name in ("", " rank", " table", " faults")]  # fmt: skip
             table.add_row(
                 mix, f"{row['gpus']:,}", f"{row['sequences']:,}", *figures,
                 f"{row['step_ms']:.0f}", f"{slack:.0f}", f"{slack / row['step_ms']:.1%}",
