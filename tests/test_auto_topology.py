@@ -433,10 +433,11 @@ def _ceiling_by_formula(step, comm, per_token, routed: bool) -> np.ndarray:
 
 def _least_by_full_scan(bags, row, limit):
     """The bag `_PricedBags.place` should pick for ``row`` (sequence, workload, length, home,
-    source node), found by scanning every bag's load (no heaps): home while within
-    ``limit``, else the least loaded bag of each allowed size, overall and in the source's
-    node, where the larger of its and the home bag's per-GPU time ends lowest."""
-    _, w, length, h, node = row
+    source node, its price at home: unread), found by scanning every bag's load (no heaps):
+    home while within ``limit``, else the least loaded bag of each allowed size, overall
+    and in the source's node, where the larger of its and the home bag's per-GPU time ends
+    lowest."""
+    _, w, length, h, node, _ = row
     load, weight, size, kap = bags.load, bags.weight, bags.size, bags.kap
     per = np.asarray(load) / np.asarray(weight)
     best = (-1, np.inf, 0.0, 0.0)
@@ -477,13 +478,12 @@ def test_priced_placement_picks_what_a_full_scan_of_the_bags_picks(mix, monkeypa
     order, load, level = calls[0]
     assert len(order) > 100  # the heavy pass of a large step
     prices = _nvlink_prices(step)
-    columns = (order, step.workload[order], step.lengths[order], step.home_bag[order],
-               prices.src_node[order])  # fmt: skip
-    rows = list(zip(*(c.tolist() for c in columns), strict=True))
+    rows = list(mixed_solver._rows(order, step, prices))
     limit = level * (1 + EPS)
     heaped = mixed_solver._PricedBags(step.layout, prices, load)
     scanned = mixed_solver._PricedBags(step.layout, prices, load)
     scanned.class_of_bag = step.layout.shape.class_of_bag
+    scanned.size, scanned.kap = step.layout.size.tolist(), prices.kappa.tolist()
     chosen = heaped.place(rows, step.layout, limit)
     expected = []
     for row in rows:

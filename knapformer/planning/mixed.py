@@ -101,11 +101,20 @@ def _place_priced(order, step: Step, load: np.ndarray, prices: Prices, level: fl
 
 def _place_one_by_one(order, step: Step, load: np.ndarray, prices: Prices, level: float):
     bags = _PricedBags(step.layout, prices, load)
-    rows = zip(order.tolist(), step.workload[order].tolist(), step.lengths[order].tolist(),
-               step.home_bag[order].tolist(), prices.src_node[order].tolist(),
-               strict=True)  # fmt: skip
-    step.bag[order] = bags.place(rows, step.layout, level * (1 + EPS))
+    step.bag[order] = bags.place(_rows(order, step, prices), step.layout, level * (1 + EPS))
     return np.asarray(bags.load)
+
+
+def _rows(order, step: Step, prices: Prices):
+    """`_PricedBags.place`'s rows of ``order``: each one's price at home made at once, the
+    same bits as one by one (NaN where it may not be home: no home, or a group larger than
+    it)."""
+    w, length, home = step.workload[order], step.lengths[order], step.home_bag[order]
+    size = step.layout.size[home]  # (no home: the last bag's, unused)
+    at_home = w + prices.kappa[home] * length + 2 * prices.intra * length * (size - 1) / size
+    at_home[(home < 0) | (size > length)] = np.nan
+    return zip(order.tolist(), w.tolist(), length.tolist(), home.tolist(),
+               prices.src_node[order].tolist(), at_home.tolist(), strict=True)  # fmt: skip
 
 
 @contextmanager
@@ -133,27 +142,28 @@ class _PricedBags:
     surfaces, not a push for every sequence placed)."""
 
     def __init__(self, layout: BagLayout, prices: Prices, load: np.ndarray):
-        self.size, self.weight = layout.size.tolist(), layout.weight.tolist()
-        self.kap, self.bag_node = prices.kappa.tolist(), prices.bag_node.tolist()
+        self.weight, self.bag_node = layout.weight.tolist(), prices.bag_node.tolist()
         self.class_size = layout.class_size.tolist()
+        kap_class = np.zeros(len(self.class_size))  # (a bag's kappa is its class's)
+        kap_class[layout.shape.class_of_bag_array] = prices.kappa
+        self.kap_class = kap_class.tolist()
         self.intra, self.inter = prices.intra, prices.inter
         self.load = load.tolist()
         per = load / layout.weight
         self.per = per.tolist()
         self.heaps = _size_heaps(per, layout.shape.class_of_bag_array, prices.bag_node)
-        self.tries: dict[int, list] = {}  # per source node: (class, size, its two heaps)
+        self.tries: dict[int, list] = {}  # per source node (`_candidates`)
 
     def place(self, rows, layout: BagLayout, limit: float) -> list[int]:
-        """The bag of each (sequence, workload, length, home bag, source node) of ``rows``,
-        in turn: home while that keeps it within ``limit`` per GPU, else `_least_away`."""
-        size, load, weight, kap, intra = self.size, self.load, self.weight, self.kap, self.intra
-        per, least_away, inf = self.per, self._least_away, np.inf
+        """The bag of each (sequence, workload, length, home bag, source node, price at
+        home: NaN where it may not be home) of ``rows``, in turn: home while that keeps it
+        within ``limit`` per GPU, else `_least_away`."""
+        load, weight, per, least_away = self.load, self.weight, self.per, self._least_away
         capped, chosen = layout.max_tokens is not None, []
-        for seq, w, length, h, node in rows:
+        for seq, w, length, h, node, cost in rows:
             room = layout.token_room(length).tolist() if capped else None
-            b, lowest, cost, sent = -1, inf, 0.0, 0.0
-            if h >= 0 and size[h] <= length and (room is None or room[h]):
-                cost = w + kap[h] * length + 2 * intra * length * (size[h] - 1) / size[h]
+            b, lowest, sent = -1, np.inf, 0.0
+            if cost == cost and (room is None or room[h]):  # (not NaN: it may be home)
                 b, lowest = h, (load[h] + cost) / weight[h]
             if not lowest <= limit:  # the home bag (if any) would end too high: look away
                 b, cost, sent = least_away(w, length, h, node, room, (b, lowest, cost))
@@ -175,48 +185,50 @@ class _PricedBags:
         bags' per-GPU times ends lowest, among the least loaded bag of each size the
         sequence may go to (overall and in its node), unless ``best`` (bag, value, cost:
         home or -1) is lower."""
-        load, weight, per, kap, bag_node = self.load, self.weight, self.per, self.kap, self.bag_node
+        load, weight, per, bag_node = self.load, self.weight, self.per, self.bag_node
         near, far = self.intra * length, self.inter * length  # the route in its node or not
         (b, lowest, cost), sent = best, 0.0
         # The home bag's per-GPU time once it has sent the sequence, by route (in its node
         # or not): the larger of the two ends no lower, so a bag is priced only where that
-        # still beats the best so far.
+        # still beats the best so far (as where its own time, already, does not).
         sends_near = sends_far = -np.inf
         if h >= 0:
             sends_near, sends_far = (load[h] + near) / weight[h], (load[h] + far) / weight[h]
-        for c, g, class_heaps in self.tries.get(node) or self._candidates(node):
-            if g > length and c > 0:
+        for g, kap, heap in self.tries.get(node) or self._candidates(node):
+            if g > length:
                 break  # groups larger than the sequence (the smallest always may)
-            for heap in class_heaps:
-                if room is None:
+            if room is None:
+                top_per, top = heap[0]
+                while top_per != per[top]:  # stale (lower): renewed, sifted down
+                    heapreplace(heap, (per[top], top))
                     top_per, top = heap[0]
-                    while top_per != per[top]:  # stale (lower): renewed, sifted down
-                        heapreplace(heap, (per[top], top))
-                        top_per, top = heap[0]
-                else:
-                    live = [(per[e[1]], e[1]) for e in heap if room[e[1]]]
-                    if not live:
-                        continue
-                    top = min(live)[1]
-                if top == h:
+            else:
+                live = [(per[e[1]], e[1]) for e in heap if room[e[1]]]
+                if not live:
                     continue
-                route, value = (near, sends_near) if bag_node[top] == node else (far, sends_far)
-                if value >= lowest:
-                    continue
-                there = (load[top] + w + kap[top] * length + route) / weight[top]
-                if there > value:
-                    value = there
-                if value < lowest:
-                    b, lowest, cost, sent = top, value, w + kap[top] * length + route, route
+                top_per, top = min(live)
+            if top_per >= lowest or top == h:
+                continue
+            route, value = (near, sends_near) if bag_node[top] == node else (far, sends_far)
+            if value >= lowest:
+                continue
+            there = (load[top] + w + kap * length + route) / weight[top]
+            if there > value:
+                value = there
+            if value < lowest:
+                b, lowest, cost, sent = top, value, w + kap * length + route, route
         return b, cost, sent
 
     def _candidates(self, node: int) -> list:
-        """(class, size, [its heaps overall and in ``node``]) of every size class, made
-        once per source node."""
+        """(size, Ulysses per token, heap) of the least loaded bags of each size class,
+        overall and in ``node``, made once per source node (the smallest class's size as
+        0: it may take any sequence)."""
         heaps = self.heaps
         tried = self.tries[node] = [
-            (c, g, [heap for heap in (heaps.get((c, -2)), heaps.get((c, node))) if heap])
+            (g if c else 0, self.kap_class[c], heap)
             for c, g in enumerate(self.class_size)
+            for heap in (heaps.get((c, -2)), heaps.get((c, node)))
+            if heap
         ]
         return tried
 
