@@ -28,3 +28,29 @@ def test_quick_latency_bench_prints_a_row_and_a_verdict_per_mix_and_policy():
             assert verdict, out
     met = re.search(r"^(\d+) of 10 targets met$", out, re.M)
     assert met and (done.returncode == 0) == (met.group(1) == "10"), out
+
+
+def test_versions_bench_compares_two_trees_and_sees_the_same_plans():
+    # HEAD against this tree: the plans must be the same (the digests agree); a revision
+    # that does not exist is refused with git's reason, nothing left behind.
+    done = subprocess.run(
+        [sys.executable, "bench/planning_versions.py", "--base", "HEAD", "--gpus", "32",
+         "--pairs", "1", "--steps", "1", "--mixes", "joint,seqheavy"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    for mix in ("joint", "seqheavy"):
+        for policy in ("g8", "auto"):
+            figures = r" +│ +[0-9.]+" * 3
+            row = re.search(rf"│ {mix} +│ +32 │ {policy}{figures} │ +(\w+) │", done.stdout)
+            assert row and row.group(1) == "yes", done.stdout
+    worktrees = subprocess.run(["git", "worktree", "list"], cwd=ROOT, capture_output=True,
+                               text=True).stdout  # fmt: skip
+    bad = subprocess.run(
+        [sys.executable, "bench/planning_versions.py", "--base", "no-such-revision-xyz"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert bad.returncode != 0 and "cannot check out 'no-such-revision-xyz'" in bad.stderr
+    after = subprocess.run(["git", "worktree", "list"], cwd=ROOT, capture_output=True,
+                           text=True).stdout  # fmt: skip
+    assert after == worktrees
