@@ -41,7 +41,7 @@ def test_versions_bench_compares_two_trees_and_sees_the_same_plans():
     assert done.returncode == 0, done.stderr
     for mix in ("joint", "seqheavy"):
         for policy in ("g8", "auto"):
-            figures = r" +│ +[0-9.]+" * 3
+            figures = r" +│ +[0-9.]+" * 6
             row = re.search(rf"│ {mix} +│ +32 │ {policy}{figures} │ +(\w+) │", done.stdout)
             assert row and row.group(1) == "yes", done.stdout
     worktrees = subprocess.run(["git", "worktree", "list"], cwd=ROOT, capture_output=True,
