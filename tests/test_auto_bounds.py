@@ -121,6 +121,15 @@ def test_routed_floor_sees_the_route_a_compute_only_layout_pays():
     assert routed_floor(g4, MODEL, comm, _per_token(comm)) > 0.995 * _exact(g4, comm)
 
 
+def _record_pricing(monkeypatch) -> list:
+    """The steps auto prices exactly from now on (`_exact_key` recorded as it is called)."""
+    priced: list = []
+    exact_key = auto_solver._exact_key
+    monkeypatch.setattr(auto_solver, "_exact_key",
+                        lambda step, *a: priced.append(step) or exact_key(step, *a))  # fmt: skip
+    return priced
+
+
 @pytest.mark.parametrize(("mix", "factor", "seed"), [("seqheavy", 32, 5), ("mixres", 64, 5000)])
 def test_auto_settles_its_candidates_by_bounds_without_pricing_them(mix, factor, seed, monkeypatch):
     """Bounds settle the candidates without an exact price. The sequence-heavy mix on 1,024
@@ -131,10 +140,7 @@ def test_auto_settles_its_candidates_by_bounds_without_pricing_them(mix, factor,
     more are priced; the plans are the same."""
     lengths = sample_lengths(scale_mix(parse_mix(mix), factor), np.random.default_rng(seed))
     comm = CommModel.cluster("nvlink")
-    priced = []
-    exact_key = auto_solver._exact_key
-    monkeypatch.setattr(auto_solver, "_exact_key",
-                        lambda step, *a: priced.append(step) or exact_key(step, *a))  # fmt: skip
+    priced = _record_pricing(monkeypatch)
     plan = plan_routing(lengths, "auto", MODEL, comm=comm)
     assert priced == []
     assert plan.topology == "g4n512" if mix == "mixres" else "+" in plan.topology
@@ -155,10 +161,7 @@ def test_the_routed_ceiling_settles_what_the_ceiling_leaves_open(monkeypatch):
     settle it with neither priced, and the plan is the same."""
     lengths = sample_lengths(scale_mix(parse_mix("mixres"), 32), np.random.default_rng(5000))
     comm = CommModel.cluster("nvlink")
-    priced = []
-    exact_key = auto_solver._exact_key
-    monkeypatch.setattr(auto_solver, "_exact_key",
-                        lambda step, *a: priced.append(step) or exact_key(step, *a))  # fmt: skip
+    priced = _record_pricing(monkeypatch)
     plan = plan_routing(lengths, "auto", MODEL, comm=comm)
     assert plan.topology == "g4n256" and priced == []
     ceiling = auto_solver.makespan_ceiling
