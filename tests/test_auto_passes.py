@@ -180,21 +180,23 @@ def test_size_heaps_hold_each_key_s_bags_as_heaps():
 @pytest.mark.parametrize("mix", ["joint", "mixres"])
 def test_placement_heaps_top_is_the_least_loaded_bag(monkeypatch, mix):
     """Loads only grow while sequences are placed one by one, so a bag's heap entry is
-    renewed only when it surfaces stale: every heap whose top is live (each one a search
-    has just read) still has the least (per-GPU time, bag) of its bags at the top, as a
-    scan of them finds."""
-    least_away = mixed._PricedBags._least_away
+    renewed only when it surfaces stale: after each sequence placed, every heap whose top
+    is live (each one a search has just read) still has the least (per-GPU time, bag) of
+    its bags at the top, as a scan of them finds."""
+    place = mixed._PricedBags.place
     checked = []
 
-    def checking(self, *args):
-        found = least_away(self, *args)
-        for heap in self.heaps.values():
-            if heap[0][0] == self.per[heap[0][1]]:
-                assert heap[0] == min((self.per[b], b) for _, b in heap)
-                checked.append(len(heap))
-        return found
+    def row_by_row(self, rows, layout, limit):
+        chosen = []
+        for row in rows:
+            chosen += place(self, [row], layout, limit)
+            for heap in self.heaps.values():
+                if heap[0][0] == self.per[heap[0][1]]:
+                    assert heap[0] == min((self.per[b], b) for _, b in heap)
+                    checked.append(len(heap))
+        return chosen
 
-    monkeypatch.setattr(mixed._PricedBags, "_least_away", checking)
+    monkeypatch.setattr(mixed._PricedBags, "place", row_by_row)
     step, _, floor = _fresh_step(mix, 8, 3)
     solve_mixed(tuple(step.layout.size.tolist()), step.lengths, step.workload, step.src_pos,
                 None, None, PER_TOKEN, floor, COMM, MODEL)  # fmt: skip

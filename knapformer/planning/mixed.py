@@ -8,6 +8,7 @@ import gc
 from contextlib import contextmanager
 from functools import partial
 from heapq import heapreplace
+from math import inf
 
 import numpy as np
 
@@ -157,16 +158,48 @@ class _PricedBags:
     def place(self, rows, layout: BagLayout, limit: float) -> list[int]:
         """The bag of each (sequence, workload, length, home bag, source node, price at
         home: NaN where it may not be home) of ``rows``, in turn: home while that keeps it
-        within ``limit`` per GPU, else `_least_away`."""
-        load, weight, per, least_away = self.load, self.weight, self.per, self._least_away
-        capped, chosen = layout.max_tokens is not None, []
+        within ``limit`` per GPU, else where the larger of the two bags' per-GPU times ends
+        lowest, among the least loaded bag of each size it may go to (overall and in its
+        node; under a token cap, of those with room), unless home is lower. One loop, the
+        look-away inline: a call per sequence cost more than its pricing."""
+        load, weight, per, bag_node = self.load, self.weight, self.per, self.bag_node
+        intra, inter, tries, candidates = self.intra, self.inter, self.tries, self._candidates
+        capped, room, chosen = layout.max_tokens is not None, None, []
         for seq, w, length, h, node, cost in rows:
-            room = layout.token_room(length).tolist() if capped else None
-            b, lowest, sent = -1, np.inf, 0.0
+            if capped:
+                room = layout.token_room(length).tolist()
+            b, lowest, sent = -1, inf, 0.0
             if cost == cost and (room is None or room[h]):  # (not NaN: it may be home)
                 b, lowest = h, (load[h] + cost) / weight[h]
             if not lowest <= limit:  # the home bag (if any) would end too high: look away
-                b, cost, sent = least_away(w, length, h, node, room, (b, lowest, cost))
+                near, far = intra * length, inter * length  # the route in its node or not
+                # The home bag's per-GPU time once it has sent the sequence, by route: the
+                # larger of the two ends no lower, so a bag is priced only where that still
+                # beats the best so far (as where its own time, already, does not).
+                sends_near = sends_far = -inf
+                if h >= 0:
+                    sends_near = (load[h] + near) / weight[h]
+                    sends_far = (load[h] + far) / weight[h]
+                for g, kap, heap in tries.get(node) or candidates(node):
+                    if g > length:
+                        break  # groups larger than the sequence (the smallest always may)
+                    if room is None:
+                        top_per, top = heap[0]
+                        while top_per != per[top]:  # stale (lower): renewed, sifted down
+                            heapreplace(heap, (per[top], top))
+                            top_per, top = heap[0]
+                    else:
+                        top_per, top = _least_with_room(heap, per, room)
+                    if top_per >= lowest or top == h:
+                        continue
+                    route, value = (near, sends_near) if bag_node[top] == node else (far, sends_far)
+                    if value >= lowest:
+                        continue
+                    there = (load[top] + w + kap * length + route) / weight[top]
+                    if there > value:
+                        value = there
+                    if value < lowest:
+                        b, lowest, cost, sent = top, value, w + kap * length + route, route
                 if b < 0:
                     raise layout.infeasible(seq, length)
             chosen.append(b)
@@ -180,45 +213,6 @@ class _PricedBags:
                 layout.add(b, 0.0, length, 0)
         return chosen
 
-    def _least_away(self, w, length, h, node, room, best) -> tuple[int, float, float]:
-        """(bag, its cost, what the home bag pays to send): where the larger of the two
-        bags' per-GPU times ends lowest, among the least loaded bag of each size the
-        sequence may go to (overall and in its node), unless ``best`` (bag, value, cost:
-        home or -1) is lower."""
-        load, weight, per, bag_node = self.load, self.weight, self.per, self.bag_node
-        near, far = self.intra * length, self.inter * length  # the route in its node or not
-        (b, lowest, cost), sent = best, 0.0
-        # The home bag's per-GPU time once it has sent the sequence, by route (in its node
-        # or not): the larger of the two ends no lower, so a bag is priced only where that
-        # still beats the best so far (as where its own time, already, does not).
-        sends_near = sends_far = -np.inf
-        if h >= 0:
-            sends_near, sends_far = (load[h] + near) / weight[h], (load[h] + far) / weight[h]
-        for g, kap, heap in self.tries.get(node) or self._candidates(node):
-            if g > length:
-                break  # groups larger than the sequence (the smallest always may)
-            if room is None:
-                top_per, top = heap[0]
-                while top_per != per[top]:  # stale (lower): renewed, sifted down
-                    heapreplace(heap, (per[top], top))
-                    top_per, top = heap[0]
-            else:
-                live = [(per[e[1]], e[1]) for e in heap if room[e[1]]]
-                if not live:
-                    continue
-                top_per, top = min(live)
-            if top_per >= lowest or top == h:
-                continue
-            route, value = (near, sends_near) if bag_node[top] == node else (far, sends_far)
-            if value >= lowest:
-                continue
-            there = (load[top] + w + kap * length + route) / weight[top]
-            if there > value:
-                value = there
-            if value < lowest:
-                b, lowest, cost, sent = top, value, w + kap * length + route, route
-        return b, cost, sent
-
     def _candidates(self, node: int) -> list:
         """(size, Ulysses per token, heap) of the least loaded bags of each size class,
         overall and in ``node``, made once per source node (the smallest class's size as
@@ -231,6 +225,13 @@ class _PricedBags:
             if heap
         ]
         return tried
+
+
+def _least_with_room(heap, per: list, room: list) -> tuple[float, int]:
+    """(per-GPU time, bag) of the least loaded bag of ``heap`` with room under the token
+    cap, from every entry's current time ((inf, -1) where none has room)."""
+    live = [(per[b], b) for _, b in heap if room[b]]
+    return min(live) if live else (inf, -1)
 
 
 def _size_heaps(per: np.ndarray, class_of_bag: np.ndarray, bag_node: np.ndarray):
