@@ -195,13 +195,6 @@ class Step:
                 self._ranks[False] = by_length or _dense_ranks(-self.workload, np.int64)
         return self._ranks[lightest]
 
-    def move(self, seq: int, dst: int) -> None:
-        """Move a placed sequence to bag ``dst`` (even spread: no remainder to track)."""
-        w, length = float(self.workload[seq]), int(self.lengths[seq])
-        self.layout.add(int(self.bag[seq]), w, length, 0, sign=-1)
-        self.layout.add(dst, w, length, 0)
-        self.bag[seq] = dst
-
 
 def descending(workload: np.ndarray, seq: np.ndarray, step: Step | None = None) -> np.ndarray:
     """``seq`` ordered by workload, largest first; ties by sequence id (stable). Many of a
