@@ -11,6 +11,7 @@ from knapformer.planning.bags import (
     least,
 )
 from knapformer.planning.exchanges import exchange_across, member_samples
+from knapformer.planning.moves import Tokens, move
 from knapformer.planning.pricing import Prices, bag_makespan, priced_loads, sender_extra
 from knapformer.planning.token_cap import within_token_cap
 from knapformer.planning.tuning import (
@@ -186,22 +187,18 @@ def _donors_and_takers(per: np.ndarray, mean: float):
 
 def _apply_picks(step, tokens, lengths, ma, mb, donors, takers, pick, gain) -> np.ndarray:
     """Apply each donor's picked exchange where it ``gain``s: ``pick`` indexes its flattened
-    (member of the donor, taker, member of the taker or nothing) scores. Returns the
-    sequences moved."""
+    (member of the donor, taker, member of the taker or nothing) scores. ``tokens``: each
+    bag's, charged. Returns the sequences moved."""
     pp, t = mb.shape[1:]
     i, rest = np.divmod(pick, pp * t)
     j, q = np.divmod(rest, t)
     rows = np.arange(len(donors))
     x, y = ma[rows, i][gain], mb[rows, j, q][gain]
     a, b = donors[gain], takers[rows, j][gain]
-    step.bag[x] = b
-    np.add.at(tokens, a, -lengths[x])
-    np.add.at(tokens, b, lengths[x])
     swap = y >= 0
-    step.bag[y[swap]] = a[swap]
-    np.add.at(tokens, b[swap], -lengths[y[swap]])
-    np.add.at(tokens, a[swap], lengths[y[swap]])
-    return np.concatenate([x, y[swap]])
+    seqs = np.concatenate([x, y[swap]])
+    move(step.bag, Tokens(tokens, lengths), seqs, np.concatenate([b, a[swap]]))
+    return seqs
 
 
 def _even_classes(step: Step, prices: Prices, max_tokens) -> float:
@@ -364,8 +361,8 @@ def _even_apply(step: Step, band: _Band, offers, good, new_b, a, shared) -> None
     sel = sel[np.argsort(np.abs(new_b[sel] - band.target), kind="stable")]
     sel = _disjoint(sel, b, a, i, shared, len(step.layout.size))
     swap = sel[j[sel] >= 0]
-    step.bag[j[swap]] = a[swap]
-    step.bag[i[sel]] = b[sel]
+    # Nothing charged: the next round prices every bag anew (`_Band`).
+    move(step.bag, None, np.concatenate([j[swap], i[sel]]), np.concatenate([a[swap], b[sel]]))
     moved = np.zeros(len(band.live), dtype=bool)
     moved[i[sel]] = True
     band.pool = band.pool[~moved[band.pool]]

@@ -12,6 +12,7 @@ from knapformer.planning.bags import (
     Step,
     least,
 )
+from knapformer.planning.moves import move
 from knapformer.planning.pricing import Prices, priced_loads, sends, uneven_sends
 from knapformer.planning.token_cap import within_token_cap
 from knapformer.planning.tuning import (
@@ -75,10 +76,10 @@ def exchange_across(step: Step, prices: Prices, floor: float, max_tokens, known=
         if found is None:
             break
         moves = [m for m in found if m[0] >= 0]
-        if not ledger.exchange(moves, per[a]):  # a home bag rose to the top: stop
+        seqs, _, tos = (list(x) for x in zip(*moves, strict=True))
+        if not move(step.bag, ledger, seqs, tos, per[a]):  # a home bag rose to the top
             break
         for seq, src, to in moves:
-            step.bag[seq] = to
             members[src].remove(seq)
             members[to].append(seq)
             samples.pop(src, None)
@@ -143,30 +144,29 @@ class PricedLedger:
         """(price in ``bag``, what its home bag pays for sending) of sequences ``seq``."""
         return self.prices.cost(self.step, self.lengths, seq, bag)
 
-    def exchange(self, moves, before: float) -> bool:
-        """Charge ``moves`` [(sequence, from, to)] to the bags (uncharge where they leave);
-        undone (False) when a bag touched ends at or above ``before``."""
+    def charge(self, seqs, src, dst) -> float:
+        """`Ledger.charge`: each sequence re-priced where it goes, its home bag's and
+        source GPU's sending changed with it."""
         step = self.step
         home, src_gpu = step.home_bag, step.src_pos
         # Per-bag and per-GPU state is copied whole; a price only where a sequence moves
         # (the step's prices are many, the moves two).
-        undo = [x.copy() for x in (self.load, self.tokens, self.gpu_sends, self.bag_sends,
-                                   self.extra)]  # fmt: skip
-        touched = {moves[0][1], moves[0][2]}
-        seqs, srcs, tos = (np.array(x) for x in zip(*moves, strict=True))
-        old_prices = self.price[seqs]
+        self._undo = [x.copy() for x in (self.load, self.tokens, self.gpu_sends,
+                                         self.bag_sends, self.extra, self.per)]  # fmt: skip
+        self._old_prices = self.price[seqs]
+        touched = {src[0], dst[0]}
         # Where they leave and where they go, priced in one call (each price is its own).
-        k = len(moves)
-        both = self.priced(np.concatenate([seqs, seqs]), np.concatenate([srcs, tos]))
+        k = len(seqs)
+        both = self.priced(np.array(seqs + seqs), np.array(src + dst))
         price, sent = (x.tolist() for x in both)
         old_sents, new_prices, new_sents = sent[:k], price[k:], sent[k:]
-        for (seq, src, to), old_sent, new_price, new_sent in zip(
-            moves, old_sents, new_prices, new_sents, strict=True
+        for seq, s, to, old_sent, new_price, new_sent in zip(
+            seqs, src, dst, old_sents, new_prices, new_sents, strict=True
         ):
-            self.load[src] -= self.price[seq]
+            self.load[s] -= self.price[seq]
             self.load[to] += new_price
             self.price[seq] = new_price
-            self.tokens[src] -= self.lengths[seq]
+            self.tokens[s] -= self.lengths[seq]
             self.tokens[to] += self.lengths[seq]
             if home[seq] >= 0:
                 self.load[home[seq]] += new_sent - old_sent
@@ -176,13 +176,13 @@ class PricedLedger:
         bags = list(touched)
         most = np.maximum.reduceat(self.gpu_sends, self.start)[bags]
         self.extra[bags] = most - self.bag_sends[bags] / self.weight[bags]
-        new_per = self.load[bags] / self.weight[bags] + self.extra[bags]
-        if new_per.max() >= before * (1 - TIE):
-            self.load, self.tokens, self.gpu_sends, self.bag_sends, self.extra = undo
-            self.price[seqs] = old_prices
-            return False
-        self.per[bags] = new_per
-        return True
+        self.per[bags] = self.load[bags] / self.weight[bags] + self.extra[bags]
+        return float(self.per[bags].max())
+
+    def undo(self, seqs, src, dst) -> None:
+        self.load, self.tokens, self.gpu_sends, self.bag_sends, self.extra, per = self._undo
+        self.per[:] = per  # (read by the caller's loop as it is)
+        self.price[seqs] = self._old_prices
 
 
 class LazyMembers(dict):

@@ -13,6 +13,7 @@ import numpy as np
 
 from knapformer.contract.stats import lower_bound
 from knapformer.planning.bags import Step, by_small_key, least
+from knapformer.planning.moves import Loads, move
 from knapformer.planning.tuning import (
     DENSE_CELLS,
     EPS,
@@ -44,8 +45,9 @@ def level_makespan(step: Step, max_rounds: int | None = None, tolerance=None) ->
     accepts = layout.capacity * (1 + EPS)  # the largest workload each bag may take
     members = _Members(step.bag, step.lengths, step.workload, num_bags)
     one_size = len(layout.class_size) == 1
+    loads = Loads(step)
     if num_bags > WIDE_BAGS and one_size and layout.max_tokens is None:
-        _level_in_pairs(step, members, stop)
+        _level_in_pairs(step, loads, members, stop)
         per_gpu = layout.per_gpu_time()
     for _ in range(4 * num_bags if max_rounds is None else max_rounds):
         num_over = min(int(np.count_nonzero(per_gpu > stop)), SEARCH_PARTNERS)
@@ -61,13 +63,16 @@ def level_makespan(step: Step, max_rounds: int | None = None, tolerance=None) ->
         if not moves:
             return
         for a, b, out_of_a, out_of_b in moves:
-            if not _exchange(step, a, b, out_of_a, out_of_b):
+            # out_of_a to b, out_of_b (-1: nothing) to a; undone where it breaks the
+            # token cap (rare; the cap wins over balance)
+            seqs, dst = ([out_of_a], [b]) if out_of_b < 0 else ([out_of_a, out_of_b], [b, a])
+            if not move(step.bag, loads, seqs, dst):
                 return
             members.swap(a, b, out_of_a, out_of_b)
             per_gpu[a], per_gpu[b] = layout.load[a] / weight[a], layout.load[b] / weight[b]
 
 
-def _level_in_pairs(step: Step, members: _Members, stop: float) -> None:
+def _level_in_pairs(step: Step, loads: Loads, members: _Members, stop: float) -> None:
     """Wide rounds, for a step of many bags (one bag size, no token cap), where rounds of
     a few bags would take thousands: every bag above the stopping load, most loaded
     first, is paired with one of as many least-loaded bags, in rank order, and every pair
@@ -84,12 +89,10 @@ def _level_in_pairs(step: Step, members: _Members, stop: float) -> None:
         a, b, x, y = _paired_exchanges(over, least(per_gpu, k), members, layout.weight, per_gpu)
         if a.size == 0:
             return
-        real = y < members.num_real
-        step.bag[x], step.bag[y[real]] = b, a[real]
-        members.bag[x], members.bag[y[real]] = b, a[real]
-        net = members.workload[x] - members.workload[y]  # a phantom weighs nothing
-        num_bags = len(layout.load)
-        layout.load += np.bincount(b, net, num_bags) - np.bincount(a, net, num_bags)
+        real = y < members.num_real  # a phantom: nothing comes back
+        seqs, dst = np.concatenate([x, y[real]]), np.concatenate([b, a[real]])
+        move(step.bag, loads, seqs, dst)  # (no token cap: nothing to undo)
+        members.bag[seqs] = dst
         members.index()
 
 
@@ -333,16 +336,3 @@ def _nearest_members(back, back_partner, workload, target):
     hit = np.searchsorted(key, np.clip(target, 0.0, span / 2) + column)
     near = np.stack([np.maximum(hit - 1, seg), np.minimum(hit, seg_end)], 2)
     return back[near.reshape(len(target), 2 * num_p)]
-
-
-def _exchange(step: Step, a: int, b: int, out_of_a: int, out_of_b: int) -> bool:
-    """Move ``out_of_a`` to bag b and ``out_of_b`` (or nothing if -1) to bag a; undone
-    (returns False) when it breaks the token cap (rare; the cap wins over balance)."""
-    moves = [(seq, src, dst) for seq, src, dst in ((out_of_a, a, b), (out_of_b, b, a)) if seq >= 0]
-    for seq, _, dst in moves:
-        step.move(seq, dst)
-    if step.layout.over_token_cap():
-        for seq, src, _ in moves:
-            step.move(seq, src)
-        return False
-    return True

@@ -192,7 +192,7 @@ def _bag_ceiling(step: Step, model: WorkloadModel, per_token) -> tuple[np.ndarra
     multi = np.flatnonzero((layout.size > 1)[bag])  # the rest lie whole in their bags
     length = lengths[multi]
     rem = length % layout.size[bag[multi]]
-    some = np.flatnonzero(rem)  # the work of the others spreads evenly
+    some = np.flatnonzero(rem != 0)  # the work of the others spreads evenly
     seqs, rem = multi[some], rem[some]
     per_len = workload[seqs] * model.linear_share(length[some]) / length[some]
     base = workload.copy()  # less the remainder tokens' linear work
@@ -317,7 +317,7 @@ def priced_loads(step: Step, prices: Prices,
     bag = step.bag if step.bag.min(initial=0) >= 0 else np.maximum(step.bag, 0)  # (price 0)
     load = np.bincount(bag, weights=price, minlength=num_bags)
     # Only the sequences placed away send (a sum of the others' zeros is the same bits).
-    away = np.flatnonzero(sent)
+    away = np.flatnonzero(sent != 0)  # (nonzero of floats: several times slower than of a mask)
     load += np.bincount(step.home_bag[away], weights=sent[away], minlength=num_bags)
     return price, load, sent
 

@@ -12,6 +12,7 @@ from knapformer.planning.bags import (
 from knapformer.planning.chunks import chunk_table
 from knapformer.planning.communication import CommModel
 from knapformer.planning.exchanges import spread_sample
+from knapformer.planning.moves import move
 from knapformer.planning.pricing import compute_per_gpu, modelled_makespan, route_per_token
 from knapformer.planning.token_cap import within_token_cap
 from knapformer.planning.tuning import (
@@ -56,7 +57,7 @@ def refine(step: Step, model: WorkloadModel, comm: CommModel, speed, max_tokens)
         k = _best_candidate(state.with_changes(*changes), load, moves, state, max_tokens)
         if k < 0:
             break
-        state.apply(moves, changes, k)
+        state.apply(moves, k)
     if np.array_equal(state.bag, step.bag):
         return step
     layout = step.layout
@@ -165,26 +166,34 @@ class _GpuLoads:
             de[len(s1) :] += xe
         return (s1, t1, s2, o2), (db, di, de)
 
-    def apply(self, moves, changes, k: int) -> None:
-        """Apply candidate ``k`` of `candidates`."""
+    def apply(self, moves, k: int) -> None:
+        """Make candidate ``k`` of `candidates`."""
         s1, t1, s2, o2 = moves
-        db, di, de = changes
-        self.base, self.intra, self.inter = (
-            self.base + db[k],
-            self.intra + di[k],
-            self.inter + de[k],
-        )
         bag = self.bag
         if k < len(s1):
-            placed = [(int(s1[k]), int(t1[k]))]
+            seqs, dst = [int(s1[k])], [int(t1[k])]
         else:
             j = k - len(s1)
-            placed = [(int(s2[j]), int(bag[o2[j]])), (int(o2[j]), int(bag[s2[j]]))]
-        for x, to in placed:
-            self.bag_tokens[bag[x]] -= self.fl[x]
+            seqs, dst = [int(s2[j]), int(o2[j])], [int(bag[o2[j]]), int(bag[s2[j]])]
+        move(bag, self, seqs, dst)
+
+    def charge(self, seqs, src, dst) -> float:
+        """`Ledger.charge`: the GPUs' loads changed as `candidates` scored the move (the
+        same bits), and the bags' tokens."""
+        db, di, de = self.deltas(np.array(seqs), np.array(dst))
+        if len(seqs) == 2:  # a swap: both sequences' changes, summed as scored
+            db, di, de = db[0] + db[1], di[0] + di[1], de[0] + de[1]
+        else:
+            db, di, de = db[0], di[0], de[0]
+        self._undo = self.base, self.intra, self.inter, self.bag_tokens.copy()
+        self.base, self.intra, self.inter = self.base + db, self.intra + di, self.inter + de
+        for x, s, to in zip(seqs, src, dst, strict=True):
+            self.bag_tokens[s] -= self.fl[x]
             self.bag_tokens[to] += self.fl[x]
-        for x, to in placed:
-            bag[x] = to
+        return 0.0  # (no bag time to beat: the round's scoring chose the move)
+
+    def undo(self, seqs, src, dst) -> None:
+        self.base, self.intra, self.inter, self.bag_tokens = self._undo
 
 
 def _best_candidate(new, load, moves, state: _GpuLoads, max_tokens) -> int:
