@@ -160,17 +160,26 @@ def test_the_route_at_home_is_the_route_of_sequences_placed_home(node_size):
 
 def test_size_heaps_hold_each_key_s_bags_as_heaps():
     """The placement's heaps, made sorted at once: each (size class, node) key's heap holds
-    exactly its bags' (per-GPU time, bag) entries, in heap order (ties in time included)."""
+    exactly its bags' (per-GPU time, bag) entries, in heap order (ties in time included);
+    a bag alone in its node (home to every sequence from there) or spanning nodes is in
+    its overall heap only."""
     rng = np.random.default_rng(4)
     n = 300
     per = rng.choice([0.5, 1.0, 1.5, 2.0], n) + rng.integers(0, 2, n) * rng.random(n)
     class_of_bag = rng.integers(0, 3, n)
     bag_node = np.where(class_of_bag == 2, -1, rng.integers(0, 20, n))
+    bag_node[[5, 9]] = [20, 21]  # each alone in its node
     heaps = _size_heaps(per, class_of_bag, bag_node)
     expected: dict = {}
     for b in range(n):
-        for key in ((int(class_of_bag[b]), -2), (int(class_of_bag[b]), int(bag_node[b]))):
+        keys = [(int(class_of_bag[b]), -2)]
+        if bag_node[b] >= 0 and (bag_node == bag_node[b]).sum() > 1:
+            keys.append((int(class_of_bag[b]), int(bag_node[b])))
+        for key in keys:
             expected.setdefault(key, []).append((float(per[b]), b))
+    assert all(node not in (-1, 20, 21) for _, node in heaps)
+    alone = _size_heaps(per[:3], class_of_bag[:3], np.array([-1, 3, 4]))  # no node heap
+    assert alone.keys() == {(int(c), -2) for c in class_of_bag[:3]}
     assert heaps.keys() == expected.keys()
     for key, heap in heaps.items():
         assert sorted(heap) == sorted(expected[key])

@@ -11,7 +11,7 @@ import pytest
 from knapformer.planning.bags import BagLayout, Step, bag_shape
 from knapformer.planning.chunks import chunk_table
 from knapformer.planning.communication import CommModel
-from knapformer.planning.exchanges import PricedLedger
+from knapformer.planning.exchanges import PricedLedger, _best_exchange
 from knapformer.planning.moves import Loads, Tokens, move
 from knapformer.planning.pricing import Prices
 from knapformer.planning.refine import _GpuLoads
@@ -105,7 +105,7 @@ def _priced(step: Step) -> PricedLedger:
     return PricedLedger(step, prices)
 
 
-FIGURES = ("price", "load", "tokens", "gpu_sends", "bag_sends", "extra", "per")
+FIGURES = ("price", "load", "tokens", "gpu_sends", "bag_sends", "extra", "per", "sent")
 
 
 def test_a_priced_swap_is_the_step_priced_anew():
@@ -119,6 +119,30 @@ def test_a_priced_swap_is_the_step_priced_anew():
     assert np.array_equal(ledger.price, fresh.price)
     for name in FIGURES[1:]:
         np.testing.assert_allclose(getattr(ledger, name), getattr(fresh, name), rtol=1e-12)
+
+
+@pytest.mark.parametrize(("bag_sizes", "seed", "moved"), [((1, 1, 2, 4, 8, 8), 4, 1),
+                                                         ((2, 2, 2, 2), 5, 2)])  # fmt: skip
+def test_a_move_charged_at_the_prices_its_scoring_quoted_is_charged_as_priced_anew(
+    bag_sizes, seed, moved
+):
+    """`exchange_across` hands the move the prices `_best_exchange` scored it by (a move
+    or a swap): every figure the same bits as a charge that prices the move itself."""
+    quoted_step = _placed_step(bag_sizes, seed=seed)
+    priced_step = _placed_step(bag_sizes, seed=seed)
+    quoted, priced = _priced(quoted_step), _priced(priced_step)
+    a = int(np.argmax(quoted.per))
+    light = np.array([b for b in np.argsort(quoted.per).tolist() if b != a][:4])
+    cols = [np.flatnonzero(quoted_step.bag == b) for b in light.tolist()]
+    found = _best_exchange(quoted, a, np.flatnonzero(quoted_step.bag == a), light, cols, None)
+    moves = [m for m in found if m[0] >= 0]
+    assert len(moves) == moved
+    quoted.quotes = {seq: quote for seq, _, _, quote in moves}
+    seqs, dst = [m[0] for m in moves], [m[2] for m in moves]
+    assert move(quoted_step.bag, quoted, seqs, dst) == move(priced_step.bag, priced, seqs, dst)
+    assert not quoted.quotes  # taken
+    for name in FIGURES:
+        assert np.array_equal(getattr(quoted, name), getattr(priced, name)), name
 
 
 def test_a_priced_move_that_reaches_the_time_to_beat_is_undone_bit_for_bit():

@@ -271,10 +271,10 @@ def by_home_heaviest_first(seqs, home, workload, num_bags, ranks=None) -> np.nda
     """``seqs`` ordered by home bag, heaviest first within one (ties by position in
     ``seqs``): what ``seqs[np.lexsort((-workload[seqs], home[seqs]))]`` gives. Many
     sequences: their workload ranks, read from ``ranks()`` (`Step.ranks` in
-    ``workload``'s order) when given, then two stable radix sorts of int16, by rank and by
-    home (a third of the time of one sort of unique int64 keys), or, where the ranks or
-    the homes do not fit int16, one unstable sort of keys made unique by (home, rank,
-    position); else two stable passes, the second over small ints (a radix sort)."""
+    ``workload``'s order) when given, then two stable radix sorts of int16, by rank and
+    then by home (2.7 ms for 86,000 where one sort of unique int64 keys takes 4.0), or,
+    where the ranks or the homes do not fit int16, that sort of keys made unique by (home,
+    rank, position); else two stable passes, the second over small ints (a radix sort)."""
     n = len(seqs)
     if n >= RANKED_SORT:
         if ranks is None:

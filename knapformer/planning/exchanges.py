@@ -75,7 +75,8 @@ def exchange_across(step: Step, prices: Prices, floor: float, max_tokens, known=
         found = _best_exchange(ledger, a, sample(a), lightest, cols, max_tokens)
         if found is None:
             break
-        moves = [m for m in found if m[0] >= 0]
+        moves = [m[:3] for m in found if m[0] >= 0]
+        ledger.quotes = {m[0]: m[3] for m in found if m[0] >= 0}  # priced as scored
         seqs, _, tos = (list(x) for x in zip(*moves, strict=True))
         if not move(step.bag, ledger, seqs, tos, per[a]):  # a home bag rose to the top
             break
@@ -91,8 +92,8 @@ def exchange_across(step: Step, prices: Prices, floor: float, max_tokens, known=
 def _best_exchange(ledger, a: int, ma, lightest, cols, max_tokens):
     """The exchange of bag ``a`` (its members ``ma``) with one of the ``lightest`` bags
     (members ``cols``, or nothing back: a move) that ends with the lowest larger per-GPU
-    time of the two: [(sequence, from, to)] x 2 (-1: nothing comes back), or None when
-    none lowers ``a``."""
+    time of the two: [(sequence, from, to, (its price, its sending) there)] x 2 (-1:
+    nothing comes back), or None when none lowers ``a``."""
     size, weight = ledger.size, ledger.weight
     per, price, tokens, lengths = ledger.per, ledger.price, ledger.tokens, ledger.lengths
     mb = np.concatenate([x for c in cols for x in (c, _NONE)])  # -1: a move, no swap
@@ -101,44 +102,62 @@ def _best_exchange(ledger, a: int, ma, lightest, cols, max_tokens):
     real = mb >= 0
     mbi = np.maximum(mb, 0)
     lj = np.where(real, lengths[mbi], 0.0)
-    into_a = np.where(real, ledger.priced(mbi, a)[0], 0.0)  # every one priced in a
+    # Priced in one call: every partner's member in a, and each of a's members once per
+    # partner bag (then spread over its columns): (len(ma), len(lightest)).
+    m, k = len(mb), len(lightest)
+    both = ledger.priced(np.concatenate([mbi, np.repeat(ma, k)]),
+                         np.concatenate([np.full(m, a), np.tile(lightest, len(ma))]))  # fmt: skip
+    (in_a, in_b), (sent_a, sent_b) = ((x[:m], x[m:].reshape(len(ma), k)) for x in both)
+    # A pair that may not be made (a sequence shorter than its new group) is priced inf
+    # where it goes: its exchanges score inf, as the scoring's mask gives them.
+    into_a = np.where(real, np.where(lj >= size[a], in_a, np.inf), 0.0)
     out_b = np.where(real, price[mbi], 0.0)
     li = lengths[ma][:, None]
-    # (len(ma), len(b)): priced once per partner bag, then spread over its columns.
-    into_b = ledger.priced(ma[:, None], lightest[None, :])[0][:, col]
-    new_a = per[a] + (into_a[None, :] - price[ma][:, None]) / weight[a]
-    new_b = per[b][None, :] + (into_b - out_b[None, :]) / weight[b][None, :]
-    ok = (li >= size[b][None, :]) & ((lj >= size[a]) | ~real)[None, :]
+    into_b = np.where(li >= size[lightest][None, :], in_b, np.inf)[:, col]
+    # The per-GPU times after each exchange, in place (the sums as written out: a's is
+    # per[a] + (into_a - out of a) / weight[a]).
+    value = into_a[None, :] - price[ma][:, None]
+    value /= weight[a]
+    value += per[a]
+    into_b -= out_b[None, :]
+    into_b /= weight[b][None, :]
+    into_b += per[b][None, :]
+    np.maximum(value, into_b, out=value)  # the larger of the two
     if max_tokens is not None:
         # Token counts are whole numbers: the shift's grouping changes no bit of the test.
-        ok &= within_token_cap(tokens, size, a, b[None, :], li - lj[None, :], max_tokens)
-    value = np.where(ok, np.maximum(new_a, new_b), np.inf)
+        ok = within_token_cap(tokens, size, a, b[None, :], li - lj[None, :], max_tokens)
+        value[~ok] = np.inf
     i, j = divmod(int(value.argmin()), value.shape[1])
     if not value[i, j] < per[a] * (1 - TIE):
         return None
     dst = int(b[j])
-    return [(int(ma[i]), a, dst), (int(mb[j]), dst, a)]
+    quote_i = (float(in_b[i, col[j]]), float(sent_b[i, col[j]]))
+    return [(int(ma[i]), a, dst, quote_i), (int(mb[j]), dst, a, (float(in_a[j]), float(sent_a[j])))]
 
 
 class PricedLedger:
     """What the bags of a mixed partition are charged while sequences move between them
-    (the move primitive of the priced passes): each sequence's price in its bag, each
-    bag's priced load, tokens and per-GPU time, and what each GPU and home bag pays to
-    send. One GPU sends a sequence placed away from it, not its bag: a bag's slowest GPU
-    is its spread load plus the most any of its GPUs sends, less that GPU's share."""
+    (the priced passes' `Ledger`): each sequence's price in its bag and what its home bag
+    pays to send it, each bag's priced load, tokens and per-GPU time, and what each GPU and
+    home bag sends. One GPU sends a sequence placed away from it, not its bag: a bag's
+    slowest GPU is its spread load plus the most any of its GPUs sends, less that GPU's
+    share. ``quotes``: sequence -> (price, sending) where the next move takes it, as its
+    scoring priced them (the same bits: a price is its own), taken by the next `charge`."""
 
     def __init__(self, step: Step, prices: Prices, known=None):
         layout = step.layout
         self.step, self.prices = step, prices
         self.size, self.weight, self.start = layout.size, layout.weight, layout.start
         self.lengths = step.lengths.astype(np.float64)
-        self.price, self.load, sent = priced_loads(step, prices, known)
+        self.price, self.load, self.sent = priced_loads(step, prices, known)
         # Under a token cap only (else never read)
         self.tokens = (np.bincount(step.bag, weights=self.lengths, minlength=len(self.size))
                        if layout.max_tokens is not None else np.zeros(len(self.size)))  # fmt: skip
-        self.gpu_sends, self.bag_sends = sends(step, sent)
+        self.gpu_sends, self.bag_sends = sends(step, self.sent)
         self.extra = uneven_sends(layout, self.gpu_sends, self.bag_sends)
         self.per = self.load / self.weight + self.extra
+        self.quotes: dict[int, tuple[float, float]] = {}
+        self._ends = (layout.start + layout.size).tolist()  # each bag's GPUs: start..end
 
     def priced(self, seq, bag):
         """(price in ``bag``, what its home bag pays for sending) of sequences ``seq``."""
@@ -146,43 +165,46 @@ class PricedLedger:
 
     def charge(self, seqs, src, dst) -> float:
         """`Ledger.charge`: each sequence re-priced where it goes, its home bag's and
-        source GPU's sending changed with it."""
-        step = self.step
-        home, src_gpu = step.home_bag, step.src_pos
-        # Per-bag and per-GPU state is copied whole; a price only where a sequence moves
-        # (the step's prices are many, the moves two).
-        self._undo = [x.copy() for x in (self.load, self.tokens, self.gpu_sends,
-                                         self.bag_sends, self.extra, self.per)]  # fmt: skip
-        self._old_prices = self.price[seqs]
+        source GPU's sending changed with it. Scalars: a move touches a few bags."""
+        home, src_gpu = self.step.home_bag, self.step.src_pos
+        quotes = [self.quotes.pop(seq, None) for seq in seqs]
+        if None in quotes:
+            there, sent_there = self.priced(np.array(seqs), np.array(dst))
+            quotes = list(zip(there.tolist(), sent_there.tolist(), strict=True))
+        load, price, sent, tokens = self.load, self.price, self.sent, self.tokens
+        # The per-bag and per-GPU state is copied whole, a sequence's only where it moves.
+        self._undo = ([x.copy() for x in (load, tokens, self.gpu_sends, self.bag_sends,
+                                          self.extra, self.per)],
+                      [(seq, price[seq], sent[seq]) for seq in seqs])  # fmt: skip
         touched = {src[0], dst[0]}
-        # Where they leave and where they go, priced in one call (each price is its own).
-        k = len(seqs)
-        both = self.priced(np.array(seqs + seqs), np.array(src + dst))
-        price, sent = (x.tolist() for x in both)
-        old_sents, new_prices, new_sents = sent[:k], price[k:], sent[k:]
-        for seq, s, to, old_sent, new_price, new_sent in zip(
-            seqs, src, dst, old_sents, new_prices, new_sents, strict=True
-        ):
-            self.load[s] -= self.price[seq]
-            self.load[to] += new_price
-            self.price[seq] = new_price
-            self.tokens[s] -= self.lengths[seq]
-            self.tokens[to] += self.lengths[seq]
-            if home[seq] >= 0:
-                self.load[home[seq]] += new_sent - old_sent
-                self.gpu_sends[src_gpu[seq]] += new_sent - old_sent
-                self.bag_sends[home[seq]] += new_sent - old_sent
-                touched.add(int(home[seq]))
-        bags = list(touched)
-        most = np.maximum.reduceat(self.gpu_sends, self.start)[bags]
-        self.extra[bags] = most - self.bag_sends[bags] / self.weight[bags]
-        self.per[bags] = self.load[bags] / self.weight[bags] + self.extra[bags]
-        return float(self.per[bags].max())
+        for seq, s, to, (new_price, new_sent) in zip(seqs, src, dst, quotes, strict=True):
+            load[s] -= price[seq]
+            load[to] += new_price
+            price[seq] = new_price
+            tokens[s] -= self.lengths[seq]
+            tokens[to] += self.lengths[seq]
+            h = int(home[seq])
+            if h >= 0:
+                change = new_sent - sent[seq]
+                load[h] += change
+                self.gpu_sends[src_gpu[seq]] += change
+                self.bag_sends[h] += change
+                touched.add(h)
+            sent[seq] = new_sent
+        top = -np.inf
+        for b in touched:
+            most = self.gpu_sends[self.start[b] : self._ends[b]].max()
+            self.extra[b] = most - self.bag_sends[b] / self.weight[b]
+            self.per[b] = load[b] / self.weight[b] + self.extra[b]
+            top = max(top, self.per[b])
+        return float(top)
 
     def undo(self, seqs, src, dst) -> None:
-        self.load, self.tokens, self.gpu_sends, self.bag_sends, self.extra, per = self._undo
-        self.per[:] = per  # (read by the caller's loop as it is)
-        self.price[seqs] = self._old_prices
+        arrays, entries = self._undo
+        self.load, self.tokens, self.gpu_sends, self.bag_sends, self.extra, per = arrays
+        self.per[:] = per  # (the exchange pass reads this array between moves)
+        for seq, price, sent in entries:
+            self.price[seq], self.sent[seq] = price, sent
 
 
 class LazyMembers(dict):

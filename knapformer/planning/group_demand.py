@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import math
 
 import numpy as np
 
@@ -89,45 +90,75 @@ class _Demand:
         self.size, self.num_gpus, self.unit, self.big = size, num_gpus, unit, big
         small = np.ones(eff.shape[1], dtype=bool)
         small[big] = False
-        base, fill_cost = _filling_sums(eff, lengths, size, np.flatnonzero(small))
+        base, fill_cost = _filling_sums(eff, lengths, size, small)
         self.x0_small, self.fill_base = base[0], np.array(base)
         fill_cost = np.array(fill_cost)
         self.inflation = np.divide(fill_cost, self.fill_base, out=np.ones(len(size)),
                                    where=self.fill_base > 0)  # fmt: skip
         self.big_eff, self.big_per_gpu = eff[:, big], fitting_costs(eff, lengths, size, big)[1]
+        self.sizes, self.inflation_list = size.tolist(), self.inflation.tolist()
+        self.fill_base_list = self.fill_base.tolist()
+        # A big sequence's class at a target is the first size whose per-GPU cost is at
+        # most the target: the first whose least cost so far is. It changes only where the
+        # target crosses one of those (``steps``), so `classes` keeps the last ones until
+        # it does; every big sequence fits some size from ``fits_all`` on.
+        least = np.minimum.accumulate(self.big_per_gpu, axis=0)
+        self.least, self.steps = least, np.unique(least[np.isfinite(least)]).tolist()
+        self.fits_all = float(least[-1].max(initial=-np.inf))
+        self.last: tuple[float, np.ndarray] | None = None  # (target, its classes)
+        self.of_class = None  # the last classes' (classes, load, per-GPU costs) (`_at`)
+
+    def classes(self, target: float) -> np.ndarray:
+        """Each big sequence's class at ``target`` (where every one fits some size)."""
+        last = self.last
+        if last is not None:
+            lo, hi = min(last[0], target), max(last[0], target)
+            if bisect.bisect_right(self.steps, hi) == bisect.bisect_right(self.steps, lo):
+                return last[1]  # no class changes between the two targets
+        cls = (self.least > target).sum(axis=0)  # sizes before the first that fits
+        self.last = (target, cls)
+        return cls
+
+    def _at(self, cls: np.ndarray) -> tuple[list[float], np.ndarray]:
+        """(each size's load, each big sequence's per-GPU cost) at classes ``cls``: the last
+        classes' kept, as most of a bisection's targets give the same classes."""
+        held = self.of_class
+        if held is None or (held[0] is not cls and not np.array_equal(held[0], cls)):
+            flat = cls * len(self.big) + np.arange(len(self.big))  # (size, sequence) cells
+            load = np.bincount(cls, weights=self.big_eff.take(flat), minlength=len(self.size))
+            held = self.of_class = (cls, load.tolist(), self.big_per_gpu.take(flat))
+        return held[1], held[2]
 
     def load(self, cls: np.ndarray) -> np.ndarray:
         """Each size's load from the big sequences of classes ``cls``."""
-        at = self.big_eff[cls, np.arange(len(self.big))]
-        return np.bincount(cls, weights=at, minlength=len(self.size))
+        return np.array(self._at(cls)[0])
 
-    def groups(self, cls: np.ndarray, target: float):
+    def groups(self, cls: np.ndarray, target: float) -> tuple[list[float], list[int]]:
         """(load, groups) per size for the big sequences of classes ``cls`` at ``target``:
         enough room for the load (within `TIE` of whole groups needs no more), and a group
-        of its own for each sequence above half a group's room (two cannot share)."""
-        load = self.load(cls)
-        alone = self.big_per_gpu[cls, np.arange(len(self.big))] > 0.5 * target
-        size = self.size
-        groups = np.maximum(np.ceil(load / (size * target) - TIE),
-                            np.bincount(cls[alone], minlength=len(size)))  # fmt: skip
-        return load, groups.astype(np.int64)
+        of its own for each sequence above half a group's room (two cannot share). Python
+        numbers: a few sizes, where numpy's per-call cost would dominate (the same
+        arithmetic, element by element)."""
+        load, per_gpu = self._at(cls)
+        alone = np.bincount(cls[per_gpu > 0.5 * target], minlength=len(load)).tolist()
+        return load, [max(math.ceil(x / (g * target) - TIE), a)
+                      for x, g, a in zip(load, self.sizes, alone, strict=True)]  # fmt: skip
 
     def at(self, target: float):
         """(GPUs used, groups per size, classes of the big sequences) at ``target``; None
         when a big sequence fits no size at it."""
-        ok = self.big_per_gpu <= target
-        if not ok.any(axis=0).all():
+        if not self.fits_all <= target:
             return None
-        cls = ok.argmax(axis=0)
+        cls = self.classes(target)
         load, groups = self.groups(cls, target)
-        load[0] += self.x0_small
-        groups[0] = 0
-        size = self.size
-        slack = groups * size * target - load
-        fill = np.minimum(slack / self.inflation, self.fill_base)[1:].sum()
-        rest = max(0.0, load[0] - fill)
-        groups[0] = int(np.ceil(rest / (size[0] * target) - TIE))
-        return int((groups * size).sum()), groups, cls
+        size, inflation, base = self.sizes, self.inflation_list, self.fill_base_list
+        # The bigger groups' slack, filled with short sequences (summed by numpy: its order).
+        fill = float(np.sum([min((groups[j] * size[j] * target - load[j]) / inflation[j], base[j])
+                             for j in range(1, len(size))]))  # fmt: skip
+        rest = max(0.0, load[0] + self.x0_small - fill)
+        groups[0] = math.ceil(rest / (size[0] * target) - TIE)
+        used = int(sum(c * g for c, g in zip(groups, size, strict=True)))
+        return used, np.array(groups, dtype=np.int64), cls
 
     def fits(self, target: float) -> bool:
         got = self.at(target)
@@ -141,7 +172,7 @@ class _Demand:
     def counts(self, cls: np.ndarray, target: float) -> np.ndarray:
         """Groups per size for the big sequences of classes ``cls`` at ``target`` (as `at`),
         the spare GPUs in the smallest groups."""
-        out = self.groups(cls, target)[1]
+        out = np.array(self.groups(cls, target)[1], dtype=np.int64)
         out[0] = (self.num_gpus - int((out[1:] * self.size[1:]).sum())) // self.unit
         return out
 
@@ -157,19 +188,23 @@ class _Demand:
 
 
 def _filling_sums(eff, lengths, size, small: np.ndarray) -> tuple[list[float], list[float]]:
-    """(alone, there) per size: what the short sequences (``small``, ids) that may fill a
+    """(alone, there) per size: what the short sequences (``small``, a mask) that may fill a
     group of that size (as long as it; all of them for the smallest) cost alone (``eff[0]``)
-    and in it (``eff[j]``). A set is cut and summed alone only where it changes: where
-    every short sequence is as long as the largest group, once for all sizes."""
+    and in it (``eff[j]``). A set is cut and summed alone only where it changes (its
+    shortest is shorter than the group): where every short sequence is as long as the
+    largest group, once for all sizes. Masks, not ids: a step-sized gather is slower than
+    a compress of the same rows (the same sums)."""
     seqs = small
-    total = float(eff[0, seqs].sum())
+    total = float(eff[0][seqs].sum())
+    shortest = lengths.min(where=seqs, initial=size[-1])
     alone, there = [], []
     for j, g in enumerate(size):
-        if j and not (lengths[seqs] >= g).all():
-            seqs = seqs[lengths[seqs] >= g]
-            total = float(eff[0, seqs].sum())
+        if j and shortest < g:
+            seqs = seqs & (lengths >= g)
+            total = float(eff[0][seqs].sum())
+            shortest = lengths.min(where=seqs, initial=size[-1])
         alone.append(total)
-        there.append(float(eff[j, seqs].sum()) if j else total)
+        there.append(float(eff[j][seqs].sum()) if j else total)
     return alone, there
 
 

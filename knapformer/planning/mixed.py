@@ -237,23 +237,29 @@ def _least_with_room(heap, per: list, room: list) -> tuple[float, int]:
 def _size_heaps(per: np.ndarray, class_of_bag: np.ndarray, bag_node: np.ndarray):
     """Min-heaps of (per-GPU time, bag) giving the least loaded bag of each size, overall
     (node -2) and in each node, keyed (size class, node): one entry per bag in each of its
-    two heaps. Each heap is made sorted (a sorted list is a heap) from one sort by time
-    and a radix sort by key, not entry by entry: at thousands of bags, a third of the
-    time."""
+    two heaps. A node's heaps are searched only for its own sequences, which pass their
+    home bag over, so a bag alone in its node (home to all of them) has no node heap, nor
+    has a bag that spans nodes. Each heap is made sorted (a sorted list is a heap) from
+    one sort by time and a radix sort by key, not entry by entry: at thousands of bags, a
+    third of the time."""
     n = len(per)
     by_per = np.argsort(per, kind="stable")  # ties by bag, as the tuples order them
     entries = list(zip(per.tolist(), range(n), strict=True))
+    in_node = bag_node >= 0
+    in_node[in_node] = np.bincount(bag_node[in_node])[bag_node[in_node]] > 1
     heaps: dict[tuple[int, int], list[tuple[float, int]]] = {}
-    for node in (np.full(n, -2), bag_node):
+    for node, bags in ((np.full(n, -2), by_per), (bag_node, by_per[in_node[by_per]])):
+        if bags.size == 0:
+            continue  # (no node holds two bags)
         key = class_of_bag * (n + 2) + node + 2  # (class, node) as one small int
-        order = by_per[by_small_key(key[by_per], int(key.max(initial=0)) + 1)]
+        order = bags[by_small_key(key[bags], int(key.max(initial=0)) + 1)]
         key = key[order]
-        new = np.empty(n, dtype=bool)
+        new = np.empty(len(order), dtype=bool)
         new[:1] = True
         np.not_equal(key[1:], key[:-1], out=new[1:])
         starts = np.flatnonzero(new).tolist()
         ordered = [entries[b] for b in order.tolist()]
-        own = [ordered[s:e] for s, e in zip(starts, [*starts[1:], n], strict=True)]
+        own = [ordered[s:e] for s, e in zip(starts, [*starts[1:], len(order)], strict=True)]
         first = order[starts]
         keys = zip(class_of_bag[first].tolist(), node[first].tolist(), strict=True)
         heaps.update(zip(keys, own, strict=True))

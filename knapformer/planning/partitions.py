@@ -203,8 +203,10 @@ def _place(groups, sizes, num_gpus, node_size, eff, seq_class, src_pos):
     are. Returns the bag sizes in position order."""
     unit = max(node_size, max(s for s, n in zip(sizes, groups, strict=True) if n))
     num_units = num_gpus // unit
-    heavy = np.where(seq_class > 0, eff[0], 0.0)
-    score = np.bincount(src_pos // unit, weights=heavy, minlength=num_units)
+    # Only the sequences of the larger classes weigh (the others' zeros add nothing to the
+    # sums): a few hundred rows, not the step's.
+    heavy = np.flatnonzero(seq_class > 0)
+    score = np.bincount(src_pos[heavy] // unit, weights=eff[0][heavy], minlength=num_units)
     unit_order = np.argsort(-score, kind="stable")
     cls = np.repeat(np.arange(len(sizes))[::-1], groups[::-1])  # largest first
     widths = np.asarray(sizes)[cls]

@@ -1,0 +1,98 @@
+"""The fast paths of a mixed partition's passes over every sequence give the plain
+formulation's results bit for bit: the bisection's classes kept between targets and its
+group counts in Python numbers (`_Demand`), and the short sequences' sums cut by masks
+(`_filling_sums`)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from knapformer.planning.communication import CommModel
+from knapformer.planning.datamix import parse_mix, sample_lengths, scale_mix
+from knapformer.planning.group_demand import TIE, _Demand, _filling_sums, per_gpu_costs
+from knapformer.planning.partitions import effective_workloads
+from knapformer.planning.workload import WorkloadModel
+
+MODEL = WorkloadModel(token_dim=3072, gamma=0.4)
+SIZES = (1, 2, 4, 8)
+
+
+def _demand(mix: str, factor: int, seed: int):
+    """(the step's `_Demand` above the mean, its bracket (lo, hi), eff, lengths)."""
+    comm = CommModel.cluster("nvlink")
+    lengths = sample_lengths(scale_mix(parse_mix(mix), factor), np.random.default_rng(seed))
+    num_gpus, length = len(lengths), np.concatenate(lengths)
+    per_token = {g: comm.ulysses_per_token(MODEL.token_dim, g, MODEL.scale) for g in SIZES}
+    eff = effective_workloads(MODEL.workload(length), length, SIZES, per_token)
+    size = np.asarray(SIZES, dtype=np.float64)
+    smallest, cheapest = per_gpu_costs(eff, length, size)
+    lo = max(float(eff[0].sum()) / num_gpus, cheapest)
+    hi = min(max(float(eff[j].sum()) / num_gpus, float(eff[j].max()) / g)
+             for j, g in enumerate(SIZES))  # fmt: skip
+    big = np.flatnonzero(smallest > lo)
+    return _Demand(eff, size, length, num_gpus, SIZES[0], big), (lo, hi), eff, length
+
+
+def _plain_at(need: _Demand, target: float):
+    """`_Demand.at` as one numpy pass over every big sequence at each target."""
+    ok = need.big_per_gpu <= target
+    if not ok.any(axis=0).all():
+        return None
+    cls = ok.argmax(axis=0)
+    cells = (cls, np.arange(len(need.big)))
+    load = np.bincount(cls, weights=need.big_eff[cells], minlength=len(need.size))
+    alone = need.big_per_gpu[cells] > 0.5 * target
+    size = need.size
+    groups = np.maximum(np.ceil(load / (size * target) - TIE),
+                        np.bincount(cls[alone], minlength=len(size))).astype(np.int64)  # fmt: skip
+    load[0] += need.x0_small
+    groups[0] = 0
+    slack = groups * size * target - load
+    fill = np.minimum(slack / need.inflation, need.fill_base)[1:].sum()
+    groups[0] = int(np.ceil(max(0.0, load[0] - fill) / (size[0] * target) - TIE))
+    return int((groups * size).sum()), groups, cls
+
+
+@pytest.mark.parametrize(("mix", "factor"), [("joint", 4), ("mixres", 4), ("video", 1)])
+def test_the_bisection_gives_the_plain_counts_at_every_target(mix, factor):
+    # The targets a bisection visits (each close to the last: classes kept), then jumps
+    # across the whole bracket and below it (classes renewed, or no fit at all).
+    need, (lo, hi), _, _ = _demand(mix, factor, 11)
+    assert len(need.big) > 0
+    targets, a, b = [], lo, hi
+    for _ in range(40):
+        mid = 0.5 * (a + b)
+        targets.append(mid)
+        a, b = (a, mid) if need.fits(mid) else (mid, b)
+    targets += [hi, lo, 0.5 * lo, hi * 1.5, *np.linspace(lo, hi, 9).tolist()]
+    renewed = set()
+    for target in targets:
+        before = need.last
+        got, plain = need.at(target), _plain_at(need, target)
+        if need.last is not before:
+            renewed.add(target)
+        if plain is None:
+            assert got is None
+            continue
+        assert got[0] == plain[0]
+        assert np.array_equal(got[1], plain[1]) and got[1].dtype == plain[1].dtype
+        assert np.array_equal(got[2], plain[2])
+    assert 0 < len(renewed) < len(targets)  # both paths ran
+
+
+@pytest.mark.parametrize("mix", ["video", "seqheavy"])
+def test_filling_sums_by_masks_are_the_sums_by_ids(mix):
+    _, _, eff, lengths = _demand(mix, 1, 3)
+    small = lengths < np.quantile(lengths, 0.9)
+    small[::7] = True  # some longer ones too: a set cut per size
+    seqs, alone, there = np.flatnonzero(small), [], []
+    for j, g in enumerate(SIZES):
+        if j:
+            seqs = seqs[lengths[seqs] >= g]
+        alone.append(float(eff[0, seqs].sum()))
+        there.append(float(eff[j, seqs].sum()))
+    assert _filling_sums(eff, lengths, np.asarray(SIZES, dtype=np.float64), small) == (
+        alone,
+        there,
+    )
