@@ -4,13 +4,19 @@ the same plans. Only the judging is exercised here (a live matrix takes ten minu
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import io
 import json
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
+from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
 DEMO = ROOT / "sample_plans" / "demo.jsonl"  # 30 measured steps of a clean 8-rank demo
 
 
@@ -23,11 +29,36 @@ def _keep(folder: Path, kind: str | None, factor: float = 1.0) -> None:
     (folder / "case.json").write_text(json.dumps(case))
 
 
+def _diagnosis() -> ModuleType:
+    """bench/diagnosis.py, loaded once (a script beside its ``footer`` module, not a
+    package module)."""
+    if "bench_diagnosis" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("bench_diagnosis", BENCH / "diagnosis.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses look their module up while defining
+        with mock.patch.object(sys, "path", [str(BENCH), *sys.path]):
+            spec.loader.exec_module(module)
+    return sys.modules["bench_diagnosis"]
+
+
 def _rescore(folder: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "bench/diagnosis.py", "--rescore", str(folder)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    """``python bench/diagnosis.py --rescore FOLDER``: its exit status, stdout and stderr.
+    Run in this process, as the script's ``__main__`` runs it (``SystemExit(main())``):
+    --rescore starts nothing, and a process of its own would only import torch again. An
+    exception other than an exit is a traceback the script would print: it fails the test."""
+    out, err = io.StringIO(), io.StringIO()
+    argv = ["bench/diagnosis.py", "--rescore", str(folder)]
+    with (
+        mock.patch.object(sys, "argv", argv),
+        contextlib.chdir(ROOT),
+        contextlib.redirect_stdout(out),
+        contextlib.redirect_stderr(err),
+    ):
+        try:
+            code = _diagnosis().main()
+        except SystemExit as done:  # argparse's usage errors exit 2
+            code = done.code
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
 
 
 def test_kept_runs_are_judged_again_and_the_targets_say_what_they_missed(tmp_path):

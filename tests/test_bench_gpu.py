@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import io
 import json
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -26,6 +31,35 @@ def _run(args: list[str], **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run(
         args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, **kwargs
     )
+
+
+def _bench_module() -> ModuleType:
+    """bench/gpu.py, loaded once (a script beside its ``comm_memory`` and ``routing``
+    modules, not a package module)."""
+    if "bench_gpu" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("bench_gpu", BENCH)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses look their module up while defining
+        with mock.patch.object(sys, "path", [str(BENCH.parent), *sys.path]):
+            spec.loader.exec_module(module)
+    return sys.modules["bench_gpu"]
+
+
+def _bench_here(*args: str) -> subprocess.CompletedProcess:
+    """``python bench/gpu.py ARGS`` for what starts no worker (``--show``, the answer
+    without CUDA): its exit status, stdout and stderr, run in this process as the script's
+    ``__main__`` runs it (``sys.exit(main())``), where a fresh Python would import torch
+    again. An exception is a traceback the script would print: it fails the test."""
+    out, err = io.StringIO(), io.StringIO()
+    with (
+        mock.patch.dict(os.environ),
+        contextlib.chdir(ROOT),
+        contextlib.redirect_stdout(out),
+        contextlib.redirect_stderr(err),
+    ):
+        os.environ.pop("GPU_CHECK_OUT", None)
+        code = _bench_module().main(list(args))
+    return subprocess.CompletedProcess([str(BENCH), *args], code, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +135,7 @@ def test_quick_cpu_run_pack_figures(quick_run):
 def test_show_prints_a_recorded_run_and_its_verdict(quick_run, tmp_path):
     _, out = quick_run
     report = json.loads((out / "gpu-check.json").read_text())
-    proc = _run([sys.executable, str(BENCH), "--show", str(out / "gpu-check.json")])
+    proc = _bench_here("--show", str(out / "gpu-check.json"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"recorded {report['when']} on cpu" in proc.stdout
     for title in ("1. balancer on gloo", "2. DiT block", "3. router packing"):
@@ -112,14 +146,14 @@ def test_show_prints_a_recorded_run_and_its_verdict(quick_run, tmp_path):
     report |= {"ok": False, "failures": ["pack: not bit-exact"]}
     failed = tmp_path / "failed.json"
     failed.write_text(json.dumps(report))
-    proc = _run([sys.executable, str(BENCH), "--show", str(failed)])
+    proc = _bench_here("--show", str(failed))
     assert proc.returncode == 1
     assert "pack: not bit-exact" in proc.stdout and "GPU CHECK FAILED" in proc.stdout
 
 
 @no_cuda
 def test_without_cuda_the_bench_says_so_in_one_line(tmp_path):
-    proc = _run([sys.executable, str(BENCH), "--out", str(tmp_path / "out")])
+    proc = _bench_here("--out", str(tmp_path / "out"))
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 1 and "needs CUDA" in lines[0]

@@ -1,17 +1,23 @@
 """The fast paths of a mixed partition's passes over every sequence give the plain
 formulation's results bit for bit: the bisection's classes kept between targets and its
-group counts in Python numbers (`_Demand`), and the short sequences' sums cut by masks
-(`_filling_sums`)."""
+group counts in Python numbers (`_Demand`), the largest least cost over the dearest
+sequences only (`per_gpu_costs`), the short sequences' sums cut by masks
+(`_filling_sums`), and the prices at home by runs of one kind of home bag
+(`Prices.at_home`)."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
+from knapformer.planning.bags import bag_shape
 from knapformer.planning.communication import CommModel
 from knapformer.planning.datamix import parse_mix, sample_lengths, scale_mix
 from knapformer.planning.group_demand import TIE, _Demand, _filling_sums, per_gpu_costs
 from knapformer.planning.partitions import effective_workloads
+from knapformer.planning.pricing import Prices, _home_runs
 from knapformer.planning.workload import WorkloadModel
 
 MODEL = WorkloadModel(token_dim=3072, gamma=0.4)
@@ -96,3 +102,51 @@ def test_filling_sums_by_masks_are_the_sums_by_ids(mix):
         alone,
         there,
     )
+
+
+@pytest.mark.parametrize("node_size", [8, 4])
+def test_prices_at_home_by_runs_are_the_looked_up_prices(node_size):
+    # 2,048 GPUs in runs of 8-GPU and one-GPU bags (on nodes of 4, the 8-GPU bags span
+    # two), about 30 sequences each, sources in order: the runs path; shuffled: the plain.
+    comm = replace(CommModel.cluster("nvlink"), node_size=node_size)
+    per_token = {g: comm.ulysses_per_token(MODEL.token_dim, g, MODEL.scale) for g in SIZES}
+    shape = bag_shape((8,) * 64 + (1,) * 1024 + (8,) * 64 + (2,) * 256)
+    num_gpus = int(shape.size.sum())
+    rng = np.random.default_rng(5)
+    src = np.sort(rng.integers(0, num_gpus, 30 * num_gpus))
+    lengths = rng.integers(1, 20_000, len(src))
+    workload = MODEL.workload(lengths)
+    prices = Prices.of(shape, src, per_token, comm, MODEL)
+    home = shape.bag_of_pos[src]
+    seqs = np.arange(len(src))
+    runs = _home_runs(prices, home, shape.size)
+    assert runs is not None and len(runs) == 4
+    assert any(r[3] == 0.0 for r in runs) and any(r[3] > 0 for r in runs)  # one-GPU bags too
+    plain = prices._at_home_gathered(workload, seqs, home, shape.size, lengths)
+    got = prices.at_home(workload, seqs, home, shape.size, lengths)
+    assert np.array_equal(got, plain)
+    route = prices.route(seqs, home, home, shape.size, lengths.astype(np.float64))
+    assert np.array_equal(got, workload + prices.kappa[home] * lengths + 2 * route)
+    mixed = rng.permutation(len(src))  # homes out of order: looked up one by one
+    assert _home_runs(prices, home[mixed], shape.size) is None
+    assert np.array_equal(
+        prices.at_home(workload, mixed, home[mixed], shape.size, lengths[mixed]), plain[mixed]
+    )
+
+
+@pytest.mark.parametrize(("mix", "factor"), [("video", 4), ("joint", 4), ("lowres", 1)])
+def test_the_largest_least_cost_is_the_plain_one(mix, factor):
+    # Sampled steps, then every sequence as dear (all looked at), and short ones that
+    # fit the smallest group alone.
+    _, _, eff, lengths = _demand(mix, factor, 7)
+    size = np.asarray(SIZES, dtype=np.float64)
+    flat = np.tile(eff[:, :1], (1, 50))
+    short = lengths.copy()
+    short[::3] = 3
+    for costs, length in ((eff, lengths), (flat, lengths[:50]), (eff, short)):
+        plain = costs[0] / size[0]
+        for j in range(1, len(size)):
+            plain = np.minimum(plain, np.where(length >= size[j], costs[j] / size[j], np.inf))
+        smallest, largest = per_gpu_costs(costs, length, size)
+        assert np.array_equal(smallest, costs[0] / size[0])
+        assert largest == float(plain.max())

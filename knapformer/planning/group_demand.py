@@ -20,12 +20,23 @@ from knapformer.planning.tuning import BISECTIONS, TIE
 def per_gpu_costs(eff: np.ndarray, lengths: np.ndarray, size: np.ndarray):
     """(each sequence's per-GPU cost in the smallest group (n,), the largest over the
     sequences of their least per-GPU cost in a group they fit): a sequence shorter than
-    every group still goes to the smallest. One size at a time: no (sizes, n) temporary."""
+    every group still goes to the smallest. That largest is at least the least cost of
+    the dearest sequence in the smallest group, and no sequence cheaper than that there
+    can exceed it: only the others are looked at (a few hundred of 185,000 at 4,096 GPUs;
+    the same largest)."""
     smallest = eff[0] / size[0]
-    cheapest = smallest.copy()
+    top = np.array([int(smallest.argmax())])
+    dear = np.flatnonzero(smallest >= _least_costs(eff, lengths, size, top, smallest)[0])
+    return smallest, float(_least_costs(eff, lengths, size, dear, smallest).max())
+
+
+def _least_costs(eff, lengths, size, seqs: np.ndarray, smallest: np.ndarray) -> np.ndarray:
+    """Each of ``seqs``' least per-GPU cost in a group it fits (``smallest``: each one's in
+    the smallest group, which any may take). One size at a time: no (sizes, n) temporary."""
+    cheapest, at = smallest[seqs], lengths[seqs]
     for j in range(1, len(size)):
-        np.minimum(cheapest, np.where(lengths >= size[j], eff[j] / size[j], np.inf), out=cheapest)
-    return smallest, float(cheapest.max())
+        np.minimum(cheapest, np.where(at >= size[j], eff[j, seqs] / size[j], np.inf), out=cheapest)
+    return cheapest
 
 
 def fitting_costs(eff: np.ndarray, lengths: np.ndarray, size: np.ndarray, seqs: np.ndarray):

@@ -76,7 +76,9 @@ class Loads:
                 layout.bag_tokens -= np.bincount(src, ell, num_bags).astype(np.int64)
         if layout.over_token_cap():
             return math.inf
-        touched = np.concatenate([src, dst]).astype(np.int64)
+        if isinstance(seqs, list):
+            return max(float(layout.load[b] / layout.weight[b]) for b in (*src, *dst))
+        touched = np.concatenate([src, dst])
         return float((layout.load[touched] / layout.weight[touched]).max(initial=0.0))
 
     def undo(self, seqs, src, dst) -> None:

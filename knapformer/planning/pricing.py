@@ -13,6 +13,7 @@ from knapformer.planning.bags import (
     Step,
 )
 from knapformer.planning.communication import CommModel, communication_loads
+from knapformer.planning.tuning import HOME_RUN_ROWS
 from knapformer.planning.workload import WorkloadModel
 
 
@@ -276,17 +277,44 @@ class Prices:
         ``workload``: the step's): `_priced`'s, the same bits, by a short form of the route
         (a home bag holds its sequence's source GPU, so it is in the source's node unless
         it spans nodes, and (g-1)/g of the tokens leave), summed in two buffers where the
-        plain form makes ten step-sized temporaries."""
+        plain form makes ten step-sized temporaries. Where the homes come in a few runs of
+        one kind of bag (`_home_runs`), each run is priced by its kind's numbers, and a
+        sequence at home in a one-GPU bag costs its workload alone (no Ulysses, no route:
+        ``W + 0*L + 0`` is ``W``)."""
+        runs = _home_runs(self, home, size)
+        if runs is None:
+            return self._at_home_gathered(workload, seqs, home, size, lengths)
+        price = np.take(workload, seqs)
+        for lo, hi, kappa, share, link in runs:
+            if kappa == 0.0 and share == 0.0:
+                continue
+            part = kappa * lengths[lo:hi]  # k_g*L + W, then the route, as below
+            part += price[lo:hi]
+            route = share * lengths[lo:hi]
+            route *= link
+            route *= 2
+            part += route
+            price[lo:hi] = part
+        return price
+
+    def _at_home_gathered(self, workload, seqs, home, size, lengths):
+        """`at_home` with each sequence's numbers looked up by its home bag."""
         price = np.take(self.kappa, home)
         price *= lengths  # k_g*L (+ W below: the same sum either way round)
         buffer = np.take(workload, seqs)
         price += buffer
         route = np.take((size - 1) / size, home)
         route *= lengths
-        route *= np.take(np.where(self.bag_node >= 0, self.intra, self.inter), home, out=buffer)
+        route *= np.take(self.home_link, home, out=buffer)
         route *= 2  # its home bag sends it and receives it
         price += route
         return price
+
+    @property
+    def home_link(self) -> np.ndarray:
+        """(num_bags,) route per token of a sequence at home: over the node's link unless
+        its bag spans nodes."""
+        return np.where(self.bag_node >= 0, self.intra, self.inter)
 
     def cost(self, step: Step, lengths: np.ndarray, seq, bag):
         """(price, sent) of sequences ``seq`` in bags ``bag`` (broadcast): ``W + k_g*L`` plus
@@ -333,6 +361,26 @@ def _priced(step: Step, prices: Prices, seqs) -> tuple[np.ndarray, np.ndarray]:
     price = step.workload[seqs] + prices.kappa[bag] * lengths + np.where(there, 2 * route, route)
     price[~placed] = 0.0
     return price, np.where(away, route, 0.0)
+
+
+def _home_runs(prices: Prices, home: np.ndarray, size: np.ndarray) -> list[tuple] | None:
+    """(first, end, Ulysses per token, share of tokens that leave, route per token) of each
+    run of ``home`` (ascending) over bags of one kind, as positions in ``home``; None where
+    the homes do not ascend or come in runs of fewer than ``HOME_RUN_ROWS`` each on
+    average (as a step flattened GPU by GPU does, its bags in position order, in a few
+    runs of one group size)."""
+    n = len(home)
+    if n == 0 or home[0] < 0 or (home[1:] < home[:-1]).any():
+        return None
+    kappa, share, link = prices.kappa, (size - 1) / size, prices.home_link
+    new = (kappa[1:] != kappa[:-1]) | (share[1:] != share[:-1]) | (link[1:] != link[:-1])
+    first = [0, *(np.flatnonzero(new) + 1).tolist()]  # each run's first bag
+    if len(first) * HOME_RUN_ROWS > n:
+        return None
+    bounds = [*np.searchsorted(home, first).tolist(), n]
+    spans = zip(first, bounds[:-1], bounds[1:], strict=True)
+    return [(lo, hi, float(kappa[b]), float(share[b]), float(link[b]))
+            for b, lo, hi in spans if hi > lo]  # fmt: skip
 
 
 def bag_makespan(step: Step, prices: Prices) -> float:

@@ -79,3 +79,7 @@ REFINE_PARTNERS = 8  # least loaded bags whose sequences it tries swapping with
 # whether a GPU holds 4 sequences or 400 (sampled beyond, `_within_budget`).
 REFINE_CELLS = 1 << 14
 REFINE_SAMPLE = 4  # members sampled per side at least, however large the step
+# The stay-home pass prices its sequences at home by runs of one kind of home bag
+# (`Prices.at_home`) where the runs hold at least this many sequences on average; fewer,
+# and each one's numbers are looked up by its bag.
+HOME_RUN_ROWS = 1024

@@ -110,26 +110,42 @@ def _bounded_bytes(path: Path) -> bytes:
     return data
 
 
+#: The typed fields of an event: (name, types, what the type is in words).
+_EVENT_FIELDS = (
+    ("ph", _TEXT, "text"),
+    ("name", _TEXT, "text"),
+    ("pid", _ID, "a whole number or text"),
+    ("tid", _ID, "a whole number or text"),
+    ("id", _ID, "a whole number or text"),
+    ("args", (dict,), "an object"),
+)
+#: The times of an event: (name, least value).
+_EVENT_TIMES = (("ts", -MAX_TRACE_US), ("dur", 0.0))
+
+
 def _check_event(event: Any, path: Path, index: int) -> None:
     """`KnapformerError` naming ``traceEvents[index].FIELD`` when an event's field has the
-    wrong type or an impossible value."""
-    where = f"{path}: traceEvents[{index:,}]"
+    wrong type or an impossible value. A trace holds up to a million events: the place is
+    written out only for a message."""
     if not isinstance(event, dict):
-        raise KnapformerError(f"{where} is {_kind(event)}; an event is a JSON object")
-    for name, types, what in (
-        ("ph", _TEXT, "text"),
-        ("name", _TEXT, "text"),
-        ("pid", _ID, "a whole number or text"),
-        ("tid", _ID, "a whole number or text"),
-        ("id", _ID, "a whole number or text"),
-        ("args", (dict,), "an object"),
-    ):
-        value = event.get(name)
+        raise KnapformerError(f"{_where(path, index)} is {_kind(event)}; an event is a JSON object")
+    get = event.get
+    for name, types, what in _EVENT_FIELDS:
+        value = get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, types)):
-            raise KnapformerError(f"{where}.{name} is {_shown(value)}; it must be {what}")
-    for name, low in (("ts", -MAX_TRACE_US), ("dur", 0.0)):
+            raise KnapformerError(
+                f"{_where(path, index)}.{name} is {_shown(value)}; it must be {what}"
+            )
+    for name, low in _EVENT_TIMES:
         if name in event:
-            _check_time(event[name], f"{where}.{name}", low)
+            value = event[name]
+            if type(value) in (int, float) and low <= value <= MAX_TRACE_US:
+                continue  # the common case, decided as _check_time would
+            _check_time(value, f"{_where(path, index)}.{name}", low)
+
+
+def _where(path: Path, index: int) -> str:
+    return f"{path}: traceEvents[{index:,}]"
 
 
 def _check_time(value: Any, where: str, low: float) -> None:
