@@ -1,9 +1,9 @@
 """The fast paths of a mixed partition's passes over every sequence give the plain
-formulation's results bit for bit: the bisection's classes kept between targets and its
-group counts in Python numbers (`_Demand`), the largest least cost over the dearest
-sequences only (`per_gpu_costs`), the short sequences' sums cut by masks
-(`_filling_sums`), and the prices at home by runs of one kind of home bag
-(`Prices.at_home`)."""
+formulation's results bit for bit: the bisections' classes and sums kept between targets
+(`Kept`, in `_Demand` and `partition_floor`), the group counts in Python numbers
+(`_Demand`), the largest least cost over the dearest sequences only (`per_gpu_costs`),
+the short sequences' sums cut by masks (`_filling_sums`), and the prices at home by runs
+of one kind of home bag (`Prices.at_home`)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,15 @@ import pytest
 from knapformer.planning.bags import bag_shape
 from knapformer.planning.communication import CommModel
 from knapformer.planning.datamix import parse_mix, sample_lengths, scale_mix
-from knapformer.planning.group_demand import TIE, _Demand, _filling_sums, per_gpu_costs
-from knapformer.planning.partitions import effective_workloads
+from knapformer.planning.group_demand import (
+    TIE,
+    _Demand,
+    _filling_sums,
+    fitting_costs,
+    least_fitting,
+    per_gpu_costs,
+)
+from knapformer.planning.partitions import effective_workloads, partition_floor
 from knapformer.planning.pricing import Prices, _home_runs
 from knapformer.planning.workload import WorkloadModel
 
@@ -74,9 +81,9 @@ def test_the_bisection_gives_the_plain_counts_at_every_target(mix, factor):
     targets += [hi, lo, 0.5 * lo, hi * 1.5, *np.linspace(lo, hi, 9).tolist()]
     renewed = set()
     for target in targets:
-        before = need.last
+        before = need.classes.last
         got, plain = need.at(target), _plain_at(need, target)
-        if need.last is not before:
+        if need.classes.last is not before:
             renewed.add(target)
         if plain is None:
             assert got is None
@@ -150,3 +157,25 @@ def test_the_largest_least_cost_is_the_plain_one(mix, factor):
         smallest, largest = per_gpu_costs(costs, length, size)
         assert np.array_equal(smallest, costs[0] / size[0])
         assert largest == float(plain.max())
+
+
+@pytest.mark.parametrize(("mix", "factor"), [("video", 4), ("joint", 4), ("seqheavy", 1)])
+def test_the_partition_floor_is_the_plain_bisection(mix, factor):
+    need, _, eff, lengths = _demand(mix, factor, 9)
+    size = np.asarray(SIZES, dtype=np.float64)
+    smallest, cheapest = per_gpu_costs(eff, lengths, size)
+    lo = max(float(eff.min(axis=0).sum()) / need.num_gpus, cheapest)
+    big = np.flatnonzero(smallest > lo)
+    assert big.size > 0
+    rest = float(np.delete(eff[0], big).sum())
+    fits, per_gpu = fitting_costs(eff, lengths, size, big)
+    big_eff = np.where(fits, eff[:, big], np.inf)
+
+    def fits_at(target: float) -> bool:  # every comparison made anew at each target
+        cost = np.where(per_gpu <= target, big_eff, np.inf).min(axis=0)
+        return float(cost.sum()) + rest <= need.num_gpus * target
+
+    hi = lo
+    while not fits_at(hi):
+        hi *= 2.0
+    assert partition_floor(eff, lengths, SIZES, need.num_gpus) == least_fitting(fits_at, lo, hi)

@@ -57,6 +57,26 @@ def least_fitting(fits, lo: float, hi: float) -> float:
     return hi
 
 
+class Kept:
+    """``of(target)`` where it reads the target only by comparisons ``cost <= target`` with
+    ``costs``: kept from the last target while no cost lies between the two (a
+    bisection's targets soon differ in no comparison: then it is not made again)."""
+
+    def __init__(self, costs: np.ndarray, of):
+        self.steps = np.unique(costs[np.isfinite(costs)]).tolist()
+        self.of, self.last = of, None  # (target, its value)
+
+    def __call__(self, target: float):
+        last = self.last
+        if last is not None:
+            lo, hi = min(last[0], target), max(last[0], target)
+            if bisect.bisect_right(self.steps, hi) == bisect.bisect_right(self.steps, lo):
+                return last[1]  # every comparison the same at both targets
+        value = self.of(target)
+        self.last = (target, value)
+        return value
+
+
 def mixed_counts(eff, size, lengths, num_gpus, sizes, whole, costs=None):
     """(group counts per size, each sequence's size class) of the bisection's partition
     (`_Demand.least_target`) and of its variants (`_merged_variants`), cheapest first by
@@ -110,25 +130,12 @@ class _Demand:
         self.sizes, self.inflation_list = size.tolist(), self.inflation.tolist()
         self.fill_base_list = self.fill_base.tolist()
         # A big sequence's class at a target is the first size whose per-GPU cost is at
-        # most the target: the first whose least cost so far is. It changes only where the
-        # target crosses one of those (``steps``), so `classes` keeps the last ones until
-        # it does; every big sequence fits some size from ``fits_all`` on.
+        # most the target: the first whose least cost so far is (the sizes before it);
+        # every big sequence fits some size from ``fits_all`` on.
         least = np.minimum.accumulate(self.big_per_gpu, axis=0)
-        self.least, self.steps = least, np.unique(least[np.isfinite(least)]).tolist()
         self.fits_all = float(least[-1].max(initial=-np.inf))
-        self.last: tuple[float, np.ndarray] | None = None  # (target, its classes)
+        self.classes = Kept(least, lambda target: (least > target).sum(axis=0))
         self.of_class = None  # the last classes' (classes, load, per-GPU costs) (`_at`)
-
-    def classes(self, target: float) -> np.ndarray:
-        """Each big sequence's class at ``target`` (where every one fits some size)."""
-        last = self.last
-        if last is not None:
-            lo, hi = min(last[0], target), max(last[0], target)
-            if bisect.bisect_right(self.steps, hi) == bisect.bisect_right(self.steps, lo):
-                return last[1]  # no class changes between the two targets
-        cls = (self.least > target).sum(axis=0)  # sizes before the first that fits
-        self.last = (target, cls)
-        return cls
 
     def _at(self, cls: np.ndarray) -> tuple[list[float], np.ndarray]:
         """(each size's load, each big sequence's per-GPU cost) at classes ``cls``: the last

@@ -29,6 +29,7 @@ import numpy as np
 from knapformer.contract.topology import Topology
 from knapformer.errors import KnapformerError
 from knapformer.planning.group_demand import (
+    Kept,
     fitting_costs,
     least_fitting,
     mixed_counts,
@@ -148,9 +149,12 @@ def partition_floor(eff: np.ndarray, lengths: np.ndarray, sizes, num_gpus: int,
     fits, big_per_gpu = fitting_costs(eff, lengths, size, big)
     big_eff = np.where(fits, eff[:, big], np.inf)
 
+    # Each big sequence's least cost in a group where it fits under the target, summed.
+    least = Kept(big_per_gpu, lambda t: float(np.where(big_per_gpu <= t, big_eff, np.inf)
+                                              .min(axis=0).sum()))  # fmt: skip
+
     def fits_at(target: float) -> bool:
-        cost = np.where(big_per_gpu <= target, big_eff, np.inf).min(axis=0)
-        return float(cost.sum()) + rest <= num_gpus * target
+        return least(target) + rest <= num_gpus * target
 
     hi = lo
     while not fits_at(hi):

@@ -312,8 +312,7 @@ class Prices:
 
     @property
     def home_link(self) -> np.ndarray:
-        """(num_bags,) route per token of a sequence at home: over the node's link unless
-        its bag spans nodes."""
+        """(num_bags,) route per token at home: the node's link unless the bag spans nodes."""
         return np.where(self.bag_node >= 0, self.intra, self.inter)
 
     def cost(self, step: Step, lengths: np.ndarray, seq, bag):
@@ -365,10 +364,9 @@ def _priced(step: Step, prices: Prices, seqs) -> tuple[np.ndarray, np.ndarray]:
 
 def _home_runs(prices: Prices, home: np.ndarray, size: np.ndarray) -> list[tuple] | None:
     """(first, end, Ulysses per token, share of tokens that leave, route per token) of each
-    run of ``home`` (ascending) over bags of one kind, as positions in ``home``; None where
-    the homes do not ascend or come in runs of fewer than ``HOME_RUN_ROWS`` each on
-    average (as a step flattened GPU by GPU does, its bags in position order, in a few
-    runs of one group size)."""
+    run of ``home`` over bags of one kind, as positions in ``home``; None unless the homes
+    ascend (a step flattened GPU by GPU, bags in position order) in runs of at least
+    ``HOME_RUN_ROWS`` each on average."""
     n = len(home)
     if n == 0 or home[0] < 0 or (home[1:] < home[:-1]).any():
         return None
