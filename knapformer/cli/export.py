@@ -11,16 +11,15 @@ import typer
 
 from knapformer.cli.errors import UserError
 from knapformer.cli.extras import require
+from knapformer.cli.source import SOURCE_HELP
 from knapformer.contract.plan import RoutingPlan
 from knapformer.contract.plan_io import parse_step_range, plans_in_range, read_plans
-from knapformer.contract.run_store import has_store
 from knapformer.contract.runfiles import (
     RUNS_LAYOUT,
     every_run,
     safe_name,
     writable_folder,
 )
-from knapformer.diagnosis.store_source import SOURCE_HELP, reader_run, run_folder, step_window
 
 PLANS_HELP = f"plan file (JSON, JSONL or legacy JSON) or a folder of runs ({RUNS_LAYOUT})"
 STEPS_HELP = "steps A:B (inclusive; A: or :B open) to export (default: every plan)"
@@ -98,6 +97,7 @@ def trace(
     rank, steps at their recorded wall-clock times, phases as slices, plan figures as
     counters. Open it in Perfetto (ui.perfetto.dev), chrome://tracing or DevTools'
     Performance panel. With --merge, each rank's torch.profiler trace joins it."""
+    from knapformer.contract.run_store import has_store  # pyarrow: not at start-up
     from knapformer.tools.trace import build_trace, write_trace
 
     if out.suffix.lower() != ".json":
@@ -133,6 +133,7 @@ def trace(
 
 def _store_trace(plans: Path, out: Path, steps: str | None, source: str) -> None:
     """``knapformer trace`` of the run store: the window's steps, phases and figures."""
+    from knapformer.diagnosis.store_source import reader_run, run_folder, step_window
     from knapformer.tools.store_trace import store_steps
     from knapformer.tools.trace import trace_document, write_trace
 
@@ -160,7 +161,9 @@ def tensorboard(
     speedup, measured max/mean compute) for TensorBoard, one TensorBoard run per run.
     From the run store when the run has one: every step, however few full plans it kept."""
     require("tensorboard", "knapformer tensorboard")
+    from knapformer.contract.run_store import has_store  # pyarrow: not at start-up
     from knapformer.contract.scalars import open_writer, store_step_figures, write_step
+    from knapformer.diagnosis.store_source import reader_run, run_folder
 
     if source != "plans" and (has_store(plans) or source == "store"):
         name = run_folder(reader_run(plans, source)[0]).name

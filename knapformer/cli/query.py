@@ -10,21 +10,16 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import pyarrow as pa
 import typer
 
 from knapformer.cli.bounds import bounded
 from knapformer.cli.errors import UserError
 from knapformer.cli.extras import require
-from knapformer.contract.run_store import (
-    check_segment,
-    existing_store,
-    list_segments,
-    one_line,
-    run_id,
-)
-from knapformer.contract.store_schema import TABLES
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 #: Rows printed unless ``--rows`` says otherwise.
 ROWS = 50
@@ -54,6 +49,8 @@ def query(
     require("query", "knapformer query", "duckdb")
     import duckdb
 
+    from knapformer.contract.run_store import existing_store, one_line  # pyarrow: not at start-up
+
     connection = duckdb.connect()
     _create_views(connection, existing_store(run))
     try:
@@ -67,6 +64,7 @@ def query(
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
         raise UserError(f"query: {one_line(first) or type(err).__name__}") from None
     if csv:
+        import pyarrow as pa
         import pyarrow.csv as pacsv
 
         sink = pa.BufferOutputStream()
@@ -78,6 +76,9 @@ def query(
 
 def _create_views(connection, store: Path) -> None:
     """One view per table over its checked segments (an empty one without segments)."""
+    from knapformer.contract.run_store import check_segment, list_segments, run_id
+    from knapformer.contract.store_schema import TABLES  # pyarrow: not at start-up
+
     run = run_id(store)
     for table, schema in TABLES.items():
         segments = list_segments(store, table)

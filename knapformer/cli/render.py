@@ -16,9 +16,9 @@ from knapformer.cli.bounds import bounded
 from knapformer.cli.errors import UserError, text_option
 from knapformer.cli.extras import require
 from knapformer.cli.plans import PLAN_ARGUMENT, read_plan_file
+from knapformer.cli.source import SOURCE_HELP
 from knapformer.contract.incident import run_incident
 from knapformer.contract.runfiles import single_run, writable_folder
-from knapformer.diagnosis.store_source import SOURCE_HELP, use_store
 from knapformer.errors import KnapformerError
 from knapformer.visualization.layout import MIN_TEXT_PX
 from knapformer.visualization.render import (
@@ -107,6 +107,7 @@ def report(
     """Write a report with the dashboard's plotly figures: self-contained HTML, or a PDF
     printed by headless Chromium."""
     require("dashboard", "knapformer report", "plotly")
+    from knapformer.diagnosis.store_source import use_store  # pyarrow: not at start-up
     from knapformer.visualization.report import (
         browser_problem,
         export_pngs,

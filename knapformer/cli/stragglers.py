@@ -13,6 +13,7 @@ from rich.table import Table
 
 from knapformer.cli.bounds import bounded
 from knapformer.cli.errors import UserError
+from knapformer.cli.source import SOURCE_HELP
 from knapformer.contract.incident import run_incident
 from knapformer.contract.plan_io import Problem, iter_plan_file, parse_step_range
 from knapformer.contract.runfiles import PLANS_FILE, RUNS_LAYOUT
@@ -27,13 +28,6 @@ from knapformer.diagnosis.step_loss import (
     describe_loss,
     summarise,
     window_losses,
-)
-from knapformer.diagnosis.store_source import (
-    SOURCE_HELP,
-    reader_run,
-    run_folder,
-    step_window,
-    window_rows,
 )
 from knapformer.diagnosis.store_window import window_figures, without_huge_pages
 from knapformer.diagnosis.stragglers import (
@@ -85,6 +79,8 @@ def stragglers(
 ) -> None:
     """Name slow ranks: per rank, predicted share vs measured compute, waiting, and a verdict
     (slow_gpu, slow_host, slow_input, slow_link, layout_floor, data_imbalance or ok)."""
+    from knapformer.diagnosis.store_source import reader_run, run_folder  # pyarrow: not at start-up
+
     path, from_store = reader_run(plans, source)
     last = (None if steps else WINDOW) if window is None else (window or None)
     _show_incident(run_folder(path) / PLANS_FILE, as_json)  # its incident sits beside it
@@ -114,6 +110,8 @@ def _store_window(
     path: Path, steps: str | None, last: int | None
 ) -> tuple[RankSteps, StragglerReport]:
     """The window's matrices and verdicts from the run store: only its rows are read."""
+    from knapformer.diagnosis.store_source import step_window, window_rows
+
     without_huge_pages()  # one window, then the process exits
     first, end = step_window(path, steps, last)
     w = window_figures(window_rows(path, first, end))

@@ -28,11 +28,8 @@ from knapformer.diagnosis.store_window import WindowRows
 from knapformer.errors import KnapformerError
 
 Source = Literal["auto", "store", "plans"]
+#: Where a reader takes its figures from (`knapformer.cli.source.SOURCE_HELP` tells users).
 SOURCES: tuple[str, ...] = ("auto", "store", "plans")
-SOURCE_HELP = (
-    "where per-step figures come from: the run store (store/ beside the plans), the plans "
-    "(JSONL), or auto: the store when the run has one"
-)
 #: What the store's predicted work is shown in (a share of the step's work).
 SHARE_AXIS = "predicted work (share of the step)"
 _RANK_COLUMNS = ["step", "rank", "bag", "predicted_load", "speed", "tokens_moved"]
