@@ -10,6 +10,7 @@ import pytest
 
 from knapformer.planning import auto as auto_solver
 from knapformer.planning.bags import bag_shape
+from knapformer.planning.bounds import makespan_ceiling, makespan_floor, routed_floor
 from knapformer.planning.chunks import chunk_table
 from knapformer.planning.communication import CLUSTERS, CommModel
 from knapformer.planning.datamix import parse_mix, sample_lengths, scale_mix
@@ -17,12 +18,7 @@ from knapformer.planning.fixed import solve_default, solve_greedy
 from knapformer.planning.mixed import solve_mixed
 from knapformer.planning.partitions import mixed_partitions
 from knapformer.planning.planner import plan_routing
-from knapformer.planning.pricing import (
-    makespan_ceiling,
-    makespan_floor,
-    modelled_makespan,
-    routed_floor,
-)
+from knapformer.planning.pricing import modelled_makespan
 from knapformer.planning.workload import WorkloadModel
 
 MODEL = WorkloadModel(token_dim=3072, gamma=0.4)

@@ -14,17 +14,13 @@ from knapformer.errors import KnapformerError
 from knapformer.planning import auto as auto_solver
 from knapformer.planning import mixed as mixed_solver
 from knapformer.planning.bags import bag_shape
+from knapformer.planning.bounds import ceiling_per_gpu
 from knapformer.planning.communication import CommModel, plan_cost
 from knapformer.planning.datamix import parse_mix, sample_lengths, scale_mix
 from knapformer.planning.fixed import solve_greedy
 from knapformer.planning.partitions import aligned_groups, allowed_sizes, layout_floor
 from knapformer.planning.planner import plan_routing
-from knapformer.planning.pricing import (
-    Prices,
-    ceiling_per_gpu,
-    priced_loads,
-    route_per_token,
-)
+from knapformer.planning.pricing import Prices, priced_loads, route_per_token
 from knapformer.planning.tuning import EPS
 from knapformer.planning.workload import WorkloadModel
 

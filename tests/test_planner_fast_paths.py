@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from knapformer.planning import auto, bags, chunks, fixed, levelling, pricing
+from knapformer.planning.bounds import makespan_floor
 from knapformer.planning.communication import CommModel
 from knapformer.planning.datamix import parse_mix, sample_lengths, scale_mix
 from knapformer.planning.planner import plan_routing
-from knapformer.planning.pricing import makespan_floor
 from knapformer.planning.tuning import FALLBACK_TOLERANCE, FLOOR_MARGIN
 from knapformer.planning.workload import WorkloadModel
 

@@ -11,7 +11,8 @@ the best, beside the whole-family layouts gXnY that the planner's fixed solver p
 a step is never slower than under the best fixed layout of the family). The planner
 (`plan_routing`) is the entry point; the solve state it shares with this module is in
 `knapformer.planning.bags`. The passes, one module each (docs/planning.md): prices and
-the modelled makespan (`pricing`), a mixed partition's placement (`mixed`), exchanges
+the modelled makespan (`pricing`), cheaper bounds on it (`bounds`), a mixed partition's
+placement (`mixed`), the moves every local search makes (`moves`), exchanges
 (`exchanges`), a coarse step's last passes (`coarse`), the small step's GPU-exact
 refinement (`refine`); every tuning constant is in `tuning`.
 """
@@ -25,6 +26,7 @@ from knapformer.planning.bags import (
     Step,
     bag_shape,
 )
+from knapformer.planning.bounds import makespan_ceiling, makespan_floor, routed_floor
 from knapformer.planning.chunks import chunk_table
 from knapformer.planning.group_demand import per_gpu_costs
 from knapformer.planning.mixed import solve_mixed
@@ -34,13 +36,7 @@ from knapformer.planning.partitions import (
     mixed_partitions,
     partition_floor,
 )
-from knapformer.planning.pricing import (
-    makespan_ceiling,
-    makespan_floor,
-    modelled_makespan,
-    moved_estimate,
-    routed_floor,
-)
+from knapformer.planning.pricing import modelled_makespan, moved_estimate
 from knapformer.planning.refine import refine
 from knapformer.planning.tuning import FLOOR_MARGIN, SLOW, SMALL_GPUS, SMALL_SEQUENCES, TIE
 
