@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-from knapformer.planning.tuning import BISECTIONS, TIE
+from knapformer.planning.tuning import BISECTIONS, DEAR_SHARE, TIE
 
 
 def per_gpu_costs(eff: np.ndarray, lengths: np.ndarray, size: np.ndarray):
@@ -23,19 +23,24 @@ def per_gpu_costs(eff: np.ndarray, lengths: np.ndarray, size: np.ndarray):
     every group still goes to the smallest. That largest is at least the least cost of
     the dearest sequence in the smallest group, and no sequence cheaper than that there
     can exceed it: only the others are looked at (a few hundred of 185,000 at 4,096 GPUs;
-    the same largest)."""
+    the same largest), or all where they are many (gathering them costs more)."""
     smallest = eff[0] / size[0]
     top = np.array([int(smallest.argmax())])
     dear = np.flatnonzero(smallest >= _least_costs(eff, lengths, size, top, smallest)[0])
-    return smallest, float(_least_costs(eff, lengths, size, dear, smallest).max())
+    seqs = dear if DEAR_SHARE * len(dear) <= len(smallest) else None
+    return smallest, float(_least_costs(eff, lengths, size, seqs, smallest).max())
 
 
-def _least_costs(eff, lengths, size, seqs: np.ndarray, smallest: np.ndarray) -> np.ndarray:
-    """Each of ``seqs``' least per-GPU cost in a group it fits (``smallest``: each one's in
-    the smallest group, which any may take). One size at a time: no (sizes, n) temporary."""
-    cheapest, at = smallest[seqs], lengths[seqs]
+def _least_costs(eff, lengths, size, seqs: np.ndarray | None, smallest: np.ndarray) -> np.ndarray:
+    """Each of ``seqs``' (None: every sequence's) least per-GPU cost in a group it fits
+    (``smallest``: each one's in the smallest group, which any may take). One size at a
+    time: no (sizes, n) temporary."""
+    if seqs is None:
+        cheapest, at, eff_of = smallest.copy(), lengths, eff
+    else:
+        cheapest, at, eff_of = smallest[seqs], lengths[seqs], eff[:, seqs]
     for j in range(1, len(size)):
-        np.minimum(cheapest, np.where(at >= size[j], eff[j, seqs] / size[j], np.inf), out=cheapest)
+        np.minimum(cheapest, np.where(at >= size[j], eff_of[j] / size[j], np.inf), out=cheapest)
     return cheapest
 
 

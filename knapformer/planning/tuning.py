@@ -83,3 +83,6 @@ REFINE_SAMPLE = 4  # members sampled per side at least, however large the step
 # (`Prices.at_home`) where the runs hold at least this many sequences on average; fewer,
 # and each one's numbers are looked up by its bag.
 HOME_RUN_ROWS = 1024
+# `per_gpu_costs` looks only at the sequences that could be the dearest where at most one
+# in this many are (a gather of the few); more, and it reads every sequence in place.
+DEAR_SHARE = 4
