@@ -791,12 +791,17 @@ def test_views_follow_each_steps_own_partition(page, runs_dir, run, steps):
             return ids and bags == want and len(plan.sequences) >= len(ids)
 
         _wait_for(table_rows)
-        # the selected step is marked on the partition timeline
-        marks = page.evaluate(
-            """() => document.querySelector('#topology-timeline .js-plotly-plot')
-                ._fullLayout.shapes.map(s => s.x0)"""
-        )
-        assert marks == [step]
+
+        def marked(step=step):
+            """the selected step is marked on the partition timeline (its own callback:
+            it may draw after the load chart)"""
+            marks = page.evaluate(
+                """() => document.querySelector('#topology-timeline .js-plotly-plot')
+                    ._fullLayout.shapes.map(s => s.x0)"""
+            )
+            return marks == [step]
+
+        _wait_for(marked)
     page.locator("#follow input").check()
 
 
