@@ -521,10 +521,10 @@ def test_priced_loads_price_every_sequence_as_prices_cost_does_with_or_without_a
 
 
 @pytest.mark.parametrize("enabled", [True, False])
-def test_priced_placement_pauses_the_garbage_collector_and_restores_it(enabled, monkeypatch):
-    """The one-by-one placement of a large mixed step runs with Python's cyclic collector
-    off (its heaps' entries would set off collections) and leaves it as it found it, on
-    or off, also when the placement fails."""
+def test_planning_pauses_the_garbage_collector_and_restores_it(enabled, monkeypatch):
+    """A step is planned with Python's cyclic collector off (`collector_paused`: the
+    placement's heap entries would set off collections), and `plan_routing` leaves it as
+    it found it, on or off, also when the plan fails."""
     seen = []
     place = mixed_solver._PricedBags.place
     monkeypatch.setattr(mixed_solver._PricedBags, "place",

@@ -4,8 +4,6 @@ then the exchange passes (`solve_mixed`)."""
 
 from __future__ import annotations
 
-import gc
-from contextlib import contextmanager
 from functools import partial
 from heapq import heapreplace
 from math import inf
@@ -96,11 +94,6 @@ def _place_priced(order, step: Step, load: np.ndarray, prices: Prices, level: fl
     priced load so far. Returns the new loads."""
     if order.size == 0:
         return load
-    with _collector_paused():
-        return _place_one_by_one(order, step, load, prices, level)
-
-
-def _place_one_by_one(order, step: Step, load: np.ndarray, prices: Prices, level: float):
     bags = _PricedBags(step.layout, prices, load)
     step.bag[order] = bags.place(_rows(order, step, prices), step.layout, level * (1 + EPS))
     return np.asarray(bags.load)
@@ -116,22 +109,6 @@ def _rows(order, step: Step, prices: Prices):
     at_home[(home < 0) | (size > length)] = np.nan
     return zip(order.tolist(), w.tolist(), length.tolist(), home.tolist(),
                prices.src_node[order].tolist(), at_home.tolist(), strict=True)  # fmt: skip
-
-
-@contextmanager
-def _collector_paused():
-    """Python's cyclic garbage collector off while the heaps live, on again (if it was)
-    once they are freed. Their tens of thousands of (load, bag) entries, none in a cycle,
-    would each count towards a collection: dozens of passes per plan at 4,096 GPUs, and
-    the survivors, promoted, set off full passes over the whole process (20-70 ms each in
-    the planning bench). Freed on return, they leave no debt for the collector."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 class _PricedBags:

@@ -81,6 +81,7 @@ from knapformer.planning.bags import (
     bag_shape,
 )
 from knapformer.planning.chunks import StepChunks
+from knapformer.planning.collector import collector_paused
 from knapformer.planning.communication import CommModel
 from knapformer.planning.fixed import solve_default, solve_greedy
 from knapformer.planning.partitions import DEFAULT_GROUP_SIZES, allowed_sizes
@@ -91,6 +92,7 @@ AUTO = "auto"  # the topology that lets the planner choose each step's bags
 SOLVERS = ("knapformer", "greedy")
 
 
+@collector_paused()
 def plan_routing(
     lengths_per_gpu: Sequence[ArrayLike],
     topology: Topology | str,
