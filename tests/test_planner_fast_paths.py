@@ -463,3 +463,45 @@ def test_stay_home_order_of_ascending_homes_is_the_lexsort(per_bag):
     light = np.arange(home.size)  # homes not ascending: the general path, the same order
     expected = light[np.lexsort((-workload, shuffled.home_bag))]
     assert np.array_equal(fixed._by_home_heaviest_first(light, shuffled, num_bags), expected)
+
+
+def _plain_score_rows(out, slot, w, key, back, seg, span, wa, wb, pa, pb):
+    """`levelling._score_rows` as one block, without buffers: its plain formulation."""
+    ideal = (pa - pb) / (1.0 / wa + 1.0 / wb)
+    target = np.clip(w[out] - ideal[slot], 0.0, span / 2) + np.arange(len(pa))[slot] * span
+    hit = np.searchsorted(key, target)
+    member = back[np.stack([np.maximum(hit - 1, seg[slot]), np.minimum(hit, seg[slot + 1] - 1)])]
+    delta = w[out] - w[member]
+    new_max = np.maximum(pa[slot] - delta / wa[slot], pb[slot] + delta / wb[slot])
+    new_max[~((delta > 0) & (new_max < pa[slot] * (1 - 1e-9)))] = np.inf
+    heavier = new_max[1] < new_max[0]
+    return np.where(heavier, new_max[1], new_max[0]), np.where(heavier, member[1], member[0])
+
+
+@pytest.mark.parametrize("weights", ["one", "eight", "speeds"])
+def test_wide_round_scores_blocks_as_the_plain_formulation(weights):
+    # Blocks of rows scored into reused buffers, a weight of 1 dividing nothing, a scalar
+    # weight or one per bag: every row's score and member as the plain formulation, bit for bit.
+    rng = np.random.default_rng(12)
+    k, n = 60, 3000
+    w = np.append(rng.integers(1, 400, n) / 97.0, np.zeros(2 * k))  # members, then phantoms
+    slot = np.sort(rng.integers(0, k, n // 2))
+    out = rng.permutation(n)[: n // 2]
+    out = out[np.lexsort((out, slot))]  # grouped by pair, ids ascending
+    back_slot = np.append(np.sort(rng.integers(0, k, n // 3)), np.arange(k))  # + a phantom each
+    back = np.append(rng.permutation(n)[: n // 3], n + np.arange(k))
+    span = 2.0 * float(w[back].max()) + 1.0
+    key = back_slot * span + w[back]
+    by_key = np.argsort(key, kind="stable")
+    key, back = key[by_key], back[by_key]
+    seg = np.searchsorted(key, np.arange(k + 1) * span)
+    weight = {"one": np.ones(2 * k), "eight": np.full(2 * k, 8.0),
+              "speeds": rng.uniform(0.5, 1.0, 2 * k)}[weights]  # fmt: skip
+    pb = rng.uniform(0.8, 1.0, k)
+    pa = pb + rng.uniform(0.0, 0.1, k)  # some exchanges lower the pair, some overshoot
+    args = (out, slot, w, key, back, seg, span, weight[:k], weight[k:], pa, pb)
+    with patch.object(levelling, "WIDE_BLOCK", 256):  # several blocks, a short last one
+        score, came = levelling._score_rows(*args)
+    want_score, want_came = _plain_score_rows(*args)
+    assert score.tobytes() == want_score.tobytes() and np.array_equal(came, want_came)
+    assert np.isfinite(score).any() and np.isinf(score).any()

@@ -105,12 +105,12 @@ def _paired_exchanges(over, partners, members, weight, per_gpu):
     out, slot, back, back_slot = members.in_pairs(over, partners)
     w = members.workload
     # Each partner's members by workload, partners apart (as `_nearest_members` keys them).
-    back_w = w[back]
+    back_w = np.take(w, back)
     span = 2.0 * float(back_w.max(initial=0.0)) + 1.0
     key = back_slot * span
     key += back_w
     by_key = np.argsort(key, kind="stable")
-    key, back = np.take(key, by_key, out=back_w), back[by_key]  # (back_w's buffer reused)
+    key, back = np.take(key, by_key, out=back_w), np.take(back, by_key)  # (back_w's buffer reused)
     seg = np.searchsorted(key, np.arange(k + 1) * span)  # each partner's first; then the end
     score, came = _score_rows(out, slot, w, key, back, seg, span, weight[over],
                               weight[partners], per_gpu[over], per_gpu[partners])  # fmt: skip
@@ -128,32 +128,52 @@ def _score_rows(out, slot, w, key, back, seg, span, wa, wb, pa, pb):
     """Each leaving member's best exchange in its pair (``slot``): (the larger of the two
     bags' new per-GPU loads, inf where it lowers nothing; the member coming back), of the
     two partner members nearest the ideal (``key``: the partners' members by workload,
-    ``seg``: each partner's first). Scored ``WIDE_BLOCK`` rows at a time: the temporaries
-    stay small and their memory is reused (fresh pages cost more than the arithmetic)."""
+    ``seg``: each partner's first). Scored ``WIDE_BLOCK`` rows at a time into buffers made
+    once: the temporaries stay small and their memory is reused (fresh pages cost more
+    than the arithmetic)."""
     ideal = (pa - pb) / (1.0 / wa + 1.0 / wb)
     below = pa * (1 - 1e-9)  # an exchange must bring the larger of the two below this
     if wa.min() == wa.max() == wb.min() == wb.max():  # one weight: divide by a scalar
         wa = wb = float(wa[0]) if wa.size else 1.0
-    offset = np.arange(len(pa)) * span  # each partner's keys start here
+    # Per pair: where its keys start (its targets are offset by as much), its first and
+    # its last member.
+    offset, first, last = np.arange(len(pa)) * span, seg[:-1], seg[1:] - 1
     score, came = np.empty(len(out)), np.empty(len(out), dtype=np.int64)
+    rows = min(len(out), WIDE_BLOCK)
+    buffers = (np.empty(rows), *(np.empty((2, rows), dtype=t) for t in (np.int64, np.int64)),
+               *(np.empty((2, rows)) for _ in range(3)), np.empty((2, rows), dtype=bool),
+               np.empty((2, rows), dtype=bool))  # fmt: skip
     for i in range(0, len(out), WIDE_BLOCK):
-        s = slot[i : i + WIDE_BLOCK]
-        out_w = w[out[i : i + WIDE_BLOCK]]
-        target = np.clip(out_w - ideal[s], 0.0, span / 2)
-        target += offset[s]
+        s = slot[i : i + WIDE_BLOCK].astype(np.intp)  # (a gather by intp is the fast one)
+        target, hit, member, delta, new_max, up, bad, flag = (x[..., : len(s)] for x in buffers)
+        out_w = np.take(w, out[i : i + WIDE_BLOCK])
+        np.clip(np.subtract(out_w, np.take(ideal, s), out=target), 0.0, span / 2, out=target)
+        target += np.take(offset, s)
         # The block's pairs' keys only: a search within a few cached pages.
-        lo, hi = seg[s[0]], seg[s[-1] + 1]
-        hit = np.searchsorted(key[lo:hi], target)
-        hit += lo
+        lo, hi = first[s[0]], last[s[-1]] + 1
         # Rows: the member just lighter than the ideal, the one not lighter.
-        member = back[np.stack([np.maximum(hit - 1, seg[s]), np.minimum(hit, seg[s + 1] - 1)])]
-        delta = out_w - w[member]
-        row_wa, row_wb = (wa, wb) if isinstance(wa, float) else (wa[s], wb[s])
-        new_max = np.maximum(pa[s] - delta / row_wa, pb[s] + delta / row_wb)
-        new_max[~((delta > 0) & (new_max < below[s]))] = np.inf
-        heavier = new_max[1] < new_max[0]  # the lighter one wins ties
-        score[i : i + WIDE_BLOCK] = np.where(heavier, new_max[1], new_max[0])
-        came[i : i + WIDE_BLOCK] = np.where(heavier, member[1], member[0])
+        np.add(np.searchsorted(key[lo:hi], target), lo, out=hit[1])
+        np.maximum(np.subtract(hit[1], 1, out=hit[0]), np.take(first, s), out=hit[0])
+        np.minimum(hit[1], np.take(last, s), out=hit[1])
+        np.take(back, hit, out=member, mode="clip")  # (valid indices; "raise" buffers)
+        np.subtract(out_w, np.take(w, member, out=delta, mode="clip"), out=delta)
+        if not isinstance(wa, float):
+            np.subtract(np.take(pa, s), delta / wa[s], out=new_max)
+            np.add(np.take(pb, s), delta / wb[s], out=up)
+        else:  # x / 1.0 is x, bit for bit: one weight of 1 (g1 bags) divides nothing
+            moved = delta if wa == 1.0 else np.divide(delta, wa, out=up)
+            np.subtract(np.take(pa, s), moved, out=new_max)
+            np.add(np.take(pb, s), moved, out=up)
+        np.maximum(new_max, up, out=new_max)
+        # Lowers nothing: no net workload leaves a, or a stays at or above ``below``.
+        bad = np.less_equal(delta, 0.0, out=bad)
+        bad |= np.greater_equal(new_max, np.take(below, s), out=flag)
+        np.copyto(new_max, np.inf, where=bad)
+        heavier = np.less(new_max[1], new_max[0], out=flag[0])  # the lighter one wins ties
+        np.copyto(score[i : i + WIDE_BLOCK], new_max[0])
+        np.copyto(score[i : i + WIDE_BLOCK], new_max[1], where=heavier)
+        np.copyto(came[i : i + WIDE_BLOCK], member[0])
+        np.copyto(came[i : i + WIDE_BLOCK], member[1], where=heavier)
     return score, came
 
 
@@ -206,7 +226,7 @@ class _Members:
         k, num_bags = len(over), len(self.bag) - self.num_real
         slot_of = np.full(num_bags, 2 * k, dtype=np.int16 if 2 * k < 2**15 else np.int64)
         slot_of[over], slot_of[partners] = np.arange(k), np.arange(k, 2 * k)
-        slot = slot_of[self.bag]
+        slot = np.take(slot_of, self.bag)
         by_slot = by_small_key(slot, 2 * k + 1)  # by pair, over then partners; id order
         ends = np.cumsum(np.bincount(slot, minlength=2 * k + 1))[[k - 1, 2 * k - 1]]
         out, back = by_slot[: ends[0]], by_slot[ends[0] : ends[1]]
