@@ -9,7 +9,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from knapformer.planning import coarse, mixed
+from knapformer.planning import mixed, size_classes
 from knapformer.planning.bags import BagLayout, Step, bag_shape, prefix_within_groups
 from knapformer.planning.communication import CommModel
 from knapformer.planning.datamix import parse_mix, sample_lengths, scale_mix
@@ -90,11 +90,12 @@ def test_stay_home_keeps_what_ordering_every_sequence_keeps(mix, max_tokens):
 
 
 def _offers_by_lexsort(step, band, g, per_token):
-    """`coarse._even_offers` in its plain form: the pool sorted by (cost, donor's load) with
+    """`size_classes._even_offers` in its plain form: the pool sorted by (cost, donor's load) with
     a lexsort in every call, the first of each run of equal costs offered."""
     size, bag, per, price = step.layout.size, step.bag, band.per, band.price
     takers = np.flatnonzero((size == g) & band.outside)
-    cand = band.pool[step.lengths[band.pool] >= g]
+    pool = np.flatnonzero(band.in_pool)
+    cand = pool[step.lengths[pool] >= g]
     if not takers.size or not cand.size:
         return None
     key = step.workload[cand] + per_token * step.lengths[cand].astype(np.float64)
@@ -120,7 +121,7 @@ def test_size_class_offers_are_the_first_of_each_run_of_a_lexsort(monkeypatch):
     same exchanges as the plain lexsort form (costs repeat: ties go to the least loaded
     donor, then the lowest id)."""
     calls = []
-    offers = coarse._even_offers
+    offers = size_classes._even_offers
 
     def checked(step, band, g, by_cost):
         got = offers(step, band, g, by_cost)
@@ -131,7 +132,7 @@ def test_size_class_offers_are_the_first_of_each_run_of_a_lexsort(monkeypatch):
             assert all(np.array_equal(x, y) for x, y in zip(got, plain, strict=True))
         return got
 
-    monkeypatch.setattr(coarse, "_even_offers", checked)
+    monkeypatch.setattr(size_classes, "_even_offers", checked)
     step, _, floor = _fresh_step("joint", 32, 3)
     solve_mixed(tuple(step.layout.size.tolist()), step.lengths, step.workload, step.src_pos,
                 None, None, PER_TOKEN, floor, COMM, MODEL)  # fmt: skip

@@ -66,7 +66,7 @@ EXCHANGE_MEMBERS = 32  # members of a bag scored per exchange (a spread sample b
 # A coarse large step (`is_coarse`): few sequences per GPU and many GPUs in the smaller groups.
 COARSE_PER_GPU = 8  # sequences per GPU, at most
 COARSE_SHARE = 1 / 8  # of the GPUs in groups smaller than the largest, at least
-EVEN_ROUNDS = 4  # rounds of `_even_classes`
+EVEN_ROUNDS = 4  # rounds of `even_classes`
 EVEN_TRIES = 4  # distinct costs tried per sequence of a bag outside the band
 EVEN_BAND = 6e-4  # the band's width, of the mean per-GPU time
 LEVEL_ROUNDS = 6  # rounds of `_level`
