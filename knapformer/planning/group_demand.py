@@ -293,17 +293,24 @@ def _absorb(cls, top, merged, big_eff, size, target):
 
 def _least_loaded(kinds, tops, big_eff, out) -> bool:
     """`_absorb`'s top sequences ``tops`` (largest first), each to the least loaded group
-    of either kind that it fits, per GPU (a tie to the first group); their classes into
-    ``out``. False when one fits no group."""
-    for x, costs in zip(tops.tolist(), _costs(big_eff, kinds, tops), strict=True):
-        # Within a kind the least held is the least per GPU (sizes are powers of two).
-        fit = [(k.heap[0][0] / k.size, k.heap[0][1], k, c)
-               for k, c in zip(kinds, costs, strict=True) if k.heap[0][0] + c <= k.cap]  # fmt: skip
-        if not fit:
+    of either of the two kinds that it fits, per GPU (a tie to the first group); their
+    classes into ``out``. False when one fits no group."""
+    (one, two), got = kinds, []
+    (heap1, cap1, size1), (heap2, cap2, size2) = ((k.heap, k.cap, k.size) for k in kinds)
+    for cost1, cost2 in _costs(big_eff, kinds, tops):
+        # Within a kind the least held is the least per GPU (sizes are powers of two);
+        # the kinds number their groups apart, so (per GPU, group) never ties.
+        (held1, b1), (held2, b2) = heap1[0], heap2[0]
+        fits1, fits2 = held1 + cost1 <= cap1, held2 + cost2 <= cap2
+        if fits1 and (not fits2 or (held1 / size1, b1) < (held2 / size2, b2)):
+            heapq.heapreplace(heap1, (held1 + cost1, b1))
+            got.append(one.cls)
+        elif fits2:
+            heapq.heapreplace(heap2, (held2 + cost2, b2))
+            got.append(two.cls)
+        else:
             return False
-        _, b, kind, cost = min(fit, key=lambda f: f[:2])
-        heapq.heapreplace(kind.heap, (kind.heap[0][0] + cost, b))
-        out[x] = kind.cls
+    out[tops] = got
     return True
 
 
@@ -339,7 +346,13 @@ class _Kind:
         """(held / cap, group, held) of the fullest group with room for ``cost`` (a tie,
         also one that rounding makes, to the first group); None when none has room."""
         rows, cap = self.by_held, self.cap
-        n = bisect.bisect_left(rows, True, key=lambda r: r[0] + cost > cap)
+        # The first row without room: those held at most cap - cost, then moved to where
+        # the test itself turns (held + cost grows with held; rounding may move it a row).
+        n = bisect.bisect_right(rows, (cap - cost, math.inf))
+        while n and rows[n - 1][0] + cost > cap:
+            n -= 1
+        while n < len(rows) and rows[n][0] + cost <= cap:
+            n += 1
         if n == 0:
             return None
         held, b = rows[n - 1][0], -rows[n - 1][1]
