@@ -186,3 +186,47 @@ def test_a_refinement_move_leaves_the_loads_its_round_scored(swap):
     state.undo(seqs, None, None)
     assert np.array_equal(state.load(), load)
     assert np.array_equal(state.bag_tokens, tokens)
+
+
+@pytest.mark.parametrize("seed", [3, 4, 5])
+def test_a_refinement_round_scores_every_candidate_as_its_own_moves(seed):
+    """`candidates` scores each move of the slowest bag's sequences once and gathers a
+    swap's two halves from those: every row is the plain formulation's (the sequence's
+    change where it goes, plus, for a swap, its partner's), bit for bit."""
+    state = _refining(seed)
+    (s1, t1, s2, o2), changes = state.candidates(state.load())
+    assert len(s1) and len(s2)
+    bag = state.bag
+    plain = state.deltas(np.concatenate([s1, s2]), np.concatenate([t1, bag[o2]]))
+    back = state.deltas(o2, bag[s2])
+    for change, whole, other in zip(changes, plain, back, strict=True):
+        whole[len(s1) :] += other
+        assert np.array_equal(change, whole)
+
+
+@pytest.mark.parametrize(("bag_sizes", "seed"), [((1, 1, 2, 4, 8, 8), 4), ((2, 2, 2, 2), 5),
+                                                 ((1, 1, 2, 4), 6)])  # fmt: skip
+def test_a_small_steps_price_table_scores_the_exchanges_priced_one_call_at_a_time(bag_sizes, seed):
+    """A small step's exchange pass looks its prices up in one table (`PricedLedger`
+    ``table``): the same prices, inf where a sequence is shorter than the group, and the
+    same exchange and quotes as pricing each exchange's pairs in one call."""
+    step = _placed_step(bag_sizes, seed=seed)
+    short = step.lengths[::5]  # a view: 1 to 7 tokens, shorter than some groups
+    short[:] = 1 + np.arange(len(short)) % 7
+    step.workload[::5] = MODEL.workload(short)
+    prices = Prices.of(step.layout.shape, step.src_pos, PER_TOKEN, COMM, MODEL)
+    table, plain = PricedLedger(step, prices, table=True), PricedLedger(step, prices)
+    order, shut_out = np.argsort(plain.per, kind="stable"), False
+    for a in order[::-1][:3].tolist():
+        light = np.array([b for b in order.tolist() if b != a])
+        cols = [np.flatnonzero(step.bag == b) for b in light.tolist()]
+        ma = np.flatnonzero(step.bag == a)
+        mb = np.concatenate([x for c in cols for x in (c, [-1])])
+        looked_up, priced = (x.exchange_prices(mb, a, ma, light) for x in (table, plain))
+        for x, y in zip(sum(looked_up, ()), sum(priced, ()), strict=True):
+            assert np.array_equal(x, y)
+        shut_out |= bool(np.isinf(looked_up[0][0]).any() or np.isinf(looked_up[1][0]).any())
+        found = _best_exchange(table, a, ma, light, cols, None)
+        assert found is not None
+        assert found == _best_exchange(plain, a, ma, light, cols, None)
+    assert shut_out  # some short sequence may not go somewhere: priced inf there

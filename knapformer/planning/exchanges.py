@@ -42,7 +42,8 @@ def exchange_across(step: Step, prices: Prices, floor: float, max_tokens, known=
     num_bags = len(step.layout.size)
     if num_bags < 2:
         return
-    ledger = PricedLedger(step, prices, known)
+    small = num_bags <= SMALL_GPUS and len(step.lengths) <= SMALL_SEQUENCES
+    ledger = PricedLedger(step, prices, known, table=small)
     stop = floor * (1 + FLOOR_STOP)
     placed = np.flatnonzero(step.lengths > 0)
     every = len(placed) == len(step.lengths)  # (no empty sequence: no gather)
@@ -55,7 +56,6 @@ def exchange_across(step: Step, prices: Prices, floor: float, max_tokens, known=
         by_bag = placed[by_bag]
     cuts = np.searchsorted(step.bag[by_bag], np.arange(num_bags + 1)).tolist()
     members = LazyMembers(by_bag, cuts)  # each bag's list, made when first asked for
-    small = num_bags <= SMALL_GPUS and len(step.lengths) <= SMALL_SEQUENCES
     partners = num_bags - 1 if small else min(EXCHANGE_PARTNERS, num_bags - 1)
     samples: dict[int, np.ndarray] = {}  # each bag's `spread_sample`, until it changes
 
@@ -94,45 +94,38 @@ def _best_exchange(ledger, a: int, ma, lightest, cols, max_tokens):
     (members ``cols``, or nothing back: a move) that ends with the lowest larger per-GPU
     time of the two: [(sequence, from, to, (its price, its sending) there)] x 2 (-1:
     nothing comes back), or None when none lowers ``a``."""
-    size, weight = ledger.size, ledger.weight
-    per, price, tokens, lengths = ledger.per, ledger.price, ledger.tokens, ledger.lengths
+    weight, per, price = ledger.weight, ledger.per, ledger.price
     mb = np.concatenate([x for c in cols for x in (c, _NONE)])  # -1: a move, no swap
-    col = np.repeat(np.arange(len(cols)), [len(c) + 1 for c in cols])  # partner of each
+    lens = [len(c) + 1 for c in cols]
+    col = np.repeat(np.arange(len(cols)), lens)  # partner of each
     b = lightest[col]
-    real = mb >= 0
-    mbi = np.maximum(mb, 0)
-    lj = np.where(real, lengths[mbi], 0.0)
-    # Priced in one call: every partner's member in a, and each of a's members once per
-    # partner bag (then spread over its columns): (len(ma), len(lightest)).
-    m, k = len(mb), len(lightest)
-    both = ledger.priced(np.concatenate([mbi, np.repeat(ma, k)]),
-                         np.concatenate([np.full(m, a), np.tile(lightest, len(ma))]))  # fmt: skip
-    (in_a, in_b), (sent_a, sent_b) = ((x[:m], x[m:].reshape(len(ma), k)) for x in both)
-    # A pair that may not be made (a sequence shorter than its new group) is priced inf
-    # where it goes: its exchanges score inf, as the scoring's mask gives them.
-    into_a = np.where(real, np.where(lj >= size[a], in_a, np.inf), 0.0)
-    out_b = np.where(real, price[mbi], 0.0)
-    li = lengths[ma][:, None]
-    into_b = np.where(li >= size[lightest][None, :], in_b, np.inf)[:, col]
+    (into_a, sent_a), (in_b, sent_b) = ledger.exchange_prices(mb, a, ma, lightest)
+    out_b = price[mb]
+    out_b[np.cumsum(lens) - 1] = 0.0  # nothing comes back
     # The per-GPU times after each exchange, in place (the sums as written out: a's is
     # per[a] + (into_a - out of a) / weight[a]).
     value = into_a[None, :] - price[ma][:, None]
     value /= weight[a]
     value += per[a]
+    into_b = in_b[:, col]
     into_b -= out_b[None, :]
     into_b /= weight[b][None, :]
     into_b += per[b][None, :]
     np.maximum(value, into_b, out=value)  # the larger of the two
     if max_tokens is not None:
         # Token counts are whole numbers: the shift's grouping changes no bit of the test.
-        ok = within_token_cap(tokens, size, a, b[None, :], li - lj[None, :], max_tokens)
+        lengths = ledger.lengths
+        lj = np.where(mb >= 0, lengths[mb], 0.0)
+        shift = lengths[ma][:, None] - lj[None, :]
+        ok = within_token_cap(ledger.tokens, ledger.size, a, b[None, :], shift, max_tokens)
         value[~ok] = np.inf
     i, j = divmod(int(value.argmin()), value.shape[1])
     if not value[i, j] < per[a] * (1 - TIE):
         return None
     dst = int(b[j])
     quote_i = (float(in_b[i, col[j]]), float(sent_b[i, col[j]]))
-    return [(int(ma[i]), a, dst, quote_i), (int(mb[j]), dst, a, (float(in_a[j]), float(sent_a[j])))]
+    quote_j = (float(into_a[j]), float(sent_a[j]))
+    return [(int(ma[i]), a, dst, quote_i), (int(mb[j]), dst, a, quote_j)]
 
 
 class PricedLedger:
@@ -142,9 +135,11 @@ class PricedLedger:
     home bag sends. One GPU sends a sequence placed away from it, not its bag: a bag's
     slowest GPU is its spread load plus the most any of its GPUs sends, less that GPU's
     share. ``quotes``: sequence -> (price, sending) where the next move takes it, as its
-    scoring priced them (the same bits: a price is its own), taken by the next `charge`."""
+    scoring priced them (the same bits: a price is its own), taken by the next `charge`.
+    ``table``: every sequence priced in every bag at once (a small step's few hundred by a
+    few dozen; elementwise, the same bits), then looked up."""
 
-    def __init__(self, step: Step, prices: Prices, known=None):
+    def __init__(self, step: Step, prices: Prices, known=None, table: bool = False):
         layout = step.layout
         self.step, self.prices = step, prices
         self.size, self.weight, self.start = layout.size, layout.weight, layout.start
@@ -158,10 +153,37 @@ class PricedLedger:
         self.per = self.load / self.weight + self.extra
         self.quotes: dict[int, tuple[float, float]] = {}
         self._ends = (layout.start + layout.size).tolist()  # each bag's GPUs: start..end
+        self._table = None
+        if table:  # its last row is sequence -1's (nothing moves)
+            every = np.append(np.arange(len(self.lengths)), -1)[:, None]
+            self._table = self._fitting(every, np.arange(len(self.size))[None, :])
 
     def priced(self, seq, bag):
         """(price in ``bag``, what its home bag pays for sending) of sequences ``seq``."""
         return self.prices.cost(self.step, self.lengths, seq, bag)
+
+    def _fitting(self, seq, bag):
+        """`priced`, the price inf where a sequence is shorter than its bag's group (it may
+        not go there), and (0, 0) for sequence -1 (nothing moves)."""
+        real = seq >= 0
+        seq = np.maximum(seq, 0)
+        price, sent = self.priced(seq, bag)
+        price = np.where(self.lengths[seq] >= self.size[bag], price, np.inf)
+        return np.where(real, price, 0.0), np.where(real, sent, 0.0)
+
+    def exchange_prices(self, mb, a: int, ma, lightest):
+        """(price, sending) of every ``mb`` (-1: none) in bag ``a``, and of every ``ma`` in
+        each of ``lightest`` (len(ma), len(lightest)), as `_fitting` gives them: looked up
+        in a small step's table, else priced in one call."""
+        if self._table is not None:
+            price, sent = self._table
+            rows, cols = ma[:, None], lightest[None, :]
+            return (price[mb, a], sent[mb, a]), (price[rows, cols], sent[rows, cols])
+        m, k = len(mb), len(lightest)
+        seqs = np.concatenate([mb, np.repeat(ma, k)])
+        both = self._fitting(seqs, np.concatenate([np.full(m, a), np.tile(lightest, len(ma))]))
+        (in_a, in_b), (sent_a, sent_b) = ((x[:m], x[m:].reshape(len(ma), k)) for x in both)
+        return (in_a, sent_a), (in_b, sent_b)
 
     def charge(self, seqs, src, dst) -> float:
         """`Ledger.charge`: each sequence re-priced where it goes, its home bag's and

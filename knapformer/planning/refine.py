@@ -150,21 +150,29 @@ class _GpuLoads:
         light = light[light != a][:REFINE_PARTNERS]
         theirs = np.flatnonzero(np.isin(bag, light) & (lengths > 0))
         mine, theirs = _within_budget(mine, theirs, len(size), self.num_gpus, step.workload)
-        s1 = np.repeat(mine, len(size))
-        t1 = np.tile(np.arange(len(size)), len(mine))
+        # A sequence's change depends only on it and where it goes: every move of ``mine``
+        # is scored once (a swap's half is one of them), and ``theirs`` once per bag of
+        # ``mine``; each candidate's rows are gathered from those (the same bits).
+        every = np.arange(len(size))
+        s1, t1 = np.repeat(mine, len(size)), np.tile(every, len(mine))
+        moved = self.deltas(s1, t1)
         keep = self.allowed(s1, t1)
+        row1 = np.flatnonzero(keep)
         s1, t1 = s1[keep], t1[keep]
-        s2 = np.repeat(mine, len(theirs))
-        o2 = np.tile(theirs, len(mine))
+        homes, home_of = np.unique(bag[mine], return_inverse=True)
+        i2 = np.repeat(np.arange(len(mine)), len(theirs))
+        j2 = np.tile(np.arange(len(theirs)), len(mine))
+        s2, o2 = mine[i2], theirs[j2]
         keep = (bag[s2] != bag[o2]) & self.allowed(s2, bag[o2]) & self.allowed(o2, bag[s2])
-        s2, o2 = s2[keep], o2[keep]
-        db, di, de = self.deltas(np.concatenate([s1, s2]), np.concatenate([t1, bag[o2]]))
+        s2, o2, i2, j2 = s2[keep], o2[keep], i2[keep], j2[keep]
+        back = self.deltas(np.repeat(theirs, len(homes)), np.tile(homes, len(theirs)))
+        rows = np.concatenate([row1, i2 * len(size) + bag[o2]])
+        changes = tuple(x[rows] for x in moved)
         if len(o2):
-            xb, xi, xe = self.deltas(o2, bag[s2])
-            db[len(s1) :] += xb
-            di[len(s1) :] += xi
-            de[len(s1) :] += xe
-        return (s1, t1, s2, o2), (db, di, de)
+            others = j2 * len(homes) + home_of[i2]
+            for change, x in zip(changes, back, strict=True):
+                change[len(s1) :] += x[others]
+        return (s1, t1, s2, o2), changes
 
     def apply(self, moves, k: int) -> None:
         """Make candidate ``k`` of `candidates`."""
