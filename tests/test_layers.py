@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ast
 from collections.abc import Iterator
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -116,9 +117,14 @@ def imports_of(module: str, path: Path, type_only: bool = False) -> set[str]:
 
 
 KNOWN = frozenset(name for name, _ in modules())  # listed once: a walk of every folder
-GRAPH = {module: imports_of(module, path) for module, path in modules()}
-#: The same with the imports under ``if TYPE_CHECKING:``: what a circle is looked for in.
-TYPED_GRAPH = {module: imports_of(module, path, type_only=True) for module, path in modules()}
+
+
+@cache
+def graph(type_only: bool = False) -> dict[str, set[str]]:
+    """Every module's imports (`imports_of`; with ``type_only``, what a circle is looked for
+    in), parsed on first use: in the worker that runs these tests, not in every worker's
+    collection."""
+    return {module: imports_of(module, path, type_only) for module, path in modules()}
 
 
 def allowed(importer: str, imported: str) -> bool:
@@ -133,12 +139,12 @@ def allowed(importer: str, imported: str) -> bool:
 
 
 def test_every_module_has_a_layer():
-    assert [m for m in GRAPH if layer_of(m) is None] == []
+    assert [m for m in KNOWN if layer_of(m) is None] == []
 
 
-@pytest.mark.parametrize("module", sorted(GRAPH))
+@pytest.mark.parametrize("module", sorted(KNOWN))
 def test_imports_point_down(module):
-    wrong = sorted(i for i in GRAPH[module] if not allowed(module, i))
+    wrong = sorted(i for i in graph()[module] if not allowed(module, i))
     assert wrong == [], (
         f"{module} ({layer_of(module)}) imports "
         + ", ".join(f"{i} ({layer_of(i)})" for i in wrong)
@@ -171,7 +177,7 @@ def cycle_in(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def test_no_import_cycle_type_only_imports_included():
-    cycle = cycle_in(TYPED_GRAPH)
+    cycle = cycle_in(graph(type_only=True))
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
 
