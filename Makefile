@@ -65,9 +65,13 @@ $(VENV)/.installed: pyproject.toml $(VENV)/.torch
 # their fixtures and folders). Much of the suite waits (worker start-up, a browser, a
 # deadline, a fault's timeout): with three workers on 2 cores it took 7.8 minutes for
 # 1,708 tests (docs pages run side by side, the longest files first: tests/suite_order.py).
+# The suite starts hundreds of Python processes (ranks, the CLI, docs blocks): Python writes
+# its bytecode caches (__pycache__, ignored by git) for them even where the environment says
+# PYTHONDONTWRITEBYTECODE, else each one compiles the modules it imports again (about a
+# tenth of a CLI test file's CPU).
 TEST_WORKERS ?= 3
 test: system-deps browser-deps $(VENV)/.installed plotly-js
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # The live demo: 8 CPU workers train a toy DiT with the balancer, record every plan to
 # runs/demo/plans.jsonl and serve the dashboard on http://127.0.0.1:8050 (Ctrl-C stops).
