@@ -176,7 +176,7 @@ class Step:
         bag = np.full(n, -1, dtype=np.int64)
         # A source position of -1: the sequence comes from a GPU outside these bags (one
         # size class of an auto partition), so it has no home bag.
-        home = shape.bag_of_pos[src_pos]
+        home = np.take(shape.bag_of_pos, src_pos)  # (np.take: a step-sized gather, faster)
         if n and src_pos.min() < 0:
             home[src_pos < 0] = -1
         return cls(lengths, workload, src_pos, home, layout, bag,
@@ -222,7 +222,7 @@ def _dense_ranks(values: np.ndarray, dtype) -> tuple[np.ndarray, int]:
     """(each value's rank among the distinct values, least first, as ``dtype``; how many
     distinct values there are), from one unstable sort."""
     order = np.argsort(values)
-    ordered = values[order]
+    ordered = np.take(values, order)
     new = np.empty(values.size, dtype=bool)
     new[0] = True
     np.not_equal(ordered[1:], ordered[:-1], out=new[1:])
@@ -246,7 +246,7 @@ def _ranks_by_length(lengths: np.ndarray, workload: np.ndarray) -> tuple[np.ndar
     of_length[lengths] = workload
     present = np.zeros(span, dtype=bool)
     present[lengths] = True
-    if not np.array_equal(of_length[lengths], workload):  # not a function of the length
+    if not np.array_equal(np.take(of_length, lengths), workload):  # not a function of the length
         return None
     ordered = of_length[present]  # the distinct lengths' workloads, shortest first
     if (ordered[1:] < ordered[:-1]).any():  # not non-decreasing
@@ -259,7 +259,7 @@ def _ranks_by_length(lengths: np.ndarray, workload: np.ndarray) -> tuple[np.ndar
     # int16 where the ranks fit: every reader narrows them to that for a radix sort
     rank_of_length = np.zeros(span, dtype=np.int16 if distinct <= 2**15 else np.int64)
     rank_of_length[present] = distinct - ascending  # heaviest first, 0-based
-    return rank_of_length[lengths], distinct
+    return np.take(rank_of_length, lengths), distinct
 
 
 def bag_speeds(shape: BagShape, speed: np.ndarray | None) -> np.ndarray | None:
@@ -281,15 +281,15 @@ def by_home_heaviest_first(seqs, home, workload, num_bags, ranks=None) -> np.nda
             ranks, distinct = _dense_ranks(-workload[seqs], np.int64)
         else:
             step_ranks, distinct = ranks()
-            ranks = step_ranks[seqs]
+            ranks = np.take(step_ranks, seqs)
         if distinct <= 2**15 and num_bags <= 2**15:
-            by_w = seqs[np.argsort(ranks.astype(np.int16, copy=False), kind="stable")]
-            return by_w[by_small_key(home[by_w], num_bags)]
+            by_w = np.take(seqs, np.argsort(ranks.astype(np.int16, copy=False), kind="stable"))
+            return np.take(by_w, by_small_key(np.take(home, by_w), num_bags))
         # Ties by position; where ``seqs`` ascends, by id: the same order, no positions made.
         ascending = bool((seqs[1:] > seqs[:-1]).all())
         span = int(seqs[-1]) + 1 if ascending else n
         if num_bags * distinct * span < 2**62:
-            key = home[seqs]  # (home * distinct + rank) * span + position, in place
+            key = np.take(home, seqs)  # (home * distinct + rank) * span + position, in place
             key *= distinct
             key += ranks
             key *= span

@@ -110,7 +110,10 @@ def _paired_exchanges(over, partners, members, weight, per_gpu):
     key = back_slot * span
     key += back_w
     by_key = np.argsort(key, kind="stable")
-    key, back = np.take(key, by_key, out=back_w), np.take(back, by_key)  # (back_w's buffer reused)
+    # Into back_w's buffer ("clip": the indices are valid, and "raise" would gather into a
+    # temporary first); the sort's order is dropped at once: its memory serves the scores.
+    key, back = np.take(key, by_key, out=back_w, mode="clip"), np.take(back, by_key)
+    del by_key
     seg = np.searchsorted(key, np.arange(k + 1) * span)  # each partner's first; then the end
     score, came = _score_rows(out, slot, w, key, back, seg, span, weight[over],
                               weight[partners], per_gpu[over], per_gpu[partners])  # fmt: skip
