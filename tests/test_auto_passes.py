@@ -139,6 +139,42 @@ def test_size_class_offers_are_the_first_of_each_run_of_a_lexsort(monkeypatch):
     assert sum(calls) >= 4
 
 
+BAND, SCORES = size_classes._Band, size_classes._even_scores  # as found, not as patched
+
+
+def _priced_by_round(monkeypatch, budget):
+    """The offers the size classes' pass prices in each of its rounds on a coarse joint step
+    of 1,024 GPUs, with ``budget`` offers (``EVEN_OFFERS``) at most before a round."""
+    rounds, band, scores = [], BAND, SCORES
+
+    def counted_band(*args):
+        rounds.append(0)
+        return band(*args)
+
+    def counted_scores(step, prices, band, offers, max_tokens):
+        rounds[-1] += len(offers[0])
+        return scores(step, prices, band, offers, max_tokens)
+
+    monkeypatch.setattr(size_classes, "_Band", counted_band)
+    monkeypatch.setattr(size_classes, "_even_scores", counted_scores)
+    monkeypatch.setattr(size_classes, "EVEN_OFFERS", budget)
+    step, _, floor = _fresh_step("joint", 32, 3)
+    solve_mixed(tuple(step.layout.size.tolist()), step.lengths, step.workload, step.src_pos,
+                None, None, PER_TOKEN, floor, COMM, MODEL)  # fmt: skip
+    return rounds
+
+
+def test_size_classes_start_no_round_once_their_offers_are_priced(monkeypatch):
+    """A round of the size classes' pass starts only while fewer than ``EVEN_OFFERS`` offers
+    have been priced: the rounds a budget allows are the rounds whose offers before them
+    stay under it (every round's, under the default, on this step of 1,024 GPUs)."""
+    free = _priced_by_round(monkeypatch, 1 << 30)
+    assert len(free) > 2 and all(free)
+    assert _priced_by_round(monkeypatch, size_classes.EVEN_OFFERS) == free
+    assert _priced_by_round(monkeypatch, 1) == free[:1]
+    assert _priced_by_round(monkeypatch, free[0] + free[1]) == free[:2]
+
+
 @pytest.mark.parametrize("node_size", [8, 4])
 def test_the_route_at_home_is_the_route_of_sequences_placed_home(node_size):
     """The stay-home pass prices sequences in their home bags by the short form of the

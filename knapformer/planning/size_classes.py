@@ -9,12 +9,13 @@ from knapformer.planning.bags import Step
 from knapformer.planning.moves import move
 from knapformer.planning.pricing import Prices, bag_makespan, priced_loads, sender_extra
 from knapformer.planning.token_cap import within_token_cap
-from knapformer.planning.tuning import EVEN_BAND, EVEN_ROUNDS, EVEN_TRIES
+from knapformer.planning.tuning import EVEN_BAND, EVEN_OFFERS, EVEN_ROUNDS, EVEN_TRIES
 
 
 def even_classes(step: Step, prices: Prices, max_tokens):
     """Bring the bags of the smaller groups into the band [mean, mean + band] of per-GPU
-    time, in a few vectorised rounds (``band``: ``EVEN_BAND`` of the mean).
+    time, in a few vectorised rounds (``band``: ``EVEN_BAND`` of the mean; at most
+    ``EVEN_ROUNDS``, and none started once ``EVEN_OFFERS`` offers have been priced).
 
     A g-GPU bag takes a sequence's cost over g GPUs, so placement leaves the bags of one
     GPU scattered by up to a whole sequence around the mean while the largest groups,
@@ -38,8 +39,10 @@ def even_classes(step: Step, prices: Prices, max_tokens):
     by_cost = {
         g: _by_cost(step, g, kappa_of[g] + prices.inter) for g in layout.class_size[:-1].tolist()
     }
-    handed, known = None, None
+    handed, known, priced = None, None, 0
     for _ in range(EVEN_ROUNDS):
+        if priced >= EVEN_OFFERS:
+            break
         band = _Band(step, prices, known, max_tokens is not None)
         handed = float(band.per.max()) if handed is None else handed
         moved = []
@@ -48,6 +51,7 @@ def even_classes(step: Step, prices: Prices, max_tokens):
             if offers is None:
                 continue
             good, new_b, a, big = _even_scores(step, prices, band, offers, max_tokens)
+            priced += len(good)
             if good.any():
                 moved.append(_even_apply(step, band, offers, good, new_b, a,
                                          big & (max_tokens is None)))  # fmt: skip

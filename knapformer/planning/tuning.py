@@ -66,7 +66,12 @@ EXCHANGE_MEMBERS = 32  # members of a bag scored per exchange (a spread sample b
 # A coarse large step (`is_coarse`): few sequences per GPU and many GPUs in the smaller groups.
 COARSE_PER_GPU = 8  # sequences per GPU, at most
 COARSE_SHARE = 1 / 8  # of the GPUs in groups smaller than the largest, at least
-EVEN_ROUNDS = 4  # rounds of `even_classes`
+EVEN_ROUNDS = 4  # rounds of `even_classes`, at most ...
+# ... and a round starts only while the offers priced so far are fewer than this: its work is
+# bounded, not the step's bags times its rounds (joint: 3,000-4,000 offers a round at 1,024
+# GPUs, four rounds; 12,000-19,000 at 4,096, where rounds after the second did not lower the
+# modelled step: two rounds)
+EVEN_OFFERS = 1 << 14
 EVEN_TRIES = 4  # distinct costs tried per sequence of a bag outside the band
 EVEN_BAND = 6e-4  # the band's width, of the mean per-GPU time
 LEVEL_ROUNDS = 6  # rounds of `_level`
