@@ -221,7 +221,6 @@ def _size_heaps(per: np.ndarray, class_of_bag: np.ndarray, bag_node: np.ndarray)
     third of the time."""
     n = len(per)
     by_per = np.argsort(per, kind="stable")  # ties by bag, as the tuples order them
-    entries = list(zip(per.tolist(), range(n), strict=True))
     in_node = bag_node >= 0
     in_node[in_node] = np.bincount(bag_node[in_node])[bag_node[in_node]] > 1
     heaps: dict[tuple[int, int], list[tuple[float, int]]] = {}
@@ -235,7 +234,7 @@ def _size_heaps(per: np.ndarray, class_of_bag: np.ndarray, bag_node: np.ndarray)
         new[:1] = True
         np.not_equal(key[1:], key[:-1], out=new[1:])
         starts = np.flatnonzero(new).tolist()
-        ordered = [entries[b] for b in order.tolist()]
+        ordered = list(zip(per[order].tolist(), order.tolist(), strict=True))
         own = [ordered[s:e] for s, e in zip(starts, [*starts[1:], len(order)], strict=True)]
         first = order[starts]
         keys = zip(class_of_bag[first].tolist(), node[first].tolist(), strict=True)
@@ -275,9 +274,9 @@ def _stay_home_priced(seqs, step: Step, load: np.ndarray, prices: Prices, level:
     staying = np.zeros(len(lengths), dtype=bool)
     staying[order] = _staying(order, step, price[order], room, token_room)
     stays[~stays] = staying[rest]
-    cost[~stays] = 0.0  # (a sum of zeros besides is the same bits)
-    load = load + np.bincount(hb, weights=cost, minlength=len(load))
     kept, hb = seqs[stays], hb[stays]
+    # The kept ones' costs alone: the same bits as every cost with the others' as zeros.
+    load = load + np.bincount(hb, weights=cost[stays], minlength=len(load))
     step.bag[kept] = hb
     if layout.max_tokens is not None:
         layout.add_many(hb, np.zeros(len(kept)), lengths[kept])

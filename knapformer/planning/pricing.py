@@ -83,12 +83,15 @@ class Prices:
         return cls(per_class[shape.class_of_bag_array], bag_node, src_node,
                    *per_token_route)  # fmt: skip
 
-    def route(self, seqs, bags, home, size, lengths):
+    def route(self, seqs, bags, home, size, lengths, there=None):
         """Per (sequence, bag) pair (broadcast): tokens that leave the source times the
-        route per token: all of them away from home, (g-1)/g at home."""
+        route per token: all of them away from home, (g-1)/g at home (``there``: whether
+        each bag is its sequence's home, where the caller has it)."""
         per = np.where(self.bag_node[bags] == self.src_node[seqs], self.intra, self.inter)
-        moved = np.where(bags == home, ((size - 1) / size)[bags], 1.0) * lengths
-        return per * moved
+        moved = np.where(bags == home if there is None else there, ((size - 1) / size)[bags], 1.0)
+        moved *= lengths
+        moved *= per  # (per * moved: the same bits)
+        return moved
 
     def at_home(self, workload, seqs, home, size, lengths):
         """The price of sequences ``seqs`` in their home bags ``home`` (``lengths`` of each;
@@ -170,14 +173,19 @@ def priced_loads(step: Step, prices: Prices,
 def _priced(step: Step, prices: Prices, seqs) -> tuple[np.ndarray, np.ndarray]:
     """(price, sent) of sequences ``seqs`` (ids or a slice) as `priced_loads` gives them."""
     home, lengths = step.home_bag[seqs], step.lengths[seqs].astype(np.float64)
-    placed = step.bag[seqs] >= 0
-    bag = np.where(placed, step.bag[seqs], 0)
-    route = prices.route(seqs, bag, home, step.layout.size, lengths)
+    bag = step.bag[seqs]
+    placed = bag >= 0
+    bag = np.maximum(bag, 0)  # (unplaced: priced in bag 0, then 0)
     there = bag == home  # its home bag sends it and receives it: the route twice
+    route = prices.route(seqs, bag, home, step.layout.size, lengths, there)
     away = ~there & (home >= 0) & placed
-    price = step.workload[seqs] + prices.kappa[bag] * lengths + np.where(there, 2 * route, route)
+    sent = np.where(away, route, 0.0)
+    price = prices.kappa[bag] * lengths
+    price += step.workload[seqs]  # (W + k_g*L: the same bits either way round)
+    np.multiply(route, 2.0, out=route, where=there)
+    price += route
     price[~placed] = 0.0
-    return price, np.where(away, route, 0.0)
+    return price, sent
 
 
 def _home_runs(prices: Prices, home: np.ndarray, size: np.ndarray) -> list[tuple] | None:
