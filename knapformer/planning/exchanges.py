@@ -102,28 +102,30 @@ def _best_exchange(ledger, a: int, ma, lightest, cols, max_tokens):
     (into_a, sent_a), (in_b, sent_b) = ledger.exchange_prices(mb, a, ma, lightest)
     out_b = price[mb]
     out_b[np.cumsum(lens) - 1] = 0.0  # nothing comes back
-    # The per-GPU times after each exchange, in place (the sums as written out: a's is
+    # The per-GPU times after each exchange (m, len(ma)): a row per partner's member, so
+    # that each partner's numbers are one per row (the sums as written out: a's is
     # per[a] + (into_a - out of a) / weight[a]).
-    value = into_a[None, :] - price[ma][:, None]
+    value = np.subtract.outer(into_a, price[ma])
     value /= weight[a]
     value += per[a]
-    into_b = in_b[:, col]
-    into_b -= out_b[None, :]
-    into_b /= weight[b][None, :]
-    into_b += per[b][None, :]
+    into_b = np.take(in_b, col, axis=0)
+    into_b -= out_b[:, None]
+    into_b /= weight[b][:, None]
+    into_b += per[b][:, None]
     np.maximum(value, into_b, out=value)  # the larger of the two
     if max_tokens is not None:
         # Token counts are whole numbers: the shift's grouping changes no bit of the test.
         lengths = ledger.lengths
         lj = np.where(mb >= 0, lengths[mb], 0.0)
-        shift = lengths[ma][:, None] - lj[None, :]
-        ok = within_token_cap(ledger.tokens, ledger.size, a, b[None, :], shift, max_tokens)
+        shift = lengths[ma][None, :] - lj[:, None]
+        ok = within_token_cap(ledger.tokens, ledger.size, a, b[:, None], shift, max_tokens)
         value[~ok] = np.inf
-    i, j = divmod(int(value.argmin()), value.shape[1])
-    if not value[i, j] < per[a] * (1 - TIE):
+    # The first least one by a's member, then the partner's (as scored a's member by row).
+    i, j = divmod(int(np.ascontiguousarray(value.T).argmin()), len(mb))
+    if not value[j, i] < per[a] * (1 - TIE):
         return None
     dst = int(b[j])
-    quote_i = (float(in_b[i, col[j]]), float(sent_b[i, col[j]]))
+    quote_i = (float(in_b[col[j], i]), float(sent_b[col[j], i]))
     quote_j = (float(into_a[j]), float(sent_a[j]))
     return [(int(ma[i]), a, dst, quote_i), (int(mb[j]), dst, a, quote_j)]
 
@@ -173,16 +175,16 @@ class PricedLedger:
 
     def exchange_prices(self, mb, a: int, ma, lightest):
         """(price, sending) of every ``mb`` (-1: none) in bag ``a``, and of every ``ma`` in
-        each of ``lightest`` (len(ma), len(lightest)), as `_fitting` gives them: looked up
+        each of ``lightest`` (len(lightest), len(ma)), as `_fitting` gives them: looked up
         in a small step's table, else priced in one call."""
         if self._table is not None:
             price, sent = self._table
-            rows, cols = ma[:, None], lightest[None, :]
+            rows, cols = ma[None, :], lightest[:, None]
             return (price[mb, a], sent[mb, a]), (price[rows, cols], sent[rows, cols])
         m, k = len(mb), len(lightest)
-        seqs = np.concatenate([mb, np.repeat(ma, k)])
-        both = self._fitting(seqs, np.concatenate([np.full(m, a), np.tile(lightest, len(ma))]))
-        (in_a, in_b), (sent_a, sent_b) = ((x[:m], x[m:].reshape(len(ma), k)) for x in both)
+        seqs = np.concatenate([mb, np.tile(ma, k)])
+        both = self._fitting(seqs, np.concatenate([np.full(m, a), np.repeat(lightest, len(ma))]))
+        (in_a, in_b), (sent_a, sent_b) = ((x[:m], x[m:].reshape(k, len(ma))) for x in both)
         return (in_a, sent_a), (in_b, sent_b)
 
     def charge(self, seqs, src, dst) -> float:
