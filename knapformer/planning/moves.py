@@ -6,12 +6,14 @@ A ledger keeps what its pass scores moves by, and charges a move (each sequence
 uncharged from the bag it leaves and charged to the one it enters):
 
 - `Loads` (here, levelling.py): each bag's compute load, and its tokens under a token cap;
-- `Tokens` (here, coarse `_level`, which prices its bags anew each round): bag tokens;
+- `Tokens` (here, coarse `_level`, which prices again the sequences each round moved): bag
+  tokens;
 - `PricedLedger` (exchanges.py, `exchange_across`): each sequence's price in its bag, each
   bag's priced load, tokens and per-GPU time, what each GPU and home bag pays to send;
 - `_GpuLoads` (refine.py, `refine`): each GPU's compute, node-link and network load, and
   each bag's tokens;
-- None (coarse `_even_classes`, priced anew each round): nothing.
+- None (`even_classes`, size_classes.py, which prices again the sequences each round
+  moved): nothing.
 
 Moves come as lists (a few, charged one by one in order) or as arrays (a batch of
 disjoint moves, charged per bag at once). The two sum floats in different orders, and
