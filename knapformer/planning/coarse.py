@@ -12,8 +12,8 @@ from knapformer.planning.bags import (
 )
 from knapformer.planning.exchanges import exchange_across, member_samples
 from knapformer.planning.moves import Tokens, move
-from knapformer.planning.pricing import Prices
-from knapformer.planning.size_classes import even_classes, per_gpu
+from knapformer.planning.pricing import Prices, priced_per_gpu
+from knapformer.planning.size_classes import even_classes
 from knapformer.planning.token_cap import within_token_cap
 from knapformer.planning.tuning import (
     COARSE_PER_GPU,
@@ -71,7 +71,7 @@ def _level(step: Step, prices: Prices, floor: float, max_tokens, known=None) -> 
     by_weight = _lightest_first(step, np.flatnonzero(step.lengths > 0))
     best_bag, best_top = None, np.inf
     for round_ in range(LEVEL_ROUNDS + 1):
-        price, load, per, sent = per_gpu(step, prices, known)
+        price, load, per, sent = priced_per_gpu(step, prices, known)
         top = float(per.max())
         if top < best_top * (1 - TIE):
             best_bag, best_top = step.bag.copy(), top

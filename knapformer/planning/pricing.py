@@ -209,8 +209,15 @@ def _home_runs(prices: Prices, home: np.ndarray, size: np.ndarray) -> list[tuple
 
 def bag_makespan(step: Step, prices: Prices) -> float:
     """The largest priced per-GPU time of any bag, its sending GPU counted."""
-    _, load, sent = priced_loads(step, prices)
-    return float((load / step.layout.weight + sender_extra(step, sent)).max(initial=0.0))
+    return float(priced_per_gpu(step, prices)[2].max(initial=0.0))
+
+
+def priced_per_gpu(step: Step, prices: Prices, known=None):
+    """(each sequence's price, each bag's priced load, each bag's per-GPU time, what each
+    sequence's home bag pays to send it): the load spread over the bag's GPUs plus what its
+    slowest GPU pays to send (`sender_extra`). ``known``: as `priced_loads` takes it."""
+    price, load, sent = priced_loads(step, prices, known)
+    return price, load, load / step.layout.weight + sender_extra(step, sent), sent
 
 
 def sender_extra(step: Step, sent: np.ndarray) -> np.ndarray:

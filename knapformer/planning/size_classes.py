@@ -7,7 +7,7 @@ import numpy as np
 
 from knapformer.planning.bags import Step
 from knapformer.planning.moves import move
-from knapformer.planning.pricing import Prices, bag_makespan, priced_loads, sender_extra
+from knapformer.planning.pricing import Prices, bag_makespan, priced_per_gpu
 from knapformer.planning.token_cap import within_token_cap
 from knapformer.planning.tuning import EVEN_BAND, EVEN_OFFERS, EVEN_ROUNDS, EVEN_TRIES
 
@@ -62,14 +62,6 @@ def even_classes(step: Step, prices: Prices, max_tokens):
     return handed, known
 
 
-def per_gpu(step: Step, prices: Prices, known=None):
-    """(each sequence's price, each bag's priced load, each bag's per-GPU time, what each
-    sequence's home bag pays to send it): the load spread over the bag's GPUs plus what its
-    slowest GPU pays to send (`sender_extra`). ``known``: as `priced_loads` takes it."""
-    price, load, sent = priced_loads(step, prices, known)
-    return price, load, load / step.layout.weight + sender_extra(step, sent), sent
-
-
 class _Band:
     """One `even_classes` round as it starts: each sequence's price and what its home bag
     pays to send it, each bag's per-GPU time and (under a token cap) tokens, the band's
@@ -79,7 +71,7 @@ class _Band:
 
     def __init__(self, step: Step, prices: Prices, known, capped: bool):
         size, weight = step.layout.size, step.layout.weight
-        self.price, load, self.per, self.sent = per_gpu(step, prices, known)
+        self.price, load, self.per, self.sent = priced_per_gpu(step, prices, known)
         mean = float(load.sum() / weight.sum())
         self.band = EVEN_BAND * mean
         self.target = mean + self.band
