@@ -222,11 +222,7 @@ def _dense_ranks(values: np.ndarray, dtype) -> tuple[np.ndarray, int]:
     """(each value's rank among the distinct values, least first, as ``dtype``; how many
     distinct values there are), from one unstable sort."""
     order = np.argsort(values)
-    ordered = np.take(values, order)
-    new = np.empty(values.size, dtype=bool)
-    new[0] = True
-    np.not_equal(ordered[1:], ordered[:-1], out=new[1:])
-    rank = np.cumsum(new)
+    rank = np.cumsum(run_heads(np.take(values, order)))
     ranks = np.empty(values.size, dtype=dtype)
     ranks[order] = rank - 1  # int16 wraps beyond 2**15: the caller checks the count
     return ranks, int(rank[-1])
@@ -251,10 +247,7 @@ def _ranks_by_length(lengths: np.ndarray, workload: np.ndarray) -> tuple[np.ndar
     ordered = of_length[present]  # the distinct lengths' workloads, shortest first
     if (ordered[1:] < ordered[:-1]).any():  # not non-decreasing
         return None
-    new = np.empty(ordered.size, dtype=bool)
-    new[0] = True
-    np.not_equal(ordered[1:], ordered[:-1], out=new[1:])
-    ascending = np.cumsum(new)  # 1-based rank among the distinct workloads
+    ascending = np.cumsum(run_heads(ordered))  # 1-based rank among the distinct workloads
     distinct = int(ascending[-1])
     # int16 where the ranks fit: every reader narrows them to that for a radix sort
     rank_of_length = np.zeros(span, dtype=np.int16 if distinct <= 2**15 else np.int64)
@@ -303,6 +296,15 @@ def by_home_heaviest_first(seqs, home, workload, num_bags, ranks=None) -> np.nda
     return by_w[by_small_key(home[by_w], num_bags)]
 
 
+def run_heads(ordered: np.ndarray) -> np.ndarray:
+    """Where each run of equal values of ``ordered`` begins: True at the first value and
+    wherever a value differs from the one before."""
+    new = np.empty(ordered.size, dtype=bool)
+    new[:1] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=new[1:])
+    return new
+
+
 def by_small_key(key: np.ndarray, bound: int) -> np.ndarray:
     """``np.argsort(key, kind="stable")`` for ints in 0..bound-1: below 2**15 a stable
     sort of int16 is a radix sort (the same order, several times faster)."""
@@ -314,10 +316,7 @@ def prefix_within_groups(values: np.ndarray, group: np.ndarray, room: np.ndarray
     if values.size == 0:
         return np.zeros(0, dtype=bool)
     total = np.cumsum(values)  # over every group: a group's sums are differences of it
-    new = np.empty(values.size, dtype=bool)
-    new[0] = True
-    np.not_equal(group[1:], group[:-1], out=new[1:])
-    starts = np.flatnonzero(new)
+    starts = np.flatnonzero(run_heads(group))
     before = np.empty(starts.size, dtype=total.dtype)  # the sum before each group
     before[0] = 0.0
     np.take(total, starts[1:] - 1, out=before[1:])

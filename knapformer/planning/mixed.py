@@ -21,6 +21,7 @@ from knapformer.planning.bags import (
     pour_slots,
     prefix_within_bags,
     prefix_within_groups,
+    run_heads,
     water_room,
 )
 from knapformer.planning.coarse import even_out, is_coarse
@@ -229,11 +230,7 @@ def _size_heaps(per: np.ndarray, class_of_bag: np.ndarray, bag_node: np.ndarray)
             continue  # (no node holds two bags)
         key = class_of_bag * (n + 2) + node + 2  # (class, node) as one small int
         order = bags[by_small_key(key[bags], int(key.max(initial=0)) + 1)]
-        key = key[order]
-        new = np.empty(len(order), dtype=bool)
-        new[:1] = True
-        np.not_equal(key[1:], key[:-1], out=new[1:])
-        starts = np.flatnonzero(new).tolist()
+        starts = np.flatnonzero(run_heads(key[order])).tolist()
         ordered = list(zip(per[order].tolist(), order.tolist(), strict=True))
         own = [ordered[s:e] for s, e in zip(starts, [*starts[1:], len(order)], strict=True)]
         first = order[starts]

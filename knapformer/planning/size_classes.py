@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from knapformer.planning.bags import Step
+from knapformer.planning.bags import Step, run_heads
 from knapformer.planning.moves import move
 from knapformer.planning.pricing import Prices, bag_makespan, priced_per_gpu
 from knapformer.planning.token_cap import within_token_cap
@@ -96,8 +96,7 @@ def _by_cost(step: Step, g: int, per_token: float):
     key = step.workload[seqs] + per_token * step.lengths[seqs].astype(np.float64)
     order = np.argsort(key, kind="stable")
     key = key[order]
-    new = np.ones(len(key), dtype=bool)
-    np.not_equal(key[1:], key[:-1], out=new[1:])
+    new = run_heads(key)
     starts = np.flatnonzero(new)
     return seqs[order], np.cumsum(new) - 1, starts, key[starts]
 
@@ -214,4 +213,4 @@ def _first_each(values: np.ndarray) -> np.ndarray:
     """Positions of the first occurrence of each distinct value of ``values``, in order."""
     order = np.argsort(values, kind="stable")
     v = values[order]
-    return np.sort(order[np.concatenate([[True], v[1:] != v[:-1]])]) if len(v) else order
+    return np.sort(order[run_heads(v)])
