@@ -143,9 +143,13 @@ def _score_rows(out, slot, w, key, back, seg, span, wa, wb, pa, pb):
     offset, first, last = np.arange(len(pa)) * span, seg[:-1], seg[1:] - 1
     score, came = np.empty(len(out)), np.empty(len(out), dtype=np.int64)
     rows = min(len(out), WIDE_BLOCK)
-    buffers = (np.empty(rows), *(np.empty((2, rows), dtype=t) for t in (np.int64, np.int64)),
-               *(np.empty((2, rows)) for _ in range(3)), np.empty((2, rows), dtype=bool),
-               np.empty((2, rows), dtype=bool))  # fmt: skip
+
+    def pair(dtype=np.float64):  # a block's two nearest members, one row each
+        return np.empty((2, rows), dtype=dtype)
+
+    # target, hit, member, delta, new_max, up, bad, flag
+    buffers = (np.empty(rows), pair(np.int64), pair(np.int64), pair(), pair(), pair(),
+               pair(bool), pair(bool))  # fmt: skip
     for i in range(0, len(out), WIDE_BLOCK):
         s = slot[i : i + WIDE_BLOCK].astype(np.intp)  # (a gather by intp is the fast one)
         target, hit, member, delta, new_max, up, bad, flag = (x[..., : len(s)] for x in buffers)
